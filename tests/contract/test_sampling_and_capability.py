@@ -1,0 +1,111 @@
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from ominix_runtime import wire
+from ominix_runtime.contract import (
+    ASCEND_PROFILE,
+    PROFILES,
+    BackendKind,
+    DecodeStep,
+    InvalidArgument,
+    ModelInfo,
+    NewRequestData,
+    RequestOutput,
+    RunningRequestData,
+    RuntimeErrorKind,
+    SampledLogprobs,
+    SamplingParams,
+    StepResult,
+    TokenLogprob,
+    stated_profile,
+)
+
+MODEL = ModelInfo(name="m", vocab_size=1000, max_model_len=2048, eos_token_ids=(2,))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("temperature", -0.1, "temperature"),
+        ("temperature", math.nan, "temperature"),
+        ("top_p", 0.0, "top_p"),
+        ("top_p", 1.5, "top_p"),
+        ("top_k", -5, "top_k"),
+        ("min_p", 2.0, "min_p"),
+        ("max_tokens", 0, "max_tokens"),
+        ("max_tokens", 10**9, "context length"),
+        ("repetition_penalty", 0.0, "repetition_penalty"),
+        ("frequency_penalty", 3.0, "frequency_penalty"),
+        ("presence_penalty", math.inf, "presence_penalty"),
+        ("logprobs", 21, "logprobs"),
+        ("stop", [""], "stop strings"),
+        ("stop_token_ids", [1000], "stop_token_ids"),
+        ("min_tokens", 99, "min_tokens"),
+    ],
+)
+def test_out_of_range_sampling_is_rejected_with_the_field_name(field: str, value: object, needle: str) -> None:
+    params = replace(SamplingParams(max_tokens=16), **{field: value})
+    with pytest.raises(InvalidArgument) as info:
+        params.validate(vocab_size=1000, max_model_len=2048)
+    assert needle in str(info.value)
+    assert info.value.kind == RuntimeErrorKind.INVALID_ARGUMENT
+
+
+def test_valid_sampling_normalises_top_k() -> None:
+    params = SamplingParams(max_tokens=8, temperature=0.0, top_k=0).validate(vocab_size=1000, max_model_len=2048)
+    assert params.top_k == -1
+    assert params.is_greedy
+
+
+def test_stated_profiles_are_self_consistent_once_filled_in() -> None:
+    for kind, profile in PROFILES.items():
+        filled = replace(
+            profile, worker_id=f"{kind.name.lower()}-0", device=profile.device or "http://x", model=MODEL,
+            kv_num_blocks=profile.kv_num_blocks or 64, kv_bytes_per_block=profile.kv_bytes_per_block or 4096,
+        )
+        assert filled.problems() == [], (kind, filled.problems())
+
+
+def test_ascend_profile_states_block_128_hccl_and_no_custom_allreduce() -> None:
+    assert ASCEND_PROFILE.kv_block_size == 128
+    assert ASCEND_PROFILE.collective_backend == "hccl"
+    assert not ASCEND_PROFILE.custom_all_reduce
+    assert set(ASCEND_PROFILE.supported_dtypes) == {"float16", "bfloat16"}
+    bad = replace(ASCEND_PROFILE, worker_id="npu", model=MODEL, kv_num_blocks=4, kv_bytes_per_block=1, kv_block_size=16)
+    assert any("128" in p for p in bad.problems())
+
+
+def test_capability_problems_name_missing_fields() -> None:
+    cap = stated_profile(BackendKind.CPU, worker_id="", model=replace(MODEL, eos_token_ids=()))
+    problems = " ".join(cap.problems())
+    for needle in ("worker_id", "eos_token_ids", "kv_num_blocks"):
+        assert needle in problems
+
+
+def test_wire_round_trips() -> None:
+    step = DecodeStep(
+        step_id=7,
+        new_requests=[
+            NewRequestData("a", [1, 2, 3], SamplingParams(seed=5, logprobs=2, stop=["x"]), [4, 9], 0, 3, 11, [7])
+        ],
+        running_requests=[RunningRequestData("b", [12], 1)],
+        finished_request_ids=["c"],
+    )
+    assert wire.step_from_pb(wire.step_to_pb(step)) == step
+    result = StepResult(
+        7,
+        [
+            RequestOutput("a", 5, SampledLogprobs(TokenLogprob(5, -0.25), [TokenLogprob(5, -0.25)])),
+            RequestOutput("b", None, None, RuntimeErrorKind.INTERNAL, "nan logits"),
+        ],
+        0.5,
+        4,
+    )
+    assert wire.step_result_from_pb(wire.step_result_to_pb(result)) == result
+    cap = stated_profile(BackendKind.CUDA, worker_id="w", model=MODEL, kv_num_blocks=10, kv_bytes_per_block=64)
+    assert wire.capability_from_pb(wire.capability_to_pb(cap)) == cap
+    assert wire.sampling_from_pb(wire.sampling_to_pb(SamplingParams(temperature=0.0))).temperature == 0.0
