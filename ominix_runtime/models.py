@@ -52,7 +52,7 @@ def resolve_model(model: str | None) -> ModelSource:
     if not model or model == DEFAULT_MODEL_NAME:
         return ModelSource(DEFAULT_MODEL_NAME, ModelFormat.GGUF, embedded_model_path())
     if model.startswith("dummy:"):
-        path = Path(model[len("dummy:"):]).expanduser()
+        path = Path(model[len("dummy:") :]).expanduser()
         config = path / "config.json" if path.is_dir() else path
         if not config.is_file():
             raise InvalidArgument(f"dummy model config not found: {config}")

@@ -70,24 +70,42 @@ def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
 def capability_to_pb(cap: BackendCapability) -> common_pb2.BackendCapability:
     m = cap.model
     model = common_pb2.ModelInfo(
-        name=m.name, architecture=m.architecture, vocab_size=m.vocab_size, max_model_len=m.max_model_len,
-        eos_token_ids=list(m.eos_token_ids), num_layers=m.num_layers, hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+        name=m.name,
+        architecture=m.architecture,
+        vocab_size=m.vocab_size,
+        max_model_len=m.max_model_len,
+        eos_token_ids=list(m.eos_token_ids),
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
         num_parameters=m.num_parameters,
     )
     if m.bos_token_id is not None:
         model.bos_token_id = m.bos_token_id
     return common_pb2.BackendCapability(
-        worker_id=cap.worker_id, kind=int(cap.kind), device=cap.device, dtype=cap.dtype,
-        supported_dtypes=list(cap.supported_dtypes), kv_block_size=cap.kv_block_size,
-        kv_num_blocks=cap.kv_num_blocks, kv_bytes_per_block=cap.kv_bytes_per_block,
-        max_batch_tokens=cap.max_batch_tokens, max_running_requests=cap.max_running_requests,
-        granularity=int(cap.granularity), supports_paged_kv=cap.supports_paged_kv,
+        worker_id=cap.worker_id,
+        kind=int(cap.kind),
+        device=cap.device,
+        dtype=cap.dtype,
+        supported_dtypes=list(cap.supported_dtypes),
+        kv_block_size=cap.kv_block_size,
+        kv_num_blocks=cap.kv_num_blocks,
+        kv_bytes_per_block=cap.kv_bytes_per_block,
+        max_batch_tokens=cap.max_batch_tokens,
+        max_running_requests=cap.max_running_requests,
+        granularity=int(cap.granularity),
+        supports_paged_kv=cap.supports_paged_kv,
         supports_prefix_caching=cap.supports_prefix_caching,
         supports_chunked_prefill=cap.supports_chunked_prefill,
-        supports_graph_capture=cap.supports_graph_capture, supports_fp8_kv=cap.supports_fp8_kv,
-        tensor_parallel_size=cap.tensor_parallel_size, collective_backend=cap.collective_backend,
-        custom_all_reduce=cap.custom_all_reduce, attention_backend=cap.attention_backend, model=model,
+        supports_graph_capture=cap.supports_graph_capture,
+        supports_fp8_kv=cap.supports_fp8_kv,
+        tensor_parallel_size=cap.tensor_parallel_size,
+        collective_backend=cap.collective_backend,
+        custom_all_reduce=cap.custom_all_reduce,
+        attention_backend=cap.attention_backend,
+        model=model,
         version=cap.version,
     )
 
@@ -95,22 +113,42 @@ def capability_to_pb(cap: BackendCapability) -> common_pb2.BackendCapability:
 def capability_from_pb(pb: common_pb2.BackendCapability) -> BackendCapability:
     m = pb.model
     model = ModelInfo(
-        name=m.name, vocab_size=m.vocab_size, max_model_len=m.max_model_len,
-        eos_token_ids=tuple(m.eos_token_ids), architecture=m.architecture,
-        bos_token_id=m.bos_token_id if m.HasField("bos_token_id") else None, num_layers=m.num_layers,
-        hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads, num_kv_heads=m.num_kv_heads,
-        head_dim=m.head_dim, num_parameters=m.num_parameters,
+        name=m.name,
+        vocab_size=m.vocab_size,
+        max_model_len=m.max_model_len,
+        eos_token_ids=tuple(m.eos_token_ids),
+        architecture=m.architecture,
+        bos_token_id=m.bos_token_id if m.HasField("bos_token_id") else None,
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        num_parameters=m.num_parameters,
     )
     return BackendCapability(
-        worker_id=pb.worker_id, kind=BackendKind(pb.kind), device=pb.device, dtype=pb.dtype, model=model,
-        kv_block_size=pb.kv_block_size, kv_num_blocks=pb.kv_num_blocks, kv_bytes_per_block=pb.kv_bytes_per_block,
-        max_batch_tokens=pb.max_batch_tokens, max_running_requests=pb.max_running_requests,
-        granularity=Granularity(pb.granularity or Granularity.STEP), supported_dtypes=tuple(pb.supported_dtypes),
-        supports_paged_kv=pb.supports_paged_kv, supports_prefix_caching=pb.supports_prefix_caching,
-        supports_chunked_prefill=pb.supports_chunked_prefill, supports_graph_capture=pb.supports_graph_capture,
-        supports_fp8_kv=pb.supports_fp8_kv, tensor_parallel_size=pb.tensor_parallel_size or 1,
-        collective_backend=pb.collective_backend, custom_all_reduce=pb.custom_all_reduce,
-        attention_backend=pb.attention_backend, version=pb.version,
+        worker_id=pb.worker_id,
+        kind=BackendKind(pb.kind),
+        device=pb.device,
+        dtype=pb.dtype,
+        model=model,
+        kv_block_size=pb.kv_block_size,
+        kv_num_blocks=pb.kv_num_blocks,
+        kv_bytes_per_block=pb.kv_bytes_per_block,
+        max_batch_tokens=pb.max_batch_tokens,
+        max_running_requests=pb.max_running_requests,
+        granularity=Granularity(pb.granularity or Granularity.STEP),
+        supported_dtypes=tuple(pb.supported_dtypes),
+        supports_paged_kv=pb.supports_paged_kv,
+        supports_prefix_caching=pb.supports_prefix_caching,
+        supports_chunked_prefill=pb.supports_chunked_prefill,
+        supports_graph_capture=pb.supports_graph_capture,
+        supports_fp8_kv=pb.supports_fp8_kv,
+        tensor_parallel_size=pb.tensor_parallel_size or 1,
+        collective_backend=pb.collective_backend,
+        custom_all_reduce=pb.custom_all_reduce,
+        attention_backend=pb.attention_backend,
+        version=pb.version,
     )
 
 
@@ -122,16 +160,21 @@ def step_to_pb(step: DecodeStep) -> worker_pb2.DecodeStep:
         step_id=step.step_id,
         new_requests=[
             worker_pb2.NewRequest(
-                request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=r.output_token_ids, sampling=sampling_to_pb(r.sampling),
-                kv_block_ids=r.kv_block_ids, num_computed_tokens=r.num_computed_tokens,
-                num_scheduled_tokens=r.num_scheduled_tokens, effective_seed=r.effective_seed,
+                request_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids,
+                sampling=sampling_to_pb(r.sampling),
+                kv_block_ids=r.kv_block_ids,
+                num_computed_tokens=r.num_computed_tokens,
+                num_scheduled_tokens=r.num_scheduled_tokens,
+                effective_seed=r.effective_seed,
             )
             for r in step.new_requests
         ],
         running_requests=[
             worker_pb2.RunningRequest(
-                request_id=r.request_id, new_kv_block_ids=r.new_kv_block_ids,
+                request_id=r.request_id,
+                new_kv_block_ids=r.new_kv_block_ids,
                 num_scheduled_tokens=r.num_scheduled_tokens,
             )
             for r in step.running_requests
@@ -145,16 +188,21 @@ def step_from_pb(pb: worker_pb2.DecodeStep) -> DecodeStep:
         step_id=pb.step_id,
         new_requests=[
             NewRequestData(
-                request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
-                sampling=sampling_from_pb(r.sampling), kv_block_ids=list(r.kv_block_ids),
-                num_computed_tokens=r.num_computed_tokens, num_scheduled_tokens=r.num_scheduled_tokens,
-                effective_seed=r.effective_seed, output_token_ids=list(r.output_token_ids),
+                request_id=r.request_id,
+                prompt_token_ids=list(r.prompt_token_ids),
+                sampling=sampling_from_pb(r.sampling),
+                kv_block_ids=list(r.kv_block_ids),
+                num_computed_tokens=r.num_computed_tokens,
+                num_scheduled_tokens=r.num_scheduled_tokens,
+                effective_seed=r.effective_seed,
+                output_token_ids=list(r.output_token_ids),
             )
             for r in pb.new_requests
         ],
         running_requests=[
             RunningRequestData(
-                request_id=r.request_id, new_kv_block_ids=list(r.new_kv_block_ids),
+                request_id=r.request_id,
+                new_kv_block_ids=list(r.new_kv_block_ids),
                 num_scheduled_tokens=r.num_scheduled_tokens,
             )
             for r in pb.running_requests

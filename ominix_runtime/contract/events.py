@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 from ominix_runtime.contract.errors import RuntimeErrorKind
 from ominix_runtime.contract.state import FinishReason
@@ -48,7 +47,7 @@ class Error:
     message: str
 
 
-WorkerEvent = Union[PrefillDone, Token, Usage, Done, Error]
+WorkerEvent = PrefillDone | Token | Usage | Done | Error
 TERMINAL_EVENT_TYPES = (Done, Error)
 
 

@@ -41,12 +41,21 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None, max_model_len: int | None = None) -> SamplingParams:
         """Raise :class:`InvalidArgument` naming the first bad field; return self when all are valid."""
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+        ):
             _finite(name, getattr(self, name))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens!r}")
         if max_model_len is not None and self.max_tokens > max_model_len:
-            raise InvalidArgument(f"max_tokens {self.max_tokens} exceeds the model's context length {max_model_len}")
+            raise InvalidArgument(
+                f"max_tokens {self.max_tokens} exceeds the model's context length {max_model_len}"
+            )
         if not 0.0 <= self.temperature <= 100.0:
             raise InvalidArgument(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

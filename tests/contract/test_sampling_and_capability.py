@@ -47,7 +47,9 @@ MODEL = ModelInfo(name="m", vocab_size=1000, max_model_len=2048, eos_token_ids=(
         ("min_tokens", 99, "min_tokens"),
     ],
 )
-def test_out_of_range_sampling_is_rejected_with_the_field_name(field: str, value: object, needle: str) -> None:
+def test_out_of_range_sampling_is_rejected_with_the_field_name(
+    field: str, value: object, needle: str
+) -> None:
     params = replace(SamplingParams(max_tokens=16), **{field: value})
     with pytest.raises(InvalidArgument) as info:
         params.validate(vocab_size=1000, max_model_len=2048)
@@ -56,7 +58,9 @@ def test_out_of_range_sampling_is_rejected_with_the_field_name(field: str, value
 
 
 def test_valid_sampling_normalises_top_k() -> None:
-    params = SamplingParams(max_tokens=8, temperature=0.0, top_k=0).validate(vocab_size=1000, max_model_len=2048)
+    params = SamplingParams(max_tokens=8, temperature=0.0, top_k=0).validate(
+        vocab_size=1000, max_model_len=2048
+    )
     assert params.top_k == -1
     assert params.is_greedy
 
@@ -64,8 +68,12 @@ def test_valid_sampling_normalises_top_k() -> None:
 def test_stated_profiles_are_self_consistent_once_filled_in() -> None:
     for kind, profile in PROFILES.items():
         filled = replace(
-            profile, worker_id=f"{kind.name.lower()}-0", device=profile.device or "http://x", model=MODEL,
-            kv_num_blocks=profile.kv_num_blocks or 64, kv_bytes_per_block=profile.kv_bytes_per_block or 4096,
+            profile,
+            worker_id=f"{kind.name.lower()}-0",
+            device=profile.device or "http://x",
+            model=MODEL,
+            kv_num_blocks=profile.kv_num_blocks or 64,
+            kv_bytes_per_block=profile.kv_bytes_per_block or 4096,
         )
         assert filled.problems() == [], (kind, filled.problems())
 
@@ -75,7 +83,9 @@ def test_ascend_profile_states_block_128_hccl_and_no_custom_allreduce() -> None:
     assert ASCEND_PROFILE.collective_backend == "hccl"
     assert not ASCEND_PROFILE.custom_all_reduce
     assert set(ASCEND_PROFILE.supported_dtypes) == {"float16", "bfloat16"}
-    bad = replace(ASCEND_PROFILE, worker_id="npu", model=MODEL, kv_num_blocks=4, kv_bytes_per_block=1, kv_block_size=16)
+    bad = replace(
+        ASCEND_PROFILE, worker_id="npu", model=MODEL, kv_num_blocks=4, kv_bytes_per_block=1, kv_block_size=16
+    )
     assert any("128" in p for p in bad.problems())
 
 
@@ -90,7 +100,9 @@ def test_wire_round_trips() -> None:
     step = DecodeStep(
         step_id=7,
         new_requests=[
-            NewRequestData("a", [1, 2, 3], SamplingParams(seed=5, logprobs=2, stop=["x"]), [4, 9], 0, 3, 11, [7])
+            NewRequestData(
+                "a", [1, 2, 3], SamplingParams(seed=5, logprobs=2, stop=["x"]), [4, 9], 0, 3, 11, [7]
+            )
         ],
         running_requests=[RunningRequestData("b", [12], 1)],
         finished_request_ids=["c"],
@@ -106,6 +118,8 @@ def test_wire_round_trips() -> None:
         4,
     )
     assert wire.step_result_from_pb(wire.step_result_to_pb(result)) == result
-    cap = stated_profile(BackendKind.CUDA, worker_id="w", model=MODEL, kv_num_blocks=10, kv_bytes_per_block=64)
+    cap = stated_profile(
+        BackendKind.CUDA, worker_id="w", model=MODEL, kv_num_blocks=10, kv_bytes_per_block=64
+    )
     assert wire.capability_from_pb(wire.capability_to_pb(cap)) == cap
     assert wire.sampling_from_pb(wire.sampling_to_pb(SamplingParams(temperature=0.0))).temperature == 0.0

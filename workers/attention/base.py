@@ -54,7 +54,9 @@ class AttentionBackend(Protocol):
         """One tensor per layer, shape (2, num_blocks, block_size, num_kv_heads, head_dim)."""
         ...
 
-    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata) -> None:
+    def write_kv(
+        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
         """Store this step's K/V ((T, num_kv_heads, head_dim) each) into their slots."""
         ...
 
