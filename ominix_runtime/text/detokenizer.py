@@ -1,0 +1,173 @@
+"""Incremental detokenization and stop-string matching for one request's output stream.
+
+Decoding token by token is wrong for byte-level BPE (one character may span tokens) and for SentencePiece
+(a token's leading space depends on its left neighbour). The detokenizer keeps two offsets into the output
+ids: text is produced by decoding a short window ``[prefix_offset:]`` and subtracting what the window's
+already-emitted part ``[prefix_offset:read_offset]`` decodes to; nothing is emitted while the window still
+ends in an incomplete character (U+FFFD).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens kept as left context so the first output token decodes with the right leading space.
+PROMPT_CONTEXT_TOKENS = 4
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas."""
+
+    __slots__ = ("_tokenizer", "_ids", "_prefix_offset", "_read_offset", "_skip_special_tokens", "_text")
+
+    def __init__(
+        self, tokenizer: Decoder, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._ids: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._skip_special_tokens = skip_special_tokens
+        self._text: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """Text emitted so far."""
+        return "".join(self._text)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add new tokens; return the text they complete (may be empty while a character is pending)."""
+        self._ids.extend(token_ids)
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], self._skip_special_tokens)
+        window_text = decode(self._ids[self._prefix_offset:], self._skip_special_tokens)
+        if len(window_text) <= len(prefix_text) or window_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        delta = window_text[len(prefix_text):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._text.append(delta)
+        return delta
+
+    def flush(self) -> str:
+        """At the end of the stream: whatever is still pending (an incomplete character decodes as U+FFFD)."""
+        if self._read_offset >= len(self._ids):
+            return ""
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], self._skip_special_tokens)
+        window_text = decode(self._ids[self._prefix_offset:], self._skip_special_tokens)
+        self._prefix_offset = self._read_offset = len(self._ids)
+        delta = window_text[len(prefix_text):] if window_text.startswith(prefix_text) else ""
+        if delta:
+            self._text.append(delta)
+        return delta
+
+
+@dataclass(slots=True)
+class StopMatch:
+    text: str  # text that may be released (everything before the stop string)
+    matched_stop: str | None  # the stop string found, or None
+
+
+@dataclass(slots=True)
+class StopStringMatcher:
+    """Finds stop strings in streamed text, holding back any tail that could still become one."""
+
+    stops: tuple[str, ...]
+    _pending: str = ""
+    _stopped: bool = field(default=False)
+
+    def feed(self, delta: str) -> StopMatch:
+        if self._stopped:
+            return StopMatch("", None)
+        if not self.stops:
+            return StopMatch(delta, None)
+        buffer = self._pending + delta
+        best_index = -1
+        best_stop = ""
+        for stop in self.stops:
+            index = buffer.find(stop)
+            if index != -1 and (best_index == -1 or index < best_index):
+                best_index, best_stop = index, stop
+        if best_index != -1:
+            self._stopped = True
+            self._pending = ""
+            return StopMatch(buffer[:best_index], best_stop)
+        hold = self._held_suffix_length(buffer)
+        self._pending = buffer[len(buffer) - hold:] if hold else ""
+        return StopMatch(buffer[: len(buffer) - hold], None)
+
+    def flush(self) -> str:
+        """Release the held-back tail (the stream ended without a match)."""
+        tail, self._pending = self._pending, ""
+        return "" if self._stopped else tail
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def _held_suffix_length(self, buffer: str) -> int:
+        """Longest suffix of ``buffer`` that is a proper prefix of some stop string."""
+        longest = 0
+        for stop in self.stops:
+            for length in range(min(len(stop) - 1, len(buffer)), longest, -1):
+                if buffer.endswith(stop[:length]):
+                    longest = length
+                    break
+        return longest
+
+
+class OutputText:
+    """Detokenizer plus stop strings: what the front API streams as ``token.text`` and ``done.text``."""
+
+    __slots__ = ("_detokenizer", "_matcher", "_released")
+
+    def __init__(
+        self,
+        tokenizer: Decoder | None,
+        stops: Sequence[str] = (),
+        prompt_token_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._detokenizer = (
+            IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens) if tokenizer else None
+        )
+        self._matcher = StopStringMatcher(tuple(stops))
+        self._released: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self._released)
+
+    @property
+    def stopped(self) -> bool:
+        return self._matcher.stopped
+
+    def push(self, token_ids: Sequence[int], text: str = "") -> StopMatch:
+        """New tokens (or, from a backend that detokenizes itself, their ``text``) → releasable text."""
+        if self._matcher.stopped:
+            return StopMatch("", None)
+        delta = self._detokenizer.push(token_ids) if self._detokenizer is not None else text
+        match = self._matcher.feed(delta)
+        if match.text:
+            self._released.append(match.text)
+        return match
+
+    def finish(self) -> StopMatch:
+        """The stream ended: release pending characters and any held-back partial stop string."""
+        if self._matcher.stopped:
+            return StopMatch("", None)
+        tail = self._detokenizer.flush() if self._detokenizer is not None else ""
+        match = self._matcher.feed(tail)
+        released = match.text + ("" if match.matched_stop else self._matcher.flush())
+        if released:
+            self._released.append(released)
+        return StopMatch(released, match.matched_stop)
