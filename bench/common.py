@@ -1,0 +1,345 @@
+"""Helpers shared by the bench scripts: percentiles, JSON and plot writing, launching the service.
+
+Importable both as ``bench.common`` (tests, other scripts) and from scripts run as ``python bench/X.py``.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field, is_dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) with linear interpolation between ranks (numpy's default); NaN if empty."""
+    if not values:
+        return math.nan
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"percentile must be within [0, 100], got {q}")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = math.ceil(rank)
+    fraction = rank - low
+    return ordered[low] + (ordered[high] - ordered[low]) * fraction
+
+
+@dataclass(slots=True)
+class Summary:
+    """Distribution of one latency metric, in milliseconds."""
+
+    count: int
+    mean_ms: float
+    median_ms: float
+    p90_ms: float
+    p99_ms: float
+    min_ms: float
+    max_ms: float
+    std_ms: float
+
+
+def summarize_seconds(values_s: Sequence[float]) -> Summary:
+    """Summary (in ms) of a list of durations given in seconds."""
+    values_ms = [v * 1000.0 for v in values_s]
+    if not values_ms:
+        nan = math.nan
+        return Summary(0, nan, nan, nan, nan, nan, nan, nan)
+    mean = sum(values_ms) / len(values_ms)
+    variance = sum((v - mean) ** 2 for v in values_ms) / len(values_ms)
+    return Summary(
+        count=len(values_ms),
+        mean_ms=mean,
+        median_ms=percentile(values_ms, 50),
+        p90_ms=percentile(values_ms, 90),
+        p99_ms=percentile(values_ms, 99),
+        min_ms=min(values_ms),
+        max_ms=max(values_ms),
+        std_ms=math.sqrt(variance),
+    )
+
+
+# ---------------------------------------------------------------- output files
+
+
+def to_jsonable(value: Any) -> Any:
+    """Dataclasses to dicts, NaN/inf to None (strict JSON has neither)."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return to_jsonable(asdict(value))
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def write_json(path: str | Path, payload: Any) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(to_jsonable(payload), indent=2, allow_nan=False) + "\n")
+    return out
+
+
+@dataclass(slots=True)
+class PlotData:
+    """Everything the latency/throughput figure needs, as plain lists (seconds)."""
+
+    title: str
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    e2el_s: list[float] = field(default_factory=list)
+    timeline_s: list[float] = field(default_factory=list)  # bin starts, seconds since the run began
+    output_tokens_per_s: list[float] = field(default_factory=list)
+    finished_requests_per_s: list[float] = field(default_factory=list)
+
+
+def _histogram_with_cdf(axis: Any, values_ms: list[float], name: str, color: str) -> None:
+    axis.set_title(f"{name} (n={len(values_ms)})")
+    axis.set_xlabel("ms")
+    if not values_ms:
+        axis.text(0.5, 0.5, "no data", ha="center", va="center", transform=axis.transAxes)
+        return
+    axis.hist(values_ms, bins=min(50, max(5, len(values_ms) // 4)), color=color, alpha=0.6)
+    axis.set_ylabel("count")
+    cdf_axis = axis.twinx()
+    ordered = sorted(values_ms)
+    cdf_axis.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], color="black", lw=1)
+    cdf_axis.set_ylim(0, 1.02)
+    cdf_axis.set_ylabel("CDF")
+    for q, style in ((50, "--"), (99, ":")):
+        axis.axvline(percentile(ordered, q), color="black", ls=style, lw=0.8, label=f"p{q}")
+    axis.legend(loc="center right", fontsize=7)
+
+
+def write_plot(path: str | Path, data: PlotData) -> Path:
+    """PNG with TTFT/TPOT/ITL/E2EL histograms (+CDF) and throughput over time. Uses the Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 2, figsize=(12, 11))
+    fig.suptitle(data.title)
+    _histogram_with_cdf(axes[0][0], [v * 1000 for v in data.ttft_s], "TTFT", "tab:blue")
+    _histogram_with_cdf(axes[0][1], [v * 1000 for v in data.tpot_s], "TPOT", "tab:orange")
+    _histogram_with_cdf(axes[1][0], [v * 1000 for v in data.itl_s], "ITL", "tab:green")
+    _histogram_with_cdf(axes[1][1], [v * 1000 for v in data.e2el_s], "E2E latency", "tab:red")
+    tokens_axis = axes[2][0]
+    tokens_axis.set_title("output throughput over time")
+    tokens_axis.set_xlabel("s since start")
+    tokens_axis.set_ylabel("output tok/s")
+    if data.timeline_s:
+        tokens_axis.step(data.timeline_s, data.output_tokens_per_s, where="post", color="tab:purple")
+    requests_axis = axes[2][1]
+    requests_axis.set_title("finished requests over time")
+    requests_axis.set_xlabel("s since start")
+    requests_axis.set_ylabel("req/s")
+    if data.timeline_s:
+        requests_axis.step(data.timeline_s, data.finished_requests_per_s, where="post", color="tab:brown")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+# ---------------------------------------------------------------- tables
+
+
+def format_table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
+    """Plain-text table (also valid Markdown)."""
+    widths = [len(h) for h in header]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    separator = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(header), separator, *(line(r) for r in rows)])
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+# ---------------------------------------------------------------- service process
+
+
+def free_port() -> int:
+    """A loopback TCP port free right now (the service binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def service_command() -> list[str]:
+    """How to start the ``ominix-runtime`` CLI from this interpreter's environment."""
+    beside = Path(sys.executable).with_name("ominix-runtime")
+    if beside.is_file():
+        return [str(beside)]
+    found = shutil.which("ominix-runtime")
+    if found:
+        return [found]
+    return [sys.executable, "-c", "import sys; from ominix_runtime.cli import main; sys.exit(main())"]
+
+
+def health_status(address: str, timeout_s: float = 1.0) -> str:
+    """grpc.health.v1 status of the whole server ("" service), or "UNREACHABLE"."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return "UNREACHABLE"
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+class ServiceFailed(RuntimeError):
+    """The launched service exited or never became healthy."""
+
+
+@dataclass(slots=True)
+class LaunchedService:
+    address: str
+    metrics_port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-num_lines:])
+
+
+def _stop_process_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM the group we created (engine + workers), then SIGKILL what is left after grace_s."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+    # Workers may outlive the launcher by a moment; make sure none is left holding memory.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def launch_service(
+    launch_args: Sequence[str] = (),
+    *,
+    port: int | None = None,
+    metrics_port: int | None = None,
+    ready_timeout_s: float = 900.0,
+    stop_grace_s: float = 30.0,
+    env: dict[str, str] | None = None,
+    show_progress: bool | None = None,
+) -> Iterator[LaunchedService]:
+    """Start ``ominix-runtime launch`` with free ports, wait for health SERVING, stop it on exit.
+
+    ``launch_args`` are passed through verbatim (``--model``, ``--devices``, serve and worker flags).
+    The service's output goes to a log file whose tail is shown when it fails.
+    """
+    port = port or free_port()
+    metrics_port = metrics_port or free_port()
+    address = f"127.0.0.1:{port}"
+    command = [
+        *service_command(),
+        "launch",
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        *launch_args,
+    ]
+    log_fd, log_name = tempfile.mkstemp(prefix="ominix-bench-service-", suffix=".log")
+    log_path = Path(log_name)
+    show = sys.stderr.isatty() if show_progress is None else show_progress
+    print(f"starting: {' '.join(command)}  (log: {log_path})", file=sys.stderr, flush=True)
+    with os.fdopen(log_fd, "wb") as log_file:
+        process = subprocess.Popen(
+            command,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group, so stopping it reaches the workers too
+            env={**os.environ, **(env or {})},
+        )
+    service = LaunchedService(address, metrics_port, process, log_path)
+    try:
+        wait_until_serving(service, ready_timeout_s, show)
+        yield service
+    finally:
+        _stop_process_group(process, stop_grace_s)
+
+
+def wait_until_serving(service: LaunchedService, timeout_s: float, show_progress: bool) -> None:
+    started = time.monotonic()
+    deadline = started + timeout_s
+    status = "UNREACHABLE"
+    while time.monotonic() < deadline:
+        if service.process.poll() is not None:
+            raise ServiceFailed(
+                f"service exited with code {service.process.returncode} before serving; log tail:\n"
+                + service.log_tail()
+            )
+        status = health_status(service.address, timeout_s=1.0)
+        if status == "SERVING":
+            if show_progress:
+                print(file=sys.stderr)
+            print(
+                f"service SERVING at {service.address} after {time.monotonic() - started:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        if show_progress:
+            print(
+                f"\rwaiting for {service.address}: {status} ({time.monotonic() - started:.0f} s)",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+        time.sleep(0.5)
+    raise ServiceFailed(
+        f"service at {service.address} not SERVING after {timeout_s:.0f} s (last: {status}); log tail:\n"
+        + service.log_tail()
+    )

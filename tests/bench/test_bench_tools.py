@@ -1,0 +1,208 @@
+"""Bench tools: metric math on synthetic timings, and bench/serve.py's client against a real gRPC server.
+
+The server here is a small in-process ``Engine`` servicer on a loopback port that streams a known number of
+tokens, so every count the client reports can be checked exactly. Performance is never asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.common import free_port, percentile, summarize_seconds, to_jsonable, write_plot  # noqa: E402
+from bench.serve import (  # noqa: E402
+    BenchConfig,
+    ModelFacts,
+    RequestResult,
+    arrival_delays,
+    build_random_requests,
+    compute_metrics,
+    meets_slos,
+    run_benchmark,
+    throughput_timeline,
+)
+from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc  # noqa: E402
+
+
+def _result(index: int, send: float, chunks: list[float], tokens_per_chunk: int = 1) -> RequestResult:
+    result = RequestResult(index=index, request_id=f"r{index}", send_time=send)
+    result.chunk_times = list(chunks)
+    result.chunk_tokens = [tokens_per_chunk] * len(chunks)
+    result.first_token_time = chunks[0] if chunks else None
+    result.end_time = chunks[-1] if chunks else send
+    result.output_tokens = tokens_per_chunk * len(chunks)
+    result.prompt_tokens = 10
+    result.success = bool(chunks)
+    return result
+
+
+def test_percentile_matches_numpy_linear_interpolation() -> None:
+    rng = np.random.default_rng(3)
+    for size in (1, 2, 7, 100):
+        values = rng.exponential(size=size).tolist()
+        for q in (0, 25, 50, 90, 99, 100):
+            assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+def test_summary_is_in_milliseconds() -> None:
+    summary = summarize_seconds([0.010, 0.020, 0.030])
+    assert summary.count == 3
+    assert summary.mean_ms == pytest.approx(20.0)
+    assert summary.median_ms == pytest.approx(20.0)
+    assert summary.max_ms == pytest.approx(30.0)
+    assert summarize_seconds([]).count == 0
+
+
+def test_ttft_tpot_itl_e2el_of_one_request() -> None:
+    result = _result(0, send=1.0, chunks=[1.1, 1.15, 1.25])
+    assert result.ttft_s == pytest.approx(0.1)
+    assert result.e2el_s == pytest.approx(0.25)
+    # TPOT = (E2EL - TTFT) / (output - 1)
+    assert result.tpot_s == pytest.approx((0.25 - 0.1) / 2)
+    assert result.itls_s == pytest.approx([0.05, 0.1])
+    # Chunks of several tokens: ITL is per chunk, TPOT per token.
+    multi = _result(1, send=0.0, chunks=[0.2, 0.4], tokens_per_chunk=4)
+    assert multi.itls_s == pytest.approx([0.2])
+    assert multi.tpot_s == pytest.approx((0.4 - 0.2) / 7)
+    assert _result(2, send=0.0, chunks=[0.3]).tpot_s is None
+
+
+def test_aggregate_metrics_and_goodput() -> None:
+    fast = _result(0, send=0.0, chunks=[0.1, 0.2, 0.3])  # TTFT 100 ms, TPOT 100 ms
+    slow_start = _result(1, send=0.0, chunks=[0.5, 0.52, 0.54])  # TTFT 500 ms, TPOT 20 ms
+    failed = RequestResult(index=2, request_id="r2", error="ERROR_CODE_INTERNAL: boom")
+    results = [fast, slow_start, failed]
+    metrics = compute_metrics(results, duration_s=2.0, slo_ttft_ms=200.0)
+    assert metrics.completed == 2 and metrics.failed == 1
+    assert metrics.total_output_tokens == 6 and metrics.total_input_tokens == 20
+    assert metrics.output_throughput == pytest.approx(3.0)
+    assert metrics.total_token_throughput == pytest.approx(13.0)
+    assert metrics.request_throughput == pytest.approx(1.0)
+    assert metrics.good_requests == 1 and metrics.goodput == pytest.approx(0.5)
+    assert metrics.ttft.mean_ms == pytest.approx(300.0)
+    assert metrics.itl.count == 4
+    assert meets_slos(slow_start, None, 50.0, None) and not meets_slos(fast, None, 50.0, None)
+    assert not meets_slos(failed, None, None, None)
+    assert compute_metrics(results, duration_s=2.0).goodput is None
+
+
+def test_timeline_bins_tokens_and_finished_requests() -> None:
+    results = [_result(0, 0.0, [0.1, 0.6, 1.1]), _result(1, 0.0, [0.2, 1.9])]
+    timeline = throughput_timeline(results, duration_s=2.0, bin_s=0.5)
+    assert timeline.starts_s == [0.0, 0.5, 1.0, 1.5]
+    assert timeline.output_tokens_per_s == [4.0, 2.0, 2.0, 2.0]
+    assert timeline.finished_requests_per_s == [0.0, 0.0, 2.0, 2.0]
+
+
+def test_random_prompts_distinct_with_shared_prefix_and_no_special_ids() -> None:
+    facts = ModelFacts("m", vocab_size=64, special_ids=frozenset({0, 1, 2}), max_model_len=4096)
+    config = BenchConfig(num_requests=20, input_len=30, output_len=8, range_ratio=0.5, shared_prefix_len=5)
+    requests = build_random_requests(config, facts)
+    prefixes = {tuple(r.prompt_ids[:5]) for r in requests}
+    assert len(prefixes) == 1
+    assert len({r.prompt_ids[5] for r in requests}) == 20  # distinct first token after the prefix
+    assert all(not ({0, 1, 2} & set(r.prompt_ids)) for r in requests)
+    assert all(15 <= len(r.prompt_ids) - 5 <= 45 and 4 <= r.max_tokens <= 12 for r in requests)
+    assert [r.prompt_ids for r in build_random_requests(config, facts)] == [r.prompt_ids for r in requests]
+
+
+def test_arrival_delays() -> None:
+    assert arrival_delays(4, math.inf, 1.0, 0) == [0.0] * 4
+    delays = arrival_delays(2000, rate=50.0, burstiness=0.5, seed=0)
+    assert all(d >= 0 for d in delays)
+    assert sum(delays) / len(delays) == pytest.approx(1 / 50.0, rel=0.15)
+    with pytest.raises(ValueError):
+        arrival_delays(3, 0.0, 1.0, 0)
+
+
+class _StreamingEngine(engine_pb2_grpc.EngineServicer):
+    """Streams max_tokens tokens in chunks of two; records what it received."""
+
+    def __init__(self) -> None:
+        self.received: list[engine_pb2.GenerateRequest] = []
+
+    async def Generate(  # noqa: N802 (gRPC method name)
+        self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.GenerateEvent]:
+        self.received.append(request)
+        rid = request.request_id
+        prompt_tokens = len(request.input_ids.ids)
+        yield engine_pb2.GenerateEvent(
+            request_id=rid, prefill_done=engine_pb2.PrefillDone(prompt_tokens=prompt_tokens)
+        )
+        sent = 0
+        while sent < request.sampling.max_tokens:
+            await asyncio.sleep(0.001)
+            ids = list(range(sent, min(sent + 2, request.sampling.max_tokens)))
+            sent += len(ids)
+            yield engine_pb2.GenerateEvent(request_id=rid, token=engine_pb2.TokenChunk(token_ids=ids))
+        yield engine_pb2.GenerateEvent(
+            request_id=rid, usage=common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=sent)
+        )
+        yield engine_pb2.GenerateEvent(
+            request_id=rid, done=engine_pb2.Done(finish_reason=common_pb2.FINISH_REASON_LENGTH)
+        )
+
+    async def ListBackends(  # noqa: N802
+        self, request: engine_pb2.ListBackendsRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.ListBackendsResponse:
+        model = common_pb2.ModelInfo(name="tiny", vocab_size=500, max_model_len=2048, eos_token_ids=[2])
+        return engine_pb2.ListBackendsResponse(backends=[common_pb2.BackendCapability(model=model)])
+
+
+async def _serve_and_bench(config: BenchConfig) -> tuple[object, _StreamingEngine]:
+    server = grpc.aio.server()
+    engine = _StreamingEngine()
+    engine_pb2_grpc.add_EngineServicer_to_server(engine, server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    try:
+        result = await asyncio.wait_for(run_benchmark(f"127.0.0.1:{port}", config), timeout=20)
+    finally:
+        await server.stop(grace=None)
+    return result, engine
+
+
+def test_run_benchmark_against_streaming_server(tmp_path: Path) -> None:
+    config = BenchConfig(
+        num_requests=12,
+        input_len=16,
+        output_len=7,
+        request_rate=200.0,
+        max_concurrency=4,
+        num_channels=2,
+        slo_ttft_ms=10_000.0,
+        progress=False,
+    )
+    result, engine = asyncio.run(_serve_and_bench(config))
+    metrics = result.metrics
+    assert metrics.completed == 12 and metrics.failed == 0
+    assert metrics.total_output_tokens == 12 * 7
+    assert metrics.total_input_tokens == 12 * 16
+    assert metrics.good_requests == 12
+    assert metrics.itl.count == 12 * 3  # 7 tokens in chunks of 2, 2, 2, 1: three gaps each
+    assert metrics.tpot.count == 12 and metrics.ttft.count == 12
+    assert all(r.finish_reason == "FINISH_REASON_LENGTH" for r in result.requests)
+    sent = engine.received
+    assert len({r.request_id for r in sent}) == 12
+    assert all(r.sampling.ignore_eos and r.sampling.max_tokens == 7 for r in sent)
+    assert all(2 not in r.input_ids.ids and max(r.input_ids.ids) < 500 for r in sent)
+    assert sum(result.timeline.output_tokens_per_s) * result.timeline.bin_s == pytest.approx(84)
+    payload = json.loads(json.dumps(to_jsonable(result.to_json())))
+    assert payload["metrics"]["completed"] == 12 and len(payload["requests"]) == 12
+    png = write_plot(tmp_path / "bench.png", result.plot_data())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
