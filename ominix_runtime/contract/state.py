@@ -31,16 +31,18 @@ TERMINAL_STATES: frozenset[RequestState] = frozenset(
 
 S = RequestState
 ALLOWED_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
-    S.WAITING: frozenset({S.PREFILL, S.DECODE, S.ABORTED, S.FAILED}),
+    S.WAITING: frozenset({S.PREFILL, S.DECODE, S.FINISHED, S.ABORTED, S.FAILED}),
     S.PREFILL: frozenset({S.PREFILL, S.DECODE, S.DRAINING, S.PREEMPTED, S.FINISHED, S.ABORTED, S.FAILED}),
     S.DECODE: frozenset({S.DRAINING, S.PREEMPTED, S.FINISHED, S.ABORTED, S.FAILED}),
     S.DRAINING: frozenset({S.FINISHED, S.ABORTED, S.FAILED}),
-    S.PREEMPTED: frozenset({S.WAITING, S.ABORTED, S.FAILED}),
+    S.PREEMPTED: frozenset({S.WAITING, S.FINISHED, S.ABORTED, S.FAILED}),
     S.FINISHED: frozenset(),
     S.ABORTED: frozenset(),
     S.FAILED: frozenset(),
 }
-"""WAITING → DECODE is legal: a resumed request whose prompt is fully cached starts decoding at once."""
+"""WAITING → DECODE is legal: a resumed request whose prompt is fully cached starts decoding at once.
+PREEMPTED/WAITING → FINISHED is legal: a token that was in flight when the request was preempted, or a stop
+string found in output produced before the preemption, ends a request that is waiting to be resumed."""
 del S
 
 FINISH_REASON_OF_STATE: dict[RequestState, tuple[FinishReason, ...]] = {

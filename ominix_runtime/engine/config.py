@@ -1,0 +1,35 @@
+"""Engine and scheduler settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Per worker group. Limits default to the worker's capability when None."""
+
+    max_batch_tokens: int | None = None  # token budget per step
+    max_running_requests: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    # Anti-starvation: a waiting request that cannot get KV may be bypassed by later (smaller) requests in
+    # at most this many steps; after that nothing behind it is admitted until it fits.
+    max_bypass_steps: int = 8
+    # Anti-thrash: a request resumed after preemption is not chosen as a victim for this many steps
+    # unless every other candidate is protected too.
+    preemption_protection_steps: int = 4
+    max_output_tokens_per_request: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreConfig:
+    scheduler: SchedulerConfig = SchedulerConfig()
+    max_inflight_steps: int = 2  # 1 disables overlap
+    step_timeout: float = 60.0  # a step result later than this marks the worker group unhealthy
+    deadline_check_interval: float = 0.05  # seconds between deadline sweeps while idle
+    idle_integrity_check_interval: float = 1.0  # registry check_integrity() while idle, at most this often
+    recent_window: int = 256  # recent step durations / batch sizes kept for stats
+    decode_rate_ewma_alpha: float = 0.2
+    request_queue_max: int = 0  # per-request event queue bound (0: unbounded)
+    max_waiting_requests: int = 0  # per engine; 0: unbounded

@@ -1,0 +1,75 @@
+"""The engine-side record of one request inside a scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ominix_runtime.contract import (
+    FinishReason,
+    GenerateRequest,
+    Priority,
+    RequestState,
+    RuntimeErrorKind,
+    check_transition,
+)
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """Mutable scheduling state of one request. Every state change goes through :meth:`transition`."""
+
+    request: GenerateRequest
+    arrival_seq: int  # FCFS order within a priority class
+    effective_seed: int  # fixed at admission so a resumed request samples the same tokens
+    all_token_ids: list[int] = field(default_factory=list)  # prompt + real output tokens
+    num_prompt_tokens: int = 0
+    num_placeholders: int = 0  # output tokens scheduled but whose result has not come back yet
+    num_computed_tokens: int = 0  # optimistic: counts tokens of steps still in flight
+    num_inflight_steps: int = 0
+    state: RequestState = RequestState.WAITING
+    worker_has_state: bool = False  # sent as a NewRequest and not yet dropped via finished_request_ids
+    num_cached_tokens: int = 0  # prefix-cache hit at first admission (reported in Usage)
+    num_preemptions: int = 0
+    protected_until_step: int = 0  # anti-thrash: not picked as a preemption victim before this step
+    num_times_bypassed: int = 0  # anti-starvation: steps in which smaller requests were admitted around it
+    prefill_reported: bool = False
+    finish_reason: FinishReason | None = None
+    error_kind: RuntimeErrorKind | None = None
+    # Times on the scheduler's clock.
+    queued_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def priority(self) -> Priority:
+        return self.request.priority
+
+    @property
+    def order_key(self) -> tuple[int, int]:
+        """Scheduling order: priority class first, then arrival (FCFS)."""
+        return (int(self.request.priority), self.arrival_seq)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens plus placeholders for tokens being sampled right now."""
+        return len(self.all_token_ids) + self.num_placeholders
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def transition(self, dst: RequestState) -> None:
+        self.state = check_transition(self.state, dst)

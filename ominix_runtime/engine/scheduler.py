@@ -1,0 +1,567 @@
+"""Step scheduler for one worker group: synchronous, no awaits, no I/O (vLLM v1 style).
+
+Every request has ``num_computed_tokens``; each step grants it ``num_scheduled_tokens`` so that computed
+catches up with its known tokens (prompt + outputs). That one rule covers chunked prefill, prefix hits,
+resume after preemption and decode. ``schedule()`` serves running requests first (priority class, then
+arrival), then admits waiting ones while the token budget, ``max_running_requests`` and KV allow.
+``update(step, result)`` turns a worker's StepResult into per-request events and applies stop conditions.
+The policy rules (budget, chunking, priority, preemption victim, anti-starvation, overlap) are written out
+in docs/SCHEDULER.md.
+
+Overlap (two steps in flight). The driver may send step N+1 before step N's result is back. Hence:
+
+- ``num_computed_tokens`` advances at schedule time (optimistically), and a step that computes a request's
+  last known token adds one *placeholder* output (``num_placeholders``): the worker samples that token and
+  keeps it, so the next step can schedule the decode of that token without knowing its value.
+- ``update()`` replaces placeholders by the real tokens, in step order. Outputs of requests that ended in
+  the meantime (stop, abort, deadline) are discarded; their KV was freed at once, which is safe because the
+  worker runs steps in order and drops a request (``finished_request_ids``) before the next step that may
+  reuse its blocks.
+- A request preempted while a step of its is in flight stays PREEMPTED (not eligible) until those steps
+  return; the tokens they carry still count as output and are fed back when it resumes.
+- New prefix-cache entries are registered only after a step is fully built, so a request never hits a block
+  that the same step is still writing.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ominix_runtime.contract import (
+    BackendCapability,
+    BatchPlan,
+    DecodeStep,
+    Done,
+    Error,
+    FinishReason,
+    GenerateRequest,
+    InvalidArgument,
+    NewRequestData,
+    OminixError,
+    PrefillDone,
+    RequestState,
+    RunningRequestData,
+    RuntimeErrorKind,
+    StepResult,
+    Token,
+    Usage,
+    WorkerEvent,
+    terminal_state_for,
+)
+from ominix_runtime.engine.config import SchedulerConfig
+from ominix_runtime.engine.kv_registry import KVRegistry, PrefixHit
+from ominix_runtime.engine.request import EngineRequest
+from ominix_runtime.engine.stats import RunReport, SchedulerCounters
+from ominix_runtime.engine.waiting_queue import WaitingQueue
+
+_ABORT_LIKE = (RuntimeErrorKind.TIMEOUT, RuntimeErrorKind.CANCELLED)
+
+
+@dataclass(slots=True)
+class _Scheduled:
+    req: EngineRequest
+    num_tokens: int
+    expects_sample: bool  # this step computes the request's last known token, so the worker samples one
+
+
+class Scheduler:
+    """Policy core of one worker group. See the module docstring for the overlap rules."""
+
+    def __init__(
+        self,
+        capability: BackendCapability,
+        config: SchedulerConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        seed: int | None = None,
+    ) -> None:
+        config = config or SchedulerConfig()
+        self.capability = capability
+        self.config = config
+        self.worker_id = capability.worker_id
+        self.clock = clock
+        self.registry = KVRegistry(
+            capability.worker_id,
+            capability.kv_num_blocks,
+            capability.kv_block_size,
+            enable_prefix_caching=config.enable_prefix_caching and capability.supports_prefix_caching,
+        )
+        self.max_batch_tokens = min(
+            config.max_batch_tokens or capability.max_batch_tokens, capability.max_batch_tokens
+        )
+        self.max_running_requests = min(
+            config.max_running_requests or capability.max_running_requests, capability.max_running_requests
+        )
+        self.chunked_prefill = config.enable_chunked_prefill and capability.supports_chunked_prefill
+        self.max_model_len = capability.model.max_model_len
+        self.vocab_size = capability.model.vocab_size
+        self.eos_token_ids = frozenset(capability.model.eos_token_ids)
+        self.waiting = WaitingQueue()
+        self.running: dict[str, EngineRequest] = {}
+        self.requests: dict[str, EngineRequest] = {}  # every live request (waiting, running, preempted)
+        self.counters = SchedulerCounters()
+        self.finished_reports: list[RunReport] = []  # drained by the engine core
+        self.last_plan: BatchPlan | None = None
+        self._pending_finished_ids: list[str] = []
+        self._inflight: dict[int, list[_Scheduled]] = {}
+        self._next_step_id = 1
+        self._arrival_seq = 0
+        self._rng = random.Random(seed)
+
+    # ---- admission ------------------------------------------------------------------------------------
+
+    def validate(self, req: GenerateRequest) -> None:
+        """Raise OminixError when ``req`` can never run on this worker group."""
+        prompt = req.prompt_token_ids
+        if not prompt:
+            raise InvalidArgument("the prompt is empty")
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        max_tokens = req.sampling.max_tokens
+        if len(prompt) > self.max_model_len:
+            raise InvalidArgument(
+                f"the prompt has {len(prompt)} tokens, more than the model's context length {self.max_model_len}"
+            )
+        if isinstance(max_tokens, int) and len(prompt) + max_tokens > self.max_model_len:
+            raise InvalidArgument(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {len(prompt) + max_tokens} "
+                f"exceeds the model's context length {self.max_model_len}"
+            )
+        req.sampling.validate(self.vocab_size, self.max_model_len)
+        capacity = self.registry.num_blocks * self.registry.block_size
+        if len(prompt) + max_tokens > capacity:
+            raise OminixError(
+                RuntimeErrorKind.KV_CAPACITY_EXCEEDED,
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) needs more KV than worker "
+                f"{self.worker_id} has in total ({capacity} tokens)",
+            )
+
+    def add_request(self, req: GenerateRequest) -> None:
+        """Admit ``req`` to the waiting queue, or raise OminixError (nothing changes then)."""
+        try:
+            if req.request_id in self.requests:
+                raise InvalidArgument(f"request id {req.request_id!r} is already in use")
+            self.validate(req)
+        except OminixError:
+            self.counters.rejected += 1
+            raise
+        seed = req.sampling.seed if req.sampling.seed is not None else self._rng.getrandbits(63)
+        self._arrival_seq += 1
+        ereq = EngineRequest(
+            request=req,
+            arrival_seq=self._arrival_seq,
+            effective_seed=seed,
+            all_token_ids=list(req.prompt_token_ids),
+            num_prompt_tokens=len(req.prompt_token_ids),
+            queued_time=self.clock(),
+        )
+        self.requests[req.request_id] = ereq
+        self.waiting.push_back(ereq)
+        self.counters.accepted += 1
+        self.counters.prompt_tokens += ereq.num_prompt_tokens
+
+    # ---- queries --------------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_inflight_steps(self) -> int:
+        return len(self._inflight)
+
+    def has_work(self) -> bool:
+        return bool(self.requests) or bool(self._pending_finished_ids)
+
+    def prefix_hit_tokens(self, token_ids: list[int]) -> int:
+        return self.registry.find_prefix(token_ids).num_tokens
+
+    def check_integrity(self) -> None:
+        """Registry invariants plus: leases belong exactly to running requests."""
+        self.registry.check_integrity()
+        leased = set(self.registry.leased_request_ids())
+        running = set(self.running)
+        if leased != running:
+            raise AssertionError(
+                f"KV leases {sorted(leased - running)} / running {sorted(running - leased)} differ"
+            )
+        for rid, req in self.running.items():
+            lease = self.registry.lease(rid)
+            assert lease is not None
+            if lease.num_tokens_reserved < req.num_computed_tokens:
+                raise AssertionError(
+                    f"request {rid} computed {req.num_computed_tokens} tokens beyond its lease"
+                )
+
+    # ---- schedule -------------------------------------------------------------------------------------
+
+    def schedule(self) -> DecodeStep | None:
+        """Build the next step, or None when there is nothing to send."""
+        step_id = self._next_step_id
+        budget = self.max_batch_tokens
+        scheduled: list[_Scheduled] = []
+        new_requests: list[NewRequestData] = []
+        running_requests: list[RunningRequestData] = []
+        preempted: list[str] = []
+        plan = BatchPlan(step_id=step_id, token_budget=budget)
+
+        self._preempt_for_priority(step_id, preempted)
+        num_preempted_for_priority = len(preempted)
+
+        order = sorted(self.running.values(), key=lambda r: r.order_key)
+        for idx, req in enumerate(order):
+            if budget <= 0:
+                break
+            if req.request_id not in self.running:
+                continue  # preempted earlier in this loop
+            n = self._num_to_schedule(req, budget)
+            if n <= 0:
+                continue
+            new_blocks = self.registry.allocate(req.request_id, req.num_computed_tokens + n)
+            while new_blocks is None:
+                victim = self._pick_victim(order, idx, step_id)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+                new_blocks = self.registry.allocate(req.request_id, req.num_computed_tokens + n)
+            if new_blocks is None:
+                continue
+            running_requests.append(RunningRequestData(req.request_id, new_blocks, n))
+            self._commit(req, n, scheduled, plan)
+            budget -= n
+
+        # No admissions after a KV preemption: it would only feed the thrash it just resolved.
+        if len(preempted) == num_preempted_for_priority:
+            budget = self._admit_waiting(step_id, budget, scheduled, new_requests, plan)
+
+        finished_ids = self._pending_finished_ids
+        self._pending_finished_ids = []
+        if not scheduled and not finished_ids:
+            return None
+        self._next_step_id += 1
+        for s in scheduled:
+            self.registry.cache_blocks(s.req.request_id, s.req.all_token_ids, s.req.num_computed_tokens)
+        if scheduled:
+            self._inflight[step_id] = scheduled
+        plan.num_new_requests = len(new_requests)
+        plan.num_running_requests = len(running_requests)
+        plan.preempted_request_ids = preempted
+        self.last_plan = plan
+        return DecodeStep(step_id, new_requests, running_requests, finished_ids)
+
+    def _num_to_schedule(self, req: EngineRequest, budget: int) -> int:
+        remaining = req.num_tokens - req.num_computed_tokens
+        if remaining <= 0:
+            return 0
+        if remaining == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
+            # A decode: skip when the token it would sample can no longer be used.
+            if req.num_output_tokens + req.num_placeholders >= req.request.sampling.max_tokens:
+                return 0
+            if req.num_tokens >= self.max_model_len:
+                return 0
+        n = min(remaining, budget)
+        if n < remaining and not self.chunked_prefill:
+            return 0
+        return n
+
+    def _commit(self, req: EngineRequest, n: int, scheduled: list[_Scheduled], plan: BatchPlan) -> None:
+        is_prefill = n > 1 or req.num_computed_tokens < req.num_prompt_tokens
+        req.num_computed_tokens += n
+        expects_sample = req.num_computed_tokens == req.num_tokens
+        if expects_sample:
+            req.num_placeholders += 1
+        req.num_inflight_steps += 1
+        scheduled.append(_Scheduled(req, n, expects_sample))
+        self.counters.computed_tokens += n
+        if is_prefill:
+            plan.num_prefill_tokens += n
+        else:
+            plan.num_decode_tokens += n
+
+    def _admit_waiting(
+        self,
+        step_id: int,
+        budget: int,
+        scheduled: list[_Scheduled],
+        new_requests: list[NewRequestData],
+        plan: BatchPlan,
+    ) -> int:
+        blocked: list[EngineRequest] = []  # waiting requests skipped this step for lack of KV or budget
+        for req in self.waiting:
+            if budget <= 0 or len(self.running) >= self.max_running_requests:
+                break
+            if req.num_inflight_steps > 0:
+                continue  # preempted with results still in flight: resume once they are back
+            hit = self.registry.find_prefix(req.all_token_ids)
+            remaining = req.num_tokens - hit.num_tokens
+            n = min(remaining, budget)
+            blocks = None
+            if n == remaining or self.chunked_prefill:
+                blocks = self.registry.allocate(req.request_id, hit.num_tokens + n, hit)
+            if blocks is None:
+                if req.num_times_bypassed >= self.config.max_bypass_steps:
+                    break  # anti-starvation: nothing behind it is admitted until it fits
+                blocked.append(req)
+                continue
+            for b in blocked:  # they were bypassed by a later request in this step
+                b.num_times_bypassed += 1
+            blocked.clear()
+            self._start(req, hit, step_id)
+            new_requests.append(
+                NewRequestData(
+                    request_id=req.request_id,
+                    prompt_token_ids=req.all_token_ids[: req.num_prompt_tokens],
+                    sampling=req.request.sampling,
+                    kv_block_ids=list(blocks),
+                    num_computed_tokens=hit.num_tokens,
+                    num_scheduled_tokens=n,
+                    effective_seed=req.effective_seed,
+                    output_token_ids=req.output_token_ids,
+                )
+            )
+            self._commit(req, n, scheduled, plan)
+            budget -= n
+        return budget
+
+    def _start(self, req: EngineRequest, hit: PrefixHit, step_id: int) -> None:
+        self.waiting.remove(req.request_id)
+        self.registry.prefix_query_tokens += len(req.all_token_ids)
+        self.registry.prefix_hit_tokens += hit.num_tokens
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = self.clock()
+            req.num_cached_tokens = hit.num_tokens
+            self.counters.cached_tokens += hit.num_tokens
+        if req.state == RequestState.PREEMPTED:
+            req.transition(RequestState.WAITING)
+        req.transition(RequestState.PREFILL)
+        if req.num_preemptions:
+            req.protected_until_step = step_id + self.config.preemption_protection_steps
+        req.num_times_bypassed = 0
+        req.num_computed_tokens = hit.num_tokens
+        req.worker_has_state = True
+        self.running[req.request_id] = req
+
+    # ---- preemption -----------------------------------------------------------------------------------
+
+    def _pick_victim(self, order: list[EngineRequest], start: int, step_id: int) -> EngineRequest:
+        """Lowest priority, then latest arrival, among requests not yet scheduled in this step.
+
+        Requests recently resumed after a preemption are passed over while any other candidate exists.
+        ``order[start]`` (the request asking for KV) is a candidate too: it may have to yield itself.
+        """
+        fallback: EngineRequest | None = None
+        for cand in reversed(order[start:]):
+            if cand.request_id not in self.running:
+                continue
+            if cand.protected_until_step <= step_id:
+                return cand
+            if fallback is None:
+                fallback = cand
+        assert fallback is not None
+        return fallback
+
+    def _preempt_for_priority(self, step_id: int, preempted: list[str]) -> None:
+        """Let the first eligible waiting request displace running requests of a strictly lower class."""
+        head = next((r for r in self.waiting if r.num_inflight_steps == 0), None)
+        if head is None or not self.running:
+            return
+        need = self.registry.blocks_for_tokens(min(head.num_tokens, self.max_batch_tokens))
+        while self.running and (
+            len(self.running) >= self.max_running_requests or self.registry.num_available_blocks < need
+        ):
+            victim = max(self.running.values(), key=lambda r: r.order_key)
+            if victim.priority <= head.priority:
+                return
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+
+    def _preempt(self, req: EngineRequest) -> None:
+        self.registry.free(req.request_id)
+        del self.running[req.request_id]
+        req.num_computed_tokens = 0
+        req.transition(RequestState.PREEMPTED)
+        req.num_preemptions += 1
+        req.num_times_bypassed = 0
+        self.counters.preemptions += 1
+        self._drop_worker_state(req)
+        self.waiting.push_front(req)
+        if req.num_inflight_steps == 0:
+            req.transition(RequestState.WAITING)
+
+    def _drop_worker_state(self, req: EngineRequest) -> None:
+        if req.worker_has_state:
+            self._pending_finished_ids.append(req.request_id)
+            req.worker_has_state = False
+
+    # ---- results --------------------------------------------------------------------------------------
+
+    def update(self, step: DecodeStep, result: StepResult) -> list[WorkerEvent]:
+        """Apply the result of ``step``; returns per-request events in order."""
+        entries = self._inflight.pop(step.step_id, [])
+        if result.step_id != step.step_id:
+            raise ValueError(f"result for step {result.step_id} given for step {step.step_id}")
+        self.counters.steps += 1
+        outputs = {o.request_id: o for o in result.outputs}
+        events: list[WorkerEvent] = []
+        for entry in entries:
+            req = entry.req
+            req.num_inflight_steps -= 1
+            out = outputs.pop(req.request_id, None)
+            if req.is_finished:
+                self.counters.discarded_outputs += out is not None
+                continue
+            if entry.expects_sample:
+                req.num_placeholders -= 1
+            if out is None:
+                self._end(
+                    req,
+                    events,
+                    FinishReason.ERROR,
+                    (RuntimeErrorKind.INTERNAL, "the worker returned no output"),
+                )
+            elif out.error_kind is not None:
+                self._end(
+                    req, events, FinishReason.ERROR, (out.error_kind, out.error_message or "worker error")
+                )
+            elif out.sampled_token_id is None:
+                if entry.expects_sample:
+                    self._end(
+                        req,
+                        events,
+                        FinishReason.ERROR,
+                        (RuntimeErrorKind.INTERNAL, "the worker sampled no token"),
+                    )
+            elif not entry.expects_sample:
+                self._end(
+                    req, events, FinishReason.ERROR, (RuntimeErrorKind.INTERNAL, "token sampled mid-prefill")
+                )
+            else:
+                self._append_token(req, out.sampled_token_id, out, events)
+            if req.state == RequestState.PREEMPTED and req.num_inflight_steps == 0 and not req.is_finished:
+                req.transition(RequestState.WAITING)
+        self.counters.unexpected_outputs += len(outputs)
+        return events
+
+    def _append_token(
+        self, req: EngineRequest, token_id: int, out: object, events: list[WorkerEvent]
+    ) -> None:
+        req.all_token_ids.append(token_id)
+        self.counters.generated_tokens += 1
+        if not req.prefill_reported:
+            req.prefill_reported = True
+            req.first_token_time = self.clock()
+            events.append(PrefillDone(req.request_id, req.num_prompt_tokens, req.num_cached_tokens))
+        if req.state == RequestState.PREFILL:
+            req.transition(RequestState.DECODE)
+        logprobs = getattr(out, "logprobs", None)
+        events.append(Token(req.request_id, [token_id], [logprobs] if logprobs is not None else []))
+        reason = self._stop_reason(req, token_id)
+        if reason is not None:
+            self._end(req, events, reason)
+
+    def _stop_reason(self, req: EngineRequest, token_id: int) -> FinishReason | None:
+        sp = req.request.sampling
+        num_out = req.num_output_tokens
+        if num_out >= sp.min_tokens and (
+            token_id in sp.stop_token_ids or (not sp.ignore_eos and token_id in self.eos_token_ids)
+        ):
+            return FinishReason.STOP
+        if num_out >= sp.max_tokens or len(req.all_token_ids) >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    # ---- ending requests ------------------------------------------------------------------------------
+
+    def abort_request(
+        self,
+        request_id: str,
+        reason: FinishReason = FinishReason.ABORT,
+        error: tuple[RuntimeErrorKind, str] | None = None,
+    ) -> list[WorkerEvent]:
+        """End a live request now (KV freed at once); returns its terminal events, or [] if unknown."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return []
+        events: list[WorkerEvent] = []
+        self._end(req, events, reason, error)
+        return events
+
+    def finish_request(
+        self, request_id: str, reason: FinishReason = FinishReason.STOP, matched_stop: str = ""
+    ) -> list[WorkerEvent]:
+        """End a live request normally (the engine found a stop string); [] if unknown."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return []
+        events: list[WorkerEvent] = []
+        self._end(req, events, reason, None, matched_stop)
+        return events
+
+    def _end(
+        self,
+        req: EngineRequest,
+        events: list[WorkerEvent],
+        reason: FinishReason,
+        error: tuple[RuntimeErrorKind, str] | None = None,
+        matched_stop: str = "",
+    ) -> None:
+        if error is not None:
+            target = RequestState.ABORTED if error[0] in _ABORT_LIKE else RequestState.FAILED
+            reason = FinishReason.ABORT if target == RequestState.ABORTED else FinishReason.ERROR
+        else:
+            target = terminal_state_for(reason)
+        req.transition(target)
+        req.finish_reason = reason
+        req.error_kind = error[0] if error else None
+        req.finished_time = self.clock()
+        rid = req.request_id
+        self.requests.pop(rid, None)
+        self.waiting.remove(rid)
+        if self.running.pop(rid, None) is not None:
+            self.registry.cache_blocks(rid, req.all_token_ids, req.num_computed_tokens)
+            self.registry.free(rid)
+        self._drop_worker_state(req)
+        req.num_placeholders = 0
+        events.append(Usage(rid, req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens))
+        if error is not None:
+            events.append(Error(rid, error[0], error[1]))
+        else:
+            events.append(Done(rid, reason, matched_stop=matched_stop))
+        c = self.counters
+        if target == RequestState.FINISHED:
+            c.finished += 1
+        elif target == RequestState.ABORTED:
+            c.aborted += 1
+        else:
+            c.failed += 1
+        self.finished_reports.append(self._report(req))
+
+    def _report(self, req: EngineRequest) -> RunReport:
+        arrival = req.queued_time
+        end = req.finished_time if req.finished_time is not None else arrival
+        ttft = req.first_token_time - arrival if req.first_token_time is not None else None
+        n_out = req.num_output_tokens
+        tpot = (end - req.first_token_time) / (n_out - 1) if ttft is not None and n_out > 1 else None
+        return RunReport(
+            request_id=req.request_id,
+            worker_id=self.worker_id,
+            finish_reason=req.finish_reason or FinishReason.ERROR,
+            error_kind=req.error_kind,
+            prompt_tokens=req.num_prompt_tokens,
+            output_tokens=n_out,
+            cached_tokens=req.num_cached_tokens,
+            num_preemptions=req.num_preemptions,
+            queue_time=req.first_scheduled_time - arrival if req.first_scheduled_time is not None else None,
+            ttft=ttft,
+            tpot=tpot,
+            e2e=end - arrival,
+            priority=int(req.priority),
+        )

@@ -1,0 +1,98 @@
+"""Plain stats snapshots (no metrics library here; server/metrics.py turns them into Prometheus series)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ominix_runtime.contract import FinishReason, RuntimeErrorKind
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    """Monotonic counters of one scheduler (one worker group)."""
+
+    accepted: int = 0
+    rejected: int = 0
+    finished: int = 0  # stop or length
+    aborted: int = 0  # abort, deadline
+    failed: int = 0  # backend or per-request error
+    prompt_tokens: int = 0  # prompt tokens of accepted requests
+    generated_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    computed_tokens: int = 0  # tokens scheduled for computation (prefill + decode, recompute included)
+    preemptions: int = 0
+    steps: int = 0
+    discarded_outputs: int = 0  # outputs for requests that ended while their step was in flight
+    unexpected_outputs: int = 0  # outputs naming a request the step did not schedule
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """One step of one worker group, reported after its result came back."""
+
+    step_id: int
+    duration: float  # seconds from send to result
+    num_tokens: int  # tokens scheduled
+    batch_size: int  # requests scheduled
+    num_new_requests: int
+    num_sampled_tokens: int
+    compute_seconds: float = 0.0  # as reported by the worker
+
+
+@dataclass(frozen=True, slots=True)
+class RunReport:
+    """One finished request."""
+
+    request_id: str
+    worker_id: str
+    finish_reason: FinishReason
+    error_kind: RuntimeErrorKind | None
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    num_preemptions: int
+    queue_time: float | None  # arrival → first scheduled
+    ttft: float | None  # arrival → first token
+    tpot: float | None  # (e2e - ttft) / (output_tokens - 1)
+    e2e: float  # arrival → end
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """The fields a least-loaded router reads, per worker group."""
+
+    worker_id: str
+    queued_requests: int
+    running_requests: int
+    waiting_tokens: int
+    kv_bytes_used: int
+    kv_bytes_capacity: int
+    estimated_decode_tokens_per_second: float
+    healthy: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    accepted: int = 0
+    finished: int = 0
+    aborted: int = 0
+    failed: int = 0
+    rejected: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cached_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_cache_hit_ratio: float = 0.0  # hit tokens / queried tokens
+    integrity_checks: int = 0
+    integrity_violations: int = 0
+    protocol_violations: int = 0  # backend broke the event contract (request-level backends)
+    discarded_outputs: int = 0
+    running_requests: int = 0
+    queued_requests: int = 0
+    recent_step_durations: list[float] = field(default_factory=list)
+    recent_batch_sizes: list[int] = field(default_factory=list)
+    recent_protocol_violations: list[str] = field(default_factory=list)
