@@ -1,0 +1,412 @@
+"""Workload W1 end-to-end through the service, plus batch-1 latency and shared-prefix TTFT.
+
+W1: 256 requests x 512 random prompt tokens x 256 output tokens (ignore_eos), all sent at once; then the same
+prompts again, which the prefix cache should serve. Reports output tok/s of both passes and their ratio.
+``--batch1``: one request (512-token prompt, 256 outputs) alone: TPOT. ``--shared-prefix``: request B shares a
+2,048-token prefix with the finished request A: TTFT of A (cold) vs B (warm).
+
+Either targets a running engine (``--address``) or starts one (``--launch``; every argument this script does
+not know is passed to ``ominix-runtime launch``), stopping it at the end:
+
+    python bench/offline.py --launch --model dummy:bench/configs/llama8b-config.json --devices cuda:0 --all
+    python bench/offline.py --address 127.0.0.1:50061 --num-requests 16 --input-len 128 --output-len 32
+
+With ``--peer-hf`` it runs bench/peer_hf.py's static ``generate`` on the same workload afterwards (the service
+is stopped first so both get the whole device), and on CUDA it divides by bench/roofline.py's estimate.
+The comparison table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import inspect
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import fmt, format_table, launch_service, write_json, write_plot  # noqa: E402
+from bench.serve import (  # noqa: E402
+    BenchConfig,
+    BenchResult,
+    ModelFacts,
+    build_random_requests,
+    fetch_backends,
+    fetch_model_facts,
+    format_report,
+    run_benchmark,
+)
+
+
+@dataclass(slots=True)
+class Row:
+    measurement: str
+    value: str
+    unit: str
+    note: str = ""
+
+
+@dataclass(slots=True)
+class OfflineReport:
+    model: str = ""
+    device: str = ""
+    dtype: str = ""
+    rows: list[Row] = field(default_factory=list)
+    figures: dict[str, float | None] = field(default_factory=dict)
+    runs: dict[str, Any] = field(default_factory=dict)
+
+    def add(
+        self, key: str, value: float | None, label: str, unit: str, note: str = "", digits: int = 1
+    ) -> None:
+        self.figures[key] = value
+        self.rows.append(Row(label, fmt(value, digits), unit, note))
+
+
+def _config(args: argparse.Namespace, label: str, **overrides: Any) -> BenchConfig:
+    base = BenchConfig(
+        num_requests=args.num_requests,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        seed=args.seed,
+        num_channels=args.num_channels,
+        label=label,
+        progress=False if args.no_progress else None,
+    )
+    for name, value in overrides.items():
+        setattr(base, name, value)
+    return base
+
+
+async def _warm_up(address: str, args: argparse.Namespace, facts: ModelFacts) -> None:
+    """A few short requests with unrelated prompts: first-call costs stay out of the measured runs."""
+    if args.warmup_requests <= 0:
+        return
+    config = _config(
+        args, "warm-up", num_requests=args.warmup_requests, input_len=64, output_len=16, progress=False
+    )
+    requests = build_random_requests(config, facts, seed=args.seed + 1000)
+    result = await run_benchmark(address, config, requests)
+    if result.metrics.failed:
+        raise RuntimeError(f"warm-up failed: {result.errors()[:3]}")
+
+
+def _keep(report: OfflineReport, key: str, result: BenchResult, args: argparse.Namespace) -> None:
+    print(format_report(result), flush=True)
+    report.runs[key] = result.to_json(include_requests=not args.no_request_details)
+    if args.plot_prefix:
+        print(f"plot: {write_plot(f'{args.plot_prefix}{key}.png', result.plot_data())}", flush=True)
+    if result.metrics.failed:
+        raise RuntimeError(f"{key}: {result.metrics.failed} requests failed, e.g. {result.errors()[:3]}")
+
+
+async def run_w1(address: str, args: argparse.Namespace, facts: ModelFacts, report: OfflineReport) -> None:
+    config = _config(args, "W1 cold")
+    requests = build_random_requests(config, facts)
+    cold = await run_benchmark(address, config, requests)
+    _keep(report, "w1_cold", cold, args)
+    config.label = "W1 same prompts again (prefix cache)"
+    warm = await run_benchmark(address, config, requests)
+    _keep(report, "w1_prefix_cached", warm, args)
+    shape = f"{args.num_requests} x {args.input_len} in x {args.output_len} out"
+    report.add("w1_cold_out_tok_s", cold.metrics.output_throughput, f"W1 cold ({shape})", "out tok/s")
+    cached_share = warm.metrics.total_cached_tokens / max(1, warm.metrics.total_input_tokens)
+    report.add(
+        "w1_cached_out_tok_s",
+        warm.metrics.output_throughput,
+        "W1 same prompts again",
+        "out tok/s",
+        f"{cached_share:.0%} of prompt tokens from cache",
+    )
+    ratio = (
+        warm.metrics.output_throughput / cold.metrics.output_throughput if cold.metrics.completed else None
+    )
+    report.add("w1_cached_over_cold", ratio, "W1 prefix-cached / cold", "x", digits=2)
+    report.add("w1_cold_ttft_p50_ms", cold.metrics.ttft.median_ms, "W1 cold TTFT median", "ms")
+    report.add("w1_cold_tpot_p50_ms", cold.metrics.tpot.median_ms, "W1 cold TPOT median", "ms", digits=2)
+
+
+async def run_batch1(
+    address: str, args: argparse.Namespace, facts: ModelFacts, report: OfflineReport
+) -> None:
+    config = _config(
+        args, "batch 1", num_requests=1, input_len=args.batch1_input_len, output_len=args.output_len
+    )
+    tpots = []
+    result = None
+    for trial in range(args.batch1_trials):
+        requests = build_random_requests(config, facts, seed=args.seed + 2000 + trial)
+        result = await run_benchmark(address, config, requests)
+        if result.metrics.failed:
+            raise RuntimeError(f"batch-1 request failed: {result.errors()}")
+        tpots.append(result.metrics.tpot.mean_ms)
+    assert result is not None
+    _keep(report, "batch1", result, args)
+    report.add(
+        "batch1_tpot_ms",
+        statistics.median(tpots),
+        f"batch 1 TPOT ({args.batch1_input_len} in, {args.output_len} out)",
+        "ms",
+        f"median of {len(tpots)}",
+        digits=2,
+    )
+
+
+async def run_shared_prefix(
+    address: str, args: argparse.Namespace, facts: ModelFacts, report: OfflineReport
+) -> None:
+    """A (cold) then B sharing A's prefix (warm), one at a time, several fresh prefixes; medians."""
+    config = _config(
+        args,
+        "shared prefix",
+        num_requests=2,
+        input_len=args.prefix_suffix_len,
+        output_len=8,
+        shared_prefix_len=args.prefix_len,
+    )
+    cold_ms: list[float] = []
+    warm_ms: list[float] = []
+    cached = 0
+    for trial in range(args.prefix_trials):
+        first, second = build_random_requests(config, facts, seed=args.seed + 3000 + trial)
+        a = await run_benchmark(address, config, [first])
+        b = await run_benchmark(address, config, [second])
+        for name, result in (("A", a), ("B", b)):
+            if result.metrics.failed:
+                raise RuntimeError(f"shared-prefix request {name} failed: {result.errors()}")
+        cold_ms.append(a.metrics.ttft.mean_ms)
+        warm_ms.append(b.metrics.ttft.mean_ms)
+        cached = b.requests[0].cached_tokens
+    report.runs["shared_prefix"] = {"ttft_cold_ms": cold_ms, "ttft_warm_ms": warm_ms}
+    cold, warm = statistics.median(cold_ms), statistics.median(warm_ms)
+    prompt = f"{args.prefix_len}+{args.prefix_suffix_len} tokens"
+    report.add("prefix_ttft_cold_ms", cold, f"TTFT cold, {prompt}", "ms", digits=2)
+    report.add(
+        "prefix_ttft_warm_ms", warm, "TTFT warm (prefix shared)", "ms", f"{cached} tokens cached", digits=2
+    )
+    report.add(
+        "prefix_ttft_cold_over_warm", cold / warm if warm > 0 else None, "TTFT cold / warm", "x", digits=2
+    )
+
+
+async def run_modes(address: str, args: argparse.Namespace, report: OfflineReport) -> None:
+    facts = await fetch_model_facts(address)
+    backends = await fetch_backends(address)
+    report.model = facts.name
+    if backends.backends:
+        report.device = ", ".join(b.device for b in backends.backends)
+        report.dtype = backends.backends[0].dtype
+    print(f"model {facts.name} on {report.device} ({report.dtype}) at {address}", flush=True)
+    await _warm_up(address, args, facts)
+    if args.w1:
+        await run_w1(address, args, facts, report)
+    if args.batch1:
+        await run_batch1(address, args, facts, report)
+    if args.shared_prefix:
+        await run_shared_prefix(address, args, facts, report)
+
+
+# ---------------------------------------------------------------- roofline and HF peer (other modules)
+
+
+def _call_with_known(func: Callable[..., Any], known: dict[str, Any]) -> Any:
+    """Call ``func`` with the keyword arguments it declares among ``known``."""
+    parameters = inspect.signature(func).parameters
+    return func(**{name: value for name, value in known.items() if name in parameters})
+
+
+def _first_number(value: Any, keys: Sequence[str]) -> float | None:
+    if isinstance(value, int | float):
+        return float(value)
+    for key in keys:
+        found = value.get(key) if isinstance(value, dict) else getattr(value, key, None)
+        if isinstance(found, int | float):
+            return float(found)
+    return None
+
+
+def add_roofline(args: argparse.Namespace, report: OfflineReport) -> None:
+    """achieved / roofline for W1 via bench/roofline.py, only on CUDA and only when that module is there."""
+    if not report.device.startswith("cuda") or report.figures.get("w1_cold_out_tok_s") is None:
+        return
+    try:
+        roofline = importlib.import_module("bench.roofline")
+        w1_roofline = roofline.w1_roofline
+    except (ImportError, AttributeError) as exc:
+        print(f"roofline skipped: {exc}", file=sys.stderr)
+        return
+    known = {
+        "num_requests": args.num_requests,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "config": args.model_config,
+        "config_path": args.model_config,
+        "model_config": args.model_config,
+        "dtype": report.dtype,
+        "device": report.device.split(",")[0].strip(),
+    }
+    try:
+        estimate = _call_with_known(w1_roofline, known)
+    except Exception as exc:  # another module's estimate must not lose the measured figures
+        print(f"roofline skipped: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return
+    limit = _first_number(estimate, ("out_tok_s", "output_tokens_per_s", "tokens_per_s", "out_tok_per_s"))
+    if not limit:
+        print(f"roofline skipped: no tok/s figure in {estimate!r}", file=sys.stderr)
+        return
+    report.add("w1_roofline_out_tok_s", limit, "W1 roofline estimate", "out tok/s")
+    report.add(
+        "w1_cold_over_roofline",
+        report.figures["w1_cold_out_tok_s"] / limit,
+        "W1 cold / roofline",
+        "x",
+        digits=2,
+    )
+
+
+def add_peer_hf(args: argparse.Namespace, report: OfflineReport) -> None:
+    """bench/peer_hf.py's static generate on the same workload, in this process (service already stopped)."""
+    try:
+        peer = importlib.import_module("bench.peer_hf")
+    except ImportError as exc:
+        print(f"HF peer skipped: {exc}", file=sys.stderr)
+        return
+    runner = next(
+        (getattr(peer, n) for n in ("run_static", "run_peer", "run", "main") if hasattr(peer, n)), None
+    )
+    if runner is None:
+        print("HF peer skipped: bench/peer_hf.py exposes no run function", file=sys.stderr)
+        return
+    known = {
+        "config": args.model_config,
+        "config_path": args.model_config,
+        "model": args.model_config,
+        "num_requests": args.num_requests,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "batch": args.peer_batch,
+        "batch_size": args.peer_batch,
+        "device": report.device.split(",")[0].strip() or "cpu",
+        "seed": args.seed,
+    }
+    started = time.perf_counter()
+    outcome = _call_with_known(runner, known)
+    elapsed = time.perf_counter() - started
+    peer_tok_s = _first_number(outcome, ("out_tok_s", "output_tokens_per_s", "tokens_per_s", "out_tok_per_s"))
+    if peer_tok_s is None:
+        print(f"HF peer ran ({elapsed:.0f} s) but returned no tok/s figure: {outcome!r}", file=sys.stderr)
+        return
+    report.add("hf_static_out_tok_s", peer_tok_s, f"HF static generate, batch {args.peer_batch}", "out tok/s")
+    ours = report.figures.get("w1_cold_out_tok_s")
+    if ours:
+        report.add("w1_cold_over_hf", ours / peer_tok_s, "W1 cold / HF static", "x", digits=2)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _model_config_from(launch_args: Sequence[str]) -> str | None:
+    """The config.json behind ``--model dummy:PATH`` among the pass-through arguments, if any."""
+    for i, arg in enumerate(launch_args):
+        value = None
+        if arg == "--model" and i + 1 < len(launch_args):
+            value = launch_args[i + 1]
+        elif arg.startswith("--model="):
+            value = arg.split("=", 1)[1]
+        if value and value.startswith("dummy:"):
+            path = Path(value[len("dummy:") :])
+            return str(path / "config.json" if path.is_dir() else path)
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--address", default=None, help="a running engine (default 127.0.0.1:50061)")
+    target.add_argument("--launch", action="store_true", help="start `ominix-runtime launch` with free ports")
+    parser.add_argument("--device", dest="devices_alias", default=None, help="same as launch's --devices")
+    parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for SERVING")
+    parser.add_argument("--w1", action="store_true", help="W1 cold + prefix-cached (default mode)")
+    parser.add_argument("--batch1", action="store_true", help="batch-1 TPOT")
+    parser.add_argument("--shared-prefix", action="store_true", help="TTFT cold vs warm with a shared prefix")
+    parser.add_argument("--all", action="store_true", help="every mode")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--batch1-input-len", type=int, default=512)
+    parser.add_argument("--batch1-trials", type=int, default=3)
+    parser.add_argument("--prefix-len", type=int, default=2048)
+    parser.add_argument("--prefix-suffix-len", type=int, default=64)
+    parser.add_argument("--prefix-trials", type=int, default=3)
+    parser.add_argument("--warmup-requests", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-channels", type=int, default=4, help="gRPC connections for the streams")
+    parser.add_argument(
+        "--peer-hf", action="store_true", help="then run bench/peer_hf.py on the same workload"
+    )
+    parser.add_argument("--peer-batch", type=int, default=128)
+    parser.add_argument("--model-config", default=None, help="config.json for roofline/peer (from dummy:...)")
+    parser.add_argument("--out-json", default=None)
+    parser.add_argument("--no-request-details", action="store_true")
+    parser.add_argument("--plot-prefix", default=None, help="write PNGs named PREFIX<run>.png")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, launch_args = parser.parse_known_args(argv)
+    if launch_args and not args.launch:
+        parser.error(f"unknown arguments (only --launch passes arguments on): {launch_args}")
+    if args.devices_alias:
+        launch_args = [*launch_args, "--devices", args.devices_alias]
+    if args.all:
+        args.w1 = args.batch1 = args.shared_prefix = True
+    if not (args.w1 or args.batch1 or args.shared_prefix):
+        args.w1 = True
+    args.model_config = args.model_config or _model_config_from(launch_args)
+    report = OfflineReport()
+    started = time.time()
+    if args.launch:
+        with launch_service(launch_args, ready_timeout_s=args.ready_timeout) as service:
+            asyncio.run(run_modes(service.address, args, report))
+        print("service stopped", file=sys.stderr, flush=True)
+    else:
+        asyncio.run(run_modes(args.address or "127.0.0.1:50061", args, report))
+    add_roofline(args, report)
+    if args.peer_hf:
+        add_peer_hf(args, report)
+    if args.out_json:
+        payload = {
+            "started_at_unix": started,
+            "model": report.model,
+            "device": report.device,
+            "dtype": report.dtype,
+            "launch_args": launch_args if args.launch else None,
+            "figures": report.figures,
+            "runs": report.runs,
+        }
+        print(f"json: {write_json(args.out_json, payload)}")
+    print()
+    print(f"ominix-runtime offline benchmark: {report.model} on {report.device} ({report.dtype})")
+    print(
+        format_table(
+            [(r.measurement, r.value, r.unit, r.note) for r in report.rows],
+            ("measurement", "value", "unit", "note"),
+        )
+    )
+    return 0 if all(v is None or math.isfinite(v) for v in report.figures.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
