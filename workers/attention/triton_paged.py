@@ -1,0 +1,525 @@
+"""Paged attention for CUDA in Triton: KV store, split-K decode with GQA grouping, and a paged flash-attention
+kernel for prefill / chunked prefill / prefix hits / mixed batches.
+
+Decode path (every request has exactly one query token): grid ``(num_requests, num_kv_heads, num_splits)``. One
+program owns all ``num_heads // num_kv_heads`` query heads of one KV head, so each K/V element is read from device
+memory once per step. Long contexts are cut into ``num_splits`` contiguous ranges (flash-decoding); each split
+writes a partial output and its log-sum-exp, and a second kernel merges the splits. The split count depends only
+on ``(num_requests, max_seq_len)`` host integers, never on device data, and every split derives its token range
+from the request's live ``seq_lens`` entry, so any split count is correct for any length: a CUDA graph captured
+for a batch size and a ``max_seq_len`` bucket stays valid for every shorter context (see ``decode_num_splits``).
+
+General path: grid ``(num_requests, cdiv(max_query_len, BLOCK_M), num_heads)``. A request's query rows are the
+last ``q_len`` positions of its ``seq_len``, so row ``m`` sits at position ``seq_len - q_len + m`` and may see
+keys ``0..position``. Programs whose tile lies past their request's ``q_len`` exit at once, which keeps the grid
+a function of host integers only (no device-to-host sync). Softmax runs online in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from ominix_worker.attention.base import AttentionMetadata
+
+# Tokens per split below which splitting a decode context more finely stops paying for the merge.
+_MIN_TOKENS_PER_SPLIT = 64
+_MAX_SPLITS = 32
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    kv_ptr,
+    slot_ptr,
+    key_stride_t,
+    value_stride_t,
+    kv_half_stride,
+    ROW: tl.constexpr,
+    BLOCK_ROW: tl.constexpr,
+):
+    """One program per new token: copy its K and V rows (num_kv_heads * head_dim) into the flat slot."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # padded token (e.g. a CUDA-graph filler row): nothing to store
+        return
+    cols = tl.arange(0, BLOCK_ROW)
+    mask = cols < ROW
+    k = tl.load(key_ptr + t.to(tl.int64) * key_stride_t + cols, mask=mask)
+    v = tl.load(value_ptr + t.to(tl.int64) * value_stride_t + cols, mask=mask)
+    dst = kv_ptr + slot * ROW + cols
+    tl.store(dst, k, mask=mask)
+    tl.store(dst + kv_half_stride, v, mask=mask)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    kv_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale,
+    q_stride_t,
+    q_stride_h,
+    out_stride_t,
+    out_stride_h,
+    bt_stride,
+    kv_half_stride,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    # Each split covers a whole number of BLOCK_N tiles; trailing splits may be empty.
+    tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(tiles, num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * q_stride_t + heads[:, None] * q_stride_h + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    q = (q * scale).to(q.dtype)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+
+    row_stride: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+    bt_row = block_tables_ptr + b.to(tl.int64) * bt_stride
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < end
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        slot = blk * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_off = slot[:, None] * row_stride + kvh * HEAD_DIM + offs_d[None, :]
+        ld_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(kv_ptr + kv_off, mask=ld_mask, other=0.0)
+        v = tl.load(kv_ptr + kv_half_stride + kv_off, mask=ld_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    if SPLIT:
+        # Partials (B, H, S, D) and lse (B, H, S); an empty split leaves lse = -inf so the merge ignores it.
+        row = (b * NUM_HEADS + heads) * num_splits + split
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        lse = tl.where(l_i > 0.0, m_i + tl.log(l_safe), float("-inf"))
+        tl.store(
+            part_out_ptr + row[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
+            o,
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+    else:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # seq_len 0 (padded request) writes zeros, never NaN
+        o = acc / l_safe[:, None]
+        tl.store(
+            out_ptr + b.to(tl.int64) * out_stride_t + heads[:, None] * out_stride_h + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    out_stride_t,
+    out_stride_h,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+    row0 = (b * NUM_HEADS + h) * num_splits
+    lse = tl.load(part_lse_ptr + row0 + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)
+    denom = tl.sum(w, 0)
+    denom = tl.where(denom > 0.0, denom, 1.0)
+    o = tl.load(
+        part_out_ptr + (row0 + offs_s)[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    res = tl.sum(o * w[:, None], 0) / denom
+    tl.store(
+        out_ptr + b.to(tl.int64) * out_stride_t + h * out_stride_h + offs_d,
+        res.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    kv_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    scale,
+    q_stride_t,
+    q_stride_h,
+    out_stride_t,
+    out_stride_h,
+    bt_stride,
+    kv_half_stride,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + b)
+    q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    context_len = seq_len - q_len
+    kvh = h // GROUP
+
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * q_stride_t + h * q_stride_h + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    q = (q * scale).to(q.dtype)
+    q_pos = context_len + offs_m  # absolute position of each query row
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    row_stride: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+    bt_row = block_tables_ptr + b.to(tl.int64) * bt_stride
+    # Keys past the tile's last query position are masked for every row, so the loop stops there.
+    kv_end = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)
+    # Tiles wholly before the tile's first query position need no causal mask.
+    full_end = tl.minimum(context_len + tile * BLOCK_M, kv_end)
+    full_end = (full_end // BLOCK_N) * BLOCK_N
+    for n0 in range(0, full_end, BLOCK_N):
+        pos = n0 + offs_n
+        blk = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
+        slot = blk * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_off = slot[:, None] * row_stride + kvh * HEAD_DIM + offs_d[None, :]
+        k = tl.load(kv_ptr + kv_off, mask=d_mask[None, :], other=0.0)
+        v = tl.load(kv_ptr + kv_half_stride + kv_off, mask=d_mask[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < kv_end
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        slot = blk * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_off = slot[:, None] * row_stride + kvh * HEAD_DIM + offs_d[None, :]
+        ld_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(kv_ptr + kv_off, mask=ld_mask, other=0.0)
+        v = tl.load(kv_ptr + kv_half_stride + kv_off, mask=ld_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows past q_len see nothing; keep their max finite so exp() never sees inf - inf.
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    tl.store(
+        out_ptr + q_rows[:, None] * out_stride_t + h * out_stride_h + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
+
+
+def decode_num_splits(num_requests: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
+    """Split count for the decode kernel: enough programs to fill the GPU about twice, never splits shorter
+    than ``_MIN_TOKENS_PER_SPLIT`` tokens. A pure function of host integers, so a captured graph can fix it."""
+    programs = max(1, num_requests * num_kv_heads)
+    want = triton.cdiv(2 * num_sms, programs)
+    cap = max(1, triton.cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT))
+    splits = max(1, min(want, cap, _MAX_SPLITS))
+    return 1 << (splits - 1).bit_length() if splits > 1 else 1
+
+
+class TritonPagedAttention:
+    """Attention backend for CUDA devices (name "triton-paged"); see the module docstring for the grids."""
+
+    name = "triton-paged"
+
+    def __init__(self, block_size: int = 16, store_with_index_copy: bool = False) -> None:
+        if block_size & (block_size - 1) or not 16 <= block_size <= 128:
+            raise ValueError(f"block_size must be a power of two in [16, 128], got {block_size}")
+        self.block_size = block_size
+        self.store_with_index_copy = store_with_index_copy
+        # Fixed split count for CUDA-graph capture; None picks one per call from the metadata.
+        self.decode_splits: int | None = None
+        self._num_sms: int | None = None
+
+    def allocate_kv_cache(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> list[torch.Tensor]:
+        shape = (2, num_blocks, self.block_size, num_kv_heads, head_dim)
+        return [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def write_kv(
+        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        num_tokens = key.shape[0]
+        if num_tokens == 0:
+            return
+        if self.store_with_index_copy:
+            _, nb, bs, kvh, d = kv_cache.shape
+            kv_cache[0].view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, key)
+            kv_cache[1].view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, value)
+            return
+        key2 = key.reshape(num_tokens, -1)
+        value2 = value.reshape(num_tokens, -1)
+        if key2.stride(1) != 1:
+            key2 = key2.contiguous()
+        if value2.stride(1) != 1:
+            value2 = value2.contiguous()
+        row = key2.shape[1]
+        _store_kv_kernel[(num_tokens,)](
+            key2,
+            value2,
+            kv_cache,
+            meta.slot_mapping,
+            key2.stride(0),
+            value2.stride(0),
+            kv_cache.stride(0),
+            ROW=row,
+            BLOCK_ROW=triton.next_power_of_2(row),
+            num_warps=4,
+        )
+
+    def forward(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        out = torch.empty_like(query)
+        self.forward_into(query, kv_cache, meta, scale, out)
+        return out
+
+    def forward_into(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Like ``forward`` but writes a caller-owned ``out`` (a static buffer under CUDA-graph capture)."""
+        if query.shape[0] == 0:
+            return
+        if meta.num_decode_only:
+            self._decode(query, kv_cache, meta, scale, out)
+        else:
+            self._general(query, kv_cache, meta, scale, out)
+
+    def _sms(self, device: torch.device) -> int:
+        if self._num_sms is None:
+            cuda = device.type == "cuda"
+            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 132
+        return self._num_sms
+
+    def _decode(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        num_requests = meta.num_requests
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        num_heads = query.shape[1]
+        group = num_heads // num_kv_heads
+        splits = self.decode_splits or decode_num_splits(
+            num_requests, num_kv_heads, meta.max_seq_len, self._sms(query.device)
+        )
+        block_d = triton.next_power_of_2(head_dim)
+        ieee = query.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+        # A tile may straddle cache blocks: every token looks its block up, so BLOCK_N is free of block_size.
+        block_n = 32 if ieee or head_dim > 128 else 64
+        if splits > 1:
+            part_out = torch.empty(
+                (num_requests, num_heads, splits, head_dim), dtype=torch.float32, device=query.device
+            )
+            part_lse = torch.empty(
+                (num_requests, num_heads, splits), dtype=torch.float32, device=query.device
+            )
+        else:
+            part_out = part_lse = out  # unused
+        _decode_kernel[(num_requests, num_kv_heads, splits)](
+            query,
+            kv_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            out,
+            part_out,
+            part_lse,
+            scale,
+            query.stride(0),
+            query.stride(1),
+            out.stride(0),
+            out.stride(1),
+            meta.block_tables.stride(0),
+            kv_cache.stride(0),
+            splits,
+            NUM_HEADS=num_heads,
+            NUM_KV_HEADS=num_kv_heads,
+            GROUP=group,
+            BLOCK_G=max(16, triton.next_power_of_2(group)),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_SIZE=block_size,
+            BLOCK_N=block_n,
+            SPLIT=splits > 1,
+            IEEE=ieee,
+            num_warps=4,
+            num_stages=3,
+        )
+        if splits > 1:
+            _merge_splits_kernel[(num_requests, num_heads)](
+                part_out,
+                part_lse,
+                out,
+                out.stride(0),
+                out.stride(1),
+                splits,
+                NUM_HEADS=num_heads,
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_d,
+                BLOCK_S=max(2, triton.next_power_of_2(splits)),
+                num_warps=4,
+            )
+
+    def _general(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        num_requests = meta.num_requests
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        num_heads = query.shape[1]
+        ieee = query.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+        # Short query tiles when every request brings few tokens (decode-heavy mixed batches).
+        block_m = 64 if meta.max_query_len > 16 else 16
+        block_n = 64
+        if ieee or head_dim > 128:
+            block_m, block_n = min(block_m, 32), 32
+        grid = (num_requests, triton.cdiv(meta.max_query_len, block_m), num_heads)
+        _prefill_kernel[grid](
+            query,
+            kv_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            out,
+            scale,
+            query.stride(0),
+            query.stride(1),
+            out.stride(0),
+            out.stride(1),
+            meta.block_tables.stride(0),
+            kv_cache.stride(0),
+            NUM_KV_HEADS=num_kv_heads,
+            GROUP=num_heads // num_kv_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_SIZE=block_size,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            IEEE=ieee,
+            num_warps=4 if block_m <= 32 else 8,
+            num_stages=3,
+        )

@@ -1,0 +1,201 @@
+"""ModelConfig: the shape of a Llama-family model, read from a Hugging Face config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHES = ("llama", "qwen2", "qwen3", "mistral")
+_ARCH_CLASS = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+
+class ModelConfigError(ValueError):
+    """The model's configuration is missing a field or describes an unsupported model."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    arch: str  # llama, qwen2, qwen3, mistral
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float = 10000.0
+    # Scaling parameters as Hugging Face names them ({"rope_type": "llama3", "factor": 8.0, ...}); empty: none.
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # Explicit head_dim differing from hidden / heads (Qwen3) is supported; partial rotary is not.
+    rotary_dim: int = 0
+
+    @property
+    def architecture(self) -> str:
+        return _ARCH_CLASS[self.arch]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_parameters(self) -> int:
+        attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        if self.qkv_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        per_layer = attn + mlp + 2 * self.hidden_size
+        embed = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_word_embeddings else embed
+        return self.num_layers * per_layer + embed + head + self.hidden_size
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """transformers 5 nests theta and scaling in ``rope_parameters``; older configs use two fields."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(raw.get("rope_theta", 10000.0))
+        scaling = dict(raw.get("rope_scaling") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type", "default") == "default":
+        scaling = {}
+    return theta, scaling
+
+
+def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
+    model_type = str(raw.get("model_type", "")).lower()
+    if model_type not in SUPPORTED_ARCHES:
+        archs = raw.get("architectures") or []
+        raise ModelConfigError(
+            f"unsupported model_type {model_type!r} ({', '.join(archs) or 'no architectures'}); "
+            f"supported: {', '.join(SUPPORTED_ARCHES)}"
+        )
+    try:
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        theta, scaling = _rope_from_hf(raw)
+        return ModelConfig(
+            arch=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            intermediate_size=int(raw["intermediate_size"]),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
+            eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+        )
+    except KeyError as exc:
+        raise ModelConfigError(f"config.json lacks the field {exc.args[0]!r}") from None
+
+
+def load_hf_config(path: str | Path) -> ModelConfig:
+    """Read ``config.json`` (a folder or the file itself); generation_config.json may add eos ids."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelConfigError(f"cannot read {file}: {exc}") from None
+    config = config_from_hf_dict(raw)
+    gen_file = file.parent / "generation_config.json"
+    if gen_file.is_file():
+        try:
+            gen = json.loads(gen_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            gen = {}
+        extra = [t for t in _eos_ids(gen.get("eos_token_id")) if t not in config.eos_token_ids]
+        if extra:
+            from dataclasses import replace
+
+            config = replace(config, eos_token_ids=config.eos_token_ids + tuple(extra))
+    return config
+
+
+_GGUF_ARCHES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}
+
+
+def config_from_gguf_fields(fields: dict[str, Any], token_embd_rows: int | None = None) -> ModelConfig:
+    """Build from already-decoded GGUF metadata (``{key: value}``); config lives under ``<arch>.*`` keys."""
+    gguf_arch = str(fields.get("general.architecture", ""))
+    if gguf_arch not in _GGUF_ARCHES:
+        raise ModelConfigError(f"unsupported GGUF architecture {gguf_arch!r}; supported: {', '.join(_GGUF_ARCHES)}")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = fields.get(f"{gguf_arch}.{key}", default)
+        if value is None:
+            raise ModelConfigError(f"GGUF metadata lacks {gguf_arch}.{key}")
+        return value
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    head_dim = int(fields.get(f"{gguf_arch}.attention.key_length") or hidden // heads)
+    vocab = fields.get(f"{gguf_arch}.vocab_size")
+    if vocab is None:
+        tokens = fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens) if tokens is not None else token_embd_rows
+    if vocab is None:
+        raise ModelConfigError("GGUF metadata states no vocabulary size")
+    scaling: dict[str, Any] = {}
+    scaling_type = fields.get(f"{gguf_arch}.rope.scaling.type")
+    if scaling_type == "linear":
+        scaling = {"rope_type": "linear", "factor": float(fields[f"{gguf_arch}.rope.scaling.factor"])}
+    eos = fields.get("tokenizer.ggml.eos_token_id")
+    bos = fields.get("tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        arch=_GGUF_ARCHES[gguf_arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(fields.get(f"{gguf_arch}.attention.head_count_kv") or heads),
+        head_dim=head_dim,
+        intermediate_size=int(get("feed_forward_length")),
+        rope_theta=float(fields.get(f"{gguf_arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings=False,  # decided by the loader: no output.weight means tied
+        qkv_bias=gguf_arch == "qwen2",
+        qk_norm=gguf_arch == "qwen3",
+        max_position_embeddings=int(get("context_length", 2048)),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )

@@ -1,0 +1,67 @@
+"""Parse and check the worker's device (cpu, cuda:N, npu:N) and pick its default dtype."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ominix_runtime.contract import BackendKind
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda|npu)(?::(\d+))?$")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+
+
+class DeviceError(RuntimeError):
+    """The requested device does not exist or its runtime is not installed."""
+
+
+def parse_device(spec: str) -> torch.device:
+    """'cpu', 'cuda', 'cuda:N', 'npu:N' → a torch.device that exists on this machine, else DeviceError."""
+    match = _DEVICE_RE.match(spec.strip().lower())
+    if not match:
+        raise DeviceError(f"bad device {spec!r}: expected cpu, cuda:N or npu:N")
+    kind, index_text = match.group(1), match.group(2)
+    if kind == "cpu":
+        if index_text not in (None, "0"):
+            raise DeviceError(f"bad device {spec!r}: the CPU has no index")
+        return torch.device("cpu")
+    index = int(index_text or 0)
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device {spec} not found: CUDA is not available on this machine")
+        count = torch.cuda.device_count()
+        if index >= count:
+            raise DeviceError(f"device {spec} not found: this machine has {count} CUDA device(s)")
+        return torch.device("cuda", index)
+    try:
+        import torch_npu  # noqa: F401  (registers the npu device with torch)
+    except ImportError:
+        raise DeviceError(f"device {spec} needs torch_npu, which is not installed") from None
+    count = torch.npu.device_count()  # type: ignore[attr-defined]
+    if index >= count:
+        raise DeviceError(f"device {spec} not found: this machine has {count} NPU(s)")
+    return torch.device("npu", index)
+
+
+def backend_kind(device: torch.device) -> BackendKind:
+    return {"cpu": BackendKind.CPU, "cuda": BackendKind.CUDA, "npu": BackendKind.ASCEND}[device.type]
+
+
+def device_name(device: torch.device) -> str:
+    return "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' → float32 on CPU, bfloat16 elsewhere; otherwise the named dtype."""
+    key = _DTYPE_ALIASES.get(name.lower(), name.lower())
+    if key == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: auto, float32, bfloat16 or float16")
+    return _DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,218 @@
+"""Load a model's weights into a LlamaForCausalLM: Hugging Face folder, GGUF file, or dummy random weights.
+
+GGUF tensors are dequantized to the run dtype. llama.cpp stores the Q and K projections of ``llama``
+models with each head's rows interleaved (pairs (i, i + head_dim/2) adjacent); we undo that so the
+Hugging Face rotate-half rope applies unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ominix_runtime.models import ModelFormat, ModelSource
+from ominix_worker.attention.base import AttentionBackend
+from ominix_worker.config import ModelConfig, ModelConfigError, config_from_gguf_fields, load_hf_config
+from ominix_worker.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+class ModelLoadError(RuntimeError):
+    """The model cannot be loaded (missing files, unsupported architecture, incomplete weights)."""
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    model: LlamaForCausalLM
+
+
+def _progress(iterable: Any, total: int, desc: str) -> Any:
+    if not sys.stderr.isatty():
+        return iterable
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, total=total, desc=desc, unit="tensor", leave=False)
+
+
+# ---- Hugging Face safetensors ------------------------------------------------------------------------
+
+
+def _hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors files in {folder}")
+    names = []
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names.extend((file, key) for key in f.keys())  # noqa: SIM118 (safe_open has no __iter__)
+    handles: dict[Path, Any] = {}
+    try:
+        for file, key in _progress(names, len(names), "loading weights"):
+            if file not in handles:
+                handles[file] = safe_open(str(file), framework="pt", device="cpu")
+            yield key, handles[file].get_tensor(key)
+    finally:
+        handles.clear()
+
+
+# ---- GGUF ------------------------------------------------------------------------------------------------
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+_SKIPPED_GGUF_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                        "tokenizer.ggml.scores")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    match = _BLOCK_RE.match(name)
+    if match and match.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}"
+    return None
+
+
+def unpermute_llama_cpp_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's convert-time permutation of Q/K rows (per head: (2, d/2) → (d/2, 2))."""
+    out_features = weight.shape[0]
+    rest = weight.shape[1:]
+    head_dim = out_features // num_heads
+    return weight.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(out_features, *rest)
+
+
+def read_gguf_config(reader: Any) -> tuple[ModelConfig, bool]:
+    """The config and whether the output projection is tied to the embedding (no ``output.weight``)."""
+    fields: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key in _SKIPPED_GGUF_FIELDS:
+            continue
+        try:
+            fields[key] = field.contents()
+        except Exception:  # noqa: BLE001 - a field we cannot decode is one we do not need
+            continue
+    tensor_names = {t.name: t for t in reader.tensors}
+    embd = tensor_names.get("token_embd.weight")
+    rows = int(embd.shape[-1]) if embd is not None else None
+    config = config_from_gguf_fields(fields, token_embd_rows=rows)
+    tied = "output.weight" not in tensor_names
+    if "rope_freqs.weight" in tensor_names:
+        log.warning("GGUF rope_freqs (Llama 3.1 rope scaling factors) are not applied")
+    return replace(config, tie_word_embeddings=tied), tied
+
+
+def _gguf_weights(reader: Any, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    permute = config.arch in ("llama", "mistral")
+    tensors = list(reader.tensors)
+    for t in _progress(tensors, len(tensors), "dequantizing weights"):
+        hf_name = gguf_to_hf_name(t.name)
+        if hf_name is None:
+            continue
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            array = t.data.reshape(tuple(reversed([int(d) for d in t.shape])))
+        else:
+            array = dequantize(t.data, t.tensor_type)
+        tensor = torch.from_numpy(array.copy()).to(dtype)
+        if permute and hf_name.endswith("q_proj.weight"):
+            tensor = unpermute_llama_cpp_rows(tensor, config.num_heads)
+        elif permute and hf_name.endswith("k_proj.weight"):
+            tensor = unpermute_llama_cpp_rows(tensor, config.num_kv_heads)
+        yield hf_name, tensor
+
+
+# ---- entry point -------------------------------------------------------------------------------------
+
+
+def _build(config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
+           max_positions: int) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, backend, max_positions)
+    model = model.to(dtype).to_empty(device=device)
+    if config.tie_word_embeddings:  # to_empty replaces parameters one module at a time: tie again
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval()
+
+
+def _load_checked(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]], where: str) -> None:
+    loaded = model.load_weights(weights)
+    missing = sorted(model.expected_weight_keys() - loaded)
+    if missing:
+        raise ModelLoadError(f"{where} lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}")
+
+
+def load_config(source: ModelSource) -> ModelConfig:
+    if source.format == ModelFormat.GGUF:
+        from gguf import GGUFReader
+
+        return read_gguf_config(GGUFReader(str(source.path)))[0]
+    return load_hf_config(source.path)
+
+
+def load_model(
+    source: ModelSource,
+    device: torch.device,
+    dtype: torch.dtype,
+    backend: AttentionBackend,
+    max_positions: int | None = None,
+    seed: int = 0,
+) -> LoadedModel:
+    """Read the source's config and weights onto ``device`` in ``dtype``. Raises ModelLoadError."""
+    try:
+        if source.format == ModelFormat.GGUF:
+            from gguf import GGUFReader
+
+            reader = GGUFReader(str(source.path))
+            config, _ = read_gguf_config(reader)
+            model = _build(config, backend, dtype, device, max_positions or config.max_position_embeddings)
+            _load_checked(model, ((n, t.to(device)) for n, t in _gguf_weights(reader, config, dtype)), str(source.path))
+        elif source.format == ModelFormat.HF:
+            config = load_hf_config(source.path)
+            model = _build(config, backend, dtype, device, max_positions or config.max_position_embeddings)
+            weights = ((n, t.to(device=device, dtype=dtype)) for n, t in _hf_weights(Path(source.path)))
+            _load_checked(model, weights, str(source.path))
+        elif source.format == ModelFormat.DUMMY:
+            config = load_hf_config(source.path)
+            model = _build(config, backend, dtype, device, max_positions or config.max_position_embeddings)
+            model.init_dummy_weights(seed)
+        else:  # pragma: no cover - ModelFormat is closed
+            raise ModelLoadError(f"unknown model format {source.format}")
+    except (ModelConfigError, KeyError, ValueError, OSError) as exc:
+        raise ModelLoadError(f"cannot load model {source.name!r} from {source.path}: {exc}") from exc
+    model.post_load(device)
+    return LoadedModel(name=source.name, config=config, model=model)

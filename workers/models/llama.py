@@ -1,0 +1,255 @@
+"""One Llama-family decoder over flattened (ragged) tokens and a paged KV cache.
+
+Covers Llama 2/3/3.1 (rope scaling), Mistral, SmolLM, Qwen2/2.5 (QKV bias) and Qwen3 (per-head q/k
+RMSNorm). Q/K/V and gate/up projections are fused into one matmul each; ``load_weights`` takes Hugging
+Face parameter names and writes each shard into its slice of the fused weight.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ominix_worker.attention.base import AttentionBackend, AttentionMetadata
+from ominix_worker.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale in the run dtype, as the reference implementation does.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (head_dim / 2,) and the attention scaling factor for the config's rope type."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"]), 1.0
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+        high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+        old_context_len = float(scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are stretched by `factor`, short ones kept, the band between interpolated.
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_positions, indexed per token."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.max_positions = max_positions
+        self.cos_sin: torch.Tensor | None = None
+
+    def build(self, device: torch.device) -> None:
+        inv_freq, attention_scaling = rope_inv_freq(self.config)
+        positions = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos_sin = torch.stack((emb.cos() * attention_scaling, emb.sin() * attention_scaling)).to(device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.cos_sin is not None, "RotaryEmbedding.build() was not called"
+        cos = self.cos_sin[0, positions].unsqueeze(1).to(q.dtype)  # (T, 1, head_dim)
+        sin = self.cos_sin[1, positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.backend = backend
+        self.rotary = rotary
+
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        self.backend.write_kv(kv_cache, k, v, meta)
+        out = self.backend.forward(q, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+# Hugging Face shard name → (fused parameter name, shard index) within a layer.
+_FUSED_SHARDS = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, self.rotary) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Flattened tokens (T,) → final hidden states (T, hidden), normalised."""
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, positions, kv_cache, meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # ---- weights ----------------------------------------------------------------------------------
+
+    def _shard_sizes(self, fused: str) -> list[int]:
+        c = self.config
+        if "qkv_proj" in fused:
+            return [c.q_size, c.kv_size, c.kv_size]
+        return [c.intermediate_size, c.intermediate_size]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy Hugging Face-named tensors into this module; returns the parameter names that were set."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target_name, shard = name, None
+            for hf_part, (fused, index) in _FUSED_SHARDS.items():
+                if f".{hf_part}." in f".{name}":
+                    target_name, shard = name.replace(hf_part, fused), index
+                    break
+            if target_name not in params:
+                raise KeyError(f"unexpected weight {hf_name!r}")
+            param = params[target_name]
+            with torch.no_grad():
+                if shard is None:
+                    if param.shape != tensor.shape:
+                        raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+                    param.copy_(tensor)
+                else:
+                    sizes = self._shard_sizes(target_name)
+                    offset = sum(sizes[:shard])
+                    part = param.narrow(0, offset, sizes[shard])
+                    if part.shape != tensor.shape:
+                        raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(part.shape)}")
+                    part.copy_(tensor)
+            loaded.add(f"{target_name}#{shard}" if shard is not None else target_name)
+        return loaded
+
+    def expected_weight_keys(self) -> set[str]:
+        """What ``load_weights`` must have set for the model to be complete."""
+        keys: set[str] = set()
+        for name, _ in self.named_parameters():
+            fused = next((f for f, _ in _FUSED_SHARDS.values() if name.endswith(f"{f}.weight")), None)
+            if fused is not None:
+                keys.update(f"{name}#{i}" for i in range(len(self._shard_sizes(fused))))
+            elif fused is None and any(name.endswith(f"{f}.bias") for f, _ in _FUSED_SHARDS.values()):
+                keys.update(f"{name}#{i}" for i in range(3))
+            else:
+                keys.add(name)
+        return keys
+
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights that keep activations finite at any size (std 0.02 matrices, unit norms)."""
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                elif name.endswith(".bias"):
+                    param.zero_()
+                else:
+                    values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * 0.02
+                    param.copy_(values.to(param.dtype))
+
+    def post_load(self, device: torch.device) -> None:
+        self.rotary.build(device)

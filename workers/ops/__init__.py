@@ -1,0 +1,1 @@
+"""Fused elementwise kernels for CUDA (Triton); import only where Triton is available."""

@@ -1,0 +1,137 @@
+"""Triton fused elementwise ops for the decoder layer: RMSNorm (optionally with the residual add), SiLU-and-mul,
+and rotary embedding applied in place. Each reads its inputs once and writes its outputs once, where the torch
+versions make several passes (and launches) over the same activations.
+
+Numerics follow the model code: RMSNorm normalises in fp32 and scales in the run dtype; rotary uses the
+rotate-half (GPT-NeoX) layout with a ``cos_sin`` table of shape (2, max_positions, head_dim) in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    x_stride,
+    residual_stride,
+    out_stride,
+    eps,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if ADD_RESIDUAL:
+        # The sum is rounded to the run dtype before normalising, as an unfused ``x + residual`` would be.
+        x = x + tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
+        tl.store(residual_ptr + row * residual_stride + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / N + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    y = (x32 * rstd).to(x.dtype) * w
+    tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x²) + eps))`` over the last dim of a 2-D ``x``."""
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    _rms_norm_kernel[(x.shape[0],)](
+        x, x, weight, out, x.stride(0), x.stride(0), out.stride(0), eps, N=n,
+        BLOCK=triton.next_power_of_2(n), ADD_RESIDUAL=False, num_warps=_warps(n),
+    )  # fmt: skip
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``residual += x`` in place, then returns ``rms_norm(residual)``; one pass instead of four."""
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    _rms_norm_kernel[(x.shape[0],)](
+        x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), eps, N=n,
+        BLOCK=triton.next_power_of_2(n), ADD_RESIDUAL=True, num_warps=_warps(n),
+    )  # fmt: skip
+    return out
+
+
+def _warps(n: int) -> int:
+    return 4 if n <= 2048 else 8 if n <= 8192 else 16
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + N + cols, mask=mask, other=0.0)
+    y = (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up
+    tl.store(out_ptr + row * out_stride + cols, y, mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2I) laid out [gate | up] → silu(gate) * up, shape (T, I)."""
+    num_tokens, width = gate_up.shape
+    n = width // 2
+    out = torch.empty((num_tokens, n), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(n, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), N=n, BLOCK=block, num_warps=4
+    )
+    return out
+
+
+@triton.jit
+def _rotary_kernel(
+    x_ptr,
+    pos_ptr,
+    cos_sin_ptr,
+    x_stride_t,
+    x_stride_h,
+    table_stride,
+    num_heads,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < HALF
+    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + offs_d, mask=d_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + table_stride + pos * 2 * HALF + offs_d, mask=d_mask, other=0.0)
+    mask = (offs_h[:, None] < num_heads) & d_mask[None, :]
+    base = x_ptr + t.to(tl.int64) * x_stride_t + offs_h[:, None] * x_stride_h + offs_d[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    # cos/sin repeat across the two halves (emb = cat(freqs, freqs)), so the first half's entries serve both.
+    tl.store(base, (a * cos[None, :] - b * sin[None, :]).to(x1.dtype), mask=mask)
+    tl.store(base + HALF, (b * cos[None, :] + a * sin[None, :]).to(x1.dtype), mask=mask)
+
+
+def rotary_in_place(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """Rotates ``x`` (T, heads, head_dim) in place; ``cos_sin`` (2, max_positions, head_dim) float32, contiguous."""
+    num_tokens, num_heads, head_dim = x.shape
+    if num_tokens == 0:
+        return
+    assert x.stride(2) == 1 and cos_sin.is_contiguous() and cos_sin.shape[-1] == head_dim
+    half = head_dim // 2
+    _rotary_kernel[(num_tokens,)](
+        x, positions, cos_sin, x.stride(0), x.stride(1), cos_sin.stride(0), num_heads, HALF=half,
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+    )  # fmt: skip

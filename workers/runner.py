@@ -1,0 +1,402 @@
+"""The model runner: a persistent batch of requests fed by DecodeSteps, one forward and one sample per step.
+
+Each request keeps its tokens (prompt + output), block table and ``num_computed_tokens`` across steps. A
+step computes positions ``[num_computed, num_computed + num_scheduled)`` of each scheduled request; when
+that reaches the end of the known tokens the request samples one token (otherwise its prefill is chunked
+and continues next step). Prefill and decode rows are flattened into one ragged batch.
+
+Structure for device fast paths: ``_prepare_inputs`` is the only place that builds step tensors, the
+forward is ``_forward`` and ``capture_decode_graphs`` is the seam where CUDA/ACL graphs hook in.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ominix_runtime.contract import (
+    DecodeStep,
+    InvalidArgument,
+    NewRequestData,
+    RequestOutput,
+    RuntimeErrorKind,
+    SampledLogprobs,
+    SamplingParams,
+    StepResult,
+    TokenLogprob,
+)
+from ominix_worker.attention.base import AttentionBackend, AttentionMetadata
+from ominix_worker.config import ModelConfig
+from ominix_worker.models.llama import LlamaForCausalLM
+from ominix_worker.sampler import SamplerOutput, SamplingTensors, sample
+
+log = logging.getLogger(__name__)
+
+_INT64_RANGE = 1 << 64
+
+
+@dataclass(slots=True)
+class CachedRequest:
+    """What the worker holds for one request between steps."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling: SamplingParams
+    kv_block_ids: list[int]
+    num_computed_tokens: int
+    seed: int  # sampling.seed, or the engine's effective seed
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len:end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
+
+
+@dataclass(slots=True)
+class ScheduledRow:
+    request: CachedRequest
+    start: int  # first position computed this step
+    end: int  # one past the last
+    samples: bool  # reaches the end of the known tokens
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the flattened batch whose logits are sampled
+    sampling: SamplingTensors | None
+    sampling_rows: list[ScheduledRow] = field(default_factory=list)
+
+
+class RequestError(Exception):
+    """A problem confined to one request; the step goes on without it."""
+
+    def __init__(self, kind: RuntimeErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        kv_caches: list[torch.Tensor],
+        device: torch.device,
+        max_model_len: int,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.device = device
+        self.block_size = backend.block_size
+        self.num_blocks = int(kv_caches[0].shape[1]) if kv_caches else 0
+        self.max_model_len = max_model_len
+        self.vocab_size = config.vocab_size
+        self.requests: dict[str, CachedRequest] = {}
+        self.last_step_id = 0
+        self._pin = device.type == "cuda"
+
+    # ---- request state -----------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Drop every request's state (the engine's stream closed)."""
+        self.requests.clear()
+
+    def _add_new(self, new: NewRequestData) -> CachedRequest:
+        sampling = new.sampling.validate(vocab_size=self.vocab_size)
+        seed = sampling.seed if sampling.seed is not None else new.effective_seed
+        request = CachedRequest(
+            request_id=new.request_id,
+            prompt_token_ids=list(new.prompt_token_ids),
+            output_token_ids=list(new.output_token_ids),
+            sampling=sampling,
+            kv_block_ids=list(new.kv_block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            seed=seed,
+        )
+        for token in request.prompt_token_ids + request.output_token_ids:
+            if not 0 <= token < self.vocab_size:
+                raise RequestError(RuntimeErrorKind.INVALID_ARGUMENT, f"token id {token} outside the vocabulary")
+        self.requests[new.request_id] = request
+        return request
+
+    def _check_row(self, request: CachedRequest, num_scheduled: int) -> ScheduledRow:
+        start = request.num_computed_tokens
+        end = start + num_scheduled
+        if end > request.num_tokens:
+            raise RequestError(
+                RuntimeErrorKind.INTERNAL,
+                f"scheduled up to position {end} but only {request.num_tokens} tokens are known",
+            )
+        if end > self.max_model_len:
+            raise RequestError(
+                RuntimeErrorKind.KV_CAPACITY_EXCEEDED, f"position {end} exceeds max_model_len {self.max_model_len}"
+            )
+        if len(request.kv_block_ids) * self.block_size < end:
+            raise RequestError(
+                RuntimeErrorKind.INTERNAL,
+                f"{len(request.kv_block_ids)} KV blocks cannot hold {end} tokens (block size {self.block_size})",
+            )
+        if any(not 0 <= b < self.num_blocks for b in request.kv_block_ids[: -(-end // self.block_size)]):
+            raise RequestError(RuntimeErrorKind.INTERNAL, f"KV block id outside [0, {self.num_blocks})")
+        return ScheduledRow(request, start, end, samples=end == request.num_tokens)
+
+    def _apply_step(self, step: DecodeStep) -> tuple[list[str], list[ScheduledRow | None], dict[str, RequestOutput]]:
+        """Update request state from the step's diffs; returns the scheduled order, rows and early errors."""
+        for request_id in step.finished_request_ids:
+            self.requests.pop(request_id, None)
+        order: list[str] = []
+        rows: list[ScheduledRow | None] = []
+        errors: dict[str, RequestOutput] = {}
+        scheduled: list[tuple[str, int]] = []
+        for new in step.new_requests:
+            try:
+                self._add_new(new)
+            except (InvalidArgument, RequestError) as exc:
+                kind = exc.kind if isinstance(exc, (InvalidArgument, RequestError)) else RuntimeErrorKind.INTERNAL
+                errors[new.request_id] = RequestOutput(new.request_id, error_kind=kind, error_message=str(exc))
+            scheduled.append((new.request_id, new.num_scheduled_tokens))
+        for running in step.running_requests:
+            request = self.requests.get(running.request_id)
+            if request is None:
+                if running.request_id not in errors:
+                    errors[running.request_id] = RequestOutput(
+                        running.request_id, error_kind=RuntimeErrorKind.INTERNAL,
+                        error_message="the worker holds no state for this request",
+                    )
+            else:
+                request.kv_block_ids.extend(running.new_kv_block_ids)
+            scheduled.append((running.request_id, running.num_scheduled_tokens))
+        for request_id, num_scheduled in scheduled:
+            order.append(request_id)
+            if request_id in errors:
+                rows.append(None)
+                continue
+            request = self.requests[request_id]
+            try:
+                rows.append(self._check_row(request, num_scheduled) if num_scheduled > 0 else None)
+            except RequestError as exc:
+                errors[request_id] = RequestOutput(request_id, error_kind=exc.kind, error_message=str(exc))
+                rows.append(None)
+        for request_id in errors:
+            self.requests.pop(request_id, None)
+        return order, rows, errors
+
+    # ---- step --------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_step(self, step: DecodeStep) -> StepResult:
+        started = time.perf_counter()
+        order, rows, errors = self._apply_step(step)
+        active = [row for row in rows if row is not None]
+        outputs: dict[str, RequestOutput] = dict(errors)
+        num_tokens = sum(row.end - row.start for row in active)
+        if active:
+            inputs = self._prepare_inputs(active)
+            hidden = self._forward(inputs)
+            sampled = self._sample(hidden, inputs)
+            outputs.update(self._update_states(active, inputs, sampled))
+        result = StepResult(step_id=step.step_id, num_tokens=num_tokens)
+        for request_id in order:
+            result.outputs.append(outputs.get(request_id) or RequestOutput(request_id))
+        self.last_step_id = step.step_id
+        result.compute_seconds = time.perf_counter() - started
+        return result
+
+    def _prepare_inputs(self, rows: list[ScheduledRow]) -> StepInputs:
+        """Every tensor the forward and the sampler need, built on the host and copied once."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        max_blocks = max(-(-row.end // bs) for row in rows)
+        block_table = torch.zeros((len(rows), max_blocks), dtype=torch.int32)
+        for i, row in enumerate(rows):
+            req = row.request
+            input_ids.extend(req.token_ids(row.start, row.end))
+            span = range(row.start, row.end)
+            positions.extend(span)
+            blocks = req.kv_block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in span)
+            query_start.append(query_start[-1] + row.end - row.start)
+            seq_lens.append(row.end)
+            used = -(-row.end // bs)
+            block_table[i, :used] = torch.tensor(blocks[:used], dtype=torch.int32)
+            if row.samples:
+                logits_indices.append(query_start[-1] - 1)
+        max_query_len = max(row.end - row.start for row in rows)
+        meta = AttentionMetadata(
+            query_start_loc=self._to_device(torch.tensor(query_start, dtype=torch.int32)),
+            seq_lens=self._to_device(torch.tensor(seq_lens, dtype=torch.int32)),
+            block_tables=self._to_device(block_table),
+            slot_mapping=self._to_device(torch.tensor(slots, dtype=torch.int64)),
+            max_query_len=max_query_len,
+            max_seq_len=max(seq_lens),
+            num_decode_only=max_query_len == 1,
+            query_start_loc_cpu=query_start,
+            seq_lens_cpu=seq_lens,
+        )
+        sampling_rows = [row for row in rows if row.samples]
+        return StepInputs(
+            input_ids=self._to_device(torch.tensor(input_ids, dtype=torch.int64)),
+            positions=self._to_device(torch.tensor(positions, dtype=torch.int64)),
+            meta=meta,
+            logits_indices=self._to_device(torch.tensor(logits_indices, dtype=torch.int64)),
+            sampling=self._sampling_tensors(sampling_rows) if sampling_rows else None,
+            sampling_rows=sampling_rows,
+        )
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return tensor
+        if self._pin:
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
+
+    def _sampling_tensors(self, rows: list[ScheduledRow]) -> SamplingTensors:
+        params = [row.request.sampling for row in rows]
+        vocab = self.vocab_size
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        seeds = [(r.request.seed % _INT64_RANGE) - (_INT64_RANGE if r.request.seed % _INT64_RANGE >= 1 << 63 else 0)
+                 for r in rows]
+        t = SamplingTensors(
+            temperature=self._to_device(torch.tensor([p.temperature for p in params], dtype=torch.float32)),
+            top_k=self._to_device(torch.tensor(top_k, dtype=torch.int64)),
+            top_p=self._to_device(torch.tensor([p.top_p for p in params], dtype=torch.float32)),
+            min_p=self._to_device(torch.tensor([p.min_p for p in params], dtype=torch.float32)),
+            seeds=self._to_device(torch.tensor(seeds, dtype=torch.int64)),
+            output_positions=self._to_device(
+                torch.tensor([len(r.request.output_token_ids) for r in rows], dtype=torch.int64)
+            ),
+            num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+            needs_top_k=any(k < vocab for k in top_k),
+            needs_top_p=any(p.top_p < 1.0 for p in params),
+            needs_min_p=any(p.min_p > 0.0 for p in params),
+            all_greedy=all(p.temperature == 0.0 for p in params),
+        )
+        if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
+            counts = torch.zeros((len(rows), vocab), dtype=torch.float32)
+            prompt_mask = torch.zeros((len(rows), vocab), dtype=torch.bool)
+            for i, row in enumerate(rows):
+                if row.request.output_token_ids:
+                    ids = torch.tensor(row.request.output_token_ids, dtype=torch.int64)
+                    counts[i].scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
+                prompt_mask[i, torch.tensor(row.request.prompt_token_ids, dtype=torch.int64)] = True
+            t.output_counts = self._to_device(counts)
+            t.prompt_mask = self._to_device(prompt_mask)
+            t.repetition_penalty = self._to_device(torch.tensor([p.repetition_penalty for p in params]))
+            t.frequency_penalty = self._to_device(torch.tensor([p.frequency_penalty for p in params]))
+            t.presence_penalty = self._to_device(torch.tensor([p.presence_penalty for p in params]))
+        banned_rows = [
+            i for i, row in enumerate(rows) if len(row.request.output_token_ids) < row.request.sampling.min_tokens
+        ]
+        if banned_rows:
+            banned = torch.zeros((len(rows), vocab), dtype=torch.bool)
+            for i in banned_rows:
+                ids = [t for t in (*self.config.eos_token_ids, *rows[i].request.sampling.stop_token_ids) if t < vocab]
+                banned[i, ids] = True
+            t.banned_mask = self._to_device(banned)
+        return t
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+
+    def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> SamplerOutput | None:
+        if inputs.sampling is None:
+            return None
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        return sample(logits, inputs.sampling)
+
+    def _update_states(
+        self, rows: list[ScheduledRow], inputs: StepInputs, sampled: SamplerOutput | None
+    ) -> dict[str, RequestOutput]:
+        outputs: dict[str, RequestOutput] = {}
+        for row in rows:
+            row.request.num_computed_tokens = row.end
+            outputs[row.request.request_id] = RequestOutput(row.request.request_id)
+        if sampled is None:
+            return outputs
+        # The one device → host transfer of the step.
+        token_ids = sampled.token_ids.tolist()
+        bad = sampled.bad_rows.tolist()
+        sampled_lp = sampled.sampled_logprobs.tolist() if sampled.sampled_logprobs is not None else None
+        top_lp = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
+        for i, row in enumerate(inputs.sampling_rows):
+            req = row.request
+            if bad[i]:
+                outputs[req.request_id] = RequestOutput(
+                    req.request_id, error_kind=RuntimeErrorKind.INTERNAL, error_message="the model produced NaN logits"
+                )
+                self.requests.pop(req.request_id, None)
+                continue
+            out = outputs[req.request_id]
+            out.sampled_token_id = token_ids[i]
+            num_top = req.sampling.logprobs
+            if num_top is not None and sampled_lp is not None:
+                top = []
+                if num_top > 0 and top_lp is not None and top_ids is not None:
+                    top = [TokenLogprob(top_ids[i][j], top_lp[i][j]) for j in range(num_top)]
+                out.logprobs = SampledLogprobs(TokenLogprob(token_ids[i], sampled_lp[i]), top)
+            req.output_token_ids.append(token_ids[i])
+        return outputs
+
+    # ---- warm-up and device seams ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def profile_forward(self, num_tokens: int) -> None:
+        """One forward of ``num_tokens`` prompt tokens in a single request, writing into block 0 onward."""
+        num_tokens = max(1, min(num_tokens, self.max_model_len, self.num_blocks * self.block_size))
+        request = CachedRequest("__profile__", [0] * num_tokens, [], SamplingParams(temperature=0.0),
+                                list(range(-(-num_tokens // self.block_size))), 0, 0)
+        row = ScheduledRow(request, 0, num_tokens, samples=True)
+        inputs = self._prepare_inputs([row])
+        self._sample(self._forward(inputs), inputs)
+
+    def capture_decode_graphs(self, batch_sizes: list[int] | None = None) -> bool:
+        """Seam for CUDA/ACL graph capture of uniform decode steps; the eager runner captures nothing."""
+        del batch_sizes
+        return False
+
+
+def build_runner(
+    model_path: str | None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    num_blocks: int = 256,
+    block_size: int = 16,
+    attention: str | None = None,
+    max_model_len: int | None = None,
+) -> ModelRunner:
+    """A runner with a fixed number of KV blocks (tests, benchmarks); the server sizes KV from memory."""
+    from ominix_runtime.models import resolve_model
+    from ominix_worker.attention import get_attention_backend
+    from ominix_worker.kv_cache import allocate_kv_cache
+    from ominix_worker.loader import load_model
+
+    device = torch.device(device)
+    backend = get_attention_backend(attention or device.type, block_size)
+    source = resolve_model(model_path)
+    loaded = load_model(source, device, dtype, backend, max_positions=max_model_len)
+    max_len = max_model_len or loaded.config.max_position_embeddings
+    kv = allocate_kv_cache(backend, loaded.config, num_blocks, dtype, device)
+    return ModelRunner(loaded.model, loaded.config, backend, kv, device, max_len)

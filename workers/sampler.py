@@ -1,0 +1,137 @@
+"""Batched sampling on the device: penalties, temperature, top-k / top-p / min-p, seeded Gumbel-max, logprobs.
+
+Randomness is counter-based: the noise for (seed, output position, token id) is a hash computed with torch
+integer ops, so a request draws the same tokens whatever else is in the batch and after it is preempted
+and resumed (the position continues from its previous output). No global RNG is touched.
+
+Logprobs are taken from ``log_softmax`` of the raw model logits (before penalties, temperature and
+truncation): they describe the model, not the sampling transform, and stay comparable across requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (lowbias32) on int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32  # int64 products wrap; the low 32 bits stay exact
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniform (0, 1) float32 of shape (B, V) determined by (seed, position, token id) only.
+
+    ``seeds`` holds each request's 64-bit seed as int64 (two's complement), ``positions`` its output index.
+    """
+    device = seeds.device
+    seed_lo = seeds & _MASK32
+    seed_hi = (seeds >> 32) & _MASK32
+    row = _mix32(_mix32(seed_lo ^ _mix32(seed_hi + 0x9E3779B9)) ^ (positions & _MASK32))  # (B,)
+    token = torch.arange(vocab_size, device=device, dtype=torch.int64)
+    bits = _mix32(((row.unsqueeze(1) + token.unsqueeze(0) * 0x9E3779B9) & _MASK32) ^ 0x85EBCA6B)
+    bits = _mix32(bits)
+    # 24 random bits, offset by half a step so that 0 and 1 never occur.
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass(slots=True)
+class SamplingTensors:
+    """Per-row sampling parameters for one step, already on the device. Built by the runner."""
+
+    temperature: torch.Tensor  # float32 (B,), 0 = greedy
+    top_k: torch.Tensor  # int64 (B,), vocab_size = no limit
+    top_p: torch.Tensor  # float32 (B,)
+    min_p: torch.Tensor  # float32 (B,)
+    seeds: torch.Tensor  # int64 (B,)
+    output_positions: torch.Tensor  # int64 (B,), index of the token being sampled within the output
+    repetition_penalty: torch.Tensor | None = None  # float32 (B,)
+    frequency_penalty: torch.Tensor | None = None  # float32 (B,)
+    presence_penalty: torch.Tensor | None = None  # float32 (B,)
+    output_counts: torch.Tensor | None = None  # float32 (B, V): occurrences in the output so far
+    prompt_mask: torch.Tensor | None = None  # bool (B, V): present in the prompt
+    banned_mask: torch.Tensor | None = None  # bool (B, V): eos / stop ids before min_tokens is reached
+    num_logprobs: int = -1  # most top-N asked by any row; -1: no row wants logprobs
+    needs_top_k: bool = False
+    needs_top_p: bool = False
+    needs_min_p: bool = False
+    all_greedy: bool = False
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # int64 (B,)
+    bad_rows: torch.Tensor  # bool (B,): logits were NaN
+    sampled_logprobs: torch.Tensor | None = None  # float32 (B,)
+    top_logprobs: torch.Tensor | None = None  # float32 (B, N)
+    top_token_ids: torch.Tensor | None = None  # int64 (B, N)
+
+
+def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    if t.repetition_penalty is not None and t.output_counts is not None:
+        seen = t.output_counts > 0
+        if t.prompt_mask is not None:
+            seen = seen | t.prompt_mask
+        penalty = t.repetition_penalty.unsqueeze(1)
+        # Positive logits shrink, negative ones grow: both make a seen token less likely.
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalised, logits)
+    if t.output_counts is not None and t.frequency_penalty is not None and t.presence_penalty is not None:
+        logits = logits - t.frequency_penalty.unsqueeze(1) * t.output_counts
+        logits = logits - t.presence_penalty.unsqueeze(1) * (t.output_counts > 0).to(logits.dtype)
+    if t.banned_mask is not None:
+        logits = logits.masked_fill(t.banned_mask, float("-inf"))
+    return logits
+
+
+def apply_truncation(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Mask tokens outside top-k, the top-p nucleus, or below min-p × max prob (on scaled logits)."""
+    if t.needs_top_k or t.needs_top_p:
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if t.needs_top_k:
+            ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+            remove |= ranks >= t.top_k.unsqueeze(1)
+        if t.needs_top_p:
+            probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            remove |= mass_before >= t.top_p.unsqueeze(1)
+        remove[:, 0] = False  # the most likely token always survives
+        logits = logits.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
+    if t.needs_min_p:
+        probs = logits.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * t.min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+    """logits float32 (B, V) → sampled ids and, when asked, logprobs. Runs fully batched on the device."""
+    raw = logits
+    bad_rows = torch.isnan(raw).any(dim=-1)
+    logits = apply_penalties(raw, t)
+    greedy = logits.argmax(dim=-1)
+    if t.all_greedy:
+        token_ids = greedy
+    else:
+        temperature = torch.where(t.temperature > 0, t.temperature, torch.ones_like(t.temperature))
+        scaled = apply_truncation(logits / temperature.unsqueeze(1), t)
+        # Gumbel-max: argmax(logits + Gumbel noise) is a draw from softmax(logits).
+        noise = uniform_noise(t.seeds, t.output_positions, logits.shape[-1])
+        gumbel = -torch.log(-torch.log(noise))
+        drawn = (scaled + gumbel).argmax(dim=-1)
+        token_ids = torch.where(t.temperature > 0, drawn, greedy)
+    out = SamplerOutput(token_ids=token_ids, bad_rows=bad_rows)
+    if t.num_logprobs >= 0:
+        logprobs = raw.log_softmax(dim=-1)
+        out.sampled_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        if t.num_logprobs > 0:
+            out.top_logprobs, out.top_token_ids = logprobs.topk(t.num_logprobs, dim=-1)
+    return out
