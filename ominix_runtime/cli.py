@@ -1,0 +1,373 @@
+"""``ominix-runtime``: serve, worker, launch, generate and conformance subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from ominix_runtime.config import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_ENGINE_PORT,
+    DEFAULT_HOST,
+    DEFAULT_METRICS_PORT,
+    DEFAULT_WORKER_BASE_PORT,
+    DEFAULT_WORKER_READY_TIMEOUT_S,
+    DebugConfig,
+    EngineConfig,
+    SchedulerConfig,
+    TLSConfig,
+)
+from ominix_runtime.models import DEFAULT_MODEL_NAME
+
+_FORWARDED = ("worker", "conformance")
+_Formatter = argparse.ArgumentDefaultsHelpFormatter
+
+
+# ---- parser -----------------------------------------------------------------------------------------
+
+
+def _add_model_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", default=None,
+        help=f"a .gguf file, a Hugging Face folder or dummy:CONFIG; unset means the embedded {DEFAULT_MODEL_NAME}",
+    )
+
+
+def _add_serve_flags(p: argparse.ArgumentParser, with_backends: bool) -> None:
+    _add_model_flag(p)
+    if with_backends:
+        p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
+                       help="a step-level worker to drive (repeat for several)")
+    p.add_argument("--sglang", action="append", default=[], metavar="URL",
+                   help="an SGLang server to drive at request level (repeat for several)")
+    p.add_argument("--host", default=DEFAULT_HOST, help="address the engine's gRPC server binds")
+    p.add_argument("--port", type=int, default=DEFAULT_ENGINE_PORT, help="engine gRPC port")
+    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                   help="Prometheus /metrics HTTP port (0 disables it)")
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="token budget per step (unset: what each worker states)")
+    p.add_argument("--max-running-requests", type=int, default=None,
+                   help="requests per step (unset: what each worker states)")
+    p.add_argument("--max-queue-len", type=int, default=1024,
+                   help="requests waiting for admission before new ones are refused (0: no limit)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help="seconds live requests may take to finish after SIGINT/SIGTERM")
+    p.add_argument("--worker-ready-timeout", type=float, default=DEFAULT_WORKER_READY_TIMEOUT_S,
+                   help="seconds to wait for workers to report ready")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log level")
+    p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"],
+                   help="log format on stderr (auto: console on a terminal, JSON otherwise)")
+    p.add_argument("--tls-cert", default=None, help="server certificate (reserved; plaintext is used)")
+    p.add_argument("--tls-key", default=None, help="server key (reserved; plaintext is used)")
+    p.add_argument("--worker-ca", default=None, help="CA for worker connections (reserved; plaintext is used)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ominix-runtime", formatter_class=_Formatter,
+        description="Runtime policy layer for LLM inference serving (engine daemon, workers, client).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", formatter_class=_Formatter, help="run the engine daemon against workers",
+                           description="Run the engine daemon; workers are started separately.")
+    _add_serve_flags(serve, with_backends=True)
+
+    launch = sub.add_parser(
+        "launch", formatter_class=_Formatter, help="start one worker per device, then the engine",
+        description="Start one worker process per device (ports --worker-base-port + i), wait until each is "
+                    "ready, then run the engine; every serve flag applies. Ctrl-C stops everything.",
+    )
+    launch.add_argument("--devices", default="cpu", help="comma-separated devices, e.g. cpu,cpu or cuda:0,cuda:1")
+    launch.add_argument("--worker-base-port", type=int, default=DEFAULT_WORKER_BASE_PORT,
+                        help="port of the first worker; worker i listens on base + i")
+    launch.add_argument("--dtype", default=None, help="worker dtype (unset: the device's default)")
+    launch.add_argument("--kv-cache-memory", default=None, help="worker KV cache size (passed to each worker)")
+    launch.add_argument("--block-size", type=int, default=None, help="KV block size (passed to each worker)")
+    launch.add_argument("--engine-in-child", action="store_true",
+                        help="run the engine as a child process instead of in this process")
+    _add_serve_flags(launch, with_backends=False)
+
+    gen = sub.add_parser("generate", formatter_class=_Formatter, help="one-shot client: stream a completion",
+                         description="Send one prompt to a running engine and stream the text to the terminal.")
+    gen.add_argument("prompt", help="prompt text")
+    gen.add_argument("--address", default=f"localhost:{DEFAULT_ENGINE_PORT}", help="engine address")
+    _add_model_flag(gen)
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat turn (chat template)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=None, help="nucleus mass (unset: 1)")
+    gen.add_argument("--top-k", type=int, default=0, help="0: no limit")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--priority", choices=["realtime", "interactive", "batch"], default="interactive",
+                     help="scheduling class")
+    gen.add_argument("--request-id", default="", help="request id (unset: generated by the engine)")
+    gen.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
+    gen.add_argument("--json", action="store_true", help="print every event as a JSON line")
+
+    sub.add_parser("worker", add_help=False, help="run a worker process (flags: ominix-runtime worker --help)")
+    sub.add_parser("conformance", add_help=False,
+                   help="backend conformance suite (flags: ominix-runtime conformance --help)")
+    return parser
+
+
+# ---- config -----------------------------------------------------------------------------------------
+
+
+def engine_config_from_args(args: argparse.Namespace, workers: Sequence[str]) -> EngineConfig:
+    log_json = {"auto": None, "json": True, "console": False}[args.log_format]
+    return EngineConfig(
+        model=args.model,
+        workers=tuple(workers),
+        sglang_urls=tuple(args.sglang),
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        scheduler=SchedulerConfig(
+            max_batch_tokens=args.max_batch_tokens,
+            max_running_requests=args.max_running_requests,
+            max_queue_len=args.max_queue_len,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        drain_timeout=args.drain_timeout,
+        worker_ready_timeout=args.worker_ready_timeout,
+        log_level=args.log_level,
+        log_json=log_json,
+        tls=TLSConfig(server_cert=args.tls_cert, server_key=args.tls_key, worker_ca=args.worker_ca),
+        debug=DebugConfig.from_env(),
+    )
+
+
+def _serve_argv(args: argparse.Namespace, workers: Sequence[str]) -> list[str]:
+    """The serve command line equivalent to ``args`` (for an engine child process)."""
+    argv = ["serve", "--host", args.host, "--port", str(args.port), "--metrics-port", str(args.metrics_port),
+            "--max-queue-len", str(args.max_queue_len), "--drain-timeout", str(args.drain_timeout),
+            "--worker-ready-timeout", str(args.worker_ready_timeout), "--log-level", args.log_level,
+            "--log-format", args.log_format]
+    if args.model:
+        argv += ["--model", args.model]
+    for worker in workers:
+        argv += ["--worker", worker]
+    for url in args.sglang:
+        argv += ["--sglang", url]
+    for flag, value in (("--max-batch-tokens", args.max_batch_tokens),
+                        ("--max-running-requests", args.max_running_requests)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.no_prefix_caching:
+        argv.append("--no-prefix-caching")
+    return argv
+
+
+# ---- commands ---------------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ominix_runtime.server.app import run_server
+
+    if not args.worker and not args.sglang:
+        print("ominix-runtime serve: pass --worker HOST:PORT (or --sglang URL); "
+              "`ominix-runtime launch` starts workers for you", file=sys.stderr)
+        return 2
+    return run_server(engine_config_from_args(args, args.worker))
+
+
+def cmd_worker(argv: list[str]) -> int:
+    # The one place ominix_runtime reaches into the worker package (and so into torch).
+    try:
+        from ominix_worker.server import main as worker_main
+    except ImportError as exc:
+        print(f"ominix-runtime worker: the worker package is not installed ({exc}); "
+              "pip install 'ominix-runtime[worker]'", file=sys.stderr)
+        return 2
+    return int(worker_main(argv) or 0)
+
+
+def cmd_conformance(argv: list[str]) -> int:
+    from ominix_runtime.conformance.cli import main as conformance_main
+
+    return int(conformance_main(argv) or 0)
+
+
+def _set_parent_death_signal() -> None:
+    """Linux: a worker receives SIGTERM when the launcher dies, even by SIGKILL (no orphans)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def _worker_command(args: argparse.Namespace, device: str, port: int) -> list[str]:
+    cmd = [sys.executable, "-m", "ominix_runtime", "worker", "--device", device, "--host", args.host,
+           "--port", str(port), "--worker-id", f"{device}@{args.host}:{port}"]
+    if args.model:
+        cmd += ["--model", args.model]
+    for flag, value in (("--dtype", args.dtype), ("--kv-cache-memory", args.kv_cache_memory),
+                        ("--block-size", args.block_size), ("--max-batch-tokens", args.max_batch_tokens),
+                        ("--max-running-requests", args.max_running_requests)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    return cmd
+
+
+def _stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 15.0) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+def _wait_workers_ready(procs: Sequence[subprocess.Popen[bytes]], addresses: Sequence[str],
+                        timeout: float) -> None:
+    import grpc
+
+    from ominix_runtime.pb import worker_pb2, worker_pb2_grpc
+
+    channels = [grpc.insecure_channel(a) for a in addresses]
+    try:
+        pending = set(range(len(addresses)))
+        deadline = time.monotonic() + timeout
+        while pending:
+            for i in sorted(pending):
+                code = procs[i].poll()
+                if code is not None:
+                    raise RuntimeError(f"worker {addresses[i]} exited with code {code} before it was ready")
+                try:
+                    resp = worker_pb2_grpc.WorkerStub(channels[i]).Health(worker_pb2.HealthRequest(), timeout=2.0)
+                except grpc.RpcError:
+                    continue
+                if resp.ready:
+                    pending.discard(i)
+                    print(f"worker {addresses[i]} ready", file=sys.stderr, flush=True)
+            if pending:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"workers not ready within {timeout:.0f}s: "
+                                       f"{', '.join(addresses[i] for i in sorted(pending))}")
+                time.sleep(0.2)
+    finally:
+        for ch in channels:
+            ch.close()
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+    if not devices:
+        print("ominix-runtime launch: --devices is empty", file=sys.stderr)
+        return 2
+    ports = [args.worker_base_port + i for i in range(len(devices))]
+    addresses = [f"{args.host}:{p}" for p in ports]
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def on_term(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous_term = signal.signal(signal.SIGTERM, on_term)
+    try:
+        for device, port in zip(devices, ports, strict=True):
+            # Own session: a terminal's Ctrl-C reaches only the launcher, which drains the engine first and
+            # then stops the workers itself.
+            procs.append(subprocess.Popen(_worker_command(args, device, port), start_new_session=True,
+                                          preexec_fn=_set_parent_death_signal))  # noqa: PLW1509
+        print(f"started {len(procs)} worker(s): {', '.join(addresses)}", file=sys.stderr, flush=True)
+        _wait_workers_ready(procs, addresses, args.worker_ready_timeout)
+        if args.engine_in_child:
+            engine = subprocess.Popen([sys.executable, "-m", "ominix_runtime", *_serve_argv(args, addresses)],
+                                      preexec_fn=_set_parent_death_signal)  # noqa: PLW1509
+            procs.insert(0, engine)
+            signal.signal(signal.SIGTERM, lambda s, f: engine.send_signal(signal.SIGTERM))
+            signal.signal(signal.SIGINT, lambda s, f: engine.send_signal(signal.SIGINT))
+            code = engine.wait()
+            return code
+        signal.signal(signal.SIGTERM, previous_term)
+        from ominix_runtime.server.app import run_server
+
+        return run_server(engine_config_from_args(args, addresses))
+    except RuntimeError as exc:
+        print(f"ominix-runtime launch: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not leave workers behind
+        _stop_processes(procs)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf import json_format
+
+    from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
+
+    sampling = common_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                         top_k=args.top_k, stop=args.stop)
+    if args.top_p is not None:
+        sampling.top_p = args.top_p
+    if args.seed is not None:
+        sampling.seed = args.seed
+    priority = {"realtime": 1, "interactive": 2, "batch": 3}[args.priority]
+    request = engine_pb2.GenerateRequest(request_id=args.request_id, sampling=sampling, priority=priority)
+    if args.chat:
+        request.messages.messages.add(role="user", content=args.prompt)
+    else:
+        request.prompt = args.prompt
+    exit_code = 1
+    with grpc.insecure_channel(args.address) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        try:
+            for event in stub.Generate(request, timeout=args.timeout):
+                kind = event.WhichOneof("event")
+                if args.json:
+                    line = json_format.MessageToJson(event, indent=None, preserving_proto_field_name=True)
+                    print(line, flush=True)
+                elif kind == "token":
+                    sys.stdout.write(event.token.text)
+                    sys.stdout.flush()
+                if kind == "done":
+                    exit_code = 0
+                    if not args.json:
+                        reason = common_pb2.FinishReason.Name(event.done.finish_reason)
+                        print(f"\n[{reason.removeprefix('FINISH_REASON_').lower()}]", file=sys.stderr)
+                elif kind == "error" and not args.json:
+                    print(f"\nerror: {event.error.message}", file=sys.stderr)
+        except grpc.RpcError as exc:
+            print(f"ominix-runtime generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
+    return exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _FORWARDED:
+        return cmd_worker(argv[1:]) if argv[0] == "worker" else cmd_conformance(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return cmd_serve(args)
+    if args.command == "launch":
+        return cmd_launch(args)
+    if args.command == "generate":
+        return cmd_generate(args)
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

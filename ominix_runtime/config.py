@@ -1,0 +1,79 @@
+"""The daemon's configuration: one frozen tree built from the command line.
+
+Environment variables are only read for debug knobs, all prefixed ``OMINIX_`` (see :class:`DebugConfig`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_ENGINE_PORT = 50061
+DEFAULT_WORKER_BASE_PORT = 50071
+DEFAULT_METRICS_PORT = 9400
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+DEFAULT_WORKER_READY_TIMEOUT_S = 300.0
+DEFAULT_STEP_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Overrides of what the backends state; None keeps the backend's own figure."""
+
+    max_batch_tokens: int | None = None
+    max_running_requests: int | None = None
+    max_queue_len: int = 1024
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class TLSConfig:
+    """Paths for TLS on the front API and to workers (placeholders: plaintext is used while unset)."""
+
+    server_cert: str | None = None
+    server_key: str | None = None
+    worker_ca: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.server_cert and self.server_key)
+
+
+@dataclass(frozen=True, slots=True)
+class DebugConfig:
+    """Knobs for debugging, read from OMINIX_* environment variables only."""
+
+    log_steps: bool = False  # OMINIX_LOG_STEPS=1: one log line per scheduler step
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S  # OMINIX_STEP_TIMEOUT_S: worker silence before it is dropped
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> DebugConfig:
+        env = dict(os.environ) if env is None else env
+        return cls(
+            log_steps=env.get("OMINIX_LOG_STEPS", "") not in ("", "0", "false"),
+            step_timeout_s=float(env.get("OMINIX_STEP_TIMEOUT_S", DEFAULT_STEP_TIMEOUT_S)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything ``ominix-runtime serve`` needs."""
+
+    model: str | None = None  # None: the embedded default model
+    workers: tuple[str, ...] = ()  # host:port of step-level workers
+    sglang_urls: tuple[str, ...] = ()  # request-level SGLang servers
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_ENGINE_PORT
+    metrics_port: int = DEFAULT_METRICS_PORT  # 0: no metrics HTTP server
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
+    worker_ready_timeout: float = DEFAULT_WORKER_READY_TIMEOUT_S
+    log_level: str = "info"
+    log_json: bool | None = None  # None: JSON unless stderr is a terminal
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"

@@ -1,0 +1,237 @@
+"""The engine daemon: startup, serving loop and bounded graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+from dataclasses import asdict
+from typing import Any
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ominix_runtime.backends.grpc_worker import CHANNEL_OPTIONS, GrpcWorkerBackend
+from ominix_runtime.config import EngineConfig
+from ominix_runtime.contract import OminixError, RuntimeErrorKind
+from ominix_runtime.models import resolve_model
+from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
+from ominix_runtime.server.engine_service import EngineService
+from ominix_runtime.server.logging import configure_logging, get_logger
+from ominix_runtime.server.metrics import EngineMetrics
+from ominix_runtime.text import Tokenizer
+
+ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+METRICS_REFRESH_INTERVAL_S = 0.5
+
+_log = get_logger("ominix.server")
+
+
+def _build_backends(config: EngineConfig) -> list[Any]:
+    backends: list[Any] = [
+        GrpcWorkerBackend(address, step_timeout=config.debug.step_timeout_s) for address in config.workers
+    ]
+    if config.sglang_urls:
+        try:
+            from ominix_runtime.backends.sglang import SGLangBackend
+        except ImportError as exc:
+            raise OminixError(
+                RuntimeErrorKind.CAPABILITY_MISMATCH,
+                f"--sglang needs the SGLang adapter and its dependencies (pip install 'ominix-runtime[sglang]'): {exc}",
+            ) from exc
+        backends.extend(SGLangBackend(url) for url in config.sglang_urls)
+    if not backends:
+        raise OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, "no backend given: pass --worker or --sglang")
+    return backends
+
+
+async def _wait_workers_ready(backends: list[Any], timeout: float) -> None:
+    waits = [b.wait_ready(timeout) for b in backends if isinstance(b, GrpcWorkerBackend)]
+    if waits:
+        _log.info("waiting for workers", workers=[b.address for b in backends if isinstance(b, GrpcWorkerBackend)])
+        await asyncio.gather(*waits)
+
+
+def _grpcurl_hint(address: str) -> str:
+    return (
+        f"try: grpcurl -plaintext -d '{{\"prompt\": \"Hello\", \"sampling\": {{\"max_tokens\": 32}}}}' "
+        f"{address} ominix.runtime.v1.Engine/Generate"
+    )
+
+
+class EngineDaemon:
+    """Owns the engine core, the gRPC server and the metrics endpoint of one process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.metrics = EngineMetrics() if config.metrics_port > 0 else None
+        self.health = health.aio.HealthServicer()
+        self.stop_requested = asyncio.Event()
+        self.bound_port = 0
+        self.metrics_port = 0
+        self._engine: Any = None
+        self._server: grpc.aio.Server | None = None
+        self._backends: list[Any] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig
+        from ominix_runtime.engine.core import EngineCore
+
+        config = self.config
+        tokenizer: Tokenizer | None = None
+        model_name = ""
+        if config.model or config.workers or not config.sglang_urls:
+            source = resolve_model(config.model)
+            model_name = source.name
+            # Tokenizer loading (GGUF metadata parse) overlaps with the workers' own startup.
+            tokenizer = await asyncio.to_thread(Tokenizer.from_source, source)
+        self._backends = _build_backends(config)
+        sched = config.scheduler
+        core_config = EngineCoreConfig(
+            scheduler=SchedulerConfig(
+                max_batch_tokens=sched.max_batch_tokens,
+                max_running_requests=sched.max_running_requests,
+                enable_prefix_caching=sched.enable_prefix_caching,
+            ),
+            step_timeout=config.debug.step_timeout_s,
+            max_waiting_requests=sched.max_queue_len,
+        )
+        self._engine = EngineCore(self._backends, core_config)
+        service = EngineService(self._engine, tokenizer, model_name, self.metrics)
+
+        # Every service is registered before the server starts; Generate answers UNAVAILABLE and health
+        # says NOT_SERVING until the engine is ready.
+        server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self._server = server
+        engine_pb2_grpc.add_EngineServicer_to_server(service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((ENGINE_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        try:
+            self.bound_port = server.add_insecure_port(config.address)
+        except RuntimeError as exc:
+            raise OminixError(
+                RuntimeErrorKind.BACKEND_UNAVAILABLE, f"cannot bind {config.address} (port taken?): {exc}"
+            ) from exc
+        await server.start()
+
+        await _wait_workers_ready(self._backends, config.worker_ready_timeout)
+        await self._engine.start()
+        if not model_name:
+            caps = list(self._engine.capabilities() or [])
+            service.model_name = caps[0].model.name if caps else ""
+        self._wire_observability()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        address = f"{config.host}:{self.bound_port}"
+        _log.info("serving", address=address, model=service.model_name, workers=list(config.workers),
+                  metrics_port=self.metrics_port or None)
+        print(f"ominix-runtime engine serving {service.model_name} on {address}", file=sys.stderr, flush=True)
+        print(_grpcurl_hint(address), file=sys.stderr, flush=True)
+
+    def _wire_observability(self) -> None:
+        engine = self._engine
+        metrics = self.metrics
+
+        def on_run(report: Any) -> None:
+            fields = asdict(report)
+            fields["finish_reason"] = report.finish_reason.name
+            if report.error_kind is not None:
+                fields["error_kind"] = report.error_kind.name
+            _log.info("request finished", **fields)
+            if metrics is not None:
+                metrics.observe_run(report)
+
+        engine.add_listener(on_run)
+        if metrics is None:
+            return
+        engine.add_step_listener(metrics.observe_step)
+        self.metrics_port = metrics.start_http(self.config.metrics_port, self.config.host)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._refresh_metrics()))
+
+    async def _refresh_metrics(self) -> None:
+        assert self.metrics is not None
+        bytes_per_block = {c.worker_id: c.kv_bytes_per_block for c in self._engine.capabilities() or []}
+        while True:
+            try:
+                self.metrics.update_snapshots(self._engine.load(), self._engine.stats(), bytes_per_block)
+            except Exception as exc:  # noqa: BLE001 - metrics must never take the daemon down
+                _log.warning("metrics refresh failed", error=repr(exc))
+            await asyncio.sleep(METRICS_REFRESH_INTERVAL_S)
+
+    async def shutdown(self) -> None:
+        """NOT_SERVING, stop accepting, let live requests finish up to the drain timeout, then stop."""
+        drain = self.config.drain_timeout
+        _log.info("shutting down", drain_timeout=drain)
+        with contextlib.suppress(Exception):
+            await self.health.enter_graceful_shutdown()
+        steps: list[Any] = []
+        if self._server is not None:
+            steps.append(self._server.stop(grace=drain))
+        if self._engine is not None:
+            steps.append(self._engine.stop(drain_timeout=drain))
+        results = await asyncio.gather(*steps, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                _log.warning("shutdown step failed", error=repr(result))
+        for task in self._tasks:
+            task.cancel()
+        for backend in self._backends:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(backend.close(), timeout=2.0)
+        if self.metrics is not None:
+            self.metrics.stop_http()
+        _log.info("stopped")
+
+
+async def serve(config: EngineConfig) -> int:
+    """Run the daemon until SIGINT/SIGTERM; 0 on a clean stop, 1 when startup failed."""
+    daemon = EngineDaemon(config)
+    loop = asyncio.get_running_loop()
+    signals_seen = 0
+
+    def on_signal() -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        if signals_seen > 1:
+            _log.warning("second signal: exiting without draining")
+            sys.exit(1)
+        daemon.stop_requested.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, on_signal)
+    try:
+        start = loop.create_task(daemon.start())
+        stop_wait = loop.create_task(daemon.stop_requested.wait())
+        done, _ = await asyncio.wait({start, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if start in done:
+            start.result()
+            await stop_wait
+        else:
+            start.cancel()
+            with contextlib.suppress(BaseException):
+                await start
+    except OminixError as exc:
+        _log.error("startup failed", error=exc.message)
+        print(f"ominix-runtime: {exc.message}", file=sys.stderr, flush=True)
+        await daemon.shutdown()
+        return 1
+    await daemon.shutdown()
+    return 0
+
+
+def run_server(config: EngineConfig) -> int:
+    """Blocking entry point (uvloop when installed)."""
+    configure_logging(config.log_level, config.log_json)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(serve(config))
+    return uvloop.run(serve(config))

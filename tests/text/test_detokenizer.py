@@ -1,0 +1,126 @@
+"""Incremental detokenization (multi-byte characters split across tokens) and stop strings."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ominix_runtime.models import embedded_model_path
+from ominix_runtime.text import IncrementalDetokenizer, OutputText, StopStringMatcher, Tokenizer
+
+TEXTS = [
+    "Plain ASCII text, nothing special.",
+    "emoji 😀👍🏽 family 👨‍👩‍👧 flag 🇯🇵 done",
+    "中文测试，日本語のテキスト、한국어 mixed with English",
+    "accents: naïve café — résumé; math: ∑∫√∞",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_gguf(embedded_model_path())
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_one_token_at_a_time_rebuilds_the_text(tokenizer: Tokenizer, text: str) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, prompt_token_ids=tokenizer.encode("Prompt:"))
+    deltas = [detok.push([t]) for t in ids]
+    deltas.append(detok.flush())
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+    if any(ord(c) > 0x7F for c in text):
+        # Some tokens carry only part of a character: their delta must be empty, not a broken character.
+        assert "" in deltas[:-1]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_random_chunking_rebuilds_the_text(tokenizer: Tokenizer, text: str) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    rng = random.Random(len(text))
+    detok = IncrementalDetokenizer(tokenizer)
+    out, i = [], 0
+    while i < len(ids):
+        n = rng.randint(1, 3)
+        out.append(detok.push(ids[i:i + n]))
+        i += n
+    out.append(detok.flush())
+    assert "".join(out) == text
+
+
+def test_special_tokens_are_skipped(tokenizer: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(tokenizer)
+    ids = tokenizer.encode("Hi there", add_special_tokens=False) + [2]
+    assert "".join(detok.push([t]) for t in ids) + detok.flush() == "Hi there"
+
+
+def test_incomplete_character_at_the_end_is_flushed_as_replacement(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("a😀", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    text = "".join(detok.push([t]) for t in ids[:-1])
+    assert text == "a"
+    assert detok.flush() == "\ufffd"
+
+
+def test_stop_matcher_holds_back_partial_matches() -> None:
+    m = StopStringMatcher(("STOP",))
+    assert m.feed("abc S").text == "abc "  # "S" could start "STOP"
+    r = m.feed("TO")
+    assert r.text == "" and r.matched_stop is None
+    r = m.feed("Pxyz")
+    assert r.text == "" and r.matched_stop == "STOP"
+    assert m.stopped and m.feed("more").text == ""
+
+
+def test_stop_matcher_releases_a_false_start() -> None:
+    m = StopStringMatcher(("STOP",))
+    assert m.feed("ST").text == ""
+    assert m.feed("ART").text == "START"
+    assert m.flush() == ""
+    m2 = StopStringMatcher(("end",))
+    assert m2.feed("the en").text == "the "
+    assert m2.flush() == "en"
+
+
+def test_earliest_of_several_stop_strings_wins() -> None:
+    m = StopStringMatcher(("world", "lo w"))
+    r = m.feed("hello world")
+    assert r.text == "hel" and r.matched_stop == "lo w"
+
+
+@pytest.mark.parametrize("stop", ["你好", "😀!", "\n\n", "the end"])
+def test_stop_across_token_boundaries_is_not_leaked(tokenizer: Tokenizer, stop: str) -> None:
+    before = "Some text before 中文 and 😀 "
+    text = before + stop + " and text after that must not appear"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    stop_start = len(tokenizer.decode(tokenizer.encode(before, add_special_tokens=False)))
+    assert stop_start == len(before)
+    output = OutputText(tokenizer, [stop])
+    streamed, matched = [], None
+    for t in ids:
+        r = output.push([t])
+        streamed.append(r.text)
+        if r.matched_stop:
+            matched = r.matched_stop
+            break
+    assert matched == stop
+    assert "".join(streamed) == before == output.text
+    assert output.push([ids[-1]]).text == ""  # tokens after the match are ignored
+
+
+def test_unmatched_partial_stop_is_released_at_the_end(tokenizer: Tokenizer) -> None:
+    output = OutputText(tokenizer, ["ZZZ-never"])
+    ids = tokenizer.encode("ends with ZZZ", add_special_tokens=False)
+    streamed = "".join(output.push([t]).text for t in ids)
+    assert not streamed.endswith("ZZZ")
+    tail = output.finish()
+    assert tail.matched_stop is None
+    assert streamed + tail.text == "ends with ZZZ" == output.text
+
+
+def test_backend_text_without_tokenizer() -> None:
+    output = OutputText(None, ["</s>"])
+    assert output.push([], "hello </").text == "hello "
+    r = output.push([], "s> tail")
+    assert r.matched_stop == "</s>" and output.text == "hello "
