@@ -19,7 +19,6 @@ class SchedulerConfig:
     # Anti-thrash: a request resumed after preemption is not chosen as a victim for this many steps
     # unless every other candidate is protected too.
     preemption_protection_steps: int = 4
-    max_output_tokens_per_request: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,5 +30,4 @@ class EngineCoreConfig:
     idle_integrity_check_interval: float = 1.0  # registry check_integrity() while idle, at most this often
     recent_window: int = 256  # recent step durations / batch sizes kept for stats
     decode_rate_ewma_alpha: float = 0.2
-    request_queue_max: int = 0  # per-request event queue bound (0: unbounded)
     max_waiting_requests: int = 0  # per engine; 0: unbounded

@@ -177,6 +177,15 @@ class Scheduler:
     def num_inflight_steps(self) -> int:
         return len(self._inflight)
 
+    def drop_inflight(self) -> None:
+        """Forget steps that will never be answered (the worker is gone); their requests must be ended."""
+        for entries in self._inflight.values():
+            for entry in entries:
+                entry.req.num_inflight_steps -= 1
+                if entry.expects_sample:
+                    entry.req.num_placeholders -= 1
+        self._inflight.clear()
+
     def has_work(self) -> bool:
         return bool(self.requests) or bool(self._pending_finished_ids)
 

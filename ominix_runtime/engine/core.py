@@ -1,0 +1,387 @@
+"""EngineCore: the asyncio engine that owns one worker group per backend and the per-request streams."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from ominix_runtime.contract import (
+    BackendCapability,
+    Error,
+    FinishReason,
+    GenerateRequest,
+    Granularity,
+    InvalidArgument,
+    OminixError,
+    RequestBackend,
+    RuntimeErrorKind,
+    StepBackend,
+    Usage,
+    WorkerEvent,
+    is_terminal,
+)
+from ominix_runtime.engine.config import EngineCoreConfig
+from ominix_runtime.engine.driver import StepWorkerGroup
+from ominix_runtime.engine.request_group import RequestWorkerGroup
+from ominix_runtime.engine.stats import EngineStats, LoadSnapshot, RunReport, StepReport
+
+log = structlog.get_logger(__name__)
+
+WorkerGroup = StepWorkerGroup | RequestWorkerGroup
+
+# Routing: groups whose load (queued + running requests) is within this many requests of the least loaded
+# one compete on prefix-cache affinity; beyond it, load wins.
+_AFFINITY_LOAD_SLACK = 4
+
+
+class RequestHandle:
+    """Async iterator of one request's WorkerEvents, in order; ends after the terminal event."""
+
+    def __init__(self, request_id: str, queue: asyncio.Queue[WorkerEvent], core: EngineCore) -> None:
+        self.request_id = request_id
+        self._queue = queue
+        self._core = core
+        self._ended = False
+
+    def __aiter__(self) -> AsyncIterator[WorkerEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[WorkerEvent]:
+        while not self._ended:
+            event = await self._queue.get()
+            if is_terminal(event):
+                self._ended = True
+            yield event
+
+    def abort(self) -> None:
+        """Abort the request (e.g. the client went away); frees its KV at once."""
+        self._core.abort(self.request_id)
+
+
+@dataclass(slots=True)
+class _LiveRequest:
+    queue: asyncio.Queue[WorkerEvent]
+    group: WorkerGroup
+
+
+class EngineCore:
+    """Owns one worker group per backend: routing, admission, streams, stats, reports.
+
+    Public API (used by the front server)::
+
+        core = EngineCore(backends, EngineCoreConfig())
+        await core.start()          # describe backends, validate capabilities, build groups, start drivers
+        handle = core.submit(req)   # validate + route; raises OminixError on rejection
+        async for event in handle:  # PrefillDone, Token..., Usage, then exactly one Done or Error
+            ...
+        core.abort(request_id)      # -> bool; terminal event Done(ABORT)
+        core.finish(request_id, FinishReason.STOP, matched_stop)  # stop string found by the front end
+        core.load()                 # list[LoadSnapshot], one per group
+        core.stats()                # EngineStats
+        core.capabilities()         # list[BackendCapability]
+        core.ready                  # every backend described and its driver running
+        core.add_listener(cb)       # cb(RunReport) once per finished request
+        core.add_step_listener(cb)  # cb(worker_id, StepReport) once per step
+        await core.stop(drain_timeout)  # stop accepting; drain; end the rest with Error; close backends
+
+    Every accepted request ends with exactly one terminal event, whatever happens: deadline → Error(TIMEOUT),
+    backend failure → Error(BACKEND_UNAVAILABLE) (the group is then unhealthy and gets no new requests),
+    stop → Error(BACKEND_UNAVAILABLE). Must be used from one event loop; submit/abort/finish are synchronous.
+    """
+
+    def __init__(
+        self, backends: Sequence[StepBackend | RequestBackend], config: EngineCoreConfig | None = None
+    ) -> None:
+        if not backends:
+            raise ValueError("EngineCore needs at least one backend")
+        self.config = config or EngineCoreConfig()
+        self._backends = list(backends)
+        self._groups: list[WorkerGroup] = []
+        self._live: dict[str, _LiveRequest] = {}
+        self._listeners: list[Callable[[RunReport], None]] = []
+        self._step_listeners: list[Callable[[str, StepReport], None]] = []
+        self._accepting = False
+        self._started = False
+        self._stopped = False
+        self._rejected = 0
+        self._all_done = asyncio.Event()
+        self._sweeper: asyncio.Task[None] | None = None
+        self.capability_warnings: list[str] = []
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        caps = await asyncio.gather(*(b.describe() for b in self._backends))
+        self._check_capabilities(caps)
+        for backend, cap in zip(self._backends, caps, strict=True):
+            group: WorkerGroup
+            if cap.granularity == Granularity.STEP:
+                group = StepWorkerGroup(
+                    backend, cap, self.config, self._deliver, self._on_report, self._on_step
+                )  # type: ignore[arg-type]
+            else:
+                group = RequestWorkerGroup(
+                    backend, cap, self.config, self._deliver, self._on_report, self._on_step
+                )  # type: ignore[arg-type]
+            self._groups.append(group)
+        try:
+            await asyncio.gather(*(g.start() for g in self._groups))
+        except BaseException:
+            await asyncio.gather(*(g.stop() for g in self._groups), return_exceptions=True)
+            raise
+        self._sweeper = asyncio.create_task(self._sweep_deadlines(), name="ominix-deadlines")
+        self._started = True
+        self._accepting = True
+        log.info("engine_started", workers=[g.worker_id for g in self._groups])
+
+    def _check_capabilities(self, caps: Sequence[BackendCapability]) -> None:
+        problems: list[str] = []
+        seen: dict[str, BackendCapability] = {}
+        by_model: dict[str, BackendCapability] = {}
+        for cap in caps:
+            found = cap.problems()
+            if cap.granularity == Granularity.STEP:
+                problems += [f"{cap.worker_id or '?'}: {p}" for p in found]
+            else:  # a request-level backend may not know everything (e.g. eos ids); not fatal
+                self.capability_warnings += [f"{cap.worker_id}: {p}" for p in found]
+            if cap.worker_id in seen:
+                problems.append(f"two backends state the same worker_id {cap.worker_id!r}")
+            seen[cap.worker_id] = cap
+            other = by_model.get(cap.model.name)
+            if other is not None and cap.granularity == other.granularity == Granularity.STEP:
+                for attr in ("vocab_size", "max_model_len", "eos_token_ids"):
+                    if getattr(cap.model, attr) != getattr(other.model, attr):
+                        problems.append(
+                            f"{cap.worker_id} and {other.worker_id} serve {cap.model.name!r} with different {attr}"
+                        )
+            by_model.setdefault(cap.model.name, cap)
+        if problems:
+            raise OminixError(RuntimeErrorKind.CAPABILITY_MISMATCH, "; ".join(problems))
+        for w in self.capability_warnings:
+            log.warning("capability_problem", detail=w)
+
+    async def stop(self, drain_timeout: float = 0.0) -> None:
+        if self._stopped:
+            return
+        self._accepting = False
+        if self._live and drain_timeout > 0:
+            self._all_done.clear()
+            try:
+                await asyncio.wait_for(self._all_done.wait(), drain_timeout)
+            except asyncio.TimeoutError:
+                pass
+        for rid in list(self._live):
+            live = self._live.get(rid)
+            if live is not None:
+                live.group.abort(
+                    rid,
+                    FinishReason.ERROR,
+                    (RuntimeErrorKind.BACKEND_UNAVAILABLE, "the engine is shutting down"),
+                )
+        for rid, live in list(self._live.items()):  # a group that could not end it (already broken)
+            self._deliver_terminal_fallback(rid, live)
+        self._stopped = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+        await asyncio.gather(*(g.stop() for g in self._groups), return_exceptions=True)
+        for b in self._backends:
+            try:
+                await b.close()
+            except Exception as exc:  # noqa: BLE001 - closing is best effort
+                log.warning("backend_close_failed", error=str(exc))
+        log.info("engine_stopped")
+
+    def _deliver_terminal_fallback(self, rid: str, live: _LiveRequest) -> None:
+        self._deliver(
+            [
+                Usage(rid, 0, 0),
+                Error(rid, RuntimeErrorKind.BACKEND_UNAVAILABLE, "the engine is shutting down"),
+            ]
+        )
+
+    @property
+    def ready(self) -> bool:
+        return self._started and not self._stopped and all(g.running for g in self._groups)
+
+    # ---- requests -------------------------------------------------------------------------------------
+
+    def submit(self, request: GenerateRequest) -> RequestHandle:
+        """Validate and route ``request``; raise OminixError when it is rejected."""
+        if not self._accepting:
+            self._rejected += 1
+            state = "shutting down" if self._started else "not started"
+            raise OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, f"the engine is {state}")
+        if request.request_id in self._live:
+            self._rejected += 1
+            raise InvalidArgument(f"request id {request.request_id!r} is already in use")
+        limit = self.config.max_waiting_requests
+        if limit and sum(g.load().queued_requests for g in self._groups) >= limit:
+            self._rejected += 1
+            raise OminixError(
+                RuntimeErrorKind.ADMISSION_REJECTED, f"too many queued requests (limit {limit})"
+            )
+        group = self._route(request)
+        group.submit(request)  # raises OminixError on rejection (counted by the group)
+        queue: asyncio.Queue[WorkerEvent] = asyncio.Queue()
+        self._live[request.request_id] = _LiveRequest(queue, group)
+        return RequestHandle(request.request_id, queue, self)
+
+    def _route(self, request: GenerateRequest) -> WorkerGroup:
+        groups = [g for g in self._groups if g.healthy and g.running]
+        if not groups:
+            self._rejected += 1
+            raise OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, "no healthy backend")
+        if request.model:
+            same_model = [g for g in groups if g.capability.model.name == request.model]
+            groups = same_model or groups
+        if len(groups) == 1:
+            return groups[0]
+        loads = {g.worker_id: g.load() for g in groups}
+
+        def load_of(g: WorkerGroup) -> int:
+            snap = loads[g.worker_id]
+            return snap.queued_requests + snap.running_requests
+
+        least = min(load_of(g) for g in groups)
+        close = [g for g in groups if load_of(g) <= least + _AFFINITY_LOAD_SLACK]
+        return max(close, key=lambda g: (g.prefix_hit_tokens(request), -load_of(g)))
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        live = self._live.get(request_id)
+        if live is None:
+            return False
+        return live.group.abort(request_id, reason, None)
+
+    def finish(
+        self, request_id: str, reason: FinishReason = FinishReason.STOP, matched_stop: str = ""
+    ) -> bool:
+        live = self._live.get(request_id)
+        if live is None:
+            return False
+        return live.group.finish(request_id, reason, matched_stop)
+
+    # ---- event plumbing -------------------------------------------------------------------------------
+
+    def _deliver(self, events: list[WorkerEvent]) -> None:
+        for event in events:
+            live = self._live.get(event.request_id)
+            if live is None:
+                continue
+            live.queue.put_nowait(event)
+            if is_terminal(event):
+                del self._live[event.request_id]
+        if not self._live:
+            self._all_done.set()
+
+    def _on_report(self, report: RunReport) -> None:
+        for cb in self._listeners:
+            try:
+                cb(report)
+            except Exception as exc:  # noqa: BLE001 - a listener must not break the engine
+                log.warning("run_report_listener_failed", error=str(exc))
+
+    def _on_step(self, worker_id: str, report: StepReport) -> None:
+        for cb in self._step_listeners:
+            try:
+                cb(worker_id, report)
+            except Exception as exc:  # noqa: BLE001 - a listener must not break the engine
+                log.warning("step_listener_failed", error=str(exc))
+
+    def add_listener(self, cb: Callable[[RunReport], None]) -> None:
+        self._listeners.append(cb)
+
+    def add_step_listener(self, cb: Callable[[str, StepReport], None]) -> None:
+        self._step_listeners.append(cb)
+
+    async def _sweep_deadlines(self) -> None:
+        interval = self.config.deadline_check_interval
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for g in self._groups:
+                g.expire(now)
+
+    # ---- introspection --------------------------------------------------------------------------------
+
+    @property
+    def groups(self) -> list[WorkerGroup]:
+        return list(self._groups)
+
+    def load(self) -> list[LoadSnapshot]:
+        return [g.load() for g in self._groups]
+
+    def capabilities(self) -> list[BackendCapability]:
+        return [g.capability for g in self._groups]
+
+    def check_integrity(self) -> None:
+        """Registry and scheduler invariants of every step-level group (raises AssertionError)."""
+        for g in self._groups:
+            if isinstance(g, StepWorkerGroup):
+                g.scheduler.check_integrity()
+
+    def stats(self) -> EngineStats:
+        fields = dict.fromkeys(
+            (
+                "accepted",
+                "finished",
+                "aborted",
+                "failed",
+                "rejected",
+                "prompt_tokens",
+                "generated_tokens",
+                "cached_tokens",
+                "preemptions",
+                "steps",
+                "discarded_outputs",
+            ),
+            0,
+        )
+        used = total = 0
+        query_tokens = hit_tokens = 0
+        checks = violations = protocol = running = queued = 0
+        durations: list[float] = []
+        batches: list[int] = []
+        recent_protocol: list[str] = []
+        for g in self._groups:
+            c = g.counters
+            for name in fields:
+                fields[name] += getattr(c, name)
+            u, t = g.kv_blocks
+            used += u
+            total += t
+            if isinstance(g, StepWorkerGroup):
+                snap = g.scheduler.registry
+                query_tokens += snap.prefix_query_tokens
+                hit_tokens += snap.prefix_hit_tokens
+            else:
+                protocol += g.num_protocol_violations
+                recent_protocol += list(g.protocol_violations)
+            checks += g.integrity_checks
+            violations += g.integrity_violations
+            load = g.load()
+            running += load.running_requests
+            queued += load.queued_requests
+            durations += list(g.recent_step_durations)
+            batches += list(g.recent_batch_sizes)
+        fields["rejected"] += self._rejected
+        return EngineStats(
+            **fields,
+            kv_blocks_used=used,
+            kv_blocks_total=total,
+            prefix_cache_hit_ratio=hit_tokens / query_tokens if query_tokens else 0.0,
+            integrity_checks=checks,
+            integrity_violations=violations,
+            protocol_violations=protocol,
+            running_requests=running,
+            queued_requests=queued,
+            recent_step_durations=durations[-self.config.recent_window :],
+            recent_batch_sizes=batches[-self.config.recent_window :],
+            recent_protocol_violations=recent_protocol,
+        )

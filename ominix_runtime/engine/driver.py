@@ -1,0 +1,275 @@
+"""The asyncio driver of one step-level worker group: scheduler + KV registry + one ordered worker stream.
+
+The loop keeps up to ``max_inflight_steps`` steps in flight (2 = overlap: step N+1 is sent before step N's
+result is back; the scheduler's placeholders make that safe). Deadlines are swept every iteration, and a
+cheap registry integrity check runs now and then while idle. Any stream failure or step timeout marks the
+group unhealthy and ends every request it holds with Error(BACKEND_UNAVAILABLE).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable
+
+import structlog
+
+from ominix_runtime.contract import (
+    BackendCapability,
+    DecodeStep,
+    FinishReason,
+    GenerateRequest,
+    OminixError,
+    RuntimeErrorKind,
+    StepBackend,
+    StepStream,
+    Token,
+    WorkerEvent,
+)
+from ominix_runtime.engine.config import EngineCoreConfig
+from ominix_runtime.engine.scheduler import Scheduler
+from ominix_runtime.engine.stats import LoadSnapshot, RunReport, SchedulerCounters, StepReport
+
+log = structlog.get_logger(__name__)
+
+EventSink = Callable[[list[WorkerEvent]], None]
+ReportSink = Callable[[RunReport], None]
+StepSink = Callable[[str, StepReport], None]
+
+
+class StepWorkerGroup:
+    """Owns the scheduler of one StepBackend and the task that drives it."""
+
+    granularity = "step"
+
+    def __init__(
+        self,
+        backend: StepBackend,
+        capability: BackendCapability,
+        config: EngineCoreConfig,
+        deliver: EventSink,
+        report: ReportSink,
+        step_report: StepSink,
+    ) -> None:
+        self.backend = backend
+        self.capability = capability
+        self.worker_id = capability.worker_id
+        self.config = config
+        self.scheduler = Scheduler(capability, config.scheduler)
+        self.healthy = True
+        self.running = False  # driver task started and stream open
+        self.integrity_checks = 0
+        self.integrity_violations = 0
+        self.decode_tokens_per_second = 0.0
+        self.recent_step_durations: deque[float] = deque(maxlen=config.recent_window)
+        self.recent_batch_sizes: deque[int] = deque(maxlen=config.recent_window)
+        self._deliver = deliver
+        self._report = report
+        self._step_report = step_report
+        self._wake = asyncio.Event()
+        self._opened = asyncio.Event()
+        self._stopping = False
+        self._deadlines: list[tuple[float, str]] = []
+        self._inflight: deque[tuple[DecodeStep, float]] = deque()
+        self._stream: StepStream | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._last_integrity_check = 0.0
+
+    @property
+    def counters(self) -> SchedulerCounters:
+        return self.scheduler.counters
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"ominix-driver-{self.worker_id}")
+        opened = asyncio.create_task(self._opened.wait())
+        done, _ = await asyncio.wait({self._task, opened}, return_when=asyncio.FIRST_COMPLETED)
+        if opened not in done:
+            opened.cancel()
+            self._task.result()  # re-raise the failure to open
+            raise OminixError(
+                RuntimeErrorKind.BACKEND_UNAVAILABLE, f"worker {self.worker_id} stream did not open"
+            )
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - already reported by the loop
+                pass
+        if self._stream is not None:
+            try:
+                await self._stream.close()
+            except Exception:  # noqa: BLE001 - closing a broken stream may fail; nothing left to do
+                pass
+        self.running = False
+
+    # ---- requests -------------------------------------------------------------------------------------
+
+    def submit(self, request: GenerateRequest) -> None:
+        self.scheduler.add_request(request)
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, request.request_id))
+        self._wake.set()
+
+    def abort(
+        self, request_id: str, reason: FinishReason, error: tuple[RuntimeErrorKind, str] | None
+    ) -> bool:
+        events = self.scheduler.abort_request(request_id, reason, error)
+        self._emit(events)
+        self._wake.set()
+        return bool(events)
+
+    def finish(self, request_id: str, reason: FinishReason, matched_stop: str) -> bool:
+        events = self.scheduler.finish_request(request_id, reason, matched_stop)
+        self._emit(events)
+        self._wake.set()
+        return bool(events)
+
+    def expire(self, now: float) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, rid = heapq.heappop(self._deadlines)
+            if rid in self.scheduler.requests:
+                self.abort(
+                    rid, FinishReason.ABORT, (RuntimeErrorKind.TIMEOUT, "the request's deadline passed")
+                )
+
+    def live_request_ids(self) -> list[str]:
+        return list(self.scheduler.requests)
+
+    def prefix_hit_tokens(self, request: GenerateRequest) -> int:
+        return self.scheduler.prefix_hit_tokens(request.prompt_token_ids) if self.healthy else 0
+
+    def load(self) -> LoadSnapshot:
+        s = self.scheduler
+        return LoadSnapshot(
+            worker_id=self.worker_id,
+            queued_requests=s.num_waiting,
+            running_requests=s.num_running,
+            waiting_tokens=s.waiting.num_waiting_tokens,
+            kv_bytes_used=s.registry.num_leased_blocks * self.capability.kv_bytes_per_block,
+            kv_bytes_capacity=self.capability.kv_bytes_capacity,
+            estimated_decode_tokens_per_second=self.decode_tokens_per_second,
+            healthy=self.healthy,
+        )
+
+    @property
+    def kv_blocks(self) -> tuple[int, int]:
+        return self.scheduler.registry.num_leased_blocks, self.scheduler.registry.num_blocks
+
+    # ---- the loop -------------------------------------------------------------------------------------
+
+    def _emit(self, events: list[WorkerEvent]) -> None:
+        if events:
+            self._deliver(events)
+        reports = self.scheduler.finished_reports
+        if reports:
+            self.scheduler.finished_reports = []
+            for r in reports:
+                self._report(r)
+
+    async def _run(self) -> None:
+        try:
+            self._stream = await self.backend.open()
+            self.running = True
+            self._opened.set()
+            await self._loop(self._stream)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure ends the group's requests, never the engine
+            self._fail(exc)
+        finally:
+            self.running = False
+
+    async def _loop(self, stream: StepStream) -> None:
+        loop = asyncio.get_running_loop()
+        max_inflight = max(1, self.config.max_inflight_steps)
+        while not self._stopping:
+            self.expire(time.monotonic())
+            while len(self._inflight) < max_inflight:
+                step = self.scheduler.schedule()
+                self._emit([])
+                if step is None:
+                    break
+                self._inflight.append((step, loop.time()))
+                await stream.send(step)
+            if not self._inflight:
+                self._idle_check(loop.time())
+                self._wake.clear()
+                timeout = self.config.deadline_check_interval if self._deadlines else 1.0
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            try:
+                result = await asyncio.wait_for(stream.recv(), self.config.step_timeout)
+            except asyncio.TimeoutError as exc:
+                raise OminixError(
+                    RuntimeErrorKind.BACKEND_UNAVAILABLE,
+                    f"worker {self.worker_id} sent no result within {self.config.step_timeout:g} s",
+                ) from exc
+            step, sent_at = self._inflight.popleft()
+            if result.step_id != step.step_id:
+                raise OminixError(
+                    RuntimeErrorKind.INTERNAL,
+                    f"worker {self.worker_id} answered step {result.step_id} while step {step.step_id} was due",
+                )
+            events = self.scheduler.update(step, result)
+            self._emit(events)
+            self._record_step(step, result.compute_seconds, loop.time() - sent_at, events)
+
+    def _record_step(
+        self, step: DecodeStep, compute_seconds: float, duration: float, events: list[WorkerEvent]
+    ) -> None:
+        sampled = sum(len(e.token_ids) for e in events if isinstance(e, Token))
+        batch = len(step.new_requests) + len(step.running_requests)
+        if duration > 0 and sampled:
+            alpha = self.config.decode_rate_ewma_alpha
+            rate = sampled / duration
+            prev = self.decode_tokens_per_second
+            self.decode_tokens_per_second = rate if prev == 0.0 else alpha * rate + (1 - alpha) * prev
+        self.recent_step_durations.append(duration)
+        self.recent_batch_sizes.append(batch)
+        self._step_report(
+            self.worker_id,
+            StepReport(
+                step_id=step.step_id,
+                duration=duration,
+                num_tokens=step.num_scheduled_tokens,
+                batch_size=batch,
+                num_new_requests=len(step.new_requests),
+                num_sampled_tokens=sampled,
+                compute_seconds=compute_seconds,
+            ),
+        )
+
+    def _idle_check(self, now: float) -> None:
+        if now - self._last_integrity_check < self.config.idle_integrity_check_interval:
+            return
+        self._last_integrity_check = now
+        self.integrity_checks += 1
+        try:
+            self.scheduler.check_integrity()
+        except AssertionError as exc:
+            self.integrity_violations += 1
+            log.error("kv_integrity_violation", worker_id=self.worker_id, error=str(exc))
+
+    def _fail(self, exc: BaseException) -> None:
+        self.healthy = False
+        message = f"worker {self.worker_id} failed: {exc}"
+        log.error("worker_group_failed", worker_id=self.worker_id, error=str(exc))
+        self._inflight.clear()
+        self.scheduler.drop_inflight()
+        for rid in list(self.scheduler.requests):
+            self._emit(
+                self.scheduler.abort_request(
+                    rid, FinishReason.ERROR, (RuntimeErrorKind.BACKEND_UNAVAILABLE, message)
+                )
+            )

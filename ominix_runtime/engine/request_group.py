@@ -1,0 +1,357 @@
+"""Forwarding path for a request-level backend (e.g. SGLang): the backend batches and owns its KV.
+
+The engine keeps admission (priority classes, FCFS inside a class, at most ``max_running_requests`` sent to
+the backend at once), deadlines, aborts and the event contract towards the client: whatever the backend
+does, the client sees at most one terminal event. Contract breaches by the backend (a token before
+prefill_done, a second terminal event, a stream that ends without one) are forwarded as they are where
+harmless, counted as protocol violations and logged, so the conformance suite can report them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from ominix_runtime.contract import (
+    BackendCapability,
+    Done,
+    Error,
+    FinishReason,
+    GenerateRequest,
+    InvalidArgument,
+    OminixError,
+    PrefillDone,
+    RequestBackend,
+    RuntimeErrorKind,
+    Token,
+    Usage,
+    WorkerEvent,
+    is_terminal,
+)
+from ominix_runtime.engine.config import EngineCoreConfig
+from ominix_runtime.engine.stats import LoadSnapshot, RunReport, SchedulerCounters, StepReport
+
+log = structlog.get_logger(__name__)
+
+# How long a backend stream may keep talking after its terminal event before the engine stops listening.
+_AFTER_TERMINAL_GRACE = 1.0
+
+
+@dataclass(slots=True)
+class _Forwarded:
+    request: GenerateRequest
+    seq: int
+    queued_time: float
+    started_time: float | None = None
+    first_token_time: float | None = None
+    prefill_seen: bool = False
+    terminal_sent: bool = False
+    num_output_tokens: int = 0
+    cached_tokens: int = 0
+    task: asyncio.Task[None] | None = None
+
+
+class RequestWorkerGroup:
+    granularity = "request"
+
+    def __init__(
+        self,
+        backend: RequestBackend,
+        capability: BackendCapability,
+        config: EngineCoreConfig,
+        deliver: Callable[[list[WorkerEvent]], None],
+        report: Callable[[RunReport], None],
+        step_report: Callable[[str, StepReport], None],
+    ) -> None:
+        self.backend = backend
+        self.capability = capability
+        self.worker_id = capability.worker_id
+        self.config = config
+        limit = config.scheduler.max_running_requests or capability.max_running_requests
+        self.max_running_requests = max(1, min(limit, capability.max_running_requests))
+        self.counters = SchedulerCounters()
+        self.healthy = True
+        self.running = False
+        self.protocol_violations: deque[str] = deque(maxlen=64)
+        self.num_protocol_violations = 0
+        self.decode_tokens_per_second = 0.0
+        self.integrity_checks = 0
+        self.integrity_violations = 0
+        self.recent_step_durations: deque[float] = deque(maxlen=config.recent_window)
+        self.recent_batch_sizes: deque[int] = deque(maxlen=config.recent_window)
+        self._deliver = deliver
+        self._report = report
+        self._queue: list[tuple[int, int, str]] = []  # (priority, seq, request id) heap
+        self._live: dict[str, _Forwarded] = {}
+        self._num_running = 0
+        self._seq = 0
+        self._deadlines: list[tuple[float, str]] = []
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.running = True
+
+    async def stop(self) -> None:
+        self.running = False
+        tasks = [f.task for f in self._live.values() if f.task is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- requests -------------------------------------------------------------------------------------
+
+    def validate(self, request: GenerateRequest) -> None:
+        model = self.capability.model
+        if not request.prompt_token_ids and not request.prompt_text:
+            raise InvalidArgument("the prompt is empty")
+        vocab = model.vocab_size if model.vocab_size > 0 else None
+        max_len = model.max_model_len if model.max_model_len > 0 else None
+        if vocab is not None:
+            bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        n = len(request.prompt_token_ids)
+        if max_len is not None and n > max_len:
+            raise InvalidArgument(
+                f"the prompt has {n} tokens, more than the model's context length {max_len}"
+            )
+        if max_len is not None and isinstance(request.sampling.max_tokens, int) and n:
+            if n + request.sampling.max_tokens > max_len:
+                raise InvalidArgument(
+                    f"prompt ({n} tokens) + max_tokens ({request.sampling.max_tokens}) exceeds the model's "
+                    f"context length {max_len}"
+                )
+        request.sampling.validate(vocab, max_len)
+
+    def submit(self, request: GenerateRequest) -> None:
+        rid = request.request_id
+        try:
+            if rid in self._live:
+                raise InvalidArgument(f"request id {rid!r} is already in use")
+            self.validate(request)
+        except OminixError:
+            self.counters.rejected += 1
+            raise
+        self._seq += 1
+        self._live[rid] = _Forwarded(request, self._seq, time.monotonic())
+        heapq.heappush(self._queue, (int(request.priority), self._seq, rid))
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, rid))
+        self.counters.accepted += 1
+        self.counters.prompt_tokens += len(request.prompt_token_ids)
+        self._pump()
+
+    def _pump(self) -> None:
+        while self._queue and self._num_running < self.max_running_requests and self.healthy:
+            _, _, rid = heapq.heappop(self._queue)
+            fwd = self._live.get(rid)
+            if fwd is None or fwd.task is not None:
+                continue  # ended while queued
+            fwd.started_time = time.monotonic()
+            self._num_running += 1
+            fwd.task = asyncio.create_task(self._forward(fwd), name=f"ominix-forward-{rid}")
+
+    def abort(
+        self, request_id: str, reason: FinishReason, error: tuple[RuntimeErrorKind, str] | None
+    ) -> bool:
+        fwd = self._live.get(request_id)
+        if fwd is None:
+            return False
+        self._end(fwd, reason, error)
+        if fwd.task is not None and not fwd.task.done():
+            fwd.task.cancel()
+            asyncio.get_running_loop().create_task(self._backend_abort(request_id))
+        return True
+
+    def finish(self, request_id: str, reason: FinishReason, matched_stop: str) -> bool:
+        fwd = self._live.get(request_id)
+        if fwd is None:
+            return False
+        self._end(fwd, reason, None, matched_stop)
+        if fwd.task is not None and not fwd.task.done():
+            fwd.task.cancel()
+            asyncio.get_running_loop().create_task(self._backend_abort(request_id))
+        return True
+
+    async def _backend_abort(self, request_id: str) -> None:
+        try:
+            await self.backend.abort(request_id)
+        except Exception as exc:  # noqa: BLE001 - best effort; the client already got its terminal event
+            log.warning(
+                "backend_abort_failed", worker_id=self.worker_id, request_id=request_id, error=str(exc)
+            )
+
+    def expire(self, now: float) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, rid = heapq.heappop(self._deadlines)
+            if rid in self._live:
+                self.abort(
+                    rid, FinishReason.ABORT, (RuntimeErrorKind.TIMEOUT, "the request's deadline passed")
+                )
+
+    def live_request_ids(self) -> list[str]:
+        return list(self._live)
+
+    def prefix_hit_tokens(self, request: GenerateRequest) -> int:
+        return 0
+
+    def load(self) -> LoadSnapshot:
+        queued = sum(1 for f in self._live.values() if f.task is None)
+        return LoadSnapshot(
+            worker_id=self.worker_id,
+            queued_requests=queued,
+            running_requests=len(self._live) - queued,
+            waiting_tokens=sum(
+                len(f.request.prompt_token_ids) for f in self._live.values() if f.task is None
+            ),
+            kv_bytes_used=0,
+            kv_bytes_capacity=self.capability.kv_bytes_capacity,
+            estimated_decode_tokens_per_second=self.decode_tokens_per_second,
+            healthy=self.healthy,
+        )
+
+    @property
+    def kv_blocks(self) -> tuple[int, int]:
+        return 0, 0
+
+    # ---- forwarding -----------------------------------------------------------------------------------
+
+    def _violation(self, fwd: _Forwarded, message: str) -> None:
+        text = f"backend {self.worker_id}, request {fwd.request.request_id}: {message}"
+        self.num_protocol_violations += 1
+        self.protocol_violations.append(text)
+        log.warning("backend_protocol_violation", worker_id=self.worker_id, detail=text)
+
+    async def _forward(self, fwd: _Forwarded) -> None:
+        rid = fwd.request.request_id
+        backend_terminal = False
+        try:
+            stream = self.backend.generate(fwd.request)
+            iterator = stream.__aiter__()
+            while True:
+                try:
+                    if backend_terminal:
+                        event = await asyncio.wait_for(iterator.__anext__(), _AFTER_TERMINAL_GRACE)
+                    else:
+                        event = await iterator.__anext__()
+                except (StopAsyncIteration, asyncio.TimeoutError):
+                    break
+                if backend_terminal:
+                    kind = "terminal event" if is_terminal(event) else "event"
+                    self._violation(
+                        fwd, f"sent another {kind} ({type(event).__name__}) after its terminal event"
+                    )
+                    continue
+                if event.request_id != rid:
+                    self._violation(fwd, f"sent an event for request {event.request_id!r}")
+                    event.request_id = rid
+                if isinstance(event, PrefillDone):
+                    if fwd.prefill_seen:
+                        self._violation(fwd, "sent prefill_done twice")
+                        continue
+                    fwd.prefill_seen = True
+                    fwd.cached_tokens = event.cached_tokens
+                elif isinstance(event, Token):
+                    if not fwd.prefill_seen:
+                        self._violation(fwd, "sent a token before prefill_done")
+                    if fwd.first_token_time is None:
+                        fwd.first_token_time = time.monotonic()
+                    fwd.num_output_tokens += len(event.token_ids)
+                    self.counters.generated_tokens += len(event.token_ids)
+                if is_terminal(event):
+                    backend_terminal = True
+                    if isinstance(event, Done):
+                        self._end(fwd, event.finish_reason, None, event.matched_stop, text=event.text)
+                    else:
+                        self._end(fwd, FinishReason.ERROR, (event.kind, event.message))
+                    continue
+                if isinstance(event, Usage):
+                    fwd.cached_tokens = event.cached_tokens
+                    continue  # the engine sends its own Usage right before the terminal event
+                if not fwd.terminal_sent:
+                    self._deliver([event])
+            if not backend_terminal:
+                self._violation(fwd, "ended its stream without a terminal event")
+                self._end(
+                    fwd,
+                    FinishReason.ERROR,
+                    (RuntimeErrorKind.BACKEND_UNAVAILABLE, "backend stream ended early"),
+                )
+        except asyncio.CancelledError:
+            pass  # aborted or stopping: the terminal event was already sent by whoever cancelled
+        except Exception as exc:  # noqa: BLE001 - a backend failure ends this request, not the engine
+            self._end(
+                fwd, FinishReason.ERROR, (RuntimeErrorKind.BACKEND_UNAVAILABLE, f"backend failed: {exc}")
+            )
+        finally:
+            self._num_running -= 1
+            self._end(fwd, FinishReason.ERROR, (RuntimeErrorKind.INTERNAL, "forwarding ended unexpectedly"))
+            if self.running:
+                self._pump()
+
+    def _end(
+        self,
+        fwd: _Forwarded,
+        reason: FinishReason,
+        error: tuple[RuntimeErrorKind, str] | None,
+        matched_stop: str = "",
+        text: str = "",
+    ) -> None:
+        """Send Usage + the terminal event once; later calls do nothing."""
+        if fwd.terminal_sent:
+            return
+        fwd.terminal_sent = True
+        rid = fwd.request.request_id
+        self._live.pop(rid, None)
+        c = self.counters
+        usage = Usage(rid, len(fwd.request.prompt_token_ids), fwd.num_output_tokens, fwd.cached_tokens)
+        terminal: WorkerEvent
+        if error is not None:
+            terminal = Error(rid, error[0], error[1])
+            if error[0] in (RuntimeErrorKind.TIMEOUT, RuntimeErrorKind.CANCELLED):
+                reason = FinishReason.ABORT
+                c.aborted += 1
+            else:
+                reason = FinishReason.ERROR
+                c.failed += 1
+        else:
+            terminal = Done(rid, reason, text=text, matched_stop=matched_stop)
+            if reason == FinishReason.ABORT:
+                c.aborted += 1
+            else:
+                c.finished += 1
+        c.cached_tokens += fwd.cached_tokens
+        self._deliver([usage, terminal])
+        now = time.monotonic()
+        ttft = fwd.first_token_time - fwd.queued_time if fwd.first_token_time is not None else None
+        tpot = None
+        if fwd.first_token_time is not None and fwd.num_output_tokens > 1:
+            tpot = (now - fwd.first_token_time) / (fwd.num_output_tokens - 1)
+            rate = (fwd.num_output_tokens - 1) / max(now - fwd.first_token_time, 1e-9)
+            alpha = self.config.decode_rate_ewma_alpha
+            prev = self.decode_tokens_per_second
+            self.decode_tokens_per_second = rate if prev == 0.0 else alpha * rate + (1 - alpha) * prev
+        self._report(
+            RunReport(
+                request_id=rid,
+                worker_id=self.worker_id,
+                finish_reason=reason,
+                error_kind=error[0] if error else None,
+                prompt_tokens=len(fwd.request.prompt_token_ids),
+                output_tokens=fwd.num_output_tokens,
+                cached_tokens=fwd.cached_tokens,
+                num_preemptions=0,
+                queue_time=fwd.started_time - fwd.queued_time if fwd.started_time is not None else None,
+                ttft=ttft,
+                tpot=tpot,
+                e2e=now - fwd.queued_time,
+                priority=int(fwd.request.priority),
+            )
+        )
