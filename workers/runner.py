@@ -114,6 +114,11 @@ class ModelRunner:
 
     # ---- request state -----------------------------------------------------------------------------
 
+    def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Swap the KV tensors (after sizing); an empty list frees them first."""
+        self.kv_caches = kv_caches
+        self.num_blocks = int(kv_caches[0].shape[1]) if kv_caches else 0
+
     def reset(self) -> None:
         """Drop every request's state (the engine's stream closed)."""
         self.requests.clear()

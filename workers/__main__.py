@@ -1,0 +1,7 @@
+"""``python -m ominix_worker``: run a worker process."""
+
+import sys
+
+from ominix_worker.server import main
+
+sys.exit(main())

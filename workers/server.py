@@ -1,0 +1,339 @@
+"""The worker process: one device, one model, a gRPC Worker service (plus health and reflection).
+
+Startup order: check the device and the model source, bind the port (so a taken port fails at once),
+then load weights, size the KV cache and warm up while Health answers not-ready. Any failure ends the
+process with a one-line message and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+import traceback
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ominix_runtime import wire
+from ominix_runtime.contract import BackendCapability, ModelInfo, OminixError, stated_profile
+from ominix_runtime.models import DEFAULT_MODEL_NAME, resolve_model
+from ominix_runtime.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from ominix_worker import __version__
+
+log = logging.getLogger("ominix_worker")
+
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+HEARTBEAT_INTERVAL_S = 1.0
+ASCEND_BLOCK_SIZE = 128
+
+
+class StartupError(RuntimeError):
+    """A reason the worker cannot start; printed as one line."""
+
+
+def _say(message: str) -> None:
+    """Progress for a human watching a terminal; silent when stderr is not a TTY."""
+    if sys.stderr.isatty():
+        print(f"ominix-worker: {message}", file=sys.stderr, flush=True)
+
+
+# ---- arguments ---------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ominix-worker",
+        description="Serve one model on one device to an ominix-runtime engine over gRPC (Worker service).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL_NAME,
+                   help="a .gguf file, a Hugging Face folder, dummy:CONFIG_JSON, or the embedded default")
+    p.add_argument("--device", default="cpu", help="cpu, cuda:N or npu:N")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=50071, help="port to bind")
+    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPUs), float32, bfloat16, float16")
+    p.add_argument("--kv-cache-memory", default="1GiB",
+                   help="CPU only: bytes for the KV cache (e.g. 1073741824, 512MiB, 1GiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="GPU only: fraction of device memory for weights, activations and the KV cache")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (128 is forced on npu)")
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="most tokens one step may compute (default: the device profile's, 2048 CPU / 8192 GPU)")
+    p.add_argument("--max-running-requests", type=int, default=None,
+                   help="most requests one step may hold (default: the device profile's, 64 CPU / 256 GPU)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence accepted (default: the model's max_position_embeddings)")
+    p.add_argument("--worker-id", default=None, help="worker id stated in Describe (default: DEVICE@HOST:PORT)")
+    p.add_argument("--attention", default=None,
+                   help="attention backend: torch, triton or ascend (default: chosen by the device)")
+    p.add_argument("--log-level", default="WARNING", help="Python logging level for the worker's own messages")
+    return p
+
+
+# ---- model state -------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class WorkerState:
+    capability: BackendCapability | None = None
+    runner: object | None = None  # ominix_worker.runner.ModelRunner once loaded
+    ready: bool = False
+    run_active: bool = False
+
+
+def load_worker(args: argparse.Namespace, device_spec: str, worker_id: str) -> tuple[object, BackendCapability]:
+    """Load weights, size and allocate KV, warm up. Runs in a thread; raises StartupError."""
+    import torch
+
+    from ominix_worker.attention import get_attention_backend
+    from ominix_worker.devices import backend_kind, device_name, dtype_name, parse_device, resolve_dtype
+    from ominix_worker.kv_cache import (
+        allocate_kv_cache,
+        kv_bytes_per_block,
+        measure_gpu_kv_budget,
+        num_blocks_for_budget,
+        parse_bytes,
+    )
+    from ominix_worker.loader import ModelLoadError, load_model
+    from ominix_worker.runner import ModelRunner
+
+    device = parse_device(device_spec)
+    dtype = resolve_dtype(args.dtype, device)
+    kind = backend_kind(device)
+    profile = stated_profile(kind)
+    block_size = ASCEND_BLOCK_SIZE if device.type == "npu" else args.block_size
+    backend = get_attention_backend(args.attention or device.type, block_size)
+    source = resolve_model(args.model)
+
+    _say(f"loading {source.name} ({source.format.value}) onto {device_name(device)} as {dtype_name(dtype)}")
+    started = time.perf_counter()
+    try:
+        loaded = load_model(source, device, dtype, backend, max_positions=args.max_model_len)
+    except ModelLoadError as exc:
+        raise StartupError(str(exc)) from None
+    config = loaded.config
+    _say(f"weights loaded in {time.perf_counter() - started:.1f}s")
+
+    max_batch_tokens = args.max_batch_tokens or profile.max_batch_tokens
+    max_running = args.max_running_requests or profile.max_running_requests
+    max_model_len = min(args.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+    bytes_per_block = kv_bytes_per_block(config, block_size, dtype)
+    # A small KV for the profile forward; replaced below by the sized one.
+    profile_blocks = -(-max(max_batch_tokens, 1) // block_size) + 1
+    runner = ModelRunner(loaded.model, config, backend,
+                         allocate_kv_cache(backend, config, profile_blocks, dtype, device), device,
+                         max_model_len)
+    _say("sizing the KV cache")
+    if device.type == "cpu":
+        budget = parse_bytes(args.kv_cache_memory)
+        runner.profile_forward(min(64, max_batch_tokens))  # warm-up only: the CPU budget is explicit
+    else:
+        budget = measure_gpu_kv_budget(device, args.gpu_memory_utilization,
+                                       lambda: runner.profile_forward(max_batch_tokens))
+    num_blocks = num_blocks_for_budget(budget, bytes_per_block)
+    if num_blocks < 1:
+        raise StartupError(f"the KV budget ({budget} bytes) holds no block of {bytes_per_block} bytes")
+    runner.set_kv_caches([])
+    runner.set_kv_caches(allocate_kv_cache(backend, config, num_blocks, dtype, device))
+    max_model_len = min(max_model_len, num_blocks * block_size)
+    runner.max_model_len = max_model_len
+    _say(f"KV cache: {num_blocks} blocks of {block_size} tokens ({num_blocks * bytes_per_block / 2**20:.0f} MiB)")
+    _say("warming up")
+    runner.profile_forward(min(16, max_batch_tokens))
+    graphs = runner.capture_decode_graphs()
+    if device.type != "cpu":
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+
+    dtype_text = dtype_name(dtype)
+    supported = profile.supported_dtypes if dtype_text in profile.supported_dtypes else (
+        *profile.supported_dtypes, dtype_text)
+    model_info = ModelInfo(
+        name=loaded.name, vocab_size=config.vocab_size, max_model_len=max_model_len,
+        eos_token_ids=config.eos_token_ids, architecture=config.architecture, bos_token_id=config.bos_token_id,
+        num_layers=config.num_layers, hidden_size=config.hidden_size, num_attention_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, num_parameters=config.num_parameters(),
+    )
+    capability = stated_profile(
+        kind, worker_id=worker_id, device=device_name(device), dtype=dtype_text, supported_dtypes=supported,
+        model=model_info, kv_block_size=block_size, kv_num_blocks=num_blocks, kv_bytes_per_block=bytes_per_block,
+        max_batch_tokens=max_batch_tokens, max_running_requests=max_running, supports_graph_capture=graphs,
+        attention_backend=backend.name, version=__version__,
+    )
+    return runner, capability
+
+
+# ---- gRPC service ------------------------------------------------------------------------------------
+
+
+def _error_info(message: str) -> common_pb2.ErrorInfo:
+    return common_pb2.ErrorInfo(code=common_pb2.ERROR_CODE_INTERNAL, message=message)
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, state: WorkerState, executor: ThreadPoolExecutor) -> None:
+        self.state = state
+        self.executor = executor
+
+    async def Describe(self, request: worker_pb2.DescribeRequest, context: grpc.aio.ServicerContext
+                       ) -> common_pb2.BackendCapability:
+        if not self.state.ready or self.state.capability is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")
+        assert self.state.capability is not None
+        return wire.capability_to_pb(self.state.capability)
+
+    async def Health(self, request: worker_pb2.HealthRequest, context: grpc.aio.ServicerContext
+                     ) -> worker_pb2.HealthResponse:
+        runner = self.state.runner
+        return worker_pb2.HealthResponse(
+            ready=self.state.ready,
+            num_requests=len(runner.requests) if runner is not None else 0,  # type: ignore[attr-defined]
+            last_step_id=runner.last_step_id if runner is not None else 0,  # type: ignore[attr-defined]
+        )
+
+    async def Run(self, request_iterator: AsyncIterator[worker_pb2.DecodeStep], context: grpc.aio.ServicerContext
+                  ) -> AsyncIterator[worker_pb2.WorkerMessage]:
+        if not self.state.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")
+        if self.state.run_active:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "another Run stream is active on this worker; only one engine may drive it")
+        self.state.run_active = True
+        runner = self.state.runner
+        loop = asyncio.get_running_loop()
+        outbox: asyncio.Queue[worker_pb2.WorkerMessage | None] = asyncio.Queue()
+
+        async def consume() -> None:
+            last_step_id = 0
+            try:
+                async for step_pb in request_iterator:
+                    if step_pb.step_id <= last_step_id:
+                        outbox.put_nowait(worker_pb2.WorkerMessage(fatal_error=_error_info(
+                            f"step_id {step_pb.step_id} does not follow {last_step_id}")))
+                        continue
+                    last_step_id = step_pb.step_id
+                    try:
+                        step = wire.step_from_pb(step_pb)
+                        result = await loop.run_in_executor(self.executor, runner.execute_step, step)  # type: ignore[attr-defined]
+                    except Exception as exc:  # noqa: BLE001 - reported to the engine, the server lives on
+                        log.error("step %d failed:\n%s", step_pb.step_id, traceback.format_exc())
+                        outbox.put_nowait(worker_pb2.WorkerMessage(
+                            fatal_error=_error_info(f"step {step_pb.step_id} failed: {type(exc).__name__}: {exc}")))
+                        continue
+                    outbox.put_nowait(worker_pb2.WorkerMessage(step_result=wire.step_result_to_pb(result)))
+            finally:
+                outbox.put_nowait(None)
+
+        reader = asyncio.create_task(consume())
+        try:
+            while True:
+                try:
+                    message = await asyncio.wait_for(outbox.get(), timeout=HEARTBEAT_INTERVAL_S)
+                except asyncio.TimeoutError:
+                    yield worker_pb2.WorkerMessage(heartbeat=worker_pb2.Heartbeat(worker_time=time.monotonic()))
+                    continue
+                if message is None:
+                    break
+                yield message
+            await reader  # surfaces a broken request stream as an error of this call
+        finally:
+            reader.cancel()
+            # Queued behind any step still running on the executor, so state is dropped after it finishes.
+            await loop.run_in_executor(self.executor, runner.reset)  # type: ignore[attr-defined]
+            self.state.run_active = False
+
+
+# ---- process -----------------------------------------------------------------------------------------
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from ominix_worker.devices import DeviceError, device_name, parse_device
+
+    try:
+        device = parse_device(args.device)
+        resolve_model(args.model)
+    except (DeviceError, OminixError) as exc:
+        raise StartupError(str(exc)) from None
+    address = f"{args.host}:{args.port}"
+    worker_id = args.worker_id or f"{device_name(device)}@{address}"
+
+    state = WorkerState()
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ominix-forward")
+    server = grpc.aio.server(options=[
+        ("grpc.so_reuseport", 0),  # a second worker on the same port must fail, not share it
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ])
+    health_servicer = health.aio.HealthServicer()
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(state, executor), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((WORKER_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise StartupError(f"cannot bind {address}: {exc} (is the port taken?)") from None
+    if not bound:
+        raise StartupError(f"cannot bind {address} (is the port taken?)")
+    for service in ("", WORKER_SERVICE):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # pragma: no cover - non-main thread or Windows
+            pass
+
+    try:
+        load = loop.run_in_executor(executor, load_worker, args, args.device, worker_id)
+        stop_wait = asyncio.ensure_future(stop.wait())
+        done, _ = await asyncio.wait({load, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if load not in done:
+            return 0
+        state.runner, state.capability = load.result()
+        state.ready = True
+        for service in ("", WORKER_SERVICE):
+            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        _say(f"serving {state.capability.model.name} as {worker_id}")
+        log.info("ready: %s", worker_id)
+        await stop_wait
+        return 0
+    finally:
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace=1.0)
+        executor.shutdown(wait=False, cancel_futures=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        try:
+            import uvloop
+        except ImportError:
+            return asyncio.run(serve(args))
+        return uvloop.run(serve(args))
+    except StartupError as exc:
+        print(f"ominix-worker: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one clear line instead of a traceback at startup
+        log.debug("startup failed", exc_info=True)
+        print(f"ominix-worker: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
