@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
@@ -150,8 +151,8 @@ def load_worker(args: argparse.Namespace, device_spec: str, worker_id: str) -> t
     _say("warming up")
     runner.profile_forward(min(16, max_batch_tokens))
     graphs = runner.capture_decode_graphs()
-    if device.type != "cpu":
-        torch.cuda.synchronize(device) if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
     dtype_text = dtype_name(dtype)
     supported = profile.supported_dtypes if dtype_text in profile.supported_dtypes else (
@@ -289,10 +290,8 @@ async def serve(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # non-main thread or Windows
             loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # pragma: no cover - non-main thread or Windows
-            pass
 
     try:
         load = loop.run_in_executor(executor, load_worker, args, args.device, worker_id)
