@@ -17,6 +17,8 @@ from grpc_reflection.v1alpha import reflection
 from ominix_runtime.backends.grpc_worker import CHANNEL_OPTIONS, GrpcWorkerBackend
 from ominix_runtime.config import EngineConfig
 from ominix_runtime.contract import OminixError, RuntimeErrorKind
+from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig
+from ominix_runtime.engine.core import EngineCore
 from ominix_runtime.models import resolve_model
 from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.engine_service import EngineService
@@ -66,8 +68,10 @@ def _grpcurl_hint(address: str) -> str:
 class EngineDaemon:
     """Owns the engine core, the gRPC server and the metrics endpoint of one process."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, backends: list[Any] | None = None) -> None:
+        """``backends`` replaces the ones named in ``config`` (in-process backends for tests)."""
         self.config = config
+        self._given_backends = backends
         self.metrics = EngineMetrics() if config.metrics_port > 0 else None
         self.health = health.aio.HealthServicer()
         self.stop_requested = asyncio.Event()
@@ -79,9 +83,6 @@ class EngineDaemon:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig
-        from ominix_runtime.engine.core import EngineCore
-
         config = self.config
         tokenizer: Tokenizer | None = None
         model_name = ""
@@ -90,7 +91,7 @@ class EngineDaemon:
             model_name = source.name
             # Tokenizer loading (GGUF metadata parse) overlaps with the workers' own startup.
             tokenizer = await asyncio.to_thread(Tokenizer.from_source, source)
-        self._backends = _build_backends(config)
+        self._backends = list(self._given_backends) if self._given_backends else _build_backends(config)
         sched = config.scheduler
         core_config = EngineCoreConfig(
             scheduler=SchedulerConfig(
@@ -205,7 +206,7 @@ async def serve(config: EngineConfig) -> int:
         daemon.stop_requested.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
             loop.add_signal_handler(sig, on_signal)
     try:
         start = loop.create_task(daemon.start())

@@ -162,14 +162,21 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             _log.debug("request admitted", prompt_tokens=len(gen_request.prompt_token_ids))
             finished = False
             try:
-                async for event in self._events(gen_request, handle):
-                    yield event
-                finished = True
+                try:
+                    async for event in self._events(gen_request, handle):
+                        yield event
+                    finished = True
+                except Exception as exc:  # a bug here must still end the stream with one terminal event
+                    _log.exception("generate stream failed")
+                    yield engine_pb2.GenerateEvent(
+                        request_id=request_id,
+                        error=common_pb2.ErrorInfo(code=int(RuntimeErrorKind.INTERNAL), message=repr(exc)),
+                    )
             finally:
                 self._live.discard(request_id)
                 if not finished:
                     # The client went away (or the stream failed): free the request's KV at once.
-                    _log.info("client cancelled, aborting request")
+                    _log.info("stream ended early, aborting request")
                     await _maybe_await(handle.abort())
 
     def _reject(self, message: str, counted_by_engine: bool) -> None:
@@ -264,7 +271,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     async def Abort(self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> Any:
         found = request.request_id in self._live
         if found:
-            result = await _maybe_await(self._engine.abort(request.request_id, "aborted by Abort RPC"))
+            result = await _maybe_await(self._engine.abort(request.request_id))
             found = bool(result) if isinstance(result, bool) else found
         return engine_pb2.AbortResponse(found=found)
 
