@@ -1,93 +1,14 @@
-"""An engine daemon over the deterministic fake backend, served in a background thread on loopback."""
+"""Fixtures: one fake-backed engine daemon per module (see server_harness.py)."""
 
 from __future__ import annotations
 
-import asyncio
-import socket
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-import grpc
 import pytest
+from server_harness import SMOLLM2_VOCAB, RunningDaemon, start_daemon, stop_daemon
 
-from ominix_runtime.backends.fake import FakeConfig, FakeStepBackend
-from ominix_runtime.config import EngineConfig
-from ominix_runtime.pb import engine_pb2_grpc
-from ominix_runtime.server.app import EngineDaemon
+from ominix_runtime.backends.fake import FakeConfig
 from ominix_runtime.server.logging import configure_logging
-
-SMOLLM2_VOCAB = 49152
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class RunningDaemon:
-    daemon: EngineDaemon
-    backend: FakeStepBackend
-    loop: asyncio.AbstractEventLoop
-    address: str
-    metrics_url: str
-    channel: grpc.Channel
-
-    @property
-    def stub(self) -> engine_pb2_grpc.EngineStub:
-        return engine_pb2_grpc.EngineStub(self.channel)
-
-    def call(self, fn, timeout: float = 10.0):  # noqa: ANN001, ANN201 - test helper
-        """Run ``fn()`` (sync) on the daemon's loop thread and return its result."""
-        async def wrapper():  # noqa: ANN202
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(wrapper(), self.loop).result(timeout)
-
-
-def start_daemon(fake: FakeConfig, **config_overrides) -> tuple[RunningDaemon, threading.Thread]:  # noqa: ANN003
-    config = EngineConfig(port=free_port(), metrics_port=free_port(), drain_timeout=5.0, log_json=True,
-                          **config_overrides)
-    backend = FakeStepBackend(fake)
-    loop = asyncio.new_event_loop()
-    daemon_box: dict[str, EngineDaemon] = {}
-    started = threading.Event()
-    errors: list[BaseException] = []
-
-    async def main() -> None:
-        daemon = EngineDaemon(config, backends=[backend])
-        daemon_box["daemon"] = daemon
-        try:
-            await daemon.start()
-        except BaseException as exc:
-            errors.append(exc)
-            started.set()
-            await daemon.shutdown()
-            return
-        started.set()
-        await daemon.stop_requested.wait()
-        await daemon.shutdown()
-
-    thread = threading.Thread(target=lambda: loop.run_until_complete(main()), daemon=True)
-    thread.start()
-    assert started.wait(60), "daemon did not start within 60s"
-    if errors:
-        raise errors[0]
-    daemon = daemon_box["daemon"]
-    address = f"127.0.0.1:{daemon.bound_port}"
-    running = RunningDaemon(daemon, backend, loop, address, f"http://127.0.0.1:{daemon.metrics_port}/metrics",
-                            grpc.insecure_channel(address))
-    return running, thread
-
-
-def stop_daemon(running: RunningDaemon, thread: threading.Thread) -> None:
-    running.channel.close()
-    running.loop.call_soon_threadsafe(running.daemon.stop_requested.set)
-    thread.join(30)
-    assert not thread.is_alive(), "daemon did not stop within 30s"
-    running.loop.close()
 
 
 @pytest.fixture(scope="module")

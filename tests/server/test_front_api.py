@@ -10,9 +10,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
+from server_harness import RunningDaemon
 
 from ominix_runtime.pb import common_pb2, engine_pb2
-from tests.server.conftest import RunningDaemon
 
 FINISH_STOP = common_pb2.FINISH_REASON_STOP
 FINISH_LENGTH = common_pb2.FINISH_REASON_LENGTH
