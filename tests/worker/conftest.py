@@ -1,0 +1,38 @@
+"""Shared fixtures for the worker tests: tiny random models written once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ominix_worker.testing import write_tiny_hf_model
+
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "rope_theta": 500000.0,
+}
+
+TINY_MODELS = {
+    "llama": dict(arch="llama"),
+    "qwen2": dict(arch="qwen2", tie_word_embeddings=True),
+    "qwen3": dict(arch="qwen3"),
+    "llama31": dict(arch="llama", rope_parameters=LLAMA31_ROPE, seed=3),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """tiny_model_dir(name) → folder of the tiny random model ``name`` (see TINY_MODELS)."""
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = write_tiny_hf_model(tmp_path_factory.mktemp(f"tiny_{name}"), **TINY_MODELS[name])
+        return cache[name]
+
+    return get

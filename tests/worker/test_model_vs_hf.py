@@ -1,0 +1,147 @@
+"""Our runner's logits against Hugging Face transformers on tiny random models (CPU, float32).
+
+Every scenario drives the runner with DecodeSteps exactly as the engine would (non-contiguous block ids,
+mixed prefill and decode rows) and compares each sampled row's logits with a full-sequence HF forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from ominix_runtime.contract import DecodeStep, NewRequestData, RunningRequestData, SamplingParams, StepResult
+from ominix_worker.runner import ModelRunner, build_runner
+
+REL_TOL = 1e-4
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class LogitsRecorder:
+    """Wraps compute_logits to keep the rows of the last step, keyed by request id."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.rows: torch.Tensor | None = None
+        original = runner.model.compute_logits
+
+        def record(hidden: torch.Tensor) -> torch.Tensor:
+            self.rows = original(hidden)
+            return self.rows
+
+        runner.model.compute_logits = record  # type: ignore[method-assign]
+
+    def step(self, step: DecodeStep) -> tuple[StepResult, dict[str, torch.Tensor]]:
+        self.rows = None
+        result = self.runner.execute_step(step)
+        sampled = [o.request_id for o in result.outputs if o.sampled_token_id is not None]
+        logits = {} if self.rows is None else {rid: self.rows[i] for i, rid in enumerate(sampled)}
+        assert len(logits) == len(sampled)
+        return result, logits
+
+
+class Reference:
+    def __init__(self, folder: Path) -> None:
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        return self.model(torch.tensor([token_ids])).logits[0].float()
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert rel < REL_TOL, f"relative error {rel:.2e}"
+
+
+def prompt(seed: int, length: int, vocab: int = 320) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (length,), generator=g).tolist()
+
+
+def tokens_by_id(result: StepResult) -> dict[str, int]:
+    return {o.request_id: o.sampled_token_id for o in result.outputs if o.sampled_token_id is not None}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "llama31"])
+def pair(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]) -> tuple[LogitsRecorder, Reference]:
+    folder = tiny_model_dir(request.param)
+    runner = build_runner(str(folder), num_blocks=48, block_size=16)
+    return LogitsRecorder(runner), Reference(folder)
+
+
+def test_prefill_then_decode(pair: tuple[LogitsRecorder, Reference]) -> None:
+    rec, ref = pair
+    rec.runner.reset()
+    tokens = prompt(1, 37)  # three blocks, the last one partial
+    result, logits = rec.step(DecodeStep(1, new_requests=[
+        NewRequestData("a", tokens, GREEDY, [9, 2, 30], 0, len(tokens), effective_seed=1)]))
+    assert_close(logits["a"], ref.logits(tokens)[-1])
+    tokens.append(tokens_by_id(result)["a"])
+    for step_id in range(2, 16):  # crosses into a fourth block at position 48
+        new_blocks = [17] if len(tokens) == 48 else []
+        result, logits = rec.step(DecodeStep(step_id, running_requests=[RunningRequestData("a", new_blocks, 1)]))
+        assert_close(logits["a"], ref.logits(tokens)[-1])
+        tokens.append(tokens_by_id(result)["a"])
+    assert rec.runner.requests["a"].output_token_ids == tokens[37:]
+
+
+def test_chunked_prefill_mixed_with_decode(pair: tuple[LogitsRecorder, Reference]) -> None:
+    rec, ref = pair
+    rec.runner.reset()
+    short = prompt(2, 5)
+    long = prompt(3, 40)
+    result, logits = rec.step(DecodeStep(1, new_requests=[
+        NewRequestData("short", short, GREEDY, [4], 0, 5, effective_seed=2),
+        NewRequestData("long", long, GREEDY, [11, 5], 0, 16, effective_seed=3),
+    ]))
+    assert set(logits) == {"short"}, "a chunked prefill must not sample"
+    assert_close(logits["short"], ref.logits(short)[-1])
+    short.append(tokens_by_id(result)["short"])
+    # Second chunk of 16 alongside a decode row, then the last 8 which samples.
+    result, logits = rec.step(DecodeStep(2, running_requests=[
+        RunningRequestData("short", [], 1), RunningRequestData("long", [], 16)]))
+    assert set(logits) == {"short"}
+    short.append(tokens_by_id(result)["short"])
+    result, logits = rec.step(DecodeStep(3, running_requests=[
+        RunningRequestData("long", [6], 8), RunningRequestData("short", [], 1)]))
+    assert [o.request_id for o in result.outputs] == ["long", "short"]
+    assert_close(logits["long"], ref.logits(long)[-1])
+    assert_close(logits["short"], ref.logits(short)[-1])
+    long.append(tokens_by_id(result)["long"])
+    result, logits = rec.step(DecodeStep(4, running_requests=[RunningRequestData("long", [], 1)],
+                                         finished_request_ids=["short"]))
+    assert_close(logits["long"], ref.logits(long)[-1])
+    assert "short" not in rec.runner.requests
+
+
+def test_prefix_hit_reuses_blocks(pair: tuple[LogitsRecorder, Reference]) -> None:
+    rec, ref = pair
+    rec.runner.reset()
+    shared = prompt(4, 32)  # two full blocks
+    first = shared + prompt(5, 7)
+    rec.step(DecodeStep(1, new_requests=[NewRequestData("first", first, GREEDY, [20, 21, 22], 0, len(first), 4)]))
+    # The second request finds the two shared blocks in the prefix cache and computes only its tail.
+    second = shared + prompt(6, 10)
+    result, logits = rec.step(DecodeStep(2, finished_request_ids=["first"], new_requests=[
+        NewRequestData("second", second, GREEDY, [20, 21, 40], 32, len(second) - 32, 5)]))
+    assert result.num_tokens == len(second) - 32
+    assert_close(logits["second"], ref.logits(second)[-1])
+    second.append(tokens_by_id(result)["second"])
+    _, logits = rec.step(DecodeStep(3, running_requests=[RunningRequestData("second", [], 1)]))
+    assert_close(logits["second"], ref.logits(second)[-1])
+
+
+def test_resumed_request_continues_from_its_output(pair: tuple[LogitsRecorder, Reference]) -> None:
+    """After preemption the engine resends prompt + earlier output; the worker recomputes both."""
+    rec, ref = pair
+    rec.runner.reset()
+    tokens = prompt(7, 12)
+    earlier_output = prompt(8, 3)
+    result, logits = rec.step(DecodeStep(1, new_requests=[
+        NewRequestData("r", tokens, GREEDY, [1], 0, 15, effective_seed=6, output_token_ids=earlier_output)]))
+    assert_close(logits["r"], ref.logits(tokens + earlier_output)[-1])
+    assert rec.runner.requests["r"].output_token_ids == [*earlier_output, tokens_by_id(result)["r"]]
