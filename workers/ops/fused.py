@@ -81,11 +81,12 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, N: tl.constexpr, 
     tl.store(out_ptr + row * out_stride + cols, y, mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """(T, 2I) laid out [gate | up] → silu(gate) * up, shape (T, I)."""
     num_tokens, width = gate_up.shape
     n = width // 2
-    out = torch.empty((num_tokens, n), dtype=gate_up.dtype, device=gate_up.device)
+    if out is None:
+        out = torch.empty((num_tokens, n), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(n, block))](
         gate_up, out, gate_up.stride(0), out.stride(0), N=n, BLOCK=block, num_warps=4

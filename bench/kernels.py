@@ -1,0 +1,334 @@
+"""Times the Triton paged-attention, KV-store and fused elementwise kernels at W1-like shapes (Llama-3.1-8B:
+32 query heads, 8 KV heads, head_dim 128, bf16, block size 16) against torch, and reports achieved bandwidth
+against the measured device-to-device copy bandwidth.
+
+    python bench/kernels.py [--json out.json] [--quick]
+
+Decode cases run the 32 layers of one step back to back from one CUDA graph (each layer owns its KV tensor, as
+in the model, so nothing is served from L2 across layers) and report the time per layer. Torch SDPA baselines
+read contiguous, unpaged K/V, which is the easier problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "gpu"))
+import conftest  # noqa: E402,F401  (makes ominix_worker importable from a bare checkout)
+from roofline import measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
+
+from ominix_worker.attention.base import AttentionMetadata  # noqa: E402
+from ominix_worker.attention.triton_paged import TritonPagedAttention, decode_num_splits  # noqa: E402
+from ominix_worker.ops import fused  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+KV_BYTES_PER_TOKEN_LAYER = 2 * KV_HEADS * HEAD_DIM * 2
+ROWS: list[dict] = []
+
+
+def _ms(fn: Callable[[], object]) -> float:
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def _row(kind: str, case: str, ms: float, **extra: object) -> None:
+    ROWS.append({"kind": kind, "case": case, "ms": ms, **extra})
+
+
+def paged_batch(q_lens: list[int], seq_lens: list[int], layers: int, gen: torch.Generator):
+    """Random K/V in ``layers`` caches behind one random, non-contiguous block table."""
+    blocks = [math.ceil(s / BLOCK) for s in seq_lens]
+    num_blocks = sum(blocks)
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros((len(seq_lens), max(blocks)), dtype=torch.int32)
+    slots = []
+    cursor = 0
+    for i, (q, s) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        ids = perm[cursor : cursor + blocks[i]]
+        cursor += blocks[i]
+        table[i, : blocks[i]] = ids.to(torch.int32)
+        pos = torch.arange(s - q, s)
+        slots.append(ids[pos // BLOCK] * BLOCK + pos % BLOCK)
+    caches = [
+        torch.randn((2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM), dtype=DTYPE, device="cuda")
+        for _ in range(layers)
+    ]
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    meta = AttentionMetadata(
+        query_start_loc=qsl.cuda(),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        block_tables=table.cuda(),
+        slot_mapping=torch.cat(slots).cuda(),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        num_decode_only=all(q == 1 for q in q_lens),
+    )
+    query = torch.randn((sum(q_lens), HEADS, HEAD_DIM), dtype=DTYPE, device="cuda")
+    return caches, meta, query
+
+
+def gather_contiguous(
+    cache: torch.Tensor, meta: AttentionMetadata, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, KVH, seq_len, D) K and V for equal-length requests, for SDPA and error checks."""
+    b = meta.block_tables.shape[0]
+    blocks = math.ceil(seq_len / BLOCK)
+    k = cache[0][meta.block_tables[:, :blocks].long()].reshape(b, blocks * BLOCK, KV_HEADS, HEAD_DIM)[
+        :, :seq_len
+    ]
+    v = cache[1][meta.block_tables[:, :blocks].long()].reshape(b, blocks * BLOCK, KV_HEADS, HEAD_DIM)[
+        :, :seq_len
+    ]
+    return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def bench_decode(batch: int, lo: int, hi: int, bandwidth: float, gen: torch.Generator) -> None:
+    seq_lens = torch.randint(lo, hi + 1, (batch,), generator=gen).tolist()
+    per_layer_bytes = sum(seq_lens) * KV_BYTES_PER_TOKEN_LAYER
+    # 32 layers as in the model, fewer when that would not fit; each layer's KV is far larger than L2 then.
+    layers = 32 if per_layer_bytes * 32 < 30e9 else max(2, int(30e9 // per_layer_bytes))
+    caches, meta, query = paged_batch([1] * batch, seq_lens, layers, gen)
+    backend = TritonPagedAttention(BLOCK)
+    scale = HEAD_DIM**-0.5
+    outs = [torch.empty_like(query) for _ in range(layers)]
+    splits = decode_num_splits(
+        batch, KV_HEADS, meta.max_seq_len, torch.cuda.get_device_properties(0).multi_processor_count
+    )
+
+    def step() -> None:
+        for layer in range(layers):
+            backend.forward_into(query, caches[layer], meta, scale, outs[layer])
+
+    step()
+    torch.cuda.synchronize()
+    eager = _ms(step) / layers
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+        with torch.cuda.graph(graph, stream=stream):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graphed = _ms(graph.replay) / layers
+    kv_bytes = per_layer_bytes + 2 * query.numel() * query.element_size()
+    case = f"B={batch} ctx={lo}-{hi}" if lo != hi else f"B={batch} ctx={lo}"
+    extra: dict[str, object] = {}
+    if lo == hi:
+        k, v = gather_contiguous(caches[0], meta, lo)
+        q4 = query.unsqueeze(2)  # (B, H, 1, D)
+        ref = F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
+        extra["err_vs_sdpa"] = rel_err(outs[0], ref.squeeze(2))
+        sdpa = _ms(lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True))
+        _row("decode", case, sdpa, impl="torch sdpa (contiguous KV, 1 layer)", gbps=kv_bytes / sdpa / 1e6)
+    _row(
+        "decode", case, graphed, impl=f"triton graph (splits={splits})", eager_ms=eager,
+        gbps=kv_bytes / graphed / 1e6, frac_copy_bw=kv_bytes / (graphed * 1e-3) / bandwidth, **extra,
+    )  # fmt: skip
+
+
+def bench_prefill(batch: int, new: int, prefix: int, flops: float, gen: torch.Generator) -> None:
+    q_lens = [new] * batch
+    seq_lens = [prefix + new] * batch
+    caches, meta, query = paged_batch(q_lens, seq_lens, 1, gen)
+    backend = TritonPagedAttention(BLOCK)
+    scale = HEAD_DIM**-0.5
+    out = torch.empty_like(query)
+    fn = lambda: backend.forward_into(query, caches[0], meta, scale, out)  # noqa: E731
+    fn()
+    ms = _ms(fn)
+    pairs = batch * sum(prefix + m + 1 for m in range(new))
+    work = 4 * HEADS * HEAD_DIM * pairs
+    case = f"B={batch} new={new} prefix={prefix}"
+    k, v = gather_contiguous(caches[0], meta, prefix + new)
+    q4 = query.view(batch, new, HEADS, HEAD_DIM).transpose(1, 2)
+    mask = None
+    if prefix:
+        visible_to = prefix + torch.arange(new, device="cuda")
+        mask = torch.arange(prefix + new, device="cuda")[None, :] <= visible_to[:, None]
+
+    def sdpa_fn() -> torch.Tensor:
+        # Fresh prompts take the flash path (is_causal); a prefix needs the bottom-right causal mask.
+        return F.scaled_dot_product_attention(
+            q4, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+
+    ref = sdpa_fn()
+    err = rel_err(out.view(batch, new, HEADS, HEAD_DIM).transpose(1, 2), ref)
+    sdpa = _ms(sdpa_fn)
+    _row("prefill", case, sdpa, impl="torch sdpa (contiguous KV)", tflops=work / sdpa / 1e9)
+    _row(
+        "prefill",
+        case,
+        ms,
+        impl="triton paged",
+        tflops=work / ms / 1e9,
+        frac_matmul=work / (ms * 1e-3) / flops,
+        err_vs_sdpa=err,
+    )
+
+
+def bench_mixed(gen: torch.Generator) -> None:
+    """A chunked-prefill step: 240 decode rows at context 512-768 plus two 512-token chunks."""
+    q_lens = [1] * 240 + [512, 512]
+    seq_lens = torch.randint(512, 769, (240,), generator=gen).tolist() + [512, 1024]
+    caches, meta, query = paged_batch(q_lens, seq_lens, 1, gen)
+    backend = TritonPagedAttention(BLOCK)
+    out = torch.empty_like(query)
+    fn = lambda: backend.forward_into(query, caches[0], meta, HEAD_DIM**-0.5, out)  # noqa: E731
+    fn()
+    _row("mixed", "240 decode + 2x512 chunk", _ms(fn), impl="triton general kernel")
+
+
+def bench_store(tokens: int, bandwidth: float, gen: torch.Generator) -> None:
+    seq_lens = [1] * tokens
+    caches, meta, _ = paged_batch([1] * tokens, seq_lens, 1, gen)
+    key = torch.randn((tokens, KV_HEADS, HEAD_DIM), dtype=DTYPE, device="cuda")
+    value = torch.randn_like(key)
+    moved = 2 * 2 * key.numel() * key.element_size()
+    for impl, backend in (
+        ("triton store", TritonPagedAttention(BLOCK)),
+        ("index_copy_", TritonPagedAttention(BLOCK, store_with_index_copy=True)),
+    ):
+        fn = lambda b=backend: b.write_kv(caches[0], key, value, meta)  # noqa: E731
+        fn()
+        flat = caches[0].view(2, -1, KV_HEADS, HEAD_DIM)
+        assert torch.equal(flat[0, meta.slot_mapping], key) and torch.equal(flat[1, meta.slot_mapping], value)
+        ms = _ms(fn)
+        _row(
+            "write_kv",
+            f"T={tokens}",
+            ms,
+            impl=impl,
+            gbps=moved / ms / 1e6,
+            frac_copy_bw=moved / (ms * 1e-3) / bandwidth,
+        )
+
+
+def bench_fused(tokens: int, bandwidth: float) -> None:
+    hidden, ffn, eps = 4096, 14336, 1e-5
+    x = torch.randn((tokens, hidden), dtype=DTYPE, device="cuda")
+    residual = torch.randn_like(x)
+    weight = torch.randn((hidden,), dtype=DTYPE, device="cuda")
+
+    def torch_norm(v: torch.Tensor) -> torch.Tensor:
+        v32 = v.float()
+        return weight * (v32 * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + eps)).to(v.dtype)
+
+    def torch_add_norm() -> torch.Tensor:
+        s = x + residual
+        return torch_norm(s)
+
+    nbytes = x.numel() * 2
+    cases = [
+        ("rms_norm", lambda: torch_norm(x), lambda: fused.rms_norm(x, weight, eps), 2 * nbytes),
+        (
+            "add+rms_norm",
+            torch_add_norm,
+            lambda: fused.fused_add_rms_norm(x, residual.clone(), weight, eps),
+            4 * nbytes,
+        ),
+    ]
+    gate_up = torch.randn((tokens, 2 * ffn), dtype=DTYPE, device="cuda")
+    g, u = gate_up.split(ffn, dim=-1)
+    cases.append(
+        ("silu_and_mul", lambda: F.silu(g) * u, lambda: fused.silu_and_mul(gate_up), 3 * tokens * ffn * 2)
+    )
+    q = torch.randn((tokens, HEADS, HEAD_DIM), dtype=DTYPE, device="cuda")
+    k = torch.randn((tokens, KV_HEADS, HEAD_DIM), dtype=DTYPE, device="cuda")
+    positions = torch.randint(0, 4096, (tokens,), device="cuda")
+    inv = 1.0 / (500000.0 ** (torch.arange(0, HEAD_DIM, 2, device="cuda").float() / HEAD_DIM))
+    emb = torch.outer(torch.arange(8192, device="cuda").float(), inv)
+    emb = torch.cat((emb, emb), -1)
+    cos_sin = torch.stack((emb.cos(), emb.sin())).contiguous()
+
+    def torch_rope() -> tuple[torch.Tensor, torch.Tensor]:
+        cos = cos_sin[0, positions].unsqueeze(1).to(q.dtype)
+        sin = cos_sin[1, positions].unsqueeze(1).to(q.dtype)
+
+        def rot(t: torch.Tensor) -> torch.Tensor:
+            h = t.shape[-1] // 2
+            return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
+
+        return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+    def triton_rope() -> None:
+        fused.rotary_in_place(q, positions, cos_sin)
+        fused.rotary_in_place(k, positions, cos_sin)
+
+    cases.append(("rotary q+k", torch_rope, triton_rope, 2 * (q.numel() + k.numel()) * 2))
+    # Correctness against the torch formulas before timing.
+    err_norm = rel_err(fused.rms_norm(x, weight, eps), torch_norm(x))
+    err_silu = rel_err(fused.silu_and_mul(gate_up), F.silu(g) * u)
+    qr, kr = torch_rope()
+    fused.rotary_in_place(q, positions, cos_sin)
+    fused.rotary_in_place(k, positions, cos_sin)
+    err_rope = max(rel_err(q, qr), rel_err(k, kr))
+    errs = {"rms_norm": err_norm, "add+rms_norm": err_norm, "silu_and_mul": err_silu, "rotary q+k": err_rope}
+    for name, torch_fn, triton_fn, moved in cases:
+        t_ms = _ms(torch_fn)
+        f_ms = _ms(triton_fn)
+        _row("fused", f"{name} T={tokens}", t_ms, impl="torch")
+        _row(
+            "fused", f"{name} T={tokens}", f_ms, impl="triton", speedup=t_ms / f_ms,
+            frac_copy_bw=moved / (f_ms * 1e-3) / bandwidth, err_vs_torch=errs[name],
+        )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write every row to this file")
+    parser.add_argument("--quick", action="store_true", help="fewer cases")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator().manual_seed(0)
+    bandwidth = measure_copy_bandwidth()
+    flops = measure_matmul_rate()
+    print(
+        f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.3f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s"
+    )
+    decode_cases = [(1, 512, 512), (64, 768, 768), (256, 768, 768)]
+    if not args.quick:
+        decode_cases = [(1, 512, 512), (1, 768, 768), (64, 512, 512), (64, 768, 768), (256, 512, 512)]
+        decode_cases += [(256, 768, 768), (256, 512, 768), (32, 4096, 4096)]
+    for batch, lo, hi in decode_cases:
+        bench_decode(batch, lo, hi, bandwidth, gen)
+    for batch, new, prefix in [(1, 512, 0), (16, 512, 0), (1, 512, 2048), (16, 512, 2048)]:
+        bench_prefill(batch, new, prefix, flops, gen)
+    bench_mixed(gen)
+    for tokens in (256, 8192):
+        bench_store(tokens, bandwidth, gen)
+        bench_fused(tokens, bandwidth)
+    print(f"{'kind':9} {'case':32} {'impl':34} {'ms':>9}  extra")
+    for r in ROWS:
+        extra = {
+            k: (round(v, 4) if isinstance(v, float) else v)
+            for k, v in r.items()
+            if k not in ("kind", "case", "ms", "impl")
+        }
+        print(f"{r['kind']:9} {r['case']:32} {r['impl']:34} {r['ms']:9.4f}  {extra}")
+    if args.json:
+        meta = {"device": torch.cuda.get_device_name(), "bandwidth": bandwidth, "flops": flops}
+        Path(args.json).write_text(json.dumps({**meta, "rows": ROWS}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

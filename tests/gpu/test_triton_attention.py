@@ -1,0 +1,272 @@
+"""Triton paged attention vs a float64 attention computed from scratch, on random ragged paged batches.
+
+Runs on CUDA; with TRITON_INTERPRET=1 it also runs (slowly) on the CPU through Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import conftest  # noqa: F401  (aliases ominix_worker when run as a plain script)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRET else None)
+if DEVICE is None:
+    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
+pytest.importorskip("triton")
+
+from ominix_worker.attention.base import AttentionMetadata  # noqa: E402
+from ominix_worker.attention.triton_paged import TritonPagedAttention  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE = {torch.bfloat16: 1.5e-2, torch.float16: 4e-3, torch.float32: 1e-3}
+
+
+@dataclass(slots=True)
+class Batch:
+    query: torch.Tensor  # (T, H, D)
+    new_key: torch.Tensor  # (T, KVH, D)
+    new_value: torch.Tensor
+    keys: list[torch.Tensor]  # per request (seq_len, KVH, D), float64
+    values: list[torch.Tensor]
+    q_lens: list[int]
+    seq_lens: list[int]
+    kv_cache: torch.Tensor
+    meta: AttentionMetadata
+
+
+def make_batch(
+    gen: torch.Generator,
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    backend: TritonPagedAttention,
+) -> Batch:
+    """Context tokens go straight into a NaN-poisoned cache through random, non-contiguous block tables;
+    this step's tokens go in through ``write_kv``. Any read of an unwritten slot turns the output NaN."""
+    blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 7
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(blocks_per_seq) + 2
+    block_tables = torch.zeros((len(seq_lens), max_blocks), dtype=torch.int32)
+    cursor = 0
+    kv_cache = backend.allocate_kv_cache(1, num_blocks, num_kv_heads, head_dim, dtype, torch.device(DEVICE))[
+        0
+    ]
+    kv_cache.fill_(float("nan"))
+    keys, values, queries, new_keys, new_values, slots = [], [], [], [], [], []
+    for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        ids = perm[cursor : cursor + blocks_per_seq[i]]
+        cursor += blocks_per_seq[i]
+        block_tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        k = torch.randn((seq_len, num_kv_heads, head_dim), generator=gen).to(dtype)
+        v = torch.randn((seq_len, num_kv_heads, head_dim), generator=gen).to(dtype)
+        q = torch.randn((q_len, num_heads, head_dim), generator=gen).to(dtype)
+        pos = torch.arange(seq_len)
+        flat = torch.tensor(ids, dtype=torch.int64)[pos // block_size] * block_size + pos % block_size
+        context = seq_len - q_len
+        cache_flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+        cache_flat[0, flat[:context].to(DEVICE)] = k[:context].to(DEVICE)
+        cache_flat[1, flat[:context].to(DEVICE)] = v[:context].to(DEVICE)
+        keys.append(k.double())
+        values.append(v.double())
+        queries.append(q)
+        new_keys.append(k[context:])
+        new_values.append(v[context:])
+        slots.append(flat[context:])
+    qsl = [0]
+    for q_len in q_lens:
+        qsl.append(qsl[-1] + q_len)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=block_tables.to(DEVICE),
+        slot_mapping=torch.cat(slots).to(DEVICE),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        num_decode_only=all(q == 1 for q in q_lens),
+    )
+    return Batch(
+        query=torch.cat(queries).to(DEVICE),
+        new_key=torch.cat(new_keys).to(DEVICE),
+        new_value=torch.cat(new_values).to(DEVICE),
+        keys=keys,
+        values=values,
+        q_lens=q_lens,
+        seq_lens=seq_lens,
+        kv_cache=kv_cache,
+        meta=meta,
+    )
+
+
+def reference(batch: Batch, scale: float) -> list[torch.Tensor]:
+    """Causal attention per request in float64; query row m sits at position seq_len - q_len + m."""
+    outs = []
+    start = 0
+    num_heads = batch.query.shape[1]
+    for q_len, seq_len, k, v in zip(batch.q_lens, batch.seq_lens, batch.keys, batch.values, strict=True):
+        q = batch.query[start : start + q_len].double().cpu()
+        start += q_len
+        group = num_heads // k.shape[1]
+        kh = k.repeat_interleave(group, dim=1)  # (L, H, D)
+        vh = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("mhd,nhd->hmn", q, kh) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        visible = torch.arange(seq_len)[None, :] <= q_pos
+        scores = scores.masked_fill(~visible, float("-inf"))
+        outs.append(torch.einsum("hmn,nhd->mhd", torch.softmax(scores, dim=-1), vh))
+    return outs
+
+
+def check(batch: Batch, out: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not torch.isnan(out).any(), "unwritten (poisoned) or NaN output elements"
+    ref = reference(batch, 1.0 / math.sqrt(batch.query.shape[-1]))
+    start = 0
+    got_all = out.double().cpu()
+    for i, r in enumerate(ref):
+        got = got_all[start : start + r.shape[0]]
+        start += r.shape[0]
+        err = ((got - r).norm() / r.norm()).item()
+        assert err < TOLERANCE[dtype], (
+            f"request {i} (q_len {batch.q_lens[i]}, seq_len {batch.seq_lens[i]}): {err:.2e}"
+        )
+
+
+def run_case(
+    seed: int,
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    decode_splits: int | None = None,
+    force_general: bool = False,
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    backend = TritonPagedAttention(block_size=block_size)
+    backend.decode_splits = decode_splits
+    batch = make_batch(gen, q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, backend)
+    if force_general:
+        batch.meta.num_decode_only = False
+    backend.write_kv(batch.kv_cache, batch.new_key, batch.new_value, batch.meta)
+    flat = batch.kv_cache.view(2, -1, num_kv_heads, head_dim)
+    assert torch.equal(flat[0, batch.meta.slot_mapping], batch.new_key)
+    assert torch.equal(flat[1, batch.meta.slot_mapping], batch.new_value)
+    out = torch.full_like(batch.query, float("nan"))
+    backend.forward_into(batch.query, batch.kv_cache, batch.meta, 1.0 / math.sqrt(head_dim), out)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    check(batch, out, dtype)
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _ragged(gen: torch.Generator, n: int, low: int, high: int) -> list[int]:
+    return torch.randint(low, high + 1, (n,), generator=gen).tolist()
+
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# (num_heads, num_kv_heads, head_dim): GQA ratios 1, 4 and 8; the last one is Llama-3.1-8B's.
+SHAPES = [(4, 4, 64), (8, 2, 128), (16, 2, 64), (32, 8, 128)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_decode(dtype: torch.dtype, shape: tuple[int, int, int], splits: int | None) -> None:
+    seed = zlib.crc32(f"{dtype}{shape}{splits}".encode()) % 10_000
+    gen = torch.Generator().manual_seed(seed)
+    num_requests = 6 if INTERPRET else 37
+    seq_lens = _ragged(gen, num_requests, 1, 90 if INTERPRET else 800)
+    seq_lens[0] = 1  # a request whose only token is the new one
+    run_case(seed, [1] * num_requests, seq_lens, *shape, block_size=16, dtype=dtype, decode_splits=splits)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+def test_decode_block_sizes(block_size: int) -> None:
+    gen = torch.Generator().manual_seed(block_size)
+    seq_lens = _ragged(gen, 9, 1, 100 if INTERPRET else 1500)
+    run_case(block_size, [1] * 9, seq_lens, 32, 8, 128, block_size, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_mixed_batch(dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
+    """Decode rows, fresh prefills, chunks after a prefix not a multiple of the block size, in one step."""
+    seed = zlib.crc32(f"{dtype}{shape}mixed".encode()) % 10_000
+    gen = torch.Generator().manual_seed(seed)
+    scale = 1 if INTERPRET else 4
+    q_lens = [1, 1, 37 * scale, 1, 64 * scale, 5, 70 * scale + 3, 1]
+    prefix = [0, 13, 0, 200 * scale, 0, 33, 50 * scale + 7, 1]
+    prefix = [
+        p + (0 if q > 1 or p > 0 else _ragged(gen, 1, 1, 60)[0]) for q, p in zip(q_lens, prefix, strict=True)
+    ]
+    seq_lens = [p + q for p, q in zip(prefix, q_lens, strict=True)]
+    run_case(seed, q_lens, seq_lens, *shape, block_size=16, dtype=dtype)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+def test_prefill_with_prefix_block_sizes(block_size: int) -> None:
+    gen = torch.Generator().manual_seed(100 + block_size)
+    n = 3 if INTERPRET else 5
+    q_lens = _ragged(gen, n, 1, 40 if INTERPRET else 300)
+    prefix = _ragged(gen, n, 0, 40 if INTERPRET else 700)
+    seq_lens = [p + q for p, q in zip(prefix, q_lens, strict=True)]
+    run_case(100 + block_size, q_lens, seq_lens, 32, 8, 128, block_size, torch.bfloat16)
+
+
+def test_general_path_on_all_decode_batch() -> None:
+    """A step of single-token requests that the runner did not flag as decode-only takes the general kernel."""
+    gen = torch.Generator().manual_seed(7)
+    seq_lens = _ragged(gen, 11, 1, 90 if INTERPRET else 700)
+    run_case(7, [1] * 11, seq_lens, 32, 8, 128, 16, torch.bfloat16, force_general=True)
+
+
+def test_padded_decode_slot_is_skipped() -> None:
+    """A negative slot (graph filler row) stores nothing; the other rows still land."""
+    backend = TritonPagedAttention(block_size=16)
+    kv = backend.allocate_kv_cache(1, 4, 2, 64, torch.bfloat16, torch.device(DEVICE))[0]
+    kv.fill_(float("nan"))
+    key = torch.randn((3, 2, 64)).to(torch.bfloat16).to(DEVICE)
+    value = torch.randn((3, 2, 64)).to(torch.bfloat16).to(DEVICE)
+    slots = torch.tensor([5, -1, 40], dtype=torch.int64, device=DEVICE)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(4, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.ones(3, dtype=torch.int32, device=DEVICE),
+        block_tables=torch.zeros((3, 1), dtype=torch.int32, device=DEVICE),
+        slot_mapping=slots,
+        max_query_len=1,
+        max_seq_len=1,
+        num_decode_only=True,
+    )
+    backend.write_kv(kv, key, value, meta)
+    flat = kv.view(2, -1, 2, 64)
+    assert torch.equal(flat[0, 5], key[0]) and torch.equal(flat[1, 40], value[2])
+    assert int((~torch.isnan(flat.float())).sum()) == 2 * 2 * 2 * 64
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider", *sys.argv[1:]]))
