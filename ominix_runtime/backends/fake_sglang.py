@@ -560,8 +560,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         incremental_output=args.incremental_streaming_output,
         page_size=args.page_size,
     )
-    print(f"fake SGLang ({args.mode}) on http://{args.host}:{args.port}", flush=True)
-    web.run_app(make_app(state), host=args.host, port=args.port, print=None, access_log=None)
+    print(f"fake SGLang ({args.mode}) starting on http://{args.host}:{args.port}", flush=True)
+
+    def announce(_message: str) -> None:
+        # run_app calls this once the socket listens: scripts and tests wait for this line.
+        print(f"fake SGLang ready on http://{args.host}:{args.port}", flush=True)
+
+    web.run_app(make_app(state), host=args.host, port=args.port, print=announce, access_log=None)
 
 
 if __name__ == "__main__":

@@ -469,10 +469,13 @@ class SGLangBackend:
                 live.abort_timer.cancel()
             if live.response is not None:
                 live.response.close()
-        for task in list(self._background):
-            task.cancel()
         if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+            # Let pending abort notices reach the server (each is bounded by the control timeout).
+            pending = list(self._background)
+            _, late = await asyncio.wait(pending, timeout=self.timeout)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
             self._session = None
