@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -172,10 +173,8 @@ class EngineCore:
         self._accepting = False
         if self._live and drain_timeout > 0:
             self._all_done.clear()
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._all_done.wait(), drain_timeout)
-            except asyncio.TimeoutError:
-                pass
         for rid in list(self._live):
             live = self._live.get(rid)
             if live is not None:

@@ -9,6 +9,7 @@ group unhealthy and ends every request it holds with Error(BACKEND_UNAVAILABLE).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import time
 from collections import deque
@@ -99,15 +100,12 @@ class StepWorkerGroup:
         self._wake.set()
         if self._task is not None:
             self._task.cancel()
-            try:
+            # Failures were already reported by the loop itself.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - already reported by the loop
-                pass
         if self._stream is not None:
-            try:
+            with contextlib.suppress(Exception):  # closing a broken stream may fail; nothing left to do
                 await self._stream.close()
-            except Exception:  # noqa: BLE001 - closing a broken stream may fail; nothing left to do
-                pass
         self.running = False
 
     # ---- requests -------------------------------------------------------------------------------------
@@ -203,10 +201,8 @@ class StepWorkerGroup:
                 self._idle_check(loop.time())
                 self._wake.clear()
                 timeout = self.config.deadline_check_interval if self._deadlines else 1.0
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout)
-                except asyncio.TimeoutError:
-                    pass
                 continue
             try:
                 result = await asyncio.wait_for(stream.recv(), self.config.step_timeout)

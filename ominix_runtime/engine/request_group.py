@@ -122,12 +122,11 @@ class RequestWorkerGroup:
             raise InvalidArgument(
                 f"the prompt has {n} tokens, more than the model's context length {max_len}"
             )
-        if max_len is not None and isinstance(request.sampling.max_tokens, int) and n:
-            if n + request.sampling.max_tokens > max_len:
-                raise InvalidArgument(
-                    f"prompt ({n} tokens) + max_tokens ({request.sampling.max_tokens}) exceeds the model's "
-                    f"context length {max_len}"
-                )
+        max_tokens = request.sampling.max_tokens
+        if max_len is not None and isinstance(max_tokens, int) and n and n + max_tokens > max_len:
+            raise InvalidArgument(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the model's context length {max_len}"
+            )
         request.sampling.validate(vocab, max_len)
 
     def submit(self, request: GenerateRequest) -> None:

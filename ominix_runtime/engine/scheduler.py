@@ -384,13 +384,23 @@ class Scheduler:
             return
         need = self.registry.blocks_for_tokens(min(head.num_tokens, self.max_batch_tokens))
         while self.running and (
-            len(self.running) >= self.max_running_requests or self.registry.num_available_blocks < need
+            len(self.running) >= self.max_running_requests
+            or self.registry.num_available_blocks < need + self._running_growth_blocks()
         ):
             victim = max(self.running.values(), key=lambda r: r.order_key)
             if victim.priority <= head.priority:
                 return
             self._preempt(victim)
             preempted.append(victim.request_id)
+
+    def _running_growth_blocks(self) -> int:
+        """Blocks the running requests would take this step if each got all it asks for."""
+        total = 0
+        for req in self.running.values():
+            lease = self.registry.lease(req.request_id)
+            have = len(lease.kv_block_ids) if lease else 0
+            total += max(0, self.registry.blocks_for_tokens(req.num_tokens) - have)
+        return total
 
     def _preempt(self, req: EngineRequest) -> None:
         self.registry.free(req.request_id)

@@ -1,0 +1,178 @@
+"""KV registry: unit cases and hypothesis state machines over allocate/grow/cache/free/prefix-hit/evict."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from ominix_runtime.engine.kv_registry import IntegrityError, KVRegistry
+
+BS = 4
+
+
+def test_prefix_hit_is_block_aligned_and_leaves_the_last_token() -> None:
+    reg = KVRegistry("w", num_blocks=16, block_size=BS)
+    tokens = list(range(100, 112))  # exactly 3 full blocks
+    assert reg.allocate("a", len(tokens)) is not None
+    reg.cache_blocks("a", tokens, len(tokens))
+    reg.free("a")
+    hit = reg.find_prefix(tokens)
+    assert hit.num_tokens == 8  # 12 - 1 = 11 -> 2 full blocks: the last block is recomputed
+    assert reg.find_prefix(tokens + [7]).num_tokens == 12
+    assert reg.find_prefix([1] + tokens).num_tokens == 0  # chained: a different first block changes all
+    reg.check_integrity()
+
+
+def test_free_is_tail_first_and_unhashed_blocks_are_reused_first() -> None:
+    reg = KVRegistry("w", num_blocks=6, block_size=BS)
+    tokens = list(range(16))
+    blocks = reg.allocate("a", 18)  # 5 blocks: 4 full + 1 partial
+    assert blocks is not None and len(blocks) == 5
+    reg.cache_blocks("a", tokens, 16)
+    reg.free("a")
+    # The partial block and the never-used block are handed out before any cached block.
+    first = reg.allocate("b", 2 * BS)
+    assert first is not None and set(first) == {blocks[4], 5}
+    # Then cached blocks are evicted tail-first, so the head of the prefix survives longest.
+    nxt = reg.allocate("c", BS)
+    assert nxt == [blocks[3]]
+    assert reg.find_prefix(tokens + [99]).num_tokens == 3 * BS
+    reg.check_integrity()
+
+
+def test_allocate_is_all_or_nothing() -> None:
+    reg = KVRegistry("w", num_blocks=4, block_size=BS)
+    assert reg.allocate("a", 3 * BS) is not None
+    assert reg.allocate("b", 2 * BS) is None
+    assert reg.lease("b") is None
+    assert reg.num_available_blocks == 1
+    reg.check_integrity()
+
+
+def test_shared_prefix_blocks_are_ref_counted() -> None:
+    reg = KVRegistry("w", num_blocks=8, block_size=BS)
+    tokens = list(range(9))
+    reg.allocate("a", 9)
+    reg.cache_blocks("a", tokens, 9)
+    hit = reg.find_prefix(tokens)
+    assert hit.num_tokens == 8
+    added = reg.allocate("b", 9, hit)
+    assert added is not None and added[:2] == list(hit.kv_block_ids)
+    reg.check_integrity()
+    reg.free("a")
+    reg.check_integrity()
+    lease = reg.lease("b")
+    assert lease is not None and lease.num_prefix_hit_tokens == 8
+    reg.free("b")
+    assert reg.num_leased_blocks == 0
+    reg.check_integrity()
+
+
+def test_integrity_check_catches_corruption() -> None:
+    reg = KVRegistry("w", num_blocks=4, block_size=BS)
+    reg.allocate("a", BS)
+    reg._blocks[0].ref_count = 2
+    with pytest.raises(IntegrityError):
+        reg.check_integrity()
+
+
+class RegistryMachine(RuleBasedStateMachine):
+    """Random interleavings; a model of the worker's KV checks every prefix hit is real content."""
+
+    @initialize(num_blocks=st.integers(2, 24))
+    def setup(self, num_blocks: int) -> None:
+        self.reg = KVRegistry("w", num_blocks=num_blocks, block_size=BS)
+        self.tokens: dict[str, list[int]] = {}  # live request -> its tokens
+        self.computed: dict[str, int] = {}
+        self.content: dict[int, tuple[int, ...]] = {}  # block -> tokens written there (worker's view)
+        self.n = 0
+
+    def _write(self, rid: str, upto: int) -> None:
+        lease = self.reg.lease(rid)
+        assert lease is not None
+        toks = self.tokens[rid]
+        for i, b in enumerate(lease.kv_block_ids):
+            lo = i * BS
+            if lo >= upto:
+                break
+            if lo >= self.computed[rid]:
+                self.content[b] = tuple(toks[lo : lo + BS])
+        self.computed[rid] = max(self.computed[rid], upto)
+
+    @rule(
+        prompt=st.lists(st.integers(0, 2), min_size=1, max_size=20),
+        extra=st.integers(0, 8),
+        use_prefix=st.booleans(),
+    )
+    def admit(self, prompt: list[int], extra: int, use_prefix: bool) -> None:
+        rid = f"r{self.n}"
+        self.n += 1
+        hit = self.reg.find_prefix(prompt) if use_prefix else None
+        need = len(prompt) + extra
+        added = self.reg.allocate(rid, need, hit)
+        if added is None:
+            assert self.reg.lease(rid) is None
+            return
+        self.tokens[rid] = list(prompt)
+        self.computed[rid] = hit.num_tokens if hit else 0
+        if hit:
+            assert hit.num_tokens < len(prompt)
+            for i, b in enumerate(hit.kv_block_ids):  # a hit must hold exactly this request's tokens
+                assert self.content[b] == tuple(prompt[i * BS : (i + 1) * BS])
+        self._write(rid, len(prompt))
+        self.reg.cache_blocks(rid, prompt, len(prompt))
+
+    @precondition(lambda self: bool(self.tokens))
+    @rule(data=st.data(), grow=st.integers(1, 9))
+    def append(self, data: st.DataObject, grow: int) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        toks = self.tokens[rid]
+        if self.reg.allocate(rid, len(toks) + grow) is None:
+            return
+        toks.extend(data.draw(st.lists(st.integers(0, 2), min_size=grow, max_size=grow)))
+        self._write(rid, len(toks))
+        self.reg.cache_blocks(rid, toks, len(toks))
+
+    @precondition(lambda self: bool(self.tokens))
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        del self.tokens[rid]
+        del self.computed[rid]
+        self.reg.free(rid)
+
+    @rule()
+    def evict_by_pressure(self) -> None:
+        """Grab every available block (evicting cached ones), then give them back."""
+        n = self.reg.num_available_blocks
+        if n and self.reg.allocate("__pressure__", n * BS) is not None:
+            self.reg.free("__pressure__")
+
+    @invariant()
+    def integrity(self) -> None:
+        if not hasattr(self, "reg"):
+            return
+        self.reg.check_integrity()
+        # No block is written by two live requests: shared blocks are only read (prefix hits).
+        owners: dict[int, str] = {}
+        for rid in self.tokens:
+            lease = self.reg.lease(rid)
+            assert lease is not None
+            for i, b in enumerate(lease.kv_block_ids):
+                writes = (i + 1) * BS > lease.num_prefix_hit_tokens
+                if writes:
+                    assert b not in owners, f"block {b} written by {owners.get(b)} and {rid}"
+                    owners[b] = rid
+        snap = self.reg.snapshot()
+        assert (
+            snap.num_free_blocks + snap.num_cached_evictable_blocks + snap.num_leased_blocks
+            == snap.num_blocks
+        )
+
+
+TestRegistryMachine = RegistryMachine.TestCase
+TestRegistryMachine.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)

@@ -1,0 +1,380 @@
+"""Scheduler policy with the fake worker and with hand-made StepResults."""
+
+from __future__ import annotations
+
+import pytest
+from sched_helpers import Run, drive, make, request
+
+from ominix_runtime.backends.fake import FakeConfig
+from ominix_runtime.contract import (
+    Done,
+    Error,
+    FinishReason,
+    OminixError,
+    PrefillDone,
+    Priority,
+    RequestOutput,
+    RequestState,
+    RuntimeErrorKind,
+    StepResult,
+    Token,
+    Usage,
+)
+from ominix_runtime.engine.config import SchedulerConfig
+
+
+def _prompt(n: int, base: int = 10) -> list[int]:
+    return [base + (i % 50) for i in range(n)]
+
+
+def test_budget_and_running_limits_are_respected() -> None:
+    run = make(FakeConfig(max_batch_tokens=48, max_running_requests=3, kv_num_blocks=64, kv_block_size=4))
+    for i in range(8):
+        run.scheduler.add_request(request(f"r{i}", _prompt(30 + i, base=i * 7), max_tokens=5))
+    drive(run)
+    assert all(s.num_scheduled_tokens <= 48 for s in run.steps)
+    live: set[str] = set()
+    for s in run.steps:
+        live -= set(s.finished_request_ids)
+        live |= {r.request_id for r in s.new_requests}
+        assert len(live) <= 3
+    assert all(isinstance(run.terminal(f"r{i}"), Done) for i in range(8))
+
+
+def test_chunked_prefill_of_a_prompt_larger_than_the_budget() -> None:
+    run = make(FakeConfig(max_batch_tokens=32, kv_block_size=4, kv_num_blocks=64))
+    run.scheduler.add_request(request("long", _prompt(100), max_tokens=3))
+    drive(run, max_inflight=1)
+    chunks = [s.num_scheduled_tokens for s in run.steps if s.num_scheduled_tokens]
+    assert chunks[:4] == [32, 32, 32, 4]  # the prompt in budget-sized chunks
+    assert chunks[4:] == [1, 1]  # then one token per step
+    kinds = [type(e) for e in run.events["long"]]
+    assert kinds == [PrefillDone, Token, Token, Token, Usage, Done]
+
+
+def test_prefill_and_decode_are_mixed_in_one_step_running_first() -> None:
+    run = make(FakeConfig(max_batch_tokens=16, kv_block_size=4, kv_num_blocks=64))
+    s = run.scheduler
+    s.add_request(request("a", _prompt(8), max_tokens=4))
+    step1 = s.schedule()
+    assert step1 is not None
+    run.record(s.update(step1, run.backend.execute(step1)))
+    s.add_request(request("b", _prompt(40), max_tokens=2))
+    step2 = s.schedule()
+    assert step2 is not None
+    assert [r.request_id for r in step2.running_requests] == ["a"]
+    assert step2.running_requests[0].num_scheduled_tokens == 1
+    assert step2.new_requests[0].request_id == "b" and step2.new_requests[0].num_scheduled_tokens == 15
+    run.record(s.update(step2, run.backend.execute(step2)))
+    drive(run)
+
+
+def _tokens_of_all(run: Run, n: int) -> dict[str, list[int]]:
+    return {f"r{i}": run.tokens(f"r{i}") for i in range(n)}
+
+
+def test_overlap_gives_the_same_tokens_as_no_overlap() -> None:
+    results = []
+    for inflight in (1, 2):
+        run = make(FakeConfig(max_batch_tokens=40, kv_block_size=4, kv_num_blocks=48))
+        for i in range(10):
+            run.scheduler.add_request(request(f"r{i}", _prompt(12 + 3 * i, base=i), max_tokens=12, seed=i))
+        drive(run, max_inflight=inflight)
+        results.append(_tokens_of_all(run, 10))
+    assert results[0] == results[1]
+    assert all(len(t) == 12 for t in results[0].values())
+
+
+def test_preemption_and_resume_reproduce_the_unpreempted_tokens() -> None:
+    big = make(FakeConfig(kv_num_blocks=512, kv_block_size=4))
+    small = make(FakeConfig(kv_num_blocks=24, kv_block_size=4))
+    for run in (big, small):
+        for i in range(8):
+            run.scheduler.add_request(
+                request(f"r{i}", _prompt(10 + i, base=3 * i), max_tokens=20, seed=100 + i)
+            )
+        drive(run)
+    assert big.scheduler.counters.preemptions == 0
+    assert small.scheduler.counters.preemptions > 0
+    assert _tokens_of_all(small, 8) == _tokens_of_all(big, 8)
+    for i in range(8):  # prefill reported once, even after preemptions
+        assert sum(isinstance(e, PrefillDone) for e in small.events[f"r{i}"]) == 1
+
+
+def test_victim_is_lowest_priority_then_latest_arrival() -> None:
+    run = make(FakeConfig(kv_num_blocks=12, kv_block_size=4, max_batch_tokens=64))
+    s = run.scheduler
+    for rid, prio, base in (
+        ("batch-old", Priority.BATCH, 10),
+        ("inter", Priority.INTERACTIVE, 60),
+        ("batch-new", Priority.BATCH, 120),
+    ):
+        req = request(rid, _prompt(8, base), max_tokens=30)
+        req.priority = prio
+        s.add_request(req)
+    first_victim: list[str] = []
+
+    def watch(r: Run) -> None:
+        plan = r.scheduler.last_plan
+        if plan and plan.preempted_request_ids and not first_victim:
+            first_victim.extend(plan.preempted_request_ids)
+
+    drive(run, max_inflight=1, on_step=watch)
+    assert first_victim[:1] == ["batch-new"]
+    assert s.counters.preemptions >= 1
+
+
+def test_priority_classes_are_admitted_in_order_then_fcfs() -> None:
+    run = make(FakeConfig(max_running_requests=1, kv_block_size=4))
+    s = run.scheduler
+    for rid, prio in (
+        ("b1", Priority.BATCH),
+        ("i1", Priority.INTERACTIVE),
+        ("b2", Priority.BATCH),
+        ("rt", Priority.REALTIME),
+        ("i2", Priority.INTERACTIVE),
+    ):
+        req = request(rid, _prompt(6), max_tokens=2)
+        req.priority = prio
+        s.add_request(req)
+    drive(run)
+    admitted = [r.request_id for st in run.steps for r in st.new_requests]
+    assert admitted == ["rt", "i1", "i2", "b1", "b2"]
+
+
+def test_a_waiting_realtime_request_displaces_a_running_batch_request() -> None:
+    run = make(FakeConfig(kv_num_blocks=10, kv_block_size=4, max_batch_tokens=64))
+    s = run.scheduler
+    low = request("low", _prompt(20), max_tokens=16)
+    low.priority = Priority.BATCH
+    s.add_request(low)
+    step = s.schedule()
+    assert step is not None
+    run.record(s.update(step, run.backend.execute(step)))
+    rt = request("rt", _prompt(20, 70), max_tokens=8)
+    rt.priority = Priority.REALTIME
+    s.add_request(rt)
+    step = s.schedule()
+    assert step is not None
+    assert [r.request_id for r in step.new_requests] == ["rt"]
+    assert "low" in step.finished_request_ids
+    assert s.requests["low"].num_preemptions == 1
+    run.record(s.update(step, run.backend.execute(step)))
+    drive(run)
+    assert isinstance(run.terminal("low"), Done) and isinstance(run.terminal("rt"), Done)
+
+
+def test_admission_rejections_say_why() -> None:
+    run = make(FakeConfig(kv_num_blocks=4, kv_block_size=4, max_model_len=64, vocab_size=100))
+    s = run.scheduler
+    with pytest.raises(OminixError) as e:
+        s.add_request(request("kv", _prompt(10), max_tokens=10))
+    assert e.value.kind == RuntimeErrorKind.KV_CAPACITY_EXCEEDED
+    cases = {
+        "empty": (request("e", [], max_tokens=1), "empty"),
+        "vocab": (request("v", [5, 100], max_tokens=1), "vocabulary"),
+        "prompt": (request("p", _prompt(65), max_tokens=1), "prompt has 65 tokens"),
+        "sum": (request("s", _prompt(60), max_tokens=10), "prompt (60 tokens) + max_tokens (10)"),
+    }
+    for req, needle in cases.values():
+        with pytest.raises(OminixError) as e:
+            s.add_request(req)
+        assert e.value.kind == RuntimeErrorKind.INVALID_ARGUMENT
+        assert needle in e.value.message
+    assert s.counters.rejected == 5 and not s.requests
+
+
+def _long_finish_step(max_bypass_steps: int) -> tuple[int | None, int]:
+    """Steps until a long request finishes while one short request arrives every step."""
+    run = make(
+        FakeConfig(kv_num_blocks=32, kv_block_size=4, max_batch_tokens=64),
+        SchedulerConfig(max_bypass_steps=max_bypass_steps),
+    )
+    s = run.scheduler
+    count = {"n": 0}
+
+    def add_short() -> None:
+        n = count["n"]
+        s.add_request(request(f"s{n}", _prompt(16, 200 + n), max_tokens=16))
+        count["n"] += 1
+
+    for _ in range(4):
+        add_short()
+    for _ in range(2):  # the shorts hold most of the KV when the long one arrives
+        step = s.schedule()
+        assert step is not None
+        run.record(s.update(step, run.backend.execute(step)))
+    s.add_request(request("long", _prompt(100), max_tokens=8))  # its first chunk needs 16 of 32 blocks
+    finished_at: list[int] = []
+
+    def on_step(r: Run) -> None:
+        if count["n"] < 300:
+            add_short()
+        on_step.done = count["n"] >= 300  # type: ignore[attr-defined]
+        if not finished_at and "long" in r.events and isinstance(r.events["long"][-1], Done):
+            finished_at.append(len(r.steps))
+
+    on_step.done = False  # type: ignore[attr-defined]
+    drive(run, on_step=on_step, max_steps=20_000)
+    return (finished_at[0] if finished_at else None), len(run.steps)
+
+
+def test_a_long_request_is_not_starved_by_a_stream_of_short_ones() -> None:
+    with_rule, _ = _long_finish_step(max_bypass_steps=8)
+    without_rule, total = _long_finish_step(max_bypass_steps=10**9)
+    assert with_rule is not None and with_rule < 120
+    # Without the rule the same stream keeps it waiting until the stream dries up.
+    assert without_rule is not None and without_rule > 0.8 * total > 5 * with_rule
+
+
+def test_prefix_hit_skips_computed_tokens_but_recomputes_the_last_prompt_token() -> None:
+    run = make(FakeConfig(kv_block_size=4, kv_num_blocks=64))
+    s = run.scheduler
+    prompt = _prompt(16)  # 4 full blocks
+    s.add_request(request("a", prompt, max_tokens=2))
+    drive(run)
+    s.add_request(request("b", prompt, max_tokens=2))
+    s.add_request(request("c", prompt + [7, 8], max_tokens=2))
+    step = s.schedule()
+    assert step is not None
+    by_id = {r.request_id: r for r in step.new_requests}
+    assert by_id["b"].num_computed_tokens == 12 and by_id["b"].num_scheduled_tokens == 4
+    assert by_id["c"].num_computed_tokens == 16 and by_id["c"].num_scheduled_tokens == 2
+    run.record(s.update(step, run.backend.execute(step)))  # the fake checks the hit blocks' content
+    drive(run)
+    usage_b = next(e for e in run.events["b"] if isinstance(e, Usage))
+    assert usage_b.cached_tokens == 12
+    assert run.tokens("b") == run.tokens("a")  # same prompt, same seed
+
+
+def _one_token_result(step, token: int | None = None, error: RuntimeErrorKind | None = None) -> StepResult:  # type: ignore[no-untyped-def]
+    outs = [
+        RequestOutput(rid, sampled_token_id=token, error_kind=error, error_message="boom" if error else "")
+        for rid in step.scheduled_request_ids
+    ]
+    return StepResult(step.step_id, outs)
+
+
+def _started(max_tokens: int = 8, **kw: object) -> Run:
+    run = make(FakeConfig(kv_block_size=4, vocab_size=50, eos_token_ids=(2,), max_model_len=64))
+    run.scheduler.add_request(request("r", [5, 6, 7], max_tokens=max_tokens, **kw))
+    return run
+
+
+def _feed(run: Run, tokens: list[int]) -> list:  # type: ignore[type-arg]
+    events: list = []  # type: ignore[type-arg]
+    for t in tokens:
+        step = run.scheduler.schedule()
+        assert step is not None
+        events += run.scheduler.update(step, _one_token_result(step, t))
+    return events
+
+
+def test_eos_stops_unless_ignored_and_honours_min_tokens() -> None:
+    run = _started(ignore_eos=False, min_tokens=2)
+    events = _feed(run, [2, 9, 2])  # eos before min_tokens does not stop
+    assert isinstance(events[-1], Done) and events[-1].finish_reason == FinishReason.STOP
+    assert [t for e in events if isinstance(e, Token) for t in e.token_ids] == [2, 9, 2]
+    assert isinstance(events[-2], Usage) and events[-2].completion_tokens == 3
+    run = _started(max_tokens=3, ignore_eos=True)
+    events = _feed(run, [2, 2, 2])
+    assert events[-1].finish_reason == FinishReason.LENGTH
+
+
+def test_stop_token_ids_and_max_model_len() -> None:
+    run = _started(stop_token_ids=[9])
+    assert _feed(run, [4, 9])[-1].finish_reason == FinishReason.STOP
+    run = make(FakeConfig(kv_block_size=4, vocab_size=50, max_model_len=6))
+    run.scheduler.add_request(request("r", [5, 6, 7], max_tokens=3))
+    run.scheduler.max_model_len = 5  # the backstop: the context fills before max_tokens
+    events = _feed(run, [4, 4])
+    assert isinstance(events[-1], Done) and events[-1].finish_reason == FinishReason.LENGTH
+    assert run.scheduler.schedule() is not None  # only the finished id for the worker
+    assert run.scheduler.schedule() is None
+
+
+def test_per_request_error_and_missing_output_fail_only_that_request() -> None:
+    run = _started()
+    run.scheduler.add_request(request("q", [5, 6], max_tokens=4))
+    step = run.scheduler.schedule()
+    assert step is not None
+    result = StepResult(
+        step.step_id, [RequestOutput("r", error_kind=RuntimeErrorKind.INTERNAL, error_message="nan")]
+    )
+    events = run.scheduler.update(step, result)
+    errors = {e.request_id: e for e in events if isinstance(e, Error)}
+    assert errors["r"].message == "nan" and errors["q"].kind == RuntimeErrorKind.INTERNAL
+    assert run.scheduler.registry.num_leased_blocks == 0
+
+
+def test_abort_frees_kv_at_once_and_discards_in_flight_outputs() -> None:
+    run = make(FakeConfig(kv_block_size=4))
+    s = run.scheduler
+    s.add_request(request("a", _prompt(10), max_tokens=10))
+    s.add_request(request("b", _prompt(10, 90), max_tokens=10))
+    step1 = s.schedule()
+    assert step1 is not None
+    result1 = run.backend.execute(step1)
+    events = s.abort_request("a")
+    assert [type(e) for e in events] == [Usage, Done] and events[1].finish_reason == FinishReason.ABORT
+    assert s.registry.lease("a") is None
+    assert s.abort_request("a") == []  # exactly one terminal event
+    later = s.update(step1, result1)
+    assert all(e.request_id == "b" for e in later)
+    assert s.counters.discarded_outputs == 1
+    step2 = s.schedule()
+    assert step2 is not None and step2.finished_request_ids == ["a"]
+    run.record(later + s.update(step2, run.backend.execute(step2)))
+    drive(run)
+
+
+def test_abort_with_error_kinds_maps_to_states() -> None:
+    run = make()
+    s = run.scheduler
+    for rid in ("t", "f"):
+        s.add_request(request(rid, [1, 2, 3]))
+    t = s.requests["t"]
+    ev = s.abort_request("t", error=(RuntimeErrorKind.TIMEOUT, "deadline"))
+    assert isinstance(ev[-1], Error) and ev[-1].kind == RuntimeErrorKind.TIMEOUT
+    assert t.state == RequestState.ABORTED
+    f = s.requests["f"]
+    s.abort_request("f", FinishReason.ERROR, (RuntimeErrorKind.BACKEND_UNAVAILABLE, "gone"))
+    assert f.state == RequestState.FAILED
+    assert s.counters.aborted == 1 and s.counters.failed == 1
+
+
+def test_a_preempted_request_is_not_rescheduled_while_its_step_is_in_flight() -> None:
+    run = make(FakeConfig(kv_num_blocks=6, kv_block_size=4, max_batch_tokens=64))
+    s = run.scheduler
+    s.add_request(request("a", _prompt(9), max_tokens=12, seed=1))
+    s.add_request(request("b", _prompt(9, 80), max_tokens=12, seed=2))
+    inflight = []
+    saw_preempted_in_flight = False
+    for _ in range(200):
+        while len(inflight) < 2:
+            step = s.schedule()
+            if step is None:
+                break
+            for nr in step.new_requests:
+                assert s.requests[nr.request_id].num_inflight_steps == 1  # only this step
+            inflight.append(step)
+        if not inflight:
+            break
+        for r in s.requests.values():
+            if r.state == RequestState.PREEMPTED:
+                saw_preempted_in_flight = True
+                assert r.num_inflight_steps > 0
+        step = inflight.pop(0)
+        run.record(s.update(step, run.backend.execute(step)))
+        assert not run.backend.violations
+    assert not s.requests
+    assert saw_preempted_in_flight
+    assert len(run.tokens("a")) == 12 and len(run.tokens("b")) == 12
+
+
+def test_finish_request_from_a_stop_string() -> None:
+    run = _started()
+    _feed(run, [4])
+    events = run.scheduler.finish_request("r", FinishReason.STOP, matched_stop="###")
+    assert isinstance(events[-1], Done) and events[-1].matched_stop == "###"
+    assert run.scheduler.finish_request("r") == []
