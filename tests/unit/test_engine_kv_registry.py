@@ -86,19 +86,16 @@ class RegistryMachine(RuleBasedStateMachine):
         self.reg = KVRegistry("w", num_blocks=num_blocks, block_size=BS)
         self.tokens: dict[str, list[int]] = {}  # live request -> its tokens
         self.computed: dict[str, int] = {}
-        self.content: dict[int, tuple[int, ...]] = {}  # block -> tokens written there (worker's view)
+        self.content: dict[int, dict[int, int]] = {}  # block -> slot -> token written (worker's view)
         self.n = 0
 
     def _write(self, rid: str, upto: int) -> None:
+        """The worker writes KV for positions [computed, upto) into the lease's blocks."""
         lease = self.reg.lease(rid)
         assert lease is not None
         toks = self.tokens[rid]
-        for i, b in enumerate(lease.kv_block_ids):
-            lo = i * BS
-            if lo >= upto:
-                break
-            if lo >= self.computed[rid]:
-                self.content[b] = tuple(toks[lo : lo + BS])
+        for pos in range(self.computed[rid], upto):
+            self.content.setdefault(lease.kv_block_ids[pos // BS], {})[pos % BS] = toks[pos]
         self.computed[rid] = max(self.computed[rid], upto)
 
     @rule(
@@ -120,7 +117,8 @@ class RegistryMachine(RuleBasedStateMachine):
         if hit:
             assert hit.num_tokens < len(prompt)
             for i, b in enumerate(hit.kv_block_ids):  # a hit must hold exactly this request's tokens
-                assert self.content[b] == tuple(prompt[i * BS : (i + 1) * BS])
+                written = self.content[b]
+                assert [written.get(j) for j in range(BS)] == prompt[i * BS : (i + 1) * BS]
         self._write(rid, len(prompt))
         self.reg.cache_blocks(rid, prompt, len(prompt))
 
