@@ -43,9 +43,9 @@ DEFAULT_STREAM_IDLE_TIMEOUT_S = 600.0
 DEFAULT_ABORT_GRACE_S = 5.0
 MAX_SSE_LINE_BYTES = 64 * 1024 * 1024  # cumulative chunks of very long outputs stay well below this
 MAX_ERROR_BODY_CHARS = 2000
-# SGLang does not state its vocabulary over HTTP; it tokenizes and validates itself, so an unknown size
-# must not make the engine reject token ids or clamp top_k.
-UNKNOWN_VOCAB_SIZE = 2**31 - 1
+# SGLang does not state its vocabulary or EOS ids over HTTP; it tokenizes, validates and stops by itself.
+# An unstated vocabulary is 0, which the engine reads as "unknown" (no token-id range checks).
+UNKNOWN_VOCAB_SIZE = 0
 
 StreamMode = Literal["auto", "cumulative", "incremental"]
 
