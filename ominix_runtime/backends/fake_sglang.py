@@ -48,6 +48,11 @@ def token_text(token_id: int) -> str:
     return f" w{token_id}"
 
 
+def fake_logprob(token_id: int) -> float:
+    """A fixed, plausible log-probability per token id."""
+    return -0.01 - (token_id % 97) / 10
+
+
 def tokenize(text: str, vocab_size: int) -> list[int]:
     """Deterministic word hashing into the non-special part of the vocabulary (``w<id>`` words map back)."""
     ids = []
@@ -150,6 +155,8 @@ class _Plan:
     ignore_eos: bool
     seed: int | None
     stream: bool
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
 
 
 class _BadRequest(ValueError):
@@ -199,6 +206,8 @@ def _plan(state: FakeSGLangState, body: Any) -> _Plan:
         ignore_eos=bool(params.get("ignore_eos", False)),
         seed=params.get("sampling_seed"),
         stream=bool(body.get("stream", False)),
+        return_logprob=bool(body.get("return_logprob", False)),
+        top_logprobs_num=max(0, min(int(body.get("top_logprobs_num") or 0), 20)),
     )
 
 
@@ -251,7 +260,16 @@ class _Generation:
             self.sent_ids, self.sent_text = len(self.output_ids), len(self.text)
         else:
             ids, text = list(self.output_ids), self.text
+        if self.plan.return_logprob:
+            # SGLang's entries: [logprob, token_id, text or null]; sliced like output_ids.
+            meta["output_token_logprobs"] = [[fake_logprob(t), t, None] for t in ids]
+            meta["output_top_logprobs"] = [self._top(t) for t in ids]
         return {"text": text, "output_ids": ids, "meta_info": meta}
+
+    def _top(self, token: int) -> list[list[Any]]:
+        n = self.plan.top_logprobs_num
+        vocab = self.state.vocab_size
+        return [[fake_logprob(token) - j, (token + j) % vocab, None] for j in range(n)]
 
 
 def _sse(obj: Any) -> bytes:

@@ -30,8 +30,10 @@ from ominix_runtime.contract import (
     OminixError,
     PrefillDone,
     RuntimeErrorKind,
+    SampledLogprobs,
     SamplingParams,
     Token,
+    TokenLogprob,
     Usage,
     WorkerEvent,
 )
@@ -89,6 +91,7 @@ def generate_payload(request: GenerateRequest, stream: bool = True) -> dict[str,
     if request.sampling.logprobs is not None:
         body["return_logprob"] = True
         body["top_logprobs_num"] = request.sampling.logprobs
+        body["logprob_start_len"] = -1  # output tokens only, no prompt logprobs
     return body
 
 
@@ -150,10 +153,12 @@ class SGLangStreamMapper:
         if not self.started:
             self.started = True
             events.append(PrefillDone(self.request_id, self.prompt_tokens, self.cached_tokens))
+        had = len(self.output_ids)
         new_ids = self._new_ids(chunk.get("output_ids"), meta)
         new_text = self._new_text(chunk.get("text"))
         if new_ids or new_text:
-            events.append(Token(self.request_id, new_ids, text=new_text))
+            logprobs = _logprobs_of(meta, had, new_ids)
+            events.append(Token(self.request_id, new_ids, logprobs=logprobs, text=new_text))
         finish = meta.get("finish_reason")
         if finish is not None:
             events.extend(self._finish(finish))
@@ -256,6 +261,34 @@ def _ids_mode_of(ids: list[int], seen: list[int], total: Any) -> StreamMode:
         if len(ids) == total - have:
             return "incremental"
     return "cumulative" if len(ids) >= have and ids[:have] == seen else "incremental"
+
+
+def _logprob_entry(entry: Any) -> TokenLogprob | None:
+    """SGLang logprob entries are ``[logprob, token_id, text_or_null]``."""
+    if isinstance(entry, (list, tuple)) and len(entry) >= 2 and entry[0] is not None:
+        return TokenLogprob(int(entry[1]), float(entry[0]))
+    return None
+
+
+def _logprobs_of(meta: Mapping[str, Any], had: int, new_ids: list[int]) -> list[SampledLogprobs]:
+    """Logprobs of ``new_ids`` from ``output_token_logprobs`` / ``output_top_logprobs``, which are cumulative
+    or hold only the new tokens like ``output_ids``; empty when absent or misaligned."""
+    sampled = meta.get("output_token_logprobs")
+    if not new_ids or not isinstance(sampled, list):
+        return []
+    n = len(new_ids)
+    start = had if len(sampled) == had + n else len(sampled) - n
+    top = meta.get("output_top_logprobs")
+    top = top if isinstance(top, list) and len(top) == len(sampled) else None
+    out: list[SampledLogprobs] = []
+    for k in range(n):
+        i = start + k
+        entry = _logprob_entry(sampled[i]) if 0 <= i < len(sampled) else None
+        if entry is None or entry.token_id != new_ids[k]:
+            return []
+        alternatives = top[i] if top is not None and isinstance(top[i], list) else []
+        out.append(SampledLogprobs(entry, [t for t in map(_logprob_entry, alternatives) if t is not None]))
+    return out
 
 
 def parse_load(body: Any) -> dict[str, float]:

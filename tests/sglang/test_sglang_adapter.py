@@ -12,7 +12,13 @@ from typing import Any, TypeVar
 import aiohttp
 import pytest
 
-from ominix_runtime.backends.fake_sglang import FakeSGLangServer, FakeSGLangState, token_stream, token_text
+from ominix_runtime.backends.fake_sglang import (
+    FakeSGLangServer,
+    FakeSGLangState,
+    fake_logprob,
+    token_stream,
+    token_text,
+)
 from ominix_runtime.backends.negotiation import check_group
 from ominix_runtime.backends.sglang import SGLangBackend
 from ominix_runtime.contract import (
@@ -400,3 +406,24 @@ def test_fake_runs_as_a_process(tmp_path: Any) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["cumulative", "incremental"])
+def test_logprobs_are_mapped_per_token(incremental: bool) -> None:
+    async def body(server: FakeSGLangServer, backend: SGLangBackend) -> None:
+        request = GenerateRequest("lp-1", [3, 4], SamplingParams(max_tokens=4, seed=9, logprobs=2))
+        events = await collect(backend, request)
+        sent = server.state.generate_bodies[-1]
+        assert sent["return_logprob"] is True and sent["top_logprobs_num"] == 2
+        tokens = [e for e in events if isinstance(e, Token)]
+        assert [len(t.logprobs) for t in tokens] == [1, 1, 1, 1]
+        for t in tokens:
+            lp = t.logprobs[0]
+            assert lp.sampled.token_id == t.token_ids[0]
+            assert lp.sampled.logprob == pytest.approx(fake_logprob(t.token_ids[0]))
+            assert [x.token_id for x in lp.top] == [t.token_ids[0], (t.token_ids[0] + 1) % VOCAB]
+        plain = await collect(backend, GenerateRequest("lp-2", [3, 4], SamplingParams(max_tokens=2)))
+        assert all(not e.logprobs for e in plain if isinstance(e, Token))
+        assert "return_logprob" not in server.state.generate_bodies[-1]
+
+    with_server(body, incremental_output=incremental)
