@@ -4,7 +4,8 @@
 applies DecodeStep diffs, and checks what a worker would silently trust — block ids within capacity, no
 block written while another live request holds it, prefix-hit blocks really holding the request's tokens,
 tokens scheduled only when known. A violation is recorded in ``violations`` and fails the stream.
-The sampled token is a seeded hash of (effective_seed, output position, last tokens), so a request
+A request that got a per-request error stays until the engine drops it and answers any later entry
+for it (possible with two steps in flight) with an error again. The sampled token is a seeded hash of (effective_seed, output position, last tokens), so a request
 preempted and recomputed draws the same tokens.
 
 :class:`FakeRequestBackend` is a request-level backend (like SGLang); with ``broken=True`` it breaks the
@@ -94,6 +95,7 @@ class _FakeRequest:
     effective_seed: int
     kv_block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    failed: bool = False  # a per-request error was returned; kept until the engine drops it
 
 
 class FakeViolation(AssertionError):
@@ -242,6 +244,11 @@ class FakeStepBackend:
 
     def _compute(self, req: _FakeRequest, n: int, step_id: int) -> RequestOutput:
         c = self.config
+        if req.failed:
+            # With two steps in flight the engine may schedule a request once more after it failed.
+            return RequestOutput(
+                req.request_id, error_kind=RuntimeErrorKind.INTERNAL, error_message="failed earlier"
+            )
         bs = c.kv_block_size
         start, end = req.num_computed_tokens, req.num_computed_tokens + n
         if n <= 0 or end > len(req.token_ids):
@@ -260,6 +267,7 @@ class FakeStepBackend:
             self.block_contents.setdefault(block, {})[pos % bs] = req.token_ids[pos]
         req.num_computed_tokens = end
         if c.fail_step == step_id:
+            req.failed = True
             return RequestOutput(
                 req.request_id, error_kind=RuntimeErrorKind.INTERNAL, error_message="injected failure"
             )

@@ -1,0 +1,277 @@
+"""EngineCore end to end with in-process fake backends: streams, failures, deadlines, routing, stop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+
+import pytest
+
+from ominix_runtime.backends.fake import FakeConfig, FakeRequestBackend, FakeStepBackend
+from ominix_runtime.contract import (
+    Done,
+    Error,
+    FinishReason,
+    GenerateRequest,
+    OminixError,
+    PrefillDone,
+    Priority,
+    RuntimeErrorKind,
+    SamplingParams,
+    Token,
+    Usage,
+    WorkerEvent,
+    is_terminal,
+)
+from ominix_runtime.engine import EngineCore, EngineCoreConfig, RequestHandle, RunReport, StepReport
+
+TIMEOUT = 20.0
+
+
+def _req(
+    rid: str, n: int = 12, max_tokens: int = 8, seed: int | None = 3, base: int = 10, **kw: object
+) -> GenerateRequest:
+    prompt = [base + (i % 40) for i in range(n)]
+    sp = SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=True)
+    return GenerateRequest(rid, prompt, sp, **kw)  # type: ignore[arg-type]
+
+
+async def _collect(handle: RequestHandle) -> list[WorkerEvent]:
+    return [e async for e in handle]
+
+
+def _tokens(events: list[WorkerEvent]) -> list[int]:
+    return [t for e in events if isinstance(e, Token) for t in e.token_ids]
+
+
+def _run(
+    backends: Sequence[object],
+    body: Callable[[EngineCore], Awaitable[None]],
+    config: EngineCoreConfig | None = None,
+) -> EngineCore:
+    async def main() -> EngineCore:
+        core = EngineCore(backends, config or EngineCoreConfig())  # type: ignore[arg-type]
+        await core.start()
+        try:
+            await asyncio.wait_for(body(core), TIMEOUT)
+        finally:
+            await core.stop()
+        core.check_integrity()
+        return core
+
+    return asyncio.run(main())
+
+
+def _check_stream(events: list[WorkerEvent]) -> None:
+    assert isinstance(events[0], (PrefillDone, Usage)), events[:2]
+    assert sum(is_terminal(e) for e in events) == 1 and is_terminal(events[-1])
+    assert isinstance(events[-2], Usage)
+
+
+def test_preempted_requests_match_an_unpreempted_run_through_the_engine() -> None:
+    results: list[dict[str, list[int]]] = []
+    preemptions: list[int] = []
+    for blocks in (400, 20):
+        backend = FakeStepBackend(FakeConfig(kv_num_blocks=blocks, kv_block_size=4, max_batch_tokens=64))
+
+        async def body(core: EngineCore) -> None:
+            handles = [core.submit(_req(f"r{i}", n=10 + i, max_tokens=24, seed=i, base=i)) for i in range(10)]
+            outs = await asyncio.gather(*(_collect(h) for h in handles))
+            for events in outs:
+                _check_stream(events)
+            results.append({h.request_id: _tokens(o) for h, o in zip(handles, outs, strict=True)})
+            preemptions.append(core.stats().preemptions)
+
+        _run([backend], body)
+        assert not backend.violations
+    assert preemptions[0] == 0 and preemptions[1] > 0
+    assert results[0] == results[1]
+    assert all(len(t) == 24 for t in results[0].values())
+
+
+def test_abort_frees_kv_and_ends_the_stream_once() -> None:
+    backend = FakeStepBackend(FakeConfig(step_latency=0.002))
+
+    async def body(core: EngineCore) -> None:
+        handle = core.submit(_req("a", max_tokens=500, n=40))
+        events: list[WorkerEvent] = []
+        async for e in handle:
+            events.append(e)
+            if isinstance(e, Token):
+                handle.abort()
+        assert isinstance(events[-1], Done) and events[-1].finish_reason == FinishReason.ABORT
+        assert core.abort("a") is False
+        group = core.groups[0]
+        assert group.scheduler.registry.num_leased_blocks == 0  # type: ignore[union-attr]
+
+    _run([backend], body)
+
+
+def test_deadline_ends_the_request_with_timeout() -> None:
+    import time
+
+    backend = FakeStepBackend(FakeConfig(step_latency=0.005))
+
+    async def body(core: EngineCore) -> None:
+        handle = core.submit(_req("late", max_tokens=1000, deadline=time.monotonic() + 0.1))
+        events = await _collect(handle)
+        assert isinstance(events[-1], Error) and events[-1].kind == RuntimeErrorKind.TIMEOUT
+        assert core.stats().aborted == 1
+        assert core.load()[0].kv_bytes_used == 0
+
+    _run([backend], body)
+
+
+@pytest.mark.parametrize(
+    ("fake", "expect"),
+    [
+        (FakeConfig(die_after_steps=3), RuntimeErrorKind.BACKEND_UNAVAILABLE),
+        (FakeConfig(hang_at_step=2), RuntimeErrorKind.BACKEND_UNAVAILABLE),
+    ],
+)
+def test_backend_failure_ends_every_request_and_marks_the_group_unhealthy(
+    fake: FakeConfig, expect: RuntimeErrorKind
+) -> None:
+    backend = FakeStepBackend(fake)
+
+    async def body(core: EngineCore) -> None:
+        handles = [core.submit(_req(f"r{i}", max_tokens=50)) for i in range(4)]
+        outs = await asyncio.gather(*(_collect(h) for h in handles))
+        for events in outs:
+            assert sum(is_terminal(e) for e in events) == 1
+            assert isinstance(events[-1], Error) and events[-1].kind == expect
+        assert core.load()[0].healthy is False
+        with pytest.raises(OminixError) as exc:
+            core.submit(_req("after"))
+        assert exc.value.kind == RuntimeErrorKind.BACKEND_UNAVAILABLE
+
+    _run([backend], body, EngineCoreConfig(step_timeout=0.3))
+
+
+def test_per_request_failure_and_unknown_outputs_do_not_break_the_group() -> None:
+    backend = FakeStepBackend(FakeConfig(fail_step=1, unknown_output_at_step=3))
+
+    async def body(core: EngineCore) -> None:
+        first = await _collect(core.submit(_req("first")))
+        assert isinstance(first[-1], Error) and first[-1].message == "injected failure"
+        second = await _collect(core.submit(_req("second")))
+        _check_stream(second)
+        assert isinstance(second[-1], Done)
+        assert core.stats().failed == 1 and core.load()[0].healthy
+
+    core = _run([backend], body)
+    assert core.groups[0].counters.unexpected_outputs == 1
+
+
+def test_stop_drains_then_ends_the_rest_and_rejects_new_requests() -> None:
+    async def main() -> None:
+        backend = FakeStepBackend(FakeConfig(step_latency=0.002))
+        core = EngineCore([backend], EngineCoreConfig())
+        await core.start()
+        assert core.ready
+        short = core.submit(_req("short", max_tokens=3))
+        long = core.submit(_req("long", max_tokens=100_000 // 100))
+        collect = [asyncio.create_task(_collect(h)) for h in (short, long)]
+        await core.stop(drain_timeout=0.2)
+        short_events, long_events = await asyncio.wait_for(asyncio.gather(*collect), TIMEOUT)
+        assert isinstance(short_events[-1], Done)
+        assert (
+            isinstance(long_events[-1], Error)
+            and long_events[-1].kind == RuntimeErrorKind.BACKEND_UNAVAILABLE
+        )
+        assert not core.ready and backend.closed
+        with pytest.raises(OminixError) as exc:
+            core.submit(_req("new"))
+        assert exc.value.kind == RuntimeErrorKind.BACKEND_UNAVAILABLE
+
+    asyncio.run(main())
+
+
+def test_listeners_get_one_run_report_per_request_and_step_reports() -> None:
+    reports: list[RunReport] = []
+    steps: list[tuple[str, StepReport]] = []
+
+    async def body(core: EngineCore) -> None:
+        core.add_listener(reports.append)
+        core.add_step_listener(lambda w, r: steps.append((w, r)))
+        await asyncio.gather(*(_collect(core.submit(_req(f"r{i}", max_tokens=5))) for i in range(3)))
+
+    _run([FakeStepBackend()], body)
+    assert sorted(r.request_id for r in reports) == ["r0", "r1", "r2"]
+    r = reports[0]
+    assert r.output_tokens == 5 and r.finish_reason == FinishReason.LENGTH and r.worker_id == "fake-0"
+    assert r.ttft is not None and r.tpot is not None and r.e2e >= r.ttft >= 0
+    assert all(w == "fake-0" for w, _ in steps)
+    assert sum(s.num_sampled_tokens for _, s in steps) == 15 and steps[0][1].num_tokens == 36
+
+
+def test_routing_prefers_the_cached_prefix_among_equally_loaded_groups() -> None:
+    a = FakeStepBackend(FakeConfig(worker_id="a"))
+    b = FakeStepBackend(FakeConfig(worker_id="b"))
+
+    async def body(core: EngineCore) -> None:
+        await _collect(core.submit(_req("warm", n=64, base=5)))
+        warm_group = next(g for g in core.groups if g.counters.accepted == 1)
+        for i in range(3):
+            await _collect(core.submit(_req(f"again{i}", n=64, base=5)))
+        assert warm_group.counters.accepted == 4
+        assert core.stats().cached_tokens == 3 * 48  # 64-token prompt, block 16: the last block is recomputed
+        # Many concurrent requests spread over both groups.
+        handles = [core.submit(_req(f"spread{i}", n=20, base=100 + i, max_tokens=30)) for i in range(16)]
+        assert all(load.running_requests + load.queued_requests >= 4 for load in core.load())
+        await asyncio.gather(*(_collect(h) for h in handles))
+
+    _run([a, b], body)
+
+
+def test_capability_problems_refuse_to_start() -> None:
+    async def main() -> None:
+        core = EngineCore([FakeStepBackend(FakeConfig(eos_token_ids=()))], EngineCoreConfig())
+        with pytest.raises(OminixError) as exc:
+            await core.start()
+        assert exc.value.kind == RuntimeErrorKind.CAPABILITY_MISMATCH
+        assert "eos_token_ids is empty" in exc.value.message
+        twins = EngineCore([FakeStepBackend(), FakeStepBackend()], EngineCoreConfig())
+        with pytest.raises(OminixError, match="same worker_id"):
+            await twins.start()
+
+    asyncio.run(main())
+
+
+def test_request_level_backend_is_admitted_by_priority_and_checked() -> None:
+    backend = FakeRequestBackend(FakeConfig(worker_id="req", max_running_requests=1), token_delay=0.001)
+    order: list[str] = []
+
+    async def body(core: EngineCore) -> None:
+        core.add_listener(lambda r: order.append(r.request_id))
+        blocker = core.submit(_req("first", max_tokens=5))
+        handles = [blocker]
+        for rid, prio in (
+            ("batch", Priority.BATCH),
+            ("rt", Priority.REALTIME),
+            ("inter", Priority.INTERACTIVE),
+        ):
+            handles.append(core.submit(_req(rid, max_tokens=3, priority=prio)))
+        outs = await asyncio.gather(*(_collect(h) for h in handles))
+        for events in outs:
+            _check_stream(events)
+        assert core.stats().protocol_violations == 0
+
+    _run([backend], body)
+    assert order == ["first", "rt", "inter", "batch"]
+
+
+def test_broken_request_backend_is_counted_and_clients_still_see_one_terminal_event() -> None:
+    backend = FakeRequestBackend(FakeConfig(worker_id="broken"), broken=True)
+
+    async def body(core: EngineCore) -> None:
+        events = await _collect(core.submit(_req("x", max_tokens=3)))
+        assert isinstance(events[0], Token)  # forwarded as the backend sent it
+        assert sum(is_terminal(e) for e in events) == 1
+        await asyncio.sleep(0.05)  # let the forwarder read the duplicate terminal event
+        stats = core.stats()
+        assert stats.protocol_violations == 2
+        assert any("before prefill_done" in v for v in stats.recent_protocol_violations)
+        assert any("after its terminal event" in v for v in stats.recent_protocol_violations)
+
+    _run([backend], body)
