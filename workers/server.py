@@ -12,12 +12,13 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import sys
 import time
 import traceback
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -34,6 +35,7 @@ log = logging.getLogger("ominix_worker")
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 HEARTBEAT_INTERVAL_S = 1.0
+RUN_HANDOVER_S = 2.0
 ASCEND_BLOCK_SIZE = 128
 
 
@@ -89,6 +91,7 @@ class WorkerState:
     runner: object | None = None  # ominix_worker.runner.ModelRunner once loaded
     ready: bool = False
     run_active: bool = False
+    run_idle: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def load_worker(args: argparse.Namespace, device_spec: str, worker_id: str) -> tuple[object, BackendCapability]:
@@ -205,9 +208,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if not self.state.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")
         if self.state.run_active:
+            # An engine that just closed its stream and reconnects may arrive before the old stream's
+            # cleanup ran: give that cleanup a moment before refusing.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.state.run_idle.wait(), timeout=RUN_HANDOVER_S)
+        if self.state.run_active:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "another Run stream is active on this worker; only one engine may drive it")
         self.state.run_active = True
+        self.state.run_idle.clear()
         runner = self.state.runner
         loop = asyncio.get_running_loop()
         outbox: asyncio.Queue[worker_pb2.WorkerMessage | None] = asyncio.Queue()
@@ -250,9 +259,25 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             # Queued behind any step still running on the executor, so state is dropped after it finishes.
             await loop.run_in_executor(self.executor, runner.reset)  # type: ignore[attr-defined]
             self.state.run_active = False
+            self.state.run_idle.set()
 
 
 # ---- process -----------------------------------------------------------------------------------------
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind and release the address first: gRPC's own bind failure comes with a multi-line log."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise StartupError(f"cannot resolve host {host!r}: {exc}") from None
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(sockaddr)
+        except OSError as exc:
+            raise StartupError(f"cannot bind {host}:{port}: {exc.strerror or exc} (is the port taken?)") from None
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -277,6 +302,7 @@ async def serve(args: argparse.Namespace) -> int:
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(state, executor), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((WORKER_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+    check_port_free(args.host, args.port)
     try:
         bound = server.add_insecure_port(address)
     except RuntimeError as exc:
