@@ -100,6 +100,7 @@ class FakeSGLangState:
     prompts: OrderedDict[tuple[int, ...], None] = field(default_factory=OrderedDict)
     request_count: int = 0
     flush_count: int = 0
+    ignore_aborts: bool = False  # a server that answers /abort_request but keeps generating
 
     def mode_for_next_request(self) -> str:
         self.request_count += 1
@@ -401,7 +402,7 @@ async def handle_abort(request: web.Request) -> web.Response:
         targets = [rid] if isinstance(rid, str) else []
     state.aborted_rids.append(str(rid) if rid is not None else "*")
     del state.aborted_rids[:-256]
-    for target in targets:
+    for target in targets if not state.ignore_aborts else []:
         event = state.running.get(target)
         if event is not None:
             event.set()

@@ -425,6 +425,7 @@ class SGLangBackend:
         self._vocab_size = vocab_size
         self._eos_token_ids = eos_token_ids
         self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
         self._live: dict[str, _LiveRequest] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._capability: BackendCapability | None = None
@@ -594,14 +595,15 @@ class SGLangBackend:
                 for event in mapper.on_eof():
                     yield event
         except asyncio.TimeoutError:
-            events = (
-                mapper.on_eof()
-                if mapper.abort_requested
-                else mapper.fail(
+            if mapper.abort_requested:
+                events = mapper.on_eof()
+            else:
+                # A hung request may still hold KV on the server: ask SGLang to drop it.
+                self._spawn(self._post_abort(mapper.request_id))
+                events = mapper.fail(
                     RuntimeErrorKind.BACKEND_UNAVAILABLE,
                     f"SGLang at {self.url} sent nothing for {self.stream_idle_timeout:g} s",
                 )
-            )
             for event in events:
                 yield event
         except aiohttp.ClientConnectorError as exc:
@@ -630,10 +632,13 @@ class SGLangBackend:
     # -- plumbing --------------------------------------------------------------------------------------
 
     def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            # A session belongs to one event loop; a caller that runs several loops gets one per loop.
             # No connection limit per host: each streaming request holds one connection for its lifetime.
             connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
             self._session = aiohttp.ClientSession(connector=connector, raise_for_status=False)
+            self._session_loop = loop
         return self._session
 
     async def _get_json(self, path: str) -> Any:

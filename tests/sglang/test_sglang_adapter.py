@@ -427,3 +427,46 @@ def test_logprobs_are_mapped_per_token(incremental: bool) -> None:
         assert "return_logprob" not in server.state.generate_bodies[-1]
 
     with_server(body, incremental_output=incremental)
+
+
+def test_abort_ignored_by_the_server_still_ends_the_stream() -> None:
+    async def body(server: FakeSGLangServer, backend: SGLangBackend) -> None:
+        backend.abort_grace = 0.2
+        events: list[WorkerEvent] = []
+        async for event in backend.generate(GenerateRequest("ig-1", [3], SamplingParams(max_tokens=1000))):
+            events.append(event)
+            if isinstance(event, Token) and not server.state.aborted_rids:
+                await backend.abort("ig-1")
+        assert_well_formed(events)
+        assert isinstance(events[-1], Done) and events[-1].finish_reason == FinishReason.ABORT
+        assert server.state.aborted_rids == ["ig-1"]
+
+    with_server(body, mode="slow", token_delay=0.02, ignore_aborts=True)
+
+
+def test_idle_stream_times_out_and_is_aborted_on_the_server() -> None:
+    async def body(server: FakeSGLangServer, backend: SGLangBackend) -> None:
+        backend.stream_idle_timeout = 0.3
+        events = await collect(backend, GenerateRequest("idle-1", [3], SamplingParams(max_tokens=5)))
+        assert len(events) == 1 and isinstance(events[0], Error)
+        assert events[0].kind == RuntimeErrorKind.BACKEND_UNAVAILABLE and "sent nothing" in events[0].message
+        await backend.close()  # flushes the abort notice
+        assert server.state.aborted_rids == ["idle-1"]
+
+    with_server(body, mode="slow", token_delay=5.0, ignore_aborts=True)
+
+
+def test_one_backend_used_from_two_event_loops() -> None:
+    async def main_with(server_url: str, backend: SGLangBackend) -> bool:
+        return await backend.health()
+
+    async def serve_and_check() -> None:
+        async with FakeSGLangServer() as server:
+            backend = SGLangBackend(server.url, timeout=5.0)
+            assert await backend.health()
+            # A second loop in a thread (what a sync caller running asyncio.run twice does).
+            ok = await asyncio.to_thread(asyncio.run, main_with(server.url, backend))
+            assert ok
+            await backend.close()
+
+    run(serve_and_check())
