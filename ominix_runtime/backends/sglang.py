@@ -511,8 +511,11 @@ class SGLangBackend:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         if self._session is not None:
-            await self._session.close()
+            if self._session_loop is asyncio.get_running_loop():
+                await self._session.close()
+            # A session of another (finished) loop cannot be closed from here; dropping it frees it.
             self._session = None
+            self._session_loop = None
 
     async def flush_cache(self) -> bool:
         """Drop SGLang's prefix cache (refused by the server while requests run)."""
