@@ -226,3 +226,12 @@ def test_capability_from_a_real_server_info_shape() -> None:
     )
     assert named.model.name == "served-as" and named.model.vocab_size == 152064
     assert named.model.max_model_len == 32767  # falls back to max_req_input_len
+
+
+def test_sglang_backend_is_a_request_backend() -> None:
+    from ominix_runtime.backends.sglang import SGLangBackend
+    from ominix_runtime.contract import RequestBackend, StepBackend
+
+    backend = SGLangBackend("127.0.0.1:30000", model="m")
+    assert isinstance(backend, RequestBackend) and not isinstance(backend, StepBackend)
+    assert backend.url == "http://127.0.0.1:30000"
