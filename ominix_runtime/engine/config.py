@@ -11,6 +11,7 @@ class SchedulerConfig:
 
     max_batch_tokens: int | None = None  # token budget per step
     max_running_requests: int | None = None
+    max_kv_blocks: int | None = None  # use at most this many of the worker's KV blocks (tests, reserves)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # Anti-starvation: a waiting request that cannot get KV may be bypassed by later (smaller) requests in

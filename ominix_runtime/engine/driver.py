@@ -152,7 +152,7 @@ class StepWorkerGroup:
             running_requests=s.num_running,
             waiting_tokens=s.waiting.num_waiting_tokens,
             kv_bytes_used=s.registry.num_leased_blocks * self.capability.kv_bytes_per_block,
-            kv_bytes_capacity=self.capability.kv_bytes_capacity,
+            kv_bytes_capacity=s.registry.num_blocks * self.capability.kv_bytes_per_block,
             estimated_decode_tokens_per_second=self.decode_tokens_per_second,
             healthy=self.healthy,
         )

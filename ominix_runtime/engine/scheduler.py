@@ -84,7 +84,7 @@ class Scheduler:
         self.clock = clock
         self.registry = KVRegistry(
             capability.worker_id,
-            capability.kv_num_blocks,
+            min(capability.kv_num_blocks, config.max_kv_blocks or capability.kv_num_blocks),
             capability.kv_block_size,
             enable_prefix_caching=config.enable_prefix_caching and capability.supports_prefix_caching,
         )
@@ -135,8 +135,8 @@ class Scheduler:
         if len(prompt) + max_tokens > capacity:
             raise OminixError(
                 RuntimeErrorKind.KV_CAPACITY_EXCEEDED,
-                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) needs more KV than worker "
-                f"{self.worker_id} has in total ({capacity} tokens)",
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) needs more KV than the "
+                f"{capacity} tokens worker {self.worker_id} has in total",
             )
 
     def add_request(self, req: GenerateRequest) -> None:

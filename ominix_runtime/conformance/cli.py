@@ -1,0 +1,83 @@
+"""``ominix-runtime conformance``: run the conformance suite against a backend and print a table."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from ominix_runtime.conformance.checks import ALL_CHECKS, BackendFactory
+from ominix_runtime.conformance.runner import all_passed, format_json, format_table, run_checks
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ominix-runtime conformance",
+        description="Backend conformance suite: event order, one terminal event, abort, KV capacity, "
+        "KV exhaustion, capability declaration, seeded determinism. Exits 0 only if every check passes.",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("fake", "fake-broken", "sglang"),
+        default="fake",
+        help="fake: in-process step-level fake; fake-broken: a request-level fake that breaks the event "
+        "contract (shows what failures look like); sglang: an SGLang server (--url)",
+    )
+    p.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="check running ominix workers over gRPC instead (repeatable)",
+    )
+    p.add_argument("--url", help="SGLang server URL for --backend sglang")
+    p.add_argument(
+        "--check", action="append", choices=sorted(ALL_CHECKS), help="run only this check (repeatable)"
+    )
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per check (default 120)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("debug", "info", "warning", "error"),
+        help="engine log level (logs go to stderr)",
+    )
+    return p
+
+
+def _factory(args: argparse.Namespace, parser: argparse.ArgumentParser) -> BackendFactory:
+    if args.worker:
+        from ominix_runtime.backends.grpc_worker import GrpcWorkerBackend
+
+        addresses = list(args.worker)
+        return lambda: [GrpcWorkerBackend(a) for a in addresses]
+    if args.backend == "sglang":
+        if not args.url:
+            parser.error("--backend sglang needs --url")
+        from ominix_runtime.backends.sglang import SGLangBackend
+
+        url = args.url
+        return lambda: [SGLangBackend(url)]
+    from ominix_runtime.backends.fake import FakeConfig, FakeRequestBackend, FakeStepBackend
+
+    if args.backend == "fake-broken":
+        return lambda: [FakeRequestBackend(FakeConfig(worker_id="fake-broken-0"), broken=True)]
+    return lambda: [FakeStepBackend()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    from ominix_runtime.server.logging import configure_logging
+
+    configure_logging(args.log_level)
+    factory = _factory(args, parser)
+    results = asyncio.run(run_checks(factory, args.check, args.timeout))
+    print(format_json(results) if args.json else format_table(results))
+    sys.stdout.flush()
+    return 0 if all_passed(results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
