@@ -20,6 +20,7 @@ import structlog
 from ominix_runtime.contract import (
     BackendCapability,
     DecodeStep,
+    Error,
     FinishReason,
     GenerateRequest,
     OminixError,
@@ -27,6 +28,7 @@ from ominix_runtime.contract import (
     StepBackend,
     StepStream,
     Token,
+    Usage,
     WorkerEvent,
 )
 from ominix_runtime.engine.config import EngineCoreConfig
@@ -34,6 +36,9 @@ from ominix_runtime.engine.scheduler import Scheduler
 from ominix_runtime.engine.stats import LoadSnapshot, RunReport, SchedulerCounters, StepReport
 
 log = structlog.get_logger(__name__)
+
+# Above this many blocks the idle-time check is the O(1) quiescence check only (a full walk would stall).
+_FULL_CHECK_MAX_BLOCKS = 16384
 
 EventSink = Callable[[list[WorkerEvent]], None]
 ReportSink = Callable[[RunReport], None]
@@ -251,8 +256,12 @@ class StepWorkerGroup:
             return
         self._last_integrity_check = now
         self.integrity_checks += 1
+        registry = self.scheduler.registry
         try:
-            self.scheduler.check_integrity()
+            if not self.scheduler.requests:
+                registry.check_quiescent()
+            if registry.num_blocks <= _FULL_CHECK_MAX_BLOCKS:  # the full check walks every block
+                self.scheduler.check_integrity()
         except AssertionError as exc:
             self.integrity_violations += 1
             log.error("kv_integrity_violation", worker_id=self.worker_id, error=str(exc))
@@ -262,10 +271,13 @@ class StepWorkerGroup:
         message = f"worker {self.worker_id} failed: {exc}"
         log.error("worker_group_failed", worker_id=self.worker_id, error=str(exc))
         self._inflight.clear()
-        self.scheduler.drop_inflight()
+        error = (RuntimeErrorKind.BACKEND_UNAVAILABLE, message)
+        with contextlib.suppress(Exception):  # bookkeeping of a dead group; its requests are ended below
+            self.scheduler.drop_inflight()
         for rid in list(self.scheduler.requests):
-            self._emit(
-                self.scheduler.abort_request(
-                    rid, FinishReason.ERROR, (RuntimeErrorKind.BACKEND_UNAVAILABLE, message)
-                )
-            )
+            try:
+                events = self.scheduler.abort_request(rid, FinishReason.ERROR, error)
+            except Exception:  # noqa: BLE001 - even a broken scheduler must end every request once
+                self.scheduler.requests.pop(rid, None)
+                events = [Usage(rid, 0, 0), Error(rid, *error)]
+            self._emit(events)

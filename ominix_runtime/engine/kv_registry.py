@@ -276,6 +276,14 @@ class KVRegistry:
                 f"free {num_free} + evictable {num_evictable} + leased {num_leased} != total {self.num_blocks}"
             )
 
+    def check_quiescent(self) -> None:
+        """O(1) check for an idle registry: no lease may be left and every block must be reusable."""
+        if self._leases or self._num_leased or len(self._free) != self.num_blocks:
+            raise IntegrityError(
+                f"idle registry holds {len(self._leases)} leases, {self._num_leased} leased blocks, "
+                f"{len(self._free)} of {self.num_blocks} blocks reusable"
+            )
+
     def snapshot(self) -> RegistrySnapshot:
         num_evictable = sum(1 for b in self._free if self._blocks[b].block_hash is not None)
         return RegistrySnapshot(

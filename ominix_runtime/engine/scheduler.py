@@ -545,7 +545,8 @@ class Scheduler:
         self.requests.pop(rid, None)
         self.waiting.remove(rid)
         if self.running.pop(rid, None) is not None:
-            self.registry.cache_blocks(rid, req.all_token_ids, req.num_computed_tokens)
+            if error is None:  # KV of a failed request is not worth sharing
+                self.registry.cache_blocks(rid, req.all_token_ids, req.num_computed_tokens)
             self.registry.free(rid)
         self._drop_worker_state(req)
         req.num_placeholders = 0
