@@ -244,7 +244,10 @@ class LaunchedService:
 
 
 def _stop_process_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
-    """SIGTERM the group we created (engine + workers), then SIGKILL what is left after grace_s."""
+    """SIGTERM the launcher's group, then SIGKILL it after grace_s.
+
+    The launcher stops its workers itself on SIGTERM, and they get SIGTERM from the kernel if it dies.
+    """
     if process.poll() is not None:
         return
     try:
@@ -257,9 +260,6 @@ def _stop_process_group(process: subprocess.Popen[bytes], grace_s: float) -> Non
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=30)
-    # Workers may outlive the launcher by a moment; make sure none is left holding memory.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager
@@ -281,15 +281,11 @@ def launch_service(
     port = port or free_port()
     metrics_port = metrics_port or free_port()
     address = f"127.0.0.1:{port}"
-    command = [
-        *service_command(),
-        "launch",
-        "--port",
-        str(port),
-        "--metrics-port",
-        str(metrics_port),
-        *launch_args,
-    ]
+    command = [*service_command(), "launch", "--port", str(port), "--metrics-port", str(metrics_port)]
+    if not any(a.split("=", 1)[0] == "--worker-base-port" for a in launch_args):
+        # Not the fixed default: another service (or a test) may hold it. Workers take base + i.
+        command += ["--worker-base-port", str(free_port())]
+    command += list(launch_args)
     log_fd, log_name = tempfile.mkstemp(prefix="ominix-bench-service-", suffix=".log")
     log_path = Path(log_name)
     show = sys.stderr.isatty() if show_progress is None else show_progress
@@ -300,7 +296,7 @@ def launch_service(
             stdout=log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            start_new_session=True,  # its own process group, so stopping it reaches the workers too
+            start_new_session=True,  # its own process group: stopping it cannot reach this script
             env={**os.environ, **(env or {})},
         )
     service = LaunchedService(address, metrics_port, process, log_path)

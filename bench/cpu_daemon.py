@@ -28,8 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make ``bench`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):
+    # Run as a script: import ``bench.*`` from the repository root, and keep this folder off the path
+    # (bench/kernels.py would shadow the ``kernels`` package that transformers probes for).
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from bench.common import fmt, format_table, launch_service, write_json, write_plot  # noqa: E402
 from bench.serve import BenchConfig, BenchResult, RequestSpec, fetch_backends, format_report, run_benchmark  # noqa: E402

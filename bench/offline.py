@@ -20,19 +20,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
-import inspect
+import json
 import math
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make ``bench`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):
+    # Run as a script: import ``bench.*`` from the repository root, and keep this folder off the path
+    # (bench/kernels.py would shadow the ``kernels`` package that transformers probes for).
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from bench.common import fmt, format_table, launch_service, write_json, write_plot  # noqa: E402
 from bench.serve import (  # noqa: E402
@@ -45,6 +47,7 @@ from bench.serve import (  # noqa: E402
     format_report,
     run_benchmark,
 )
+from ominix_runtime.models import DEFAULT_MODEL_NAME, embedded_model_path  # noqa: E402
 
 
 @dataclass(slots=True)
@@ -217,93 +220,112 @@ async def run_modes(address: str, args: argparse.Namespace, report: OfflineRepor
 # ---------------------------------------------------------------- roofline and HF peer (other modules)
 
 
-def _call_with_known(func: Callable[..., Any], known: dict[str, Any]) -> Any:
-    """Call ``func`` with the keyword arguments it declares among ``known``."""
-    parameters = inspect.signature(func).parameters
-    return func(**{name: value for name, value in known.items() if name in parameters})
+def _model_shape(config_path: str | None, dtype: str) -> Any:
+    """bench/roofline.py's ModelShape from a config.json; its default (Llama-3.1-8B) when there is none."""
+    from bench.roofline import ModelShape
 
-
-def _first_number(value: Any, keys: Sequence[str]) -> float | None:
-    if isinstance(value, int | float):
-        return float(value)
-    for key in keys:
-        found = value.get(key) if isinstance(value, dict) else getattr(value, key, None)
-        if isinstance(found, int | float):
-            return float(found)
-    return None
+    dtype_bytes = 4 if dtype == "float32" else 2
+    if not config_path:
+        return ModelShape(dtype_bytes=dtype_bytes)
+    raw = json.loads(Path(config_path).read_text())
+    heads = int(raw["num_attention_heads"])
+    return ModelShape(
+        hidden=int(raw["hidden_size"]),
+        layers=int(raw["num_hidden_layers"]),
+        heads=heads,
+        kv_heads=int(raw.get("num_key_value_heads", heads)),
+        head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
+        ffn=int(raw["intermediate_size"]),
+        vocab=int(raw["vocab_size"]),
+        dtype_bytes=dtype_bytes,
+    )
 
 
 def add_roofline(args: argparse.Namespace, report: OfflineReport) -> None:
-    """achieved / roofline for W1 via bench/roofline.py, only on CUDA and only when that module is there."""
-    if not report.device.startswith("cuda") or report.figures.get("w1_cold_out_tok_s") is None:
+    """Achieved / roofline via bench/roofline.py: on CUDA (ceilings measured now, the service already
+    stopped) or anywhere when --bandwidth and --flops are given."""
+    given = args.bandwidth is not None and args.flops is not None
+    if not (given or report.device.startswith("cuda")):
+        return
+    if not (report.figures.get("w1_cold_out_tok_s") or report.figures.get("batch1_tpot_ms")):
         return
     try:
-        roofline = importlib.import_module("bench.roofline")
-        w1_roofline = roofline.w1_roofline
-    except (ImportError, AttributeError) as exc:
+        from bench import roofline
+    except ImportError as exc:
         print(f"roofline skipped: {exc}", file=sys.stderr)
         return
-    known = {
-        "num_requests": args.num_requests,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "config": args.model_config,
-        "config_path": args.model_config,
-        "model_config": args.model_config,
-        "dtype": report.dtype,
-        "device": report.device.split(",")[0].strip(),
-    }
-    try:
-        estimate = _call_with_known(w1_roofline, known)
-    except Exception as exc:  # another module's estimate must not lose the measured figures
-        print(f"roofline skipped: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return
-    limit = _first_number(estimate, ("out_tok_s", "output_tokens_per_s", "tokens_per_s", "out_tok_per_s"))
-    if not limit:
-        print(f"roofline skipped: no tok/s figure in {estimate!r}", file=sys.stderr)
-        return
-    report.add("w1_roofline_out_tok_s", limit, "W1 roofline estimate", "out tok/s")
-    report.add(
-        "w1_cold_over_roofline",
-        report.figures["w1_cold_out_tok_s"] / limit,
-        "W1 cold / roofline",
-        "x",
-        digits=2,
-    )
+    if given:
+        bandwidth, flops, source = args.bandwidth, args.flops, "given ceilings"
+    else:
+        bandwidth, flops = roofline.measure_copy_bandwidth(), roofline.measure_matmul_rate()
+        source = "measured ceilings"
+    source += f": {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s"
+    shape = _model_shape(args.model_config, report.dtype)
+    if report.figures.get("w1_cold_out_tok_s"):
+        roof = roofline.w1_roofline(
+            bandwidth, flops, shape, args.num_requests, args.input_len, args.output_len, args.num_requests
+        )
+        report.add("w1_roofline_out_tok_s", roof.out_tok_s, "W1 roofline", "out tok/s", source)
+        achieved = report.figures["w1_cold_out_tok_s"] / roof.out_tok_s
+        report.add("w1_cold_over_roofline", achieved, "W1 cold / roofline", "x", digits=2)
+    if report.figures.get("batch1_tpot_ms"):
+        roof = roofline.w1_roofline(bandwidth, flops, shape, 1, args.batch1_input_len, args.output_len, 1)
+        report.add("batch1_tpot_floor_ms", roof.batch1_tpot_floor_ms, "batch-1 TPOT floor", "ms", digits=2)
+        report.add(
+            "batch1_floor_over_tpot",
+            roof.batch1_tpot_floor_ms / report.figures["batch1_tpot_ms"],
+            "batch-1 TPOT floor / achieved",
+            "x",
+            digits=2,
+        )
+
+
+def _peer_model(args: argparse.Namespace, report: OfflineReport) -> str | None:
+    if args.peer_model:
+        return str(args.peer_model)
+    if args.launch_model:
+        return str(args.launch_model)
+    if report.model == DEFAULT_MODEL_NAME:
+        return str(embedded_model_path())
+    return None  # peer_hf.py's own default: the Llama-3.1-8B-shaped config
 
 
 def add_peer_hf(args: argparse.Namespace, report: OfflineReport) -> None:
-    """bench/peer_hf.py's static generate on the same workload, in this process (service already stopped)."""
+    """bench/peer_hf.py's static generate on the same workload, in this process (the service is stopped)."""
     try:
-        peer = importlib.import_module("bench.peer_hf")
+        from bench import peer_hf
     except ImportError as exc:
         print(f"HF peer skipped: {exc}", file=sys.stderr)
         return
-    runner = next(
-        (getattr(peer, n) for n in ("run_static", "run_peer", "run", "main") if hasattr(peer, n)), None
-    )
-    if runner is None:
-        print("HF peer skipped: bench/peer_hf.py exposes no run function", file=sys.stderr)
-        return
-    known = {
-        "config": args.model_config,
-        "config_path": args.model_config,
-        "model": args.model_config,
-        "num_requests": args.num_requests,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "batch": args.peer_batch,
-        "batch_size": args.peer_batch,
-        "device": report.device.split(",")[0].strip() or "cpu",
-        "seed": args.seed,
-    }
-    started = time.perf_counter()
-    outcome = _call_with_known(runner, known)
-    elapsed = time.perf_counter() - started
-    peer_tok_s = _first_number(outcome, ("out_tok_s", "output_tokens_per_s", "tokens_per_s", "out_tok_per_s"))
-    if peer_tok_s is None:
-        print(f"HF peer ran ({elapsed:.0f} s) but returned no tok/s figure: {outcome!r}", file=sys.stderr)
-        return
+    device = report.device.split(",")[0].strip() or "cpu"
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "peer.json"
+        argv = [
+            "--device",
+            device,
+            "--batch",
+            str(args.peer_batch),
+            "--requests",
+            str(args.num_requests),
+            "--prompt-len",
+            str(args.input_len),
+            "--output-len",
+            str(args.output_len),
+            "--json",
+            str(out),
+        ]
+        model = _peer_model(args, report)
+        if model:
+            argv += ["--model", model]
+        if report.dtype:
+            argv += ["--dtype", report.dtype]
+        print(f"HF peer: bench/peer_hf.py {' '.join(argv)}", file=sys.stderr, flush=True)
+        if peer_hf.main(argv) != 0 or not out.is_file():
+            print("HF peer failed", file=sys.stderr)
+            return
+        outcome = json.loads(out.read_text())
+    report.runs["hf_static"] = outcome
+    peer_tok_s = float(outcome["out_tok_s"])
     report.add("hf_static_out_tok_s", peer_tok_s, f"HF static generate, batch {args.peer_batch}", "out tok/s")
     ours = report.figures.get("w1_cold_out_tok_s")
     if ours:
@@ -313,18 +335,24 @@ def add_peer_hf(args: argparse.Namespace, report: OfflineReport) -> None:
 # ---------------------------------------------------------------- command line
 
 
-def _model_config_from(launch_args: Sequence[str]) -> str | None:
-    """The config.json behind ``--model dummy:PATH`` among the pass-through arguments, if any."""
+def _model_from(launch_args: Sequence[str]) -> str | None:
+    """The ``--model`` value among the pass-through arguments, if any."""
     for i, arg in enumerate(launch_args):
-        value = None
         if arg == "--model" and i + 1 < len(launch_args):
-            value = launch_args[i + 1]
-        elif arg.startswith("--model="):
-            value = arg.split("=", 1)[1]
-        if value and value.startswith("dummy:"):
-            path = Path(value[len("dummy:") :])
-            return str(path / "config.json" if path.is_dir() else path)
+            return launch_args[i + 1]
+        if arg.startswith("--model="):
+            return arg.split("=", 1)[1]
     return None
+
+
+def _config_json_of(model: str | None) -> str | None:
+    """The config.json behind ``dummy:PATH`` or an HF folder, if any."""
+    if not model:
+        return None
+    path = Path(model[len("dummy:") :] if model.startswith("dummy:") else model)
+    if path.is_dir() and (path / "config.json").is_file():
+        return str(path / "config.json")
+    return str(path) if path.suffix == ".json" and path.is_file() else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -355,7 +383,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--peer-hf", action="store_true", help="then run bench/peer_hf.py on the same workload"
     )
     parser.add_argument("--peer-batch", type=int, default=128)
-    parser.add_argument("--model-config", default=None, help="config.json for roofline/peer (from dummy:...)")
+    parser.add_argument("--peer-model", default=None, help="model for the HF peer (default: the served one)")
+    parser.add_argument("--model-config", default=None, help="config.json for the roofline (from dummy:...)")
+    parser.add_argument(
+        "--bandwidth", type=float, default=None, help="roofline ceiling, bytes/s (else measured)"
+    )
+    parser.add_argument("--flops", type=float, default=None, help="roofline ceiling, FLOP/s (else measured)")
     parser.add_argument("--out-json", default=None)
     parser.add_argument("--no-request-details", action="store_true")
     parser.add_argument("--plot-prefix", default=None, help="write PNGs named PREFIX<run>.png")
@@ -374,7 +407,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.w1 = args.batch1 = args.shared_prefix = True
     if not (args.w1 or args.batch1 or args.shared_prefix):
         args.w1 = True
-    args.model_config = args.model_config or _model_config_from(launch_args)
+    args.launch_model = _model_from(launch_args) if args.launch else None
+    args.model_config = args.model_config or _config_json_of(args.launch_model or args.peer_model)
     report = OfflineReport()
     started = time.time()
     if args.launch:

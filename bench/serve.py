@@ -22,8 +22,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make ``bench`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):
+    # Run as a script: import ``bench.*`` from the repository root, and keep this folder off the path
+    # (bench/kernels.py would shadow the ``kernels`` package that transformers probes for).
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
