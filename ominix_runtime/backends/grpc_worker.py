@@ -16,6 +16,7 @@ from ominix_runtime.pb import worker_pb2, worker_pb2_grpc
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_STEP_TIMEOUT_S = 60.0
 DEFAULT_RPC_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 5.0
 
 # Keepalive pings while a Run stream is open detect a dead peer (host gone, cable cut) that a plain TCP
 # socket would only notice much later. Pings are spaced well above gRPC servers' default strike policy.
@@ -104,8 +105,12 @@ class GrpcStepStream:
         if self._closed:
             return
         self._closed = True
+        # Half-close and let the worker end the call itself, so it can drop its state in order; cancel only
+        # when it does not answer in time (cancelling first could interrupt the worker's own cleanup).
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._call.done_writing(), timeout=1.0)
+            await asyncio.wait_for(self._call.done_writing(), timeout=CLOSE_TIMEOUT_S)
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
+            await asyncio.wait_for(asyncio.shield(self._reader), timeout=CLOSE_TIMEOUT_S)
         self._call.cancel()
         self._reader.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
