@@ -141,16 +141,18 @@ def bench_decode(batch: int, lo: int, hi: int, bandwidth: float, gen: torch.Gene
     )  # fmt: skip
 
 
-def bench_prefill(batch: int, new: int, prefix: int, flops: float, gen: torch.Generator) -> None:
+def bench_prefill(
+    batch: int,
+    new: int,
+    prefix: int,
+    flops: float,
+    gen: torch.Generator,
+    configs: list[tuple[int, int, int, int] | None],
+) -> None:
     q_lens = [new] * batch
     seq_lens = [prefix + new] * batch
     caches, meta, query = paged_batch(q_lens, seq_lens, 1, gen)
-    backend = TritonPagedAttention(BLOCK)
     scale = HEAD_DIM**-0.5
-    out = torch.empty_like(query)
-    fn = lambda: backend.forward_into(query, caches[0], meta, scale, out)  # noqa: E731
-    fn()
-    ms = _ms(fn)
     pairs = batch * sum(prefix + m + 1 for m in range(new))
     work = 4 * HEADS * HEAD_DIM * pairs
     case = f"B={batch} new={new} prefix={prefix}"
@@ -168,18 +170,28 @@ def bench_prefill(batch: int, new: int, prefix: int, flops: float, gen: torch.Ge
         )
 
     ref = sdpa_fn()
-    err = rel_err(out.view(batch, new, HEADS, HEAD_DIM).transpose(1, 2), ref)
     sdpa = _ms(sdpa_fn)
     _row("prefill", case, sdpa, impl="torch sdpa (contiguous KV)", tflops=work / sdpa / 1e9)
-    _row(
-        "prefill",
-        case,
-        ms,
-        impl="triton paged",
-        tflops=work / ms / 1e9,
-        frac_matmul=work / (ms * 1e-3) / flops,
-        err_vs_sdpa=err,
-    )
+    for config in configs:
+        backend = TritonPagedAttention(BLOCK)
+        backend.prefill_config = config
+        out = torch.full_like(query, float("nan"))
+
+        def fn(b: TritonPagedAttention = backend, o: torch.Tensor = out) -> None:
+            b.forward_into(query, caches[0], meta, scale, o)
+
+        fn()
+        err = rel_err(out.view(batch, new, HEADS, HEAD_DIM).transpose(1, 2), ref)
+        ms = _ms(fn)
+        _row(
+            "prefill",
+            case,
+            ms,
+            impl="triton paged" if config is None else f"triton paged {config}",
+            tflops=work / ms / 1e9,
+            frac_matmul=work / (ms * 1e-3) / flops,
+            err_vs_sdpa=err,
+        )
 
 
 def bench_mixed(gen: torch.Generator) -> None:
@@ -293,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write every row to this file")
     parser.add_argument("--quick", action="store_true", help="fewer cases")
+    parser.add_argument("--sweep-prefill", action="store_true", help="time several prefill tile configs")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -310,8 +323,12 @@ def main(argv: list[str] | None = None) -> int:
         decode_cases += [(256, 768, 768), (256, 512, 768), (32, 4096, 4096)]
     for batch, lo, hi in decode_cases:
         bench_decode(batch, lo, hi, bandwidth, gen)
+    configs: list[tuple[int, int, int, int] | None] = [None]
+    if args.sweep_prefill:
+        configs += [(64, 64, 4, 2), (64, 64, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3)]
+        configs += [(128, 128, 8, 2), (64, 128, 4, 3), (128, 32, 8, 3), (128, 64, 4, 3)]
     for batch, new, prefix in [(1, 512, 0), (16, 512, 0), (1, 512, 2048), (16, 512, 2048)]:
-        bench_prefill(batch, new, prefix, flops, gen)
+        bench_prefill(batch, new, prefix, flops, gen, configs)
     bench_mixed(gen)
     for tokens in (256, 8192):
         bench_store(tokens, bandwidth, gen)

@@ -158,10 +158,13 @@ def run_case(
     dtype: torch.dtype,
     decode_splits: int | None = None,
     force_general: bool = False,
+    backend_attrs: dict[str, object] | None = None,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     backend = TritonPagedAttention(block_size=block_size)
     backend.decode_splits = decode_splits
+    for name, value in (backend_attrs or {}).items():
+        setattr(backend, name, value)
     batch = make_batch(gen, q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, backend)
     if force_general:
         batch.meta.num_decode_only = False
@@ -238,11 +241,38 @@ def test_prefill_with_prefix_block_sizes(block_size: int) -> None:
     run_case(100 + block_size, q_lens, seq_lens, 32, 8, 128, block_size, torch.bfloat16)
 
 
-def test_general_path_on_all_decode_batch() -> None:
-    """A step of single-token requests that the runner did not flag as decode-only takes the general kernel."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_general_path_on_all_decode_batch(dtype: torch.dtype) -> None:
+    """A step of single-token requests that the runner did not flag as decode-only."""
     gen = torch.Generator().manual_seed(7)
     seq_lens = _ragged(gen, 11, 1, 90 if INTERPRET else 700)
-    run_case(7, [1] * 11, seq_lens, 32, 8, 128, 16, torch.bfloat16, force_general=True)
+    run_case(7, [1] * 11, seq_lens, 32, 8, 128, 16, dtype, force_general=True)
+
+
+PREFILL_CONFIGS = [
+    (64, 64, 4, 3),
+    (64, 64, 8, 3),
+    (128, 64, 8, 3),
+    (128, 128, 8, 3),
+    (64, 128, 4, 3),
+    (128, 32, 8, 3),
+]
+
+
+@pytest.mark.parametrize("config", PREFILL_CONFIGS, ids=str)
+@pytest.mark.parametrize("splits", [None, 4])
+def test_mixed_batch_tile_configs(config: tuple[int, int, int, int], splits: int | None) -> None:
+    """Every prefill tile shape the benchmark may pick, with split and unsplit decode rows beside it."""
+    if INTERPRET and config[0] > 64:
+        pytest.skip("slow in the interpreter")
+    seed = zlib.crc32(f"{config}{splits}".encode()) % 10_000
+    gen = torch.Generator().manual_seed(seed)
+    n = 12
+    q_lens = [1 if i % 3 else int(q) for i, q in enumerate(_ragged(gen, n, 2, 60 if INTERPRET else 700))]
+    prefix = _ragged(gen, n, 0, 80 if INTERPRET else 2100)
+    seq_lens = [p + q for p, q in zip(prefix, q_lens, strict=True)]
+    attrs: dict[str, object] = {"prefill_config": config}
+    run_case(seed, q_lens, seq_lens, 32, 8, 128, 16, torch.float16, decode_splits=splits, backend_attrs=attrs)
 
 
 def test_padded_decode_slot_is_skipped() -> None:

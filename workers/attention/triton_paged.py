@@ -20,11 +20,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from ominix_worker.attention.base import AttentionMetadata
 
 # Tokens per split below which splitting a decode context more finely stops paying for the merge.
 _MIN_TOKENS_PER_SPLIT = 64
 _MAX_SPLITS = 32
+# Prefill tile (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs and head_dim <= 128.
+_PREFILL_CONFIG = (64, 64, 4, 3)
 
 
 @triton.jit
@@ -59,6 +62,7 @@ def _decode_kernel(
     kv_ptr,
     block_tables_ptr,
     seq_lens_ptr,
+    query_start_loc_ptr,
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
@@ -79,11 +83,19 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    MIXED: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if MIXED:
+        # Mixed step: this kernel serves the single-token requests, the prefill kernel the others.
+        row = tl.load(query_start_loc_ptr + b)
+        if tl.load(query_start_loc_ptr + b + 1) - row != 1:
+            return
+    else:
+        row = b
 
     seq_len = tl.load(seq_lens_ptr + b)
     # Each split covers a whole number of BLOCK_N tiles; trailing splits may be empty.
@@ -98,11 +110,11 @@ def _decode_kernel(
     d_mask = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
     q = tl.load(
-        q_ptr + b.to(tl.int64) * q_stride_t + heads[:, None] * q_stride_h + offs_d[None, :],
+        q_ptr + row.to(tl.int64) * q_stride_t + heads[:, None] * q_stride_h + offs_d[None, :],
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    q = (q * scale).to(q.dtype)
+    qk_scale = scale * 1.4426950408889634  # log2(e): the softmax runs in base 2 (exp2)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -125,9 +137,9 @@ def _decode_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -140,7 +152,7 @@ def _decode_kernel(
         row = (b * NUM_HEADS + heads) * num_splits + split
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
-        lse = tl.where(l_i > 0.0, m_i + tl.log(l_safe), float("-inf"))
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # base 2
         tl.store(
             part_out_ptr + row[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
             o,
@@ -151,7 +163,7 @@ def _decode_kernel(
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # seq_len 0 (padded request) writes zeros, never NaN
         o = acc / l_safe[:, None]
         tl.store(
-            out_ptr + b.to(tl.int64) * out_stride_t + heads[:, None] * out_stride_h + offs_d[None, :],
+            out_ptr + row.to(tl.int64) * out_stride_t + heads[:, None] * out_stride_h + offs_d[None, :],
             o.to(out_ptr.dtype.element_ty),
             mask=g_mask[:, None] & d_mask[None, :],
         )
@@ -161,6 +173,7 @@ def _decode_kernel(
 def _merge_splits_kernel(
     part_out_ptr,
     part_lse_ptr,
+    query_start_loc_ptr,
     out_ptr,
     out_stride_t,
     out_stride_h,
@@ -169,9 +182,16 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    MIXED: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    if MIXED:
+        row = tl.load(query_start_loc_ptr + b)
+        if tl.load(query_start_loc_ptr + b + 1) - row != 1:
+            return
+    else:
+        row = b
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
@@ -180,7 +200,7 @@ def _merge_splits_kernel(
     lse = tl.load(part_lse_ptr + row0 + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m)
+    w = tl.exp2(lse - m)
     denom = tl.sum(w, 0)
     denom = tl.where(denom > 0.0, denom, 1.0)
     o = tl.load(
@@ -190,7 +210,7 @@ def _merge_splits_kernel(
     )
     res = tl.sum(o * w[:, None], 0) / denom
     tl.store(
-        out_ptr + b.to(tl.int64) * out_stride_t + h * out_stride_h + offs_d,
+        out_ptr + row.to(tl.int64) * out_stride_t + h * out_stride_h + offs_d,
         res.to(out_ptr.dtype.element_ty),
         mask=d_mask,
     )
@@ -218,6 +238,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SKIP_SINGLE: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -226,6 +247,8 @@ def _prefill_kernel(
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
     if tile * BLOCK_M >= q_len:
+        return
+    if SKIP_SINGLE and q_len == 1:  # served by the decode kernel in the same step
         return
     seq_len = tl.load(seq_lens_ptr + b)
     context_len = seq_len - q_len
@@ -241,7 +264,7 @@ def _prefill_kernel(
         mask=m_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    q = (q * scale).to(q.dtype)
+    qk_scale = scale * 1.4426950408889634  # log2(e): the softmax runs in base 2 (exp2)
     q_pos = context_len + offs_m  # absolute position of each query row
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -267,9 +290,9 @@ def _prefill_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -291,11 +314,11 @@ def _prefill_kernel(
             s = tl.dot(q, tl.trans(k))
         visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Rows past q_len see nothing; keep their max finite so exp() never sees inf - inf.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        # A row that sees nothing yet keeps a finite max so exp2() never sees inf - inf.
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -334,6 +357,8 @@ class TritonPagedAttention:
         self.store_with_index_copy = store_with_index_copy
         # Fixed split count for CUDA-graph capture; None picks one per call from the metadata.
         self.decode_splits: int | None = None
+        # (BLOCK_M, BLOCK_N, num_warps, num_stages) override for the prefill kernel (tuning); None = defaults.
+        self.prefill_config: tuple[int, int, int, int] | None = None
         self._num_sms: int | None = None
 
     def allocate_kv_cache(
@@ -398,9 +423,13 @@ class TritonPagedAttention:
         if query.shape[0] == 0:
             return
         if meta.num_decode_only:
-            self._decode(query, kv_cache, meta, scale, out)
-        else:
-            self._general(query, kv_cache, meta, scale, out)
+            self._decode(query, kv_cache, meta, scale, out, mixed=False)
+            return
+        # Single-token requests of a mixed step go to the decode kernel (KV read once per KV head); the prefill
+        # kernel skips them. Which requests those are is only known on the device, so both kernels launch.
+        self._decode(query, kv_cache, meta, scale, out, mixed=True)
+        if meta.max_query_len > 1:
+            self._prefill(query, kv_cache, meta, scale, out)
 
     def _sms(self, device: torch.device) -> int:
         if self._num_sms is None:
@@ -415,6 +444,7 @@ class TritonPagedAttention:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        mixed: bool,
     ) -> None:
         num_requests = meta.num_requests
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -441,6 +471,7 @@ class TritonPagedAttention:
             kv_cache,
             meta.block_tables,
             meta.seq_lens,
+            meta.query_start_loc,
             out,
             part_out,
             part_lse,
@@ -461,6 +492,7 @@ class TritonPagedAttention:
             BLOCK_SIZE=block_size,
             BLOCK_N=block_n,
             SPLIT=splits > 1,
+            MIXED=mixed,
             IEEE=ieee,
             num_warps=4,
             num_stages=3,
@@ -469,6 +501,7 @@ class TritonPagedAttention:
             _merge_splits_kernel[(num_requests, num_heads)](
                 part_out,
                 part_lse,
+                meta.query_start_loc,
                 out,
                 out.stride(0),
                 out.stride(1),
@@ -477,10 +510,23 @@ class TritonPagedAttention:
                 HEAD_DIM=head_dim,
                 BLOCK_D=block_d,
                 BLOCK_S=max(2, triton.next_power_of_2(splits)),
+                MIXED=mixed,
                 num_warps=4,
             )
 
-    def _general(
+    def _prefill_config(
+        self, meta: AttentionMetadata, head_dim: int, ieee: bool
+    ) -> tuple[int, int, int, int]:
+        """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel."""
+        if self.prefill_config is not None:
+            return self.prefill_config
+        if ieee or head_dim > 128:
+            return (32, 32, 4, 2)
+        if meta.max_query_len <= 16:  # short chunks: small query tiles waste less
+            return (16, 64, 4, 3)
+        return _PREFILL_CONFIG
+
+    def _prefill(
         self,
         query: torch.Tensor,
         kv_cache: torch.Tensor,
@@ -492,11 +538,7 @@ class TritonPagedAttention:
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         num_heads = query.shape[1]
         ieee = query.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-        # Short query tiles when every request brings few tokens (decode-heavy mixed batches).
-        block_m = 64 if meta.max_query_len > 16 else 16
-        block_n = 64
-        if ieee or head_dim > 128:
-            block_m, block_n = min(block_m, 32), 32
+        block_m, block_n, num_warps, num_stages = self._prefill_config(meta, head_dim, ieee)
         grid = (num_requests, triton.cdiv(meta.max_query_len, block_m), num_heads)
         _prefill_kernel[grid](
             query,
@@ -519,7 +561,8 @@ class TritonPagedAttention:
             BLOCK_SIZE=block_size,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
+            SKIP_SINGLE=True,
             IEEE=ieee,
-            num_warps=4 if block_m <= 32 else 8,
-            num_stages=3,
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
