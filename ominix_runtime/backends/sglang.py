@@ -147,7 +147,17 @@ class SGLangStreamMapper:
             return self._fail(RuntimeErrorKind.INTERNAL, f"SGLang sent a malformed chunk: {chunk!r:.200}")
         if "error" in chunk:
             return self._fail(RuntimeErrorKind.INTERNAL, f"SGLang error: {error_message(chunk)}")
+        try:
+            return self._map(chunk)
+        except (TypeError, ValueError, AttributeError) as exc:
+            return self._fail(
+                RuntimeErrorKind.INTERNAL, f"SGLang sent a malformed chunk ({exc}): {chunk!r:.200}"
+            )
+
+    def _map(self, chunk: Mapping[str, Any]) -> list[WorkerEvent]:
         meta = chunk.get("meta_info") or {}
+        if not isinstance(meta, Mapping):
+            raise TypeError("meta_info is not an object")
         events: list[WorkerEvent] = []
         self._read_counts(meta)
         if not self.started:

@@ -235,3 +235,12 @@ def test_sglang_backend_is_a_request_backend() -> None:
     backend = SGLangBackend("127.0.0.1:30000", model="m")
     assert isinstance(backend, RequestBackend) and not isinstance(backend, StepBackend)
     assert backend.url == "http://127.0.0.1:30000"
+
+
+def test_chunk_with_wrong_types_is_one_error() -> None:
+    mapper = SGLangStreamMapper("r")
+    events = mapper.on_chunk({"output_ids": ["x"], "meta_info": {}})
+    assert len(events) == 1 and isinstance(events[0], Error) and "malformed" in events[0].message
+    assert mapper.terminal and mapper.on_eof() == []
+    events = SGLangStreamMapper("r").on_chunk({"output_ids": [1], "meta_info": "oops"})
+    assert len(events) == 1 and isinstance(events[0], Error)
