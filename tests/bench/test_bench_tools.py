@@ -206,3 +206,34 @@ def test_run_benchmark_against_streaming_server(tmp_path: Path) -> None:
     assert payload["metrics"]["completed"] == 12 and len(payload["requests"]) == 12
     png = write_plot(tmp_path / "bench.png", result.plot_data())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_benchmark_against_launched_service(tmp_path: Path) -> None:
+    """bench/serve.py against the real daemon (`ominix-runtime launch`, tiny random model, CPU worker)."""
+    pytest.importorskip("torch")
+    from bench.common import launch_service
+    from bench.serve import fetch_backends, fetch_model_facts
+    from ominix_worker.testing import write_tiny_hf_model
+
+    model_dir = write_tiny_hf_model(tmp_path / "tiny-llama", vocab_size=320)
+    launch_args = ["--model", str(model_dir), "--devices", "cpu", "--kv-cache-memory", "16MiB"]
+    config = BenchConfig(num_requests=6, input_len=40, output_len=8, progress=False)
+
+    async def bench_twice(address: str) -> tuple[object, object, int]:
+        backends = await fetch_backends(address)
+        requests = build_random_requests(config, await fetch_model_facts(address))
+        first = await run_benchmark(address, config, requests)
+        again = await run_benchmark(address, config, requests)
+        return first, again, backends.backends[0].kv_block_size
+
+    with launch_service(launch_args, ready_timeout_s=60.0, show_progress=False) as service:
+        first, again, block_size = asyncio.run(asyncio.wait_for(bench_twice(service.address), timeout=60))
+    assert service.process.returncode is not None  # stopped on leaving the context
+    for result in (first, again):
+        assert result.metrics.completed == 6, result.errors()
+        assert result.metrics.total_output_tokens == 6 * 8  # ignore_eos: exact lengths
+        assert result.metrics.total_input_tokens == 6 * 40
+        assert result.metrics.tpot.count == 6 and result.metrics.itl.count >= 6
+    assert first.metrics.total_cached_tokens == 0  # distinct prompts share no prefix
+    if block_size and block_size < 40:
+        assert again.metrics.total_cached_tokens >= 6 * block_size  # the same prompts again hit the cache
