@@ -155,6 +155,10 @@ def run_hf_side(args: argparse.Namespace, dtype_name: str) -> HfOutcome:
     )
 
 
+def _loads(values: tuple[float, float, float]) -> str:
+    return "/".join(f"{v:.2f}" for v in values)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -177,6 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"arguments for `launch` given but --address targets a running engine: {launch_args}")
 
     started = time.time()
+    load_before = os.getloadavg()
     if args.address:
         daemon, dtype, device = asyncio.run(run_daemon_side(args.address, args))
     else:
@@ -192,10 +197,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf = None if args.skip_hf else run_hf_side(args, args.hf_dtype or dtype)
     daemon_tok_s = daemon.metrics.output_throughput
     machine = f"{platform.machine()}, {os.cpu_count()} logical CPUs, {platform.python_implementation()} {platform.python_version()}"
+    load = f"load average (1/5/15 min) before {_loads(load_before)}, after {_loads(os.getloadavg())}"
     if args.out_json:
         payload = {
             "started_at_unix": started,
             "machine": machine,
+            "load": load,
             "batch": args.batch,
             "output_len": args.output_len,
             "threads": args.threads,
@@ -229,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"SmolLM2-135M-Instruct (embedded GGUF), batch {args.batch}, {args.output_len} new tokens each, greedy, "
         f"best of {args.trials}; {machine}; threads: {args.threads or 'torch default'}"
     )
+    print(f"{load} (other processes on the machine skew both sides)")
     print(format_table(rows, ("side", "out tok/s", "detail")))
     return 0
 
