@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
-from ominix_worker.testing import write_tiny_hf_model
+
+def _import_worker_package() -> None:
+    """GPU machines may run the tests from a bare checkout: map ominix_worker onto workers/."""
+    try:
+        import ominix_worker  # noqa: F401
+    except ImportError:
+        workers = Path(__file__).resolve().parents[2] / "workers"
+        spec = importlib.util.spec_from_file_location(
+            "ominix_worker", workers / "__init__.py", submodule_search_locations=[str(workers)]
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["ominix_worker"] = module
+        spec.loader.exec_module(module)
+
+
+_import_worker_package()
+
+from ominix_worker.testing import write_tiny_hf_model  # noqa: E402
 
 LLAMA31_ROPE = {
     "rope_type": "llama3",
