@@ -141,6 +141,12 @@ class KVRegistry:
         not enough blocks; then nothing changed.
         """
         state = self._leases.get(request_id)
+        if (  # fast path: a running request that needs no new block
+            state is not None
+            and prefix is None
+            and -(-num_tokens // self.block_size) <= len(state.lease.kv_block_ids)
+        ):
+            return []
         if state is not None and prefix is not None and prefix.kv_block_ids:
             raise ValueError("a prefix hit can only start a new lease")
         prefix_ids = prefix.kv_block_ids if (state is None and prefix is not None) else ()
@@ -192,6 +198,8 @@ class KVRegistry:
         bs = self.block_size
         lease_blocks = state.lease.kv_block_ids
         num_full = min(num_computed_tokens, len(token_ids)) // bs
+        if num_full <= state.num_hashed_blocks:
+            return
         num_full = min(num_full, len(lease_blocks))
         for i in range(state.num_hashed_blocks, num_full):
             key = (state.last_hash, tuple(token_ids[i * bs : (i + 1) * bs]))

@@ -21,6 +21,8 @@ class EngineRequest:
     request: GenerateRequest
     arrival_seq: int  # FCFS order within a priority class
     effective_seed: int  # fixed at admission so a resumed request samples the same tokens
+    request_id: str = ""
+    order_key: tuple[int, int] = (0, 0)  # scheduling order: priority class, then arrival (FCFS)
     all_token_ids: list[int] = field(default_factory=list)  # prompt + real output tokens
     num_prompt_tokens: int = 0
     num_placeholders: int = 0  # output tokens scheduled but whose result has not come back yet
@@ -42,17 +44,8 @@ class EngineRequest:
     finished_time: float | None = None
 
     @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
     def priority(self) -> Priority:
         return self.request.priority
-
-    @property
-    def order_key(self) -> tuple[int, int]:
-        """Scheduling order: priority class first, then arrival (FCFS)."""
-        return (int(self.request.priority), self.arrival_seq)
 
     @property
     def num_output_tokens(self) -> int:
@@ -70,6 +63,10 @@ class EngineRequest:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+    def __post_init__(self) -> None:
+        self.request_id = self.request.request_id
+        self.order_key = (int(self.request.priority), self.arrival_seq)
 
     def transition(self, dst: RequestState) -> None:
         self.state = check_transition(self.state, dst)

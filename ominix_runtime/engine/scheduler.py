@@ -304,6 +304,7 @@ class Scheduler:
         plan: BatchPlan,
     ) -> int:
         blocked: list[EngineRequest] = []  # waiting requests skipped this step for lack of KV or budget
+        admitted: list[EngineRequest] = []
         for req in self.waiting:
             if budget <= 0 or len(self.running) >= self.max_running_requests:
                 break
@@ -323,6 +324,7 @@ class Scheduler:
             for b in blocked:  # they were bypassed by a later request in this step
                 b.num_times_bypassed += 1
             blocked.clear()
+            admitted.append(req)
             self._start(req, hit, step_id)
             new_requests.append(
                 NewRequestData(
@@ -338,10 +340,11 @@ class Scheduler:
             )
             self._commit(req, n, scheduled, plan)
             budget -= n
+        for req in admitted:  # removed after the loop: the queue is not modified while iterated
+            self.waiting.remove(req.request_id)
         return budget
 
     def _start(self, req: EngineRequest, hit: PrefixHit, step_id: int) -> None:
-        self.waiting.remove(req.request_id)
         self.registry.prefix_query_tokens += len(req.all_token_ids)
         self.registry.prefix_hit_tokens += hit.num_tokens
         if req.first_scheduled_time is None:

@@ -42,6 +42,6 @@ class WaitingQueue:
         return None
 
     def __iter__(self) -> Iterator[EngineRequest]:
-        """In scheduling order (a snapshot, so callers may remove while iterating)."""
+        """In scheduling order. Do not add or remove while iterating."""
         for p in sorted(self._classes):
-            yield from list(self._classes[p].values())
+            yield from self._classes[p].values()
