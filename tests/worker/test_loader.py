@@ -1,0 +1,160 @@
+"""Config parsing, GGUF loading (row order, tied output, metadata), dummy weights, devices and sizes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from ominix_runtime.contract import DecodeStep, NewRequestData, SamplingParams
+from ominix_runtime.models import resolve_model
+from ominix_worker.attention import TorchReferenceAttention, get_attention_backend
+from ominix_worker.config import ModelConfigError, config_from_hf_dict, load_hf_config
+from ominix_worker.devices import DeviceError, parse_device, resolve_dtype
+from ominix_worker.kv_cache import kv_bytes_per_block, parse_bytes
+from ominix_worker.loader import ModelLoadError, load_model, unpermute_llama_cpp_rows
+from ominix_worker.runner import ModelRunner, build_runner
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """The row order llama.cpp's converter writes for Q/K: per head, halves interleaved."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def test_unpermute_inverts_llama_cpp_row_order() -> None:
+    weight = np.arange(8 * 2 * 3, dtype=np.float32).reshape(16, 3)  # 2 heads of dim 8
+    restored = unpermute_llama_cpp_rows(torch.from_numpy(llama_cpp_permute(weight, 2)), 2)
+    assert torch.equal(restored, torch.from_numpy(weight))
+
+
+def write_gguf(folder: Path, out: Path) -> None:
+    """A float32 GGUF of a tiny HF llama model, laid out as llama.cpp's converter does (tied: no output)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for name, tensor in tensors.items():
+        array = tensor.float().numpy()
+        if name == "model.embed_tokens.weight":
+            writer.add_tensor("token_embd.weight", array)
+        elif name == "model.norm.weight":
+            writer.add_tensor("output_norm.weight", array)
+        elif name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            module, _, kind = rest.rpartition(".")
+            if module == "self_attn.q_proj":
+                array = llama_cpp_permute(array, heads)
+            elif module == "self_attn.k_proj":
+                array = llama_cpp_permute(array, kv_heads)
+            writer.add_tensor(f"blk.{layer}.{names[module]}.{kind}", np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def last_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
+    captured: list[torch.Tensor] = []
+    compute = runner.model.compute_logits
+    runner.model.compute_logits = lambda h: captured.append(compute(h)) or captured[-1]  # type: ignore[method-assign]
+    runner.execute_step(DecodeStep(1, new_requests=[
+        NewRequestData("g", tokens, SamplingParams(temperature=0.0), [0, 1], 0, len(tokens), 0)]))
+    runner.reset()
+    return captured[0][0]
+
+
+def test_gguf_file_loads_like_its_hf_source(tmp_path: Path) -> None:
+    from ominix_worker.testing import write_tiny_hf_model
+
+    folder = write_tiny_hf_model(tmp_path / "hf", arch="llama", tie_word_embeddings=True, with_tokenizer=False,
+                                 vocab_size=96, seed=5)
+    write_gguf(folder, tmp_path / "tiny.gguf")
+    runner = build_runner(str(tmp_path / "tiny.gguf"), num_blocks=4)
+    assert runner.config.tie_word_embeddings and runner.config.eos_token_ids == (2,)
+    assert runner.config.bos_token_id == 1 and runner.config.num_kv_heads == 2
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokens = list(range(3, 24))
+    with torch.no_grad():
+        want = reference(torch.tensor([tokens])).logits[0, -1]
+    got = last_logits(runner, tokens)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+
+
+def test_hf_config_variants(tmp_path: Path) -> None:
+    old_style = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "intermediate_size": 128, "rope_theta": 500000.0,
+                 "rope_scaling": {"type": "linear", "factor": 2.0}, "eos_token_id": [2, 7]}
+    config = config_from_hf_dict(old_style)
+    assert config.num_kv_heads == 4 and config.head_dim == 16 and config.rope_theta == 500000.0
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0} and config.eos_token_ids == (2, 7)
+    qwen2 = config_from_hf_dict({**old_style, "model_type": "qwen2", "rope_scaling": None})
+    assert qwen2.qkv_bias and not qwen2.qk_norm and qwen2.rope_scaling == {}
+    assert config_from_hf_dict({**old_style, "model_type": "qwen3"}).qk_norm
+    with pytest.raises(ModelConfigError, match="unsupported model_type 'gpt2'"):
+        config_from_hf_dict({"model_type": "gpt2"})
+    with pytest.raises(ModelConfigError, match="intermediate_size"):
+        config_from_hf_dict({k: v for k, v in old_style.items() if k != "intermediate_size"})
+    (tmp_path / "config.json").write_text(json.dumps(old_style))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    assert load_hf_config(tmp_path).eos_token_ids == (2, 7, 9)
+
+
+def test_dummy_weights_give_finite_logits(tiny_model_dir: Callable[[str], Path]) -> None:
+    runner = build_runner(f"dummy:{tiny_model_dir('qwen3') / 'config.json'}", num_blocks=4)
+    logits = last_logits(runner, list(range(5, 25)))
+    assert torch.isfinite(logits).all() and logits.abs().max() > 0
+
+
+def test_missing_weights_are_refused(tmp_path: Path, tiny_model_dir: Callable[[str], Path]) -> None:
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_model_dir("llama")
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(str(src / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="lacks 1 weights"):
+        load_model(resolve_model(str(tmp_path)), torch.device("cpu"), torch.float32, TorchReferenceAttention())
+
+
+def test_devices_dtypes_and_sizes(tiny_model_dir: Callable[[str], Path]) -> None:
+    assert parse_device("cpu") == torch.device("cpu")
+    for bad in ("gpu:0", "cpu:1", "cuda:x"):
+        with pytest.raises(DeviceError):
+            parse_device(bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceError, match="not found"):
+            parse_device("cuda:0")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    assert parse_bytes("1GiB") == 2**30 and parse_bytes("512MiB") == 2**29 and parse_bytes("1000") == 1000
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+    config = load_hf_config(tiny_model_dir("llama"))
+    # K and V × 2 layers × 16 tokens × 2 kv heads × 16 dims × 4 bytes
+    assert kv_bytes_per_block(config, 16, torch.float32) == 2 * 2 * 16 * 2 * 16 * 4
+    assert get_attention_backend("cpu").name == "torch-sdpa"
