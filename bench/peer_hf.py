@@ -21,7 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+if __package__ in (None, ""):
+    # Run as a script: keep bench/ off the path, or bench/kernels.py would shadow the ``kernels`` package that
+    # transformers probes for.
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+import torch  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "llama8b-config.json"
 
