@@ -125,9 +125,15 @@ def bench_decode(batch: int, lo: int, hi: int, bandwidth: float, gen: torch.Gene
             step()
     torch.cuda.current_stream().wait_stream(stream)
     graphed = _ms(graph.replay) / layers
+    extra: dict[str, object] = {}
+    if splits > 1:
+        # Eager launches cost host time per kernel: compare the unsplit kernel (one launch, no merge).
+        backend.decode_splits = 1
+        step()
+        extra["eager_ms_unsplit"] = _ms(step) / layers
+        backend.decode_splits = None
     kv_bytes = per_layer_bytes + 2 * query.numel() * query.element_size()
     case = f"B={batch} ctx={lo}-{hi}" if lo != hi else f"B={batch} ctx={lo}"
-    extra: dict[str, object] = {}
     if lo == hi:
         k, v = gather_contiguous(caches[0], meta, lo)
         q4 = query.unsqueeze(2)  # (B, H, 1, D)

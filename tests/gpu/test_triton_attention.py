@@ -56,13 +56,15 @@ def make_batch(
     block_size: int,
     dtype: torch.dtype,
     backend: TritonPagedAttention,
+    num_blocks: int | None = None,
+    max_blocks: int | None = None,
 ) -> Batch:
     """Context tokens go straight into a NaN-poisoned cache through random, non-contiguous block tables;
     this step's tokens go in through ``write_kv``. Any read of an unwritten slot turns the output NaN."""
     blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 7
+    num_blocks = num_blocks or sum(blocks_per_seq) + 7
     perm = torch.randperm(num_blocks, generator=gen).tolist()
-    max_blocks = max(blocks_per_seq) + 2
+    max_blocks = max_blocks or max(blocks_per_seq) + 2
     block_tables = torch.zeros((len(seq_lens), max_blocks), dtype=torch.int32)
     cursor = 0
     kv_cache = backend.allocate_kv_cache(1, num_blocks, num_kv_heads, head_dim, dtype, torch.device(DEVICE))[
@@ -273,6 +275,51 @@ def test_mixed_batch_tile_configs(config: tuple[int, int, int, int], splits: int
     seq_lens = [p + q for p, q in zip(prefix, q_lens, strict=True)]
     attrs: dict[str, object] = {"prefill_config": config}
     run_case(seed, q_lens, seq_lens, 32, 8, 128, 16, torch.float16, decode_splits=splits, backend_attrs=attrs)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_cuda_graph_replays_with_new_lengths_and_tables(splits: int) -> None:
+    """One captured decode step stays correct when lengths, block tables, queries and KV change in place."""
+    num_requests, block_size, max_len = 8, 16, 600
+    num_blocks, max_blocks = (
+        num_requests * math.ceil(max_len / block_size) + 7,
+        math.ceil(max_len / block_size),
+    )
+    backend = TritonPagedAttention(block_size=block_size)
+    backend.decode_splits = splits
+    gen = torch.Generator().manual_seed(splits)
+
+    def batch() -> Batch:
+        seq_lens = _ragged(gen, num_requests, 1, max_len)
+        shape = (32, 8, 128, block_size, torch.bfloat16, backend, num_blocks, max_blocks)
+        b = make_batch(gen, [1] * num_requests, seq_lens, *shape)
+        backend.write_kv(b.kv_cache, b.new_key, b.new_value, b.meta)
+        return b
+
+    static = batch()
+    out = torch.full_like(static.query, float("nan"))
+    scale = 1.0 / math.sqrt(128)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward_into(
+            static.query, static.kv_cache, static.meta, scale, out
+        )  # compile outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            backend.forward_into(static.query, static.kv_cache, static.meta, scale, out)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        fresh = batch()
+        static.kv_cache.copy_(fresh.kv_cache)
+        static.query.copy_(fresh.query)
+        static.meta.seq_lens.copy_(fresh.meta.seq_lens)
+        static.meta.block_tables.copy_(fresh.meta.block_tables)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(fresh, out, torch.bfloat16)
 
 
 def test_padded_decode_slot_is_skipped() -> None:
