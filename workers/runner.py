@@ -35,7 +35,12 @@ from ominix_worker.sampler import SamplerOutput, SamplingTensors, sample
 
 log = logging.getLogger(__name__)
 
-_INT64_RANGE = 1 << 64
+
+
+def _as_int64(seed: int) -> int:
+    """A 64-bit unsigned seed reinterpreted as the int64 torch can hold (same bits)."""
+    seed %= 1 << 64
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 @dataclass(slots=True)
@@ -281,8 +286,7 @@ class ModelRunner:
         params = [row.request.sampling for row in rows]
         vocab = self.vocab_size
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        seeds = [(r.request.seed % _INT64_RANGE) - (_INT64_RANGE if r.request.seed % _INT64_RANGE >= 1 << 63 else 0)
-                 for r in rows]
+        seeds = [_as_int64(row.request.seed) for row in rows]
         t = SamplingTensors(
             temperature=self._to_device(torch.tensor([p.temperature for p in params], dtype=torch.float32)),
             top_k=self._to_device(torch.tensor(top_k, dtype=torch.int64)),
@@ -340,12 +344,19 @@ class ModelRunner:
             outputs[row.request.request_id] = RequestOutput(row.request.request_id)
         if sampled is None:
             return outputs
-        # The one device → host transfer of the step.
-        token_ids = sampled.token_ids.tolist()
-        bad = sampled.bad_rows.tolist()
-        sampled_lp = sampled.sampled_logprobs.tolist() if sampled.sampled_logprobs is not None else None
-        top_lp = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
-        top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
+        # One device → host transfer for the tokens (and NaN flags); one more only when logprobs are asked.
+        token_ids, bad = torch.stack((sampled.token_ids, sampled.bad_rows.to(torch.int64))).tolist()
+        sampled_lp = top_lp = top_ids = None
+        if sampled.sampled_logprobs is not None:
+            floats = [sampled.sampled_logprobs.unsqueeze(1)]
+            if sampled.top_logprobs is not None and sampled.top_token_ids is not None:
+                floats += [sampled.top_logprobs, sampled.top_token_ids.to(torch.float64)]
+            host = torch.cat([f.to(torch.float64) for f in floats], dim=1).tolist()
+            sampled_lp = [row[0] for row in host]
+            if len(floats) > 1:
+                n = sampled.top_logprobs.shape[1]  # type: ignore[union-attr]
+                top_lp = [row[1:1 + n] for row in host]
+                top_ids = [[int(t) for t in row[1 + n:]] for row in host]
         for i, row in enumerate(inputs.sampling_rows):
             req = row.request
             if bad[i]:
