@@ -8,7 +8,8 @@
 3. Prints both and the ratio, table last.
 
 Threads: both sides use torch's default intra-op thread count (one per core) unless ``--threads N`` is given,
-which sets OMP_NUM_THREADS for the service's processes and ``torch.set_num_threads(N)`` here. During the
+which sets OMP_NUM_THREADS for the service's processes and ``torch.set_num_threads(N)`` here. The daemon
+runs with ``--no-prefix-caching`` (trials repeat the same prompts; HF has no prefix cache). During the
 daemon run, the engine process and this client share the cores with the worker; the HF run has them alone.
 
     python bench/cpu_daemon.py            # or: make bench
@@ -169,6 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads on both sides")
     parser.add_argument("--address", default=None, help="use a running CPU engine instead of launching one")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--prefix-caching", action="store_true", help="keep the daemon's prefix cache on")
     parser.add_argument(
         "--hf-dtype", default=None, help="override the dtype HF runs in (default: the worker's)"
     )
@@ -186,9 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         daemon, dtype, device = asyncio.run(run_daemon_side(args.address, args))
     else:
         env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
-        with launch_service(
-            ["--devices", "cpu", *launch_args], ready_timeout_s=args.ready_timeout, env=env
-        ) as svc:
+        # Trials repeat the same prompts: without this, later trials would skip prefill (HF has no cache).
+        caching = [] if args.prefix_caching else ["--no-prefix-caching"]
+        service_args = ["--devices", "cpu", *caching, *launch_args]
+        with launch_service(service_args, ready_timeout_s=args.ready_timeout, env=env) as svc:
             daemon, dtype, device = asyncio.run(run_daemon_side(svc.address, args))
         print("service stopped", file=sys.stderr, flush=True)
     if args.plot:
