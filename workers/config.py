@@ -157,7 +157,9 @@ def config_from_gguf_fields(fields: dict[str, Any], token_embd_rows: int | None 
     """Build from already-decoded GGUF metadata (``{key: value}``); config lives under ``<arch>.*`` keys."""
     gguf_arch = str(fields.get("general.architecture", ""))
     if gguf_arch not in _GGUF_ARCHES:
-        raise ModelConfigError(f"unsupported GGUF architecture {gguf_arch!r}; supported: {', '.join(_GGUF_ARCHES)}")
+        raise ModelConfigError(
+            f"unsupported GGUF architecture {gguf_arch!r}; supported: {', '.join(_GGUF_ARCHES)}"
+        )
 
     def get(key: str, default: Any = None) -> Any:
         value = fields.get(f"{gguf_arch}.{key}", default)

@@ -10,8 +10,22 @@ import torch
 from ominix_worker.attention.base import AttentionBackend
 from ominix_worker.config import ModelConfig
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "t": 1000**4, "tb": 1000**4}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "t": 1000**4,
+    "tb": 1000**4,
+}
 _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -35,7 +49,9 @@ def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:
     return max(0, budget_bytes // bytes_per_block)
 
 
-def measure_gpu_kv_budget(device: torch.device, utilization: float, profile_forward: Callable[[], None]) -> int:
+def measure_gpu_kv_budget(
+    device: torch.device, utilization: float, profile_forward: Callable[[], None]
+) -> int:
     """Bytes left for KV on a GPU: utilization × total, minus what is in use after a peak-sized forward.
 
     The profile forward runs the largest step the worker accepts, so its activation peak is reserved.
@@ -59,4 +75,6 @@ def allocate_kv_cache(
 ) -> list[torch.Tensor]:
     if num_blocks <= 0:
         raise ValueError("the KV cache budget leaves no room for a single block")
-    return backend.allocate_kv_cache(config.num_layers, num_blocks, config.num_kv_heads, config.head_dim, dtype, device)
+    return backend.allocate_kv_cache(
+        config.num_layers, num_blocks, config.num_kv_heads, config.head_dim, dtype, device
+    )

@@ -93,8 +93,12 @@ _GGUF_GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
-_SKIPPED_GGUF_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                        "tokenizer.ggml.scores")
+_SKIPPED_GGUF_FIELDS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.scores",
+)
 
 
 def gguf_to_hf_name(name: str) -> str | None:
@@ -159,8 +163,13 @@ def _gguf_weights(reader: Any, config: ModelConfig, dtype: torch.dtype) -> Itera
 # ---- entry point -------------------------------------------------------------------------------------
 
 
-def _build(config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
-           max_positions: int) -> LlamaForCausalLM:
+def _build(
+    config: ModelConfig,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, max_positions)
     model = model.to(dtype).to_empty(device=device)
@@ -200,7 +209,9 @@ def load_model(
             reader = GGUFReader(str(source.path))
             config, _ = read_gguf_config(reader)
             model = _build(config, backend, dtype, device, max_positions or config.max_position_embeddings)
-            _load_checked(model, ((n, t.to(device)) for n, t in _gguf_weights(reader, config, dtype)), str(source.path))
+            _load_checked(
+                model, ((n, t.to(device)) for n, t in _gguf_weights(reader, config, dtype)), str(source.path)
+            )
         elif source.format == ModelFormat.HF:
             config = load_hf_config(source.path)
             model = _build(config, backend, dtype, device, max_positions or config.max_position_embeddings)

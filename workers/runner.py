@@ -36,7 +36,6 @@ from ominix_worker.sampler import SamplerOutput, SamplingTensors, sample
 log = logging.getLogger(__name__)
 
 
-
 def _as_int64(seed: int) -> int:
     """A 64-bit unsigned seed reinterpreted as the int64 torch can hold (same bits)."""
     seed %= 1 << 64
@@ -64,8 +63,8 @@ class CachedRequest:
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]
         if start >= prompt_len:
-            return self.output_token_ids[start - prompt_len:end - prompt_len]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
 
 
 @dataclass(slots=True)
@@ -142,7 +141,9 @@ class ModelRunner:
         )
         for token in request.prompt_token_ids + request.output_token_ids:
             if not 0 <= token < self.vocab_size:
-                raise RequestError(RuntimeErrorKind.INVALID_ARGUMENT, f"token id {token} outside the vocabulary")
+                raise RequestError(
+                    RuntimeErrorKind.INVALID_ARGUMENT, f"token id {token} outside the vocabulary"
+                )
         self.requests[new.request_id] = request
         return request
 
@@ -156,7 +157,8 @@ class ModelRunner:
             )
         if end > self.max_model_len:
             raise RequestError(
-                RuntimeErrorKind.KV_CAPACITY_EXCEEDED, f"position {end} exceeds max_model_len {self.max_model_len}"
+                RuntimeErrorKind.KV_CAPACITY_EXCEEDED,
+                f"position {end} exceeds max_model_len {self.max_model_len}",
             )
         if len(request.kv_block_ids) * self.block_size < end:
             raise RequestError(
@@ -167,7 +169,9 @@ class ModelRunner:
             raise RequestError(RuntimeErrorKind.INTERNAL, f"KV block id outside [0, {self.num_blocks})")
         return ScheduledRow(request, start, end, samples=end == request.num_tokens)
 
-    def _apply_step(self, step: DecodeStep) -> tuple[list[str], list[ScheduledRow | None], dict[str, RequestOutput]]:
+    def _apply_step(
+        self, step: DecodeStep
+    ) -> tuple[list[str], list[ScheduledRow | None], dict[str, RequestOutput]]:
         """Update request state from the step's diffs; returns the scheduled order, rows and early errors."""
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
@@ -179,15 +183,22 @@ class ModelRunner:
             try:
                 self._add_new(new)
             except (InvalidArgument, RequestError) as exc:
-                kind = exc.kind if isinstance(exc, (InvalidArgument, RequestError)) else RuntimeErrorKind.INTERNAL
-                errors[new.request_id] = RequestOutput(new.request_id, error_kind=kind, error_message=str(exc))
+                kind = (
+                    exc.kind
+                    if isinstance(exc, (InvalidArgument, RequestError))
+                    else RuntimeErrorKind.INTERNAL
+                )
+                errors[new.request_id] = RequestOutput(
+                    new.request_id, error_kind=kind, error_message=str(exc)
+                )
             scheduled.append((new.request_id, new.num_scheduled_tokens))
         for running in step.running_requests:
             request = self.requests.get(running.request_id)
             if request is None:
                 if running.request_id not in errors:
                     errors[running.request_id] = RequestOutput(
-                        running.request_id, error_kind=RuntimeErrorKind.INTERNAL,
+                        running.request_id,
+                        error_kind=RuntimeErrorKind.INTERNAL,
                         error_message="the worker holds no state for this request",
                     )
             else:
@@ -316,12 +327,18 @@ class ModelRunner:
             t.frequency_penalty = self._to_device(torch.tensor([p.frequency_penalty for p in params]))
             t.presence_penalty = self._to_device(torch.tensor([p.presence_penalty for p in params]))
         banned_rows = [
-            i for i, row in enumerate(rows) if len(row.request.output_token_ids) < row.request.sampling.min_tokens
+            i
+            for i, row in enumerate(rows)
+            if len(row.request.output_token_ids) < row.request.sampling.min_tokens
         ]
         if banned_rows:
             banned = torch.zeros((len(rows), vocab), dtype=torch.bool)
             for i in banned_rows:
-                ids = [t for t in (*self.config.eos_token_ids, *rows[i].request.sampling.stop_token_ids) if t < vocab]
+                ids = [
+                    t
+                    for t in (*self.config.eos_token_ids, *rows[i].request.sampling.stop_token_ids)
+                    if t < vocab
+                ]
                 banned[i, ids] = True
             t.banned_mask = self._to_device(banned)
         return t
@@ -355,13 +372,15 @@ class ModelRunner:
             sampled_lp = [row[0] for row in host]
             if len(floats) > 1:
                 n = sampled.top_logprobs.shape[1]  # type: ignore[union-attr]
-                top_lp = [row[1:1 + n] for row in host]
-                top_ids = [[int(t) for t in row[1 + n:]] for row in host]
+                top_lp = [row[1 : 1 + n] for row in host]
+                top_ids = [[int(t) for t in row[1 + n :]] for row in host]
         for i, row in enumerate(inputs.sampling_rows):
             req = row.request
             if bad[i]:
                 outputs[req.request_id] = RequestOutput(
-                    req.request_id, error_kind=RuntimeErrorKind.INTERNAL, error_message="the model produced NaN logits"
+                    req.request_id,
+                    error_kind=RuntimeErrorKind.INTERNAL,
+                    error_message="the model produced NaN logits",
                 )
                 self.requests.pop(req.request_id, None)
                 continue
@@ -382,8 +401,15 @@ class ModelRunner:
     def profile_forward(self, num_tokens: int) -> None:
         """One forward of ``num_tokens`` prompt tokens in a single request, writing into block 0 onward."""
         num_tokens = max(1, min(num_tokens, self.max_model_len, self.num_blocks * self.block_size))
-        request = CachedRequest("__profile__", [0] * num_tokens, [], SamplingParams(temperature=0.0),
-                                list(range(-(-num_tokens // self.block_size))), 0, 0)
+        request = CachedRequest(
+            "__profile__",
+            [0] * num_tokens,
+            [],
+            SamplingParams(temperature=0.0),
+            list(range(-(-num_tokens // self.block_size))),
+            0,
+            0,
+        )
         row = ScheduledRow(request, 0, num_tokens, samples=True)
         inputs = self._prepare_inputs([row])
         self._sample(self._forward(inputs), inputs)

@@ -58,27 +58,58 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve one model on one device to an ominix-runtime engine over gRPC (Worker service).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default=DEFAULT_MODEL_NAME,
-                   help="a .gguf file, a Hugging Face folder, dummy:CONFIG_JSON, or the embedded default")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL_NAME,
+        help="a .gguf file, a Hugging Face folder, dummy:CONFIG_JSON, or the embedded default",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda:N or npu:N")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=50071, help="port to bind")
-    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPUs), float32, bfloat16, float16")
-    p.add_argument("--kv-cache-memory", default="1GiB",
-                   help="CPU only: bytes for the KV cache (e.g. 1073741824, 512MiB, 1GiB)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="GPU only: fraction of device memory for weights, activations and the KV cache")
+    p.add_argument(
+        "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPUs), float32, bfloat16, float16"
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        default="1GiB",
+        help="CPU only: bytes for the KV cache (e.g. 1073741824, 512MiB, 1GiB)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="GPU only: fraction of device memory for weights, activations and the KV cache",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (128 is forced on npu)")
-    p.add_argument("--max-batch-tokens", type=int, default=None,
-                   help="most tokens one step may compute (default: the device profile's, 2048 CPU / 8192 GPU)")
-    p.add_argument("--max-running-requests", type=int, default=None,
-                   help="most requests one step may hold (default: the device profile's, 64 CPU / 256 GPU)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest sequence accepted (default: the model's max_position_embeddings)")
-    p.add_argument("--worker-id", default=None, help="worker id stated in Describe (default: DEVICE@HOST:PORT)")
-    p.add_argument("--attention", default=None,
-                   help="attention backend: torch, triton or ascend (default: chosen by the device)")
-    p.add_argument("--log-level", default="WARNING", help="Python logging level for the worker's own messages")
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help="most tokens one step may compute (default: the device profile's, 2048 CPU / 8192 GPU)",
+    )
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=None,
+        help="most requests one step may hold (default: the device profile's, 64 CPU / 256 GPU)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest sequence accepted (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--worker-id", default=None, help="worker id stated in Describe (default: DEVICE@HOST:PORT)"
+    )
+    p.add_argument(
+        "--attention",
+        default=None,
+        help="attention backend: torch, triton or ascend (default: chosen by the device)",
+    )
+    p.add_argument(
+        "--log-level", default="WARNING", help="Python logging level for the worker's own messages"
+    )
     return p
 
 
@@ -94,7 +125,9 @@ class WorkerState:
     run_idle: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def load_worker(args: argparse.Namespace, device_spec: str, worker_id: str) -> tuple[object, BackendCapability]:
+def load_worker(
+    args: argparse.Namespace, device_spec: str, worker_id: str
+) -> tuple[object, BackendCapability]:
     """Load weights, size and allocate KV, warm up. Runs in a thread; raises StartupError."""
     import torch
 
@@ -133,16 +166,22 @@ def load_worker(args: argparse.Namespace, device_spec: str, worker_id: str) -> t
     bytes_per_block = kv_bytes_per_block(config, block_size, dtype)
     # A small KV for the profile forward; replaced below by the sized one.
     profile_blocks = -(-max(max_batch_tokens, 1) // block_size) + 1
-    runner = ModelRunner(loaded.model, config, backend,
-                         allocate_kv_cache(backend, config, profile_blocks, dtype, device), device,
-                         max_model_len)
+    runner = ModelRunner(
+        loaded.model,
+        config,
+        backend,
+        allocate_kv_cache(backend, config, profile_blocks, dtype, device),
+        device,
+        max_model_len,
+    )
     _say("sizing the KV cache")
     if device.type == "cpu":
         budget = parse_bytes(args.kv_cache_memory)
         runner.profile_forward(min(64, max_batch_tokens))  # warm-up only: the CPU budget is explicit
     else:
-        budget = measure_gpu_kv_budget(device, args.gpu_memory_utilization,
-                                       lambda: runner.profile_forward(max_batch_tokens))
+        budget = measure_gpu_kv_budget(
+            device, args.gpu_memory_utilization, lambda: runner.profile_forward(max_batch_tokens)
+        )
     num_blocks = num_blocks_for_budget(budget, bytes_per_block)
     if num_blocks < 1:
         raise StartupError(f"the KV budget ({budget} bytes) holds no block of {bytes_per_block} bytes")
@@ -150,7 +189,9 @@ def load_worker(args: argparse.Namespace, device_spec: str, worker_id: str) -> t
     runner.set_kv_caches(allocate_kv_cache(backend, config, num_blocks, dtype, device))
     max_model_len = min(max_model_len, num_blocks * block_size)
     runner.max_model_len = max_model_len
-    _say(f"KV cache: {num_blocks} blocks of {block_size} tokens ({num_blocks * bytes_per_block / 2**20:.0f} MiB)")
+    _say(
+        f"KV cache: {num_blocks} blocks of {block_size} tokens ({num_blocks * bytes_per_block / 2**20:.0f} MiB)"
+    )
     _say("warming up")
     runner.profile_forward(min(16, max_batch_tokens))
     graphs = runner.capture_decode_graphs()
@@ -158,19 +199,40 @@ def load_worker(args: argparse.Namespace, device_spec: str, worker_id: str) -> t
         torch.cuda.synchronize(device)
 
     dtype_text = dtype_name(dtype)
-    supported = profile.supported_dtypes if dtype_text in profile.supported_dtypes else (
-        *profile.supported_dtypes, dtype_text)
+    supported = (
+        profile.supported_dtypes
+        if dtype_text in profile.supported_dtypes
+        else (*profile.supported_dtypes, dtype_text)
+    )
     model_info = ModelInfo(
-        name=loaded.name, vocab_size=config.vocab_size, max_model_len=max_model_len,
-        eos_token_ids=config.eos_token_ids, architecture=config.architecture, bos_token_id=config.bos_token_id,
-        num_layers=config.num_layers, hidden_size=config.hidden_size, num_attention_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, num_parameters=config.num_parameters(),
+        name=loaded.name,
+        vocab_size=config.vocab_size,
+        max_model_len=max_model_len,
+        eos_token_ids=config.eos_token_ids,
+        architecture=config.architecture,
+        bos_token_id=config.bos_token_id,
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        num_parameters=config.num_parameters(),
     )
     capability = stated_profile(
-        kind, worker_id=worker_id, device=device_name(device), dtype=dtype_text, supported_dtypes=supported,
-        model=model_info, kv_block_size=block_size, kv_num_blocks=num_blocks, kv_bytes_per_block=bytes_per_block,
-        max_batch_tokens=max_batch_tokens, max_running_requests=max_running, supports_graph_capture=graphs,
-        attention_backend=backend.name, version=__version__,
+        kind,
+        worker_id=worker_id,
+        device=device_name(device),
+        dtype=dtype_text,
+        supported_dtypes=supported,
+        model=model_info,
+        kv_block_size=block_size,
+        kv_num_blocks=num_blocks,
+        kv_bytes_per_block=bytes_per_block,
+        max_batch_tokens=max_batch_tokens,
+        max_running_requests=max_running,
+        supports_graph_capture=graphs,
+        attention_backend=backend.name,
+        version=__version__,
     )
     return runner, capability
 
@@ -187,15 +249,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.state = state
         self.executor = executor
 
-    async def Describe(self, request: worker_pb2.DescribeRequest, context: grpc.aio.ServicerContext
-                       ) -> common_pb2.BackendCapability:
+    async def Describe(
+        self, request: worker_pb2.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.BackendCapability:
         if not self.state.ready or self.state.capability is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")
         assert self.state.capability is not None
         return wire.capability_to_pb(self.state.capability)
 
-    async def Health(self, request: worker_pb2.HealthRequest, context: grpc.aio.ServicerContext
-                     ) -> worker_pb2.HealthResponse:
+    async def Health(
+        self, request: worker_pb2.HealthRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.HealthResponse:
         runner = self.state.runner
         return worker_pb2.HealthResponse(
             ready=self.state.ready,
@@ -203,8 +267,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             last_step_id=runner.last_step_id if runner is not None else 0,  # type: ignore[attr-defined]
         )
 
-    async def Run(self, request_iterator: AsyncIterator[worker_pb2.DecodeStep], context: grpc.aio.ServicerContext
-                  ) -> AsyncIterator[worker_pb2.WorkerMessage]:
+    async def Run(
+        self, request_iterator: AsyncIterator[worker_pb2.DecodeStep], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.WorkerMessage]:
         if not self.state.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")
         if self.state.run_active:
@@ -213,8 +278,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.state.run_idle.wait(), timeout=RUN_HANDOVER_S)
         if self.state.run_active:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "another Run stream is active on this worker; only one engine may drive it")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "another Run stream is active on this worker; only one engine may drive it",
+            )
         self.state.run_active = True
         self.state.run_idle.clear()
         runner = self.state.runner
@@ -226,8 +293,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             try:
                 async for step_pb in request_iterator:
                     if step_pb.step_id <= last_step_id:
-                        outbox.put_nowait(worker_pb2.WorkerMessage(fatal_error=_error_info(
-                            f"step_id {step_pb.step_id} does not follow {last_step_id}")))
+                        outbox.put_nowait(
+                            worker_pb2.WorkerMessage(
+                                fatal_error=_error_info(
+                                    f"step_id {step_pb.step_id} does not follow {last_step_id}"
+                                )
+                            )
+                        )
                         continue
                     last_step_id = step_pb.step_id
                     try:
@@ -235,8 +307,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                         result = await loop.run_in_executor(self.executor, runner.execute_step, step)  # type: ignore[attr-defined]
                     except Exception as exc:  # noqa: BLE001 - reported to the engine, the server lives on
                         log.error("step %d failed:\n%s", step_pb.step_id, traceback.format_exc())
-                        outbox.put_nowait(worker_pb2.WorkerMessage(
-                            fatal_error=_error_info(f"step {step_pb.step_id} failed: {type(exc).__name__}: {exc}")))
+                        outbox.put_nowait(
+                            worker_pb2.WorkerMessage(
+                                fatal_error=_error_info(
+                                    f"step {step_pb.step_id} failed: {type(exc).__name__}: {exc}"
+                                )
+                            )
+                        )
                         continue
                     outbox.put_nowait(worker_pb2.WorkerMessage(step_result=wire.step_result_to_pb(result)))
             finally:
@@ -248,7 +325,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 try:
                     message = await asyncio.wait_for(outbox.get(), timeout=HEARTBEAT_INTERVAL_S)
                 except asyncio.TimeoutError:
-                    yield worker_pb2.WorkerMessage(heartbeat=worker_pb2.Heartbeat(worker_time=time.monotonic()))
+                    yield worker_pb2.WorkerMessage(
+                        heartbeat=worker_pb2.Heartbeat(worker_time=time.monotonic())
+                    )
                     continue
                 if message is None:
                     break
@@ -277,7 +356,9 @@ def check_port_free(host: str, port: int) -> None:
         try:
             probe.bind(sockaddr)
         except OSError as exc:
-            raise StartupError(f"cannot bind {host}:{port}: {exc.strerror or exc} (is the port taken?)") from None
+            raise StartupError(
+                f"cannot bind {host}:{port}: {exc.strerror or exc} (is the port taken?)"
+            ) from None
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -293,11 +374,13 @@ async def serve(args: argparse.Namespace) -> int:
 
     state = WorkerState()
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ominix-forward")
-    server = grpc.aio.server(options=[
-        ("grpc.so_reuseport", 0),  # a second worker on the same port must fail, not share it
-        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-        ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),  # a second worker on the same port must fail, not share it
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        ]
+    )
     health_servicer = health.aio.HealthServicer()
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(state, executor), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -341,8 +424,11 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         try:
             import uvloop

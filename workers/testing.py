@@ -115,7 +115,14 @@ def write_tiny_hf_model(
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     kwargs = tiny_config_kwargs(
-        arch, vocab_size, hidden_size, num_layers, heads, kv_heads, tie_word_embeddings, max_position_embeddings
+        arch,
+        vocab_size,
+        hidden_size,
+        num_layers,
+        heads,
+        kv_heads,
+        tie_word_embeddings,
+        max_position_embeddings,
     )
     kwargs["initializer_range"] = initializer_range
     kwargs.update(config_overrides)
@@ -140,5 +147,12 @@ def write_tiny_hf_model(
     return folder
 
 
-__all__ = ["write_tiny_hf_model", "write_tiny_tokenizer", "BOS_TOKEN_ID", "EOS_TOKEN_ID", "PAD_TOKEN_ID",
-           "MIN_VOCAB_SIZE", "CHAT_TEMPLATE"]
+__all__ = [
+    "write_tiny_hf_model",
+    "write_tiny_tokenizer",
+    "BOS_TOKEN_ID",
+    "EOS_TOKEN_ID",
+    "PAD_TOKEN_ID",
+    "MIN_VOCAB_SIZE",
+    "CHAT_TEMPLATE",
+]

@@ -24,7 +24,11 @@ from ominix_worker.runner import ModelRunner, build_runner
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """The row order llama.cpp's converter writes for Q/K: per head, halves interleaved."""
     rows = weight.shape[0]
-    return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def test_unpermute_inverts_llama_cpp_row_order() -> None:
@@ -53,9 +57,17 @@ def write_gguf(folder: Path, out: Path) -> None:
     writer.add_vocab_size(config["vocab_size"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     for name, tensor in tensors.items():
         array = tensor.float().numpy()
         if name == "model.embed_tokens.weight":
@@ -80,8 +92,14 @@ def last_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
     captured: list[torch.Tensor] = []
     compute = runner.model.compute_logits
     runner.model.compute_logits = lambda h: captured.append(compute(h)) or captured[-1]  # type: ignore[method-assign]
-    runner.execute_step(DecodeStep(1, new_requests=[
-        NewRequestData("g", tokens, SamplingParams(temperature=0.0), [0, 1], 0, len(tokens), 0)]))
+    runner.execute_step(
+        DecodeStep(
+            1,
+            new_requests=[
+                NewRequestData("g", tokens, SamplingParams(temperature=0.0), [0, 1], 0, len(tokens), 0)
+            ],
+        )
+    )
     runner.reset()
     return captured[0][0]
 
@@ -89,8 +107,9 @@ def last_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
 def test_gguf_file_loads_like_its_hf_source(tmp_path: Path) -> None:
     from ominix_worker.testing import write_tiny_hf_model
 
-    folder = write_tiny_hf_model(tmp_path / "hf", arch="llama", tie_word_embeddings=True, with_tokenizer=False,
-                                 vocab_size=96, seed=5)
+    folder = write_tiny_hf_model(
+        tmp_path / "hf", arch="llama", tie_word_embeddings=True, with_tokenizer=False, vocab_size=96, seed=5
+    )
     write_gguf(folder, tmp_path / "tiny.gguf")
     runner = build_runner(str(tmp_path / "tiny.gguf"), num_blocks=4)
     assert runner.config.tie_word_embeddings and runner.config.eos_token_ids == (2,)
@@ -104,9 +123,17 @@ def test_gguf_file_loads_like_its_hf_source(tmp_path: Path) -> None:
 
 
 def test_hf_config_variants(tmp_path: Path) -> None:
-    old_style = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 2,
-                 "num_attention_heads": 4, "intermediate_size": 128, "rope_theta": 500000.0,
-                 "rope_scaling": {"type": "linear", "factor": 2.0}, "eos_token_id": [2, 7]}
+    old_style = {
+        "model_type": "llama",
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "rope_theta": 500000.0,
+        "rope_scaling": {"type": "linear", "factor": 2.0},
+        "eos_token_id": [2, 7],
+    }
     config = config_from_hf_dict(old_style)
     assert config.num_kv_heads == 4 and config.head_dim == 16 and config.rope_theta == 500000.0
     assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0} and config.eos_token_ids == (2, 7)
@@ -137,7 +164,9 @@ def test_missing_weights_are_refused(tmp_path: Path, tiny_model_dir: Callable[[s
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="lacks 1 weights"):
-        load_model(resolve_model(str(tmp_path)), torch.device("cpu"), torch.float32, TorchReferenceAttention())
+        load_model(
+            resolve_model(str(tmp_path)), torch.device("cpu"), torch.float32, TorchReferenceAttention()
+        )
 
 
 def test_devices_dtypes_and_sizes(tiny_model_dir: Callable[[str], Path]) -> None:

@@ -67,7 +67,9 @@ def tokens_by_id(result: StepResult) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "llama31"])
-def pair(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]) -> tuple[LogitsRecorder, Reference]:
+def pair(
+    request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]
+) -> tuple[LogitsRecorder, Reference]:
     folder = tiny_model_dir(request.param)
     runner = build_runner(str(folder), num_blocks=48, block_size=16)
     return LogitsRecorder(runner), Reference(folder)
@@ -77,13 +79,19 @@ def test_prefill_then_decode(pair: tuple[LogitsRecorder, Reference]) -> None:
     rec, ref = pair
     rec.runner.reset()
     tokens = prompt(1, 37)  # three blocks, the last one partial
-    result, logits = rec.step(DecodeStep(1, new_requests=[
-        NewRequestData("a", tokens, GREEDY, [9, 2, 30], 0, len(tokens), effective_seed=1)]))
+    result, logits = rec.step(
+        DecodeStep(
+            1,
+            new_requests=[NewRequestData("a", tokens, GREEDY, [9, 2, 30], 0, len(tokens), effective_seed=1)],
+        )
+    )
     ours = [logits["a"]]
     tokens.append(tokens_by_id(result)["a"])
     for step_id in range(2, 16):  # crosses into a fourth block at position 48
         new_blocks = [17] if len(tokens) == 48 else []
-        result, logits = rec.step(DecodeStep(step_id, running_requests=[RunningRequestData("a", new_blocks, 1)]))
+        result, logits = rec.step(
+            DecodeStep(step_id, running_requests=[RunningRequestData("a", new_blocks, 1)])
+        )
         ours.append(logits["a"])
         tokens.append(tokens_by_id(result)["a"])
     assert rec.runner.requests["a"].output_token_ids == tokens[37:]
@@ -98,26 +106,38 @@ def test_chunked_prefill_mixed_with_decode(pair: tuple[LogitsRecorder, Reference
     rec.runner.reset()
     short = prompt(2, 5)
     long = prompt(3, 40)
-    result, logits = rec.step(DecodeStep(1, new_requests=[
-        NewRequestData("short", short, GREEDY, [4], 0, 5, effective_seed=2),
-        NewRequestData("long", long, GREEDY, [11, 5], 0, 16, effective_seed=3),
-    ]))
+    result, logits = rec.step(
+        DecodeStep(
+            1,
+            new_requests=[
+                NewRequestData("short", short, GREEDY, [4], 0, 5, effective_seed=2),
+                NewRequestData("long", long, GREEDY, [11, 5], 0, 16, effective_seed=3),
+            ],
+        )
+    )
     assert set(logits) == {"short"}, "a chunked prefill must not sample"
     assert_close(logits["short"], ref.logits(short)[-1])
     short.append(tokens_by_id(result)["short"])
     # Second chunk of 16 alongside a decode row, then the last 8 which samples.
-    result, logits = rec.step(DecodeStep(2, running_requests=[
-        RunningRequestData("short", [], 1), RunningRequestData("long", [], 16)]))
+    result, logits = rec.step(
+        DecodeStep(
+            2, running_requests=[RunningRequestData("short", [], 1), RunningRequestData("long", [], 16)]
+        )
+    )
     assert set(logits) == {"short"}
     short.append(tokens_by_id(result)["short"])
-    result, logits = rec.step(DecodeStep(3, running_requests=[
-        RunningRequestData("long", [6], 8), RunningRequestData("short", [], 1)]))
+    result, logits = rec.step(
+        DecodeStep(
+            3, running_requests=[RunningRequestData("long", [6], 8), RunningRequestData("short", [], 1)]
+        )
+    )
     assert [o.request_id for o in result.outputs] == ["long", "short"]
     assert_close(logits["long"], ref.logits(long)[-1])
     assert_close(logits["short"], ref.logits(short)[-1])
     long.append(tokens_by_id(result)["long"])
-    result, logits = rec.step(DecodeStep(4, running_requests=[RunningRequestData("long", [], 1)],
-                                         finished_request_ids=["short"]))
+    result, logits = rec.step(
+        DecodeStep(4, running_requests=[RunningRequestData("long", [], 1)], finished_request_ids=["short"])
+    )
     assert_close(logits["long"], ref.logits(long)[-1])
     assert "short" not in rec.runner.requests
 
@@ -127,11 +147,18 @@ def test_prefix_hit_reuses_blocks(pair: tuple[LogitsRecorder, Reference]) -> Non
     rec.runner.reset()
     shared = prompt(4, 32)  # two full blocks
     first = shared + prompt(5, 7)
-    rec.step(DecodeStep(1, new_requests=[NewRequestData("first", first, GREEDY, [20, 21, 22], 0, len(first), 4)]))
+    rec.step(
+        DecodeStep(1, new_requests=[NewRequestData("first", first, GREEDY, [20, 21, 22], 0, len(first), 4)])
+    )
     # The second request finds the two shared blocks in the prefix cache and computes only its tail.
     second = shared + prompt(6, 10)
-    result, logits = rec.step(DecodeStep(2, finished_request_ids=["first"], new_requests=[
-        NewRequestData("second", second, GREEDY, [20, 21, 40], 32, len(second) - 32, 5)]))
+    result, logits = rec.step(
+        DecodeStep(
+            2,
+            finished_request_ids=["first"],
+            new_requests=[NewRequestData("second", second, GREEDY, [20, 21, 40], 32, len(second) - 32, 5)],
+        )
+    )
     assert result.num_tokens == len(second) - 32
     assert_close(logits["second"], ref.logits(second)[-1])
     second.append(tokens_by_id(result)["second"])
@@ -145,7 +172,15 @@ def test_resumed_request_continues_from_its_output(pair: tuple[LogitsRecorder, R
     rec.runner.reset()
     tokens = prompt(7, 12)
     earlier_output = prompt(8, 3)
-    result, logits = rec.step(DecodeStep(1, new_requests=[
-        NewRequestData("r", tokens, GREEDY, [1], 0, 15, effective_seed=6, output_token_ids=earlier_output)]))
+    result, logits = rec.step(
+        DecodeStep(
+            1,
+            new_requests=[
+                NewRequestData(
+                    "r", tokens, GREEDY, [1], 0, 15, effective_seed=6, output_token_ids=earlier_output
+                )
+            ],
+        )
+    )
     assert_close(logits["r"], ref.logits(tokens + earlier_output)[-1])
     assert rec.runner.requests["r"].output_token_ids == [*earlier_output, tokens_by_id(result)["r"]]

@@ -43,11 +43,15 @@ def generate(runner: ModelRunner, requests: list[NewRequestData], steps: int) ->
 def test_seeded_tokens_do_not_depend_on_the_batch(runner: ModelRunner) -> None:
     prompt = list(range(10, 30))
     alone = generate(runner, [NewRequestData("x", prompt, seeded(123), [5, 6], 0, 20, 0)], 8)
-    together = generate(runner, [
-        NewRequestData("y", list(range(40, 47)), seeded(7), [1], 0, 7, 0),
-        NewRequestData("x", prompt, seeded(123), [9, 3], 0, 20, 0),
-        NewRequestData("z", list(range(50, 80)), seeded(None), [2, 4, 8], 0, 30, 99),
-    ], 8)
+    together = generate(
+        runner,
+        [
+            NewRequestData("y", list(range(40, 47)), seeded(7), [1], 0, 7, 0),
+            NewRequestData("x", prompt, seeded(123), [9, 3], 0, 20, 0),
+            NewRequestData("z", list(range(50, 80)), seeded(None), [2, 4, 8], 0, 30, 99),
+        ],
+        8,
+    )
     assert together["x"] == alone["x"]
     other_seed = generate(runner, [NewRequestData("x", prompt, seeded(124), [5, 6], 0, 20, 0)], 8)
     assert other_seed["x"] != alone["x"]
@@ -57,8 +61,9 @@ def test_effective_seed_makes_a_resumed_request_draw_the_same(runner: ModelRunne
     prompt = list(range(60, 75))
     full = generate(runner, [NewRequestData("p", prompt, seeded(None), [0, 1], 0, 15, 2024)], 6)["p"]
     # Preempted after 3 tokens: the engine resends prompt + those tokens and recomputes them all.
-    resumed = generate(runner, [
-        NewRequestData("p", prompt, seeded(None), [7, 8], 0, 18, 2024, output_token_ids=full[:3])], 3)["p"]
+    resumed = generate(
+        runner, [NewRequestData("p", prompt, seeded(None), [7, 8], 0, 18, 2024, output_token_ids=full[:3])], 3
+    )["p"]
     assert resumed == full[3:]
 
 
@@ -68,14 +73,22 @@ def test_problems_stay_with_their_request(runner: ModelRunner) -> None:
     bad_sampling = NewRequestData("bad-sampling", [5, 6], SamplingParams(top_p=0.0), [4], 0, 2, 0)
     too_few_blocks = NewRequestData("no-room", list(range(3, 40)), SamplingParams(), [5], 0, 37, 0)
     bad_token = NewRequestData("bad-token", [5, 10_000], SamplingParams(), [6], 0, 2, 0)
-    result = runner.execute_step(DecodeStep(1, new_requests=[good, bad_sampling, too_few_blocks, bad_token],
-                                            running_requests=[RunningRequestData("ghost", [], 1)]))
+    result = runner.execute_step(
+        DecodeStep(
+            1,
+            new_requests=[good, bad_sampling, too_few_blocks, bad_token],
+            running_requests=[RunningRequestData("ghost", [], 1)],
+        )
+    )
     by_id = {o.request_id: o for o in result.outputs}
     assert [o.request_id for o in result.outputs] == ["good", "bad-sampling", "no-room", "bad-token", "ghost"]
     assert by_id["good"].sampled_token_id is not None and by_id["good"].error_kind is None
     assert by_id["bad-sampling"].error_kind == RuntimeErrorKind.INVALID_ARGUMENT
     assert by_id["bad-token"].error_kind == RuntimeErrorKind.INVALID_ARGUMENT
-    assert by_id["no-room"].error_kind == RuntimeErrorKind.INTERNAL and "KV blocks" in by_id["no-room"].error_message
+    assert (
+        by_id["no-room"].error_kind == RuntimeErrorKind.INTERNAL
+        and "KV blocks" in by_id["no-room"].error_message
+    )
     assert by_id["ghost"].error_kind == RuntimeErrorKind.INTERNAL
     assert set(runner.requests) == {"good"}
     assert result.num_tokens == 3
@@ -85,7 +98,9 @@ def test_min_tokens_holds_back_eos(runner: ModelRunner) -> None:
     eos = runner.config.eos_token_ids[0]
     prompt = list(range(100, 110))
     # A stop id set to every token the greedy run produces shows that min_tokens masks stop ids too.
-    plain = generate(runner, [NewRequestData("m", prompt, SamplingParams(temperature=0.0), [0], 0, 10, 0)], 4)["m"]
+    plain = generate(
+        runner, [NewRequestData("m", prompt, SamplingParams(temperature=0.0), [0], 0, 10, 0)], 4
+    )["m"]
     sp = SamplingParams(temperature=0.0, min_tokens=4, max_tokens=8, stop_token_ids=sorted(set(plain)))
     held = generate(runner, [NewRequestData("m", prompt, sp, [0], 0, 10, 0)], 4)["m"]
     assert not set(held) & (set(plain) | {eos})
@@ -94,7 +109,9 @@ def test_min_tokens_holds_back_eos(runner: ModelRunner) -> None:
 def test_logprobs_in_outputs(runner: ModelRunner) -> None:
     runner.reset()
     sp = SamplingParams(temperature=0.0, logprobs=3)
-    out = runner.execute_step(DecodeStep(1, new_requests=[NewRequestData("l", [4, 5, 6], sp, [0], 0, 3, 0)])).outputs[0]
+    out = runner.execute_step(
+        DecodeStep(1, new_requests=[NewRequestData("l", [4, 5, 6], sp, [0], 0, 3, 0)])
+    ).outputs[0]
     assert out.logprobs is not None and len(out.logprobs.top) == 3
     assert out.logprobs.sampled.token_id == out.sampled_token_id == out.logprobs.top[0].token_id
     assert out.logprobs.top[0].logprob >= out.logprobs.top[1].logprob >= out.logprobs.top[2].logprob

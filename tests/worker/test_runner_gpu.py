@@ -28,7 +28,9 @@ def test_runner_matches_transformers_in_bf16(tiny_model_dir: Callable[[str], Pat
 
     folder = tiny_model_dir("qwen3")
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    runner = build_runner(str(folder), device="cuda:0", dtype=torch.bfloat16, num_blocks=64, attention="triton")
+    runner = build_runner(
+        str(folder), device="cuda:0", dtype=torch.bfloat16, num_blocks=64, attention="triton"
+    )
     recorded: list[torch.Tensor] = []
     compute_logits = runner.model.compute_logits
 
@@ -42,12 +44,26 @@ def test_runner_matches_transformers_in_bf16(tiny_model_dir: Callable[[str], Pat
     long = list(range(3, 70))
     short = list(range(100, 109))
     sequences = {"long": list(long), "short": list(short)}
-    steps = [DecodeStep(1, new_requests=[NewRequestData("long", long, greedy, [5, 9, 1, 30, 2], 0, 40, 0),
-                                         NewRequestData("short", short, greedy, [7], 0, 9, 0)])]
-    steps.append(DecodeStep(2, running_requests=[RunningRequestData("long", [], 27),
-                                                 RunningRequestData("short", [], 1)]))
-    steps += [DecodeStep(i, running_requests=[RunningRequestData("long", [], 1), RunningRequestData("short", [], 1)])
-              for i in range(3, 8)]
+    steps = [
+        DecodeStep(
+            1,
+            new_requests=[
+                NewRequestData("long", long, greedy, [5, 9, 1, 30, 2], 0, 40, 0),
+                NewRequestData("short", short, greedy, [7], 0, 9, 0),
+            ],
+        )
+    ]
+    steps.append(
+        DecodeStep(
+            2, running_requests=[RunningRequestData("long", [], 27), RunningRequestData("short", [], 1)]
+        )
+    )
+    steps += [
+        DecodeStep(
+            i, running_requests=[RunningRequestData("long", [], 1), RunningRequestData("short", [], 1)]
+        )
+        for i in range(3, 8)
+    ]
     for step in steps:
         recorded.clear()
         result = runner.execute_step(step)

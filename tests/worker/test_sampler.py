@@ -72,16 +72,39 @@ def test_greedy_rows_take_the_argmax_in_a_mixed_batch() -> None:
 def test_top_k_top_p_min_p_masks() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05] + [1e-9] * (VOCAB - 5)]))
     kept = lambda t: torch.isfinite(apply_truncation(logits.clone(), t))[0, :6].tolist()  # noqa: E731
-    assert kept(tensors(1, top_k=torch.tensor([2]), needs_top_k=True)) == [True, True, False, False, False, False]
+    assert kept(tensors(1, top_k=torch.tensor([2]), needs_top_k=True)) == [
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+    ]
     # top_p 0.8: 0.5 + 0.2 = 0.7 < 0.8, so the third token (reaching 0.85) is the last one kept.
-    assert kept(tensors(1, top_p=torch.tensor([0.8]), needs_top_p=True)) == [True, True, True, False, False, False]
+    assert kept(tensors(1, top_p=torch.tensor([0.8]), needs_top_p=True)) == [
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
     # min_p 0.25: keep p >= 0.125.
-    assert kept(tensors(1, min_p=torch.tensor([0.25]), needs_min_p=True)) == [True, True, True, False, False, False]
+    assert kept(tensors(1, min_p=torch.tensor([0.25]), needs_min_p=True)) == [
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
     # Even an extreme top_p keeps the best token.
     assert kept(tensors(1, top_p=torch.tensor([1e-6]), needs_top_p=True))[0]
     # Sampled tokens always come from the kept set.
     many = 256
-    t = tensors(many, top_k=torch.full((many,), 2), needs_top_k=True, seeds=torch.arange(many, dtype=torch.int64))
+    t = tensors(
+        many, top_k=torch.full((many,), 2), needs_top_k=True, seeds=torch.arange(many, dtype=torch.int64)
+    )
     tokens = sample(logits.expand(many, -1).contiguous(), t).token_ids
     assert set(tokens.tolist()) == {0, 1}
 
@@ -92,8 +115,14 @@ def test_penalties() -> None:
     counts[0, 2] = 3.0
     prompt_mask = torch.zeros(1, VOCAB, dtype=torch.bool)
     prompt_mask[0, :2] = True
-    t = tensors(1, output_counts=counts, prompt_mask=prompt_mask, repetition_penalty=torch.tensor([2.0]),
-                frequency_penalty=torch.tensor([0.5]), presence_penalty=torch.tensor([0.25]))
+    t = tensors(
+        1,
+        output_counts=counts,
+        prompt_mask=prompt_mask,
+        repetition_penalty=torch.tensor([2.0]),
+        frequency_penalty=torch.tensor([0.5]),
+        presence_penalty=torch.tensor([0.25]),
+    )
     out = apply_penalties(logits, t)[0, :4].tolist()
     # token 0 (prompt, positive) halves; token 1 (prompt, negative) doubles; token 2 (output ×3):
     # 1.0 / 2 - 0.5 * 3 - 0.25; token 3 untouched.

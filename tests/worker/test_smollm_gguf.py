@@ -39,9 +39,13 @@ def test_greedy_continuations_match_transformers(gguf_path) -> None:
     expected = []
     with torch.no_grad():
         for ids in prompts:
-            out = reference.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                     attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-            expected.append(out[0, len(ids):].tolist())
+            out = reference.generate(
+                torch.tensor([ids]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            )
+            expected.append(out[0, len(ids) :].tolist())
     del reference
 
     # All three prompts in one ragged batch, then decoded together.
@@ -50,14 +54,22 @@ def test_greedy_continuations_match_transformers(gguf_path) -> None:
     blocks = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(len(prompts))]
     runner = build_runner(None, num_blocks=len(prompts) * blocks_each, block_size=16)
     got: list[list[int]] = [[] for _ in prompts]
-    step = DecodeStep(1, new_requests=[
-        NewRequestData(f"p{i}", ids, greedy, blocks[i], 0, len(ids), 0) for i, ids in enumerate(prompts)])
+    step = DecodeStep(
+        1,
+        new_requests=[
+            NewRequestData(f"p{i}", ids, greedy, blocks[i], 0, len(ids), 0) for i, ids in enumerate(prompts)
+        ],
+    )
     for step_id in range(1, NEW_TOKENS + 1):
         if step_id > 1:
-            step = DecodeStep(step_id, running_requests=[RunningRequestData(f"p{i}", [], 1) for i in range(3)])
+            step = DecodeStep(
+                step_id, running_requests=[RunningRequestData(f"p{i}", [], 1) for i in range(3)]
+            )
         for i, output in enumerate(runner.execute_step(step).outputs):
             got[i].append(output.sampled_token_id)
     for i, want in enumerate(expected):
         # transformers stops at end-of-sequence; compare up to there.
-        assert got[i][: len(want)] == want, f"prompt {i}: {tokenizer.decode(got[i])!r} != {tokenizer.decode(want)!r}"
+        assert got[i][: len(want)] == want, (
+            f"prompt {i}: {tokenizer.decode(got[i])!r} != {tokenizer.decode(want)!r}"
+        )
     assert any(len(want) >= 8 for want in expected)

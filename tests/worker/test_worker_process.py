@@ -61,7 +61,8 @@ def worker(tiny_model_dir: Callable[[str], Path]) -> Iterator[tuple[str, Path]]:
     port = free_port()
     process = subprocess.Popen(
         worker_command("--model", str(folder), "--port", str(port), "--kv-cache-memory", "8MiB"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     address = f"127.0.0.1:{port}"
     try:
@@ -82,17 +83,30 @@ def greedy() -> SamplingParams:
 
 def scripted_steps() -> list[DecodeStep]:
     """Two requests: prefill both, decode both, finish 'a' mid-way, keep decoding 'b'."""
-    steps = [DecodeStep(1, new_requests=[
-        NewRequestData("a", [5, 6, 7, 8, 9], greedy(), [3], 0, 5, 1),
-        NewRequestData("b", list(range(20, 38)), SamplingParams(temperature=0.8, seed=5), [7, 2], 0, 18, 2),
-    ])]
+    steps = [
+        DecodeStep(
+            1,
+            new_requests=[
+                NewRequestData("a", [5, 6, 7, 8, 9], greedy(), [3], 0, 5, 1),
+                NewRequestData(
+                    "b", list(range(20, 38)), SamplingParams(temperature=0.8, seed=5), [7, 2], 0, 18, 2
+                ),
+            ],
+        )
+    ]
     for step_id in range(2, 5):
-        steps.append(DecodeStep(step_id, running_requests=[RunningRequestData("a", [], 1),
-                                                           RunningRequestData("b", [], 1)]))
+        steps.append(
+            DecodeStep(
+                step_id, running_requests=[RunningRequestData("a", [], 1), RunningRequestData("b", [], 1)]
+            )
+        )
     for step_id in range(5, 8):
         finished = ["a"] if step_id == 5 else []
-        steps.append(DecodeStep(step_id, running_requests=[RunningRequestData("b", [], 1)],
-                                finished_request_ids=finished))
+        steps.append(
+            DecodeStep(
+                step_id, running_requests=[RunningRequestData("b", [], 1)], finished_request_ids=finished
+            )
+        )
     return steps
 
 
@@ -124,7 +138,9 @@ def test_describe_states_a_consistent_cpu_capability(worker: tuple[str, Path]) -
 
     async def describe() -> worker_pb2.HealthResponse:
         async with grpc.aio.insecure_channel(address) as channel:
-            return await worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=10)
+            return await worker_pb2_grpc.WorkerStub(channel).Describe(
+                worker_pb2.DescribeRequest(), timeout=10
+            )
 
     cap = wire.capability_from_pb(asyncio.run(describe()))
     config = json.loads((folder / "config.json").read_text())
@@ -148,7 +164,8 @@ def test_steps_over_grpc_match_the_in_process_runner(worker: tuple[str, Path]) -
     assert [r.step_id for r in remote] == [s.step_id for s in steps]
     for got, want in zip(remote, local, strict=True):
         assert [(o.request_id, o.sampled_token_id, o.error_kind) for o in got.outputs] == [
-            (o.request_id, o.sampled_token_id, o.error_kind) for o in want.outputs]
+            (o.request_id, o.sampled_token_id, o.error_kind) for o in want.outputs
+        ]
         assert got.num_tokens == want.num_tokens
     assert all(o.sampled_token_id is not None for r in remote for o in r.outputs)
     assert remote[0].num_tokens == 23 and remote[-1].num_tokens == 1
@@ -192,12 +209,16 @@ def test_a_failed_step_is_reported_and_the_worker_lives_on(worker: tuple[str, Pa
     address, _ = worker
 
     async def scenario() -> list[worker_pb2.WorkerMessage]:
-        steps = [DecodeStep(5, new_requests=[NewRequestData("s", [4, 5], greedy(), [0], 0, 2, 0)]),
-                 DecodeStep(3, running_requests=[RunningRequestData("s", [], 1)]),  # out of order
-                 DecodeStep(6, running_requests=[RunningRequestData("s", [], 1)])]
+        steps = [
+            DecodeStep(5, new_requests=[NewRequestData("s", [4, 5], greedy(), [0], 0, 2, 0)]),
+            DecodeStep(3, running_requests=[RunningRequestData("s", [], 1)]),  # out of order
+            DecodeStep(6, running_requests=[RunningRequestData("s", [], 1)]),
+        ]
         messages = []
         async with grpc.aio.insecure_channel(address) as channel:
-            call = worker_pb2_grpc.WorkerStub(channel).Run(iter([wire.step_to_pb(s) for s in steps]), timeout=30)
+            call = worker_pb2_grpc.WorkerStub(channel).Run(
+                iter([wire.step_to_pb(s) for s in steps]), timeout=30
+            )
             async for message in call:
                 if message.WhichOneof("kind") != "heartbeat":
                     messages.append(message)
@@ -213,8 +234,9 @@ def test_reflection_lists_the_worker_service(worker: tuple[str, Path]) -> None:
     async def services() -> list[str]:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-            call = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                             timeout=10)
+            call = stub.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+            )
             async for response in call:
                 return [s.name for s in response.list_services_response.service]
         return []
@@ -242,7 +264,9 @@ def test_bad_model_exits_with_a_clear_message(tmp_path: Path) -> None:
     assert missing.returncode != 0 and "not found" in missing.stderr
     unsupported = tmp_path / "gpt2"
     unsupported.mkdir()
-    (unsupported / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (unsupported / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
     proc = run_failing("--model", str(unsupported), "--port", str(free_port()))
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
@@ -266,11 +290,20 @@ def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     assert exited.value.code == 0
     text = capsys.readouterr().out
-    for flag, default in [("--model", "SmolLM2-135M-Instruct"), ("--device", "cpu"), ("--host", "127.0.0.1"),
-                          ("--port", "50071"), ("--dtype", "auto"), ("--kv-cache-memory", "1GiB"),
-                          ("--gpu-memory-utilization", "0.9"), ("--block-size", "16"),
-                          ("--max-batch-tokens", None), ("--max-running-requests", None),
-                          ("--max-model-len", None), ("--worker-id", None)]:
+    for flag, default in [
+        ("--model", "SmolLM2-135M-Instruct"),
+        ("--device", "cpu"),
+        ("--host", "127.0.0.1"),
+        ("--port", "50071"),
+        ("--dtype", "auto"),
+        ("--kv-cache-memory", "1GiB"),
+        ("--gpu-memory-utilization", "0.9"),
+        ("--block-size", "16"),
+        ("--max-batch-tokens", None),
+        ("--max-running-requests", None),
+        ("--max-model-len", None),
+        ("--worker-id", None),
+    ]:
         assert flag in text
         if default is not None:
             assert default in text

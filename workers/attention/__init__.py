@@ -34,7 +34,7 @@ def _load_class(module: str, names: tuple[str, ...]) -> type | None:
 
 
 def get_attention_backend(name_or_device: str, block_size: int = 16) -> AttentionBackend:
-    """"torch" / "cpu" → reference; "triton" / "cuda[:N]" → Triton paged when importable, else reference;
+    """ "torch" / "cpu" → reference; "triton" / "cuda[:N]" → Triton paged when importable, else reference;
     "ascend" / "npu[:N]" → torch_npu paged attention (block size 128)."""
     key = name_or_device.split(":")[0].lower()
     if key in ("torch", "cpu", "torch-sdpa"):

@@ -30,10 +30,14 @@ class TorchReferenceAttention:
         shape = (2, num_blocks, self.block_size, num_kv_heads, head_dim)
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
-    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata) -> None:
+    def write_kv(
+        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key.to(kv_cache.dtype))
-        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value.to(kv_cache.dtype))
+        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(
+            0, meta.slot_mapping, value.to(kv_cache.dtype)
+        )
 
     def forward(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float

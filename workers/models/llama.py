@@ -75,7 +75,9 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos_sin = torch.stack((emb.cos() * attention_scaling, emb.sin() * attention_scaling)).to(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.cos_sin is not None, "RotaryEmbedding.build() was not called"
         cos = self.cos_sin[0, positions].unsqueeze(1).to(q.dtype)  # (T, 1, head_dim)
         sin = self.cos_sin[1, positions].unsqueeze(1).to(q.dtype)
@@ -157,12 +159,16 @@ _FUSED_SHARDS = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, max_positions: int | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend, self.rotary) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, self.rotary) for _ in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -213,14 +219,18 @@ class LlamaForCausalLM(nn.Module):
             with torch.no_grad():
                 if shard is None:
                     if param.shape != tensor.shape:
-                        raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+                        raise ValueError(
+                            f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}"
+                        )
                     param.copy_(tensor)
                 else:
                     sizes = self._shard_sizes(target_name)
                     offset = sum(sizes[:shard])
                     part = param.narrow(0, offset, sizes[shard])
                     if part.shape != tensor.shape:
-                        raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(part.shape)}")
+                        raise ValueError(
+                            f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(part.shape)}"
+                        )
                     part.copy_(tensor)
             loaded.add(f"{target_name}#{shard}" if shard is not None else target_name)
         return loaded
