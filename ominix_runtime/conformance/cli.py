@@ -66,12 +66,14 @@ def _factory(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Backe
     return lambda: [FakeStepBackend()]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, configure_logs: bool = True) -> int:
+    """Run the suite; ``configure_logs=False`` leaves logging as the caller set it up (tests)."""
     parser = _parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
-    from ominix_runtime.server.logging import configure_logging
+    if configure_logs:
+        from ominix_runtime.server.logging import configure_logging
 
-    configure_logging(args.log_level)
+        configure_logging(args.log_level)
     factory = _factory(args, parser)
     results = asyncio.run(run_checks(factory, args.check, args.timeout))
     print(format_json(results) if args.json else format_table(results))

@@ -8,8 +8,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-import structlog
-
 from ominix_runtime.contract import (
     BackendCapability,
     Error,
@@ -27,10 +25,9 @@ from ominix_runtime.contract import (
 )
 from ominix_runtime.engine.config import EngineCoreConfig
 from ominix_runtime.engine.driver import StepWorkerGroup
+from ominix_runtime.engine.logs import log_event
 from ominix_runtime.engine.request_group import RequestWorkerGroup
 from ominix_runtime.engine.stats import EngineStats, LoadSnapshot, RunReport, StepReport
-
-log = structlog.get_logger(__name__)
 
 WorkerGroup = StepWorkerGroup | RequestWorkerGroup
 
@@ -139,7 +136,7 @@ class EngineCore:
         self._sweeper = asyncio.create_task(self._sweep_deadlines(), name="ominix-deadlines")
         self._started = True
         self._accepting = True
-        log.info("engine_started", workers=[g.worker_id for g in self._groups])
+        log_event("info", "engine_started", workers=[g.worker_id for g in self._groups])
 
     def _check_capabilities(self, caps: Sequence[BackendCapability]) -> None:
         problems: list[str] = []
@@ -165,7 +162,7 @@ class EngineCore:
         if problems:
             raise OminixError(RuntimeErrorKind.CAPABILITY_MISMATCH, "; ".join(problems))
         for w in self.capability_warnings:
-            log.warning("capability_problem", detail=w)
+            log_event("warning", "capability_problem", detail=w)
 
     async def stop(self, drain_timeout: float = 0.0) -> None:
         if self._stopped:
@@ -194,8 +191,8 @@ class EngineCore:
             try:
                 await b.close()
             except Exception as exc:  # noqa: BLE001 - closing is best effort
-                log.warning("backend_close_failed", error=str(exc))
-        log.info("engine_stopped")
+                log_event("warning", "backend_close_failed", error=str(exc))
+        log_event("info", "engine_stopped")
 
     def _deliver_terminal_fallback(self, rid: str, live: _LiveRequest) -> None:
         self._deliver(
@@ -284,14 +281,14 @@ class EngineCore:
             try:
                 cb(report)
             except Exception as exc:  # noqa: BLE001 - a listener must not break the engine
-                log.warning("run_report_listener_failed", error=str(exc))
+                log_event("warning", "run_report_listener_failed", error=str(exc))
 
     def _on_step(self, worker_id: str, report: StepReport) -> None:
         for cb in self._step_listeners:
             try:
                 cb(worker_id, report)
             except Exception as exc:  # noqa: BLE001 - a listener must not break the engine
-                log.warning("step_listener_failed", error=str(exc))
+                log_event("warning", "step_listener_failed", error=str(exc))
 
     def add_listener(self, cb: Callable[[RunReport], None]) -> None:
         self._listeners.append(cb)

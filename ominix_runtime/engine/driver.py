@@ -15,8 +15,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-import structlog
-
 from ominix_runtime.contract import (
     BackendCapability,
     DecodeStep,
@@ -32,10 +30,9 @@ from ominix_runtime.contract import (
     WorkerEvent,
 )
 from ominix_runtime.engine.config import EngineCoreConfig
+from ominix_runtime.engine.logs import log_event
 from ominix_runtime.engine.scheduler import Scheduler
 from ominix_runtime.engine.stats import LoadSnapshot, RunReport, SchedulerCounters, StepReport
-
-log = structlog.get_logger(__name__)
 
 # Above this many blocks the idle-time check is the O(1) quiescence check only (a full walk would stall).
 _FULL_CHECK_MAX_BLOCKS = 16384
@@ -264,12 +261,11 @@ class StepWorkerGroup:
                 self.scheduler.check_integrity()
         except AssertionError as exc:
             self.integrity_violations += 1
-            log.error("kv_integrity_violation", worker_id=self.worker_id, error=str(exc))
+            log_event("error", "kv_integrity_violation", worker_id=self.worker_id, error=str(exc))
 
     def _fail(self, exc: BaseException) -> None:
         self.healthy = False
         message = f"worker {self.worker_id} failed: {exc}"
-        log.error("worker_group_failed", worker_id=self.worker_id, error=str(exc))
         self._inflight.clear()
         error = (RuntimeErrorKind.BACKEND_UNAVAILABLE, message)
         with contextlib.suppress(Exception):  # bookkeeping of a dead group; its requests are ended below
@@ -281,3 +277,4 @@ class StepWorkerGroup:
                 self.scheduler.requests.pop(rid, None)
                 events = [Usage(rid, 0, 0), Error(rid, *error)]
             self._emit(events)
+        log_event("error", "worker_group_failed", worker_id=self.worker_id, error=str(exc))

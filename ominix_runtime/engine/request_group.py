@@ -16,8 +16,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import structlog
-
 from ominix_runtime.contract import (
     BackendCapability,
     Done,
@@ -35,9 +33,8 @@ from ominix_runtime.contract import (
     is_terminal,
 )
 from ominix_runtime.engine.config import EngineCoreConfig
+from ominix_runtime.engine.logs import log_event
 from ominix_runtime.engine.stats import LoadSnapshot, RunReport, SchedulerCounters, StepReport
-
-log = structlog.get_logger(__name__)
 
 # How long a backend stream may keep talking after its terminal event before the engine stops listening.
 _AFTER_TERMINAL_GRACE = 1.0
@@ -183,8 +180,12 @@ class RequestWorkerGroup:
         try:
             await self.backend.abort(request_id)
         except Exception as exc:  # noqa: BLE001 - best effort; the client already got its terminal event
-            log.warning(
-                "backend_abort_failed", worker_id=self.worker_id, request_id=request_id, error=str(exc)
+            log_event(
+                "warning",
+                "backend_abort_failed",
+                worker_id=self.worker_id,
+                request_id=request_id,
+                error=str(exc),
             )
 
     def expire(self, now: float) -> None:
@@ -226,7 +227,7 @@ class RequestWorkerGroup:
         text = f"backend {self.worker_id}, request {fwd.request.request_id}: {message}"
         self.num_protocol_violations += 1
         self.protocol_violations.append(text)
-        log.warning("backend_protocol_violation", worker_id=self.worker_id, detail=text)
+        log_event("warning", "backend_protocol_violation", worker_id=self.worker_id, detail=text)
 
     async def _forward(self, fwd: _Forwarded) -> None:
         rid = fwd.request.request_id

@@ -41,10 +41,17 @@ def test_suite_fails_readably_against_a_broken_backend() -> None:
 
 
 def test_cli_exit_codes_and_json(capsys) -> None:  # type: ignore[no-untyped-def]
-    assert main(["--backend", "fake", "--check", "abort_frees_kv", "--check", "same_seed_same_tokens"]) == 0
+    checks = ["--check", "abort_frees_kv", "--check", "same_seed_same_tokens"]
+    assert main(["--backend", "fake", *checks], configure_logs=False) == 0
     out = capsys.readouterr().out
     assert "abort_frees_kv" in out and "PASS" in out and "2/2 checks passed" in out
-    assert main(["--backend", "fake-broken", "--json", "--check", "exactly_one_terminal_event"]) == 1
+    assert (
+        main(
+            ["--backend", "fake-broken", "--json", "--check", "exactly_one_terminal_event"],
+            configure_logs=False,
+        )
+        == 1
+    )
     out = capsys.readouterr().out
     assert '"passed": false' in out
 

@@ -1,0 +1,15 @@
+"""Engine logging that can never raise: a broken log sink must not keep a request from its end."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import structlog
+
+_log = structlog.get_logger("ominix.engine")
+
+
+def log_event(level: str, event: str, **fields: Any) -> None:
+    with contextlib.suppress(Exception):
+        getattr(_log, level)(event, **fields)
