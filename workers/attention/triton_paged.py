@@ -7,7 +7,9 @@ memory once per step. Long contexts are cut into ``num_splits`` contiguous range
 writes a partial output and its log-sum-exp, and a second kernel merges the splits. The split count depends only
 on ``(num_requests, max_seq_len)`` host integers, never on device data, and every split derives its token range
 from the request's live ``seq_lens`` entry, so any split count is correct for any length: a CUDA graph captured
-for a batch size and a ``max_seq_len`` bucket stays valid for every shorter context (see ``decode_num_splits``).
+for a batch size stays valid for every context length. Capture with the ``max_seq_len`` you expect (or set
+``decode_splits``): only speed depends on it (see ``decode_num_splits``). Outside capture, splits serve only
+long contexts, because each extra launch costs more host time than it saves on the GPU.
 
 General path: grid ``(num_requests, cdiv(max_query_len, BLOCK_M), num_heads)``. A request's query rows are the
 last ``q_len`` positions of its ``seq_len``, so row ``m`` sits at position ``seq_len - q_len + m`` and may see
@@ -25,6 +27,9 @@ from ominix_worker.attention.base import AttentionMetadata
 
 # Tokens per split below which splitting a decode context more finely stops paying for the merge.
 _MIN_TOKENS_PER_SPLIT = 64
+# Outside graph capture every launch costs host time (about 40 µs through Triton's launcher, measured on an
+# H100 host), which a batch-1 step cannot hide: there a split must cover this many tokens to pay for the merge.
+_EAGER_MIN_TOKENS_PER_SPLIT = 1024
 _MAX_SPLITS = 32
 # Prefill tile (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs and head_dim <= 128.
 _PREFILL_CONFIG = (64, 64, 4, 3)
@@ -335,12 +340,18 @@ def _prefill_kernel(
     )
 
 
-def decode_num_splits(num_requests: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
+def decode_num_splits(
+    num_requests: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    num_sms: int = 132,
+    min_tokens_per_split: int = _MIN_TOKENS_PER_SPLIT,
+) -> int:
     """Split count for the decode kernel: enough programs to fill the GPU about twice, never splits shorter
-    than ``_MIN_TOKENS_PER_SPLIT`` tokens. A pure function of host integers, so a captured graph can fix it."""
+    than ``min_tokens_per_split`` tokens. A pure function of host integers, so a captured graph can fix it."""
     programs = max(1, num_requests * num_kv_heads)
     want = triton.cdiv(2 * num_sms, programs)
-    cap = max(1, triton.cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT))
+    cap = max(1, triton.cdiv(max_seq_len, min_tokens_per_split))
     splits = max(1, min(want, cap, _MAX_SPLITS))
     return 1 << (splits - 1).bit_length() if splits > 1 else 1
 
@@ -450,9 +461,13 @@ class TritonPagedAttention:
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         num_heads = query.shape[1]
         group = num_heads // num_kv_heads
-        splits = self.decode_splits or decode_num_splits(
-            num_requests, num_kv_heads, meta.max_seq_len, self._sms(query.device)
-        )
+        splits = self.decode_splits
+        if splits is None:
+            capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+            min_tokens = _MIN_TOKENS_PER_SPLIT if capturing else _EAGER_MIN_TOKENS_PER_SPLIT
+            splits = decode_num_splits(
+                num_requests, num_kv_heads, meta.max_seq_len, self._sms(query.device), min_tokens
+            )
         block_d = triton.next_power_of_2(head_dim)
         ieee = query.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
         # A tile may straddle cache blocks: every token looks its block up, so BLOCK_N is free of block_size.
