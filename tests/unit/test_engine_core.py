@@ -24,6 +24,7 @@ from ominix_runtime.contract import (
     is_terminal,
 )
 from ominix_runtime.engine import EngineCore, EngineCoreConfig, RequestHandle, RunReport, StepReport
+from ominix_runtime.engine.driver import StepWorkerGroup
 
 TIMEOUT = 20.0
 
@@ -275,3 +276,27 @@ def test_broken_request_backend_is_counted_and_clients_still_see_one_terminal_ev
         assert any("after its terminal event" in v for v in stats.recent_protocol_violations)
 
     _run([backend], body)
+
+
+def test_idle_integrity_checks_are_counted_and_catch_corruption() -> None:
+    async def body(core: EngineCore) -> None:
+        await _collect(core.submit(_req("one")))
+        for _ in range(500):  # bounded wait for the driver's idle check
+            if core.stats().integrity_checks:
+                break
+            await asyncio.sleep(0.01)
+        assert core.stats().integrity_checks >= 1 and core.stats().integrity_violations == 0
+        group = core.groups[0]
+        assert isinstance(group, StepWorkerGroup)
+        registry = group.scheduler.registry
+        registry._num_leased += 1  # simulate a leak
+        before = core.stats().integrity_checks
+        await _collect(core.submit(_req("two")))
+        for _ in range(500):
+            if core.stats().integrity_checks > before:
+                break
+            await asyncio.sleep(0.01)
+        assert core.stats().integrity_violations >= 1
+        registry._num_leased -= 1
+
+    _run([FakeStepBackend()], body, EngineCoreConfig(idle_integrity_check_interval=0.0))
