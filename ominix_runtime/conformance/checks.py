@@ -264,6 +264,9 @@ async def capacity_overflow_rejected(h: Harness) -> str:
         # Every request within max_model_len fits; check the engine-side limit with a reduced KV instead.
         core = await h.engine(SchedulerConfig(max_kv_blocks=2))
         capacity = 2 * cap.kv_block_size
+        note = "engine limited to 2 KV blocks: "
+    else:
+        note = ""
     req = _request(h, cap, "overflow", n=4, max_tokens=capacity)
     try:
         core.submit(req)
@@ -272,7 +275,7 @@ async def capacity_overflow_rejected(h: Harness) -> str:
             raise CheckFailed(
                 f"rejected with {exc.kind.name} instead of KV_CAPACITY_EXCEEDED: {exc.message}"
             ) from exc
-        return f"rejected: {exc.message}"
+        return f"{note}rejected: {exc.message}"
     core.abort(req.request_id)
     raise CheckFailed(f"a request needing {4 + capacity} tokens of KV (capacity {capacity}) was accepted")
 

@@ -32,6 +32,14 @@ def _parser() -> argparse.ArgumentParser:
         help="check running ominix workers over gRPC instead (repeatable)",
     )
     p.add_argument("--url", help="SGLang server URL for --backend sglang")
+    p.add_argument("--vocab-size", type=int, help="state the vocabulary size SGLang does not report")
+    p.add_argument(
+        "--eos-token-id",
+        type=int,
+        action="append",
+        default=[],
+        help="state an eos token id SGLang does not report (repeatable)",
+    )
     p.add_argument(
         "--check", action="append", choices=sorted(ALL_CHECKS), help="run only this check (repeatable)"
     )
@@ -58,7 +66,12 @@ def _factory(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Backe
         from ominix_runtime.backends.sglang import SGLangBackend
 
         url = args.url
-        return lambda: [SGLangBackend(url)]
+        stated: dict[str, object] = {}
+        if args.vocab_size:
+            stated["vocab_size"] = args.vocab_size
+        if args.eos_token_id:
+            stated["eos_token_ids"] = list(args.eos_token_id)
+        return lambda: [SGLangBackend(url, **stated)]  # type: ignore[arg-type]
     from ominix_runtime.backends.fake import FakeConfig, FakeRequestBackend, FakeStepBackend
 
     if args.backend == "fake-broken":

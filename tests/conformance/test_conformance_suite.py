@@ -61,3 +61,16 @@ def test_a_hung_backend_fails_the_check_instead_of_hanging() -> None:
     results = asyncio.run(run_checks(make, ["prefill_done_before_first_token"], timeout=2))
     assert not results[0].passed
     assert "did not finish within 2 s" in results[0].message or "sent no result" in results[0].message
+
+
+def test_suite_passes_against_the_sglang_adapter_over_loopback_http() -> None:
+    from ominix_runtime.backends.fake_sglang import FakeSGLangServer
+    from ominix_runtime.backends.sglang import SGLangBackend
+
+    async def main() -> list:  # type: ignore[type-arg]
+        async with FakeSGLangServer() as server:
+            make = lambda: [SGLangBackend(server.url, vocab_size=32000, eos_token_ids=[2])]  # noqa: E731
+            return await run_checks(make, timeout=30)
+
+    results = asyncio.run(main())
+    assert all_passed(results), format_table(results)
