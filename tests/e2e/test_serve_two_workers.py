@@ -41,8 +41,8 @@ def _mixed_request(i: int, daemon: Daemon) -> tuple[engine_pb2.GenerateRequest, 
         return engine_pb2.GenerateRequest(request_id=f"mix-{i}", input_ids=engine_pb2.TokenIds(ids=prompt),
                                           sampling=sampling), expected
     rng = random.Random(i)
-    # SmolLM2 on a 2-core CPU: keep the mix light (prompts up to ~40 tokens, outputs up to 12).
-    lengths, max_words = ([1, 2, 5, 9, 16, 24], 40) if daemon.kind == "tiny" else ([1, 2, 4, 8, 12], 12)
+    # SmolLM2 on a 2-core CPU: keep the mix light (short prompts, outputs up to 8 tokens).
+    lengths, max_words = ([1, 2, 5, 9, 16, 24], 40) if daemon.kind == "tiny" else ([1, 2, 4, 6, 8], 6)
     sampling = common_pb2.SamplingParams(max_tokens=rng.choice(lengths), seed=i)
     variant = i % 5
     if variant == 0:
@@ -89,7 +89,7 @@ async def _run_concurrent(daemon: Daemon) -> None:
         stub = engine_pb2_grpc.EngineStub(channel)
 
         async def one(req: engine_pb2.GenerateRequest) -> list[engine_pb2.GenerateEvent]:
-            return [e async for e in stub.Generate(req, timeout=120)]
+            return [e async for e in stub.Generate(req, timeout=300)]
 
         results = await asyncio.gather(*(one(r) for r, _ in requests))
     for (req, expected), events in zip(requests, results, strict=True):
@@ -135,8 +135,9 @@ def test_client_cancel_frees_kv_promptly(daemon: Daemon) -> None:
     assert daemon.stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=5).total.kv_bytes_used > 0
     cancelled_at = time.monotonic()
     call.cancel()
-    wait_kv_free(daemon, timeout=5.0)
-    assert time.monotonic() - cancelled_at < 5.0
+    # Bounded generously for a loaded CI machine; the fake-backend test checks promptness step by step.
+    wait_kv_free(daemon, timeout=30.0)
+    assert time.monotonic() - cancelled_at < 30.0
     assert daemon.stub.GetStats(engine_pb2.GetStatsRequest(), timeout=5).requests_aborted >= 1
 
 

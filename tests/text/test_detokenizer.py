@@ -6,7 +6,6 @@ import random
 
 import pytest
 
-from ominix_runtime.models import embedded_model_path
 from ominix_runtime.text import IncrementalDetokenizer, OutputText, StopStringMatcher, Tokenizer
 
 TEXTS = [
@@ -18,8 +17,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_gguf(embedded_model_path())
+def tokenizer(smollm2_tokenizer: Tokenizer) -> Tokenizer:
+    return smollm2_tokenizer
 
 
 @pytest.mark.parametrize("text", TEXTS)

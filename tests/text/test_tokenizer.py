@@ -24,8 +24,8 @@ SAMPLES = [
 
 
 @pytest.fixture(scope="module")
-def ours() -> Tokenizer:
-    return Tokenizer.from_gguf(embedded_model_path())
+def ours(smollm2_tokenizer: Tokenizer) -> Tokenizer:
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")
