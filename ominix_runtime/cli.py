@@ -324,6 +324,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sampling.seed = args.seed
     priority = {"realtime": 1, "interactive": 2, "batch": 3}[args.priority]
     request = engine_pb2.GenerateRequest(request_id=args.request_id, sampling=sampling, priority=priority)
+    if args.model:
+        from ominix_runtime.models import resolve_model
+
+        request.model = resolve_model(args.model).name
     if args.chat:
         request.messages.messages.add(role="user", content=args.prompt)
     else:

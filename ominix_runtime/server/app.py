@@ -23,7 +23,7 @@ from ominix_runtime.models import resolve_model
 from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.engine_service import EngineService
 from ominix_runtime.server.logging import configure_logging, get_logger
-from ominix_runtime.server.metrics import EngineMetrics
+from ominix_runtime.server.metrics import EngineMetrics, WorkerFigures
 from ominix_runtime.text import Tokenizer
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -84,13 +84,11 @@ class EngineDaemon:
 
     async def start(self) -> None:
         config = self.config
-        tokenizer: Tokenizer | None = None
+        source = None
         model_name = ""
-        if config.model or config.workers or not config.sglang_urls:
+        if config.model or config.workers or not config.sglang_urls:  # SGLang alone needs no local model
             source = resolve_model(config.model)
             model_name = source.name
-            # Tokenizer loading (GGUF metadata parse) overlaps with the workers' own startup.
-            tokenizer = await asyncio.to_thread(Tokenizer.from_source, source)
         self._backends = list(self._given_backends) if self._given_backends else _build_backends(config)
         sched = config.scheduler
         core_config = EngineCoreConfig(
@@ -103,7 +101,7 @@ class EngineDaemon:
             max_waiting_requests=sched.max_queue_len,
         )
         self._engine = EngineCore(self._backends, core_config)
-        service = EngineService(self._engine, tokenizer, model_name, self.metrics)
+        service = EngineService(self._engine, None, model_name, self.metrics)
 
         # Every service is registered before the server starts; Generate answers UNAVAILABLE and health
         # says NOT_SERVING until the engine is ready.
@@ -122,7 +120,15 @@ class EngineDaemon:
             ) from exc
         await server.start()
 
-        await _wait_workers_ready(self._backends, config.worker_ready_timeout)
+        # The tokenizer (a GGUF metadata parse for the embedded model) loads while the workers get ready.
+        tokenizer_loading = asyncio.create_task(asyncio.to_thread(Tokenizer.from_source, source)) if source else None
+        try:
+            await _wait_workers_ready(self._backends, config.worker_ready_timeout)
+            if tokenizer_loading is not None:
+                service.tokenizer = await tokenizer_loading
+        finally:
+            if tokenizer_loading is not None and not tokenizer_loading.done():
+                tokenizer_loading.cancel()
         await self._engine.start()
         if not model_name:
             caps = list(self._engine.capabilities() or [])
@@ -158,13 +164,22 @@ class EngineDaemon:
 
     async def _refresh_metrics(self) -> None:
         assert self.metrics is not None
-        bytes_per_block = {c.worker_id: c.kv_bytes_per_block for c in self._engine.capabilities() or []}
         while True:
             try:
-                self.metrics.update_snapshots(self._engine.load(), self._engine.stats(), bytes_per_block)
+                self.metrics.update_snapshots(self._engine.load(), self._engine.stats(), self._worker_figures())
             except Exception as exc:  # noqa: BLE001 - metrics must never take the daemon down
                 _log.warning("metrics refresh failed", error=repr(exc))
             await asyncio.sleep(METRICS_REFRESH_INTERVAL_S)
+
+    def _worker_figures(self) -> list[WorkerFigures]:
+        figures = []
+        for group in self._engine.groups:
+            used, total = group.kv_blocks
+            figures.append(WorkerFigures(
+                worker_id=group.worker_id, kv_blocks_used=used, kv_blocks_total=total,
+                preemptions=group.counters.preemptions, integrity_violations=group.integrity_violations,
+            ))
+        return figures
 
     async def shutdown(self) -> None:
         """NOT_SERVING, stop accepting, let live requests finish up to the drain timeout, then stop."""

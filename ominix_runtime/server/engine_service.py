@@ -60,7 +60,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         metrics: EngineMetrics | None = None,
     ) -> None:
         self._engine = engine
-        self._tokenizer = tokenizer
+        self.tokenizer = tokenizer
         self.model_name = model_name
         self._metrics = metrics
         self._live: set[str] = set()
@@ -91,8 +91,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 raise InvalidArgument(f"input_ids contain ids outside the vocabulary [0, {vocab_size})")
         elif which == "prompt":
             prompt_text = pb.prompt
-            prompt_ids = self._require_tokenizer().encode(pb.prompt, add_special_tokens=True) if self._tokenizer \
-                else []
+            # Without a tokenizer (SGLang alone) the text goes to the backend as is.
+            prompt_ids = self.tokenizer.encode(pb.prompt) if self.tokenizer is not None else []
         elif which == "messages":
             messages = [{"role": m.role, "content": m.content} for m in pb.messages.messages]
             if not messages:
@@ -104,7 +104,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             raise InvalidArgument("one of prompt, messages or input_ids is required")
         if not prompt_ids and prompt_text is None:
             raise InvalidArgument("the prompt is empty")
-        if self._tokenizer is not None and not prompt_ids:
+        if self.tokenizer is not None and not prompt_ids:
             raise InvalidArgument("the prompt is empty")
         if max_model_len is not None and len(prompt_ids) >= max_model_len:
             raise InvalidArgument(
@@ -124,9 +124,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         )
 
     def _require_tokenizer(self) -> Tokenizer:
-        if self._tokenizer is None:
+        if self.tokenizer is None:
             raise InvalidArgument("this engine has no tokenizer: send input_ids")
-        return self._tokenizer
+        return self.tokenizer
 
     # ---- RPCs ----------------------------------------------------------------------------------------
 
@@ -188,7 +188,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
     async def _events(self, req: GenerateRequest, handle: Any) -> AsyncIterator[engine_pb2.GenerateEvent]:
         rid = req.request_id
-        output = OutputText(self._tokenizer, req.sampling.stop, req.prompt_token_ids)
+        output = OutputText(self.tokenizer, req.sampling.stop, req.prompt_token_ids)
         matched_stop: str | None = None
         num_emitted_tokens = 0
         usage: Usage | None = None

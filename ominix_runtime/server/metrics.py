@@ -7,6 +7,7 @@ periodic load / stats snapshots; served on its own HTTP port with its own regist
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -18,6 +19,17 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFigures:
+    """Per-worker figures read from the engine's worker groups."""
+
+    worker_id: str
+    kv_blocks_used: int
+    kv_blocks_total: int
+    preemptions: int
+    integrity_violations: int
 
 
 class EngineMetrics:
@@ -80,23 +92,19 @@ class EngineMetrics:
         self.batch_size.labels(worker_id=worker_id).observe(report.batch_size)
 
     def update_snapshots(
-        self, loads: Iterable[LoadSnapshot], stats: EngineStats, bytes_per_block: dict[str, int]
+        self, loads: Iterable[LoadSnapshot], stats: EngineStats, workers: Iterable[WorkerFigures] = ()
     ) -> None:
-        """Gauges from per-worker load snapshots and the engine-wide stats snapshot."""
+        """Gauges from per-worker load snapshots, per-worker registry figures and the engine-wide stats."""
         for load in loads:
-            worker_id = load.worker_id
-            self.queue_depth.labels(worker_id=worker_id).set(load.queued_requests)
-            self.running.labels(worker_id=worker_id).set(load.running_requests)
-            block_bytes = bytes_per_block.get(worker_id, 0)
-            if block_bytes > 0:
-                self.kv_used.labels(worker_id=worker_id).set(load.kv_bytes_used // block_bytes)
-                self.kv_total.labels(worker_id=worker_id).set(load.kv_bytes_capacity // block_bytes)
-        # Engine-wide figures (the stats snapshot is not split per worker).
-        self.kv_used.labels(worker_id="all").set(stats.kv_blocks_used)
-        self.kv_total.labels(worker_id="all").set(stats.kv_blocks_total)
+            self.queue_depth.labels(worker_id=load.worker_id).set(load.queued_requests)
+            self.running.labels(worker_id=load.worker_id).set(load.running_requests)
+        for w in workers:
+            self.kv_used.labels(worker_id=w.worker_id).set(w.kv_blocks_used)
+            self.kv_total.labels(worker_id=w.worker_id).set(w.kv_blocks_total)
+            self._advance(self.preemptions, w.worker_id, w.preemptions)
+            self._advance(self.integrity_violations, w.worker_id, w.integrity_violations)
+        # The prefix-cache ratio is only known engine-wide.
         self.prefix_hit_ratio.labels(worker_id="all").set(stats.prefix_cache_hit_ratio)
-        self._advance(self.preemptions, "all", stats.preemptions)
-        self._advance(self.integrity_violations, "all", stats.integrity_violations)
 
     def _advance(self, counter: Counter, worker_id: str, cumulative: float) -> None:
         """Counters from cumulative snapshot values: add what grew since the last snapshot."""
