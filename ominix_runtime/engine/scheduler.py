@@ -225,6 +225,7 @@ class Scheduler:
         num_preempted_for_priority = len(preempted)
 
         order = sorted(self.running.values(), key=lambda r: r.order_key)
+        kv_blocked = False
         for idx, req in enumerate(order):
             if budget <= 0:
                 break
@@ -236,6 +237,10 @@ class Scheduler:
             new_blocks = self.registry.allocate(req.request_id, req.num_computed_tokens + n)
             while new_blocks is None:
                 victim = self._pick_victim(order, idx, step_id)
+                if victim is req and self._has_later_candidate(order, idx):
+                    # Everything after it is protected: pause (keep its KV) rather than recompute it.
+                    kv_blocked = True
+                    break
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
@@ -247,8 +252,8 @@ class Scheduler:
             self._commit(req, n, scheduled, plan)
             budget -= n
 
-        # No admissions after a KV preemption: it would only feed the thrash it just resolved.
-        if len(preempted) == num_preempted_for_priority:
+        # No admissions after a KV shortage among running requests: it would only feed the thrash.
+        if len(preempted) == num_preempted_for_priority and not kv_blocked:
             budget = self._admit_waiting(step_id, budget, scheduled, new_requests, plan)
 
         finished_ids = self._pending_finished_ids
@@ -367,7 +372,8 @@ class Scheduler:
         """Lowest priority, then latest arrival, among requests not yet scheduled in this step.
 
         Requests recently resumed after a preemption are passed over while any other candidate exists.
-        ``order[start]`` (the request asking for KV) is a candidate too: it may have to yield itself.
+        ``order[start]`` (the request asking for KV) is a candidate too: it may have to yield itself (or,
+        when only protected requests follow it, pause for this step; the caller decides).
         """
         fallback: EngineRequest | None = None
         for cand in reversed(order[start:]):
@@ -379,6 +385,9 @@ class Scheduler:
                 fallback = cand
         assert fallback is not None
         return fallback
+
+    def _has_later_candidate(self, order: list[EngineRequest], start: int) -> bool:
+        return any(c.request_id in self.running for c in order[start + 1 :])
 
     def _preempt_for_priority(self, step_id: int, preempted: list[str]) -> None:
         """Let the first eligible waiting request displace running requests of a strictly lower class."""

@@ -195,7 +195,7 @@ def _long_finish_step(max_bypass_steps: int) -> tuple[int | None, int]:
 
     def add_short() -> None:
         n = count["n"]
-        s.add_request(request(f"s{n}", _prompt(16, 200 + n), max_tokens=16))
+        s.add_request(request(f"s{n}", _prompt(8, 200 + n), max_tokens=8))
         count["n"] += 1
 
     for _ in range(4):
@@ -378,3 +378,24 @@ def test_finish_request_from_a_stop_string() -> None:
     events = run.scheduler.finish_request("r", FinishReason.STOP, matched_stop="###")
     assert isinstance(events[-1], Done) and events[-1].matched_stop == "###"
     assert run.scheduler.finish_request("r") == []
+
+
+def test_a_request_pauses_instead_of_preempting_itself_when_only_protected_requests_follow() -> None:
+    run = make(FakeConfig(kv_num_blocks=4, kv_block_size=4, max_batch_tokens=64))
+    s = run.scheduler
+    for rid in "abcd":
+        s.add_request(request(rid, _prompt(4, 10 * (ord(rid) - 96)), max_tokens=8))
+    step = s.schedule()
+    assert step is not None and len(step.new_requests) == 4  # one block each: the cache is full
+    run.record(s.update(step, run.backend.execute(step)))
+    for rid in "bcd":  # as if just resumed after a preemption
+        s.requests[rid].protected_until_step = 100
+    step = s.schedule()
+    assert step is not None
+    assert [r.request_id for r in step.running_requests] == ["b"]
+    assert s.last_plan is not None and s.last_plan.preempted_request_ids == ["d", "c"]
+    a = s.requests["a"]
+    assert a.num_preemptions == 0 and s.registry.lease("a") is not None  # paused, KV kept
+    run.record(s.update(step, run.backend.execute(step)))
+    drive(run)
+    assert all(len(run.tokens(rid)) == 8 for rid in "abcd")
