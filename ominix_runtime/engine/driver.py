@@ -79,6 +79,7 @@ class StepWorkerGroup:
         self._stream: StepStream | None = None
         self._task: asyncio.Task[None] | None = None
         self._last_integrity_check = 0.0
+        self._last_result_at = 0.0
 
     @property
     def counters(self) -> SchedulerCounters:
@@ -221,7 +222,11 @@ class StepWorkerGroup:
                 )
             events = self.scheduler.update(step, result)
             self._emit(events)
-            self._record_step(step, result.compute_seconds, loop.time() - sent_at, events)
+            # With two steps in flight a step starts on the worker when the previous one ends, not when sent.
+            now = loop.time()
+            started = max(sent_at, self._last_result_at)
+            self._last_result_at = now
+            self._record_step(step, result.compute_seconds, now - started, events)
 
     def _record_step(
         self, step: DecodeStep, compute_seconds: float, duration: float, events: list[WorkerEvent]

@@ -31,7 +31,7 @@ class StepReport:
     """One step of one worker group, reported after its result came back."""
 
     step_id: int
-    duration: float  # seconds from send to result
+    duration: float  # seconds on the worker: from send (or the previous result, if later) to this result
     num_tokens: int  # tokens scheduled
     batch_size: int  # requests scheduled
     num_new_requests: int
