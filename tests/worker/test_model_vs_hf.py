@@ -184,3 +184,29 @@ def test_resumed_request_continues_from_its_output(pair: tuple[LogitsRecorder, R
     )
     assert_close(logits["r"], ref.logits(tokens + earlier_output)[-1])
     assert rec.runner.requests["r"].output_token_ids == [*earlier_output, tokens_by_id(result)["r"]]
+
+
+def test_batched_decode_of_different_lengths(pair: tuple[LogitsRecorder, Reference]) -> None:
+    rec, ref = pair
+    rec.runner.reset()
+    seqs = {"x": prompt(9, 3), "y": prompt(10, 17), "z": prompt(11, 33)}
+    blocks = {"x": [44], "y": [12, 13], "z": [25, 26, 27]}
+    result, _ = rec.step(
+        DecodeStep(
+            1,
+            new_requests=[
+                NewRequestData(rid, list(toks), GREEDY, blocks[rid], 0, len(toks), 0)
+                for rid, toks in seqs.items()
+            ],
+        )
+    )
+    for rid, token in tokens_by_id(result).items():
+        seqs[rid].append(token)
+    for step_id in range(2, 5):
+        result, logits = rec.step(
+            DecodeStep(step_id, running_requests=[RunningRequestData(rid, [], 1) for rid in seqs])
+        )
+        for rid, row in logits.items():
+            assert_close(row, ref.logits(seqs[rid])[-1])
+        for rid, token in tokens_by_id(result).items():
+            seqs[rid].append(token)
