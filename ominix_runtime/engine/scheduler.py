@@ -390,27 +390,46 @@ class Scheduler:
         return any(c.request_id in self.running for c in order[start + 1 :])
 
     def _preempt_for_priority(self, step_id: int, preempted: list[str]) -> None:
-        """Let the first eligible waiting request displace running requests of a strictly lower class."""
+        """Let the first eligible waiting request displace running requests of a strictly lower class.
+
+        Only when displacing them all would make room for it; otherwise they would be preempted for nothing
+        (and re-admitted and preempted again, step after step).
+        """
         head = next((r for r in self.waiting if r.num_inflight_steps == 0), None)
         if head is None or not self.running:
             return
         need = self.registry.blocks_for_tokens(min(head.num_tokens, self.max_batch_tokens))
-        while self.running and (
-            len(self.running) >= self.max_running_requests
-            or self.registry.num_available_blocks < need + self._running_growth_blocks()
-        ):
+
+        def short_of_room() -> bool:
+            return len(self.running) >= self.max_running_requests or (
+                self.registry.num_available_blocks < need + self._running_growth_blocks()
+            )
+
+        if not short_of_room():
+            return
+        lower = [r for r in self.running.values() if r.priority > head.priority]
+        if not lower or len(self.running) - len(lower) >= self.max_running_requests:
+            return
+        kept = [r for r in self.running.values() if r.priority <= head.priority]
+        reclaimable = sum(len(self._lease_blocks(r)) for r in lower)
+        if self.registry.num_available_blocks + reclaimable < need + self._running_growth_blocks(kept):
+            return
+        while self.running and short_of_room():
             victim = max(self.running.values(), key=lambda r: r.order_key)
             if victim.priority <= head.priority:
                 return
             self._preempt(victim)
             preempted.append(victim.request_id)
 
-    def _running_growth_blocks(self) -> int:
-        """Blocks the running requests would take this step if each got all it asks for."""
+    def _lease_blocks(self, req: EngineRequest) -> list[int]:
+        lease = self.registry.lease(req.request_id)
+        return lease.kv_block_ids if lease else []
+
+    def _running_growth_blocks(self, requests: list[EngineRequest] | None = None) -> int:
+        """Blocks these running requests (all by default) would take this step if each got all it asks for."""
         total = 0
-        for req in self.running.values():
-            lease = self.registry.lease(req.request_id)
-            have = len(lease.kv_block_ids) if lease else 0
+        for req in self.running.values() if requests is None else requests:
+            have = len(self._lease_blocks(req))
             total += max(0, self.registry.blocks_for_tokens(req.num_tokens) - have)
         return total
 

@@ -399,3 +399,24 @@ def test_a_request_pauses_instead_of_preempting_itself_when_only_protected_reque
     run.record(s.update(step, run.backend.execute(step)))
     drive(run)
     assert all(len(run.tokens(rid)) == 8 for rid in "abcd")
+
+
+def test_no_priority_displacement_when_it_could_not_make_room() -> None:
+    run = make(FakeConfig(kv_num_blocks=10, kv_block_size=4, max_batch_tokens=64))
+    s = run.scheduler
+    for rid, prio, n, max_tokens in (("rt1", Priority.REALTIME, 30, 4), ("low", Priority.BATCH, 3, 30)):
+        req = request(rid, _prompt(n, 7 * n), max_tokens=max_tokens)
+        req.priority = prio
+        s.add_request(req)
+    step = s.schedule()
+    assert step is not None and len(step.new_requests) == 2  # 8 + 1 of 10 blocks
+    run.record(s.update(step, run.backend.execute(step)))
+    rt2 = request("rt2", _prompt(20, 90), max_tokens=4)  # needs 5 blocks; only 1 free + 1 reclaimable
+    rt2.priority = Priority.REALTIME
+    s.add_request(rt2)
+    step = s.schedule()
+    assert step is not None and "low" not in step.finished_request_ids
+    assert s.requests["low"].num_preemptions == 0
+    run.record(s.update(step, run.backend.execute(step)))
+    drive(run)
+    assert all(isinstance(run.terminal(rid), Done) for rid in ("rt1", "low", "rt2"))
