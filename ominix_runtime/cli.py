@@ -32,7 +32,8 @@ _Formatter = argparse.ArgumentDefaultsHelpFormatter
 
 def _add_model_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--model", default=None,
+        "--model",
+        default=None,
         help=f"a .gguf file, a Hugging Face folder or dummy:CONFIG; unset means the embedded {DEFAULT_MODEL_NAME}",
     )
 
@@ -40,81 +41,155 @@ def _add_model_flag(p: argparse.ArgumentParser) -> None:
 def _add_serve_flags(p: argparse.ArgumentParser, with_backends: bool) -> None:
     _add_model_flag(p)
     if with_backends:
-        p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
-                       help="a step-level worker to drive (repeat for several)")
-    p.add_argument("--sglang", action="append", default=[], metavar="URL",
-                   help="an SGLang server to drive at request level (repeat for several)")
+        p.add_argument(
+            "--worker",
+            action="append",
+            default=[],
+            metavar="HOST:PORT",
+            help="a step-level worker to drive (repeat for several)",
+        )
+    p.add_argument(
+        "--sglang",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an SGLang server to drive at request level (repeat for several)",
+    )
     p.add_argument("--host", default=DEFAULT_HOST, help="address the engine's gRPC server binds")
     p.add_argument("--port", type=int, default=DEFAULT_ENGINE_PORT, help="engine gRPC port")
-    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
-                   help="Prometheus /metrics HTTP port (0 disables it)")
-    p.add_argument("--max-batch-tokens", type=int, default=None,
-                   help="token budget per step (unset: what each worker states)")
-    p.add_argument("--max-running-requests", type=int, default=None,
-                   help="requests per step (unset: what each worker states)")
-    p.add_argument("--max-queue-len", type=int, default=1024,
-                   help="requests waiting for admission before new ones are refused (0: no limit)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help="Prometheus /metrics HTTP port (0 disables it)",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help="token budget per step (unset: what each worker states)",
+    )
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=None,
+        help="requests per step (unset: what each worker states)",
+    )
+    p.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=1024,
+        help="requests waiting for admission before new ones are refused (0: no limit)",
+    )
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
-    p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
-                   help="seconds live requests may take to finish after SIGINT/SIGTERM")
-    p.add_argument("--worker-ready-timeout", type=float, default=DEFAULT_WORKER_READY_TIMEOUT_S,
-                   help="seconds to wait for workers to report ready")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="log level")
-    p.add_argument("--log-format", default="auto", choices=["auto", "json", "console"],
-                   help="log format on stderr (auto: console on a terminal, JSON otherwise)")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="seconds live requests may take to finish after SIGINT/SIGTERM",
+    )
+    p.add_argument(
+        "--worker-ready-timeout",
+        type=float,
+        default=DEFAULT_WORKER_READY_TIMEOUT_S,
+        help="seconds to wait for workers to report ready",
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level"
+    )
+    p.add_argument(
+        "--log-format",
+        default="auto",
+        choices=["auto", "json", "console"],
+        help="log format on stderr (auto: console on a terminal, JSON otherwise)",
+    )
     p.add_argument("--tls-cert", default=None, help="server certificate (reserved; plaintext is used)")
     p.add_argument("--tls-key", default=None, help="server key (reserved; plaintext is used)")
-    p.add_argument("--worker-ca", default=None, help="CA for worker connections (reserved; plaintext is used)")
+    p.add_argument(
+        "--worker-ca", default=None, help="CA for worker connections (reserved; plaintext is used)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="ominix-runtime", formatter_class=_Formatter,
+        prog="ominix-runtime",
+        formatter_class=_Formatter,
         description="Runtime policy layer for LLM inference serving (engine daemon, workers, client).",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", formatter_class=_Formatter, help="run the engine daemon against workers",
-                           description="Run the engine daemon; workers are started separately.")
+    serve = sub.add_parser(
+        "serve",
+        formatter_class=_Formatter,
+        help="run the engine daemon against workers",
+        description="Run the engine daemon; workers are started separately.",
+    )
     _add_serve_flags(serve, with_backends=True)
 
     launch = sub.add_parser(
-        "launch", formatter_class=_Formatter, help="start one worker per device, then the engine",
+        "launch",
+        formatter_class=_Formatter,
+        help="start one worker per device, then the engine",
         description="Start one worker process per device (ports --worker-base-port + i), wait until each is "
-                    "ready, then run the engine; every serve flag applies. Ctrl-C stops everything.",
+        "ready, then run the engine; every serve flag applies. Ctrl-C stops everything.",
     )
-    launch.add_argument("--devices", default="cpu", help="comma-separated devices, e.g. cpu,cpu or cuda:0,cuda:1")
-    launch.add_argument("--worker-base-port", type=int, default=DEFAULT_WORKER_BASE_PORT,
-                        help="port of the first worker; worker i listens on base + i")
+    launch.add_argument(
+        "--devices", default="cpu", help="comma-separated devices, e.g. cpu,cpu or cuda:0,cuda:1"
+    )
+    launch.add_argument(
+        "--worker-base-port",
+        type=int,
+        default=DEFAULT_WORKER_BASE_PORT,
+        help="port of the first worker; worker i listens on base + i",
+    )
     launch.add_argument("--dtype", default=None, help="worker dtype (unset: the device's default)")
-    launch.add_argument("--kv-cache-memory", default=None, help="worker KV cache size (passed to each worker)")
+    launch.add_argument(
+        "--kv-cache-memory", default=None, help="worker KV cache size (passed to each worker)"
+    )
     launch.add_argument("--block-size", type=int, default=None, help="KV block size (passed to each worker)")
-    launch.add_argument("--engine-in-child", action="store_true",
-                        help="run the engine as a child process instead of in this process")
+    launch.add_argument(
+        "--engine-in-child",
+        action="store_true",
+        help="run the engine as a child process instead of in this process",
+    )
     _add_serve_flags(launch, with_backends=False)
 
-    gen = sub.add_parser("generate", formatter_class=_Formatter, help="one-shot client: stream a completion",
-                         description="Send one prompt to a running engine and stream the text to the terminal.")
+    gen = sub.add_parser(
+        "generate",
+        formatter_class=_Formatter,
+        help="one-shot client: stream a completion",
+        description="Send one prompt to a running engine and stream the text to the terminal.",
+    )
     gen.add_argument("prompt", help="prompt text")
     gen.add_argument("--address", default=f"localhost:{DEFAULT_ENGINE_PORT}", help="engine address")
     _add_model_flag(gen)
-    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat turn (chat template)")
+    gen.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user chat turn (chat template)"
+    )
     gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--top-p", type=float, default=None, help="nucleus mass (unset: 1)")
     gen.add_argument("--top-k", type=int, default=0, help="0: no limit")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--priority", choices=["realtime", "interactive", "batch"], default="interactive",
-                     help="scheduling class")
+    gen.add_argument(
+        "--priority",
+        choices=["realtime", "interactive", "batch"],
+        default="interactive",
+        help="scheduling class",
+    )
     gen.add_argument("--request-id", default="", help="request id (unset: generated by the engine)")
     gen.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
     gen.add_argument("--json", action="store_true", help="print every event as a JSON line")
 
-    sub.add_parser("worker", add_help=False, help="run a worker process (flags: ominix-runtime worker --help)")
-    sub.add_parser("conformance", add_help=False,
-                   help="backend conformance suite (flags: ominix-runtime conformance --help)")
+    sub.add_parser(
+        "worker", add_help=False, help="run a worker process (flags: ominix-runtime worker --help)"
+    )
+    sub.add_parser(
+        "conformance",
+        add_help=False,
+        help="backend conformance suite (flags: ominix-runtime conformance --help)",
+    )
     return parser
 
 
@@ -147,18 +222,35 @@ def engine_config_from_args(args: argparse.Namespace, workers: Sequence[str]) ->
 
 def _serve_argv(args: argparse.Namespace, workers: Sequence[str]) -> list[str]:
     """The serve command line equivalent to ``args`` (for an engine child process)."""
-    argv = ["serve", "--host", args.host, "--port", str(args.port), "--metrics-port", str(args.metrics_port),
-            "--max-queue-len", str(args.max_queue_len), "--drain-timeout", str(args.drain_timeout),
-            "--worker-ready-timeout", str(args.worker_ready_timeout), "--log-level", args.log_level,
-            "--log-format", args.log_format]
+    argv = [
+        "serve",
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--metrics-port",
+        str(args.metrics_port),
+        "--max-queue-len",
+        str(args.max_queue_len),
+        "--drain-timeout",
+        str(args.drain_timeout),
+        "--worker-ready-timeout",
+        str(args.worker_ready_timeout),
+        "--log-level",
+        args.log_level,
+        "--log-format",
+        args.log_format,
+    ]
     if args.model:
         argv += ["--model", args.model]
     for worker in workers:
         argv += ["--worker", worker]
     for url in args.sglang:
         argv += ["--sglang", url]
-    for flag, value in (("--max-batch-tokens", args.max_batch_tokens),
-                        ("--max-running-requests", args.max_running_requests)):
+    for flag, value in (
+        ("--max-batch-tokens", args.max_batch_tokens),
+        ("--max-running-requests", args.max_running_requests),
+    ):
         if value is not None:
             argv += [flag, str(value)]
     if args.no_prefix_caching:
@@ -173,8 +265,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ominix_runtime.server.app import run_server
 
     if not args.worker and not args.sglang:
-        print("ominix-runtime serve: pass --worker HOST:PORT (or --sglang URL); "
-              "`ominix-runtime launch` starts workers for you", file=sys.stderr)
+        print(
+            "ominix-runtime serve: pass --worker HOST:PORT (or --sglang URL); "
+            "`ominix-runtime launch` starts workers for you",
+            file=sys.stderr,
+        )
         return 2
     return run_server(engine_config_from_args(args, args.worker))
 
@@ -184,8 +279,11 @@ def cmd_worker(argv: list[str]) -> int:
     try:
         from ominix_worker.server import main as worker_main
     except ImportError as exc:
-        print(f"ominix-runtime worker: the worker package is not installed ({exc}); "
-              "pip install 'ominix-runtime[worker]'", file=sys.stderr)
+        print(
+            f"ominix-runtime worker: the worker package is not installed ({exc}); "
+            "pip install 'ominix-runtime[worker]'",
+            file=sys.stderr,
+        )
         return 2
     return int(worker_main(argv) or 0)
 
@@ -209,13 +307,29 @@ def _set_parent_death_signal() -> None:
 
 
 def _worker_command(args: argparse.Namespace, device: str, port: int) -> list[str]:
-    cmd = [sys.executable, "-m", "ominix_runtime", "worker", "--device", device, "--host", args.host,
-           "--port", str(port), "--worker-id", f"{device}@{args.host}:{port}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ominix_runtime",
+        "worker",
+        "--device",
+        device,
+        "--host",
+        args.host,
+        "--port",
+        str(port),
+        "--worker-id",
+        f"{device}@{args.host}:{port}",
+    ]
     if args.model:
         cmd += ["--model", args.model]
-    for flag, value in (("--dtype", args.dtype), ("--kv-cache-memory", args.kv_cache_memory),
-                        ("--block-size", args.block_size), ("--max-batch-tokens", args.max_batch_tokens),
-                        ("--max-running-requests", args.max_running_requests)):
+    for flag, value in (
+        ("--dtype", args.dtype),
+        ("--kv-cache-memory", args.kv_cache_memory),
+        ("--block-size", args.block_size),
+        ("--max-batch-tokens", args.max_batch_tokens),
+        ("--max-running-requests", args.max_running_requests),
+    ):
         if value is not None:
             cmd += [flag, str(value)]
     return cmd
@@ -234,8 +348,9 @@ def _stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 1
             proc.wait(timeout=5)
 
 
-def _wait_workers_ready(procs: Sequence[subprocess.Popen[bytes]], addresses: Sequence[str],
-                        timeout: float) -> None:
+def _wait_workers_ready(
+    procs: Sequence[subprocess.Popen[bytes]], addresses: Sequence[str], timeout: float
+) -> None:
     import grpc
 
     from ominix_runtime.pb import worker_pb2, worker_pb2_grpc
@@ -250,7 +365,9 @@ def _wait_workers_ready(procs: Sequence[subprocess.Popen[bytes]], addresses: Seq
                 if code is not None:
                     raise RuntimeError(f"worker {addresses[i]} exited with code {code} before it was ready")
                 try:
-                    resp = worker_pb2_grpc.WorkerStub(channels[i]).Health(worker_pb2.HealthRequest(), timeout=2.0)
+                    resp = worker_pb2_grpc.WorkerStub(channels[i]).Health(
+                        worker_pb2.HealthRequest(), timeout=2.0
+                    )
                 except grpc.RpcError:
                     continue
                 if resp.ready:
@@ -258,8 +375,10 @@ def _wait_workers_ready(procs: Sequence[subprocess.Popen[bytes]], addresses: Seq
                     print(f"worker {addresses[i]} ready", file=sys.stderr, flush=True)
             if pending:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"workers not ready within {timeout:.0f}s: "
-                                       f"{', '.join(addresses[i] for i in sorted(pending))}")
+                    raise RuntimeError(
+                        f"workers not ready within {timeout:.0f}s: "
+                        f"{', '.join(addresses[i] for i in sorted(pending))}"
+                    )
                 time.sleep(0.2)
     finally:
         for ch in channels:
@@ -283,13 +402,20 @@ def cmd_launch(args: argparse.Namespace) -> int:
         for device, port in zip(devices, ports, strict=True):
             # Own session: a terminal's Ctrl-C reaches only the launcher, which drains the engine first and
             # then stops the workers itself.
-            procs.append(subprocess.Popen(_worker_command(args, device, port), start_new_session=True,
-                                          preexec_fn=_set_parent_death_signal))  # noqa: PLW1509
+            procs.append(
+                subprocess.Popen(
+                    _worker_command(args, device, port),
+                    start_new_session=True,
+                    preexec_fn=_set_parent_death_signal,
+                )
+            )  # noqa: PLW1509
         print(f"started {len(procs)} worker(s): {', '.join(addresses)}", file=sys.stderr, flush=True)
         _wait_workers_ready(procs, addresses, args.worker_ready_timeout)
         if args.engine_in_child:
-            engine = subprocess.Popen([sys.executable, "-m", "ominix_runtime", *_serve_argv(args, addresses)],
-                                      preexec_fn=_set_parent_death_signal)  # noqa: PLW1509
+            engine = subprocess.Popen(
+                [sys.executable, "-m", "ominix_runtime", *_serve_argv(args, addresses)],
+                preexec_fn=_set_parent_death_signal,
+            )  # noqa: PLW1509
             procs.insert(0, engine)
             signal.signal(signal.SIGTERM, lambda s, f: engine.send_signal(signal.SIGTERM))
             signal.signal(signal.SIGINT, lambda s, f: engine.send_signal(signal.SIGINT))
@@ -316,8 +442,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
 
-    sampling = common_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                         top_k=args.top_k, stop=args.stop)
+    sampling = common_pb2.SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, stop=args.stop
+    )
     if args.top_p is not None:
         sampling.top_p = args.top_p
     if args.seed is not None:

@@ -45,7 +45,9 @@ class DebugConfig:
     """Knobs for debugging, read from OMINIX_* environment variables only."""
 
     log_steps: bool = False  # OMINIX_LOG_STEPS=1: one log line per scheduler step
-    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S  # OMINIX_STEP_TIMEOUT_S: worker silence before it is dropped
+    step_timeout_s: float = (
+        DEFAULT_STEP_TIMEOUT_S  # OMINIX_STEP_TIMEOUT_S: worker silence before it is dropped
+    )
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> DebugConfig:

@@ -54,13 +54,15 @@ def _build_backends(config: EngineConfig) -> list[Any]:
 async def _wait_workers_ready(backends: list[Any], timeout: float) -> None:
     waits = [b.wait_ready(timeout) for b in backends if isinstance(b, GrpcWorkerBackend)]
     if waits:
-        _log.info("waiting for workers", workers=[b.address for b in backends if isinstance(b, GrpcWorkerBackend)])
+        _log.info(
+            "waiting for workers", workers=[b.address for b in backends if isinstance(b, GrpcWorkerBackend)]
+        )
         await asyncio.gather(*waits)
 
 
 def _grpcurl_hint(address: str) -> str:
     return (
-        f"try: grpcurl -plaintext -d '{{\"prompt\": \"Hello\", \"sampling\": {{\"max_tokens\": 32}}}}' "
+        f'try: grpcurl -plaintext -d \'{{"prompt": "Hello", "sampling": {{"max_tokens": 32}}}}\' '
         f"{address} ominix.runtime.v1.Engine/Generate"
     )
 
@@ -121,7 +123,9 @@ class EngineDaemon:
         await server.start()
 
         # The tokenizer (a GGUF metadata parse for the embedded model) loads while the workers get ready.
-        tokenizer_loading = asyncio.create_task(asyncio.to_thread(Tokenizer.from_source, source)) if source else None
+        tokenizer_loading = (
+            asyncio.create_task(asyncio.to_thread(Tokenizer.from_source, source)) if source else None
+        )
         try:
             await _wait_workers_ready(self._backends, config.worker_ready_timeout)
             if tokenizer_loading is not None:
@@ -137,8 +141,13 @@ class EngineDaemon:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         address = f"{config.host}:{self.bound_port}"
-        _log.info("serving", address=address, model=service.model_name, workers=list(config.workers),
-                  metrics_port=self.metrics_port or None)
+        _log.info(
+            "serving",
+            address=address,
+            model=service.model_name,
+            workers=list(config.workers),
+            metrics_port=self.metrics_port or None,
+        )
         print(f"ominix-runtime engine serving {service.model_name} on {address}", file=sys.stderr, flush=True)
         print(_grpcurl_hint(address), file=sys.stderr, flush=True)
 
@@ -166,7 +175,9 @@ class EngineDaemon:
         assert self.metrics is not None
         while True:
             try:
-                self.metrics.update_snapshots(self._engine.load(), self._engine.stats(), self._worker_figures())
+                self.metrics.update_snapshots(
+                    self._engine.load(), self._engine.stats(), self._worker_figures()
+                )
             except Exception as exc:  # noqa: BLE001 - metrics must never take the daemon down
                 _log.warning("metrics refresh failed", error=repr(exc))
             await asyncio.sleep(METRICS_REFRESH_INTERVAL_S)
@@ -175,10 +186,15 @@ class EngineDaemon:
         figures = []
         for group in self._engine.groups:
             used, total = group.kv_blocks
-            figures.append(WorkerFigures(
-                worker_id=group.worker_id, kv_blocks_used=used, kv_blocks_total=total,
-                preemptions=group.counters.preemptions, integrity_violations=group.integrity_violations,
-            ))
+            figures.append(
+                WorkerFigures(
+                    worker_id=group.worker_id,
+                    kv_blocks_used=used,
+                    kv_blocks_total=total,
+                    preemptions=group.counters.preemptions,
+                    integrity_violations=group.integrity_violations,
+                )
+            )
         return figures
 
     async def shutdown(self) -> None:

@@ -136,9 +136,13 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         request_id = request.request_id or uuid.uuid4().hex
         with request_context(request_id):
             if not self._engine.ready:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not ready (starting or stopping)")
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE, "the engine is not ready (starting or stopping)"
+                )
             if request_id in self._live:
-                await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id '{request_id}' is already live")
+                await context.abort(
+                    grpc.StatusCode.ALREADY_EXISTS, f"request_id '{request_id}' is already live"
+                )
             self._live.add(request_id)  # before any await, so a concurrent duplicate sees it
             try:
                 gen_request = self._resolve(request, request_id)
@@ -198,7 +202,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                     yield engine_pb2.GenerateEvent(
                         request_id=rid,
                         prefill_done=engine_pb2.PrefillDone(
-                            prompt_tokens=event.prompt_tokens, cached_tokens=event.cached_tokens,
+                            prompt_tokens=event.prompt_tokens,
+                            cached_tokens=event.cached_tokens,
                             ttft_seconds=time.monotonic() - req.arrival_time,
                         ),
                     )
@@ -214,7 +219,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                     yield engine_pb2.GenerateEvent(
                         request_id=rid,
                         token=engine_pb2.TokenChunk(
-                            token_ids=event.token_ids, text=match.text,
+                            token_ids=event.token_ids,
+                            text=match.text,
                             logprobs=[wire.logprobs_to_pb(lp) for lp in event.logprobs],
                         ),
                     )
@@ -225,7 +231,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 if tail.matched_stop is not None and matched_stop is None:
                     matched_stop = tail.matched_stop
                 if req.stream and tail.text:
-                    yield engine_pb2.GenerateEvent(request_id=rid, token=engine_pb2.TokenChunk(text=tail.text))
+                    yield engine_pb2.GenerateEvent(
+                        request_id=rid, token=engine_pb2.TokenChunk(text=tail.text)
+                    )
                 completion_tokens = num_emitted_tokens if matched_stop is not None else None
                 yield self._usage_event(rid, req, usage, completion_tokens)
                 finish_reason = FinishReason.STOP if matched_stop is not None else event.finish_reason
@@ -233,7 +241,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 yield engine_pb2.GenerateEvent(
                     request_id=rid,
                     done=engine_pb2.Done(
-                        finish_reason=int(finish_reason), text=text,
+                        finish_reason=int(finish_reason),
+                        text=text,
                         matched_stop=matched_stop if matched_stop is not None else event.matched_stop,
                     ),
                 )
@@ -263,7 +272,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         return engine_pb2.GenerateEvent(
             request_id=rid,
             usage=common_pb2.Usage(
-                prompt_tokens=prompt_tokens, completion_tokens=completion,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion,
                 cached_tokens=usage.cached_tokens if usage else 0,
             ),
         )
@@ -293,11 +303,18 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     async def GetStats(self, request: engine_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> Any:
         stats = await _maybe_await(self._engine.stats())
         return engine_pb2.GetStatsResponse(
-            requests_accepted=stats.accepted, requests_finished=stats.finished, requests_aborted=stats.aborted,
-            requests_failed=stats.failed, requests_rejected=stats.rejected + self._rejected,
-            prompt_tokens=stats.prompt_tokens, generated_tokens=stats.generated_tokens,
-            cached_tokens=stats.cached_tokens, preemptions=stats.preemptions, steps=stats.steps,
-            kv_blocks_used=stats.kv_blocks_used, kv_blocks_total=stats.kv_blocks_total,
+            requests_accepted=stats.accepted,
+            requests_finished=stats.finished,
+            requests_aborted=stats.aborted,
+            requests_failed=stats.failed,
+            requests_rejected=stats.rejected + self._rejected,
+            prompt_tokens=stats.prompt_tokens,
+            generated_tokens=stats.generated_tokens,
+            cached_tokens=stats.cached_tokens,
+            preemptions=stats.preemptions,
+            steps=stats.steps,
+            kv_blocks_used=stats.kv_blocks_used,
+            kv_blocks_total=stats.kv_blocks_total,
             uptime_seconds=time.monotonic() - self._started,
         )
 
@@ -311,10 +328,14 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
 def _backend_load_pb(load: LoadSnapshot) -> engine_pb2.BackendLoad:
     return engine_pb2.BackendLoad(
-        worker_id=load.worker_id, queued_requests=load.queued_requests, running_requests=load.running_requests,
-        waiting_tokens=load.waiting_tokens, kv_bytes_used=load.kv_bytes_used,
+        worker_id=load.worker_id,
+        queued_requests=load.queued_requests,
+        running_requests=load.running_requests,
+        waiting_tokens=load.waiting_tokens,
+        kv_bytes_used=load.kv_bytes_used,
         kv_bytes_capacity=load.kv_bytes_capacity,
-        estimated_decode_tokens_per_second=load.estimated_decode_tokens_per_second, healthy=load.healthy,
+        estimated_decode_tokens_per_second=load.estimated_decode_tokens_per_second,
+        healthy=load.healthy,
     )
 
 

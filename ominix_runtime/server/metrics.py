@@ -39,31 +39,67 @@ class EngineMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("ominix_requests", "Finished requests by outcome.", ["outcome"], registry=r)
-        self.queue_depth = Gauge("ominix_queue_depth", "Requests admitted and waiting.", ["worker_id"], registry=r)
+        self.queue_depth = Gauge(
+            "ominix_queue_depth", "Requests admitted and waiting.", ["worker_id"], registry=r
+        )
         self.running = Gauge("ominix_running_requests", "Requests holding KV.", ["worker_id"], registry=r)
-        self.ttft = Histogram("ominix_request_ttft_seconds", "Arrival to first token.", buckets=_LATENCY_BUCKETS,
-                              registry=r)
-        self.tpot = Histogram("ominix_request_tpot_seconds", "Mean time per output token after the first.",
-                              buckets=_TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("ominix_request_e2e_seconds", "Arrival to the terminal event.",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("ominix_request_queue_time_seconds", "Arrival to first scheduled.",
-                                    buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("ominix_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.generation_tokens = Counter("ominix_generation_tokens", "Generated tokens of finished requests.",
-                                         registry=r)
-        self.kv_used = Gauge("ominix_kv_blocks_used", "KV blocks leased or cached.", ["worker_id"], registry=r)
+        self.ttft = Histogram(
+            "ominix_request_ttft_seconds", "Arrival to first token.", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "ominix_request_tpot_seconds",
+            "Mean time per output token after the first.",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "ominix_request_e2e_seconds",
+            "Arrival to the terminal event.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "ominix_request_queue_time_seconds",
+            "Arrival to first scheduled.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "ominix_prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "ominix_generation_tokens", "Generated tokens of finished requests.", registry=r
+        )
+        self.kv_used = Gauge(
+            "ominix_kv_blocks_used", "KV blocks leased or cached.", ["worker_id"], registry=r
+        )
         self.kv_total = Gauge("ominix_kv_blocks_total", "KV blocks in all.", ["worker_id"], registry=r)
-        self.prefix_hit_ratio = Gauge("ominix_prefix_cache_hit_ratio", "Prompt tokens served from the prefix cache"
-                                      " / prompt tokens.", ["worker_id"], registry=r)
-        self.preemptions = Counter("ominix_preemptions", "Requests preempted (recompute).", ["worker_id"],
-                                   registry=r)
-        self.step_duration = Histogram("ominix_scheduler_step_duration_seconds", "Wall time of one worker step.",
-                                       ["worker_id"], buckets=_STEP_BUCKETS, registry=r)
-        self.batch_size = Histogram("ominix_scheduler_batch_size", "Requests in one step.", ["worker_id"],
-                                    buckets=_BATCH_BUCKETS, registry=r)
-        self.integrity_violations = Counter("ominix_integrity_violations", "KV registry integrity check failures.",
-                                            ["worker_id"], registry=r)
+        self.prefix_hit_ratio = Gauge(
+            "ominix_prefix_cache_hit_ratio",
+            "Prompt tokens served from the prefix cache / prompt tokens.",
+            ["worker_id"],
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "ominix_preemptions", "Requests preempted (recompute).", ["worker_id"], registry=r
+        )
+        self.step_duration = Histogram(
+            "ominix_scheduler_step_duration_seconds",
+            "Wall time of one worker step.",
+            ["worker_id"],
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "ominix_scheduler_batch_size",
+            "Requests in one step.",
+            ["worker_id"],
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.integrity_violations = Counter(
+            "ominix_integrity_violations", "KV registry integrity check failures.", ["worker_id"], registry=r
+        )
         self._last_cumulative: dict[tuple[str, str], float] = {}
         self._http_server: Any = None
 

@@ -4,6 +4,11 @@ from ominix_runtime.text.detokenizer import IncrementalDetokenizer, OutputText, 
 from ominix_runtime.text.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 __all__ = [
-    "IncrementalDetokenizer", "OutputText", "StopMatch", "StopStringMatcher", "Tokenizer", "TokenizerError",
+    "IncrementalDetokenizer",
+    "OutputText",
+    "StopMatch",
+    "StopStringMatcher",
+    "Tokenizer",
+    "TokenizerError",
     "load_tokenizer",
 ]

@@ -47,11 +47,11 @@ class IncrementalDetokenizer:
         """Add new tokens; return the text they complete (may be empty while a character is pending)."""
         self._ids.extend(token_ids)
         decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], self._skip_special_tokens)
-        window_text = decode(self._ids[self._prefix_offset:], self._skip_special_tokens)
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], self._skip_special_tokens)
+        window_text = decode(self._ids[self._prefix_offset :], self._skip_special_tokens)
         if len(window_text) <= len(prefix_text) or window_text.endswith(REPLACEMENT_CHAR):
             return ""
-        delta = window_text[len(prefix_text):]
+        delta = window_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         self._text.append(delta)
@@ -62,10 +62,10 @@ class IncrementalDetokenizer:
         if self._read_offset >= len(self._ids):
             return ""
         decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], self._skip_special_tokens)
-        window_text = decode(self._ids[self._prefix_offset:], self._skip_special_tokens)
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], self._skip_special_tokens)
+        window_text = decode(self._ids[self._prefix_offset :], self._skip_special_tokens)
         self._prefix_offset = self._read_offset = len(self._ids)
-        delta = window_text[len(prefix_text):] if window_text.startswith(prefix_text) else ""
+        delta = window_text[len(prefix_text) :] if window_text.startswith(prefix_text) else ""
         if delta:
             self._text.append(delta)
         return delta
@@ -102,7 +102,7 @@ class StopStringMatcher:
             self._pending = ""
             return StopMatch(buffer[:best_index], best_stop)
         hold = self._held_suffix_length(buffer)
-        self._pending = buffer[len(buffer) - hold:] if hold else ""
+        self._pending = buffer[len(buffer) - hold :] if hold else ""
         return StopMatch(buffer[: len(buffer) - hold], None)
 
     def flush(self) -> str:

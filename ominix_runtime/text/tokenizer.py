@@ -90,17 +90,25 @@ class Tokenizer:
         token_types = [int(type_field.parts[i][0]) for i in type_field.data] if type_field else []
         vocab = {tok: i for i, tok in enumerate(tokens)}
         backend = HFTokenizer(
-            models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="",
-                       fuse_unk=False, byte_fallback=False)
+            models.BPE(
+                vocab=vocab,
+                merges=merges,
+                continuing_subword_prefix="",
+                end_of_word_suffix="",
+                fuse_unk=False,
+                byte_fallback=False,
+            )
         )
         split = _SPLIT_BY_PRE.get(str(scalar("tokenizer.ggml.pre", "")))
         if split is None:
             backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         else:
-            backend.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ])
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
         backend.decoder = decoders.ByteLevel()
         special: list[AddedToken] = []
         user_defined: list[AddedToken] = []
@@ -230,9 +238,13 @@ class Tokenizer:
         except Exception as exc:  # jinja2 errors: a template bug or messages it cannot render
             raise TokenizerError(f"chat template failed: {exc}") from exc
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
         # The template writes its own BOS/special tokens, so none are added on top (HF behaviour).
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(
+            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+        )
 
 
 class TemplateRaised(Exception):
@@ -247,9 +259,16 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _compile_template(source: str) -> Any:

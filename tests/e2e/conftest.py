@@ -20,7 +20,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from ominix_worker.testing import write_tiny_hf_model
 
     # The helper writes a byte-level tokenizer of the same vocabulary next to the weights.
-    return write_tiny_hf_model(tmp_path_factory.mktemp("tiny-llama") / "tiny-llama", arch="llama", vocab_size=320)
+    return write_tiny_hf_model(
+        tmp_path_factory.mktemp("tiny-llama") / "tiny-llama", arch="llama", vocab_size=320
+    )
 
 
 def _model_and_tokenizer(kind: str, tiny_model_dir: Path) -> tuple[str, Tokenizer]:
@@ -30,14 +32,19 @@ def _model_and_tokenizer(kind: str, tiny_model_dir: Path) -> tuple[str, Tokenize
 
 
 @pytest.fixture(scope="module", params=["tiny", "smollm2"])
-def daemon(request: pytest.FixtureRequest, tiny_model_dir: Path,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def daemon(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Daemon]:
     model, tokenizer = _model_and_tokenizer(request.param, tiny_model_dir)
     prompts = [tokenizer.encode(t) for t in REFERENCE_TEXTS]
     logs = tmp_path_factory.mktemp(f"logs-{request.param}")
-    with run_server(model or "SmolLM2-135M-Instruct", logs, reference_prompts=prompts,
-                    reference_tokens=REFERENCE_TOKENS,
-                    kv_cache_memory="16MiB" if request.param == "tiny" else "96MiB") as running:
+    with run_server(
+        model or "SmolLM2-135M-Instruct",
+        logs,
+        reference_prompts=prompts,
+        reference_tokens=REFERENCE_TOKENS,
+        kv_cache_memory="16MiB" if request.param == "tiny" else "96MiB",
+    ) as running:
         running.tokenizer = tokenizer
         running.kind = request.param
         yield running

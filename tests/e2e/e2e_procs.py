@@ -55,8 +55,13 @@ class Proc:
 def start_proc(name: str, argv: Sequence[str], log_dir: Path) -> Proc:
     log_path = log_dir / f"{name}.log"
     with log_path.open("wb") as log:
-        popen = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        popen = subprocess.Popen(
+            list(argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     return Proc(name, popen, log_path)
 
 
@@ -86,7 +91,10 @@ def wait_health(address: str, procs: Sequence[Proc], timeout: float = STARTUP_TI
                 if p.popen.poll() is not None:
                     raise AssertionError(f"{p.name} exited with {p.popen.returncode}:\n{p.log_tail()}")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 pass
@@ -119,17 +127,38 @@ class Daemon:
 def start_workers(model: str, n: int, log_dir: Path, kv_cache_memory: str) -> tuple[list[Proc], list[str]]:
     ports = free_ports(n)
     procs = [
-        start_proc(f"worker{i}", [*CLI, "worker", "--model", model, "--device", "cpu", "--port", str(port),
-                                  "--kv-cache-memory", kv_cache_memory], log_dir)
+        start_proc(
+            f"worker{i}",
+            [
+                *CLI,
+                "worker",
+                "--model",
+                model,
+                "--device",
+                "cpu",
+                "--port",
+                str(port),
+                "--kv-cache-memory",
+                kv_cache_memory,
+            ],
+            log_dir,
+        )
         for i, port in enumerate(ports)
     ]
     return procs, [f"127.0.0.1:{p}" for p in ports]
 
 
 @contextlib.contextmanager
-def run_server(model: str, log_dir: Path, *, num_workers: int = 2, kv_cache_memory: str = "64MiB",
-               reference_prompts: Sequence[Sequence[int]] = (), reference_tokens: int = 0,
-               extra_serve_args: Sequence[str] = ()) -> Iterator[Daemon]:
+def run_server(
+    model: str,
+    log_dir: Path,
+    *,
+    num_workers: int = 2,
+    kv_cache_memory: str = "64MiB",
+    reference_prompts: Sequence[Sequence[int]] = (),
+    reference_tokens: int = 0,
+    extra_serve_args: Sequence[str] = (),
+) -> Iterator[Daemon]:
     """``serve`` + ``num_workers`` CPU workers. Greedy references for ``reference_prompts`` are computed by
     driving the first worker directly (before the engine connects), so they never pass through the engine."""
     procs: list[Proc] = []
@@ -143,15 +172,28 @@ def run_server(model: str, log_dir: Path, *, num_workers: int = 2, kv_cache_memo
                 worker_greedy_reference(addresses[0], reference_prompts, reference_tokens, procs)
             )
         port, metrics_port = free_ports(2)
-        serve = [*CLI, "serve", "--model", model, "--port", str(port), "--metrics-port", str(metrics_port),
-                 "--drain-timeout", "10", *extra_serve_args]
+        serve = [
+            *CLI,
+            "serve",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            "--drain-timeout",
+            "10",
+            *extra_serve_args,
+        ]
         for a in addresses:
             serve += ["--worker", a]
         procs.append(start_proc("engine", serve, log_dir))
         address = f"127.0.0.1:{port}"
         wait_health(address, procs)
         channel = grpc.insecure_channel(address)
-        yield Daemon(address, f"http://127.0.0.1:{metrics_port}/metrics", addresses, procs, channel, references)
+        yield Daemon(
+            address, f"http://127.0.0.1:{metrics_port}/metrics", addresses, procs, channel, references
+        )
     finally:
         if channel is not None:
             channel.close()
@@ -186,9 +228,17 @@ async def worker_greedy_reference(
                 assert len(blocks) <= cap.kv_num_blocks
                 sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
                 step_id += 1
-                await stream.send(DecodeStep(step_id, new_requests=[NewRequestData(
-                    rid, list(prompt), sampling, blocks, 0, len(prompt), effective_seed=0)],
-                    finished_request_ids=finished))
+                await stream.send(
+                    DecodeStep(
+                        step_id,
+                        new_requests=[
+                            NewRequestData(
+                                rid, list(prompt), sampling, blocks, 0, len(prompt), effective_seed=0
+                            )
+                        ],
+                        finished_request_ids=finished,
+                    )
+                )
                 tokens = [(await stream.recv()).outputs[0].sampled_token_id]
                 while len(tokens) < max_tokens:
                     step_id += 1

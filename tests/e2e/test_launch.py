@@ -52,10 +52,28 @@ def _alive(pid: int) -> bool:
 def test_launch_two_cpu_workers_and_stop_cleanly(tiny_model_dir: Path, tmp_path: Path) -> None:
     port, metrics_port = free_ports(2)
     base = _two_consecutive_free_ports()
-    launch = start_proc("launch", [*CLI, "launch", "--devices", "cpu,cpu", "--model", str(tiny_model_dir),
-                                   "--port", str(port), "--metrics-port", str(metrics_port),
-                                   "--worker-base-port", str(base), "--kv-cache-memory", "16MiB",
-                                   "--drain-timeout", "5"], tmp_path)
+    launch = start_proc(
+        "launch",
+        [
+            *CLI,
+            "launch",
+            "--devices",
+            "cpu,cpu",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            "--worker-base-port",
+            str(base),
+            "--kv-cache-memory",
+            "16MiB",
+            "--drain-timeout",
+            "5",
+        ],
+        tmp_path,
+    )
     try:
         address = f"127.0.0.1:{port}"
         wait_health(address, [launch])
@@ -64,13 +82,24 @@ def test_launch_two_cpu_workers_and_stop_cleanly(tiny_model_dir: Path, tmp_path:
         with grpc.insecure_channel(address) as channel:
             stub = engine_pb2_grpc.EngineStub(channel)
             backends = stub.ListBackends(engine_pb2.ListBackendsRequest(), timeout=10).backends
-            assert sorted(b.worker_id for b in backends) == [f"cpu@127.0.0.1:{base}", f"cpu@127.0.0.1:{base + 1}"]
-            events = list(stub.Generate(engine_pb2.GenerateRequest(
-                prompt="hi", sampling=common_pb2.SamplingParams(max_tokens=3, temperature=0)), timeout=60))
+            assert sorted(b.worker_id for b in backends) == [
+                f"cpu@127.0.0.1:{base}",
+                f"cpu@127.0.0.1:{base + 1}",
+            ]
+            events = list(
+                stub.Generate(
+                    engine_pb2.GenerateRequest(
+                        prompt="hi", sampling=common_pb2.SamplingParams(max_tokens=3, temperature=0)
+                    ),
+                    timeout=60,
+                )
+            )
             assert events[-1].done.finish_reason == common_pb2.FINISH_REASON_LENGTH
             # SIGTERM while a request streams: it is drained to its normal end, then everything exits.
             sampling = common_pb2.SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
-            stream = stub.Generate(engine_pb2.GenerateRequest(prompt="drain me", sampling=sampling), timeout=120)
+            stream = stub.Generate(
+                engine_pb2.GenerateRequest(prompt="drain me", sampling=sampling), timeout=120
+            )
             first = next(stream)
             assert first.HasField("prefill_done")
             launch.popen.send_signal(signal.SIGTERM)

@@ -15,8 +15,13 @@ from ominix_runtime.server.logging import configure_logging
 def fake_daemon() -> Iterator[RunningDaemon]:
     configure_logging("warning", json_output=True)
     running, thread = start_daemon(
-        FakeConfig(vocab_size=SMOLLM2_VOCAB, eos_token_ids=(2,), max_model_len=2048, kv_num_blocks=64,
-                   step_latency=0.002)
+        FakeConfig(
+            vocab_size=SMOLLM2_VOCAB,
+            eos_token_ids=(2,),
+            max_model_len=2048,
+            kv_num_blocks=64,
+            step_latency=0.002,
+        )
     )
     try:
         yield running

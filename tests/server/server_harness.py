@@ -38,6 +38,7 @@ class RunningDaemon:
 
     def call(self, fn, timeout: float = 10.0):  # noqa: ANN001, ANN201 - test helper
         """Run ``fn()`` (sync) on the daemon's loop thread and return its result."""
+
         async def wrapper():  # noqa: ANN202
             return fn()
 
@@ -45,8 +46,9 @@ class RunningDaemon:
 
 
 def start_daemon(fake: FakeConfig, **config_overrides) -> tuple[RunningDaemon, threading.Thread]:  # noqa: ANN003
-    config = EngineConfig(port=free_port(), metrics_port=free_port(), drain_timeout=5.0, log_json=True,
-                          **config_overrides)
+    config = EngineConfig(
+        port=free_port(), metrics_port=free_port(), drain_timeout=5.0, log_json=True, **config_overrides
+    )
     backend = FakeStepBackend(fake)
     loop = asyncio.new_event_loop()
     daemon_box: dict[str, EngineDaemon] = {}
@@ -74,8 +76,14 @@ def start_daemon(fake: FakeConfig, **config_overrides) -> tuple[RunningDaemon, t
         raise errors[0]
     daemon = daemon_box["daemon"]
     address = f"127.0.0.1:{daemon.bound_port}"
-    running = RunningDaemon(daemon, backend, loop, address, f"http://127.0.0.1:{daemon.metrics_port}/metrics",
-                            grpc.insecure_channel(address))
+    running = RunningDaemon(
+        daemon,
+        backend,
+        loop,
+        address,
+        f"http://127.0.0.1:{daemon.metrics_port}/metrics",
+        grpc.insecure_channel(address),
+    )
     return running, thread
 
 

@@ -89,7 +89,10 @@ def test_prompt_forms_agree(fake_daemon: RunningDaemon) -> None:
 @pytest.mark.parametrize(
     ("fields", "code"),
     [
-        ({"prompt": "x", "sampling": common_pb2.SamplingParams(temperature=-1.0)}, grpc.StatusCode.INVALID_ARGUMENT),
+        (
+            {"prompt": "x", "sampling": common_pb2.SamplingParams(temperature=-1.0)},
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
         ({"prompt": "x", "sampling": common_pb2.SamplingParams(top_p=1.5)}, grpc.StatusCode.INVALID_ARGUMENT),
         ({"prompt": "x", "model": "no-such-model"}, grpc.StatusCode.NOT_FOUND),
         ({}, grpc.StatusCode.INVALID_ARGUMENT),
@@ -97,7 +100,9 @@ def test_prompt_forms_agree(fake_daemon: RunningDaemon) -> None:
         ({"prompt": "word " * 3000}, grpc.StatusCode.INVALID_ARGUMENT),
     ],
 )
-def test_bad_requests_get_status_codes(fake_daemon: RunningDaemon, fields: dict, code: grpc.StatusCode) -> None:
+def test_bad_requests_get_status_codes(
+    fake_daemon: RunningDaemon, fields: dict, code: grpc.StatusCode
+) -> None:
     with pytest.raises(grpc.RpcError) as info:
         generate(fake_daemon, **fields)
     assert info.value.code() == code
@@ -137,7 +142,7 @@ def test_stop_string_across_token_boundaries(fake_daemon: RunningDaemon) -> None
         at += len(piece)
     index = next(i for i in range(5, len(pieces) - 3) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 1)
     start = offsets[index] + len(pieces[index]) - 2
-    stop = full[start:offsets[index + 1] + len(pieces[index + 1])]
+    stop = full[start : offsets[index + 1] + len(pieces[index + 1])]
     expected = full[: full.find(stop)]
     events = generate(fake_daemon, prompt="Tell me a story", sampling=greedy(40, stop=[stop]))
     done = events[-1].done
@@ -152,7 +157,8 @@ def test_stop_string_across_token_boundaries(fake_daemon: RunningDaemon) -> None
 
 def test_client_cancel_frees_kv(fake_daemon: RunningDaemon) -> None:
     call = fake_daemon.stub.Generate(
-        engine_pb2.GenerateRequest(request_id="cancel-me", prompt="long " * 40, sampling=greedy(800)), timeout=30
+        engine_pb2.GenerateRequest(request_id="cancel-me", prompt="long " * 40, sampling=greedy(800)),
+        timeout=30,
     )
     seen_tokens = 0
     for event in call:
@@ -166,7 +172,9 @@ def test_client_cancel_frees_kv(fake_daemon: RunningDaemon) -> None:
     call.cancel()
     wait_kv_free(fake_daemon, timeout=2.0)
     # The worker was told to drop the request promptly (a couple of steps at most: one may be in flight).
-    assert fake_daemon.backend.num_steps - steps_before <= 3 or "cancel-me" not in fake_daemon.backend.requests
+    assert (
+        fake_daemon.backend.num_steps - steps_before <= 3 or "cancel-me" not in fake_daemon.backend.requests
+    )
 
 
 def test_concurrent_streams_each_end_once(fake_daemon: RunningDaemon) -> None:
@@ -209,8 +217,11 @@ def scrape(daemon: RunningDaemon) -> dict[str, list]:
 
 def test_metrics_families_and_counts_move(fake_daemon: RunningDaemon) -> None:
     def finished_stop_or_length(families: dict[str, list]) -> float:
-        return sum(s.value for s in families["ominix_requests"] if s.name == "ominix_requests_total"
-                   and s.labels["outcome"] in ("length", "stop"))
+        return sum(
+            s.value
+            for s in families["ominix_requests"]
+            if s.name == "ominix_requests_total" and s.labels["outcome"] in ("length", "stop")
+        )
 
     before = scrape(fake_daemon)
     generate(fake_daemon, prompt="metrics", sampling=greedy(6))
@@ -222,11 +233,22 @@ def test_metrics_families_and_counts_move(fake_daemon: RunningDaemon) -> None:
         assert time.monotonic() < deadline, "ominix_requests_total did not move"
         time.sleep(0.05)
     expected = {
-        "ominix_requests", "ominix_queue_depth", "ominix_running_requests", "ominix_request_ttft_seconds",
-        "ominix_request_tpot_seconds", "ominix_request_e2e_seconds", "ominix_request_queue_time_seconds",
-        "ominix_prompt_tokens", "ominix_generation_tokens", "ominix_kv_blocks_used", "ominix_kv_blocks_total",
-        "ominix_prefix_cache_hit_ratio", "ominix_preemptions", "ominix_scheduler_step_duration_seconds",
-        "ominix_scheduler_batch_size", "ominix_integrity_violations",
+        "ominix_requests",
+        "ominix_queue_depth",
+        "ominix_running_requests",
+        "ominix_request_ttft_seconds",
+        "ominix_request_tpot_seconds",
+        "ominix_request_e2e_seconds",
+        "ominix_request_queue_time_seconds",
+        "ominix_prompt_tokens",
+        "ominix_generation_tokens",
+        "ominix_kv_blocks_used",
+        "ominix_kv_blocks_total",
+        "ominix_prefix_cache_hit_ratio",
+        "ominix_preemptions",
+        "ominix_scheduler_step_duration_seconds",
+        "ominix_scheduler_batch_size",
+        "ominix_integrity_violations",
     }
     assert expected <= set(after)
     gen_tokens = next(s.value for s in after["ominix_generation_tokens"] if s.name.endswith("_total"))

@@ -21,8 +21,10 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 def test_not_serving_until_ready_then_serving_then_clean_stop() -> None:
     port = free_port()
-    daemon = EngineDaemon(EngineConfig(port=port, metrics_port=0, drain_timeout=2.0, log_json=True),
-                          backends=[FakeStepBackend(FakeConfig(vocab_size=SMOLLM2_VOCAB, describe_delay=2.0))])
+    daemon = EngineDaemon(
+        EngineConfig(port=port, metrics_port=0, drain_timeout=2.0, log_json=True),
+        backends=[FakeStepBackend(FakeConfig(vocab_size=SMOLLM2_VOCAB, describe_delay=2.0))],
+    )
     loop = asyncio.new_event_loop()
     failures: list[BaseException] = []
 
@@ -61,8 +63,14 @@ def test_not_serving_until_ready_then_serving_then_clean_stop() -> None:
                 time.sleep(0.02)
             assert statuses[0] == NOT_SERVING
             assert unavailable_while_starting == grpc.StatusCode.UNAVAILABLE
-            events = list(engine.Generate(engine_pb2.GenerateRequest(
-                prompt="x", sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0)), timeout=10))
+            events = list(
+                engine.Generate(
+                    engine_pb2.GenerateRequest(
+                        prompt="x", sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0)
+                    ),
+                    timeout=10,
+                )
+            )
             assert events[-1].HasField("done")
     finally:
         loop.call_soon_threadsafe(daemon.stop_requested.set)

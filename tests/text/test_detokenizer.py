@@ -42,7 +42,7 @@ def test_random_chunking_rebuilds_the_text(tokenizer: Tokenizer, text: str) -> N
     out, i = [], 0
     while i < len(ids):
         n = rng.randint(1, 3)
-        out.append(detok.push(ids[i:i + n]))
+        out.append(detok.push(ids[i : i + n]))
         i += n
     out.append(detok.flush())
     assert "".join(out) == text

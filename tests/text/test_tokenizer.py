@@ -74,7 +74,10 @@ def test_chat_template_matches_transformers(ours: Tokenizer, reference) -> None:
 
 def test_template_raise_exception_becomes_a_clear_error(ours: Tokenizer) -> None:
     bad = Tokenizer(
-        backend=ours.backend, bos_token_id=1, eos_token_ids=(2,), add_bos_token=False,
+        backend=ours.backend,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        add_bos_token=False,
         chat_template="{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}ok",
     )
     with pytest.raises(TokenizerError, match="user first"):
@@ -85,9 +88,15 @@ def test_template_raise_exception_becomes_a_clear_error(ours: Tokenizer) -> None
 def test_hf_folder_round_trip(ours: Tokenizer, tmp_path: Path) -> None:
     """The GGUF tokenizer exported to tokenizer.json loads back from a HF folder with the same behaviour."""
     ours.backend.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": ours.chat_template,
-    }))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "chat_template": ours.chat_template,
+            }
+        )
+    )
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
     folder = Tokenizer.from_hf_folder(tmp_path)
