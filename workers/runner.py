@@ -250,8 +250,8 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         max_blocks = max(-(-row.end // bs) for row in rows)
-        block_table = torch.zeros((len(rows), max_blocks), dtype=torch.int32)
-        for i, row in enumerate(rows):
+        block_rows: list[list[int]] = []
+        for row in rows:
             req = row.request
             input_ids.extend(req.token_ids(row.start, row.end))
             span = range(row.start, row.end)
@@ -261,14 +261,14 @@ class ModelRunner:
             query_start.append(query_start[-1] + row.end - row.start)
             seq_lens.append(row.end)
             used = -(-row.end // bs)
-            block_table[i, :used] = torch.tensor(blocks[:used], dtype=torch.int32)
+            block_rows.append(blocks[:used] + [0] * (max_blocks - used))
             if row.samples:
                 logits_indices.append(query_start[-1] - 1)
         max_query_len = max(row.end - row.start for row in rows)
         meta = AttentionMetadata(
             query_start_loc=self._to_device(torch.tensor(query_start, dtype=torch.int32)),
             seq_lens=self._to_device(torch.tensor(seq_lens, dtype=torch.int32)),
-            block_tables=self._to_device(block_table),
+            block_tables=self._to_device(torch.tensor(block_rows, dtype=torch.int32)),
             slot_mapping=self._to_device(torch.tensor(slots, dtype=torch.int64)),
             max_query_len=max_query_len,
             max_seq_len=max(seq_lens),
