@@ -98,6 +98,11 @@ def test_prompt_forms_agree(fake_daemon: RunningDaemon) -> None:
         ({}, grpc.StatusCode.INVALID_ARGUMENT),
         ({"input_ids": engine_pb2.TokenIds(ids=[10**6])}, grpc.StatusCode.INVALID_ARGUMENT),
         ({"prompt": "word " * 3000}, grpc.StatusCode.INVALID_ARGUMENT),
+        # Fits the context but not the KV cache even alone (64 blocks x 16 tokens).
+        (
+            {"prompt": "x", "sampling": common_pb2.SamplingParams(max_tokens=1500)},
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ),
     ],
 )
 def test_bad_requests_get_status_codes(
@@ -259,3 +264,10 @@ def test_metrics_families_and_counts_move(fake_daemon: RunningDaemon) -> None:
     assert "fake-0" in worker_ids
     total = [s.value for s in after["ominix_kv_blocks_total"] if s.labels["worker_id"] == "fake-0"]
     assert total == [64]
+
+
+def test_deadline_ends_the_stream_with_timeout(fake_daemon: RunningDaemon) -> None:
+    events = generate(fake_daemon, prompt="slow", sampling=greedy(800), deadline_ms=100)
+    assert kinds(events).count("error") == 1 and kinds(events)[-1] == "error"
+    assert events[-1].error.code == common_pb2.ERROR_CODE_TIMEOUT
+    wait_kv_free(fake_daemon)
