@@ -1,0 +1,90 @@
+"""The ominix-runtime command line: help text, flag plumbing into the frozen config, forwarding."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from ominix_runtime.cli import build_parser, engine_config_from_args, main
+from ominix_runtime.config import DebugConfig, EngineConfig
+
+
+@pytest.mark.parametrize("command", ["serve", "launch", "generate"])
+def test_help_documents_every_flag_with_its_default(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    parser = build_parser()
+    sub = parser._subparsers._group_actions[0].choices[command]  # noqa: SLF001 - argparse has no public API
+    for action in sub._actions:  # noqa: SLF001
+        for flag in action.option_strings:
+            assert flag in text
+    assert "(default:" in text
+
+
+def test_serve_flags_build_a_frozen_config() -> None:
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--worker",
+            "127.0.0.1:1",
+            "--worker",
+            "127.0.0.1:2",
+            "--port",
+            "7000",
+            "--metrics-port",
+            "0",
+            "--max-batch-tokens",
+            "256",
+            "--no-prefix-caching",
+            "--drain-timeout",
+            "3",
+        ]
+    )
+    config = engine_config_from_args(args, args.worker)
+    assert config.workers == ("127.0.0.1:1", "127.0.0.1:2")
+    assert config.address == "127.0.0.1:7000" and config.metrics_port == 0
+    assert config.scheduler.max_batch_tokens == 256 and not config.scheduler.enable_prefix_caching
+    assert config.model is None  # the embedded default
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.port = 1  # type: ignore[misc]
+
+
+def test_launch_accepts_every_serve_flag() -> None:
+    parser = build_parser()
+    choices = parser._subparsers._group_actions[0].choices  # noqa: SLF001
+    serve_flags = {f for a in choices["serve"]._actions for f in a.option_strings} - {"--worker"}  # noqa: SLF001
+    launch_flags = {f for a in choices["launch"]._actions for f in a.option_strings}  # noqa: SLF001
+    assert serve_flags <= launch_flags
+
+
+def test_debug_knobs_come_from_ominix_env_vars() -> None:
+    debug = DebugConfig.from_env({"OMINIX_LOG_STEPS": "1", "OMINIX_STEP_TIMEOUT_S": "7.5"})
+    assert debug == DebugConfig(log_steps=True, step_timeout_s=7.5)
+    assert EngineConfig().debug == DebugConfig()
+
+
+def test_serve_without_backends_explains(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve"]) == 2
+    assert "--worker" in capsys.readouterr().err
+
+
+def test_worker_and_conformance_are_forwarded() -> None:
+    worker = subprocess.run(
+        [sys.executable, "-m", "ominix_runtime", "worker", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert worker.returncode == 0 and "--kv-cache-memory" in worker.stdout
+    conformance = subprocess.run(
+        [sys.executable, "-m", "ominix_runtime", "conformance", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert conformance.returncode == 0, conformance.stderr
