@@ -45,8 +45,12 @@ class GrpcStepStream:
         self._call = call
         self._step_timeout = step_timeout
         # A reader task owns call.read(): cancelling a pending read() directly would tear down the RPC.
+        # Only results and failures are queued; heartbeats just move _last_heard (an idle engine would
+        # otherwise pile them up).
         self._inbox: asyncio.Queue[Any] = asyncio.Queue()
-        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        self._loop = asyncio.get_running_loop()
+        self._last_heard = self._loop.time()
+        self._reader = self._loop.create_task(self._read_loop())
         self._broken: OminixError | None = None
         self._closed = False
 
@@ -57,7 +61,10 @@ class GrpcStepStream:
                 if msg is grpc.aio.EOF:
                     self._inbox.put_nowait(_unavailable(self._address, "Run stream closed by the worker"))
                     return
-                self._inbox.put_nowait(msg)
+                self._last_heard = self._loop.time()
+                if msg.WhichOneof("kind") in ("step_result", "fatal_error"):
+                    self._inbox.put_nowait(msg)
+                # heartbeat (or a kind from a newer worker): proof of life only
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:
@@ -81,25 +88,27 @@ class GrpcStepStream:
     async def recv(self) -> StepResult:
         if self._broken is not None:
             raise self._broken
+        waiting_since = self._loop.time()
         while True:
-            try:
-                item = await asyncio.wait_for(self._inbox.get(), timeout=self._step_timeout)
-            except asyncio.TimeoutError:
+            # Silence is measured from the later of: when this wait began, the last message heard.
+            remaining = max(waiting_since, self._last_heard) + self._step_timeout - self._loop.time()
+            if remaining <= 0:
                 self._broken = _unavailable(
                     self._address, f"no step result or heartbeat within {self._step_timeout:.1f}s"
                 )
                 self._call.cancel()
-                raise self._broken from None
+                raise self._broken
+            try:
+                item = await asyncio.wait_for(self._inbox.get(), timeout=remaining)
+            except asyncio.TimeoutError:
+                continue  # re-check: a heartbeat may have arrived meanwhile
             if isinstance(item, OminixError):
                 self._broken = item
                 raise item
-            kind = item.WhichOneof("kind")
-            if kind == "step_result":
-                return wire.step_result_from_pb(item.step_result)
-            if kind == "fatal_error":
+            if item.WhichOneof("kind") == "fatal_error":
                 self._broken = _unavailable(self._address, f"fatal error: {item.fatal_error.message}")
                 raise self._broken
-            # heartbeat (or an unknown kind from a newer worker): proof of life, keep waiting
+            return wire.step_result_from_pb(item.step_result)
 
     async def close(self) -> None:
         if self._closed:
