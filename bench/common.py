@@ -118,6 +118,8 @@ class PlotData:
 def _histogram_with_cdf(axis: Any, values_ms: list[float], name: str, color: str) -> None:
     axis.set_title(f"{name} (n={len(values_ms)})")
     axis.set_xlabel("ms")
+    axis.ticklabel_format(axis="x", style="plain", useOffset=False)
+    axis.tick_params(axis="x", labelrotation=30)
     if not values_ms:
         axis.text(0.5, 0.5, "no data", ha="center", va="center", transform=axis.transAxes)
         return
