@@ -188,6 +188,9 @@ def test_stream_close_drops_state_and_only_one_stream_at_a_time(worker: tuple[st
             first = stub.Run(held_open(), timeout=30)
             message = await first.read()
             assert message.WhichOneof("kind") == "step_result"
+            # Nothing else to say while the engine sends nothing: a heartbeat within about a second.
+            idle = await asyncio.wait_for(first.read(), timeout=10)
+            assert idle.WhichOneof("kind") == "heartbeat" and idle.heartbeat.worker_time > 0
             during = await stub.Health(worker_pb2.HealthRequest(), timeout=5)
             second = stub.Run(iter([]), timeout=10)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
