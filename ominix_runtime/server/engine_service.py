@@ -227,7 +227,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             elif isinstance(event, Usage):
                 usage = event
             elif isinstance(event, Done):
-                tail = output.finish()
+                backend_stop = event.matched_stop if event.finish_reason == FinishReason.STOP else None
+                tail = output.finish(backend_stop or None)
                 if tail.matched_stop is not None and matched_stop is None:
                     matched_stop = tail.matched_stop
                 if req.stream and tail.text:

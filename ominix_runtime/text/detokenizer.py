@@ -110,6 +110,15 @@ class StopStringMatcher:
         tail, self._pending = self._pending, ""
         return "" if self._stopped else tail
 
+    def cut(self, stop: str) -> str:
+        """The stream ended on ``stop`` matched elsewhere: release the held text before its start."""
+        pending, self._pending = self._pending, ""
+        self._stopped = True
+        for length in range(min(len(stop) - 1, len(pending)), 0, -1):
+            if pending.endswith(stop[:length]):
+                return pending[: len(pending) - length]
+        return pending
+
     @property
     def stopped(self) -> bool:
         return self._stopped
@@ -161,13 +170,23 @@ class OutputText:
             self._released.append(match.text)
         return match
 
-    def finish(self) -> StopMatch:
-        """The stream ended: release pending characters and any held-back partial stop string."""
+    def finish(self, backend_matched_stop: str | None = None) -> StopMatch:
+        """The stream ended: release pending characters and any held-back partial stop string.
+
+        ``backend_matched_stop``: a stop string the backend itself matched (request-level backends apply
+        stop strings too); the part of it still held back is dropped instead of released.
+        """
         if self._matcher.stopped:
             return StopMatch("", None)
         tail = self._detokenizer.flush() if self._detokenizer is not None else ""
         match = self._matcher.feed(tail)
-        released = match.text + ("" if match.matched_stop else self._matcher.flush())
+        if match.matched_stop:
+            released, matched = match.text, match.matched_stop
+        elif backend_matched_stop and backend_matched_stop in self._matcher.stops:
+            released, matched = self._matcher.cut(backend_matched_stop), backend_matched_stop
+            released = match.text + released
+        else:
+            released, matched = match.text + self._matcher.flush(), None
         if released:
             self._released.append(released)
-        return StopMatch(released, match.matched_stop)
+        return StopMatch(released, matched)

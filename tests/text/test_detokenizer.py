@@ -123,3 +123,14 @@ def test_backend_text_without_tokenizer() -> None:
     assert output.push([], "hello </").text == "hello "
     r = output.push([], "s> tail")
     assert r.matched_stop == "</s>" and output.text == "hello "
+
+
+def test_stop_matched_by_the_backend_drops_its_held_part() -> None:
+    output = OutputText(None, ["0 w2", "xyz"])
+    assert output.push([], " w11 w16850").text == " w11 w1685"  # "0" might start "0 w2": held back
+    end = output.finish(backend_matched_stop="0 w2")
+    assert (end.text, end.matched_stop) == ("", "0 w2")
+    assert output.text == " w11 w1685"
+    other = OutputText(None, ["0 w2"])
+    other.push([], "abc0")
+    assert other.finish(backend_matched_stop="not-ours").text == "0"  # unknown stop: nothing is cut
