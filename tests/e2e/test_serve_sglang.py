@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -26,32 +26,15 @@ def sglang_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 logs,
             )
         )
-        procs.append(
-            start_proc(
-                "engine",
-                [
-                    *CLI,
-                    "serve",
-                    "--sglang",
-                    f"http://127.0.0.1:{sglang_port}",
-                    "--port",
-                    str(port),
-                    "--metrics-port",
-                    "0",
-                    "--worker-ready-timeout",
-                    "30",
-                ],
-                logs,
-            )
-        )
-        # serve's describe() needs the fake server up: retry by restarting the engine if it lost the race.
+        # serve describes its backends at startup: start it once the fake server listens.
+        deadline = time.monotonic() + 60
+        while "fake SGLang ready" not in procs[0].log_tail():
+            assert procs[0].popen.poll() is None and time.monotonic() < deadline, procs[0].log_tail()
+            time.sleep(0.05)
+        serve = [*CLI, "serve", "--sglang", f"http://127.0.0.1:{sglang_port}", "--port", str(port)]
+        procs.append(start_proc("engine", [*serve, "--metrics-port", "0"], logs))
         address = f"127.0.0.1:{port}"
-        try:
-            wait_health(address, procs, timeout=60)
-        except AssertionError:
-            stop_procs(procs[1:])
-            procs[1] = start_proc("engine-retry", procs[1].popen.args, logs)  # type: ignore[arg-type]
-            wait_health(address, procs, timeout=60)
+        wait_health(address, procs, timeout=60)
         yield address
     finally:
         stop_procs(procs[::-1])
@@ -92,6 +75,3 @@ def test_chat_needs_a_local_tokenizer(sglang_daemon: str) -> None:
     with pytest.raises(grpc.RpcError) as info:
         _generate(sglang_daemon, messages=messages)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-
-
-_ = Path
