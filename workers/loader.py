@@ -134,7 +134,9 @@ def read_gguf_config(reader: Any) -> tuple[ModelConfig, bool]:
     config = config_from_gguf_fields(fields, token_embd_rows=rows)
     tied = "output.weight" not in tensor_names
     if "rope_freqs.weight" in tensor_names:
-        log.warning("GGUF rope_freqs (Llama 3.1 rope scaling factors) are not applied")
+        # Llama 3.1 GGUFs store their rope scaling as one divisor per rotary frequency.
+        factors = [float(f) for f in tensor_names["rope_freqs.weight"].data.reshape(-1)]
+        config = replace(config, rope_scaling={"rope_type": "freq_factors", "factors": factors})
     return replace(config, tie_word_embeddings=tied), tied
 
 

@@ -18,7 +18,10 @@ from ominix_worker.config import ModelConfigError, config_from_hf_dict, load_hf_
 from ominix_worker.devices import DeviceError, parse_device, resolve_dtype
 from ominix_worker.kv_cache import kv_bytes_per_block, parse_bytes
 from ominix_worker.loader import ModelLoadError, load_model, unpermute_llama_cpp_rows
+from ominix_worker.models.llama import rope_inv_freq
 from ominix_worker.runner import ModelRunner, build_runner
+
+from .conftest import LLAMA31_ROPE
 
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -52,7 +55,14 @@ def write_gguf(folder: Path, out: Path) -> None:
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    rope = config["rope_parameters"]
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type", "default") == "llama3":
+        # What llama.cpp's converter stores for Llama 3.1: one divisor per rotary frequency.
+        base = config_from_hf_dict({**config, "rope_parameters": {"rope_theta": rope["rope_theta"]}})
+        scaled = config_from_hf_dict(config)
+        factors = rope_inv_freq(base)[0] / rope_inv_freq(scaled)[0]
+        writer.add_tensor("rope_freqs.weight", factors.numpy().astype(np.float32))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_bos_token_id(1)
@@ -74,6 +84,8 @@ def write_gguf(folder: Path, out: Path) -> None:
             writer.add_tensor("token_embd.weight", array)
         elif name == "model.norm.weight":
             writer.add_tensor("output_norm.weight", array)
+        elif name == "lm_head.weight":
+            writer.add_tensor("output.weight", array)
         elif name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
             module, _, kind = rest.rpartition(".")
@@ -104,18 +116,28 @@ def last_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
     return captured[0][0]
 
 
-def test_gguf_file_loads_like_its_hf_source(tmp_path: Path) -> None:
+@pytest.mark.parametrize("variant", ["tied", "llama31-untied"])
+def test_gguf_file_loads_like_its_hf_source(tmp_path: Path, variant: str) -> None:
     from ominix_worker.testing import write_tiny_hf_model
 
+    tied = variant == "tied"
+    extra = {} if tied else {"rope_parameters": LLAMA31_ROPE}
     folder = write_tiny_hf_model(
-        tmp_path / "hf", arch="llama", tie_word_embeddings=True, with_tokenizer=False, vocab_size=96, seed=5
+        tmp_path / "hf",
+        arch="llama",
+        tie_word_embeddings=tied,
+        with_tokenizer=False,
+        vocab_size=96,
+        seed=5,
+        **extra,
     )
     write_gguf(folder, tmp_path / "tiny.gguf")
     runner = build_runner(str(tmp_path / "tiny.gguf"), num_blocks=4)
-    assert runner.config.tie_word_embeddings and runner.config.eos_token_ids == (2,)
+    assert runner.config.tie_word_embeddings == tied and runner.config.eos_token_ids == (2,)
+    assert (runner.config.rope_scaling.get("rope_type") == "freq_factors") == (not tied)
     assert runner.config.bos_token_id == 1 and runner.config.num_kv_heads == 2
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    tokens = list(range(3, 24))
+    tokens = list(range(3, 31))
     with torch.no_grad():
         want = reference(torch.tensor([tokens])).logits[0, -1]
     got = last_logits(runner, tokens)

@@ -56,6 +56,11 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled), 1.0
+    if rope_type == "freq_factors":  # GGUF rope_freqs tensor: each frequency divided by its factor
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freqs has {factors.numel()} factors, expected {inv_freq.numel()}")
+        return inv_freq / factors, 1.0
     raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
 
 
