@@ -7,6 +7,7 @@ Hugging Face rotate-half rope applies unchanged.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import sys
@@ -49,12 +50,29 @@ def _progress(iterable: Any, total: int, desc: str) -> Any:
 # ---- Hugging Face safetensors ------------------------------------------------------------------------
 
 
+def _safetensors_files(folder: Path) -> list[Path]:
+    """The shards the index names, else ``model*.safetensors``, else every ``*.safetensors``.
+
+    Some folders also ship a differently named copy of the weights (e.g. ``consolidated.safetensors``).
+    """
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({folder / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{folder} lacks the shards {', '.join(missing[:3])} named in its index")
+    else:
+        files = sorted(folder.glob("model*.safetensors")) or sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors files in {folder}")
+    return files
+
+
 def _hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no *.safetensors files in {folder}")
+    files = _safetensors_files(folder)
     names = []
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:

@@ -209,3 +209,17 @@ def test_devices_dtypes_and_sizes(tiny_model_dir: Callable[[str], Path]) -> None
     # K and V × 2 layers × 16 tokens × 2 kv heads × 16 dims × 4 bytes
     assert kv_bytes_per_block(config, 16, torch.float32) == 2 * 2 * 16 * 2 * 16 * 4
     assert get_attention_backend("cpu").name == "torch-sdpa"
+
+
+def test_sharded_safetensors_load_like_one_file(
+    tmp_path: Path, tiny_model_dir: Callable[[str], Path]
+) -> None:
+    source = tiny_model_dir("qwen2")
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model.save_pretrained(str(tmp_path), safe_serialization=True, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    tokens = list(range(7, 27))
+    sharded = last_logits(build_runner(str(tmp_path), num_blocks=4), tokens)
+    single = last_logits(build_runner(str(source), num_blocks=4), tokens)
+    assert torch.equal(sharded, single)
