@@ -52,11 +52,20 @@ def _say(message: str) -> None:
 # ---- arguments ---------------------------------------------------------------------------------------
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" unless the help text already says what an unset flag means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ominix-worker",
         description="Serve one model on one device to an ominix-runtime engine over gRPC (Worker service).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument(
         "--model",
@@ -108,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="attention backend: torch, triton or ascend (default: chosen by the device)",
     )
     p.add_argument(
+        "--num-threads",
+        type=int,
+        default=0,
+        help="CPU threads for torch (0: torch's default); lower it when several workers share the cores",
+    )
+    p.add_argument(
         "--log-level", default="WARNING", help="Python logging level for the worker's own messages"
     )
     return p
@@ -144,6 +159,8 @@ def load_worker(
     from ominix_worker.runner import ModelRunner
 
     device = parse_device(device_spec)
+    if args.num_threads > 0:
+        torch.set_num_threads(args.num_threads)
     dtype = resolve_dtype(args.dtype, device)
     kind = backend_kind(device)
     profile = stated_profile(kind)
