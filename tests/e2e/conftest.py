@@ -6,13 +6,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_procs import Daemon, run_server
+from e2e_procs import REFERENCE_TEXTS, REFERENCE_TOKENS, Daemon, run_server
 
 from ominix_runtime.models import embedded_model_path
 from ominix_runtime.text import Tokenizer
-
-REFERENCE_TOKENS = 8
-REFERENCE_TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
 
 
 @pytest.fixture(scope="session")

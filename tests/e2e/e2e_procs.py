@@ -24,6 +24,9 @@ from ominix_runtime.pb import engine_pb2_grpc
 
 CLI = [sys.executable, "-m", "ominix_runtime"]
 STARTUP_TIMEOUT_S = 150.0
+# Greedy references computed by driving a worker directly, compared with the engine's output.
+REFERENCE_TOKENS = 8
+REFERENCE_TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
 
 
 def free_ports(n: int) -> list[int]:

@@ -70,7 +70,7 @@ def test_launch_two_cpu_workers_and_stop_cleanly(tiny_model_dir: Path, tmp_path:
             "--kv-cache-memory",
             "16MiB",
             "--drain-timeout",
-            "5",
+            "60",
         ],
         tmp_path,
     )
@@ -96,7 +96,7 @@ def test_launch_two_cpu_workers_and_stop_cleanly(tiny_model_dir: Path, tmp_path:
             )
             assert events[-1].done.finish_reason == common_pb2.FINISH_REASON_LENGTH
             # SIGTERM while a request streams: it is drained to its normal end, then everything exits.
-            sampling = common_pb2.SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
+            sampling = common_pb2.SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
             stream = stub.Generate(
                 engine_pb2.GenerateRequest(prompt="drain me", sampling=sampling), timeout=120
             )
@@ -106,8 +106,8 @@ def test_launch_two_cpu_workers_and_stop_cleanly(tiny_model_dir: Path, tmp_path:
             rest = list(stream)
         assert rest[-1].HasField("done"), rest[-1]
         assert rest[-1].done.finish_reason == common_pb2.FINISH_REASON_LENGTH
-        assert sum(len(e.token.token_ids) for e in rest if e.HasField("token")) == 150
-        assert launch.popen.wait(timeout=60) == 0, launch.log_tail()
+        assert sum(len(e.token.token_ids) for e in rest if e.HasField("token")) == 60
+        assert launch.popen.wait(timeout=120) == 0, launch.log_tail()
         assert not any(_alive(pid) for pid in workers), "worker processes outlived launch"
         for worker_port in (base, base + 1):
             with socket.socket() as s:

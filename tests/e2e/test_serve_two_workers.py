@@ -13,8 +13,7 @@ import urllib.request
 import grpc
 import grpc.aio
 import pytest
-from conftest import REFERENCE_TOKENS
-from e2e_procs import CLI, Daemon
+from e2e_procs import CLI, REFERENCE_TOKENS, Daemon
 from prometheus_client.parser import text_string_to_metric_families
 
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
