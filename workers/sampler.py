@@ -15,15 +15,34 @@ from dataclasses import dataclass
 import torch
 
 _MASK32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+
+
+def _signed32(value: int) -> int:
+    value &= _MASK32
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+_MUL_A = _signed32(0x7FEB352D)
+_MUL_B = _signed32(0x846CA68B)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser (lowbias32) on int64 tensors holding values in [0, 2^32)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32  # int64 products wrap; the low 32 bits stay exact
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
+    """A 32-bit integer finaliser (lowbias32) on int32 tensors.
+
+    Products wrap modulo 2^32 and right shifts are masked to act as logical shifts; int32 (not int64)
+    keeps the multiplies vectorised on CPUs without 64-bit vector multiply.
+    """
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _MUL_A
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _MUL_B
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def _to_int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2^32) → the int32 with the same low 32 bits."""
+    return torch.where(x >= 1 << 31, x - (1 << 32), x).to(torch.int32)
 
 
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -31,15 +50,13 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
 
     ``seeds`` holds each request's 64-bit seed as int64 (two's complement), ``positions`` its output index.
     """
-    device = seeds.device
-    seed_lo = seeds & _MASK32
-    seed_hi = (seeds >> 32) & _MASK32
-    row = _mix32(_mix32(seed_lo ^ _mix32(seed_hi + 0x9E3779B9)) ^ (positions & _MASK32))  # (B,)
-    token = torch.arange(vocab_size, device=device, dtype=torch.int64)
-    bits = _mix32(((row.unsqueeze(1) + token.unsqueeze(0) * 0x9E3779B9) & _MASK32) ^ 0x85EBCA6B)
-    bits = _mix32(bits)
+    seed_lo = _to_int32(seeds & _MASK32)
+    seed_hi = _to_int32((seeds >> 32) & _MASK32)
+    row = _mix32(_mix32(seed_lo ^ _mix32(seed_hi + _signed32(_GOLDEN))) ^ _to_int32(positions & _MASK32))
+    token = torch.arange(vocab_size, device=seeds.device, dtype=torch.int32) * _signed32(_GOLDEN)
+    bits = _mix32(_mix32(row.unsqueeze(1) ^ token.unsqueeze(0)))
     # 24 random bits, offset by half a step so that 0 and 1 never occur.
-    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return (((bits >> 8) & 0xFFFFFF).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
 @dataclass(slots=True)
