@@ -103,10 +103,14 @@ def _add_serve_flags(p: argparse.ArgumentParser, with_backends: bool) -> None:
         choices=["auto", "json", "console"],
         help="log format on stderr (auto: console on a terminal, JSON otherwise)",
     )
-    p.add_argument("--tls-cert", default=None, help="server certificate (reserved; plaintext is used)")
-    p.add_argument("--tls-key", default=None, help="server key (reserved; plaintext is used)")
     p.add_argument(
-        "--worker-ca", default=None, help="CA for worker connections (reserved; plaintext is used)"
+        "--tls-cert",
+        default=None,
+        help="PEM certificate for TLS on the engine port (with --tls-key; unset: plaintext)",
+    )
+    p.add_argument("--tls-key", default=None, help="PEM private key for TLS on the engine port")
+    p.add_argument(
+        "--worker-ca", default=None, help="PEM CA bundle: connect to workers over TLS (unset: plaintext)"
     )
 
 

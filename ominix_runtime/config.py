@@ -29,7 +29,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class TLSConfig:
-    """Paths for TLS on the front API and to workers (placeholders: plaintext is used while unset)."""
+    """PEM paths for TLS on the front API (cert + key) and to workers (CA); plaintext while unset."""
 
     server_cert: str | None = None
     server_key: str | None = None

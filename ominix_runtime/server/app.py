@@ -7,6 +7,7 @@ import contextlib
 import signal
 import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -34,8 +35,12 @@ _log = get_logger("ominix.server")
 
 
 def _build_backends(config: EngineConfig) -> list[Any]:
+    worker_tls = None
+    if config.tls.worker_ca:
+        worker_tls = grpc.ssl_channel_credentials(root_certificates=Path(config.tls.worker_ca).read_bytes())
     backends: list[Any] = [
-        GrpcWorkerBackend(address, step_timeout=config.debug.step_timeout_s) for address in config.workers
+        GrpcWorkerBackend(address, tls=worker_tls, step_timeout=config.debug.step_timeout_s)
+        for address in config.workers
     ]
     if config.sglang_urls:
         try:
@@ -60,9 +65,10 @@ async def _wait_workers_ready(backends: list[Any], timeout: float) -> None:
         await asyncio.gather(*waits)
 
 
-def _grpcurl_hint(address: str) -> str:
+def _grpcurl_hint(address: str, tls: bool) -> str:
+    transport = "-insecure" if tls else "-plaintext"
     return (
-        f'try: grpcurl -plaintext -d \'{{"prompt": "Hello", "sampling": {{"max_tokens": 32}}}}\' '
+        f'try: grpcurl {transport} -d \'{{"prompt": "Hello", "sampling": {{"max_tokens": 32}}}}\' '
         f"{address} ominix.runtime.v1.Engine/Generate"
     )
 
@@ -115,7 +121,16 @@ class EngineDaemon:
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
         try:
-            self.bound_port = server.add_insecure_port(config.address)
+            if config.tls.enabled:
+                assert config.tls.server_key and config.tls.server_cert
+                key_and_cert = (
+                    Path(config.tls.server_key).read_bytes(),
+                    Path(config.tls.server_cert).read_bytes(),
+                )
+                credentials = grpc.ssl_server_credentials([key_and_cert])
+                self.bound_port = server.add_secure_port(config.address, credentials)
+            else:
+                self.bound_port = server.add_insecure_port(config.address)
         except RuntimeError as exc:
             raise OminixError(
                 RuntimeErrorKind.BACKEND_UNAVAILABLE, f"cannot bind {config.address} (port taken?): {exc}"
@@ -149,7 +164,7 @@ class EngineDaemon:
             metrics_port=self.metrics_port or None,
         )
         print(f"ominix-runtime engine serving {service.model_name} on {address}", file=sys.stderr, flush=True)
-        print(_grpcurl_hint(address), file=sys.stderr, flush=True)
+        print(_grpcurl_hint(address, config.tls.enabled), file=sys.stderr, flush=True)
 
     def _wire_observability(self) -> None:
         engine = self._engine
