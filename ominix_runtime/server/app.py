@@ -201,6 +201,11 @@ class EngineDaemon:
         figures = []
         for group in self._engine.groups:
             used, total = group.kv_blocks
+            ratio = None
+            registry = getattr(getattr(group, "scheduler", None), "registry", None)  # step-level groups only
+            if registry is not None:
+                queried = registry.prefix_query_tokens
+                ratio = registry.prefix_hit_tokens / queried if queried else 0.0
             figures.append(
                 WorkerFigures(
                     worker_id=group.worker_id,
@@ -208,6 +213,7 @@ class EngineDaemon:
                     kv_blocks_total=total,
                     preemptions=group.counters.preemptions,
                     integrity_violations=group.integrity_violations,
+                    prefix_cache_hit_ratio=ratio,
                 )
             )
         return figures

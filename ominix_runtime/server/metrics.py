@@ -30,6 +30,7 @@ class WorkerFigures:
     kv_blocks_total: int
     preemptions: int
     integrity_violations: int
+    prefix_cache_hit_ratio: float | None = None  # None: not known for this worker (request-level backend)
 
 
 class EngineMetrics:
@@ -139,7 +140,8 @@ class EngineMetrics:
             self.kv_total.labels(worker_id=w.worker_id).set(w.kv_blocks_total)
             self._advance(self.preemptions, w.worker_id, w.preemptions)
             self._advance(self.integrity_violations, w.worker_id, w.integrity_violations)
-        # The prefix-cache ratio is only known engine-wide.
+            if w.prefix_cache_hit_ratio is not None:
+                self.prefix_hit_ratio.labels(worker_id=w.worker_id).set(w.prefix_cache_hit_ratio)
         self.prefix_hit_ratio.labels(worker_id="all").set(stats.prefix_cache_hit_ratio)
 
     def _advance(self, counter: Counter, worker_id: str, cumulative: float) -> None:

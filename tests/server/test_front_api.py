@@ -230,6 +230,8 @@ def test_metrics_families_and_counts_move(fake_daemon: RunningDaemon) -> None:
 
     before = scrape(fake_daemon)
     generate(fake_daemon, prompt="metrics", sampling=greedy(6))
+    for _ in range(2):  # a prompt of several full KV blocks, twice: the second run hits the prefix cache
+        generate(fake_daemon, prompt="a shared prefix " * 20, sampling=greedy(2))
     deadline = time.monotonic() + 5
     while True:
         after = scrape(fake_daemon)
@@ -264,6 +266,8 @@ def test_metrics_families_and_counts_move(fake_daemon: RunningDaemon) -> None:
     assert "fake-0" in worker_ids
     total = [s.value for s in after["ominix_kv_blocks_total"] if s.labels["worker_id"] == "fake-0"]
     assert total == [64]
+    ratio = [s.value for s in after["ominix_prefix_cache_hit_ratio"] if s.labels["worker_id"] == "fake-0"]
+    assert len(ratio) == 1 and 0.0 < ratio[0] <= 1.0
 
 
 def test_deadline_ends_the_stream_with_timeout(fake_daemon: RunningDaemon) -> None:
