@@ -6,6 +6,8 @@ tested against it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 
@@ -17,6 +19,8 @@ class TorchReferenceAttention:
 
     def __init__(self, block_size: int = 16) -> None:
         self.block_size = block_size
+        self._plan: _StepPlan | None = None
+        self._plan_meta: AttentionMetadata | None = None
 
     def allocate_kv_cache(
         self,
@@ -42,69 +46,66 @@ class TorchReferenceAttention:
     def forward(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        query_start = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
-        seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
+        plan = self._plan_for(meta, query.device)
         out = torch.empty_like(query)
-        decode_rows = [i for i in range(len(seq_lens)) if query_start[i + 1] - query_start[i] == 1]
-        if len(decode_rows) > 1:
-            self._decode_batch(query, kv_cache, meta, scale, decode_rows, query_start, seq_lens, out)
-        single = set(decode_rows) if len(decode_rows) > 1 else set()
-        for i, seq_len in enumerate(seq_lens):
-            start, end = query_start[i], query_start[i + 1]
-            if end > start and i not in single:
-                out[start:end] = self._one_request(
-                    query[start:end], kv_cache, meta.block_tables[i], seq_len, scale
-                )
+        if plan.decode_tokens is not None:
+            kv = kv_cache[:, plan.decode_blocks].flatten(-4, -3)[:, :, : plan.decode_max_len]
+            q = query[plan.decode_tokens].unsqueeze(2)  # (B, heads, 1, head_dim)
+            k = kv[0].transpose(1, 2).to(q.dtype)  # (B, kv_heads, max_len, head_dim)
+            v = kv[1].transpose(1, 2).to(q.dtype)
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True
+            )
+            out[plan.decode_tokens] = o.squeeze(2)
+        for start, end, seq_len, blocks, mask in plan.others:
+            kv = kv_cache[:, blocks].flatten(-4, -3)[:, :seq_len]
+            q = query[start:end].transpose(0, 1)  # (heads, q_len, head_dim)
+            k = kv[0].transpose(0, 1).to(q.dtype)  # (kv_heads, seq_len, head_dim)
+            v = kv[1].transpose(0, 1).to(q.dtype)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[start:end] = o.transpose(0, 1)
         return out
 
-    def _gather(self, kv_cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int) -> torch.Tensor:
-        """(2, ..., num_blocks * block_size, kv_heads, head_dim) for block tables of any leading shape."""
-        blocks = block_table[..., :num_blocks].long()
-        gathered = kv_cache[:, blocks]  # (2, *lead, num_blocks, block_size, kv_heads, head_dim)
-        return gathered.flatten(-4, -3)
+    def _plan_for(self, meta: AttentionMetadata, device: torch.device) -> _StepPlan:
+        """Index tensors and masks of one step, built once and shared by every layer."""
+        if self._plan is not None and self._plan_meta is meta:
+            return self._plan
+        query_start = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
+        bs = self.block_size
+        block_tables = meta.block_tables.long()
+        decode_rows = [i for i in range(len(seq_lens)) if query_start[i + 1] - query_start[i] == 1]
+        if len(decode_rows) < 2:  # a lone decode row goes the general way
+            decode_rows = []
+        plan = _StepPlan()
+        if decode_rows:
+            # Every single-token row in one SDPA call: contexts padded to the longest, padding masked.
+            max_len = max(seq_lens[i] for i in decode_rows)
+            lens = torch.tensor([seq_lens[i] for i in decode_rows], device=device)
+            plan.decode_tokens = torch.tensor([query_start[i] for i in decode_rows], device=device)
+            plan.decode_blocks = block_tables[torch.tensor(decode_rows, device=device), : -(-max_len // bs)]
+            plan.decode_max_len = max_len
+            positions = torch.arange(max_len, device=device).unsqueeze(0)
+            plan.decode_mask = (positions < lens.unsqueeze(1))[:, None, None, :]
+        single = set(decode_rows)
+        for i, seq_len in enumerate(seq_lens):
+            start, end = query_start[i], query_start[i + 1]
+            if end == start or i in single:
+                continue
+            q_len = end - start
+            # Query row j sits at absolute position seq_len - q_len + j and sees keys up to it.
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
+            mask = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
+            plan.others.append((start, end, seq_len, block_tables[i, : -(-seq_len // bs)], mask))
+        self._plan, self._plan_meta = plan, meta
+        return plan
 
-    def _one_request(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        block_table: torch.Tensor,
-        seq_len: int,
-        scale: float,
-    ) -> torch.Tensor:
-        q_len = query.shape[0]
-        kv = self._gather(kv_cache, block_table, -(-seq_len // self.block_size))[:, :seq_len]
-        q = query.transpose(0, 1)  # (heads, q_len, head_dim)
-        k = kv[0].transpose(0, 1).to(q.dtype)  # (kv_heads, seq_len, head_dim)
-        v = kv[1].transpose(0, 1).to(q.dtype)
-        # Query row j sits at absolute position seq_len - q_len + j and sees keys up to it.
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
-        mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        return o.transpose(0, 1)
 
-    def _decode_batch(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        rows: list[int],
-        query_start: list[int],
-        seq_lens: list[int],
-        out: torch.Tensor,
-    ) -> None:
-        """Every single-token row in one SDPA call: contexts padded to the longest, padding masked."""
-        device = query.device
-        row_index = torch.tensor(rows, device=device)
-        token_index = torch.tensor([query_start[i] for i in rows], device=device)
-        lens = torch.tensor([seq_lens[i] for i in rows], device=device)
-        max_len = max(seq_lens[i] for i in rows)
-        kv = self._gather(kv_cache, meta.block_tables[row_index], -(-max_len // self.block_size))[
-            :, :, :max_len
-        ]
-        q = query[token_index].unsqueeze(2)  # (B, heads, 1, head_dim)
-        k = kv[0].transpose(1, 2).to(q.dtype)  # (B, kv_heads, max_len, head_dim)
-        v = kv[1].transpose(1, 2).to(q.dtype)
-        mask = (torch.arange(max_len, device=device).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[token_index] = o.squeeze(2)
+@dataclass
+class _StepPlan:
+    decode_tokens: torch.Tensor | None = None  # flat token index of each single-token row
+    decode_blocks: torch.Tensor | None = None  # (B, blocks) block table of those rows
+    decode_max_len: int = 0
+    decode_mask: torch.Tensor | None = None  # (B, 1, 1, max_len) valid context positions
+    # (start, end, seq_len, blocks, causal mask) of every other row
+    others: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
