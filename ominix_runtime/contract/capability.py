@@ -81,13 +81,18 @@ class BackendCapability:
             out.append("dtype is empty")
         if self.supported_dtypes and self.dtype not in self.supported_dtypes:
             out.append(f"dtype {self.dtype} not in supported_dtypes {self.supported_dtypes}")
-        if self.model.vocab_size <= 0:
+        # A request-level backend tokenizes, detokenizes and stops by itself: it may leave the vocabulary and
+        # EOS ids unstated (0 / empty = unknown); a step-level worker must state both.
+        tokenizer_facts_required = self.granularity == Granularity.STEP
+        if self.model.vocab_size <= 0 and tokenizer_facts_required:
             out.append("model.vocab_size must be > 0")
         if self.model.max_model_len <= 0:
             out.append("model.max_model_len must be > 0")
-        if not self.model.eos_token_ids:
+        if not self.model.eos_token_ids and tokenizer_facts_required:
             out.append("model.eos_token_ids is empty")
-        if any(not 0 <= t < max(self.model.vocab_size, 1) for t in self.model.eos_token_ids):
+        if self.model.vocab_size > 0 and any(
+            not 0 <= t < self.model.vocab_size for t in self.model.eos_token_ids
+        ):
             out.append("model.eos_token_ids outside the vocabulary")
         if self.max_running_requests <= 0:
             out.append("max_running_requests must be > 0")

@@ -123,3 +123,18 @@ def test_wire_round_trips() -> None:
     )
     assert wire.capability_from_pb(wire.capability_to_pb(cap)) == cap
     assert wire.sampling_from_pb(wire.sampling_to_pb(SamplingParams(temperature=0.0))).temperature == 0.0
+
+
+def test_request_level_backend_may_leave_tokenizer_facts_unstated() -> None:
+    unknown = ModelInfo(name="m", vocab_size=0, max_model_len=4096, eos_token_ids=())
+    sglang = replace(
+        PROFILES[BackendKind.SGLANG],
+        worker_id="sglang@http://h:30000",
+        device="http://h:30000",
+        model=unknown,
+    )
+    assert sglang.problems() == []
+    step = stated_profile(
+        BackendKind.CPU, worker_id="w", model=unknown, kv_num_blocks=4, kv_bytes_per_block=8
+    )
+    assert {"model.vocab_size must be > 0", "model.eos_token_ids is empty"} <= set(step.problems())
