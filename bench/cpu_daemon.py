@@ -227,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hf:
         rows.append(
             (
-                f"HF transformers generate ({hf.dtype}, {hf.threads} threads)",
+                f"HF transformers generate ({hf.dtype}, torch threads: {hf.threads})",
                 fmt(hf.out_tok_s),
                 f"{hf.output_tokens} tokens in {hf.seconds:.2f} s; {hf.prompt_tokens} prompt tokens "
                 f"(left-padded to {hf.padded_prompt_len})",
