@@ -379,12 +379,24 @@ def check_port_free(host: str, port: int) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from ominix_worker.devices import DeviceError, device_name, parse_device
+    from ominix_worker.devices import DeviceError, device_name, parse_device, resolve_dtype
+    from ominix_worker.kv_cache import parse_bytes
 
     try:
         device = parse_device(args.device)
         resolve_model(args.model)
-    except (DeviceError, OminixError) as exc:
+        # Cheap argument checks before anything is bound or loaded.
+        resolve_dtype(args.dtype, device)
+        parse_bytes(args.kv_cache_memory)
+        if not 0.0 < args.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+        if args.block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
+        for flag in ("max_batch_tokens", "max_running_requests", "max_model_len"):
+            value = getattr(args, flag)
+            if value is not None and value < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    except (DeviceError, OminixError, ValueError) as exc:
         raise StartupError(str(exc)) from None
     address = f"{args.host}:{args.port}"
     worker_id = args.worker_id or f"{device_name(device)}@{address}"

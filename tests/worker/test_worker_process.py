@@ -310,3 +310,22 @@ def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         assert flag in text
         if default is not None:
             assert default in text
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--dtype", "fp8"], "unknown dtype 'fp8'"),
+        (["--kv-cache-memory", "lots"], "bad byte size 'lots'"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
+        (["--max-batch-tokens", "0"], "--max-batch-tokens must be >= 1"),
+    ],
+)
+def test_bad_flags_are_refused_before_loading(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str], tiny_model_dir: Callable[[str], Path]
+) -> None:
+    from ominix_worker.server import main
+
+    assert main(["--model", str(tiny_model_dir("llama")), "--port", str(free_port()), *flags]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
