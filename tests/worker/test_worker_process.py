@@ -326,6 +326,8 @@ def test_bad_flags_are_refused_before_loading(
 ) -> None:
     from ominix_worker.server import main
 
-    assert main(["--model", str(tiny_model_dir("llama")), "--port", str(free_port()), *flags]) == 1
+    folder = tiny_model_dir("llama")
+    capsys.readouterr()  # drop what writing the model printed
+    assert main(["--model", str(folder), "--port", str(free_port()), *flags]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
