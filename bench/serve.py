@@ -6,6 +6,7 @@ token chunks) and E2EL. Prints mean/median/p99, request and token throughput, go
 and a PNG of the distributions and of throughput over time.
 
     python bench/serve.py --address 127.0.0.1:50061 --num-requests 64 --input-len 256 --output-len 64
+    python bench/serve.py --launch --devices cpu --num-requests 8 --input-len 64 --output-len 16
 
 Library use: ``await run_benchmark(address, BenchConfig(...))`` returns a ``BenchResult``.
 """
@@ -34,6 +35,7 @@ from bench.common import (  # noqa: E402
     PlotData,
     Summary,
     fmt,
+    launch_service,
     summarize_seconds,
     write_json,
     write_plot,
@@ -649,8 +651,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out-json", default=None)
     parser.add_argument("--no-request-details", action="store_true", help="JSON without per-request rows")
     parser.add_argument("--plot", default=None, help="PNG path for latency distributions and throughput")
-    args = parser.parse_args(argv)
-    return asyncio.run(_main_async(args))
+    parser.add_argument(
+        "--launch",
+        action="store_true",
+        help="start `ominix-runtime launch` on free ports (unknown arguments go to it) and stop it at the end",
+    )
+    args, launch_args = parser.parse_known_args(argv)
+    if not args.launch:
+        if launch_args:
+            parser.error(f"unrecognized arguments: {' '.join(launch_args)}")
+        return asyncio.run(_main_async(args))
+    with launch_service(launch_args) as service:
+        args.address = service.address
+        return asyncio.run(_main_async(args))
 
 
 if __name__ == "__main__":
