@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -151,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-memory", default=None, help="worker KV cache size (passed to each worker)"
     )
     launch.add_argument("--block-size", type=int, default=None, help="KV block size (passed to each worker)")
+    launch.add_argument(
+        "--worker-threads",
+        type=int,
+        default=0,
+        help="torch CPU threads per CPU worker (0: the machine's cores split among the CPU workers)",
+    )
     launch.add_argument(
         "--engine-in-child",
         action="store_true",
@@ -310,7 +317,17 @@ def _set_parent_death_signal() -> None:
         pass
 
 
-def _worker_command(args: argparse.Namespace, device: str, port: int) -> list[str]:
+def _cpu_threads_per_worker(args: argparse.Namespace, devices: Sequence[str]) -> int | None:
+    """Threads for each CPU worker, so that several of them do not oversubscribe the cores."""
+    if args.worker_threads > 0:
+        return int(args.worker_threads)
+    num_cpu_workers = sum(1 for d in devices if d == "cpu")
+    if num_cpu_workers <= 1:
+        return None
+    return max(1, (os.cpu_count() or 1) // num_cpu_workers)
+
+
+def _worker_command(args: argparse.Namespace, device: str, port: int, num_threads: int | None) -> list[str]:
     cmd = [
         sys.executable,
         "-m",
@@ -336,6 +353,8 @@ def _worker_command(args: argparse.Namespace, device: str, port: int) -> list[st
     ):
         if value is not None:
             cmd += [flag, str(value)]
+    if device == "cpu" and num_threads is not None:
+        cmd += ["--num-threads", str(num_threads)]
     return cmd
 
 
@@ -401,6 +420,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     def on_term(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
 
+    num_threads = _cpu_threads_per_worker(args, devices)
     previous_term = signal.signal(signal.SIGTERM, on_term)
     try:
         for device, port in zip(devices, ports, strict=True):
@@ -408,7 +428,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
             # then stops the workers itself.
             procs.append(
                 subprocess.Popen(
-                    _worker_command(args, device, port),
+                    _worker_command(args, device, port, num_threads),
                     start_new_session=True,
                     preexec_fn=_set_parent_death_signal,
                 )

@@ -143,6 +143,9 @@ def start_workers(model: str, n: int, log_dir: Path, kv_cache_memory: str) -> tu
                 str(port),
                 "--kv-cache-memory",
                 kv_cache_memory,
+                # The workers share the cores: each gets its part instead of a full torch thread pool.
+                "--num-threads",
+                str(max(1, (os.cpu_count() or 1) // n)),
             ],
             log_dir,
         )
