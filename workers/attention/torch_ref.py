@@ -62,7 +62,9 @@ class TorchReferenceAttention:
             q = query[start:end].transpose(0, 1)  # (heads, q_len, head_dim)
             k = kv[0].transpose(0, 1).to(q.dtype)  # (kv_heads, seq_len, head_dim)
             v = kv[1].transpose(0, 1).to(q.dtype)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+            )
             out[start:end] = o.transpose(0, 1)
         return out
 
@@ -93,9 +95,11 @@ class TorchReferenceAttention:
             if end == start or i in single:
                 continue
             q_len = end - start
-            # Query row j sits at absolute position seq_len - q_len + j and sees keys up to it.
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
-            mask = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
+            mask = None  # a whole prompt at once: plain causal attention (lets SDPA pick a fused kernel)
+            if q_len < seq_len:
+                # Query row j sits at absolute position seq_len - q_len + j and sees keys up to it.
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
+                mask = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
             plan.others.append((start, end, seq_len, block_tables[i, : -(-seq_len // bs)], mask))
         self._plan, self._plan_meta = plan, meta
         return plan
@@ -108,4 +112,4 @@ class _StepPlan:
     decode_max_len: int = 0
     decode_mask: torch.Tensor | None = None  # (B, 1, 1, max_len) valid context positions
     # (start, end, seq_len, blocks, causal mask) of every other row
-    others: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    others: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
