@@ -356,8 +356,9 @@ def _config_json_of(model: str | None) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # No abbreviations: ``--model`` (passed on to launch) would otherwise be taken for ``--model-config``.
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--address", default=None, help="a running engine (default 127.0.0.1:50061)")

@@ -20,7 +20,7 @@ from ominix_runtime.config import EngineConfig
 from ominix_runtime.contract import OminixError, RuntimeErrorKind
 from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig
 from ominix_runtime.engine.core import EngineCore
-from ominix_runtime.models import resolve_model
+from ominix_runtime.models import ModelFormat, ModelSource, resolve_model
 from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.engine_service import EngineService
 from ominix_runtime.server.logging import configure_logging, get_logger
@@ -139,7 +139,9 @@ class EngineDaemon:
 
         # The tokenizer (a GGUF metadata parse for the embedded model) loads while the workers get ready.
         tokenizer_loading = (
-            asyncio.create_task(asyncio.to_thread(Tokenizer.from_source, source)) if source else None
+            asyncio.create_task(asyncio.to_thread(Tokenizer.from_source, source))
+            if source and _has_tokenizer(source)
+            else None
         )
         try:
             await _wait_workers_ready(self._backends, config.worker_ready_timeout)
@@ -278,6 +280,14 @@ async def serve(config: EngineConfig) -> int:
         return 1
     await daemon.shutdown()
     return 0
+
+
+def _has_tokenizer(source: ModelSource) -> bool:
+    """A dummy (random-weight) model may come without tokenizer files: then clients send input_ids."""
+    if source.format != ModelFormat.DUMMY:
+        return True
+    folder = source.path if source.path.is_dir() else source.path.parent
+    return (folder / "tokenizer.json").is_file()
 
 
 def run_server(config: EngineConfig) -> int:
