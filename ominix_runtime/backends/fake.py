@@ -114,6 +114,7 @@ class FakeStepBackend:
         self.num_steps = 0
         self.steps_seen: list[DecodeStep] = []
         self.closed = False
+        self.down = False  # crash() / revive()
         self._streams: list[FakeStepStream] = []
 
     def capability(self) -> BackendCapability:
@@ -137,12 +138,28 @@ class FakeStepBackend:
             version=FAKE_PROFILE.version or "fake",
         )
 
+    def crash(self) -> None:
+        """Simulate a killed worker: open streams break, Describe and Run fail until :meth:`revive`."""
+        self.down = True
+        self.requests.clear()
+        self.block_holders.clear()
+        for s in self._streams:
+            s.break_()
+
+    def revive(self) -> None:
+        """The worker is back (with empty state); the engine may reconnect."""
+        self.down = False
+
     async def describe(self) -> BackendCapability:
+        if self.down:
+            raise OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, f"{self.config.worker_id} is down")
         if self.config.describe_delay:
             await asyncio.sleep(self.config.describe_delay)
         return self.capability()
 
     async def open(self) -> FakeStepStream:
+        if self.down:
+            raise OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, f"{self.config.worker_id} is down")
         # A new stream starts from an empty worker state, like a real worker's Run stream.
         self.requests.clear()
         self.block_holders.clear()
@@ -151,7 +168,7 @@ class FakeStepBackend:
         return stream
 
     async def health(self) -> bool:
-        return not self.closed
+        return not self.closed and not self.down
 
     async def close(self) -> None:
         self.closed = True
@@ -287,6 +304,7 @@ class FakeStepStream:
         self._pending: deque[DecodeStep] = deque()
         self._ready = asyncio.Event()
         self._closed = False
+        self._broken = False
         self._num_answered = 0
 
     async def send(self, step: DecodeStep) -> None:
@@ -295,8 +313,15 @@ class FakeStepStream:
         self._pending.append(step)
         self._ready.set()
 
+    def break_(self) -> None:
+        self._broken = True
+        self._closed = True
+        self._ready.set()
+
     async def recv(self) -> StepResult:
         c = self._backend.config
+        if self._broken:
+            raise OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, "fake worker crashed")
         while not self._pending:
             if self._closed:
                 raise OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, "fake stream is closed")
@@ -312,6 +337,8 @@ class FakeStepStream:
             await asyncio.Event().wait()  # never set: the engine's step timeout must catch this
         if c.step_latency:
             await asyncio.sleep(c.step_latency)
+        if self._broken:
+            raise OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, "fake worker crashed")
         try:
             result = self._backend.execute(step)
         except FakeViolation as exc:
@@ -407,7 +434,7 @@ class FakeRequestBackend:
         return {"running_requests": float(self._running), "queued_requests": 0.0}
 
     async def health(self) -> bool:
-        return not self.closed
+        return not self.closed and not self.down
 
     async def close(self) -> None:
         self.closed = True

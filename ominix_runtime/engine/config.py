@@ -32,3 +32,8 @@ class EngineCoreConfig:
     recent_window: int = 256  # recent step durations / batch sizes kept for stats
     decode_rate_ewma_alpha: float = 0.2
     max_waiting_requests: int = 0  # per engine; 0: unbounded
+    # A failed worker is polled (Describe) with exponential backoff and re-joins with a fresh scheduler.
+    reconnect: bool = True
+    reconnect_backoff_initial: float = 0.5
+    reconnect_backoff_max: float = 10.0
+    reconnect_rpc_timeout: float = 10.0

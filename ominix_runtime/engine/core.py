@@ -26,6 +26,7 @@ from ominix_runtime.contract import (
 from ominix_runtime.engine.config import EngineCoreConfig
 from ominix_runtime.engine.driver import StepWorkerGroup
 from ominix_runtime.engine.logs import log_event
+from ominix_runtime.engine.request import EngineRequest
 from ominix_runtime.engine.request_group import RequestWorkerGroup
 from ominix_runtime.engine.stats import EngineStats, LoadSnapshot, RunReport, StepReport
 
@@ -106,6 +107,7 @@ class EngineCore:
         self._started = False
         self._stopped = False
         self._rejected = 0
+        self._resumed = 0  # requests moved off a failed worker group
         self._all_done = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
         self.capability_warnings: list[str] = []
@@ -121,8 +123,14 @@ class EngineCore:
             group: WorkerGroup
             if cap.granularity == Granularity.STEP:
                 group = StepWorkerGroup(
-                    backend, cap, self.config, self._deliver, self._on_report, self._on_step
-                )  # type: ignore[arg-type]
+                    backend,  # type: ignore[arg-type]
+                    cap,
+                    self.config,
+                    self._deliver,
+                    self._on_report,
+                    self._on_step,
+                    evacuate=self._evacuate,
+                )
             else:
                 group = RequestWorkerGroup(
                     backend, cap, self.config, self._deliver, self._on_report, self._on_step
@@ -204,7 +212,8 @@ class EngineCore:
 
     @property
     def ready(self) -> bool:
-        return self._started and not self._stopped and all(g.running for g in self._groups)
+        """Started, not stopping, and at least one worker group serving."""
+        return self._started and self._accepting and any(g.running and g.healthy for g in self._groups)
 
     # ---- requests -------------------------------------------------------------------------------------
 
@@ -248,6 +257,55 @@ class EngineCore:
         least = min(load_of(g) for g in groups)
         close = [g for g in groups if load_of(g) <= least + _AFFINITY_LOAD_SLACK]
         return max(close, key=lambda g: (g.prefix_hit_tokens(request), -load_of(g)))
+
+    def _evacuate(self, failed: StepWorkerGroup, requests: list[EngineRequest]) -> list[EngineRequest]:
+        """Resume a failed group's requests on healthy groups of the same model; returns the ones left over.
+
+        Requests that streamed nothing are simply recomputed; the others continue from prompt + the tokens
+        already sent, with the same effective seed (the worker seeds by output position).
+        """
+        left: list[EngineRequest] = []
+        for req in requests:
+            rid = req.request_id
+            live = self._live.get(rid)
+            if live is None:
+                continue
+            targets = [
+                g
+                for g in self._groups
+                if isinstance(g, StepWorkerGroup)
+                and g is not failed
+                and g.healthy
+                and g.running
+                and g.capability.model.name == failed.capability.model.name
+            ]
+            targets.sort(key=lambda g: g.load().queued_requests + g.load().running_requests)
+            for target in targets:
+                try:
+                    target.adopt(req)
+                except OminixError as exc:
+                    log_event(
+                        "warning",
+                        "resume_refused",
+                        request_id=rid,
+                        worker_id=target.worker_id,
+                        error=exc.message,
+                    )
+                    continue
+                live.group = target
+                self._resumed += 1
+                log_event(
+                    "info",
+                    "request_resumed",
+                    request_id=rid,
+                    from_worker=failed.worker_id,
+                    to_worker=target.worker_id,
+                    output_tokens=req.num_output_tokens,
+                )
+                break
+            else:
+                left.append(req)
+        return left
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         live = self._live.get(request_id)

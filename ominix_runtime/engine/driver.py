@@ -2,8 +2,13 @@
 
 The loop keeps up to ``max_inflight_steps`` steps in flight (2 = overlap: step N+1 is sent before step N's
 result is back; the scheduler's placeholders make that safe). Deadlines are swept every iteration, and a
-cheap registry integrity check runs now and then while idle. Any stream failure or step timeout marks the
-group unhealthy and ends every request it holds with Error(BACKEND_UNAVAILABLE).
+cheap registry integrity check runs now and then while idle.
+
+Failure: a broken stream, a missed heartbeat or a step past ``step_timeout`` marks the group unhealthy. Its
+live requests are handed to the engine (``evacuate``), which resumes them on another worker group from
+prompt + the tokens already streamed, or ends them with Error(BACKEND_UNAVAILABLE). The group's registry is
+dropped with its scheduler; the driver then polls the worker with backoff and, once it answers Describe
+again with the same model, starts over with a fresh scheduler (the worker's KV is gone too).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from ominix_runtime.contract import (
 )
 from ominix_runtime.engine.config import EngineCoreConfig
 from ominix_runtime.engine.logs import log_event
+from ominix_runtime.engine.request import EngineRequest
 from ominix_runtime.engine.scheduler import Scheduler
 from ominix_runtime.engine.stats import LoadSnapshot, RunReport, SchedulerCounters, StepReport
 
@@ -40,6 +46,8 @@ _FULL_CHECK_MAX_BLOCKS = 16384
 EventSink = Callable[[list[WorkerEvent]], None]
 ReportSink = Callable[[RunReport], None]
 StepSink = Callable[[str, StepReport], None]
+# Called with a failed group's live requests; returns those no other group took (the group ends them).
+EvacuateSink = Callable[["StepWorkerGroup", list[EngineRequest]], list[EngineRequest]]
 
 
 class StepWorkerGroup:
@@ -55,6 +63,7 @@ class StepWorkerGroup:
         deliver: EventSink,
         report: ReportSink,
         step_report: StepSink,
+        evacuate: EvacuateSink | None = None,
     ) -> None:
         self.backend = backend
         self.capability = capability
@@ -71,6 +80,9 @@ class StepWorkerGroup:
         self._deliver = deliver
         self._report = report
         self._step_report = step_report
+        self._evacuate = evacuate
+        self.num_failures = 0
+        self.num_reconnects = 0
         self._wake = asyncio.Event()
         self._opened = asyncio.Event()
         self._stopping = False
@@ -178,15 +190,68 @@ class StepWorkerGroup:
     async def _run(self) -> None:
         try:
             self._stream = await self.backend.open()
-            self.running = True
-            self._opened.set()
-            await self._loop(self._stream)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - any failure ends the group's requests, never the engine
-            self._fail(exc)
-        finally:
-            self.running = False
+        except Exception as exc:  # noqa: BLE001 - start() re-raises it: the engine does not start
+            self.healthy = False
+            raise exc
+        while not self._stopping:
+            self.running = True
+            self.healthy = True
+            self._opened.set()
+            try:
+                await self._loop(self._stream)
+                return
+            except asyncio.CancelledError:
+                self.running = False
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure ends the group's requests, never the engine
+                self.running = False
+                self._fail(exc)
+            if not self.config.reconnect:
+                return
+            self._stream = await self._reconnect()
+
+    async def _reconnect(self) -> StepStream:
+        """Poll the worker with backoff until it describes the same model again; fresh scheduler and stream."""
+        stale, self._stream = self._stream, None
+        if stale is not None:
+            with contextlib.suppress(Exception):  # a dead stream may fail to close; it is dropped anyway
+                await asyncio.wait_for(stale.close(), self.config.reconnect_rpc_timeout)
+        delay = self.config.reconnect_backoff_initial
+        while True:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.config.reconnect_backoff_max)
+            try:
+                cap = await asyncio.wait_for(self.backend.describe(), self.config.reconnect_rpc_timeout)
+                problem = self._incompatible(cap)
+                if problem:
+                    log_event("warning", "worker_reconnect_refused", worker_id=self.worker_id, reason=problem)
+                    continue
+                stream = await asyncio.wait_for(self.backend.open(), self.config.reconnect_rpc_timeout)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - still down: try again later
+                log_event("debug", "worker_reconnect_failed", worker_id=self.worker_id, error=str(exc))
+                continue
+            counters = self.scheduler.counters
+            self.capability = cap
+            self.scheduler = Scheduler(cap, self.config.scheduler)
+            self.scheduler.counters = counters  # monotonic across reconnects
+            self._deadlines.clear()
+            self._last_result_at = 0.0
+            self.num_reconnects += 1
+            log_event("info", "worker_reconnected", worker_id=self.worker_id)
+            return stream
+
+    def _incompatible(self, cap: BackendCapability) -> str:
+        old = self.capability
+        if cap.worker_id != old.worker_id:
+            return f"worker_id changed from {old.worker_id!r} to {cap.worker_id!r}"
+        for attr in ("name", "vocab_size", "max_model_len", "eos_token_ids"):
+            if getattr(cap.model, attr) != getattr(old.model, attr):
+                return f"model {attr} changed"
+        return ""
 
     async def _loop(self, stream: StepStream) -> None:
         loop = asyncio.get_running_loop()
@@ -270,11 +335,29 @@ class StepWorkerGroup:
 
     def _fail(self, exc: BaseException) -> None:
         self.healthy = False
+        self.num_failures += 1
         message = f"worker {self.worker_id} failed: {exc}"
+        log_event("error", "worker_group_failed", worker_id=self.worker_id, error=str(exc))
         self._inflight.clear()
         error = (RuntimeErrorKind.BACKEND_UNAVAILABLE, message)
-        with contextlib.suppress(Exception):  # bookkeeping of a dead group; its requests are ended below
+        try:
             self.scheduler.drop_inflight()
+            evicted = self.scheduler.evict_all()
+        except Exception as bug:  # noqa: BLE001 - even a broken scheduler must end every request once
+            log_event("error", "worker_group_evict_failed", worker_id=self.worker_id, error=str(bug))
+            self._end_all(error)
+            return
+        self._deadlines.clear()
+        left = self._evacuate(self, evicted) if self._evacuate is not None else evicted
+        for req in left:
+            try:
+                events = self.scheduler.fail_evicted(req, error)
+            except Exception:  # noqa: BLE001 - the terminal event must go out whatever happened
+                events = [Usage(req.request_id, 0, 0), Error(req.request_id, *error)]
+            self._emit(events)
+        self._end_all(error)  # anything the scheduler still holds
+
+    def _end_all(self, error: tuple[RuntimeErrorKind, str]) -> None:
         for rid in list(self.scheduler.requests):
             try:
                 events = self.scheduler.abort_request(rid, FinishReason.ERROR, error)
@@ -282,4 +365,11 @@ class StepWorkerGroup:
                 self.scheduler.requests.pop(rid, None)
                 events = [Usage(rid, 0, 0), Error(rid, *error)]
             self._emit(events)
-        log_event("error", "worker_group_failed", worker_id=self.worker_id, error=str(exc))
+
+    def adopt(self, req: EngineRequest) -> None:
+        """Take over a request from a failed group (raises OminixError when it cannot run here)."""
+        self.scheduler.adopt(req)
+        deadline = req.request.deadline
+        if deadline is not None:
+            heapq.heappush(self._deadlines, (deadline, req.request_id))
+        self._wake.set()

@@ -186,6 +186,56 @@ class Scheduler:
                     entry.req.num_placeholders -= 1
         self._inflight.clear()
 
+    def evict_all(self) -> list[EngineRequest]:
+        """Take every live request out of this (dead) group, in scheduling order, without ending them.
+
+        Call after :meth:`drop_inflight`. Leases are released so the registry stays consistent; the caller
+        either hands each request to another group (:meth:`adopt`) or ends it (:meth:`fail_evicted`).
+        """
+        evicted = sorted(self.requests.values(), key=lambda r: r.order_key)
+        for req in evicted:
+            if self.running.pop(req.request_id, None) is not None:
+                self.registry.free(req.request_id)
+            self.waiting.remove(req.request_id)
+            req.worker_has_state = False
+        self.requests.clear()
+        self._pending_finished_ids.clear()
+        return evicted
+
+    def fail_evicted(self, req: EngineRequest, error: tuple[RuntimeErrorKind, str]) -> list[WorkerEvent]:
+        """End a request taken out by :meth:`evict_all` that no other group could take."""
+        events: list[WorkerEvent] = []
+        self._end(req, events, FinishReason.ERROR, error)
+        return events
+
+    def adopt(self, old: EngineRequest) -> None:
+        """Resume a request evicted from a failed group: recompute prompt + the outputs already streamed.
+
+        The effective seed is kept, and the worker seeds by output position, so the tokens that follow are
+        the ones the failed worker would have sampled. Raises OminixError when it cannot run here.
+        """
+        req = old.request
+        if req.request_id in self.requests:
+            raise InvalidArgument(f"request id {req.request_id!r} is already in use")
+        self.validate(req)
+        self._arrival_seq += 1
+        ereq = EngineRequest(
+            request=req,
+            arrival_seq=self._arrival_seq,
+            effective_seed=old.effective_seed,
+            all_token_ids=list(old.all_token_ids),
+            num_prompt_tokens=old.num_prompt_tokens,
+            queued_time=old.queued_time,
+            num_cached_tokens=old.num_cached_tokens,
+            num_preemptions=old.num_preemptions + (old.state != RequestState.WAITING),
+            prefill_reported=old.prefill_reported,
+            first_scheduled_time=old.first_scheduled_time,
+            first_token_time=old.first_token_time,
+        )
+        self.requests[req.request_id] = ereq
+        self.waiting.push_back(ereq)
+        self.counters.resumed += 1
+
     def has_work(self) -> bool:
         return bool(self.requests) or bool(self._pending_finished_ids)
 

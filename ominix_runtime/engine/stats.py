@@ -24,6 +24,7 @@ class SchedulerCounters:
     steps: int = 0
     discarded_outputs: int = 0  # outputs for requests that ended while their step was in flight
     unexpected_outputs: int = 0  # outputs naming a request the step did not schedule
+    resumed: int = 0  # requests taken over from a failed worker group (recomputed here)
 
 
 @dataclass(frozen=True, slots=True)
