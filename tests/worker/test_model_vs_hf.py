@@ -111,17 +111,17 @@ def test_chunked_prefill_mixed_with_decode(pair: tuple[LogitsRecorder, Reference
             1,
             new_requests=[
                 NewRequestData("short", short, GREEDY, [4], 0, 5, effective_seed=2),
-                NewRequestData("long", long, GREEDY, [11, 5], 0, 16, effective_seed=3),
+                NewRequestData("long", long, GREEDY, [11, 5], 0, 13, effective_seed=3),
             ],
         )
     )
     assert set(logits) == {"short"}, "a chunked prefill must not sample"
     assert_close(logits["short"], ref.logits(short)[-1])
     short.append(tokens_by_id(result)["short"])
-    # Second chunk of 16 alongside a decode row, then the last 8 which samples.
+    # Chunks that do not end on block boundaries: 13, then 19 beside a decode row, then the last 8 (samples).
     result, logits = rec.step(
         DecodeStep(
-            2, running_requests=[RunningRequestData("short", [], 1), RunningRequestData("long", [], 16)]
+            2, running_requests=[RunningRequestData("short", [], 1), RunningRequestData("long", [], 19)]
         )
     )
     assert set(logits) == {"short"}
