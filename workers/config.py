@@ -35,7 +35,8 @@ class ModelConfig:
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # Qwen2
+    qkv_bias: bool = False  # Qwen2, or Llama with attention_bias
+    o_proj_bias: bool = False  # Llama with attention_bias (Qwen2 has none on o_proj)
     qk_norm: bool = False  # Qwen3
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
@@ -59,6 +60,8 @@ class ModelConfig:
         attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
+        if self.o_proj_bias:
+            attn += self.hidden_size
         if self.qk_norm:
             attn += 2 * self.head_dim
         mlp = 3 * self.hidden_size * self.intermediate_size
@@ -118,6 +121,7 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            o_proj_bias=model_type != "qwen2" and bool(raw.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),

@@ -223,3 +223,19 @@ def test_sharded_safetensors_load_like_one_file(
     sharded = last_logits(build_runner(str(tmp_path), num_blocks=4), tokens)
     single = last_logits(build_runner(str(source), num_blocks=4), tokens)
     assert torch.equal(sharded, single)
+
+
+def test_llama_with_attention_bias_matches_transformers(tmp_path: Path) -> None:
+    from ominix_worker.testing import write_tiny_hf_model
+
+    folder = write_tiny_hf_model(
+        tmp_path, arch="llama", attention_bias=True, with_tokenizer=False, vocab_size=96
+    )
+    runner = build_runner(str(folder), num_blocks=4)
+    assert runner.config.qkv_bias and runner.config.o_proj_bias
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokens = list(range(5, 25))
+    with torch.no_grad():
+        want = reference(torch.tensor([tokens])).logits[0, -1]
+    got = last_logits(runner, tokens)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
