@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# One device call for the service path: W1 cold and again (prefix cache), batch-1 TPOT and shared-prefix TTFT
+# through the real engine + worker over gRPC, the worker wrapped by bench/step_probe.py (step log, GPU busy in
+# steady decode), then HF static generate on the same machine, and a table last. Every stage is bounded.
+#
+#   bash bench/gpu_service.sh                       # on the GPU machine, from the repository root
+#   DEVICE=cpu MODEL=dummy:/path/tiny.json OFFLINE_ARGS="--num-requests 8 ..." STAGES="service" bash bench/gpu_service.sh
+#
+# Carried wheels (.whl/, when present) go to /tmp/site; results and logs land in ${OUT:-/tmp/ominix_service}.
+set -u
+OUT=${OUT:-/tmp/ominix_service}
+mkdir -p "$OUT"
+DEVICE=${DEVICE:-cuda:0}
+MODEL=${MODEL:-dummy:bench/configs/llama8b-config.json}
+CONFIG_JSON=${CONFIG_JSON:-bench/configs/llama8b-config.json}
+STAGES=${STAGES:-"env roofline service peer"}
+WORKER_ARGS=${WORKER_ARGS:-}
+SERVE_ARGS=${SERVE_ARGS:-}
+OFFLINE_ARGS=${OFFLINE_ARGS:-}
+SERVICE_S=${SERVICE_S:-330}
+export PYTHONUNBUFFERED=1
+export OMINIX_PROFILE_BATCHES=${OMINIX_PROFILE_BATCHES:-256,1}
+export OMINIX_PROFILE_STEPS=${OMINIX_PROFILE_STEPS:-8}
+export OMINIX_PROFILE_OUT=$OUT/probe.json
+
+if [ -d .whl ] && [ -z "${NO_WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  ln -sfn "$PWD/workers" /tmp/site/ominix_worker
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+free_port() { python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])"; }
+
+run_service() {
+  local wport eport wpid epid
+  wport=$(free_port); eport=$(free_port)
+  timeout $((SERVICE_S + 60)) python3 bench/step_probe.py --model "$MODEL" --device "$DEVICE" --port "$wport" \
+    $WORKER_ARGS >"$OUT/worker.log" 2>&1 &
+  wpid=$!
+  timeout $((SERVICE_S + 60)) python3 -m ominix_runtime serve --model "$MODEL" --worker "127.0.0.1:$wport" \
+    --port "$eport" --metrics-port 0 --log-level warning --worker-ready-timeout 600 $SERVE_ARGS \
+    >"$OUT/engine.log" 2>&1 &
+  epid=$!
+  local started=$SECONDS
+  if timeout 600 python3 - "$eport" <<'EOF'
+import sys, time
+from bench.common import health_status
+address = f"127.0.0.1:{sys.argv[1]}"
+deadline = time.monotonic() + 600
+while time.monotonic() < deadline:
+    if health_status(address) == "SERVING":
+        sys.exit(0)
+    time.sleep(0.5)
+sys.exit(1)
+EOF
+  then
+    echo "service SERVING after $((SECONDS - started)) s"
+    timeout "$SERVICE_S" python3 bench/offline.py --address "127.0.0.1:$eport" --all --no-progress \
+      --no-request-details --model-config "$CONFIG_JSON" --out-json "$OUT/offline.json" $BW_ARGS $OFFLINE_ARGS \
+      2>&1 | grep -v -E "^(ITL|E2EL|peak|request throughput|total throughput|input tokens)" | tail -60
+  else
+    echo "service never SERVING"; tail -20 "$OUT/worker.log"; tail -20 "$OUT/engine.log"
+  fi
+  kill -TERM "$epid" 2>/dev/null; sleep 1; kill -TERM "$wpid" 2>/dev/null
+  for _ in $(seq 60); do kill -0 "$wpid" 2>/dev/null || break; sleep 0.5; done
+  kill -KILL "$epid" "$wpid" 2>/dev/null
+  wait 2>/dev/null
+  tail -5 "$OUT/worker.log"
+}
+
+BW_ARGS=""
+for stage in $STAGES; do
+  echo "=== $stage $(date -u +%FT%TZ)"
+  case $stage in
+    env)
+      nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>/dev/null
+      python3 -c "import torch, triton, transformers, google.protobuf as pb, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'protobuf', pb.__version__, 'grpc', grpc.__version__)"
+      python3 -c "import aiohttp, tokenizers, jinja2, uvloop, prometheus_client; print('aiohttp tokenizers jinja2 uvloop prometheus_client: ok')" ;;
+    roofline)
+      timeout 90 python3 bench/roofline.py --json "$OUT/roofline.json" 2>&1 | tail -10
+      BW_ARGS=$(python3 -c "import json; r=json.load(open('$OUT/roofline.json')); print(f'--bandwidth {r[\"bandwidth\"]} --flops {r[\"flops\"]}')" 2>/dev/null) ;;
+    service)
+      run_service ;;
+    peer)
+      timeout ${PEER_S:-240} python3 bench/peer_hf.py --batch 128 --json "$OUT/peer_hf.json" 2>&1 \
+        | grep -v -E "it/s\]|Loading" | tail -4 ;;
+  esac
+done
+echo "=== summary $(date -u +%FT%TZ)"
+python3 bench/service_summary.py "$OUT" | tee "$OUT/summary.txt"

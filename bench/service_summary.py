@@ -1,0 +1,107 @@
+"""Table of the service-path targets from one ``bench/gpu_service.sh`` output folder.
+
+Reads offline.json (bench/offline.py), peer_hf.json (bench/peer_hf.py), roofline.json and probe.json
+(bench/step_probe.py) and prints each figure beside its target, then where a worker's decode step goes.
+
+    python bench/service_summary.py OUT_FOLDER
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def step_breakdown(steps: list[dict[str, Any]], batch: int) -> dict[str, float] | None:
+    """Means over consecutive pure-decode steps of one batch size: worker time, gap before the next, phases."""
+    rows = []
+    for prev, cur in zip(steps, steps[1:], strict=False):
+        if cur["decode"] and prev["decode"] and cur["batch"] == batch and prev["batch"] == batch:
+            rows.append((prev, cur))
+    if len(rows) < 3:
+        return None
+    rows = rows[2:]  # first steps of a run carry one-off costs
+    out = {
+        "steps": float(len(rows)),
+        "step_ms": statistics.mean((c["exit"] - c["enter"]) * 1e3 for _, c in rows),
+        "gap_ms": statistics.mean((c["enter"] - p["exit"]) * 1e3 for p, c in rows),
+    }
+    for phase in ("prepare_inputs", "forward", "sample", "update_states"):
+        out[phase + "_ms"] = statistics.mean(c.get(phase, 0.0) * 1e3 for _, c in rows)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    folder = Path(argv[1] if len(argv) > 1 else ".")
+    offline = _load(folder / "offline.json")
+    figures: dict[str, Any] = offline.get("figures", {})
+    peer = _load(folder / "peer_hf.json")
+    roof = _load(folder / "roofline.json")
+    probe = _load(folder / "probe.json")
+    card = roof.get("device") or peer.get("device") or "?"
+    print(f"card: {card}; model {offline.get('model', '?')} on {offline.get('device', '?')}")
+    if roof:
+        print(f"ceilings: {roof['bandwidth'] / 1e12:.2f} TB/s copy, {roof['flops'] / 1e12:.0f} TFLOP/s bf16")
+    rows: list[tuple[str, str, str]] = []
+    cold = figures.get("w1_cold_out_tok_s")
+    hf = peer.get("out_tok_s")
+    rows.append(("W1 cold out tok/s", _fmt(cold), ""))
+    rows.append(("HF static batch 128 out tok/s (same call)", _fmt(hf), ""))
+    rows.append(("P1 W1 cold / HF static", _fmt(cold / hf if cold and hf else None, 2), ">= 4.0"))
+    rows.append(("W1 roofline out tok/s", _fmt(figures.get("w1_roofline_out_tok_s")), ""))
+    rows.append(("W1 cold / roofline", _fmt(figures.get("w1_cold_over_roofline"), 2), ""))
+    rows.append(("W1 again out tok/s", _fmt(figures.get("w1_cached_out_tok_s")), ""))
+    rows.append(("P5 W1 again / cold", _fmt(figures.get("w1_cached_over_cold"), 2), ">= 1.6"))
+    rows.append(("W1 cold TTFT median ms", _fmt(figures.get("w1_cold_ttft_p50_ms")), ""))
+    rows.append(("W1 cold TPOT median ms", _fmt(figures.get("w1_cold_tpot_p50_ms"), 2), ""))
+    rows.append(("P2 batch-1 TPOT ms", _fmt(figures.get("batch1_tpot_ms"), 2), "<= 6.0"))
+    rows.append(("batch-1 TPOT floor ms", _fmt(figures.get("batch1_tpot_floor_ms"), 2), ""))
+    rows.append(("TTFT cold ms (2048+64)", _fmt(figures.get("prefix_ttft_cold_ms"), 2), ""))
+    rows.append(("TTFT warm ms (prefix shared)", _fmt(figures.get("prefix_ttft_warm_ms"), 2), ""))
+    rows.append(("P5 TTFT cold / warm", _fmt(figures.get("prefix_ttft_cold_over_warm"), 2), ">= 5"))
+    windows = probe.get("windows", {})
+    for key, window in sorted(windows.items()):
+        if "gpu_busy_share" in window:
+            share = window["gpu_busy_share"]
+            target = ">= 95%" if key.endswith("_256") else ""
+            rows.append((f"P3 GPU busy, {key} (profiler)", f"{share:.1%}", target))
+            rows.append(
+                (
+                    f"  profiled step / gap ms, {key}",
+                    f"{window['step_us_mean'] / 1e3:.2f} / {window['gap_between_steps_us_mean'] / 1e3:.2f}",
+                    "",
+                )
+            )
+    width = max(len(r[0]) for r in rows)
+    for name, value, target in rows:
+        print(f"{name.ljust(width)}  {value:>12}  {target}")
+    steps = probe.get("steps", [])
+    for batch in (256, 1):
+        b = step_breakdown(steps, batch)
+        if b is None:
+            continue
+        parts = ", ".join(f"{k[:-3]} {v:.2f}" for k, v in b.items() if k.endswith("_ms"))
+        print(f"worker decode steps at batch {batch} (n={int(b['steps'])}), ms: {parts}")
+    for key, window in sorted(windows.items()):
+        top = window.get("top_kernels_us_per_step", [])[:6]
+        if top:
+            print(f"top kernels per step, {key}: " + "; ".join(f"{n[:40]} {t:.0f}us" for n, t in top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

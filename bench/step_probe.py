@@ -1,0 +1,206 @@
+"""Worker entry point with a step probe: where a worker's step time goes, and how busy the GPU is.
+
+Starts ``ominix_worker.server`` with the same flags, after wrapping ``ModelRunner.execute_step`` (and its phases)
+with host timers. Every step is logged (enter/exit time, batch, tokens, phase times); for each batch size in
+``OMINIX_PROFILE_BATCHES`` (e.g. ``256,1``) the first ``OMINIX_PROFILE_STEPS`` pure-decode steps of that size
+after a few warm ones run under ``torch.profiler``: GPU busy = union of kernel and copy intervals over the
+window of those steps as the host saw them, the gap between steps, and the top kernels.
+``OMINIX_PROFILE_OUT`` names the JSON written (rewritten every 64 steps and at exit).
+
+    OMINIX_PROFILE_BATCHES=256,1 OMINIX_PROFILE_OUT=probe.json python3 bench/step_probe.py --device cuda:0 ...
+
+Nothing here changes what a step computes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+_SKIP_WARM = 4  # pure-decode steps of a size seen before its profile window opens
+
+
+class StepProbe:
+    def __init__(self, out: str, batches: list[int], num_steps: int) -> None:
+        self.out = out
+        self.steps: list[dict[str, Any]] = []
+        self.pending = {b: num_steps for b in batches}
+        self.seen: dict[int, int] = {}
+        self.windows: dict[str, Any] = {}
+        self.active: tuple[int, Any, list[tuple[float, float]]] | None = None
+        self.phase: dict[str, float] = {}
+
+    # ---- wrapping ----------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        from ominix_worker import runner as runner_module
+
+        cls = runner_module.ModelRunner
+        for name in ("_prepare_inputs", "_forward", "_sample", "_update_states"):
+            if hasattr(cls, name):
+                setattr(cls, name, self._timed(name, getattr(cls, name)))
+        execute = cls.execute_step
+        probe = self
+
+        def execute_step(runner: Any, step: Any) -> Any:
+            return probe.run_step(runner, step, execute)
+
+        cls.execute_step = execute_step  # type: ignore[method-assign]
+        atexit.register(self.write)
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        probe = self
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                probe.phase[name] = probe.phase.get(name, 0.0) + time.perf_counter() - started
+
+        return wrapper
+
+    def run_step(self, runner: Any, step: Any, execute: Any) -> Any:
+        batch = len(step.new_requests) + len(step.running_requests)
+        tokens = step.num_scheduled_tokens
+        decode = batch > 0 and tokens == batch and not step.new_requests
+        if decode:
+            self.seen[batch] = self.seen.get(batch, 0) + 1
+        if self.active is None and decode and self.pending.get(batch, 0) > 0 and self.seen[batch] > _SKIP_WARM:
+            try:
+                self._open(batch)
+            except Exception as exc:  # noqa: BLE001 - a probe failure must not stop the worker
+                self.pending[batch] = 0
+                self.windows[f"decode_batch_{batch}"] = {"error": repr(exc)}
+        self.phase = {}
+        entered = time.perf_counter()
+        if self.active is not None:
+            import torch
+
+            with torch.profiler.record_function("ominix_step"):
+                result = execute(runner, step)
+        else:
+            result = execute(runner, step)
+        left = time.perf_counter()
+        self.steps.append(
+            {"enter": entered, "exit": left, "batch": batch, "tokens": tokens, "decode": decode}
+            | {k.strip("_"): v for k, v in self.phase.items()}
+        )
+        if self.active is not None:
+            size = self.active[0]
+            self.pending[size] -= 1
+            if self.pending[size] <= 0 or not (decode and batch == size):
+                self._close()
+        if len(self.steps) % 64 == 0:
+            self.write()
+        return result
+
+    # ---- profiler windows --------------------------------------------------------------------------
+
+    def _open(self, batch: int) -> None:
+        import torch
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        prof = torch.profiler.profile(activities=activities)
+        prof.__enter__()
+        self.active = (batch, prof, [])
+
+    def _close(self) -> None:
+        import torch
+
+        assert self.active is not None
+        batch, prof, _ = self.active
+        self.active = None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        prof.__exit__(None, None, None)
+        self.pending[batch] = 0
+        try:
+            self.windows[f"decode_batch_{batch}"] = summarize(prof)
+        except Exception as exc:  # noqa: BLE001 - a probe failure must not stop the worker
+            self.windows[f"decode_batch_{batch}"] = {"error": repr(exc)}
+        self.write()
+
+    def write(self) -> None:
+        if not self.out:
+            return
+        payload = {"windows": self.windows, "steps": self.steps}
+        Path(self.out).write_text(json.dumps(payload))
+
+
+def _union(intervals: list[tuple[float, float]], low: float, high: float) -> float:
+    total = 0.0
+    cur_start = cur_end = None
+    for start, end in sorted(intervals):
+        start, end = max(start, low), min(end, high)
+        if end <= start:
+            continue
+        if cur_end is None or start > cur_end:
+            if cur_end is not None and cur_start is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None and cur_start is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def summarize(prof: Any) -> dict[str, Any]:
+    """GPU busy share of the window spanned by the profiled steps, gaps between them, top kernels."""
+    steps: list[tuple[float, float]] = []
+    device: list[tuple[float, float, str]] = []
+    for event in prof.events():
+        start = event.time_range.start
+        end = event.time_range.end
+        if event.name == "ominix_step" and event.device_type.name == "CPU":
+            steps.append((start, end))
+        elif event.device_type.name == "CUDA":
+            device.append((start, end, event.name))
+    steps.sort()
+    if not steps:
+        return {"error": "no step ranges"}
+    low, high = steps[0][0], steps[-1][1]
+    wall = high - low
+    busy = _union([(s, e) for s, e, _ in device], low, high)
+    gaps = [steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]
+    totals: dict[str, float] = {}
+    for s, e, name in device:
+        totals[name] = totals.get(name, 0.0) + (e - s)
+    top = sorted(totals.items(), key=lambda kv: -kv[1])[:15]
+    n = len(steps)
+    return {
+        "num_steps": n,
+        "window_us": wall,
+        "gpu_busy_us": busy,
+        "gpu_busy_share": busy / wall if wall > 0 else None,
+        "step_us_mean": sum(e - s for s, e in steps) / n,
+        "gap_between_steps_us_mean": sum(gaps) / len(gaps) if gaps else 0.0,
+        "num_device_events_per_step": len(device) / n,
+        "top_kernels_us_per_step": [(name[:90], t / n) for name, t in top],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    batches = [int(b) for b in os.environ.get("OMINIX_PROFILE_BATCHES", "").split(",") if b.strip()]
+    probe = StepProbe(
+        os.environ.get("OMINIX_PROFILE_OUT", ""), batches, int(os.environ.get("OMINIX_PROFILE_STEPS", "8"))
+    )
+    probe.install()
+    from ominix_worker.server import main as worker_main
+
+    return int(worker_main(argv) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
