@@ -95,6 +95,17 @@ def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     return theta, scaling
 
 
+def _max_positions(raw: dict[str, Any], model_type: str) -> int:
+    """max_position_embeddings, capped at a sliding window: attention here is always full, which equals
+    sliding-window attention only for sequences that fit in the window."""
+    limit = int(raw.get("max_position_embeddings", 2048))
+    window = raw.get("sliding_window")
+    uses_window = model_type == "mistral" or raw.get("use_sliding_window", False)
+    if window and uses_window:
+        limit = min(limit, int(window))
+    return limit
+
+
 def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
     model_type = str(raw.get("model_type", "")).lower()
     if model_type not in SUPPORTED_ARCHES:
@@ -103,6 +114,13 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
             f"unsupported model_type {model_type!r} ({', '.join(archs) or 'no architectures'}); "
             f"supported: {', '.join(SUPPORTED_ARCHES)}"
         )
+    # Refuse what this implementation would silently get wrong.
+    if raw.get("mlp_bias"):
+        raise ModelConfigError("mlp_bias=true is not supported")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelConfigError(f"hidden_act {raw.get('hidden_act')!r} is not supported (silu only)")
+    if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelConfigError("partial rotary embeddings are not supported")
     try:
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
@@ -123,7 +141,7 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
             qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
             o_proj_bias=model_type != "qwen2" and bool(raw.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=_max_positions(raw, model_type),
             bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
         )

@@ -162,6 +162,13 @@ def test_hf_config_variants(tmp_path: Path) -> None:
     qwen2 = config_from_hf_dict({**old_style, "model_type": "qwen2", "rope_scaling": None})
     assert qwen2.qkv_bias and not qwen2.qk_norm and qwen2.rope_scaling == {}
     assert config_from_hf_dict({**old_style, "model_type": "qwen3"}).qk_norm
+    mistral = config_from_hf_dict(
+        {**old_style, "model_type": "mistral", "max_position_embeddings": 32768, "sliding_window": 4096}
+    )
+    assert mistral.max_position_embeddings == 4096  # full attention equals the window only inside it
+    for bad, message in [({"hidden_act": "gelu"}, "hidden_act"), ({"mlp_bias": True}, "mlp_bias")]:
+        with pytest.raises(ModelConfigError, match=message):
+            config_from_hf_dict({**old_style, **bad})
     with pytest.raises(ModelConfigError, match="unsupported model_type 'gpt2'"):
         config_from_hf_dict({"model_type": "gpt2"})
     with pytest.raises(ModelConfigError, match="intermediate_size"):
