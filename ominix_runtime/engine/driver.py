@@ -29,6 +29,7 @@ from ominix_runtime.contract import (
     OminixError,
     RuntimeErrorKind,
     StepBackend,
+    StepResult,
     StepStream,
     Token,
     Usage,
@@ -256,42 +257,62 @@ class StepWorkerGroup:
     async def _loop(self, stream: StepStream) -> None:
         loop = asyncio.get_running_loop()
         max_inflight = max(1, self.config.max_inflight_steps)
-        while not self._stopping:
-            self.expire(time.monotonic())
-            while len(self._inflight) < max_inflight:
-                step = self.scheduler.schedule()
-                self._emit([])
-                if step is None:
-                    break
-                self._inflight.append((step, loop.time()))
-                await stream.send(step)
-            if not self._inflight:
-                self._idle_check(loop.time())
-                self._wake.clear()
-                timeout = self.config.deadline_check_interval if self._deadlines else 1.0
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout)
-                continue
-            try:
-                result = await asyncio.wait_for(stream.recv(), self.config.step_timeout)
-            except asyncio.TimeoutError as exc:
-                raise OminixError(
-                    RuntimeErrorKind.BACKEND_UNAVAILABLE,
-                    f"worker {self.worker_id} sent no result within {self.config.step_timeout:g} s",
-                ) from exc
-            step, sent_at = self._inflight.popleft()
-            if result.step_id != step.step_id:
-                raise OminixError(
-                    RuntimeErrorKind.INTERNAL,
-                    f"worker {self.worker_id} answered step {result.step_id} while step {step.step_id} was due",
-                )
-            events = self.scheduler.update(step, result)
-            self._emit(events)
-            # With two steps in flight a step starts on the worker when the previous one ends, not when sent.
-            now = loop.time()
-            started = max(sent_at, self._last_result_at)
-            self._last_result_at = now
-            self._record_step(step, result.compute_seconds, now - started, events)
+        # One recv() stays pending even while idle, so a worker that dies (or stops sending heartbeats)
+        # between requests is noticed at once rather than when the next step is sent.
+        recv: asyncio.Future[StepResult] | None = None
+        try:
+            while not self._stopping:
+                self.expire(time.monotonic())
+                while len(self._inflight) < max_inflight:
+                    step = self.scheduler.schedule()
+                    self._emit([])
+                    if step is None:
+                        break
+                    self._inflight.append((step, loop.time()))
+                    await stream.send(step)
+                if recv is None:
+                    recv = asyncio.ensure_future(stream.recv())
+                if not self._inflight:
+                    self._idle_check(loop.time())
+                    self._wake.clear()
+                    timeout = self.config.deadline_check_interval if self._deadlines else 1.0
+                    wake = asyncio.ensure_future(self._wake.wait())
+                    await asyncio.wait({wake, recv}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                    wake.cancel()
+                    if recv.done():
+                        recv.result()  # raises the stream's failure
+                        raise OminixError(
+                            RuntimeErrorKind.INTERNAL,
+                            f"worker {self.worker_id} sent a result with no step due",
+                        )
+                    continue
+                done, _ = await asyncio.wait({recv}, timeout=self.config.step_timeout)
+                if not done:
+                    raise OminixError(
+                        RuntimeErrorKind.BACKEND_UNAVAILABLE,
+                        f"worker {self.worker_id} sent no result within {self.config.step_timeout:g} s",
+                    )
+                result, recv = recv.result(), None
+                self._on_result(result, loop.time())
+        finally:
+            if recv is not None:
+                recv.cancel()
+                with contextlib.suppress(BaseException):  # its failure, if any, was already reported
+                    await recv
+
+    def _on_result(self, result: StepResult, now: float) -> None:
+        step, sent_at = self._inflight.popleft()
+        if result.step_id != step.step_id:
+            raise OminixError(
+                RuntimeErrorKind.INTERNAL,
+                f"worker {self.worker_id} answered step {result.step_id} while step {step.step_id} was due",
+            )
+        events = self.scheduler.update(step, result)
+        self._emit(events)
+        # With two steps in flight a step starts on the worker when the previous one ends, not when sent.
+        started = max(sent_at, self._last_result_at)
+        self._last_result_at = now
+        self._record_step(step, result.compute_seconds, now - started, events)
 
     def _record_step(
         self, step: DecodeStep, compute_seconds: float, duration: float, events: list[WorkerEvent]

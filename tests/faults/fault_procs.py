@@ -1,0 +1,159 @@
+"""Real processes for fault tests: CPU workers on a tiny random model and a `serve` engine, all on loopback.
+
+Builds on the e2e harness (tests/e2e/e2e_procs.py) for process start/stop and health polling; adds engine
+environment (step timeout), per-worker load queries and a streaming client that records how each request ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "e2e"))
+
+from e2e_procs import CLI, Proc, free_ports, stop_procs, wait_health  # noqa: E402
+
+from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc  # noqa: E402
+
+__all__ = ["CLI", "Engine", "Outcome", "Proc", "free_ports", "start_engine", "stop_procs", "stream_one"]
+
+
+def start_proc_env(name: str, argv: Sequence[str], log_dir: Path, env: dict[str, str]) -> Proc:
+    import subprocess
+
+    log_path = log_dir / f"{name}.log"
+    with log_path.open("wb") as log:
+        popen = subprocess.Popen(
+            list(argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+        )
+    return Proc(name, popen, log_path)
+
+
+def worker_argv(model: str, port: int, num_threads: int = 1, extra: Sequence[str] = ()) -> list[str]:
+    return [
+        *CLI,
+        "worker",
+        "--model",
+        model,
+        "--device",
+        "cpu",
+        "--port",
+        str(port),
+        "--kv-cache-memory",
+        "8MiB",
+        "--num-threads",
+        str(num_threads),
+        *extra,
+    ]
+
+
+@dataclass
+class Engine:
+    address: str
+    procs: list[Proc]  # workers first, the engine last
+    worker_addresses: list[str]
+    channel: grpc.Channel
+
+    @property
+    def stub(self) -> engine_pb2_grpc.EngineStub:
+        return engine_pb2_grpc.EngineStub(self.channel)
+
+    @property
+    def engine(self) -> Proc:
+        return self.procs[-1]
+
+    @property
+    def workers(self) -> list[Proc]:
+        return self.procs[:-1]
+
+    def load(self) -> engine_pb2.GetLoadResponse:
+        return self.stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=5)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.log_tail(6000)}" for p in self.procs)
+
+
+@contextlib.contextmanager
+def start_engine(
+    model: str,
+    log_dir: Path,
+    *,
+    num_workers: int = 2,
+    engine_env: dict[str, str] | None = None,
+    serve_args: Sequence[str] = (),
+    worker_args: Sequence[str] = (),
+) -> Iterator[Engine]:
+    procs: list[Proc] = []
+    channel: grpc.Channel | None = None
+    try:
+        ports = free_ports(num_workers + 2)
+        worker_ports, (port, metrics_port) = ports[:num_workers], ports[num_workers:]
+        for i, wp in enumerate(worker_ports):
+            procs.append(start_proc_env(f"worker{i}", worker_argv(model, wp, extra=worker_args), log_dir, {}))
+        addresses = [f"127.0.0.1:{p}" for p in worker_ports]
+        serve = [*CLI, "serve", "--model", model, "--port", str(port), "--metrics-port", str(metrics_port)]
+        serve += [*serve_args]
+        for a in addresses:
+            serve += ["--worker", a]
+        procs.append(start_proc_env("engine", serve, log_dir, engine_env or {}))
+        address = f"127.0.0.1:{port}"
+        wait_health(address, procs)
+        channel = grpc.insecure_channel(address)
+        yield Engine(address, procs, addresses, channel)
+    finally:
+        if channel is not None:
+            channel.close()
+        stop_procs(procs[::-1])
+
+
+@dataclass
+class Outcome:
+    """How one streamed request ended, as the client saw it."""
+
+    request_id: str
+    tokens: list[int] = field(default_factory=list)
+    done: engine_pb2.Done | None = None
+    error: common_pb2.ErrorInfo | None = None
+    status: grpc.StatusCode | None = None  # the RPC itself failed
+    num_terminal: int = 0
+    seconds: float = 0.0
+    first_token: threading.Event = field(default_factory=threading.Event)
+
+
+def stream_one(
+    stub: engine_pb2_grpc.EngineStub,
+    request: engine_pb2.GenerateRequest,
+    timeout: float,
+    out: Outcome | None = None,
+) -> Outcome:
+    """Stream ``request`` to its end, recording into ``out`` (pass one to watch progress from another thread)."""
+    out = out or Outcome(request.request_id)
+    start = time.monotonic()
+    try:
+        for ev in stub.Generate(request, timeout=timeout):
+            kind = ev.WhichOneof("event")
+            if kind == "token":
+                out.tokens += list(ev.token.token_ids)
+                out.first_token.set()
+            elif kind == "done":
+                out.done = ev.done
+                out.num_terminal += 1
+            elif kind == "error":
+                out.error = ev.error
+                out.num_terminal += 1
+    except grpc.RpcError as exc:
+        out.status = exc.code()  # type: ignore[attr-defined]
+    out.seconds = time.monotonic() - start
+    return out
