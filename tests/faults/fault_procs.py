@@ -23,7 +23,19 @@ from e2e_procs import CLI, Proc, free_ports, stop_procs, wait_health  # noqa: E4
 
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc  # noqa: E402
 
-__all__ = ["CLI", "Engine", "Outcome", "Proc", "free_ports", "start_engine", "stop_procs", "stream_one"]
+__all__ = [
+    "CLI",
+    "Engine",
+    "Outcome",
+    "Proc",
+    "free_ports",
+    "metric_value",
+    "rss_bytes",
+    "start_engine",
+    "start_fake_engine",
+    "stop_procs",
+    "stream_one",
+]
 
 
 def start_proc_env(name: str, argv: Sequence[str], log_dir: Path, env: dict[str, str]) -> Proc:
@@ -65,6 +77,7 @@ class Engine:
     procs: list[Proc]  # workers first, the engine last
     worker_addresses: list[str]
     channel: grpc.Channel
+    metrics_url: str = ""
 
     @property
     def stub(self) -> engine_pb2_grpc.EngineStub:
@@ -111,11 +124,53 @@ def start_engine(
         address = f"127.0.0.1:{port}"
         wait_health(address, procs)
         channel = grpc.insecure_channel(address)
-        yield Engine(address, procs, addresses, channel)
+        yield Engine(address, procs, addresses, channel, f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         if channel is not None:
             channel.close()
         stop_procs(procs[::-1])
+
+
+FAKE_ENGINE = Path(__file__).resolve().parent / "fake_engine.py"
+
+
+@contextlib.contextmanager
+def start_fake_engine(log_dir: Path, *args: str) -> Iterator[Engine]:
+    """The real front server and engine over fake workers, in a process of its own (see fake_engine.py)."""
+    port, metrics_port = free_ports(2)
+    argv = [sys.executable, str(FAKE_ENGINE), "--port", str(port), "--metrics-port", str(metrics_port), *args]
+    proc = start_proc_env("engine", argv, log_dir, {})
+    channel: grpc.Channel | None = None
+    try:
+        address = f"127.0.0.1:{port}"
+        wait_health(address, [proc], timeout=60)
+        channel = grpc.insecure_channel(address)
+        yield Engine(address, [proc], [], channel, f"http://127.0.0.1:{metrics_port}/metrics")
+    finally:
+        if channel is not None:
+            channel.close()
+        stop_procs([proc])
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process (Linux /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def metric_value(metrics_url: str, name: str) -> float:
+    """Sum of every sample of ``name`` on a Prometheus text page (0 when absent)."""
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=5) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 @dataclass

@@ -1,0 +1,79 @@
+"""`serve` with in-process fake step backends, as its own process (soak, shutdown and bad-input tests).
+
+    python fake_engine.py --port P --metrics-port M [--workers 2] [--step-latency S] [--max-queue-len N]
+
+The front server, engine core and drivers are the real ones; only the workers are the deterministic fake.
+The model is the embedded SmolLM2 (its tokenizer resolves text prompts), so the fakes state its vocabulary.
+SIGUSR1 crashes the first fake worker (its stream breaks, it refuses connections) and revives it shortly after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+
+from ominix_runtime.backends.fake import FakeConfig, FakeStepBackend
+from ominix_runtime.config import EngineConfig, SchedulerConfig
+from ominix_runtime.server.app import EngineDaemon
+from ominix_runtime.server.logging import configure_logging
+
+SMOLLM2_VOCAB = 49152
+
+
+async def main(args: argparse.Namespace) -> int:
+    configure_logging("warning", json_output=True)
+    backends = [
+        FakeStepBackend(
+            FakeConfig(
+                worker_id=f"fake-{i}",
+                vocab_size=SMOLLM2_VOCAB,
+                max_model_len=args.max_model_len,
+                kv_num_blocks=args.kv_blocks,
+                max_running_requests=64,
+                step_latency=args.step_latency,
+            )
+        )
+        for i in range(args.workers)
+    ]
+    config = EngineConfig(
+        host="127.0.0.1",
+        port=args.port,
+        metrics_port=args.metrics_port,
+        drain_timeout=args.drain_timeout,
+        scheduler=SchedulerConfig(max_queue_len=args.max_queue_len),
+        log_json=True,
+    )
+    daemon = EngineDaemon(config, backends=backends)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, daemon.stop_requested.set)
+
+    def crash_first_worker() -> None:  # SIGUSR1: fault injection (kill, then restart after a moment)
+        backends[0].crash()
+        loop.call_later(args.revive_after, backends[0].revive)
+
+    loop.add_signal_handler(signal.SIGUSR1, crash_first_worker)
+    try:
+        await daemon.start()
+        await daemon.stop_requested.wait()
+    finally:
+        with contextlib.suppress(Exception):
+            await daemon.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--metrics-port", type=int, required=True)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--step-latency", type=float, default=0.001)
+    p.add_argument("--kv-blocks", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-queue-len", type=int, default=1024)
+    p.add_argument("--drain-timeout", type=float, default=10.0)
+    p.add_argument("--revive-after", type=float, default=0.3, help="SIGUSR1 crashes fake-0; back after this")
+    sys.exit(asyncio.run(main(p.parse_args())))
