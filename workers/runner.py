@@ -139,13 +139,18 @@ class ModelRunner:
             num_computed_tokens=new.num_computed_tokens,
             seed=seed,
         )
-        for token in request.prompt_token_ids + request.output_token_ids:
-            if not 0 <= token < self.vocab_size:
-                raise RequestError(
-                    RuntimeErrorKind.INVALID_ARGUMENT, f"token id {token} outside the vocabulary"
-                )
+        tokens = request.prompt_token_ids + request.output_token_ids
+        if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab_size):
+            bad = next(t for t in tokens if not 0 <= t < self.vocab_size)
+            raise RequestError(RuntimeErrorKind.INVALID_ARGUMENT, f"token id {bad} outside the vocabulary")
+        self._check_block_ids(request.kv_block_ids)
         self.requests[new.request_id] = request
         return request
+
+    def _check_block_ids(self, block_ids: list[int]) -> None:
+        """Checked once when blocks arrive, not every step."""
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
+            raise RequestError(RuntimeErrorKind.INTERNAL, f"KV block id outside [0, {self.num_blocks})")
 
     def _check_row(self, request: CachedRequest, num_scheduled: int) -> ScheduledRow:
         start = request.num_computed_tokens
@@ -165,8 +170,6 @@ class ModelRunner:
                 RuntimeErrorKind.INTERNAL,
                 f"{len(request.kv_block_ids)} KV blocks cannot hold {end} tokens (block size {self.block_size})",
             )
-        if any(not 0 <= b < self.num_blocks for b in request.kv_block_ids[: -(-end // self.block_size)]):
-            raise RequestError(RuntimeErrorKind.INTERNAL, f"KV block id outside [0, {self.num_blocks})")
         return ScheduledRow(request, start, end, samples=end == request.num_tokens)
 
     def _apply_step(
@@ -183,13 +186,8 @@ class ModelRunner:
             try:
                 self._add_new(new)
             except (InvalidArgument, RequestError) as exc:
-                kind = (
-                    exc.kind
-                    if isinstance(exc, (InvalidArgument, RequestError))
-                    else RuntimeErrorKind.INTERNAL
-                )
                 errors[new.request_id] = RequestOutput(
-                    new.request_id, error_kind=kind, error_message=str(exc)
+                    new.request_id, error_kind=exc.kind, error_message=str(exc)
                 )
             scheduled.append((new.request_id, new.num_scheduled_tokens))
         for running in step.running_requests:
@@ -202,7 +200,13 @@ class ModelRunner:
                         error_message="the worker holds no state for this request",
                     )
             else:
-                request.kv_block_ids.extend(running.new_kv_block_ids)
+                try:
+                    self._check_block_ids(running.new_kv_block_ids)
+                    request.kv_block_ids.extend(running.new_kv_block_ids)
+                except RequestError as exc:
+                    errors[running.request_id] = RequestOutput(
+                        running.request_id, error_kind=exc.kind, error_message=str(exc)
+                    )
             scheduled.append((running.request_id, running.num_scheduled_tokens))
         for request_id, num_scheduled in scheduled:
             order.append(request_id)

@@ -73,15 +73,23 @@ def test_problems_stay_with_their_request(runner: ModelRunner) -> None:
     bad_sampling = NewRequestData("bad-sampling", [5, 6], SamplingParams(top_p=0.0), [4], 0, 2, 0)
     too_few_blocks = NewRequestData("no-room", list(range(3, 40)), SamplingParams(), [5], 0, 37, 0)
     bad_token = NewRequestData("bad-token", [5, 10_000], SamplingParams(), [6], 0, 2, 0)
+    bad_block = NewRequestData("bad-block", [5, 6], SamplingParams(), [runner.num_blocks], 0, 2, 0)
     result = runner.execute_step(
         DecodeStep(
             1,
-            new_requests=[good, bad_sampling, too_few_blocks, bad_token],
+            new_requests=[good, bad_sampling, too_few_blocks, bad_token, bad_block],
             running_requests=[RunningRequestData("ghost", [], 1)],
         )
     )
     by_id = {o.request_id: o for o in result.outputs}
-    assert [o.request_id for o in result.outputs] == ["good", "bad-sampling", "no-room", "bad-token", "ghost"]
+    assert [o.request_id for o in result.outputs] == [
+        "good",
+        "bad-sampling",
+        "no-room",
+        "bad-token",
+        "bad-block",
+        "ghost",
+    ]
     assert by_id["good"].sampled_token_id is not None and by_id["good"].error_kind is None
     assert by_id["bad-sampling"].error_kind == RuntimeErrorKind.INVALID_ARGUMENT
     assert by_id["bad-token"].error_kind == RuntimeErrorKind.INVALID_ARGUMENT
@@ -90,6 +98,7 @@ def test_problems_stay_with_their_request(runner: ModelRunner) -> None:
         and "KV blocks" in by_id["no-room"].error_message
     )
     assert by_id["ghost"].error_kind == RuntimeErrorKind.INTERNAL
+    assert "outside" in by_id["bad-block"].error_message
     assert set(runner.requests) == {"good"}
     assert result.num_tokens == 3
 
