@@ -14,6 +14,7 @@ from ominix_runtime.config import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_ENGINE_PORT,
     DEFAULT_HOST,
+    DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_METRICS_PORT,
     DEFAULT_WORKER_BASE_PORT,
     DEFAULT_WORKER_READY_TIMEOUT_S,
@@ -111,7 +112,18 @@ def _add_serve_flags(p: argparse.ArgumentParser, with_backends: bool) -> None:
     )
     p.add_argument("--tls-key", default=None, help="PEM private key for TLS on the engine port")
     p.add_argument(
-        "--worker-ca", default=None, help="PEM CA bundle: connect to workers over TLS (unset: plaintext)"
+        "--tls-ca",
+        "--worker-ca",
+        dest="worker_ca",
+        default=None,
+        help="PEM CA bundle that signs the workers' certificates: connect to workers over TLS, presenting "
+        "--tls-cert/--tls-key as the client certificate (unset: plaintext)",
+    )
+    p.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help="largest request accepted on the engine port; bigger ones get RESOURCE_EXHAUSTED",
     )
 
 
@@ -227,6 +239,7 @@ def engine_config_from_args(args: argparse.Namespace, workers: Sequence[str]) ->
         log_level=args.log_level,
         log_json=log_json,
         tls=TLSConfig(server_cert=args.tls_cert, server_key=args.tls_key, worker_ca=args.worker_ca),
+        max_message_bytes=args.max_message_bytes,
         debug=DebugConfig.from_env(),
     )
 
@@ -266,6 +279,14 @@ def _serve_argv(args: argparse.Namespace, workers: Sequence[str]) -> list[str]:
             argv += [flag, str(value)]
     if args.no_prefix_caching:
         argv.append("--no-prefix-caching")
+    for flag, value in (
+        ("--tls-cert", args.tls_cert),
+        ("--tls-key", args.tls_key),
+        ("--tls-ca", args.worker_ca),
+        ("--max-message-bytes", args.max_message_bytes),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
     return argv
 
 

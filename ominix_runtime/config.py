@@ -15,6 +15,7 @@ DEFAULT_METRICS_PORT = 9400
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 DEFAULT_WORKER_READY_TIMEOUT_S = 300.0
 DEFAULT_STEP_TIMEOUT_S = 60.0
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # one GenerateRequest on the engine port (gRPC's own default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +30,12 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class TLSConfig:
-    """PEM paths for TLS on the front API (cert + key) and to workers (CA); plaintext while unset."""
+    """PEM paths; plaintext while unset.
+
+    ``server_cert``/``server_key`` are the engine's identity: served on the engine port and, when
+    ``worker_ca`` is set, presented to workers as the client certificate (mutual TLS). ``worker_ca`` verifies
+    the workers' certificates.
+    """
 
     server_cert: str | None = None
     server_key: str | None = None
@@ -74,6 +80,7 @@ class EngineConfig:
     log_level: str = "info"
     log_json: bool | None = None  # None: JSON unless stderr is a terminal
     tls: TLSConfig = field(default_factory=TLSConfig)
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger requests are refused (RESOURCE_EXHAUSTED)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     @property

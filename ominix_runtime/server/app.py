@@ -30,6 +30,7 @@ from ominix_runtime.text import Tokenizer
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 METRICS_REFRESH_INTERVAL_S = 0.5
+HEALTH_REFRESH_INTERVAL_S = 0.25
 
 _log = get_logger("ominix.server")
 
@@ -37,7 +38,12 @@ _log = get_logger("ominix.server")
 def _build_backends(config: EngineConfig) -> list[Any]:
     worker_tls = None
     if config.tls.worker_ca:
-        worker_tls = grpc.ssl_channel_credentials(root_certificates=Path(config.tls.worker_ca).read_bytes())
+        # Mutual TLS: the engine proves itself to the workers with its own certificate when it has one.
+        key = Path(config.tls.server_key).read_bytes() if config.tls.server_key else None
+        cert = Path(config.tls.server_cert).read_bytes() if config.tls.server_cert else None
+        worker_tls = grpc.ssl_channel_credentials(
+            root_certificates=Path(config.tls.worker_ca).read_bytes(), private_key=key, certificate_chain=cert
+        )
     backends: list[Any] = [
         GrpcWorkerBackend(address, tls=worker_tls, step_timeout=config.debug.step_timeout_s)
         for address in config.workers
@@ -113,7 +119,9 @@ class EngineDaemon:
 
         # Every service is registered before the server starts; Generate answers UNAVAILABLE and health
         # says NOT_SERVING until the engine is ready.
-        server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        options = dict(CHANNEL_OPTIONS)
+        options["grpc.max_receive_message_length"] = config.max_message_bytes
+        server = grpc.aio.server(options=list(options.items()))
         self._server = server
         engine_pb2_grpc.add_EngineServicer_to_server(service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -157,6 +165,7 @@ class EngineDaemon:
         self._wire_observability()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._follow_health()))
         address = f"{config.host}:{self.bound_port}"
         _log.info(
             "serving",
@@ -187,6 +196,23 @@ class EngineDaemon:
         engine.add_step_listener(metrics.observe_step)
         self.metrics_port = metrics.start_http(self.config.metrics_port, self.config.host)
         self._tasks.append(asyncio.get_running_loop().create_task(self._refresh_metrics()))
+
+    async def _follow_health(self) -> None:
+        """SERVING while at least one worker group serves; NOT_SERVING while none does (they reconnect)."""
+        serving = True
+        while True:
+            await asyncio.sleep(HEALTH_REFRESH_INTERVAL_S)
+            ready = bool(self._engine.ready)
+            if ready != serving and not self.stop_requested.is_set():
+                serving = ready
+                status = (
+                    health_pb2.HealthCheckResponse.SERVING
+                    if ready
+                    else health_pb2.HealthCheckResponse.NOT_SERVING
+                )
+                for service in ("", ENGINE_SERVICE):
+                    await self.health.set(service, status)
+                _log.warning("health changed", serving=ready)
 
     async def _refresh_metrics(self) -> None:
         assert self.metrics is not None

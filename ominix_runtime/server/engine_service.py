@@ -42,6 +42,9 @@ STATUS_OF_ERROR: dict[RuntimeErrorKind, grpc.StatusCode] = {
     RuntimeErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+_PRIORITIES = frozenset(int(p) for p in Priority)
+
 _log = get_logger("ominix.server")
 
 
@@ -97,6 +100,11 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             messages = [{"role": m.role, "content": m.content} for m in pb.messages.messages]
             if not messages:
                 raise InvalidArgument("messages is empty")
+            for i, m in enumerate(messages):
+                if m["role"] not in CHAT_ROLES:
+                    raise InvalidArgument(
+                        f"messages[{i}].role {m['role']!r} is not one of {', '.join(sorted(CHAT_ROLES))}"
+                    )
             tokenizer = self._require_tokenizer()
             prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
@@ -110,6 +118,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             raise InvalidArgument(
                 f"prompt has {len(prompt_ids)} tokens; the model's context length is {max_model_len}"
             )
+        if pb.priority and pb.priority not in _PRIORITIES:
+            raise InvalidArgument(f"priority {pb.priority} is not one of {sorted(_PRIORITIES)} (or unset)")
         arrival = time.monotonic()
         return GenerateRequest(
             request_id=request_id,
