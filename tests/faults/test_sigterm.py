@@ -1,0 +1,113 @@
+"""SIGTERM under load: health NOT_SERVING, new requests UNAVAILABLE, in-flight ones finish within the drain
+timeout, the rest end with one error event, and every process exits 0."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from fault_procs import Engine, Outcome, start_engine, start_fake_engine, stop_procs, stream_one
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ominix_runtime.contract import RuntimeErrorKind
+from ominix_runtime.pb import common_pb2, engine_pb2
+
+DRAIN_S = 3.0
+
+
+def _req(rid: str, max_tokens: int, i: int = 0) -> engine_pb2.GenerateRequest:
+    return engine_pb2.GenerateRequest(
+        request_id=rid,
+        input_ids=engine_pb2.TokenIds(ids=[5 + (i + k) % 200 for k in range(10)]),
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
+
+
+def _start_streams(
+    engine: Engine, requests: list[engine_pb2.GenerateRequest]
+) -> tuple[list[Outcome], list[threading.Thread]]:
+    outs = [Outcome(r.request_id) for r in requests]
+    threads = [
+        threading.Thread(target=stream_one, args=(engine.stub, r, 60, o))
+        for r, o in zip(requests, outs, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    for o in outs:
+        assert o.first_token.wait(30), engine.logs()
+    return outs, threads
+
+
+def _health(address: str) -> int | None:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            return (
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+            )
+        except grpc.RpcError:
+            return None  # the server is gone: not serving either
+
+
+def _refused_while_draining(engine: Engine) -> grpc.StatusCode | None:
+    out = stream_one(engine.stub, _req("late", 4), 10)
+    return out.status
+
+
+def test_sigterm_drains_in_flight_then_ends_the_rest(tmp_path: Path) -> None:
+    # 20 ms per step: the short requests finish within the drain timeout, the long ones cannot.
+    args = ("--workers", "2", "--step-latency", "0.02", "--drain-timeout", str(DRAIN_S))
+    with start_fake_engine(tmp_path, *args) as engine:
+        requests = [_req(f"short{i}", 40, i) for i in range(8)] + [
+            _req(f"long{i}", 1000, i) for i in range(4)
+        ]
+        outs, threads = _start_streams(engine, requests)
+        proc = engine.engine.popen
+        proc.send_signal(signal.SIGTERM)
+        sent_at = time.monotonic()
+        deadline = sent_at + 5
+        while _health(engine.address) == health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, "still SERVING after SIGTERM"
+            time.sleep(0.02)
+        assert _refused_while_draining(engine) == grpc.StatusCode.UNAVAILABLE
+        for t in threads:
+            t.join(30)
+        assert proc.wait(timeout=DRAIN_S + 15) == 0, engine.logs()
+        assert time.monotonic() - sent_at < DRAIN_S + 10
+        for o in outs:
+            assert o.status is None and o.num_terminal == 1, (o.request_id, o.status)
+            if o.request_id.startswith("short"):
+                assert o.done is not None and len(o.tokens) == 40, o.request_id
+            else:
+                assert o.error is not None and o.error.code == int(RuntimeErrorKind.BACKEND_UNAVAILABLE)
+                assert "shutting down" in o.error.message
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from ominix_worker.testing import write_tiny_hf_model
+
+    return write_tiny_hf_model(
+        tmp_path_factory.mktemp("sigterm-model") / "tiny", arch="llama", vocab_size=320
+    )
+
+
+def test_sigterm_real_engine_and_workers_exit_0(tiny_model: Path, tmp_path: Path) -> None:
+    with start_engine(str(tiny_model), tmp_path, serve_args=("--drain-timeout", "20")) as engine:
+        outs, threads = _start_streams(engine, [_req(f"r{i}", 150, i) for i in range(10)])
+        engine.engine.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while _health(engine.address) == health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, "still SERVING after SIGTERM"
+            time.sleep(0.02)
+        assert _refused_while_draining(engine) == grpc.StatusCode.UNAVAILABLE
+        for t in threads:
+            t.join(60)
+        assert engine.engine.popen.wait(timeout=30) == 0, engine.logs()
+        for o in outs:
+            assert o.done is not None and len(o.tokens) == 150, (o.request_id, o.status, o.error)
+        codes = stop_procs(engine.workers)
+        assert set(codes.values()) == {0}, (codes, engine.logs())
