@@ -74,9 +74,15 @@ async def _wait_workers_ready(backends: list[Any], timeout: float) -> None:
 def _grpcurl_hint(address: str, tls: bool) -> str:
     transport = "-insecure" if tls else "-plaintext"
     return (
-        f'try: grpcurl {transport} -d \'{{"prompt": "Hello", "sampling": {{"max_tokens": 32}}}}\' '
-        f"{address} ominix.runtime.v1.Engine/Generate"
+        f"try: grpcurl {transport} -d '{_EXAMPLE_REQUEST}' {address} ominix.runtime.v1.Engine/Generate"
     )
+
+
+# A chat request: instruct models answer coherently through their chat template, not to a bare word.
+_EXAMPLE_REQUEST = (
+    '{"messages": {"messages": [{"role": "user", "content": "What is the capital of France? '
+    'Answer in one sentence."}]}, "sampling": {"max_tokens": 40, "temperature": 0}}'
+)
 
 
 class EngineDaemon:
