@@ -13,7 +13,7 @@ mkdir -p "$OUT"
 DEVICE=${DEVICE:-cuda:0}
 MODEL=${MODEL:-dummy:bench/configs/llama8b-config.json}
 CONFIG_JSON=${CONFIG_JSON:-bench/configs/llama8b-config.json}
-STAGES=${STAGES:-"env roofline service peer"}
+STAGES=${STAGES:-"env tests roofline service peer"}
 WORKER_ARGS=${WORKER_ARGS:-}
 SERVE_ARGS=${SERVE_ARGS:-}
 OFFLINE_ARGS=${OFFLINE_ARGS:-}
@@ -22,6 +22,9 @@ export PYTHONUNBUFFERED=1
 export OMINIX_PROFILE_BATCHES=${OMINIX_PROFILE_BATCHES:-256,1}
 export OMINIX_PROFILE_STEPS=${OMINIX_PROFILE_STEPS:-8}
 export OMINIX_PROFILE_OUT=$OUT/probe.json
+export OMINIX_PROFILE_GATE=/tmp/ominix_profile_gate
+rm -f "$OMINIX_PROFILE_GATE"
+PROFILE_ARGS=${PROFILE_ARGS:-"--w1 --batch1 --output-len 40 --batch1-trials 1 --warmup-requests 0"}
 
 if [ -d .whl ] && [ -z "${NO_WHEELS:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -61,6 +64,10 @@ EOF
     timeout "$SERVICE_S" python3 bench/offline.py --address "127.0.0.1:$eport" --all --no-progress \
       --no-request-details --model-config "$CONFIG_JSON" --out-json "$OUT/offline.json" $BW_ARGS $OFFLINE_ARGS \
       2>&1 | grep -v -E "^(ITL|E2EL|peak|request throughput|total throughput|input tokens)" | tail -60
+    # Profiler windows (steady decode at batch 256 and 1) in a short untimed run after the timed one.
+    touch "$OMINIX_PROFILE_GATE"
+    timeout 120 python3 bench/offline.py --address "127.0.0.1:$eport" --no-progress --no-request-details \
+      $PROFILE_ARGS $OFFLINE_ARGS >"$OUT/profile_run.txt" 2>&1 || echo "profile run failed: $(tail -3 "$OUT/profile_run.txt")"
   else
     echo "service never SERVING"; tail -20 "$OUT/worker.log"; tail -20 "$OUT/engine.log"
   fi
@@ -79,6 +86,8 @@ for stage in $STAGES; do
       nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>/dev/null
       python3 -c "import torch, triton, transformers, google.protobuf as pb, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'protobuf', pb.__version__, 'grpc', grpc.__version__)"
       python3 -c "import aiohttp, tokenizers, jinja2, uvloop, prometheus_client; print('aiohttp tokenizers jinja2 uvloop prometheus_client: ok')" ;;
+    tests)
+      timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" ${TESTS:-tests/gpu/test_decode_graphs.py tests/gpu/test_fused_ops.py} 2>&1 | tail -8 ;;
     roofline)
       timeout 90 python3 bench/roofline.py --json "$OUT/roofline.json" 2>&1 | tail -10
       BW_ARGS=$(python3 -c "import json; r=json.load(open('$OUT/roofline.json')); print(f'--bandwidth {r[\"bandwidth\"]} --flops {r[\"flops\"]}')" 2>/dev/null) ;;

@@ -5,7 +5,9 @@ with host timers. Every step is logged (enter/exit time, batch, tokens, phase ti
 ``OMINIX_PROFILE_BATCHES`` (e.g. ``256,1``) the first ``OMINIX_PROFILE_STEPS`` pure-decode steps of that size
 after a few warm ones run under ``torch.profiler``: GPU busy = union of kernel and copy intervals over the
 window of those steps as the host saw them, the gap between steps, and the top kernels.
-``OMINIX_PROFILE_OUT`` names the JSON written (rewritten every 64 steps and at exit).
+``OMINIX_PROFILE_OUT`` names the JSON written (rewritten every 64 steps and at exit); with
+``OMINIX_PROFILE_GATE`` set, windows open only once that file exists (opening and closing the profiler stalls
+the worker for seconds, which must stay out of timed runs).
 
     OMINIX_PROFILE_BATCHES=256,1 OMINIX_PROFILE_OUT=probe.json python3 bench/step_probe.py --device cuda:0 ...
 
@@ -37,6 +39,8 @@ class StepProbe:
         self.windows: dict[str, Any] = {}
         self.active: tuple[int, Any, list[tuple[float, float]]] | None = None
         self.phase: dict[str, float] = {}
+        # Profile only once this file exists (the timed runs stay free of profiler stalls); None: always.
+        self.gate = os.environ.get("OMINIX_PROFILE_GATE") or None
 
     # ---- wrapping ----------------------------------------------------------------------------------
 
@@ -74,7 +78,14 @@ class StepProbe:
         decode = batch > 0 and tokens == batch and not step.new_requests
         if decode:
             self.seen[batch] = self.seen.get(batch, 0) + 1
-        if self.active is None and decode and self.pending.get(batch, 0) > 0 and self.seen[batch] > _SKIP_WARM:
+        gate = self.gate is None or os.path.exists(self.gate)
+        if (
+            gate
+            and self.active is None
+            and decode
+            and self.pending.get(batch, 0) > 0
+            and self.seen[batch] > _SKIP_WARM
+        ):
             try:
                 self._open(batch)
             except Exception as exc:  # noqa: BLE001 - a probe failure must not stop the worker

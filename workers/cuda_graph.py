@@ -1,0 +1,183 @@
+"""CUDA graphs for pure-decode steps: one captured forward (+ LM head) per batch size, replayed with new inputs.
+
+An eager decode step of an 8B Llama launches over a thousand kernels; on a slow host that takes longer than the
+GPU work itself. A graph replays them with one launch. Each captured size reads its inputs from static device
+buffers (token ids, positions, KV slots, context lengths, block tables) that are refilled by two host→device
+copies from pinned mirrors per step. A batch of B requests replays the smallest captured size S >= B; rows
+B..S-1 are padding: slot -1 (the KV store skips it) and context length 0 (attention writes zeros). The decode
+kernel derives its split ranges from the live context lengths, so a graph captured once is valid for every
+context length (``TritonPagedAttention.decode_splits`` is fixed per size during capture).
+
+Block-table rows are cached per row index: in steady decode the batch order is stable, so a step only writes
+the blocks a request gained since the previous step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from ominix_worker.attention.base import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+# Context length the split count of each captured size is chosen for (only speed depends on it).
+CAPTURE_SEQ_LEN = 1024
+
+
+class DecodeRowLike(Protocol):
+    """What the graph runner reads of a scheduled row (``runner.ScheduledRow``)."""
+
+    request: Any  # runner.CachedRequest
+    start: int
+    end: int
+
+
+def padded_size(batch: int, sizes: Sequence[int]) -> int | None:
+    """The smallest captured size that holds ``batch`` rows, or None when none does."""
+    for size in sizes:
+        if size >= batch:
+            return size
+    return None
+
+
+class DecodeGraphs:
+    """Captured decode forwards for a fixed set of batch sizes over one model and KV cache."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: Any,
+        kv_caches: list[torch.Tensor],
+        device: torch.device,
+        max_model_len: int,
+        batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.device = device
+        self.block_size = int(backend.block_size)
+        self.sizes = sorted({int(s) for s in batch_sizes if s > 0})
+        self.max_size = self.sizes[-1]
+        self.width = -(-max_model_len // self.block_size)  # block-table columns
+        n = self.max_size
+        # [ids | positions | slots] and [seq_lens | block_tables], device and pinned host.
+        self.dev64 = torch.zeros((3, n), dtype=torch.int64, device=device)
+        self.dev32 = torch.zeros(n + n * self.width, dtype=torch.int32, device=device)
+        self.host64 = torch.zeros((3, n), dtype=torch.int64).pin_memory()
+        self.host32 = torch.zeros(n + n * self.width, dtype=torch.int32).pin_memory()
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        np64 = self.host64.numpy()
+        np32 = self.host32.numpy()
+        self.h_ids, self.h_pos, self.h_slots = np64[0], np64[1], np64[2]
+        self.h_seq = np32[:n]
+        self.h_bt = np32[n:].reshape(n, self.width)
+        self.d_seq = self.dev32[:n]
+        self.d_bt = self.dev32[n:].view(n, self.width)
+        self.row_request: list[Any] = [None] * n  # which request's blocks row i holds
+        self.row_blocks = [0] * n  # how many of them are written
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+
+    # ---- capture ------------------------------------------------------------------------------------
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.d_seq[:size],
+            block_tables=self.d_bt[:size],
+            slot_mapping=self.dev64[2, :size],
+            max_query_len=1,
+            max_seq_len=CAPTURE_SEQ_LEN,
+            num_decode_only=True,
+        )
+
+    def _forward(self, size: int) -> torch.Tensor:
+        hidden = self.model(self.dev64[0, :size], self.dev64[1, :size], self.kv_caches, self._meta(size))
+        return self.model.compute_logits(hidden)  # type: ignore[operator]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first (the smaller ones reuse its memory pool)."""
+        from ominix_worker.attention.triton_paged import decode_num_splits
+
+        saved_splits = getattr(self.backend, "decode_splits", None)
+        num_kv_heads = int(self.kv_caches[0].shape[3])
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        # Padding everywhere: no KV is written and attention reads nothing while capturing.
+        self.dev64.zero_()
+        self.dev64[2].fill_(-1)
+        self.dev32.zero_()
+        pool = None
+        try:
+            for size in reversed(self.sizes):
+                if hasattr(self.backend, "decode_splits"):
+                    self.backend.decode_splits = decode_num_splits(size, num_kv_heads, CAPTURE_SEQ_LEN, sms)
+                for _ in range(2):  # compiles the kernels and settles the allocator outside the graph
+                    self._forward(size)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward(size)
+                pool = graph.pool()
+                self.graphs[size] = graph
+                self.logits[size] = logits
+        finally:
+            if hasattr(self.backend, "decode_splits"):
+                self.backend.decode_splits = saved_splits
+        torch.cuda.synchronize(self.device)
+        self.row_request = [None] * self.max_size
+        self.row_blocks = [0] * self.max_size
+
+    # ---- replay -------------------------------------------------------------------------------------
+
+    def fits(self, num_rows: int) -> bool:
+        return bool(self.graphs) and num_rows <= self.max_size
+
+    def run(self, rows: Sequence[DecodeRowLike]) -> torch.Tensor:
+        """Logits float32 (len(rows), vocab) of one decode step; every row computes exactly one position."""
+        batch = len(rows)
+        size = padded_size(batch, self.sizes)
+        assert size is not None and size in self.graphs, f"no graph holds {batch} rows"
+        bs = self.block_size
+        ids, pos, slots, seq, bt = self.h_ids, self.h_pos, self.h_slots, self.h_seq, self.h_bt
+        row_request, row_blocks = self.row_request, self.row_blocks
+        for i, row in enumerate(rows):
+            req = row.request
+            p = row.start
+            prompt_len = len(req.prompt_token_ids)
+            ids[i] = req.output_token_ids[p - prompt_len] if p >= prompt_len else req.prompt_token_ids[p]
+            blocks = req.kv_block_ids
+            pos[i] = p
+            slots[i] = blocks[p // bs] * bs + p % bs
+            seq[i] = row.end
+            used = -(-row.end // bs)
+            if row_request[i] is req:
+                have = row_blocks[i]
+                if used > have:
+                    bt[i, have:used] = blocks[have:used]
+                    row_blocks[i] = used
+            else:
+                bt[i, :used] = blocks[:used]
+                row_request[i] = req
+                row_blocks[i] = used
+        if size > batch:
+            ids[batch:size] = 0
+            pos[batch:size] = 0
+            slots[batch:size] = -1
+            seq[batch:size] = 0
+        self.dev64.copy_(self.host64, non_blocking=True)
+        count = self.max_size + size * self.width
+        self.dev32[:count].copy_(self.host32[:count], non_blocking=True)
+        self.graphs[size].replay()
+        return self.logits[size][:batch]
+
+    def forget_rows(self) -> None:
+        """Drop the block-table row cache (the request state was reset)."""
+        self.row_request = [None] * self.max_size
+        self.row_blocks = [0] * self.max_size
