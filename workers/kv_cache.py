@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -50,20 +51,23 @@ def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:
 
 
 def measure_gpu_kv_budget(
-    device: torch.device, utilization: float, profile_forward: Callable[[], None]
+    device: torch.device, utilization: float, profile_forward: Callable[[], None], accel: Any = None
 ) -> int:
-    """Bytes left for KV on a GPU: utilization × total, minus what is in use after a peak-sized forward.
+    """Bytes left for KV on a GPU: utilization × total, minus what stays in use (weights, context, other
+    processes) and minus the activation peak of a forward of the largest step the worker accepts.
 
-    The profile forward runs the largest step the worker accepts, so its activation peak is reserved.
+    ``accel`` is torch.cuda (or torch.npu); tests pass a stand-in.
     """
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
-    accel = torch.cuda if device.type == "cuda" else getattr(torch, device.type)
+    if accel is None:
+        accel = torch.cuda if device.type == "cuda" else getattr(torch, device.type)
     accel.synchronize(device)
     accel.empty_cache()
     accel.reset_peak_memory_stats(device)
     profile_forward()
     accel.synchronize(device)
+    accel.empty_cache()  # cached activation blocks would otherwise count twice (in use and as the peak)
     free, total = accel.mem_get_info(device)
     peak_activations = accel.max_memory_allocated(device) - accel.memory_allocated(device)
     in_use = total - free

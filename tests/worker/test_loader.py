@@ -246,3 +246,48 @@ def test_llama_with_attention_bias_matches_transformers(tmp_path: Path) -> None:
         want = reference(torch.tensor([tokens])).logits[0, -1]
     got = last_logits(runner, tokens)
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+
+
+class FakeAccelerator:
+    """Memory counters of a 80 GB card: 16 GB of weights, a 6 GB activation peak, 1 GB used elsewhere."""
+
+    GB = 10**9
+
+    def __init__(self) -> None:
+        self.allocated = 16 * self.GB
+        self.peak = self.allocated
+        self.calls: list[str] = []
+
+    def synchronize(self, device: object) -> None:
+        self.calls.append("sync")
+
+    def empty_cache(self) -> None:
+        self.calls.append("empty")
+
+    def reset_peak_memory_stats(self, device: object) -> None:
+        self.peak = self.allocated
+
+    def forward(self) -> None:
+        self.calls.append("forward")
+        self.peak = self.allocated + 6 * self.GB
+
+    def mem_get_info(self, device: object) -> tuple[int, int]:
+        return 80 * self.GB - self.allocated - 1 * self.GB, 80 * self.GB
+
+    def max_memory_allocated(self, device: object) -> int:
+        return self.peak
+
+    def memory_allocated(self, device: object) -> int:
+        return self.allocated
+
+
+def test_gpu_kv_budget_reserves_weights_activations_and_headroom() -> None:
+    from ominix_worker.kv_cache import measure_gpu_kv_budget
+
+    accel = FakeAccelerator()
+    budget = measure_gpu_kv_budget(torch.device("cuda", 0), 0.9, accel.forward, accel=accel)
+    # 0.9 × 80 − 16 (weights) − 1 (others) − 6 (activation peak) = 49 GB
+    assert budget == 49 * FakeAccelerator.GB
+    assert accel.calls.index("forward") < len(accel.calls) - 2  # synchronised and emptied after it
+    with pytest.raises(ValueError):
+        measure_gpu_kv_budget(torch.device("cuda", 0), 1.5, accel.forward, accel=accel)
