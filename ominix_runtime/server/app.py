@@ -31,6 +31,7 @@ ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 METRICS_REFRESH_INTERVAL_S = 0.5
 HEALTH_REFRESH_INTERVAL_S = 0.25
+SHUTDOWN_FLUSH_S = 2.0
 
 _log = get_logger("ominix.server")
 
@@ -260,7 +261,9 @@ class EngineDaemon:
             await self.health.enter_graceful_shutdown()
         steps: list[Any] = []
         if self._server is not None:
-            steps.append(self._server.stop(grace=drain))
+            # The engine ends what is left at the drain timeout; the extra grace lets those error events
+            # reach their clients before the server cancels the calls.
+            steps.append(self._server.stop(grace=drain + SHUTDOWN_FLUSH_S))
         if self._engine is not None:
             steps.append(self._engine.stop(drain_timeout=drain))
         results = await asyncio.gather(*steps, return_exceptions=True)
