@@ -119,9 +119,11 @@ class StepProbe:
     def _open(self, batch: int) -> None:
         import torch
 
-        activities = [torch.profiler.ProfilerActivity.CPU]
+        # Device activity only on CUDA: host-side tracing would slow the very host work being measured.
         if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            activities = [torch.profiler.ProfilerActivity.CUDA]
+        else:
+            activities = [torch.profiler.ProfilerActivity.CPU]
         prof = torch.profiler.profile(activities=activities)
         prof.__enter__()
         self.active = (batch, prof, [])
@@ -179,24 +181,32 @@ def summarize(prof: Any) -> dict[str, Any]:
         elif event.device_type.name == "CUDA":
             device.append((start, end, event.name))
     steps.sort()
-    if not steps:
-        return {"error": "no step ranges"}
-    low, high = steps[0][0], steps[-1][1]
+    if steps:
+        low, high = steps[0][0], steps[-1][1]
+        n = len(steps)
+        gaps = [steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]
+    elif device:
+        # Device-only trace: the window runs from the first kernel of the profiled steps to the last.
+        low, high = min(s for s, _, _ in device), max(e for _, e, _ in device)
+        n = int(os.environ.get("OMINIX_PROFILE_STEPS", "8"))
+        steps = [(low, high)]
+        gaps = []
+    else:
+        return {"error": "no events"}
     wall = high - low
     busy = _union([(s, e) for s, e, _ in device], low, high)
-    gaps = [steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]
     totals: dict[str, float] = {}
     for s, e, name in device:
         totals[name] = totals.get(name, 0.0) + (e - s)
     top = sorted(totals.items(), key=lambda kv: -kv[1])[:15]
-    n = len(steps)
     return {
         "num_steps": n,
         "window_us": wall,
         "gpu_busy_us": busy,
         "gpu_busy_share": busy / wall if wall > 0 else None,
-        "step_us_mean": sum(e - s for s, e in steps) / n,
-        "gap_between_steps_us_mean": sum(gaps) / len(gaps) if gaps else 0.0,
+        "step_us_mean": wall / n,
+        "idle_us_per_step": (wall - busy) / n,
+        "gap_between_steps_us_mean": sum(gaps) / len(gaps) if gaps else None,
         "num_device_events_per_step": len(device) / n,
         "top_kernels_us_per_step": [(name[:90], t / n) for name, t in top],
     }
