@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -429,6 +430,70 @@ def _wait_workers_ready(
             ch.close()
 
 
+class WorkerSupervisor(threading.Thread):
+    """Restarts workers that exit while the launcher runs, with exponential backoff per worker.
+
+    The engine notices the crash (broken stream), resumes the worker's requests elsewhere and reconnects
+    once the restarted worker answers again. ``procs`` is updated in place with the new processes.
+    """
+
+    POLL_S = 0.5
+    BACKOFF_INITIAL_S = 1.0
+    BACKOFF_MAX_S = 30.0
+    STABLE_S = 60.0  # up this long: the next crash starts from the initial backoff again
+
+    def __init__(
+        self, procs: list[subprocess.Popen[bytes]], commands: Sequence[list[str]], addresses: Sequence[str]
+    ) -> None:
+        super().__init__(name="ominix-worker-supervisor", daemon=True)
+        self.procs = procs
+        self._commands = list(commands)
+        self._addresses = list(addresses)
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        n = len(procs)
+        self.restarts = [0] * n
+        self._backoff = [self.BACKOFF_INITIAL_S] * n
+        self._restart_at: list[float | None] = [None] * n
+        self._started_at = [time.monotonic()] * n
+
+    def run(self) -> None:
+        while not self._stopping.wait(self.POLL_S):
+            with self._lock:
+                for i in range(len(self.procs)):
+                    self._check(i, time.monotonic())
+
+    def _check(self, i: int, now: float) -> None:
+        code = self.procs[i].poll()
+        if code is None:
+            if now - self._started_at[i] > self.STABLE_S:
+                self._backoff[i] = self.BACKOFF_INITIAL_S
+            return
+        if self._restart_at[i] is None:
+            self._restart_at[i] = now + self._backoff[i]
+            print(
+                f"worker {self._addresses[i]} exited with code {code}; restarting in {self._backoff[i]:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        if now < self._restart_at[i]:
+            return
+        self.procs[i] = subprocess.Popen(
+            self._commands[i], start_new_session=True, preexec_fn=_set_parent_death_signal
+        )  # noqa: PLW1509
+        self.restarts[i] += 1
+        self._restart_at[i] = None
+        self._started_at[i] = now
+        self._backoff[i] = min(self._backoff[i] * 2, self.BACKOFF_MAX_S)
+
+    def stop(self) -> None:
+        """No more restarts (call before stopping the workers)."""
+        self._stopping.set()
+        with self._lock:  # a restart in progress completes before the caller stops the processes
+            pass
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     if not devices:
@@ -442,26 +507,27 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise SystemExit(128 + signum)
 
     num_threads = _cpu_threads_per_worker(args, devices)
+    commands = [_worker_command(args, d, p, num_threads) for d, p in zip(devices, ports, strict=True)]
+    supervisor: WorkerSupervisor | None = None
+    engines: list[subprocess.Popen[bytes]] = []
     previous_term = signal.signal(signal.SIGTERM, on_term)
     try:
-        for device, port in zip(devices, ports, strict=True):
+        for command in commands:
             # Own session: a terminal's Ctrl-C reaches only the launcher, which drains the engine first and
             # then stops the workers itself.
             procs.append(
-                subprocess.Popen(
-                    _worker_command(args, device, port, num_threads),
-                    start_new_session=True,
-                    preexec_fn=_set_parent_death_signal,
-                )
+                subprocess.Popen(command, start_new_session=True, preexec_fn=_set_parent_death_signal)
             )  # noqa: PLW1509
         print(f"started {len(procs)} worker(s): {', '.join(addresses)}", file=sys.stderr, flush=True)
         _wait_workers_ready(procs, addresses, args.worker_ready_timeout)
+        supervisor = WorkerSupervisor(procs, commands, addresses)
+        supervisor.start()
         if args.engine_in_child:
             engine = subprocess.Popen(
                 [sys.executable, "-m", "ominix_runtime", *_serve_argv(args, addresses)],
                 preexec_fn=_set_parent_death_signal,
             )  # noqa: PLW1509
-            procs.insert(0, engine)
+            engines.append(engine)
             signal.signal(signal.SIGTERM, lambda s, f: engine.send_signal(signal.SIGTERM))
             signal.signal(signal.SIGINT, lambda s, f: engine.send_signal(signal.SIGINT))
             code = engine.wait()
@@ -477,7 +543,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return 130
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not leave workers behind
-        _stop_processes(procs)
+        if supervisor is not None:
+            supervisor.stop()
+        _stop_processes([*engines, *procs])
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 

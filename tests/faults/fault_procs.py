@@ -33,8 +33,10 @@ __all__ = [
     "rss_bytes",
     "start_engine",
     "start_fake_engine",
+    "start_proc_env",
     "stop_procs",
     "stream_one",
+    "wait_health",
 ]
 
 
