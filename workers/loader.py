@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ominix_runtime.models import ModelFormat, ModelSource
@@ -158,21 +159,49 @@ def read_gguf_config(reader: Any) -> tuple[ModelConfig, bool]:
     return replace(config, tie_word_embeddings=tied), tied
 
 
+def dequantize_q8_0(raw: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """Blocks of 32: float16 scale d, 32 int8 q; value = d * q."""
+    blocks = torch.from_numpy(raw).reshape(-1, 34)
+    scale = blocks[:, :2].contiguous().view(torch.float16).float()
+    quants = blocks[:, 2:].contiguous().view(torch.int8).float()
+    return (scale * quants).reshape(shape)
+
+
+def dequantize_q4_1(raw: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """Blocks of 32: float16 scale d and minimum m, 16 bytes of nibbles (low nibbles are values 0-15, high
+    nibbles values 16-31); value = d * nibble + m."""
+    blocks = torch.from_numpy(raw).reshape(-1, 20)
+    scale = blocks[:, :2].contiguous().view(torch.float16).float()
+    minimum = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    packed = blocks[:, 4:]
+    nibbles = torch.cat((packed & 0x0F, packed >> 4), dim=1).float()
+    return (scale * nibbles + minimum).reshape(shape)
+
+
+def _torch_dequantizers() -> dict[Any, Any]:
+    from gguf import GGMLQuantizationType
+
+    return {GGMLQuantizationType.Q8_0: dequantize_q8_0, GGMLQuantizationType.Q4_1: dequantize_q4_1}
+
+
 def _gguf_weights(reader: Any, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    _TORCH_DEQUANTIZERS = _torch_dequantizers()  # noqa: N806 - a constant table, built lazily
     permute = config.arch in ("llama", "mistral")
     tensors = list(reader.tensors)
     for t in _progress(tensors, len(tensors), "dequantizing weights"):
         hf_name = gguf_to_hf_name(t.name)
         if hf_name is None:
             continue
+        shape = tuple(reversed([int(d) for d in t.shape]))  # GGUF lists dimensions innermost first
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            array = t.data.reshape(tuple(reversed([int(d) for d in t.shape])))
+            tensor = torch.from_numpy(np.array(t.data).reshape(shape)).to(dtype)
+        elif t.tensor_type in _TORCH_DEQUANTIZERS:
+            tensor = _TORCH_DEQUANTIZERS[t.tensor_type](np.array(t.data), shape).to(dtype)
         else:
-            array = dequantize(t.data, t.tensor_type)
-        tensor = torch.from_numpy(array.copy()).to(dtype)
+            tensor = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).to(dtype)
         if permute and hf_name.endswith("q_proj.weight"):
             tensor = unpermute_llama_cpp_rows(tensor, config.num_heads)
         elif permute and hf_name.endswith("k_proj.weight"):

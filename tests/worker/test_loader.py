@@ -291,3 +291,21 @@ def test_gpu_kv_budget_reserves_weights_activations_and_headroom() -> None:
     assert accel.calls.index("forward") < len(accel.calls) - 2  # synchronised and emptied after it
     with pytest.raises(ValueError):
         measure_gpu_kv_budget(torch.device("cuda", 0), 1.5, accel.forward, accel=accel)
+
+
+def test_torch_dequantizers_equal_the_gguf_package() -> None:
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    from ominix_worker.loader import dequantize_q4_1, dequantize_q8_0
+
+    values = np.random.default_rng(0).standard_normal((6, 128)).astype(np.float32)
+    for qtype, ours in [
+        (gguf.GGMLQuantizationType.Q8_0, dequantize_q8_0),
+        (gguf.GGMLQuantizationType.Q4_1, dequantize_q4_1),
+    ]:
+        raw = quantize(values, qtype)
+        want = torch.from_numpy(dequantize(raw, qtype).copy())
+        got = ours(raw, values.shape)
+        assert torch.equal(got, want), qtype.name
+        assert (got - torch.from_numpy(values)).abs().max() < 0.5  # and it is a dequantization at all
