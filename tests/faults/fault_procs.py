@@ -37,6 +37,8 @@ __all__ = [
     "stop_procs",
     "stream_one",
     "wait_health",
+    "wait_health_tls",
+    "worker_argv",
 ]
 
 
@@ -71,6 +73,28 @@ def worker_argv(model: str, port: int, num_threads: int = 1, extra: Sequence[str
         str(num_threads),
         *extra,
     ]
+
+
+def wait_health_tls(
+    address: str, credentials: grpc.ChannelCredentials, procs: Sequence[Proc], timeout: float = 120.0
+) -> None:
+    """wait_health over a TLS channel."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.secure_channel(address, credentials) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            for p in procs:
+                assert p.popen.poll() is None, f"{p.name} exited with {p.popen.returncode}:\n{p.log_tail()}"
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            assert time.monotonic() < deadline, "\n".join(p.log_tail() for p in procs)
+            time.sleep(0.1)
 
 
 @dataclass
