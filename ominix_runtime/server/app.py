@@ -74,9 +74,7 @@ async def _wait_workers_ready(backends: list[Any], timeout: float) -> None:
 
 def _grpcurl_hint(address: str, tls: bool) -> str:
     transport = "-insecure" if tls else "-plaintext"
-    return (
-        f"try: grpcurl {transport} -d '{_EXAMPLE_REQUEST}' {address} ominix.runtime.v1.Engine/Generate"
-    )
+    return f"try: grpcurl {transport} -d '{_EXAMPLE_REQUEST}' {address} ominix.runtime.v1.Engine/Generate"
 
 
 # A chat request: instruct models answer coherently through their chat template, not to a bare word.
