@@ -88,8 +88,11 @@ class EngineCore:
         await core.stop(drain_timeout)  # stop accepting; drain; end the rest with Error; close backends
 
     Every accepted request ends with exactly one terminal event, whatever happens: deadline → Error(TIMEOUT),
-    backend failure → Error(BACKEND_UNAVAILABLE) (the group is then unhealthy and gets no new requests),
-    stop → Error(BACKEND_UNAVAILABLE). Must be used from one event loop; submit/abort/finish are synchronous.
+    stop → Error(BACKEND_UNAVAILABLE). When a step-level worker fails, its requests resume on another healthy
+    group of the same model (from prompt + tokens already streamed, same seed); only those no group can take
+    end with Error(BACKEND_UNAVAILABLE). The failed group gets no new requests until its driver reconnects.
+    ``ready`` holds while at least one group serves. Must be used from one event loop; submit/abort/finish
+    are synchronous.
     """
 
     def __init__(
@@ -107,7 +110,6 @@ class EngineCore:
         self._started = False
         self._stopped = False
         self._rejected = 0
-        self._resumed = 0  # requests moved off a failed worker group
         self._all_done = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
         self.capability_warnings: list[str] = []
@@ -293,7 +295,6 @@ class EngineCore:
                     )
                     continue
                 live.group = target
-                self._resumed += 1
                 log_event(
                     "info",
                     "request_resumed",

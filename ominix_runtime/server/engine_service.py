@@ -147,7 +147,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         with request_context(request_id):
             if not self._engine.ready:
                 await context.abort(
-                    grpc.StatusCode.UNAVAILABLE, "the engine is not ready (starting or stopping)"
+                    grpc.StatusCode.UNAVAILABLE,
+                    "the engine is not serving (starting, shutting down, or no worker is up)",
                 )
             if request_id in self._live:
                 await context.abort(

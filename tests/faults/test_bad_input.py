@@ -19,6 +19,7 @@ from fault_procs import Engine, Outcome, metric_value, start_fake_engine, stream
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ominix_runtime.contract import RuntimeErrorKind
 from ominix_runtime.pb import common_pb2, engine_pb2
 
 VOCAB = 49152
@@ -137,6 +138,20 @@ def test_duplicate_request_id_while_live(engine: Engine, good_stream: Outcome) -
     request = engine_pb2.GenerateRequest(request_id=good_stream.request_id, input_ids=_ids(3))
     dup = stream_one(engine.stub, request, 20)
     assert dup.status == grpc.StatusCode.ALREADY_EXISTS
+
+
+def test_deadline_ends_a_long_request_with_timeout_and_frees_kv(engine: Engine, good_stream: Outcome) -> None:
+    request = engine_pb2.GenerateRequest(
+        request_id="short-deadline",
+        input_ids=_ids(20, 30),
+        sampling=_sp(max_tokens=900, ignore_eos=True),
+        deadline_ms=300,
+    )
+    out = stream_one(engine.stub, request, 20)
+    assert out.status is None and out.num_terminal == 1
+    assert out.error is not None and out.error.code == int(RuntimeErrorKind.TIMEOUT), out.error
+    assert 0.25 < out.seconds < 3.0
+    assert len(out.tokens) < 900
 
 
 def test_full_admission_queue_answers_resource_exhausted(tmp_path: Path) -> None:

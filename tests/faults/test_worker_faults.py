@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from fault_procs import Engine, Outcome, start_engine, stream_one
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ominix_runtime.contract import RuntimeErrorKind
 from ominix_runtime.pb import common_pb2, engine_pb2
@@ -49,6 +50,10 @@ def _wait_for(predicate, timeout: float, what: str, engine: Engine) -> None:  # 
 def _backend(engine: Engine, i: int) -> engine_pb2.BackendLoad:
     address = engine.worker_addresses[i]
     return next(b for b in engine.load().backends if b.worker_id.endswith(address))
+
+
+def _health(engine: Engine) -> int:
+    return health_pb2_grpc.HealthStub(engine.channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
 
 
 def _check_outcomes(outcomes: list, engine: Engine) -> tuple[int, int]:
@@ -99,6 +104,7 @@ def test_kill_9_one_of_two_workers_while_20_requests_stream(tiny_model: Path, tm
         for ref, out in zip(reference, outcomes, strict=True):
             assert out.tokens == ref.tokens, out.request_id
         _wait_for(lambda: _backend(engine, 1).kv_bytes_used == 0, 10, "survivor KV freed", engine)
+        assert _health(engine) == health_pb2.HealthCheckResponse.SERVING  # one worker still serves
         assert not _backend(engine, 0).healthy, engine.logs()
         after = stream_one(engine.stub, _request("after", 3, max_tokens=8), 60)
         assert after.done is not None and len(after.tokens) == 8
