@@ -12,6 +12,7 @@ forward is ``_forward`` and ``capture_decode_graphs`` is the seam where CUDA/ACL
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +33,9 @@ from ominix_worker.attention.base import AttentionBackend, AttentionMetadata
 from ominix_worker.config import ModelConfig
 from ominix_worker.models.llama import LlamaForCausalLM
 from ominix_worker.sampler import SamplerOutput, SamplingTensors, sample
+
+# Block-table widths are padded to a multiple of this on CUDA, so Triton sees one stride specialisation.
+_BLOCK_TABLE_ALIGN = 16
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +119,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequest] = {}
         self.last_step_id = 0
         self._pin = device.type == "cuda"
+        self._graphs: object | None = None  # ominix_worker.cuda_graph.DecodeGraphs once captured
 
     # ---- request state -----------------------------------------------------------------------------
 
@@ -126,6 +131,8 @@ class ModelRunner:
     def reset(self) -> None:
         """Drop every request's state (the engine's stream closed)."""
         self.requests.clear()
+        if self._graphs is not None:
+            self._graphs.forget_rows()  # type: ignore[attr-defined]
 
     def _add_new(self, new: NewRequestData) -> CachedRequest:
         sampling = new.sampling.validate(vocab_size=self.vocab_size)
@@ -232,11 +239,15 @@ class ModelRunner:
         active = [row for row in rows if row is not None]
         outputs: dict[str, RequestOutput] = dict(errors)
         num_tokens = sum(row.end - row.start for row in active)
-        if active:
+        if active and self._graph_step(active):
+            logits = self._graphs.run(active)  # type: ignore[attr-defined]
+            sampled = self._sample_logits(logits, active)
+            outputs.update(self._update_states(active, active, sampled))
+        elif active:
             inputs = self._prepare_inputs(active)
             hidden = self._forward(inputs)
             sampled = self._sample(hidden, inputs)
-            outputs.update(self._update_states(active, inputs, sampled))
+            outputs.update(self._update_states(active, inputs.sampling_rows, sampled))
         result = StepResult(step_id=step.step_id, num_tokens=num_tokens)
         for request_id in order:
             result.outputs.append(outputs.get(request_id) or RequestOutput(request_id))
@@ -254,6 +265,8 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         max_blocks = max(-(-row.end // bs) for row in rows)
+        if self.device.type == "cuda":
+            max_blocks = -(-max_blocks // _BLOCK_TABLE_ALIGN) * _BLOCK_TABLE_ALIGN
         block_rows: list[list[int]] = []
         for row in rows:
             req = row.request
@@ -356,8 +369,22 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         return sample(logits, inputs.sampling)
 
+    def _graph_step(self, rows: list[ScheduledRow]) -> bool:
+        """A captured graph serves the step: every row decodes exactly one token and the batch fits."""
+        graphs = self._graphs
+        if graphs is None or not graphs.fits(len(rows)):  # type: ignore[attr-defined]
+            return False
+        return all(row.samples and row.end - row.start == 1 for row in rows)
+
+    def _sample_logits(self, logits: torch.Tensor, rows: list[ScheduledRow]) -> SamplerOutput:
+        """``sample`` on the graph's logits; plain greedy rows skip building the per-row parameter tensors."""
+        if all(_plain_greedy(row.request) for row in rows):
+            # What ``sample`` computes when every row is greedy with nothing to mask or report.
+            return SamplerOutput(token_ids=logits.argmax(dim=-1), bad_rows=torch.isnan(logits).any(dim=-1))
+        return sample(logits, self._sampling_tensors(rows))
+
     def _update_states(
-        self, rows: list[ScheduledRow], inputs: StepInputs, sampled: SamplerOutput | None
+        self, rows: list[ScheduledRow], sampling_rows: list[ScheduledRow], sampled: SamplerOutput | None
     ) -> dict[str, RequestOutput]:
         outputs: dict[str, RequestOutput] = {}
         for row in rows:
@@ -378,7 +405,7 @@ class ModelRunner:
                 n = sampled.top_logprobs.shape[1]  # type: ignore[union-attr]
                 top_lp = [row[1 : 1 + n] for row in host]
                 top_ids = [[int(t) for t in row[1 + n :]] for row in host]
-        for i, row in enumerate(inputs.sampling_rows):
+        for i, row in enumerate(sampling_rows):
             req = row.request
             if bad[i]:
                 outputs[req.request_id] = RequestOutput(
@@ -419,9 +446,38 @@ class ModelRunner:
         self._sample(self._forward(inputs), inputs)
 
     def capture_decode_graphs(self, batch_sizes: list[int] | None = None) -> bool:
-        """Seam for CUDA/ACL graph capture of uniform decode steps; the eager runner captures nothing."""
-        del batch_sizes
-        return False
+        """CUDA: capture pure-decode steps for ``batch_sizes`` (default: 1 to 256); other devices capture nothing.
+
+        ``OMINIX_CUDA_GRAPHS=0`` keeps every step eager. Eager shapes are warmed up first, so the Triton kernels
+        of prefill and mixed steps are compiled before the first request.
+        """
+        if self.device.type != "cuda" or not self.kv_caches or os.environ.get("OMINIX_CUDA_GRAPHS") == "0":
+            return False
+        from ominix_worker.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphs
+
+        for num_tokens in (16, 64, 512):
+            self.profile_forward(num_tokens)
+        started = time.perf_counter()
+        graphs = DecodeGraphs(
+            self.model, self.backend, self.kv_caches, self.device, self.max_model_len,
+            batch_sizes or DEFAULT_BATCH_SIZES,
+        )  # fmt: skip
+        graphs.capture()
+        self._graphs = graphs
+        log.info("captured %d decode graphs in %.1f s", len(graphs.graphs), time.perf_counter() - started)
+        return True
+
+
+def _plain_greedy(request: CachedRequest) -> bool:
+    p = request.sampling
+    return (
+        p.temperature == 0.0
+        and p.logprobs is None
+        and p.repetition_penalty == 1.0
+        and not p.frequency_penalty
+        and not p.presence_penalty
+        and len(request.output_token_ids) >= p.min_tokens
+    )
 
 
 def build_runner(

@@ -437,8 +437,11 @@ class TritonPagedAttention:
             self._decode(query, kv_cache, meta, scale, out, mixed=False)
             return
         # Single-token requests of a mixed step go to the decode kernel (KV read once per KV head); the prefill
-        # kernel skips them. Which requests those are is only known on the device, so both kernels launch.
-        self._decode(query, kv_cache, meta, scale, out, mixed=True)
+        # kernel skips them. Without host query offsets both kernels launch; with them, a step that has no
+        # single-token request skips the decode launch (host time is what small prefills wait on).
+        starts = meta.query_start_loc_cpu
+        if starts is None or any(b - a == 1 for a, b in zip(starts, starts[1:], strict=False)):
+            self._decode(query, kv_cache, meta, scale, out, mixed=True)
         if meta.max_query_len > 1:
             self._prefill(query, kv_cache, meta, scale, out)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,28 @@ from torch import nn
 
 from ominix_worker.attention.base import AttentionBackend, AttentionMetadata
 from ominix_worker.config import ModelConfig
+
+_FUSED: ModuleType | None = None
+_FUSED_TRIED = False
+
+
+def cuda_ops(x: torch.Tensor) -> ModuleType | None:
+    """The Triton fused ops (``ominix_worker.ops.fused``) for CUDA tensors; None elsewhere or without triton.
+
+    CPU keeps the reference formulas below; on CUDA each fused op replaces several launches and passes.
+    """
+    global _FUSED, _FUSED_TRIED
+    if not x.is_cuda:
+        return None
+    if not _FUSED_TRIED:
+        _FUSED_TRIED = True
+        try:
+            from ominix_worker.ops import fused
+
+            _FUSED = fused
+        except ImportError:
+            _FUSED = None
+    return _FUSED
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +48,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = cuda_ops(x)
+        if ops is not None:
+            return ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         # Normalise in float32 and scale in the run dtype, as the reference implementation does.
         dtype = x.dtype
         x32 = x.float()
@@ -84,6 +110,11 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.cos_sin is not None, "RotaryEmbedding.build() was not called"
+        ops = cuda_ops(q)
+        if ops is not None:  # in place on the (strided) views of the fused QKV output
+            ops.rotary_in_place(q, positions, self.cos_sin)
+            ops.rotary_in_place(k, positions, self.cos_sin)
+            return q, k
         cos = self.cos_sin[0, positions].unsqueeze(1).to(q.dtype)  # (T, 1, head_dim)
         sin = self.cos_sin[1, positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -114,13 +145,23 @@ class Attention(nn.Module):
         self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        ops = cuda_ops(qkv)
+        fused_rotary = ops is not None and self.q_norm is None and self.rotary.cos_sin is not None
+        if fused_rotary:
+            # Q and K heads sit side by side in each QKV row: one in-place launch rotates both.
+            heads = qkv[:, : self.q_size + self.kv_size].view(
+                num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
+            )
+            ops.rotary_in_place(heads, positions, self.rotary.cos_sin)  # type: ignore[union-attr]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if not fused_rotary:
+            q, k = self.rotary(positions, q, k)
         self.backend.write_kv(kv_cache, k, v, meta)
         out = self.backend.forward(q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -134,6 +175,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = cuda_ops(x)
+        if ops is not None:
+            return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -188,9 +232,31 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Flattened tokens (T,) → final hidden states (T, hidden), normalised."""
         hidden = self.embed_tokens(input_ids)
+        ops = cuda_ops(hidden)
+        if ops is not None:
+            return self._forward_fused(ops, hidden, positions, kv_caches, meta)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, positions, kv_cache, meta)
         return self.norm(hidden)
+
+    def _forward_fused(
+        self,
+        ops: ModuleType,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The same sums as the layers' forward, with each residual add fused into the next RMSNorm."""
+        eps = self.config.rms_norm_eps
+        layers = list(self.layers)
+        norm_weights = [layer.input_layernorm.weight for layer in layers[1:]] + [self.norm.weight]
+        hidden = ops.rms_norm(residual, layers[0].input_layernorm.weight, eps)
+        for layer, kv_cache, next_weight in zip(layers, kv_caches, norm_weights, strict=True):
+            attn = layer.self_attn(hidden, positions, kv_cache, meta)
+            hidden = ops.fused_add_rms_norm(attn, residual, layer.post_attention_layernorm.weight, eps)
+            hidden = ops.fused_add_rms_norm(layer.mlp(hidden), residual, next_weight, eps)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
