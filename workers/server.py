@@ -19,6 +19,7 @@ import traceback
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -123,9 +124,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU threads for torch (0: torch's default); lower it when several workers share the cores",
     )
     p.add_argument(
+        "--tls-cert",
+        default=None,
+        help="PEM certificate served on the worker port (with --tls-key; unset: plaintext)",
+    )
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        help="PEM CA bundle: only clients (the engine) with a certificate signed by it may connect (mutual TLS)",
+    )
+    p.add_argument(
         "--log-level", default="WARNING", help="Python logging level for the worker's own messages"
     )
     return p
+
+
+def server_credentials(args: argparse.Namespace) -> grpc.ServerCredentials | None:
+    """TLS credentials from --tls-cert/--tls-key, requiring a client certificate when --tls-ca is given."""
+    if not (args.tls_cert or args.tls_key or args.tls_ca):
+        return None
+    if not (args.tls_cert and args.tls_key):
+        raise StartupError("--tls-cert and --tls-key go together (and --tls-ca needs both)")
+    try:
+        key, cert = Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()
+        ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    except OSError as exc:
+        raise StartupError(f"cannot read a TLS file: {exc}") from None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
 
 
 # ---- model state -------------------------------------------------------------------------------------
@@ -414,9 +442,13 @@ async def serve(args: argparse.Namespace) -> int:
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(state, executor), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((WORKER_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+    credentials = server_credentials(args)
     check_port_free(args.host, args.port)
     try:
-        bound = server.add_insecure_port(address)
+        if credentials is not None:
+            bound = server.add_secure_port(address, credentials)
+        else:
+            bound = server.add_insecure_port(address)
     except RuntimeError as exc:
         raise StartupError(f"cannot bind {address}: {exc} (is the port taken?)") from None
     if not bound:

@@ -22,15 +22,6 @@ from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
 MAKE_CERTS = Path(__file__).resolve().parents[2] / "deploy" / "tls" / "make-certs.sh"
 
 
-def _worker_has_tls_flags() -> bool:
-    from ominix_worker.server import build_parser
-
-    return any("--tls-ca" in a.option_strings for a in build_parser()._actions)
-
-
-pytestmark = pytest.mark.skipif(not _worker_has_tls_flags(), reason="this worker build has no --tls-* flags")
-
-
 def _certs(folder: Path) -> Path:
     if shutil.which("openssl") is None:
         pytest.skip("openssl binary not available")
