@@ -87,7 +87,8 @@ for stage in $STAGES; do
       python3 -c "import torch, triton, transformers, google.protobuf as pb, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'protobuf', pb.__version__, 'grpc', grpc.__version__)"
       python3 -c "import aiohttp, tokenizers, jinja2, uvloop, prometheus_client; print('aiohttp tokenizers jinja2 uvloop prometheus_client: ok')" ;;
     tests)
-      timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" ${TESTS:-tests/gpu/test_decode_graphs.py tests/gpu/test_fused_ops.py} 2>&1 | tail -8 ;;
+      XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+      timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider -o addopts="" $XDIST ${TESTS:-tests/gpu} 2>&1 | tail -8 ;;
     roofline)
       timeout 90 python3 bench/roofline.py --json "$OUT/roofline.json" 2>&1 | tail -10
       BW_ARGS=$(python3 -c "import json; r=json.load(open('$OUT/roofline.json')); print(f'--bandwidth {r[\"bandwidth\"]} --flops {r[\"flops\"]}')" 2>/dev/null) ;;

@@ -40,9 +40,34 @@ def step_breakdown(steps: list[dict[str, Any]], batch: int) -> dict[str, float] 
         "step_ms": statistics.mean((c["exit"] - c["enter"]) * 1e3 for _, c in rows),
         "gap_ms": statistics.mean((c["enter"] - p["exit"]) * 1e3 for p, c in rows),
     }
-    for phase in ("prepare_inputs", "forward", "sample", "update_states"):
+    for phase in ("prepare_inputs", "forward", "sample", "graph_run", "sample_logits", "update_states"):
         out[phase + "_ms"] = statistics.mean(c.get(phase, 0.0) * 1e3 for _, c in rows)
     return out
+
+
+def gap_parts(probe: dict[str, Any], batch: int) -> dict[str, float] | None:
+    """Medians (ms) of the parts of the gap between consecutive decode steps of one batch size, from the
+    worker's marks: loop wake-up after the step, result → protobuf, waiting for / reading the next step,
+    step ← protobuf, hand-over to the forward thread."""
+    marks = probe.get("marks", [])
+    result_pb = {m[1]: (m[2], m[3]) for m in marks if m[0] == "result_to_pb"}
+    step_pb = {m[1]: (m[2], m[3]) for m in marks if m[0] == "step_from_pb"}
+    steps = probe.get("steps", [])
+    parts: dict[str, list[float]] = {k: [] for k in ("wake", "result_pb", "wait_next", "step_pb", "handover")}
+    for prev, cur in zip(steps, steps[1:], strict=False):
+        if not (prev["decode"] and cur["decode"] and prev["batch"] == batch == cur["batch"]):
+            continue
+        r, n = result_pb.get(prev.get("id")), step_pb.get(cur.get("id"))
+        if r is None or n is None:
+            continue
+        parts["wake"].append(r[0] - prev["exit"])
+        parts["result_pb"].append(r[1] - r[0])
+        parts["wait_next"].append(n[0] - r[1])
+        parts["step_pb"].append(n[1] - n[0])
+        parts["handover"].append(cur["enter"] - n[1])
+    if not parts["wake"]:
+        return None
+    return {k: statistics.median(v) * 1e3 for k, v in parts.items()}
 
 
 def main(argv: list[str]) -> int:
@@ -98,6 +123,11 @@ def main(argv: list[str]) -> int:
             continue
         parts = ", ".join(f"{k[:-3]} {v:.2f}" for k, v in b.items() if k.endswith("_ms"))
         print(f"worker decode steps at batch {batch} (n={int(b['steps'])}), ms: {parts}")
+    for batch in (256, 1):
+        g = gap_parts(probe, batch)
+        if g is not None:
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in g.items())
+            print(f"gap between decode steps at batch {batch}, medians in ms: {parts}")
     for key, window in sorted(windows.items()):
         top = window.get("top_kernels_us_per_step", [])[:6]
         if top:

@@ -39,6 +39,7 @@ class StepProbe:
         self.windows: dict[str, Any] = {}
         self.active: tuple[int, Any, list[tuple[float, float]]] | None = None
         self.phase: dict[str, float] = {}
+        self.marks: list[tuple[str, int, float, float]] = []
         # Profile only once this file exists (the timed runs stay free of profiler stalls); None: always.
         self.gate = os.environ.get("OMINIX_PROFILE_GATE") or None
 
@@ -51,6 +52,15 @@ class StepProbe:
         for name in ("_prepare_inputs", "_forward", "_sample", "_update_states"):
             if hasattr(cls, name):
                 setattr(cls, name, self._timed(name, getattr(cls, name)))
+        try:
+            from ominix_worker import cuda_graph
+
+            cuda_graph.DecodeGraphs.run = self._timed("graph_run", cuda_graph.DecodeGraphs.run)  # type: ignore[method-assign]
+        except ImportError:
+            pass
+        if hasattr(cls, "_sample_logits"):
+            cls._sample_logits = self._timed("sample_logits", cls._sample_logits)  # type: ignore[method-assign]
+        self._wrap_wire()
         execute = cls.execute_step
         probe = self
 
@@ -59,6 +69,30 @@ class StepProbe:
 
         cls.execute_step = execute_step  # type: ignore[method-assign]
         atexit.register(self.write)
+
+    def _wrap_wire(self) -> None:
+        """Timestamps of the worker's protobuf conversions: when a step's message was taken up and when a
+        result left, which splits the gap between two steps into its parts."""
+        from ominix_runtime import wire
+
+        probe = self
+        step_from_pb = wire.step_from_pb
+        result_to_pb = wire.step_result_to_pb
+
+        def timed_step_from_pb(message: Any) -> Any:
+            started = time.perf_counter()
+            out = step_from_pb(message)
+            probe.marks.append(("step_from_pb", message.step_id, started, time.perf_counter()))
+            return out
+
+        def timed_result_to_pb(result: Any) -> Any:
+            started = time.perf_counter()
+            out = result_to_pb(result)
+            probe.marks.append(("result_to_pb", result.step_id, started, time.perf_counter()))
+            return out
+
+        wire.step_from_pb = timed_step_from_pb  # type: ignore[assignment]
+        wire.step_result_to_pb = timed_result_to_pb  # type: ignore[assignment]
 
     def _timed(self, name: str, fn: Any) -> Any:
         probe = self
@@ -102,7 +136,14 @@ class StepProbe:
             result = execute(runner, step)
         left = time.perf_counter()
         self.steps.append(
-            {"enter": entered, "exit": left, "batch": batch, "tokens": tokens, "decode": decode}
+            {
+                "id": step.step_id,
+                "enter": entered,
+                "exit": left,
+                "batch": batch,
+                "tokens": tokens,
+                "decode": decode,
+            }
             | {k.strip("_"): v for k, v in self.phase.items()}
         )
         if self.active is not None:
@@ -147,7 +188,7 @@ class StepProbe:
     def write(self) -> None:
         if not self.out:
             return
-        payload = {"windows": self.windows, "steps": self.steps}
+        payload = {"windows": self.windows, "steps": self.steps, "marks": self.marks}
         Path(self.out).write_text(json.dumps(payload))
 
 
