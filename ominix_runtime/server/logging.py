@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import structlog
@@ -49,4 +49,7 @@ def request_context(request_id: str, **fields: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        structlog.contextvars.reset_contextvars(**tokens)
+        # A streaming handler closed by a client disconnect is finalised in another context; the variables
+        # it bound died with its own context, so there is nothing to restore (reset raises ValueError).
+        with suppress(ValueError):
+            structlog.contextvars.reset_contextvars(**tokens)

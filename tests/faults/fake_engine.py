@@ -52,7 +52,10 @@ async def main(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, daemon.stop_requested.set)
 
     def crash_first_worker() -> None:  # SIGUSR1: fault injection (kill, then restart after a moment)
+        if backends[0].down:
+            return
         backends[0].crash()
+        print("fault injected: fake-0 crashed", file=sys.stderr, flush=True)
         loop.call_later(args.revive_after, backends[0].revive)
 
     loop.add_signal_handler(signal.SIGUSR1, crash_first_worker)
