@@ -507,6 +507,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise SystemExit(128 + signum)
 
     num_threads = _cpu_threads_per_worker(args, devices)
+    if "cpu" in devices:
+        # CPU workers share cores with the engine: OpenMP threads spinning between steps starve the engine's
+        # event loop (p99 inter-token gaps of seconds on 2 cores); passive waiting keeps them off the cores.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     commands = [_worker_command(args, d, p, num_threads) for d, p in zip(devices, ports, strict=True)]
     supervisor: WorkerSupervisor | None = None
     engines: list[subprocess.Popen[bytes]] = []
