@@ -25,6 +25,9 @@ from ominix_worker.attention.base import AttentionMetadata
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+# Query lengths of the single-request prefill graphs (a short prompt, or a suffix after a prefix-cache hit):
+# eagerly such a step waits on hundreds of kernel launches, not on the device.
+DEFAULT_PREFILL_SIZES = (16, 32, 64)
 # Context length the split count of each captured size is chosen for (only speed depends on it).
 CAPTURE_SEQ_LEN = 1024
 
@@ -56,6 +59,7 @@ class DecodeGraphs:
         device: torch.device,
         max_model_len: int,
         batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+        prefill_sizes: Sequence[int] = DEFAULT_PREFILL_SIZES,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -65,7 +69,9 @@ class DecodeGraphs:
         self.sizes = sorted({int(s) for s in batch_sizes if s > 0})
         self.max_size = self.sizes[-1]
         self.width = -(-max_model_len // self.block_size)  # block-table columns
-        n = self.max_size
+        self.prefill_sizes = sorted({int(s) for s in prefill_sizes if s > 1})
+        # Rows of the static buffers: a decode batch or a prefill chunk.
+        n = self.capacity = max([self.max_size, *self.prefill_sizes])
         # [ids | positions | slots] and [seq_lens | block_tables], device and pinned host.
         self.dev64 = torch.zeros((3, n), dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(n + n * self.width, dtype=torch.int32, device=device)
@@ -83,6 +89,13 @@ class DecodeGraphs:
         self.row_blocks = [0] * n  # how many of them are written
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        # Single-request prefill: query offsets [0, q_len] and the row whose logits are sampled.
+        self.d_qsl = torch.zeros(2, dtype=torch.int32, device=device)
+        self.d_last = torch.zeros(1, dtype=torch.int64, device=device)
+        self.h_qsl = torch.zeros(2, dtype=torch.int32).pin_memory()
+        self.h_last = torch.zeros(1, dtype=torch.int64).pin_memory()
+        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.prefill_logits: dict[int, torch.Tensor] = {}
 
     # ---- capture ------------------------------------------------------------------------------------
 
@@ -100,6 +113,19 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         hidden = self.model(self.dev64[0, :size], self.dev64[1, :size], self.kv_caches, self._meta(size))
         return self.model.compute_logits(hidden)  # type: ignore[operator]
+
+    def _prefill_forward(self, size: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            query_start_loc=self.d_qsl,
+            seq_lens=self.d_seq[:1],
+            block_tables=self.d_bt[:1],
+            slot_mapping=self.dev64[2, :size],
+            max_query_len=size,
+            max_seq_len=CAPTURE_SEQ_LEN,
+            num_decode_only=False,
+        )
+        hidden = self.model(self.dev64[0, :size], self.dev64[1, :size], self.kv_caches, meta)
+        return self.model.compute_logits(hidden.index_select(0, self.d_last))  # type: ignore[operator]
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -127,12 +153,25 @@ class DecodeGraphs:
                 pool = graph.pool()
                 self.graphs[size] = graph
                 self.logits[size] = logits
+            if hasattr(self.backend, "decode_splits"):
+                self.backend.decode_splits = 1
+            self.d_qsl.zero_()  # q_len 0: the attention kernels return at once while capturing
+            self.d_last.zero_()
+            for size in reversed(self.prefill_sizes):
+                for _ in range(2):
+                    self._prefill_forward(size)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._prefill_forward(size)
+                self.prefill_graphs[size] = graph
+                self.prefill_logits[size] = logits
         finally:
             if hasattr(self.backend, "decode_splits"):
                 self.backend.decode_splits = saved_splits
         torch.cuda.synchronize(self.device)
-        self.row_request = [None] * self.max_size
-        self.row_blocks = [0] * self.max_size
+        self.row_request = [None] * self.capacity
+        self.row_blocks = [0] * self.capacity
 
     # ---- replay -------------------------------------------------------------------------------------
 
@@ -172,12 +211,50 @@ class DecodeGraphs:
             slots[batch:size] = -1
             seq[batch:size] = 0
         self.dev64.copy_(self.host64, non_blocking=True)
-        count = self.max_size + size * self.width
+        count = self.capacity + size * self.width
         self.dev32[:count].copy_(self.host32[:count], non_blocking=True)
         self.graphs[size].replay()
         return self.logits[size][:batch]
 
+    def fits_prefill(self, rows: Sequence[DecodeRowLike]) -> bool:
+        """One request computing 2..max prefill-size positions (its last chunk, or a prefix-hit suffix)."""
+        if len(rows) != 1 or not self.prefill_graphs:
+            return False
+        num = rows[0].end - rows[0].start
+        return 1 < num <= self.prefill_sizes[-1]
+
+    def run_prefill(self, row: DecodeRowLike) -> torch.Tensor:
+        """Logits float32 (1, vocab) of the last position of a short prefill of one request."""
+        start, end = row.start, row.end
+        num = end - start
+        size = padded_size(num, self.prefill_sizes)
+        assert size is not None and size in self.prefill_graphs, f"no prefill graph holds {num} tokens"
+        req = row.request
+        bs = self.block_size
+        blocks = req.kv_block_ids
+        positions = range(start, end)
+        self.h_ids[:num] = req.token_ids(start, end)
+        self.h_pos[:num] = positions
+        self.h_slots[:num] = [blocks[p // bs] * bs + p % bs for p in positions]
+        self.h_ids[num:size] = 0
+        self.h_pos[num:size] = 0
+        self.h_slots[num:size] = -1
+        self.h_seq[0] = end
+        used = -(-end // bs)
+        self.h_bt[0, :used] = blocks[:used]
+        self.row_request[0] = req
+        self.row_blocks[0] = used
+        self.h_qsl[1] = num
+        self.h_last[0] = num - 1
+        self.dev64.copy_(self.host64, non_blocking=True)
+        count = self.capacity + self.width
+        self.dev32[:count].copy_(self.host32[:count], non_blocking=True)
+        self.d_qsl.copy_(self.h_qsl, non_blocking=True)
+        self.d_last.copy_(self.h_last, non_blocking=True)
+        self.prefill_graphs[size].replay()
+        return self.prefill_logits[size]
+
     def forget_rows(self) -> None:
         """Drop the block-table row cache (the request state was reset)."""
-        self.row_request = [None] * self.max_size
-        self.row_blocks = [0] * self.max_size
+        self.row_request = [None] * self.capacity
+        self.row_blocks = [0] * self.capacity

@@ -243,6 +243,10 @@ class ModelRunner:
             logits = self._graphs.run(active)  # type: ignore[attr-defined]
             sampled = self._sample_logits(logits, active)
             outputs.update(self._update_states(active, active, sampled))
+        elif active and self._graphs is not None and self._graphs.fits_prefill(active) and active[0].samples:  # type: ignore[attr-defined]
+            logits = self._graphs.run_prefill(active[0])  # type: ignore[attr-defined]
+            sampled = self._sample_logits(logits, active)
+            outputs.update(self._update_states(active, active, sampled))
         elif active:
             inputs = self._prepare_inputs(active)
             hidden = self._forward(inputs)

@@ -129,3 +129,29 @@ def test_graph_step_end_to_end_greedy(tmp_path: Path) -> None:
                 out[o.request_id].append(o.sampled_token_id)
         tokens[use_graphs] = out
     assert tokens[True] == tokens[False]
+
+
+def test_prefill_graph_matches_eager(tmp_path: Path) -> None:
+    """Short single-request chunks after cached context: graph logits of the last position = eager ones."""
+    from ominix_runtime.contract import SamplingParams
+    from ominix_worker.runner import CachedRequest, ScheduledRow
+
+    runner = _runner(tmp_path)
+    assert runner.capture_decode_graphs([1, 2])
+    graphs = runner._graphs
+    assert graphs is not None and sorted(graphs.prefill_graphs) == [16, 32, 64]
+    rng = random.Random(11)
+    blocks = rng.sample(range(runner.num_blocks), 12)
+    prompt = [rng.randrange(3, 1000) for _ in range(40 + 20 + 16 + 2 + 64)]
+    req = CachedRequest("p", prompt, [], SamplingParams(temperature=0.0), blocks, 0, 0)
+    with torch.inference_mode():
+        _eager_logits(runner, [ScheduledRow(req, 0, 40, samples=False)])
+        start = 40
+        for num in (20, 16, 2, 64):
+            row = ScheduledRow(req, start, start + num, samples=True)
+            assert graphs.fits_prefill([row])
+            graph_logits = graphs.run_prefill(row).clone()
+            eager_logits = _eager_logits(runner, [row])[-1:]
+            err = (graph_logits - eager_logits).norm() / eager_logits.norm()
+            assert err < 1e-4, f"chunk of {num}: relative error {err:.2e}"
+            start += num
