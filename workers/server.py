@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import queue
 import signal
 import socket
 import sys
@@ -27,7 +28,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ominix_runtime import wire
-from ominix_runtime.contract import BackendCapability, DecodeStep, ModelInfo, OminixError, stated_profile
+from ominix_runtime.contract import (
+    BackendCapability,
+    DecodeStep,
+    ModelInfo,
+    OminixError,
+    StepResult,
+    stated_profile,
+)
 from ominix_runtime.models import DEFAULT_MODEL_NAME, resolve_model
 from ominix_runtime.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from ominix_worker import __version__
@@ -350,82 +358,62 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         outbox: asyncio.Queue[worker_pb2.WorkerMessage | None] = asyncio.Queue()
 
-        # Steps are read and converted as they arrive (while the previous one computes), and the next step
-        # is handed to the forward thread before the previous result is converted and sent: the protobuf
-        # work overlaps the device instead of sitting between two steps. Messages keep the steps' order.
-        inbox: asyncio.Queue[_Arrival] = asyncio.Queue()
+        # Steps are read and converted on the event loop as they arrive (while the previous one computes) and
+        # queued to the forward thread, which runs them back to back; results go back to the loop to be
+        # converted and sent. Neither the protobuf work nor a loop round trip sits between two steps, and
+        # every message keeps the order of the steps it answers.
+        steps: queue.SimpleQueue[_Arrival] = queue.SimpleQueue()
+
+        def post(message: worker_pb2.WorkerMessage | StepResult | None) -> None:
+            """From the forward thread: hand a message (or a result to convert) to the loop, in order."""
+
+            def put() -> None:
+                if isinstance(message, StepResult):
+                    outbox.put_nowait(worker_pb2.WorkerMessage(step_result=wire.step_result_to_pb(message)))
+                else:
+                    outbox.put_nowait(message)
+
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening any more
+                loop.call_soon_threadsafe(put)
+
+        def run_steps() -> None:
+            while True:
+                arrival = steps.get()
+                if arrival is _END_OF_STEPS:
+                    post(None)
+                    return
+                if arrival.step is None:
+                    post(worker_pb2.WorkerMessage(fatal_error=_error_info(arrival.error)))
+                    continue
+                try:
+                    result = runner.execute_step(arrival.step)  # type: ignore[attr-defined]
+                except Exception as exc:  # noqa: BLE001 - reported to the engine, the server lives on
+                    log.error("step %d failed:\n%s", arrival.step_id, traceback.format_exc())
+                    message = f"step {arrival.step_id} failed: {type(exc).__name__}: {exc}"
+                    post(worker_pb2.WorkerMessage(fatal_error=_error_info(message)))
+                    continue
+                post(result)
 
         async def read_steps() -> None:
             last_step_id = 0
             try:
                 async for step_pb in request_iterator:
                     if step_pb.step_id <= last_step_id:
-                        inbox.put_nowait(
-                            _Arrival(
-                                step_pb.step_id,
-                                None,
-                                f"step_id {step_pb.step_id} does not follow {last_step_id}",
-                            )
-                        )
+                        error = f"step_id {step_pb.step_id} does not follow {last_step_id}"
+                        steps.put(_Arrival(step_pb.step_id, None, error))
                         continue
                     last_step_id = step_pb.step_id
                     try:
-                        inbox.put_nowait(_Arrival(step_pb.step_id, wire.step_from_pb(step_pb)))
+                        steps.put(_Arrival(step_pb.step_id, wire.step_from_pb(step_pb)))
                     except Exception as exc:  # noqa: BLE001 - reported to the engine, the server lives on
                         log.error("step %d failed:\n%s", step_pb.step_id, traceback.format_exc())
-                        inbox.put_nowait(
-                            _Arrival(
-                                step_pb.step_id,
-                                None,
-                                f"step {step_pb.step_id} failed: {type(exc).__name__}: {exc}",
-                            )
-                        )
+                        error = f"step {step_pb.step_id} failed: {type(exc).__name__}: {exc}"
+                        steps.put(_Arrival(step_pb.step_id, None, error))
             finally:
-                inbox.put_nowait(_END_OF_STEPS)
+                steps.put(_END_OF_STEPS)
 
-        def fatal(message: str) -> worker_pb2.WorkerMessage:
-            return worker_pb2.WorkerMessage(fatal_error=_error_info(message))
-
-        async def run_steps() -> None:
-            held: _Arrival | None = None  # read ahead, not started yet
-            running: tuple[int, asyncio.Future[object]] | None = None
-            try:
-                while True:
-                    if running is None:
-                        arrival = held if held is not None else await inbox.get()
-                        held = None
-                        if arrival is _END_OF_STEPS:
-                            break
-                        if arrival.step is None:
-                            outbox.put_nowait(fatal(arrival.error))
-                            continue
-                        running = (
-                            arrival.step_id,
-                            loop.run_in_executor(self.executor, runner.execute_step, arrival.step),  # type: ignore[attr-defined]
-                        )
-                    step_id, future = running
-                    running = None
-                    try:
-                        result = await future
-                    except Exception as exc:  # noqa: BLE001 - reported to the engine, the server lives on
-                        log.error("step %d failed:\n%s", step_id, traceback.format_exc())
-                        outbox.put_nowait(fatal(f"step {step_id} failed: {type(exc).__name__}: {exc}"))
-                        continue
-                    if held is None and not inbox.empty():
-                        held = inbox.get_nowait()
-                    if held is not None and held.step is not None:
-                        running = (
-                            held.step_id,
-                            loop.run_in_executor(self.executor, runner.execute_step, held.step),  # type: ignore[attr-defined]
-                        )
-                        held = None
-                    # A held error or end of stream is handled, in order, at the top of the loop.
-                    outbox.put_nowait(worker_pb2.WorkerMessage(step_result=wire.step_result_to_pb(result)))
-            finally:
-                outbox.put_nowait(None)
-
+        loop.run_in_executor(self.executor, run_steps)  # ends at the end-of-steps marker
         reading = asyncio.create_task(read_steps())
-        reader = asyncio.create_task(run_steps())
         try:
             while True:
                 try:
@@ -438,11 +426,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 if message is None:
                     break
                 yield message
-            await reader
             await reading  # surfaces a broken request stream as an error of this call
         finally:
-            reader.cancel()
             reading.cancel()
+            steps.put(_END_OF_STEPS)  # the forward thread stops after the step it may be running
             # Queued behind any step still running on the executor, so state is dropped after it finishes.
             await loop.run_in_executor(self.executor, runner.reset)  # type: ignore[attr-defined]
             self.state.run_active = False
