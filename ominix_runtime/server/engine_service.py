@@ -17,6 +17,7 @@ from ominix_runtime.contract import (
     Error,
     FinishReason,
     GenerateRequest,
+    Granularity,
     InvalidArgument,
     OminixError,
     PrefillDone,
@@ -72,9 +73,19 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
     # ---- model facts ---------------------------------------------------------------------------------
 
-    def _model_limits(self) -> tuple[int | None, int | None]:
-        """(vocab_size, max_model_len) over all backends (the strictest)."""
-        caps = list(self._engine.capabilities() or [])
+    def _other_models(self) -> set[str]:
+        """Models that only request-level backends serve (e.g. another model behind SGLang)."""
+        return {
+            c.model.name
+            for c in self._engine.capabilities() or []
+            if c.granularity == Granularity.REQUEST and c.model.name and c.model.name != self.model_name
+        }
+
+    def _model_limits(self, model: str | None = None) -> tuple[int | None, int | None]:
+        """(vocab_size, max_model_len) over the backends serving ``model`` (the strictest)."""
+        all_caps = list(self._engine.capabilities() or [])
+        caps = [c for c in all_caps if c.model.name == model] if model else []
+        caps = caps or all_caps
         vocab = [c.model.vocab_size for c in caps if c.model.vocab_size > 0]
         lengths = [c.model.max_model_len for c in caps if c.model.max_model_len > 0]
         return (min(vocab) if vocab else None, min(lengths) if lengths else None)
@@ -83,8 +94,11 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
     def _resolve(self, pb: engine_pb2.GenerateRequest, request_id: str) -> GenerateRequest:
         if pb.model and pb.model != self.model_name:
-            raise _NotFound(f"model '{pb.model}' is not served here (serving '{self.model_name}')")
-        vocab_size, max_model_len = self._model_limits()
+            if pb.model not in self._other_models():
+                served = ", ".join(repr(m) for m in sorted({self.model_name, *self._other_models()}))
+                raise _NotFound(f"model '{pb.model}' is not served here (serving {served})")
+            return self._resolve_for_request_level(pb, request_id)
+        vocab_size, max_model_len = self._model_limits(self.model_name)
         sampling = wire.sampling_from_pb(pb.sampling).validate(vocab_size, max_model_len)
         which = pb.WhichOneof("input")
         prompt_text: str | None = None
@@ -126,6 +140,40 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             prompt_token_ids=prompt_ids,
             sampling=sampling,
             model=self.model_name,
+            priority=Priority(pb.priority) if pb.priority else Priority.INTERACTIVE,
+            arrival_time=arrival,
+            deadline=arrival + pb.deadline_ms / 1000.0 if pb.deadline_ms else None,
+            stream=pb.stream if pb.HasField("stream") else True,
+            prompt_text=prompt_text,
+        )
+
+    def _resolve_for_request_level(self, pb: engine_pb2.GenerateRequest, request_id: str) -> GenerateRequest:
+        """A model only request-level backends serve: they tokenize and apply chat templates themselves, so
+        text goes through as text and ids are passed on unchecked against a vocabulary we do not know."""
+        _, max_model_len = self._model_limits(pb.model)
+        sampling = wire.sampling_from_pb(pb.sampling).validate(None, max_model_len)
+        which = pb.WhichOneof("input")
+        if which == "input_ids":
+            prompt_ids, prompt_text = list(pb.input_ids.ids), None
+        elif which == "prompt":
+            prompt_ids, prompt_text = [], pb.prompt
+        elif which == "messages":
+            raise InvalidArgument(
+                f"model '{pb.model}' is served by a request-level backend without a chat template here: "
+                "send prompt text or input_ids"
+            )
+        else:
+            raise InvalidArgument("one of prompt, messages or input_ids is required")
+        if not prompt_ids and not prompt_text:
+            raise InvalidArgument("the prompt is empty")
+        if pb.priority and pb.priority not in _PRIORITIES:
+            raise InvalidArgument(f"priority {pb.priority} is not one of {sorted(_PRIORITIES)} (or unset)")
+        arrival = time.monotonic()
+        return GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling=sampling,
+            model=pb.model,
             priority=Priority(pb.priority) if pb.priority else Priority.INTERACTIVE,
             arrival_time=arrival,
             deadline=arrival + pb.deadline_ms / 1000.0 if pb.deadline_ms else None,
@@ -203,7 +251,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
     async def _events(self, req: GenerateRequest, handle: Any) -> AsyncIterator[engine_pb2.GenerateEvent]:
         rid = req.request_id
-        output = OutputText(self.tokenizer, req.sampling.stop, req.prompt_token_ids)
+        # Another model's tokens are not ours to decode: its request-level backend sends the text.
+        tokenizer = self.tokenizer if req.model in ("", self.model_name) else None
+        output = OutputText(tokenizer, req.sampling.stop, req.prompt_token_ids)
         matched_stop: str | None = None
         num_emitted_tokens = 0
         usage: Usage | None = None
