@@ -255,6 +255,10 @@ def load_worker(
     # per-step garbage (outputs, messages) is collected without walking the model's objects.
     gc.collect()
     gc.freeze()
+    if device.type == "cuda":
+        # The forward thread and the event loop (protobuf, gRPC) share the GIL; a shorter switch interval
+        # keeps the forward thread from waiting up to 5 ms to prepare the next step.
+        sys.setswitchinterval(0.0005)
 
     dtype_text = dtype_name(dtype)
     supported = (

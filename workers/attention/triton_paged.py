@@ -533,7 +533,7 @@ class TritonPagedAttention:
             )
 
     def _prefill_config(
-        self, meta: AttentionMetadata, head_dim: int, ieee: bool, num_heads: int = 0, num_sms: int = 0
+        self, meta: AttentionMetadata, head_dim: int, ieee: bool
     ) -> tuple[int, int, int, int]:
         """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel."""
         if self.prefill_config is not None:
@@ -541,11 +541,6 @@ class TritonPagedAttention:
         if ieee or head_dim > 128:
             return (32, 32, 4, 2)
         if meta.max_query_len <= 16:  # short chunks: small query tiles waste less
-            return (16, 64, 4, 3)
-        # A few short queries over a long context (a prefix-hit suffix): 64-row tiles would leave most SMs idle
-        # while each program walks the whole context; 16-row tiles give four times the programs.
-        programs = meta.num_requests * triton.cdiv(meta.max_query_len, _PREFILL_CONFIG[0]) * num_heads
-        if meta.max_query_len <= 64 and programs < num_sms:
             return (16, 64, 4, 3)
         return _PREFILL_CONFIG
 
@@ -561,9 +556,7 @@ class TritonPagedAttention:
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         num_heads = query.shape[1]
         ieee = query.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-        block_m, block_n, num_warps, num_stages = self._prefill_config(
-            meta, head_dim, ieee, num_heads, self._sms(query.device)
-        )
+        block_m, block_n, num_warps, num_stages = self._prefill_config(meta, head_dim, ieee)
         grid = (num_requests, triton.cdiv(meta.max_query_len, block_m), num_heads)
         _prefill_kernel[grid](
             query,
