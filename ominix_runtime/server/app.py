@@ -16,8 +16,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ominix_runtime.backends.grpc_worker import CHANNEL_OPTIONS, GrpcWorkerBackend
+from ominix_runtime.backends.negotiation import check_group
 from ominix_runtime.config import EngineConfig
-from ominix_runtime.contract import OminixError, RuntimeErrorKind
+from ominix_runtime.contract import BackendCapability, Granularity, OminixError, RuntimeErrorKind
 from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig
 from ominix_runtime.engine.core import EngineCore
 from ominix_runtime.models import ModelFormat, ModelSource, resolve_model
@@ -70,6 +71,27 @@ async def _wait_workers_ready(backends: list[Any], timeout: float) -> None:
             "waiting for workers", workers=[b.address for b in backends if isinstance(b, GrpcWorkerBackend)]
         )
         await asyncio.gather(*waits)
+
+
+def _negotiate(caps: list[BackendCapability], model_name: str, tokenizer: Tokenizer | None) -> None:
+    """Refuse to serve when the backends cannot serve the configured model together (CAPABILITY_MISMATCH).
+
+    Step-level workers are one group for the served model: requests fail over between them, so they must
+    serve that model with one block size; each request-level model is a group of its own.
+    """
+    step_caps = [c for c in caps if c.granularity == Granularity.STEP]
+    if step_caps:
+        check_group(step_caps, model_name or step_caps[0].model.name)
+        vocab = step_caps[0].model.vocab_size
+        if tokenizer is not None and tokenizer.vocab_size > vocab:
+            raise OminixError(
+                RuntimeErrorKind.CAPABILITY_MISMATCH,
+                f"the tokenizer of {model_name!r} has {tokenizer.vocab_size} tokens but the workers' model has "
+                f"a vocabulary of {vocab}: engine and workers must load the same model",
+            )
+    request_models = {c.model.name for c in caps if c.granularity == Granularity.REQUEST}
+    for name in sorted(request_models):
+        check_group([c for c in caps if c.granularity == Granularity.REQUEST and c.model.name == name], name)
 
 
 def _grpcurl_hint(address: str, tls: bool) -> str:
@@ -167,6 +189,7 @@ class EngineDaemon:
         if not model_name:
             caps = list(self._engine.capabilities() or [])
             service.model_name = caps[0].model.name if caps else ""
+        _negotiate(list(self._engine.capabilities() or []), model_name, service.tokenizer)
         self._wire_observability()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)

@@ -17,6 +17,7 @@ import sys
 
 from ominix_runtime.backends.fake import FakeConfig, FakeStepBackend
 from ominix_runtime.config import EngineConfig, SchedulerConfig
+from ominix_runtime.models import DEFAULT_MODEL_NAME
 from ominix_runtime.server.app import EngineDaemon
 from ominix_runtime.server.logging import configure_logging
 
@@ -29,6 +30,7 @@ async def main(args: argparse.Namespace) -> int:
         FakeStepBackend(
             FakeConfig(
                 worker_id=f"fake-{i}",
+                model_name=DEFAULT_MODEL_NAME,
                 vocab_size=SMOLLM2_VOCAB,
                 max_model_len=args.max_model_len,
                 kv_num_blocks=args.kv_blocks,

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
 from ominix_runtime.backends.fake import FakeConfig, FakeStepBackend
 from ominix_runtime.config import EngineConfig
+from ominix_runtime.models import DEFAULT_MODEL_NAME
 from ominix_runtime.pb import engine_pb2_grpc
 from ominix_runtime.server.app import EngineDaemon
 
@@ -49,7 +50,8 @@ def start_daemon(fake: FakeConfig, **config_overrides) -> tuple[RunningDaemon, t
     config = EngineConfig(
         port=free_port(), metrics_port=free_port(), drain_timeout=5.0, log_json=True, **config_overrides
     )
-    backend = FakeStepBackend(fake)
+    # The daemon serves the embedded model's tokenizer; the fake backend states that model's name.
+    backend = FakeStepBackend(replace(fake, model_name=DEFAULT_MODEL_NAME))
     loop = asyncio.new_event_loop()
     daemon_box: dict[str, EngineDaemon] = {}
     started = threading.Event()
