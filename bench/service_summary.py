@@ -46,26 +46,25 @@ def step_breakdown(steps: list[dict[str, Any]], batch: int) -> dict[str, float] 
 
 
 def gap_parts(probe: dict[str, Any], batch: int) -> dict[str, float] | None:
-    """Medians (ms) of the parts of the gap between consecutive decode steps of one batch size, from the
-    worker's marks: loop wake-up after the step, result → protobuf, waiting for / reading the next step,
-    step ← protobuf, hand-over to the forward thread."""
+    """Medians (ms) over consecutive decode steps of one batch size, from the worker's marks: result →
+    protobuf and step ← protobuf durations, and ``next_ready`` = when the next step had been converted relative
+    to the end of the previous one (negative: it was waiting, so the engine kept up)."""
     marks = probe.get("marks", [])
     result_pb = {m[1]: (m[2], m[3]) for m in marks if m[0] == "result_to_pb"}
     step_pb = {m[1]: (m[2], m[3]) for m in marks if m[0] == "step_from_pb"}
     steps = probe.get("steps", [])
-    parts: dict[str, list[float]] = {k: [] for k in ("wake", "result_pb", "wait_next", "step_pb", "handover")}
+    parts: dict[str, list[float]] = {k: [] for k in ("result_pb", "step_pb", "next_ready", "gap")}
     for prev, cur in zip(steps, steps[1:], strict=False):
         if not (prev["decode"] and cur["decode"] and prev["batch"] == batch == cur["batch"]):
             continue
         r, n = result_pb.get(prev.get("id")), step_pb.get(cur.get("id"))
         if r is None or n is None:
             continue
-        parts["wake"].append(r[0] - prev["exit"])
         parts["result_pb"].append(r[1] - r[0])
-        parts["wait_next"].append(n[0] - r[1])
         parts["step_pb"].append(n[1] - n[0])
-        parts["handover"].append(cur["enter"] - n[1])
-    if not parts["wake"]:
+        parts["next_ready"].append(n[1] - prev["exit"])
+        parts["gap"].append(cur["enter"] - prev["exit"])
+    if not parts["gap"]:
         return None
     return {k: statistics.median(v) * 1e3 for k, v in parts.items()}
 
@@ -127,7 +126,7 @@ def main(argv: list[str]) -> int:
         g = gap_parts(probe, batch)
         if g is not None:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in g.items())
-            print(f"gap between decode steps at batch {batch}, medians in ms: {parts}")
+            print(f"between decode steps at batch {batch}, medians in ms: {parts}")
     for key, window in sorted(windows.items()):
         top = window.get("top_kernels_us_per_step", [])[:6]
         if top:
