@@ -23,6 +23,7 @@ from ominix_runtime.contract import (
     PrefillDone,
     Priority,
     RuntimeErrorKind,
+    SamplingParams,
     Token,
     Usage,
 )
@@ -132,20 +133,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             raise InvalidArgument(
                 f"prompt has {len(prompt_ids)} tokens; the model's context length is {max_model_len}"
             )
-        if pb.priority and pb.priority not in _PRIORITIES:
-            raise InvalidArgument(f"priority {pb.priority} is not one of {sorted(_PRIORITIES)} (or unset)")
-        arrival = time.monotonic()
-        return GenerateRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            sampling=sampling,
-            model=self.model_name,
-            priority=Priority(pb.priority) if pb.priority else Priority.INTERACTIVE,
-            arrival_time=arrival,
-            deadline=arrival + pb.deadline_ms / 1000.0 if pb.deadline_ms else None,
-            stream=pb.stream if pb.HasField("stream") else True,
-            prompt_text=prompt_text,
-        )
+        return _request(pb, request_id, prompt_ids, sampling, self.model_name, prompt_text)
 
     def _resolve_for_request_level(self, pb: engine_pb2.GenerateRequest, request_id: str) -> GenerateRequest:
         """A model only request-level backends serve: they tokenize and apply chat templates themselves, so
@@ -166,20 +154,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             raise InvalidArgument("one of prompt, messages or input_ids is required")
         if not prompt_ids and not prompt_text:
             raise InvalidArgument("the prompt is empty")
-        if pb.priority and pb.priority not in _PRIORITIES:
-            raise InvalidArgument(f"priority {pb.priority} is not one of {sorted(_PRIORITIES)} (or unset)")
-        arrival = time.monotonic()
-        return GenerateRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            sampling=sampling,
-            model=pb.model,
-            priority=Priority(pb.priority) if pb.priority else Priority.INTERACTIVE,
-            arrival_time=arrival,
-            deadline=arrival + pb.deadline_ms / 1000.0 if pb.deadline_ms else None,
-            stream=pb.stream if pb.HasField("stream") else True,
-            prompt_text=prompt_text,
-        )
+        return _request(pb, request_id, prompt_ids, sampling, pb.model, prompt_text)
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
@@ -410,3 +385,28 @@ def status_for(error: OminixError) -> grpc.StatusCode:
 
 
 __all__ = ["EngineService", "STATUS_OF_ERROR", "status_for"]
+
+
+def _request(
+    pb: engine_pb2.GenerateRequest,
+    request_id: str,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    model: str,
+    prompt_text: str | None,
+) -> GenerateRequest:
+    """The contract request: priority, deadline and stream mode come from the wire request as they are."""
+    if pb.priority and pb.priority not in _PRIORITIES:
+        raise InvalidArgument(f"priority {pb.priority} is not one of {sorted(_PRIORITIES)} (or unset)")
+    arrival = time.monotonic()
+    return GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt_ids,
+        sampling=sampling,
+        model=model,
+        priority=Priority(pb.priority) if pb.priority else Priority.INTERACTIVE,
+        arrival_time=arrival,
+        deadline=arrival + pb.deadline_ms / 1000.0 if pb.deadline_ms else None,
+        stream=pb.stream if pb.HasField("stream") else True,
+        prompt_text=prompt_text,
+    )
