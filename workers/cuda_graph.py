@@ -72,15 +72,19 @@ class DecodeGraphs:
         self.prefill_sizes = sorted({int(s) for s in prefill_sizes if s > 1})
         # Rows of the static buffers: a decode batch or a prefill chunk.
         n = self.capacity = max([self.max_size, *self.prefill_sizes])
-        # [ids | positions | slots] and [seq_lens | block_tables], device and pinned host.
-        self.dev64 = torch.zeros((3, n), dtype=torch.int64, device=device)
+        # [ids | positions | slots | source rows] and [seq_lens | block_tables], device and pinned host.
+        # A source row >= 0 says the token id is the previous step's sampled id of that row, still on the device.
+        self.dev64 = torch.zeros((4, n), dtype=torch.int64, device=device)
         self.dev32 = torch.zeros(n + n * self.width, dtype=torch.int32, device=device)
-        self.host64 = torch.zeros((3, n), dtype=torch.int64).pin_memory()
+        self.host64 = torch.zeros((4, n), dtype=torch.int64).pin_memory()
         self.host32 = torch.zeros(n + n * self.width, dtype=torch.int32).pin_memory()
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         np64 = self.host64.numpy()
         np32 = self.host32.numpy()
-        self.h_ids, self.h_pos, self.h_slots = np64[0], np64[1], np64[2]
+        self.h_ids, self.h_pos, self.h_slots, self.h_src = np64[0], np64[1], np64[2], np64[3]
+        # Recorded after each step's host→device copies: the pinned mirrors are rewritten only once they ran
+        # (with overlapped steps the host prepares step N+1 while step N may still be queued on the device).
+        self.inputs_copied: torch.cuda.Event | None = None
         self.h_seq = np32[:n]
         self.h_bt = np32[n:].reshape(n, self.width)
         self.d_seq = self.dev32[:n]
@@ -178,19 +182,42 @@ class DecodeGraphs:
     def fits(self, num_rows: int) -> bool:
         return bool(self.graphs) and num_rows <= self.max_size
 
-    def run(self, rows: Sequence[DecodeRowLike]) -> torch.Tensor:
-        """Logits float32 (len(rows), vocab) of one decode step; every row computes exactly one position."""
+    def _wait_inputs_copied(self) -> None:
+        if self.inputs_copied is not None:
+            self.inputs_copied.synchronize()
+
+    def _record_inputs_copied(self) -> None:
+        if self.inputs_copied is None:
+            self.inputs_copied = torch.cuda.Event()
+        self.inputs_copied.record()
+
+    def run(self, rows: Sequence[DecodeRowLike], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits float32 (len(rows), vocab) of one decode step; every row computes exactly one position.
+
+        A negative input token ``-(1 + j)`` is a placeholder for ``prev_tokens[j]`` (the previous step's
+        sampled ids, not yet on the host): it is gathered on the device before the replay.
+        """
         batch = len(rows)
         size = padded_size(batch, self.sizes)
         assert size is not None and size in self.graphs, f"no graph holds {batch} rows"
         bs = self.block_size
+        self._wait_inputs_copied()
         ids, pos, slots, seq, bt = self.h_ids, self.h_pos, self.h_slots, self.h_seq, self.h_bt
+        src = self.h_src
         row_request, row_blocks = self.row_request, self.row_blocks
+        num_gathered = 0
         for i, row in enumerate(rows):
             req = row.request
             p = row.start
             prompt_len = len(req.prompt_token_ids)
-            ids[i] = req.output_token_ids[p - prompt_len] if p >= prompt_len else req.prompt_token_ids[p]
+            token = req.output_token_ids[p - prompt_len] if p >= prompt_len else req.prompt_token_ids[p]
+            if token < 0:
+                ids[i] = 0
+                src[i] = -1 - token
+                num_gathered += 1
+            else:
+                ids[i] = token
+                src[i] = -1
             blocks = req.kv_block_ids
             pos[i] = p
             slots[i] = blocks[p // bs] * bs + p % bs
@@ -213,6 +240,12 @@ class DecodeGraphs:
         self.dev64.copy_(self.host64, non_blocking=True)
         count = self.capacity + size * self.width
         self.dev32[:count].copy_(self.host32[:count], non_blocking=True)
+        self._record_inputs_copied()
+        if num_gathered:
+            assert prev_tokens is not None, "a placeholder token without the previous step's ids"
+            d_ids, d_src = self.dev64[0, :batch], self.dev64[3, :batch]
+            gathered = prev_tokens.index_select(0, d_src.clamp(min=0))
+            d_ids.copy_(torch.where(d_src >= 0, gathered, d_ids))
         self.graphs[size].replay()
         return self.logits[size][:batch]
 
@@ -233,6 +266,7 @@ class DecodeGraphs:
         bs = self.block_size
         blocks = req.kv_block_ids
         positions = range(start, end)
+        self._wait_inputs_copied()
         self.h_ids[:num] = req.token_ids(start, end)
         self.h_pos[:num] = positions
         self.h_slots[:num] = [blocks[p // bs] * bs + p % bs for p in positions]
@@ -251,6 +285,7 @@ class DecodeGraphs:
         self.dev32[:count].copy_(self.host32[:count], non_blocking=True)
         self.d_qsl.copy_(self.h_qsl, non_blocking=True)
         self.d_last.copy_(self.h_last, non_blocking=True)
+        self._record_inputs_copied()
         self.prefill_graphs[size].replay()
         return self.prefill_logits[size]
 

@@ -89,6 +89,27 @@ class StepInputs:
     sampling_rows: list[ScheduledRow] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class PendingStep:
+    """A launched decode step whose sampled ids are still on their way to the host.
+
+    Its requests already count the sampled token: ``output_token_ids`` holds a placeholder ``-(1 + i)``
+    (``i``: the row in ``token_ids``) at ``positions[i]``, so the next step can be scheduled, checked and
+    launched before these values are known; the graph gathers them on the device.
+    """
+
+    step_id: int
+    order: list[str]
+    outputs: dict[str, RequestOutput]
+    rows: list[ScheduledRow]
+    positions: list[int]  # index of each row's placeholder in its request's output_token_ids
+    token_ids: torch.Tensor  # device, int64 (len(rows),)
+    host: torch.Tensor  # pinned (2, len(rows)): token ids and NaN flags, filled by a non-blocking copy
+    done: torch.cuda.Event
+    num_tokens: int
+    started: float
+
+
 class RequestError(Exception):
     """A problem confined to one request; the step goes on without it."""
 
@@ -120,6 +141,11 @@ class ModelRunner:
         self.last_step_id = 0
         self._pin = device.type == "cuda"
         self._graphs: object | None = None  # ominix_worker.cuda_graph.DecodeGraphs once captured
+        # Overlapped decode (set by the server on CUDA): a graph step is launched before the previous step's
+        # sampled ids reach the host; results then come out of ``take_results`` instead of execute_step.
+        self.overlap_steps = False
+        self._pending: PendingStep | None = None
+        self._results: list[StepResult] = []
 
     # ---- request state -----------------------------------------------------------------------------
 
@@ -128,8 +154,14 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.num_blocks = int(kv_caches[0].shape[1]) if kv_caches else 0
 
+    def can_overlap(self) -> bool:
+        """Overlapped decode needs captured graphs; ``OMINIX_PIPELINE=0`` turns it off."""
+        return self._graphs is not None and os.environ.get("OMINIX_PIPELINE") != "0"
+
     def reset(self) -> None:
         """Drop every request's state (the engine's stream closed)."""
+        self._pending = None
+        self._results.clear()
         self.requests.clear()
         if self._graphs is not None:
             self._graphs.forget_rows()  # type: ignore[attr-defined]
@@ -233,13 +265,26 @@ class ModelRunner:
     # ---- step --------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_step(self, step: DecodeStep) -> StepResult:
+    def execute_step(self, step: DecodeStep) -> StepResult | None:
+        """Run one step. With ``overlap_steps`` off, returns its result; on, returns None and the results
+        (this step's and earlier ones', in step order) come out of ``take_results``."""
         started = time.perf_counter()
         order, rows, errors = self._apply_step(step)
         active = [row for row in rows if row is not None]
         outputs: dict[str, RequestOutput] = dict(errors)
         num_tokens = sum(row.end - row.start for row in active)
-        if active and self._graph_step(active):
+        graph_step = bool(active) and self._graph_step(active)
+        if self.overlap_steps and graph_step and all(_overlappable(row.request) for row in active):
+            previous = self._pending
+            prev_tokens = previous.token_ids if previous is not None else None
+            logits = self._graphs.run(active, prev_tokens)  # type: ignore[attr-defined]
+            sampled = self._sample_logits(logits, active)
+            self._pending = self._defer(step.step_id, order, outputs, active, sampled, num_tokens, started)
+            if previous is not None:
+                self._results.append(self._finish(previous))
+            return None
+        self.finish_pending()  # what follows reads token values on the host
+        if graph_step:
             logits = self._graphs.run(active)  # type: ignore[attr-defined]
             sampled = self._sample_logits(logits, active)
             outputs.update(self._update_states(active, active, sampled))
@@ -257,6 +302,81 @@ class ModelRunner:
             result.outputs.append(outputs.get(request_id) or RequestOutput(request_id))
         self.last_step_id = step.step_id
         result.compute_seconds = time.perf_counter() - started
+        if self.overlap_steps:
+            self._results.append(result)
+            return None
+        return result
+
+    def has_pending(self) -> bool:
+        return self._pending is not None
+
+    def pending_ready(self) -> bool:
+        """The pending step's sampled ids are on the host (finishing it will not block)."""
+        return self._pending is None or self._pending.done.query()
+
+    def finish_pending(self) -> None:
+        """Wait for the pending step's sampled ids and queue its result."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._results.append(self._finish(pending))
+
+    def reset_pending(self) -> None:
+        """Forget the pending step (its device work failed)."""
+        self._pending = None
+
+    def take_results(self) -> list[StepResult]:
+        results, self._results = self._results, []
+        return results
+
+    def _defer(
+        self,
+        step_id: int,
+        order: list[str],
+        outputs: dict[str, RequestOutput],
+        rows: list[ScheduledRow],
+        sampled: SamplerOutput,
+        num_tokens: int,
+        started: float,
+    ) -> PendingStep:
+        """Book the step as done on the host (placeholders for its tokens) and start the ids' copy back."""
+        positions: list[int] = []
+        for i, row in enumerate(rows):
+            req = row.request
+            req.num_computed_tokens = row.end
+            outputs[req.request_id] = RequestOutput(req.request_id)
+            positions.append(len(req.output_token_ids))
+            req.output_token_ids.append(-1 - i)
+        flags = torch.stack((sampled.token_ids, sampled.bad_rows.to(torch.int64)))
+        host = torch.empty(flags.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return PendingStep(
+            step_id, order, outputs, rows, positions, sampled.token_ids, host, done, num_tokens, started
+        )
+
+    def _finish(self, pending: PendingStep) -> StepResult:
+        pending.done.synchronize()
+        token_ids, bad = pending.host.tolist()
+        outputs = pending.outputs
+        for i, row in enumerate(pending.rows):
+            req = row.request
+            req.output_token_ids[pending.positions[i]] = token_ids[i]
+            if bad[i]:
+                outputs[req.request_id] = RequestOutput(
+                    req.request_id,
+                    error_kind=RuntimeErrorKind.INTERNAL,
+                    error_message="the model produced NaN logits",
+                )
+                if self.requests.get(req.request_id) is req:
+                    del self.requests[req.request_id]
+                continue
+            outputs[req.request_id].sampled_token_id = token_ids[i]
+        result = StepResult(step_id=pending.step_id, num_tokens=pending.num_tokens)
+        for request_id in pending.order:
+            result.outputs.append(outputs.get(request_id) or RequestOutput(request_id))
+        self.last_step_id = pending.step_id
+        result.compute_seconds = time.perf_counter() - pending.started
         return result
 
     def _prepare_inputs(self, rows: list[ScheduledRow]) -> StepInputs:
@@ -470,6 +590,17 @@ class ModelRunner:
         self._graphs = graphs
         log.info("captured %d decode graphs in %.1f s", len(graphs.graphs), time.perf_counter() - started)
         return True
+
+
+def _overlappable(request: CachedRequest) -> bool:
+    """Sampling needs no output-token values on the host (penalties count them) and no logprobs."""
+    p = request.sampling
+    return (
+        p.logprobs is None
+        and p.repetition_penalty == 1.0
+        and not p.frequency_penalty
+        and not p.presence_penalty
+    )
 
 
 def _plain_greedy(request: CachedRequest) -> bool:

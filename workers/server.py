@@ -46,6 +46,9 @@ WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 HEARTBEAT_INTERVAL_S = 1.0
 RUN_HANDOVER_S = 2.0
+# While a launched step's sampled ids are in flight and no next step is queued, how often the forward thread
+# checks whether they arrived (so the result is posted without waiting for the next step).
+_PENDING_POLL_S = 0.0002
 ASCEND_BLOCK_SIZE = 128
 
 
@@ -380,13 +383,37 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening any more
                 loop.call_soon_threadsafe(put)
 
+        # On CUDA a decode step is launched before the previous one's sampled ids are back on the host
+        # (ModelRunner.overlap_steps); its result is posted once the next step is launched, or as soon as
+        # its ids arrive when no next step is waiting.
+        runner.overlap_steps = runner.can_overlap()  # type: ignore[attr-defined]
+
+        def post_results() -> None:
+            for result in runner.take_results():  # type: ignore[attr-defined]
+                post(result)
+
+        def finish_pending() -> None:
+            runner.finish_pending()  # type: ignore[attr-defined]
+            post_results()
+
+        def next_arrival() -> _Arrival:
+            while runner.has_pending():  # type: ignore[attr-defined]
+                try:
+                    return steps.get(timeout=_PENDING_POLL_S)
+                except queue.Empty:
+                    if runner.pending_ready():  # type: ignore[attr-defined]
+                        finish_pending()
+            return steps.get()
+
         def run_steps() -> None:
             while True:
-                arrival = steps.get()
+                arrival = next_arrival()
                 if arrival is _END_OF_STEPS:
+                    finish_pending()
                     post(None)
                     return
                 if arrival.step is None:
+                    finish_pending()
                     post(worker_pb2.WorkerMessage(fatal_error=_error_info(arrival.error)))
                     continue
                 try:
@@ -394,9 +421,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 except Exception as exc:  # noqa: BLE001 - reported to the engine, the server lives on
                     log.error("step %d failed:\n%s", arrival.step_id, traceback.format_exc())
                     message = f"step {arrival.step_id} failed: {type(exc).__name__}: {exc}"
+                    try:
+                        finish_pending()
+                    except Exception:  # noqa: BLE001 - the device failed; the fatal error below says so
+                        log.error("pending step failed:\n%s", traceback.format_exc())
+                        runner.reset_pending()  # type: ignore[attr-defined]
                     post(worker_pb2.WorkerMessage(fatal_error=_error_info(message)))
                     continue
-                post(result)
+                if result is not None:
+                    post(result)
+                post_results()
 
         async def read_steps() -> None:
             last_step_id = 0

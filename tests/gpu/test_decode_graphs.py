@@ -155,3 +155,87 @@ def test_prefill_graph_matches_eager(tmp_path: Path) -> None:
             err = (graph_logits - eager_logits).norm() / eager_logits.norm()
             assert err < 1e-4, f"chunk of {num}: relative error {err:.2e}"
             start += num
+
+
+def test_overlapped_decode_matches_synchronous(tmp_path: Path) -> None:
+    """Steps launched before the previous step's ids reach the host give the same tokens, in step order.
+
+    Greedy and seeded-sampling rows overlap; a penalty row forces the synchronous path for the steps it
+    decodes in; a prefill mid-run and a finished request exercise the switches between the two.
+    """
+    from ominix_runtime.contract import DecodeStep, NewRequestData, RunningRequestData, SamplingParams
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (9, 30, 21, 14)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=64),
+        SamplingParams(temperature=0.8, top_k=50, seed=1234, max_tokens=64),
+        SamplingParams(temperature=0.0, max_tokens=64),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=64),
+    ]
+
+    def new(i: int) -> NewRequestData:
+        return NewRequestData(
+            request_id=f"q{i}",
+            prompt_token_ids=prompts[i],
+            sampling=params[i],
+            kv_block_ids=list(range(8 * i, 8 * i + 8)),
+            num_computed_tokens=0,
+            num_scheduled_tokens=len(prompts[i]),
+            effective_seed=i,
+        )
+
+    def running(ids: list[str]) -> list[RunningRequestData]:
+        return [RunningRequestData(request_id=r, new_kv_block_ids=[], num_scheduled_tokens=1) for r in ids]
+
+    # The engine's schedule, fixed in advance (it never needs a token value to decide these).
+    schedule: list[DecodeStep] = [DecodeStep(step_id=1, new_requests=[new(0), new(1), new(2)])]
+    live = ["q0", "q1", "q2"]
+    for step_id in range(2, 30):
+        if step_id == 8:
+            schedule.append(
+                DecodeStep(step_id=step_id, new_requests=[new(3)], running_requests=running(live))
+            )
+            live = [*live, "q3"]
+        elif step_id == 14:  # q3 (penalties) finished: back to overlapped steps
+            live = ["q0", "q1", "q2"]
+            schedule.append(
+                DecodeStep(step_id=step_id, finished_request_ids=["q3"], running_requests=running(live))
+            )
+        elif step_id == 20:
+            live = ["q1", "q2"]
+            schedule.append(
+                DecodeStep(step_id=step_id, finished_request_ids=["q0"], running_requests=running(live))
+            )
+        else:
+            schedule.append(DecodeStep(step_id=step_id, running_requests=running(live)))
+
+    tokens: dict[bool, dict[str, list[int]]] = {}
+    for overlap in (False, True):
+        runner = _runner(tmp_path)
+        assert runner.capture_decode_graphs([1, 2, 4])
+        runner.overlap_steps = overlap
+        results = []
+        num_pending = 0
+        for step in schedule:
+            result = runner.execute_step(step)
+            if overlap:
+                assert result is None
+                results.extend(runner.take_results())
+                num_pending += runner.has_pending()
+            else:
+                results.append(result)
+        runner.finish_pending()
+        results.extend(runner.take_results())
+        assert [r.step_id for r in results] == [s.step_id for s in schedule]
+        out: dict[str, list[int]] = {}
+        for r in results:
+            for o in r.outputs:
+                assert o.error_kind is None, o.error_message
+                if o.sampled_token_id is not None:
+                    out.setdefault(o.request_id, []).append(o.sampled_token_id)
+        if overlap:
+            assert num_pending > 10  # most decode steps did overlap
+            assert all(t >= 0 for req in runner.requests.values() for t in req.output_token_ids)
+        tokens[overlap] = out
+    assert tokens[True] == tokens[False]
