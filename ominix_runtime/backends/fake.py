@@ -86,6 +86,29 @@ class FakeConfig:
     describe_delay: float = 0.0
 
 
+def fake_capability(c: FakeConfig, granularity: Granularity) -> BackendCapability:
+    """What a fake backend states: the fake profile filled in from its config."""
+    return stated_profile(
+        BackendKind.FAKE,
+        worker_id=c.worker_id,
+        granularity=granularity,
+        model=ModelInfo(
+            name=c.model_name,
+            vocab_size=c.vocab_size,
+            max_model_len=c.max_model_len,
+            eos_token_ids=c.eos_token_ids,
+            architecture="FakeForCausalLM",
+        ),
+        kv_block_size=c.kv_block_size,
+        kv_num_blocks=c.kv_num_blocks,
+        kv_bytes_per_block=c.kv_bytes_per_block,
+        max_batch_tokens=c.max_batch_tokens,
+        max_running_requests=c.max_running_requests,
+        supports_prefix_caching=c.supports_prefix_caching,
+        version=FAKE_PROFILE.version or "fake",
+    )
+
+
 @dataclass(slots=True)
 class _FakeRequest:
     request_id: str
@@ -118,25 +141,7 @@ class FakeStepBackend:
         self._streams: list[FakeStepStream] = []
 
     def capability(self) -> BackendCapability:
-        c = self.config
-        return stated_profile(
-            BackendKind.FAKE,
-            worker_id=c.worker_id,
-            model=ModelInfo(
-                name=c.model_name,
-                vocab_size=c.vocab_size,
-                max_model_len=c.max_model_len,
-                eos_token_ids=c.eos_token_ids,
-                architecture="FakeForCausalLM",
-            ),
-            kv_block_size=c.kv_block_size,
-            kv_num_blocks=c.kv_num_blocks,
-            kv_bytes_per_block=c.kv_bytes_per_block,
-            max_batch_tokens=c.max_batch_tokens,
-            max_running_requests=c.max_running_requests,
-            supports_prefix_caching=c.supports_prefix_caching,
-            version=FAKE_PROFILE.version or "fake",
-        )
+        return fake_capability(self.config, Granularity.STEP)
 
     def crash(self) -> None:
         """Simulate a killed worker: open streams break, Describe and Run fail until :meth:`revive`."""
@@ -372,24 +377,7 @@ class FakeRequestBackend:
         self.closed = False
 
     async def describe(self) -> BackendCapability:
-        c = self.config
-        return stated_profile(
-            BackendKind.FAKE,
-            worker_id=c.worker_id,
-            granularity=Granularity.REQUEST,
-            model=ModelInfo(
-                name=c.model_name,
-                vocab_size=c.vocab_size,
-                max_model_len=c.max_model_len,
-                eos_token_ids=c.eos_token_ids,
-                architecture="FakeForCausalLM",
-            ),
-            kv_block_size=c.kv_block_size,
-            kv_num_blocks=c.kv_num_blocks,
-            kv_bytes_per_block=c.kv_bytes_per_block,
-            max_batch_tokens=c.max_batch_tokens,
-            max_running_requests=c.max_running_requests,
-        )
+        return fake_capability(self.config, Granularity.REQUEST)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[WorkerEvent]:
         c = self.config
