@@ -1,1 +1,1 @@
-"""Backend adapters: gRPC step-level worker client, SGLang request-level client, deterministic fakes."""
+"""Backend adapters: the gRPC step-level worker client and the SGLang request-level client."""

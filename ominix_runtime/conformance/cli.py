@@ -72,7 +72,7 @@ def _factory(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Backe
         if args.eos_token_id:
             stated["eos_token_ids"] = list(args.eos_token_id)
         return lambda: [SGLangBackend(url, **stated)]  # type: ignore[arg-type]
-    from ominix_runtime.backends.fake import FakeConfig, FakeRequestBackend, FakeStepBackend
+    from ominix_runtime.testing.fake_backend import FakeConfig, FakeRequestBackend, FakeStepBackend
 
     if args.backend == "fake-broken":
         return lambda: [FakeRequestBackend(FakeConfig(worker_id="fake-broken-0"), broken=True)]

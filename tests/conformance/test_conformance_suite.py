@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from ominix_runtime.backends.fake import FakeConfig, FakeRequestBackend, FakeStepBackend
 from ominix_runtime.conformance import ALL_CHECKS, all_passed, format_table, run_checks
 from ominix_runtime.conformance.cli import main
+from ominix_runtime.testing.fake_backend import FakeConfig, FakeRequestBackend, FakeStepBackend
 
 
 def test_suite_passes_against_the_fake_step_backend() -> None:
@@ -64,8 +64,8 @@ def test_a_hung_backend_fails_the_check_instead_of_hanging() -> None:
 
 
 def test_suite_passes_against_the_sglang_adapter_over_loopback_http() -> None:
-    from ominix_runtime.backends.fake_sglang import FakeSGLangServer
     from ominix_runtime.backends.sglang import SGLangBackend
+    from ominix_runtime.testing.fake_sglang import FakeSGLangServer
 
     async def main() -> list:  # type: ignore[type-arg]
         async with FakeSGLangServer() as server:

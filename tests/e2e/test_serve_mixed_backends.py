@@ -22,7 +22,7 @@ def mixed_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     sglang_port, port = free_ports(2)
     procs: list[Proc] = []
     try:
-        fake = [sys.executable, "-m", "ominix_runtime.backends.fake_sglang", "--port", str(sglang_port)]
+        fake = [sys.executable, "-m", "ominix_runtime.testing.fake_sglang", "--port", str(sglang_port)]
         procs.append(start_proc("fake-sglang", [*fake, "--model-path", SGLANG_MODEL], logs))
         workers, addresses = start_workers("", 1, logs, "64MiB")
         procs += workers

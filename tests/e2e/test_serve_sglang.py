@@ -22,7 +22,7 @@ def sglang_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         procs.append(
             start_proc(
                 "fake-sglang",
-                [sys.executable, "-m", "ominix_runtime.backends.fake_sglang", "--port", str(sglang_port)],
+                [sys.executable, "-m", "ominix_runtime.testing.fake_sglang", "--port", str(sglang_port)],
                 logs,
             )
         )

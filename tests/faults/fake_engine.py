@@ -15,11 +15,11 @@ import contextlib
 import signal
 import sys
 
-from ominix_runtime.backends.fake import FakeConfig, FakeStepBackend
 from ominix_runtime.config import EngineConfig, SchedulerConfig
 from ominix_runtime.models import DEFAULT_MODEL_NAME
 from ominix_runtime.server.app import EngineDaemon
 from ominix_runtime.server.logging import configure_logging
+from ominix_runtime.testing.fake_backend import FakeConfig, FakeStepBackend
 
 SMOLLM2_VOCAB = 49152
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-from ominix_runtime.backends.fake import FakeConfig, FakeStepBackend
 from ominix_runtime.contract import (
     Done,
     Error,
@@ -16,6 +15,7 @@ from ominix_runtime.contract import (
     is_terminal,
 )
 from ominix_runtime.engine import EngineCore, EngineCoreConfig, RequestHandle
+from ominix_runtime.testing.fake_backend import FakeConfig, FakeStepBackend
 
 TIMEOUT = 20.0
 NUM_REQUESTS = 20

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 from server_harness import SMOLLM2_VOCAB, RunningDaemon, start_daemon, stop_daemon
 
-from ominix_runtime.backends.fake import FakeConfig
 from ominix_runtime.server.logging import configure_logging
+from ominix_runtime.testing.fake_backend import FakeConfig
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from ominix_runtime.backends.fake import FakeConfig, FakeStepBackend
 from ominix_runtime.config import EngineConfig
 from ominix_runtime.models import DEFAULT_MODEL_NAME
 from ominix_runtime.pb import engine_pb2_grpc
 from ominix_runtime.server.app import EngineDaemon
+from ominix_runtime.testing.fake_backend import FakeConfig, FakeStepBackend
 
 SMOLLM2_VOCAB = 49152
 

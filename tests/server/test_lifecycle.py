@@ -10,11 +10,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_harness import SMOLLM2_VOCAB, free_port
 
-from ominix_runtime.backends.fake import FakeConfig, FakeStepBackend
 from ominix_runtime.config import EngineConfig
 from ominix_runtime.models import DEFAULT_MODEL_NAME
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.app import EngineDaemon
+from ominix_runtime.testing.fake_backend import FakeConfig, FakeStepBackend
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVING = health_pb2.HealthCheckResponse.SERVING

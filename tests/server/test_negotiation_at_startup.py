@@ -7,11 +7,11 @@ import asyncio
 import pytest
 from server_harness import SMOLLM2_VOCAB, free_port
 
-from ominix_runtime.backends.fake import FakeConfig, FakeStepBackend
 from ominix_runtime.config import EngineConfig
 from ominix_runtime.contract import OminixError, RuntimeErrorKind
 from ominix_runtime.models import DEFAULT_MODEL_NAME
 from ominix_runtime.server.app import EngineDaemon
+from ominix_runtime.testing.fake_backend import FakeConfig, FakeStepBackend
 
 
 def _start(*fakes: FakeConfig) -> OminixError | None:

@@ -11,9 +11,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_harness import SMOLLM2_VOCAB, start_daemon, stop_daemon
 
-from ominix_runtime.backends.fake import FakeConfig
 from ominix_runtime.config import TLSConfig
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
+from ominix_runtime.testing.fake_backend import FakeConfig
 
 
 def _self_signed(folder: Path) -> tuple[Path, Path]:

@@ -6,7 +6,6 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from ominix_runtime.backends.fake_sglang import FakeSGLangServer, FakeSGLangState
 from ominix_runtime.backends.sglang import SGLangBackend
 from ominix_runtime.contract import (
     Done,
@@ -22,6 +21,7 @@ from ominix_runtime.contract import (
     is_terminal,
 )
 from ominix_runtime.engine.core import EngineCore
+from ominix_runtime.testing.fake_sglang import FakeSGLangServer, FakeSGLangState
 
 T = TypeVar("T")
 

@@ -12,13 +12,6 @@ from typing import Any, TypeVar
 import aiohttp
 import pytest
 
-from ominix_runtime.backends.fake_sglang import (
-    FakeSGLangServer,
-    FakeSGLangState,
-    fake_logprob,
-    token_stream,
-    token_text,
-)
 from ominix_runtime.backends.negotiation import check_group
 from ominix_runtime.backends.sglang import SGLangBackend
 from ominix_runtime.contract import (
@@ -36,6 +29,13 @@ from ominix_runtime.contract import (
     Usage,
     WorkerEvent,
     is_terminal,
+)
+from ominix_runtime.testing.fake_sglang import (
+    FakeSGLangServer,
+    FakeSGLangState,
+    fake_logprob,
+    token_stream,
+    token_text,
 )
 
 T = TypeVar("T")
@@ -368,7 +368,7 @@ def test_fake_runs_as_a_process(tmp_path: Any) -> None:
         [
             sys.executable,
             "-m",
-            "ominix_runtime.backends.fake_sglang",
+            "ominix_runtime.testing.fake_sglang",
             "--port",
             str(port),
             "--mode",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from ominix_runtime.backends.fake_sglang import FakeSGLangServer, FakeSGLangState
 from ominix_runtime.backends.sglang import SGLangBackend
 from ominix_runtime.conformance import ALL_CHECKS, all_passed, format_table, run_checks
+from ominix_runtime.testing.fake_sglang import FakeSGLangServer, FakeSGLangState
 
 CHECK_TIMEOUT_S = 20.0
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ominix_runtime.backends.fake import FakeConfig, FakeStepBackend
 from ominix_runtime.contract import (
     DecodeStep,
     Done,
@@ -18,6 +17,7 @@ from ominix_runtime.contract import (
 )
 from ominix_runtime.engine.config import SchedulerConfig
 from ominix_runtime.engine.scheduler import Scheduler
+from ominix_runtime.testing.fake_backend import FakeConfig, FakeStepBackend
 
 
 @dataclass

@@ -7,7 +7,6 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import pytest
 
-from ominix_runtime.backends.fake import FakeConfig, FakeRequestBackend, FakeStepBackend
 from ominix_runtime.contract import (
     Done,
     Error,
@@ -25,6 +24,7 @@ from ominix_runtime.contract import (
 )
 from ominix_runtime.engine import EngineCore, EngineCoreConfig, RequestHandle, RunReport, StepReport
 from ominix_runtime.engine.driver import StepWorkerGroup
+from ominix_runtime.testing.fake_backend import FakeConfig, FakeRequestBackend, FakeStepBackend
 
 TIMEOUT = 20.0
 

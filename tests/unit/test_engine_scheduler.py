@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from sched_helpers import Run, drive, make, request
 
-from ominix_runtime.backends.fake import FakeConfig
 from ominix_runtime.contract import (
     Done,
     Error,
@@ -21,6 +20,7 @@ from ominix_runtime.contract import (
     Usage,
 )
 from ominix_runtime.engine.config import SchedulerConfig
+from ominix_runtime.testing.fake_backend import FakeConfig
 
 
 def _prompt(n: int, base: int = 10) -> list[int]:

@@ -7,9 +7,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sched_helpers import Run, drive, make, request
 
-from ominix_runtime.backends.fake import FakeConfig
 from ominix_runtime.contract import Done, FinishReason, Priority
 from ominix_runtime.engine.config import SchedulerConfig
+from ominix_runtime.testing.fake_backend import FakeConfig
 
 workload = st.lists(
     st.tuples(

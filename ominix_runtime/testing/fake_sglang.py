@@ -12,7 +12,7 @@ text is a fixed id → word map. Fault modes exercise a client's error paths:
 - ``drop``: sends a few tokens, then closes the connection without ending the stream;
 - ``flaky``: cycles normal → midstream_error → drop per request.
 
-Run it: ``python -m ominix_runtime.backends.fake_sglang --port 30000 --mode slow``.
+Run it: ``python -m ominix_runtime.testing.fake_sglang --port 30000 --mode slow``.
 """
 
 from __future__ import annotations

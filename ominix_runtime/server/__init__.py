@@ -1,0 +1,1 @@
+"""The engine process edges: gRPC front service, application startup, metrics and logging setup."""
