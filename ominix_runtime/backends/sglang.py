@@ -5,6 +5,10 @@ engine keeps admission, priority, streams and metrics. The SSE chunks (``data: {
 ``data: [DONE]``) are mapped onto contract events by :class:`SGLangStreamMapper`, which is pure and
 unit-testable. Field names follow SGLang's ``GenerateReqInput`` / ``SamplingParams`` and the
 ``meta_info`` its tokenizer manager attaches to every chunk.
+
+Control endpoints: the current ``/model_info``, ``/server_info`` and ``/v1/loads`` first, the deprecated
+``/get_model_info``, ``/get_server_info`` and ``/get_load`` when a server answers 404 (older releases). With
+``api_key`` every call carries ``Authorization: Bearer <key>`` (SGLang's ``--api-key``).
 """
 
 from __future__ import annotations
@@ -51,6 +55,16 @@ UNKNOWN_VOCAB_SIZE = 0
 
 StreamMode = Literal["auto", "cumulative", "incremental"]
 
+# (current, deprecated) paths of each control endpoint.
+MODEL_INFO_PATHS = ("/model_info", "/get_model_info")
+SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
+LOAD_PATHS = ("/v1/loads?include=core,memory", "/get_load")
+# SGLang's memory report is in GiB (its ``GB`` constant is 1 << 30).
+BYTES_PER_GIB = 1 << 30
+# Our priority classes (1 realtime .. 3 batch, lower first) as SGLang priority values, where by default a
+# larger value is scheduled first (``--schedule-low-priority-values-first`` reverses it).
+SGLANG_PRIORITY_HIGH_FIRST = {1: 2, 2: 1, 3: 0}
+
 
 def sampling_params_payload(sampling: SamplingParams) -> dict[str, Any]:
     """SGLang ``sampling_params`` for one request (names from SGLang's SamplingParams)."""
@@ -75,13 +89,24 @@ def sampling_params_payload(sampling: SamplingParams) -> dict[str, Any]:
     return out
 
 
-def generate_payload(request: GenerateRequest, stream: bool = True) -> dict[str, Any]:
-    """The ``/generate`` body: token ids when the engine has them, else the prompt text."""
+def sglang_priority(priority: int, low_values_first: bool) -> int:
+    """Our priority class as SGLang's integer priority under the server's ordering."""
+    high_first = SGLANG_PRIORITY_HIGH_FIRST.get(int(priority), 1)
+    return max(SGLANG_PRIORITY_HIGH_FIRST.values()) - high_first if low_values_first else high_first
+
+
+def generate_payload(
+    request: GenerateRequest, stream: bool = True, priority: int | None = None
+) -> dict[str, Any]:
+    """The ``/generate`` body: token ids when the engine has them, else the prompt text. ``priority`` is
+    SGLang's value (sent only when the server schedules by priority, which otherwise refuses the field)."""
     body: dict[str, Any] = {
         "rid": request.request_id,
         "sampling_params": sampling_params_payload(request.sampling),
         "stream": stream,
     }
+    if priority is not None:
+        body["priority"] = priority
     if request.prompt_token_ids:
         body["input_ids"] = list(request.prompt_token_ids)
     elif request.prompt_text is not None:
@@ -146,7 +171,7 @@ class SGLangStreamMapper:
         if not isinstance(chunk, Mapping):
             return self._fail(RuntimeErrorKind.INTERNAL, f"SGLang sent a malformed chunk: {chunk!r:.200}")
         if "error" in chunk:
-            return self._fail(RuntimeErrorKind.INTERNAL, f"SGLang error: {error_message(chunk)}")
+            return self._fail(self._error_kind(chunk), f"SGLang error: {error_message(chunk)}")
         try:
             return self._map(chunk)
         except (TypeError, ValueError, AttributeError) as exc:
@@ -164,15 +189,35 @@ class SGLangStreamMapper:
             self.started = True
             events.append(PrefillDone(self.request_id, self.prompt_tokens, self.cached_tokens))
         had = len(self.output_ids)
+        finish = meta.get("finish_reason")
+        if _finish_type(finish) == "abort":
+            # SGLang re-sends the whole output when it aborts a request it had requeued (retracted), even
+            # in incremental mode: read such a chunk as cumulative so no text is streamed twice.
+            chunk = self._without_resent_output(chunk)
         new_ids = self._new_ids(chunk.get("output_ids"), meta)
         new_text = self._new_text(chunk.get("text"))
         if new_ids or new_text:
             logprobs = _logprobs_of(meta, had, new_ids)
             events.append(Token(self.request_id, new_ids, logprobs=logprobs, text=new_text))
-        finish = meta.get("finish_reason")
         if finish is not None:
             events.extend(self._finish(finish))
         return events
+
+    def _without_resent_output(self, chunk: Mapping[str, Any]) -> Mapping[str, Any]:
+        out = dict(chunk)
+        ids, text = chunk.get("output_ids"), chunk.get("text")
+        have = len(self.output_ids)
+        resent_ids = have and isinstance(ids, list) and len(ids) >= have
+        if self.ids_mode != "cumulative" and resent_ids and [int(t) for t in ids[:have]] == self.output_ids:
+            out["output_ids"] = ids[have:] if self.ids_mode == "incremental" else ids
+        if (
+            self.text_mode != "cumulative"
+            and self.text
+            and isinstance(text, str)
+            and text.startswith(self.text)
+        ):
+            out["text"] = text[len(self.text) :] if self.text_mode == "incremental" else text
+        return out
 
     def on_done_marker(self) -> list[WorkerEvent]:
         """``data: [DONE]`` arrived without a finish reason."""
@@ -195,6 +240,15 @@ class SGLangStreamMapper:
         return [] if self.terminal else self._fail(kind, message)
 
     # -- internals -------------------------------------------------------------------------------------
+
+    def _error_kind(self, chunk: Mapping[str, Any]) -> RuntimeErrorKind:
+        """SGLang streams request validation failures (ValueError: prompt too long, bad parameter) as an
+        error chunk before any output; those are the caller's fault. A stated HTTP code decides when given."""
+        err = chunk.get("error")
+        code = err.get("code") if isinstance(err, Mapping) else None
+        if isinstance(code, int) and not isinstance(code, bool) and code >= 400:
+            return error_kind_for_status(code)
+        return RuntimeErrorKind.INVALID_ARGUMENT if not self.started else RuntimeErrorKind.INTERNAL
 
     def _read_counts(self, meta: Mapping[str, Any]) -> None:
         for name in ("prompt_tokens", "cached_tokens"):
@@ -261,6 +315,12 @@ class SGLangStreamMapper:
         return [Error(self.request_id, kind, message)]
 
 
+def _finish_type(finish: Any) -> str | None:
+    if finish is None:
+        return None
+    return str(finish.get("type")) if isinstance(finish, Mapping) else str(finish)
+
+
 def _ids_mode_of(ids: list[int], seen: list[int], total: Any) -> StreamMode:
     """Cumulative lists hold every token so far, incremental ones only the new ones; on the first chunk
     both readings agree. ``completion_tokens`` decides when present, else the shared prefix does."""
@@ -302,26 +362,47 @@ def _logprobs_of(meta: Mapping[str, Any], had: int, new_ids: list[int]) -> list[
 
 
 def parse_load(body: Any) -> dict[str, float]:
-    """Sum SGLang's ``/get_load`` entries: a list per DP rank, ``{"loads": [...]}`` or one dict."""
+    """Sum SGLang's load report over its DP ranks.
+
+    Current servers answer ``/v1/loads`` with ``{"loads": [{num_running_reqs, num_waiting_reqs,
+    num_used_tokens, max_total_num_tokens, gen_throughput, memory: {kv_cache_gb, token_capacity}}, ...]}``;
+    older ones ``/get_load`` with a list (or one dict) of ``{num_reqs, num_waiting_reqs, num_tokens}``
+    where ``num_reqs`` counts running and waiting together. KV bytes are reported when the server states
+    its KV pool size (``memory.kv_cache_gb``, GiB): used bytes = pool bytes x used tokens / token capacity.
+    """
     if isinstance(body, Mapping):
         entries = body.get("loads", [body])
     elif isinstance(body, list):
         entries = body
     else:
-        raise OminixError(RuntimeErrorKind.INTERNAL, f"SGLang /get_load returned {type(body).__name__}")
-    num_reqs = num_waiting = num_tokens = 0.0
+        raise OminixError(RuntimeErrorKind.INTERNAL, f"SGLang load report is a {type(body).__name__}")
+    running = waiting = used = capacity = throughput = kv_bytes = 0.0
     for entry in entries if isinstance(entries, list) else []:
         if not isinstance(entry, Mapping):
             continue
-        num_reqs += _number(entry.get("num_reqs"))
-        num_waiting += _number(entry.get("num_waiting_reqs"))
-        num_tokens += _number(entry.get("num_tokens"))
-    # SGLang's num_reqs counts running and waiting requests together.
-    return {
-        "queued_requests": num_waiting,
-        "running_requests": max(num_reqs - num_waiting, 0.0),
-        "kv_tokens_used": num_tokens,
-    }
+        waiting_here = _number(entry.get("num_waiting_reqs"))
+        waiting += waiting_here
+        if "num_running_reqs" in entry:
+            running += _number(entry.get("num_running_reqs"))
+        else:  # /get_load: num_reqs = running + waiting
+            running += max(_number(entry.get("num_reqs")) - waiting_here, 0.0)
+        used += _number(entry.get("num_used_tokens", entry.get("num_tokens")))
+        memory = entry.get("memory")
+        capacity_here = _number(entry.get("max_total_num_tokens"))
+        if isinstance(memory, Mapping):
+            capacity_here = capacity_here or _number(memory.get("token_capacity"))
+            kv_bytes += _number(memory.get("kv_cache_gb")) * BYTES_PER_GIB
+        capacity += capacity_here
+        throughput += _number(entry.get("gen_throughput"))
+    out = {"queued_requests": waiting, "running_requests": running, "kv_tokens_used": used}
+    if capacity:
+        out["kv_tokens_capacity"] = capacity
+    if kv_bytes and capacity:
+        out["kv_bytes_capacity"] = kv_bytes
+        out["kv_bytes_used"] = kv_bytes * min(used, capacity) / capacity
+    if throughput:
+        out["decode_tokens_per_second"] = throughput
+    return out
 
 
 def _number(value: Any) -> float:
@@ -341,8 +422,10 @@ def capability_from_info(
     max_model_len: int | None = None,
     vocab_size: int | None = None,
     eos_token_ids: Sequence[int] | None = None,
+    kv_bytes_per_token: int = 0,
 ) -> BackendCapability:
-    """SGLANG_PROFILE filled from ``/get_model_info`` and ``/get_server_info``."""
+    """SGLANG_PROFILE filled from ``/model_info`` and ``/server_info`` (or their deprecated names);
+    ``kv_bytes_per_token`` from the load report's KV pool size (0: unknown)."""
     internal = server_info.get("internal_states")
     state0: Mapping[str, Any] = internal[0] if isinstance(internal, list) and internal else {}
     page_size = max(_int_or(server_info.get("page_size"), 1), 1)
@@ -369,10 +452,11 @@ def capability_from_info(
             vocab_size=vocab or UNKNOWN_VOCAB_SIZE,
             max_model_len=context_len,
             eos_token_ids=tuple(int(t) for t in eos),
-            architecture=str(model_info.get("architecture") or ""),
+            architecture=_architecture(model_info),
         ),
         kv_block_size=page_size,
         kv_num_blocks=max_total_tokens // page_size,
+        kv_bytes_per_block=kv_bytes_per_token * page_size,
         max_batch_tokens=chunked_prefill if chunked_prefill > 0 else 0,
         max_running_requests=_int_or(server_info.get("max_running_requests"), 0)
         or _int_or(state0.get("max_running_requests"), 0)
@@ -386,6 +470,14 @@ def capability_from_info(
         attention_backend=str(server_info.get("attention_backend") or SGLANG_PROFILE.attention_backend),
         version=str(server_info.get("version") or ""),
     )
+
+
+def _architecture(model_info: Mapping[str, Any]) -> str:
+    """SGLang states ``architectures`` as a list (HF config style); older servers one ``architecture``."""
+    names = model_info.get("architectures")
+    if isinstance(names, list) and names:
+        return ",".join(str(n) for n in names)
+    return str(model_info.get("architecture") or "")
 
 
 def stream_modes_from_server_info(server_info: Mapping[str, Any]) -> tuple[StreamMode, StreamMode]:
@@ -422,6 +514,7 @@ class SGLangBackend:
         max_model_len: int | None = None,
         vocab_size: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
+        api_key: str | None = None,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             url = "http://" + url
@@ -439,6 +532,9 @@ class SGLangBackend:
         self._live: dict[str, _LiveRequest] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._capability: BackendCapability | None = None
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._priority_scheduling = False
+        self._low_priority_values_first = False
 
     def __repr__(self) -> str:
         return f"SGLangBackend({self.url!r})"
@@ -447,7 +543,7 @@ class SGLangBackend:
 
     async def describe(self) -> BackendCapability:
         model_info, server_info = await asyncio.gather(
-            self._get_json("/get_model_info"), self._get_json("/get_server_info")
+            self._get_json_first(MODEL_INFO_PATHS), self._get_json_first(SERVER_INFO_PATHS)
         )
         if not isinstance(model_info, Mapping) or not isinstance(server_info, Mapping):
             raise OminixError(
@@ -463,6 +559,13 @@ class SGLangBackend:
             max_model_len = await self._models_max_len()
         if self._stream_modes == ("auto", "auto"):
             self._stream_modes = stream_modes_from_server_info(server_info)
+        self._priority_scheduling = bool(server_info.get("enable_priority_scheduling", False))
+        self._low_priority_values_first = bool(server_info.get("schedule_low_priority_values_first", False))
+        bytes_per_token = 0
+        with contextlib.suppress(OminixError):
+            load = await self.load()
+            if load.get("kv_bytes_capacity") and load.get("kv_tokens_capacity"):
+                bytes_per_token = int(load["kv_bytes_capacity"] // load["kv_tokens_capacity"])
         self._capability = capability_from_info(
             self.url,
             model_info,
@@ -471,6 +574,7 @@ class SGLangBackend:
             max_model_len=max_model_len,
             vocab_size=self._vocab_size,
             eos_token_ids=self._eos_token_ids,
+            kv_bytes_per_token=bytes_per_token,
         )
         return self._capability
 
@@ -491,16 +595,23 @@ class SGLangBackend:
         await self._post_abort(request_id)
 
     async def load(self) -> dict[str, float]:
-        out = parse_load(await self._get_json("/get_load"))
+        out = parse_load(await self._get_json_first(LOAD_PATHS))
         if self._capability is not None and self._capability.kv_capacity_tokens:
-            out["kv_tokens_capacity"] = float(self._capability.kv_capacity_tokens)
+            out.setdefault("kv_tokens_capacity", float(self._capability.kv_capacity_tokens))
+        if "kv_bytes_capacity" not in out and self._capability is not None:
+            # No pool size in this report (older server): the bytes stated at startup, used in proportion.
+            capacity = self._capability.kv_bytes_capacity
+            tokens = out.get("kv_tokens_capacity", 0.0)
+            if capacity and tokens:
+                out["kv_bytes_capacity"] = float(capacity)
+                out["kv_bytes_used"] = capacity * min(out["kv_tokens_used"], tokens) / tokens
         return out
 
     async def health(self) -> bool:
         try:
             session = self._get_session()
             async with session.get(
-                self.url + "/health", timeout=aiohttp.ClientTimeout(total=self.timeout)
+                self.url + "/health", headers=self._headers, timeout=aiohttp.ClientTimeout(total=self.timeout)
             ) as r:
                 await r.read()
                 return r.status == 200
@@ -531,7 +642,9 @@ class SGLangBackend:
         """Drop SGLang's prefix cache (refused by the server while requests run)."""
         session = self._get_session()
         async with session.post(
-            self.url + "/flush_cache", timeout=aiohttp.ClientTimeout(total=self.timeout)
+            self.url + "/flush_cache",
+            headers=self._headers,
+            timeout=aiohttp.ClientTimeout(total=self.timeout),
         ) as r:
             await r.read()
             return r.status == 200
@@ -549,8 +662,13 @@ class SGLangBackend:
         mapper = SGLangStreamMapper(rid, ids_mode=ids_mode, text_mode=text_mode)
         live = _LiveRequest(mapper)
         self._live[rid] = live
+        priority = (
+            sglang_priority(request.priority, self._low_priority_values_first)
+            if self._priority_scheduling
+            else None
+        )
         try:
-            payload = generate_payload(request, stream=True)
+            payload = generate_payload(request, stream=True, priority=priority)
         except OminixError as exc:
             del self._live[rid]
             yield Error(rid, exc.kind, exc.message)
@@ -574,7 +692,9 @@ class SGLangBackend:
         )
         try:
             session = self._get_session()
-            async with session.post(self.url + "/generate", json=payload, timeout=timeout) as resp:
+            async with session.post(
+                self.url + "/generate", json=payload, headers=self._headers, timeout=timeout
+            ) as resp:
                 live.response = resp
                 if resp.status != 200:
                     body = await _read_error_body(resp)
@@ -654,12 +774,24 @@ class SGLangBackend:
             self._session_loop = loop
         return self._session
 
+    async def _get_json_first(self, paths: Sequence[str]) -> Any:
+        """The first of ``paths`` (current name, then deprecated ones) the server has."""
+        for path in paths[:-1]:
+            try:
+                return await self._get_json(path)
+            except _NoSuchEndpoint:
+                log.debug("SGLang at %s has no %s; trying %s", self.url, path, paths[-1])
+        return await self._get_json(paths[-1])
+
     async def _get_json(self, path: str) -> Any:
         try:
             session = self._get_session()
             async with session.get(
-                self.url + path, timeout=aiohttp.ClientTimeout(total=self.timeout)
+                self.url + path, headers=self._headers, timeout=aiohttp.ClientTimeout(total=self.timeout)
             ) as resp:
+                if resp.status in (404, 405):
+                    await resp.read()
+                    raise _NoSuchEndpoint(RuntimeErrorKind.INVALID_ARGUMENT, f"SGLang has no {path}")
                 if resp.status != 200:
                     body = await _read_error_body(resp)
                     raise OminixError(
@@ -696,6 +828,7 @@ class SGLangBackend:
             async with session.post(
                 self.url + "/abort_request",
                 json={"rid": request_id},
+                headers=self._headers,
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
             ) as resp:
                 await resp.read()
@@ -714,6 +847,10 @@ class SGLangBackend:
             return
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+class _NoSuchEndpoint(OminixError):
+    """The server answered 404/405: an older or newer release without this endpoint name."""
 
 
 async def _read_error_body(resp: aiohttp.ClientResponse) -> Any:

@@ -3,6 +3,7 @@
 from ominix_runtime.contract.adapter import BackendAdapter, RequestBackend, StepBackend, StepStream
 from ominix_runtime.contract.capability import (
     ASCEND_PROFILE,
+    CONTRACT_KIND_NAMES,
     CPU_PROFILE,
     CUDA_PROFILE,
     FAKE_PROFILE,
@@ -14,8 +15,16 @@ from ominix_runtime.contract.capability import (
     ModelInfo,
     stated_profile,
 )
-from ominix_runtime.contract.errors import AdmissionRejected, InvalidArgument, OminixError, RuntimeErrorKind
+from ominix_runtime.contract.errors import (
+    RETRYABLE_KINDS,
+    AdmissionRejected,
+    InvalidArgument,
+    OminixError,
+    RuntimeErrorKind,
+    is_retryable,
+)
 from ominix_runtime.contract.events import Done, Error, PrefillDone, Token, Usage, WorkerEvent, is_terminal
+from ominix_runtime.contract.health import BackendHealth
 from ominix_runtime.contract.kv import KVLease
 from ominix_runtime.contract.request import GenerateRequest, Priority
 from ominix_runtime.contract.sampling import SamplingParams
@@ -41,6 +50,10 @@ from ominix_runtime.contract.step import (
 
 __all__ = [
     "ALLOWED_TRANSITIONS",
+    "BackendHealth",
+    "CONTRACT_KIND_NAMES",
+    "RETRYABLE_KINDS",
+    "is_retryable",
     "ASCEND_PROFILE",
     "AdmissionRejected",
     "BackendAdapter",

@@ -15,6 +15,22 @@ class BackendKind(IntEnum):
     SGLANG = 4
     FAKE = 5
 
+    @property
+    def contract_name(self) -> str:
+        """The upstream OminiX contract's name of this kind (its Rust ``BackendKind``; CPU is an extension)."""
+        return CONTRACT_KIND_NAMES[self]
+
+
+# One to one with the upstream Rust ``BackendKind`` {Sglang, OminiXCuda, OminiXAscend, Fake}; the CPU worker
+# (the same torch worker on the CPU) has no upstream variant and keeps its own name.
+CONTRACT_KIND_NAMES: dict[BackendKind, str] = {
+    BackendKind.CUDA: "OminiXCuda",
+    BackendKind.ASCEND: "OminiXAscend",
+    BackendKind.CPU: "OminiXCpu",
+    BackendKind.SGLANG: "Sglang",
+    BackendKind.FAKE: "Fake",
+}
+
 
 class Granularity(IntEnum):
     STEP = 1
@@ -61,6 +77,7 @@ class BackendCapability:
     custom_all_reduce: bool = False
     attention_backend: str = ""
     version: str = ""
+    supports_prefill_decode_split: bool = False
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -69,6 +86,29 @@ class BackendCapability:
     @property
     def kv_bytes_capacity(self) -> int:
         return self.kv_bytes_per_block * self.kv_num_blocks
+
+    def capability_strings(self) -> list[str]:
+        """What a router matches a request's required capabilities against (upstream examples: ``cuda``,
+        ``ascend``, ``tp8``, ``prefill``, ``decode``)."""
+        family = {BackendKind.CUDA: "cuda", BackendKind.ASCEND: "ascend", BackendKind.CPU: "cpu"}.get(
+            self.kind
+        )
+        if family is None:  # request-level and fake backends: the device they state
+            family = self.device.split(":", 1)[0] if self.device and "/" not in self.device else ""
+        out = [self.kind.name.lower()]
+        if family and family not in out:
+            out.append(family)
+        out += [f"tp{self.tensor_parallel_size}", "prefill", "decode"]
+        if self.supports_fp8_kv or "fp8" in self.dtype:
+            out.append("fp8")
+        flags = (
+            (self.supports_paged_kv, "paged_kv"),
+            (self.supports_prefix_caching, "prefix_cache"),
+            (self.supports_chunked_prefill, "chunked_prefill"),
+            (self.supports_graph_capture, "graph_capture"),
+            (self.supports_prefill_decode_split, "prefill_decode_split"),
+        )
+        return out + [name for on, name in flags if on]
 
     def problems(self) -> list[str]:
         """Self-consistency problems of this declaration (empty when complete and consistent)."""
@@ -227,6 +267,7 @@ def stated_profile(kind: BackendKind, **overrides: object) -> BackendCapability:
 
 __all__ = [
     "BackendKind",
+    "CONTRACT_KIND_NAMES",
     "Granularity",
     "ModelInfo",
     "BackendCapability",

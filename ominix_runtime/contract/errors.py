@@ -18,6 +18,16 @@ class RuntimeErrorKind(IntEnum):
     INVALID_ARGUMENT = 8
 
 
+# Kinds a caller may retry as they are (elsewhere or a little later), provided no token reached the user yet:
+# a full queue and a missing backend are transient; everything else fails the same way again.
+RETRYABLE_KINDS = frozenset({RuntimeErrorKind.ADMISSION_REJECTED, RuntimeErrorKind.BACKEND_UNAVAILABLE})
+
+
+def is_retryable(kind: RuntimeErrorKind, tokens_sent: bool = False) -> bool:
+    """The upstream router's rule: retry only before user-visible output, and only transient kinds."""
+    return not tokens_sent and kind in RETRYABLE_KINDS
+
+
 class OminixError(Exception):
     """An error with a kind; the gRPC edge maps the kind to a status code."""
 

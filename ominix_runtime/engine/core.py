@@ -6,10 +6,11 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ominix_runtime.contract import (
     BackendCapability,
+    BackendHealth,
     Error,
     FinishReason,
     GenerateRequest,
@@ -112,6 +113,7 @@ class EngineCore:
         self._rejected = 0
         self._all_done = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
+        self._draining: set[str] = set()  # worker ids that take no new requests (Drain)
         self.capability_warnings: list[str] = []
 
     # ---- lifecycle ------------------------------------------------------------------------------------
@@ -241,13 +243,20 @@ class EngineCore:
         return RequestHandle(request.request_id, queue, self)
 
     def _route(self, request: GenerateRequest) -> WorkerGroup:
-        groups = [g for g in self._groups if g.healthy and g.running]
+        if request.model and not any(g.capability.model.name == request.model for g in self._groups):
+            self._rejected += 1
+            served = ", ".join(sorted({repr(g.capability.model.name) for g in self._groups}))
+            raise OminixError(
+                RuntimeErrorKind.CAPABILITY_MISMATCH,
+                f"no backend serves model {request.model!r} (served: {served})",
+            )
+        groups = [g for g in self._groups if g.healthy and g.running and g.worker_id not in self._draining]
+        if request.model:
+            groups = [g for g in groups if g.capability.model.name == request.model]
         if not groups:
             self._rejected += 1
-            raise OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, "no healthy backend")
-        if request.model:
-            same_model = [g for g in groups if g.capability.model.name == request.model]
-            groups = same_model or groups
+            draining = " (draining)" if self._draining else ""
+            raise OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, f"no healthy backend{draining}")
         if len(groups) == 1:
             return groups[0]
         loads = {g.worker_id: g.load() for g in groups}
@@ -370,7 +379,64 @@ class EngineCore:
         return list(self._groups)
 
     def load(self) -> list[LoadSnapshot]:
-        return [g.load() for g in self._groups]
+        """One snapshot per group, with its lifecycle state, identity and the wall-clock time."""
+        now_ms = int(time.time() * 1000)
+        return [
+            replace(
+                g.load(),
+                health=self.health_of(g),
+                timestamp_ms=now_ms,
+                model_ids=(g.capability.model.name,),
+                capabilities=tuple(g.capability.capability_strings()),
+                backend_kind=g.capability.kind.contract_name,
+            )
+            for g in self._groups
+        ]
+
+    def health_of(self, group: WorkerGroup) -> BackendHealth:
+        if self._stopped:
+            return BackendHealth.OFFLINE
+        if not self._started or (not group.running and group.healthy):
+            return BackendHealth.STARTING
+        if not group.healthy or not group.running:
+            return BackendHealth.UNHEALTHY
+        if not self._accepting or group.worker_id in self._draining:
+            return BackendHealth.DRAINING
+        return BackendHealth.AVAILABLE
+
+    # ---- operations -----------------------------------------------------------------------------------
+
+    def drain(self, worker_id: str = "", draining: bool = True) -> list[str]:
+        """Stop (or, with ``draining=False``, resume) routing new requests to one group or, for ``""``, all;
+        live requests carry on. Returns the worker ids changed; raises InvalidArgument for an unknown id."""
+        ids = [g.worker_id for g in self._groups if not worker_id or g.worker_id == worker_id]
+        if not ids:
+            raise InvalidArgument(f"no backend has worker id {worker_id!r}")
+        for wid in ids:
+            if draining:
+                self._draining.add(wid)
+            else:
+                self._draining.discard(wid)
+        log_event("info", "drain" if draining else "undrain", workers=ids)
+        return ids
+
+    async def flush_cache(self) -> dict[str, bool]:
+        """Drop every prefix cache: the step-level groups' block index and each request-level backend's own
+        cache (when it has one). Per worker id: whether that cache was dropped."""
+        out: dict[str, bool] = {}
+        for g in self._groups:
+            if isinstance(g, StepWorkerGroup):
+                g.scheduler.registry.reset_prefix_cache()
+                out[g.worker_id] = True
+                continue
+            flush = getattr(g.backend, "flush_cache", None)
+            try:
+                out[g.worker_id] = bool(await flush()) if flush is not None else False
+            except Exception as exc:  # noqa: BLE001 - one backend refusing must not hide the others
+                log_event("warning", "flush_cache_failed", worker_id=g.worker_id, error=str(exc))
+                out[g.worker_id] = False
+        log_event("info", "flush_cache", workers=out)
+        return out
 
     def capabilities(self) -> list[BackendCapability]:
         return [g.capability for g in self._groups]

@@ -38,6 +38,8 @@ from ominix_runtime.engine.stats import LoadSnapshot, RunReport, SchedulerCounte
 
 # How long a backend stream may keep talking after its terminal event before the engine stops listening.
 _AFTER_TERMINAL_GRACE = 1.0
+# How often the backend's own load report (KV use, throughput) is refreshed for GetLoad.
+LOAD_POLL_INTERVAL_S = 1.0
 
 
 @dataclass(slots=True)
@@ -89,14 +91,32 @@ class RequestWorkerGroup:
         self._num_running = 0
         self._seq = 0
         self._deadlines: list[tuple[float, str]] = []
+        self.backend_load: dict[str, float] = {}  # the backend's latest own report (RequestBackend.load)
+        self._poller: asyncio.Task[None] | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self.running = True
+        await self._poll_load_once()
+        self._poller = asyncio.create_task(self._poll_load(), name=f"ominix-load-{self.worker_id}")
+
+    async def _poll_load_once(self) -> None:
+        try:
+            self.backend_load = dict(await self.backend.load())
+        except Exception as exc:  # noqa: BLE001 - a missing report leaves the engine's own counts
+            log_event("debug", "backend_load_failed", worker_id=self.worker_id, error=str(exc))
+
+    async def _poll_load(self) -> None:
+        while True:
+            await asyncio.sleep(LOAD_POLL_INTERVAL_S)
+            await self._poll_load_once()
 
     async def stop(self) -> None:
         self.running = False
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
         tasks = [f.task for f in self._live.values() if f.task is not None]
         for t in tasks:
             t.cancel()
@@ -123,6 +143,14 @@ class RequestWorkerGroup:
         if max_len is not None and isinstance(max_tokens, int) and n and n + max_tokens > max_len:
             raise InvalidArgument(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the model's context length {max_len}"
+            )
+        capacity = self.capability.kv_capacity_tokens
+        if capacity and isinstance(max_tokens, int) and n + max_tokens > capacity:
+            # SGLang would queue it forever or abort it late: refuse it at admission like a step-level group.
+            raise OminixError(
+                RuntimeErrorKind.KV_CAPACITY_EXCEEDED,
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs more KV than backend {self.worker_id} "
+                f"has ({capacity} tokens)",
             )
         request.sampling.validate(vocab, max_len)
 
@@ -203,17 +231,26 @@ class RequestWorkerGroup:
         return 0
 
     def load(self) -> LoadSnapshot:
+        """Queue figures are the engine's own; KV use and throughput are what the backend last reported
+        (polled every LOAD_POLL_INTERVAL_S), so a request-level backend's KV figures are its real ones."""
         queued = sum(1 for f in self._live.values() if f.task is None)
+        reported = self.backend_load
+        capacity = int(reported.get("kv_bytes_capacity", 0)) or self.capability.kv_bytes_capacity
+        used = int(reported.get("kv_bytes_used", 0))
+        rate = reported.get("decode_tokens_per_second") or self.decode_tokens_per_second
+        forwarded = len(self._live) - queued
+        # Forwarded requests the backend itself still queues count as queued, not running.
+        backend_queued = min(int(reported.get("queued_requests", 0)), forwarded)
         return LoadSnapshot(
             worker_id=self.worker_id,
-            queued_requests=queued,
-            running_requests=len(self._live) - queued,
+            queued_requests=queued + backend_queued,
+            running_requests=forwarded - backend_queued,
             waiting_tokens=sum(
                 len(f.request.prompt_token_ids) for f in self._live.values() if f.task is None
             ),
-            kv_bytes_used=0,
-            kv_bytes_capacity=self.capability.kv_bytes_capacity,
-            estimated_decode_tokens_per_second=self.decode_tokens_per_second,
+            kv_bytes_used=min(used, capacity) if capacity else used,
+            kv_bytes_capacity=capacity,
+            estimated_decode_tokens_per_second=float(rate),
             healthy=self.healthy,
         )
 

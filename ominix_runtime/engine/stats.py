@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ominix_runtime.contract import FinishReason, RuntimeErrorKind
+from ominix_runtime.contract import BackendHealth, FinishReason, RuntimeErrorKind
 
 
 @dataclass(slots=True)
@@ -71,6 +71,12 @@ class LoadSnapshot:
     kv_bytes_capacity: int
     estimated_decode_tokens_per_second: float
     healthy: bool
+    # Filled in by EngineCore.load() (a group knows neither its drain state nor the wall clock).
+    health: BackendHealth = BackendHealth.AVAILABLE
+    timestamp_ms: int = 0  # Unix milliseconds when taken
+    model_ids: tuple[str, ...] = ()
+    capabilities: tuple[str, ...] = ()
+    backend_kind: str = ""  # upstream contract name of the backend kind
 
 
 @dataclass(frozen=True, slots=True)

@@ -119,12 +119,14 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ErrorInfo(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "retryable")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
     code: ErrorCode
     message: str
-    def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
+    retryable: bool
+    def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., retryable: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -171,7 +173,7 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_parameters: _Optional[int] = ...) -> None: ...
 
 class BackendCapability(_message.Message):
-    __slots__ = ("worker_id", "kind", "device", "dtype", "supported_dtypes", "kv_block_size", "kv_num_blocks", "kv_bytes_per_block", "max_batch_tokens", "max_running_requests", "granularity", "supports_paged_kv", "supports_prefix_caching", "supports_chunked_prefill", "supports_graph_capture", "supports_fp8_kv", "tensor_parallel_size", "collective_backend", "custom_all_reduce", "attention_backend", "model", "version")
+    __slots__ = ("worker_id", "kind", "device", "dtype", "supported_dtypes", "kv_block_size", "kv_num_blocks", "kv_bytes_per_block", "max_batch_tokens", "max_running_requests", "granularity", "supports_paged_kv", "supports_prefix_caching", "supports_chunked_prefill", "supports_graph_capture", "supports_fp8_kv", "tensor_parallel_size", "collective_backend", "custom_all_reduce", "attention_backend", "model", "version", "supports_prefill_decode_split", "contract_kind")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +196,8 @@ class BackendCapability(_message.Message):
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_PREFILL_DECODE_SPLIT_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_KIND_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     kind: BackendKind
     device: str
@@ -216,4 +220,6 @@ class BackendCapability(_message.Message):
     attention_backend: str
     model: ModelInfo
     version: str
-    def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[_Union[BackendKind, str]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., supported_dtypes: _Optional[_Iterable[str]] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., supports_paged_kv: _Optional[bool] = ..., supports_prefix_caching: _Optional[bool] = ..., supports_chunked_prefill: _Optional[bool] = ..., supports_graph_capture: _Optional[bool] = ..., supports_fp8_kv: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., collective_backend: _Optional[str] = ..., custom_all_reduce: _Optional[bool] = ..., attention_backend: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., version: _Optional[str] = ...) -> None: ...
+    supports_prefill_decode_split: bool
+    contract_kind: str
+    def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[_Union[BackendKind, str]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., supported_dtypes: _Optional[_Iterable[str]] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., supports_paged_kv: _Optional[bool] = ..., supports_prefix_caching: _Optional[bool] = ..., supports_chunked_prefill: _Optional[bool] = ..., supports_graph_capture: _Optional[bool] = ..., supports_fp8_kv: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., collective_backend: _Optional[str] = ..., custom_all_reduce: _Optional[bool] = ..., attention_backend: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., version: _Optional[str] = ..., supports_prefill_decode_split: _Optional[bool] = ..., contract_kind: _Optional[str] = ...) -> None: ...

@@ -1,11 +1,27 @@
 from ominix_runtime.pb import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class BackendHealth(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BACKEND_HEALTH_UNSPECIFIED: _ClassVar[BackendHealth]
+    BACKEND_HEALTH_STARTING: _ClassVar[BackendHealth]
+    BACKEND_HEALTH_AVAILABLE: _ClassVar[BackendHealth]
+    BACKEND_HEALTH_DRAINING: _ClassVar[BackendHealth]
+    BACKEND_HEALTH_UNHEALTHY: _ClassVar[BackendHealth]
+    BACKEND_HEALTH_OFFLINE: _ClassVar[BackendHealth]
+BACKEND_HEALTH_UNSPECIFIED: BackendHealth
+BACKEND_HEALTH_STARTING: BackendHealth
+BACKEND_HEALTH_AVAILABLE: BackendHealth
+BACKEND_HEALTH_DRAINING: BackendHealth
+BACKEND_HEALTH_UNHEALTHY: BackendHealth
+BACKEND_HEALTH_OFFLINE: BackendHealth
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -112,7 +128,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BackendLoad(_message.Message):
-    __slots__ = ("worker_id", "queued_requests", "running_requests", "waiting_tokens", "kv_bytes_used", "kv_bytes_capacity", "estimated_decode_tokens_per_second", "healthy")
+    __slots__ = ("worker_id", "queued_requests", "running_requests", "waiting_tokens", "kv_bytes_used", "kv_bytes_capacity", "estimated_decode_tokens_per_second", "healthy", "health", "timestamp_ms", "model_ids", "served_aliases", "capabilities", "backend_kind")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +137,12 @@ class BackendLoad(_message.Message):
     KV_BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     ESTIMATED_DECODE_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_IDS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_ALIASES_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_KIND_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     queued_requests: int
     running_requests: int
@@ -129,7 +151,25 @@ class BackendLoad(_message.Message):
     kv_bytes_capacity: int
     estimated_decode_tokens_per_second: float
     healthy: bool
-    def __init__(self, worker_id: _Optional[str] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_capacity: _Optional[int] = ..., estimated_decode_tokens_per_second: _Optional[float] = ..., healthy: _Optional[bool] = ...) -> None: ...
+    health: BackendHealth
+    timestamp_ms: int
+    model_ids: _containers.RepeatedScalarFieldContainer[str]
+    served_aliases: _containers.RepeatedScalarFieldContainer[str]
+    capabilities: _containers.RepeatedScalarFieldContainer[str]
+    backend_kind: str
+    def __init__(self, worker_id: _Optional[str] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_capacity: _Optional[int] = ..., estimated_decode_tokens_per_second: _Optional[float] = ..., healthy: _Optional[bool] = ..., health: _Optional[_Union[BackendHealth, str]] = ..., timestamp_ms: _Optional[int] = ..., model_ids: _Optional[_Iterable[str]] = ..., served_aliases: _Optional[_Iterable[str]] = ..., capabilities: _Optional[_Iterable[str]] = ..., backend_kind: _Optional[str] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("backends",)
+    BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    backends: _containers.RepeatedCompositeFieldContainer[BackendLoad]
+    def __init__(self, backends: _Optional[_Iterable[_Union[BackendLoad, _Mapping]]] = ...) -> None: ...
 
 class GetLoadResponse(_message.Message):
     __slots__ = ("total", "backends")

@@ -60,6 +60,16 @@ class EngineStub:
                 request_serializer=ominix_dot_runtime_dot_v1_dot_engine__pb2.ListBackendsRequest.SerializeToString,
                 response_deserializer=ominix_dot_runtime_dot_v1_dot_engine__pb2.ListBackendsResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/ominix.runtime.v1.Engine/Drain',
+                request_serializer=ominix_dot_runtime_dot_v1_dot_engine__pb2.DrainRequest.SerializeToString,
+                response_deserializer=ominix_dot_runtime_dot_v1_dot_engine__pb2.DrainResponse.FromString,
+                _registered_method=True)
+        self.Undrain = channel.unary_unary(
+                '/ominix.runtime.v1.Engine/Undrain',
+                request_serializer=ominix_dot_runtime_dot_v1_dot_engine__pb2.DrainRequest.SerializeToString,
+                response_deserializer=ominix_dot_runtime_dot_v1_dot_engine__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -101,6 +111,20 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Stop routing new requests to a backend (or all); live requests finish. GetLoad reports it DRAINING.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Undrain(self, request, context):
+        """Route new requests to a drained backend (or all) again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +152,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.ListBackends,
                     request_deserializer=ominix_dot_runtime_dot_v1_dot_engine__pb2.ListBackendsRequest.FromString,
                     response_serializer=ominix_dot_runtime_dot_v1_dot_engine__pb2.ListBackendsResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=ominix_dot_runtime_dot_v1_dot_engine__pb2.DrainRequest.FromString,
+                    response_serializer=ominix_dot_runtime_dot_v1_dot_engine__pb2.DrainResponse.SerializeToString,
+            ),
+            'Undrain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Undrain,
+                    request_deserializer=ominix_dot_runtime_dot_v1_dot_engine__pb2.DrainRequest.FromString,
+                    response_serializer=ominix_dot_runtime_dot_v1_dot_engine__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +300,60 @@ class Engine:
             '/ominix.runtime.v1.Engine/ListBackends',
             ominix_dot_runtime_dot_v1_dot_engine__pb2.ListBackendsRequest.SerializeToString,
             ominix_dot_runtime_dot_v1_dot_engine__pb2.ListBackendsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ominix.runtime.v1.Engine/Drain',
+            ominix_dot_runtime_dot_v1_dot_engine__pb2.DrainRequest.SerializeToString,
+            ominix_dot_runtime_dot_v1_dot_engine__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Undrain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ominix.runtime.v1.Engine/Undrain',
+            ominix_dot_runtime_dot_v1_dot_engine__pb2.DrainRequest.SerializeToString,
+            ominix_dot_runtime_dot_v1_dot_engine__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,
