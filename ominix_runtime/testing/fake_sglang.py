@@ -1,8 +1,12 @@
 """A protocol-faithful stand-in for an SGLang server (native HTTP API), for tests and demos.
 
 Same endpoints, request fields and response shapes as SGLang's http_server: ``/generate`` (streaming SSE
-and plain JSON), ``/abort_request``, ``/get_model_info``, ``/get_server_info``, ``/get_load``, ``/health``,
-``/flush_cache``. Tokens are a seeded function of the input ids (same input and seed → same tokens);
+and plain JSON), ``/abort_request``, ``/model_info``, ``/server_info``, ``/v1/loads`` (and, unless
+``legacy_only``, the deprecated ``/get_model_info``, ``/get_server_info``, ``/get_load``; with ``legacy_only``
+only those, like an older release), ``/health``, ``/flush_cache``. With ``api_key`` every route but
+``/health`` wants ``Authorization: Bearer <key>`` (401 otherwise). The KV pool holds ``max_total_num_tokens``
+tokens: a request waits (``num_waiting_reqs``) until its prompt + max_new_tokens fit, and one that can never
+fit is aborted with a 400 finish reason, as SGLang does. Tokens are a seeded function of the input ids (same input and seed → same tokens);
 text is a fixed id → word map. Fault modes exercise a client's error paths:
 
 - ``normal``: answers like a healthy server;
@@ -101,6 +105,17 @@ class FakeSGLangState:
     request_count: int = 0
     flush_count: int = 0
     ignore_aborts: bool = False  # a server that answers /abort_request but keeps generating
+    api_key: str | None = None
+    legacy_only: bool = False  # only the deprecated control endpoints (an older SGLang)
+    # On abort, send the whole output again in the final chunk (SGLang does so for a request it had
+    # requeued after a retraction), also in incremental mode.
+    resend_output_on_abort: bool = False
+    enable_priority_scheduling: bool = False
+    kv_bytes_per_token: int = 4096  # stated in /v1/loads as the pool size in GiB
+    reserved_tokens: int = 0  # KV tokens held by running requests (prompt + max_new_tokens each)
+    waiting: int = 0  # requests waiting for KV
+    kv_freed: asyncio.Condition | None = None
+    priorities: list[int | None] = field(default_factory=list)
 
     def mode_for_next_request(self) -> str:
         self.request_count += 1
@@ -158,6 +173,7 @@ class _Plan:
     stream: bool
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    priority: int | None = None
 
 
 class _BadRequest(ValueError):
@@ -209,7 +225,20 @@ def _plan(state: FakeSGLangState, body: Any) -> _Plan:
         stream=bool(body.get("stream", False)),
         return_logprob=bool(body.get("return_logprob", False)),
         top_logprobs_num=max(0, min(int(body.get("top_logprobs_num") or 0), 20)),
+        priority=_priority(state, body.get("priority")),
     )
+
+
+def _priority(state: FakeSGLangState, value: Any) -> int | None:
+    if value is None:
+        return None
+    if not state.enable_priority_scheduling:
+        raise _BadRequest(
+            "priority is set but priority scheduling is disabled (--enable-priority-scheduling)"
+        )
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _BadRequest(f"priority must be an integer, got {value!r}")
+    return value
 
 
 class _Generation:
@@ -302,21 +331,69 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         return _error(400, str(exc))
     if plan.rid in state.running:
         return _error(400, f"Duplicate request ID {plan.rid}")
+    state.priorities.append(plan.priority)
+    del state.priorities[:-256]
     aborted = asyncio.Event()
     state.running[plan.rid] = aborted
     state.running_tokens[plan.rid] = len(plan.input_ids)
+    need = len(plan.input_ids) + plan.max_new_tokens
+    reserved = 0
     try:
+        if need <= state.max_total_num_tokens:
+            await _wait_for_kv(state, need, aborted)
+            reserved = need
         if plan.stream:
-            return await _stream(request, state, plan, mode, aborted)
-        return await _whole(state, plan, mode, aborted)
+            return await _stream(request, state, plan, mode, aborted, fits=reserved > 0)
+        return await _whole(state, plan, mode, aborted, fits=reserved > 0)
     finally:
         state.running.pop(plan.rid, None)
         state.running_tokens.pop(plan.rid, None)
         state.remember(plan.input_ids)
+        if reserved:
+            await _release_kv(state, reserved)
 
 
-async def _decode(state: FakeSGLangState, plan: _Plan, mode: str, aborted: asyncio.Event, gen: _Generation):
+def _kv_condition(state: FakeSGLangState) -> asyncio.Condition:
+    if state.kv_freed is None:
+        state.kv_freed = asyncio.Condition()
+    return state.kv_freed
+
+
+async def _wait_for_kv(state: FakeSGLangState, need: int, aborted: asyncio.Event) -> None:
+    """Queue until the pool has ``need`` tokens free (or the request is aborted while waiting)."""
+    cond = _kv_condition(state)
+    async with cond:
+        state.waiting += 1
+        try:
+            while state.reserved_tokens + need > state.max_total_num_tokens and not aborted.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(cond.wait(), timeout=0.05)
+        finally:
+            state.waiting -= 1
+        state.reserved_tokens += need
+
+
+async def _release_kv(state: FakeSGLangState, tokens: int) -> None:
+    cond = _kv_condition(state)
+    async with cond:
+        state.reserved_tokens -= tokens
+        cond.notify_all()
+
+
+async def _decode(
+    state: FakeSGLangState,
+    plan: _Plan,
+    mode: str,
+    aborted: asyncio.Event,
+    gen: _Generation,
+    fits: bool = True,
+):
     """Yield (finish, fault) after each token; fault is "" or the fault mode that fires now."""
+    if not fits:
+        need = len(plan.input_ids) + plan.max_new_tokens
+        message = f"Input needs {need} KV tokens, more than the pool's {state.max_total_num_tokens}."
+        yield {"type": "abort", "message": message, "status_code": 400}, ""
+        return
     tokens = token_stream(plan.input_ids, plan.seed, state.vocab_size)
     if plan.max_new_tokens == 0:
         yield {"type": "length", "length": 0}, ""
@@ -341,13 +418,18 @@ async def _decode(state: FakeSGLangState, plan: _Plan, mode: str, aborted: async
 
 
 async def _stream(
-    request: web.Request, state: FakeSGLangState, plan: _Plan, mode: str, aborted: asyncio.Event
+    request: web.Request,
+    state: FakeSGLangState,
+    plan: _Plan,
+    mode: str,
+    aborted: asyncio.Event,
+    fits: bool = True,
 ) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     gen = _Generation(state, plan)
     try:
-        await _write_stream(request, resp, state, plan, mode, aborted, gen)
+        await _write_stream(request, resp, state, plan, mode, aborted, gen, fits)
     except ConnectionError:
         # The client went away: SGLang aborts such a request; so does the fake.
         state.disconnected_rids.append(plan.rid)
@@ -363,8 +445,9 @@ async def _write_stream(
     mode: str,
     aborted: asyncio.Event,
     gen: _Generation,
+    fits: bool = True,
 ) -> None:
-    async for finish, fault in _decode(state, plan, mode, aborted, gen):
+    async for finish, fault in _decode(state, plan, mode, aborted, gen, fits):
         if fault == "drop":
             # Close the socket mid-stream: no terminating chunk, no [DONE].
             transport = request.transport
@@ -374,15 +457,18 @@ async def _write_stream(
         if fault == "midstream_error":
             await resp.write(_sse({"error": {"message": "fake SGLang failed in the middle of the stream"}}))
             break
-        await resp.write(_sse(gen.out(finish, state.incremental_output)))
+        resend = state.resend_output_on_abort and (finish or {}).get("type") == "abort"
+        await resp.write(_sse(gen.out(finish, state.incremental_output and not resend)))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
 
 
-async def _whole(state: FakeSGLangState, plan: _Plan, mode: str, aborted: asyncio.Event) -> web.Response:
+async def _whole(
+    state: FakeSGLangState, plan: _Plan, mode: str, aborted: asyncio.Event, fits: bool = True
+) -> web.Response:
     gen = _Generation(state, plan)
     last_finish: dict[str, Any] | None = None
-    async for finish, fault in _decode(state, plan, mode, aborted, gen):
+    async for finish, fault in _decode(state, plan, mode, aborted, gen, fits):
         if fault:
             return web.json_response({"error": {"message": f"fake SGLang fault: {fault}"}}, status=500)
         last_finish = finish
@@ -418,6 +504,8 @@ async def handle_model_info(request: web.Request) -> web.Response:
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": "default",
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
         }
     )
 
@@ -443,6 +531,8 @@ async def handle_server_info(request: web.Request) -> web.Response:
             "attention_backend": "fake",
             "stream_interval": 1,
             "incremental_streaming_output": state.incremental_output,
+            "enable_priority_scheduling": state.enable_priority_scheduling,
+            "schedule_low_priority_values_first": False,
             # scheduler info
             "max_total_num_tokens": state.max_total_num_tokens,
             "max_req_input_len": state.context_length - 1,
@@ -468,6 +558,37 @@ async def handle_load(request: web.Request) -> web.Response:
             }
         ]
     )
+
+
+async def handle_loads(request: web.Request) -> web.Response:
+    """``/v1/loads``: one DP rank; ``include=memory`` (or all) adds the KV pool size."""
+    state = request.app[STATE_KEY]
+    include = set((request.query.get("include") or "all").split(","))
+    used = sum(state.running_tokens.values())
+    running = len(state.running) - state.waiting
+    load: dict[str, Any] = {
+        "dp_rank": 0,
+        "timestamp": time.time(),
+        "num_running_reqs": running,
+        "num_waiting_reqs": state.waiting,
+        "num_total_reqs": len(state.running),
+        "num_used_tokens": used,
+        "max_total_num_tokens": state.max_total_num_tokens,
+        "token_usage": used / state.max_total_num_tokens,
+        "gen_throughput": 0.0,
+        "cache_hit_rate": 0.0,
+        "utilization": used / state.max_total_num_tokens,
+        "max_running_requests": state.max_running_requests,
+    }
+    if include & {"memory", "all"}:
+        pool_gib = state.max_total_num_tokens * state.kv_bytes_per_token / (1 << 30)
+        load["memory"] = {
+            "weight_gb": 0.25,
+            "kv_cache_gb": pool_gib,
+            "graph_gb": 0.0,
+            "token_capacity": state.max_total_num_tokens,
+        }
+    return web.json_response({"timestamp": "", "version": "0.0.0-fake", "dp_rank_count": 1, "loads": [load]})
 
 
 async def handle_health(request: web.Request) -> web.Response:
@@ -498,15 +619,27 @@ async def handle_fake_stats(request: web.Request) -> web.Response:
     )
 
 
+@web.middleware
+async def _api_key(request: web.Request, handler: Any) -> web.StreamResponse:
+    key = request.app[STATE_KEY].api_key
+    if key and request.path != "/health" and request.headers.get("Authorization") != f"Bearer {key}":
+        return web.json_response({"error": "Unauthorized"}, status=401)
+    return await handler(request)
+
+
 def make_app(state: FakeSGLangState | None = None) -> web.Application:
-    app = web.Application(client_max_size=MAX_REQUEST_BYTES)
-    app[STATE_KEY] = state or FakeSGLangState()
+    app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[_api_key])
+    app[STATE_KEY] = state = state or FakeSGLangState()
     app.router.add_route("POST", "/generate", handle_generate)
     app.router.add_route("PUT", "/generate", handle_generate)
     app.router.add_post("/abort_request", handle_abort)
     app.router.add_get("/get_model_info", handle_model_info)
     app.router.add_get("/get_server_info", handle_server_info)
     app.router.add_get("/get_load", handle_load)
+    if not state.legacy_only:
+        app.router.add_get("/model_info", handle_model_info)
+        app.router.add_get("/server_info", handle_server_info)
+        app.router.add_get("/v1/loads", handle_loads)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/health_generate", handle_health)
     app.router.add_route("*", "/flush_cache", handle_flush_cache)
@@ -562,6 +695,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--token-delay", type=float, default=0.05, help="seconds per token in slow mode")
     parser.add_argument("--model-path", default="fake/sglang-model")
     parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--max-total-num-tokens", type=int, default=65536, help="KV pool size in tokens")
+    parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    parser.add_argument("--legacy-only", action="store_true", help="only the deprecated control endpoints")
     parser.add_argument(
         "--incremental-streaming-output",
         action="store_true",
@@ -578,6 +714,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         model_path=args.model_path,
         incremental_output=args.incremental_streaming_output,
         page_size=args.page_size,
+        max_total_num_tokens=args.max_total_num_tokens,
+        api_key=args.api_key,
+        legacy_only=args.legacy_only,
     )
     print(f"fake SGLang ({args.mode}) starting on http://{args.host}:{args.port}", flush=True)
 

@@ -330,12 +330,17 @@ def test_describe_health_and_load() -> None:
         assert cap.max_running_requests == 128 and cap.max_batch_tokens == 8192
         assert cap.dtype == "bfloat16" and cap.version == "0.0.0-fake"
         check_group([cap], "fake/sglang-model", 2048, "bfloat16")
+        assert cap.model.architecture == "LlamaForCausalLM"  # from the `architectures` list
+        # KV bytes from the pool size /v1/loads states (65536 tokens x 4096 bytes).
+        assert cap.kv_bytes_per_block == 16 * 4096 and cap.kv_bytes_capacity == 65536 * 4096
         load = await backend.load()
         assert load == {
             "queued_requests": 0.0,
             "running_requests": 0.0,
             "kv_tokens_used": 0.0,
             "kv_tokens_capacity": 65536.0,
+            "kv_bytes_capacity": 65536.0 * 4096,
+            "kv_bytes_used": 0.0,
         }
         assert await backend.flush_cache() is True and server.state.flush_count == 1
 
