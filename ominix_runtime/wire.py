@@ -17,7 +17,8 @@ from ominix_runtime.contract import (
     StepResult,
     TokenLogprob,
 )
-from ominix_runtime.pb import common_pb2, worker_pb2
+from ominix_runtime.engine.stats import LoadSnapshot
+from ominix_runtime.pb import common_pb2, engine_pb2, worker_pb2
 
 # ---- sampling -----------------------------------------------------------------------------------------
 
@@ -107,6 +108,8 @@ def capability_to_pb(cap: BackendCapability) -> common_pb2.BackendCapability:
         attention_backend=cap.attention_backend,
         model=model,
         version=cap.version,
+        supports_prefill_decode_split=cap.supports_prefill_decode_split,
+        contract_kind=cap.kind.contract_name,
     )
 
 
@@ -149,7 +152,64 @@ def capability_from_pb(pb: common_pb2.BackendCapability) -> BackendCapability:
         custom_all_reduce=pb.custom_all_reduce,
         attention_backend=pb.attention_backend,
         version=pb.version,
+        supports_prefill_decode_split=pb.supports_prefill_decode_split,
     )
+
+
+# ---- load ---------------------------------------------------------------------------------------------
+
+
+def backend_load_to_pb(load: LoadSnapshot, served_aliases: tuple[str, ...] = ()) -> engine_pb2.BackendLoad:
+    """One backend's GetLoad entry; ``served_aliases`` are the other names of the models it serves."""
+    return engine_pb2.BackendLoad(
+        worker_id=load.worker_id,
+        queued_requests=load.queued_requests,
+        running_requests=load.running_requests,
+        waiting_tokens=load.waiting_tokens,
+        kv_bytes_used=load.kv_bytes_used,
+        kv_bytes_capacity=load.kv_bytes_capacity,
+        estimated_decode_tokens_per_second=load.estimated_decode_tokens_per_second,
+        healthy=load.healthy,
+        health=int(load.health),
+        timestamp_ms=load.timestamp_ms,
+        model_ids=list(load.model_ids),
+        served_aliases=list(served_aliases),
+        capabilities=list(load.capabilities),
+        backend_kind=load.backend_kind,
+    )
+
+
+def total_load_to_pb(backends: list[engine_pb2.BackendLoad], timestamp_ms: int) -> engine_pb2.BackendLoad:
+    """The sum over backends; its health is the best of theirs (AVAILABLE if any backend takes requests)."""
+    healths = [b.health for b in backends]
+    best = (
+        min(healths, key=lambda h: _HEALTH_RANK.get(h, 99)) if healths else engine_pb2.BACKEND_HEALTH_OFFLINE
+    )
+    return engine_pb2.BackendLoad(
+        worker_id="total",
+        queued_requests=sum(b.queued_requests for b in backends),
+        running_requests=sum(b.running_requests for b in backends),
+        waiting_tokens=sum(b.waiting_tokens for b in backends),
+        kv_bytes_used=sum(b.kv_bytes_used for b in backends),
+        kv_bytes_capacity=sum(b.kv_bytes_capacity for b in backends),
+        estimated_decode_tokens_per_second=sum(b.estimated_decode_tokens_per_second for b in backends),
+        healthy=bool(backends) and any(b.healthy for b in backends),
+        health=best,
+        timestamp_ms=timestamp_ms,
+        model_ids=sorted({m for b in backends for m in b.model_ids}),
+        served_aliases=sorted({a for b in backends for a in b.served_aliases}),
+        capabilities=sorted({c for b in backends for c in b.capabilities}),
+    )
+
+
+# Preference order when summarising several backends' states.
+_HEALTH_RANK = {
+    engine_pb2.BACKEND_HEALTH_AVAILABLE: 0,
+    engine_pb2.BACKEND_HEALTH_DRAINING: 1,
+    engine_pb2.BACKEND_HEALTH_STARTING: 2,
+    engine_pb2.BACKEND_HEALTH_UNHEALTHY: 3,
+    engine_pb2.BACKEND_HEALTH_OFFLINE: 4,
+}
 
 
 # ---- steps --------------------------------------------------------------------------------------------

@@ -20,12 +20,15 @@ _IMPORT_RE = re.compile(r"^from ominix\.runtime\.v1 import (\w+) as", re.M)
 
 
 def generate(out_dir: Path) -> list[Path]:
-    from grpc_tools import protoc  # only needed at build time
+    import grpc_tools  # only needed at build time
+    from grpc_tools import protoc
 
+    well_known = Path(grpc_tools.__file__).parent / "_proto"  # google/protobuf/*.proto
     with tempfile.TemporaryDirectory() as tmp:
         args = [
             "protoc",
             f"-I{PROTO_DIR}",
+            f"-I{well_known}",
             f"--python_out={tmp}",
             f"--pyi_out={tmp}",
             f"--grpc_python_out={tmp}",

@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
+from google.protobuf import json_format
 
 from ominix_runtime import wire
 from ominix_runtime.contract import (
@@ -26,8 +27,8 @@ from ominix_runtime.contract import (
     SamplingParams,
     Token,
     Usage,
+    is_retryable,
 )
-from ominix_runtime.engine.stats import LoadSnapshot
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.logging import get_logger, request_context
 from ominix_runtime.server.metrics import EngineMetrics
@@ -43,6 +44,10 @@ STATUS_OF_ERROR: dict[RuntimeErrorKind, grpc.StatusCode] = {
     RuntimeErrorKind.CANCELLED: grpc.StatusCode.CANCELLED,
     RuntimeErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
+
+# Trailing metadata keys of a failed RPC (documented in engine.proto).
+ERROR_KIND_METADATA_KEY = "ominix-error-kind"
+RETRYABLE_METADATA_KEY = "ominix-retryable"
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 _PRIORITIES = frozenset(int(p) for p in Priority)
@@ -67,6 +72,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self._engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.aliases: frozenset[str] = frozenset()  # other names of model_name (--served-model-name)
         self._metrics = metrics
         self._live: set[str] = set()
         self._rejected = 0  # refused at the front edge (never reached the engine's counters)
@@ -94,6 +100,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     # ---- request resolution --------------------------------------------------------------------------
 
     def _resolve(self, pb: engine_pb2.GenerateRequest, request_id: str) -> GenerateRequest:
+        if pb.model in self.aliases:
+            pb.model = self.model_name
         if pb.model and pb.model != self.model_name:
             if pb.model not in self._other_models():
                 served = ", ".join(repr(m) for m in sorted({self.model_name, *self._other_models()}))
@@ -121,7 +129,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                         f"messages[{i}].role {m['role']!r} is not one of {', '.join(sorted(CHAT_ROLES))}"
                     )
             tokenizer = self._require_tokenizer()
-            prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            kwargs = json_format.MessageToDict(pb.messages.chat_template_kwargs)
+            prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
             prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
         else:
             raise InvalidArgument("one of prompt, messages or input_ids is required")
@@ -163,41 +172,58 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
     # ---- RPCs ----------------------------------------------------------------------------------------
 
+    async def admit(self, pb: engine_pb2.GenerateRequest, request_id: str) -> tuple[GenerateRequest, Any]:
+        """Resolve, validate and admit one request: the one path every front (gRPC, ominix.worker.v0) takes.
+
+        Returns the contract request and its event handle; raises OminixError when refused (subclasses say
+        which gRPC status fits: not serving, duplicate id, unknown model). The caller must ``release`` it.
+        """
+        if not self._engine.ready:
+            raise _NotServing(
+                RuntimeErrorKind.BACKEND_UNAVAILABLE,
+                "the engine is not serving (starting, shutting down, or no worker is up)",
+            )
+        if request_id in self._live:
+            raise _AlreadyLive(f"request_id '{request_id}' is already live")
+        self._live.add(request_id)  # before any await, so a concurrent duplicate sees it
+        try:
+            gen_request = self._resolve(pb, request_id)
+        except OminixError as exc:
+            self._live.discard(request_id)
+            self._reject(exc.message, counted_by_engine=False)
+            raise
+        try:
+            handle = await _maybe_await(self._engine.submit(gen_request))
+        except OminixError as exc:
+            self._live.discard(request_id)
+            self._reject(exc.message, counted_by_engine=True)
+            raise
+        except BaseException:
+            self._live.discard(request_id)
+            raise
+        _log.debug("request admitted", prompt_tokens=len(gen_request.prompt_token_ids))
+        return gen_request, handle
+
+    def stream(self, req: GenerateRequest, handle: Any) -> AsyncIterator[engine_pb2.GenerateEvent]:
+        """The admitted request's events (detokenized, stop strings applied), ending with one terminal."""
+        return self._events(req, handle)
+
+    async def release(self, request_id: str, handle: Any, finished: bool) -> None:
+        """End an admitted request's life at this front; unless it finished, abort it (frees its KV)."""
+        self._live.discard(request_id)
+        if not finished:
+            _log.info("stream ended early, aborting request")
+            await _maybe_await(handle.abort())
+
     async def Generate(
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.GenerateEvent]:
         request_id = request.request_id or uuid.uuid4().hex
         with request_context(request_id):
-            if not self._engine.ready:
-                await context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
-                    "the engine is not serving (starting, shutting down, or no worker is up)",
-                )
-            if request_id in self._live:
-                await context.abort(
-                    grpc.StatusCode.ALREADY_EXISTS, f"request_id '{request_id}' is already live"
-                )
-            self._live.add(request_id)  # before any await, so a concurrent duplicate sees it
             try:
-                gen_request = self._resolve(request, request_id)
-            except _NotFound as exc:
-                self._live.discard(request_id)
-                self._reject(str(exc), counted_by_engine=False)
-                await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+                gen_request, handle = await self.admit(request, request_id)
             except OminixError as exc:
-                self._live.discard(request_id)
-                self._reject(exc.message, counted_by_engine=False)
-                await context.abort(status_for(exc), exc.message)
-            try:
-                handle = await _maybe_await(self._engine.submit(gen_request))
-            except OminixError as exc:
-                self._live.discard(request_id)
-                self._reject(exc.message, counted_by_engine=True)
-                await context.abort(status_for(exc), exc.message)
-            except BaseException:
-                self._live.discard(request_id)
-                raise
-            _log.debug("request admitted", prompt_tokens=len(gen_request.prompt_token_ids))
+                await context.abort(status_for(exc), exc.message, trailing_metadata=error_metadata(exc.kind))
             finished = False
             try:
                 try:
@@ -211,11 +237,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                         error=common_pb2.ErrorInfo(code=int(RuntimeErrorKind.INTERNAL), message=repr(exc)),
                     )
             finally:
-                self._live.discard(request_id)
-                if not finished:
-                    # The client went away (or the stream failed): free the request's KV at once.
-                    _log.info("stream ended early, aborting request")
-                    await _maybe_await(handle.abort())
+                await self.release(request_id, handle, finished)
 
     def _reject(self, message: str, counted_by_engine: bool) -> None:
         if not counted_by_engine:
@@ -286,8 +308,12 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 _log.debug("request done", finish_reason=FinishReason(finish_reason).name)
                 return
             elif isinstance(event, Error):
+                retryable = is_retryable(event.kind, tokens_sent=num_emitted_tokens > 0)
                 yield engine_pb2.GenerateEvent(
-                    request_id=rid, error=common_pb2.ErrorInfo(code=int(event.kind), message=event.message)
+                    request_id=rid,
+                    error=common_pb2.ErrorInfo(
+                        code=int(event.kind), message=event.message, retryable=retryable
+                    ),
                 )
                 return
         # The handle ended without a terminal event: report it rather than leaving the client guessing.
@@ -323,19 +349,37 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         return engine_pb2.AbortResponse(found=found)
 
     async def GetLoad(self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> Any:
-        loads = list(await _maybe_await(self._engine.load()))
-        backends = [_backend_load_pb(load) for load in loads]
-        total = engine_pb2.BackendLoad(
-            worker_id="total",
-            queued_requests=sum(b.queued_requests for b in backends),
-            running_requests=sum(b.running_requests for b in backends),
-            waiting_tokens=sum(b.waiting_tokens for b in backends),
-            kv_bytes_used=sum(b.kv_bytes_used for b in backends),
-            kv_bytes_capacity=sum(b.kv_bytes_capacity for b in backends),
-            estimated_decode_tokens_per_second=sum(b.estimated_decode_tokens_per_second for b in backends),
-            healthy=bool(backends) and any(b.healthy for b in backends),
+        backends = self.backend_loads()
+        return engine_pb2.GetLoadResponse(
+            total=wire.total_load_to_pb(backends, int(time.time() * 1000)), backends=backends
         )
-        return engine_pb2.GetLoadResponse(total=total, backends=backends)
+
+    def backend_loads(self, worker_ids: set[str] | None = None) -> list[engine_pb2.BackendLoad]:
+        """GetLoad's per-backend entries (optionally only ``worker_ids``)."""
+        out = []
+        for load in self._engine.load():
+            if worker_ids is not None and load.worker_id not in worker_ids:
+                continue
+            aliases = tuple(sorted(self.aliases)) if self.model_name in load.model_ids else ()
+            out.append(wire.backend_load_to_pb(load, aliases))
+        return out
+
+    async def Drain(self, request: engine_pb2.DrainRequest, context: grpc.aio.ServicerContext) -> Any:
+        return await self._drain(request, context, draining=True)
+
+    async def Undrain(self, request: engine_pb2.DrainRequest, context: grpc.aio.ServicerContext) -> Any:
+        return await self._drain(request, context, draining=False)
+
+    async def _drain(
+        self, request: engine_pb2.DrainRequest, context: grpc.aio.ServicerContext, draining: bool
+    ) -> Any:
+        try:
+            changed = self._engine.drain(request.worker_id, draining=draining)
+        except OminixError as exc:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, exc.message, trailing_metadata=error_metadata(exc.kind)
+            )
+        return engine_pb2.DrainResponse(backends=self.backend_loads(set(changed)))
 
     async def GetStats(self, request: engine_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> Any:
         stats = await _maybe_await(self._engine.stats())
@@ -363,28 +407,49 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         )
 
 
-def _backend_load_pb(load: LoadSnapshot) -> engine_pb2.BackendLoad:
-    return engine_pb2.BackendLoad(
-        worker_id=load.worker_id,
-        queued_requests=load.queued_requests,
-        running_requests=load.running_requests,
-        waiting_tokens=load.waiting_tokens,
-        kv_bytes_used=load.kv_bytes_used,
-        kv_bytes_capacity=load.kv_bytes_capacity,
-        estimated_decode_tokens_per_second=load.estimated_decode_tokens_per_second,
-        healthy=load.healthy,
-    )
+class _NotFound(OminixError):
+    """The request names a model this engine does not serve (the contract's CAPABILITY_MISMATCH)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(RuntimeErrorKind.CAPABILITY_MISMATCH, message)
 
 
-class _NotFound(Exception):
-    """The request names a model this engine does not serve."""
+class _NotServing(OminixError):
+    """The engine is starting, stopping or has no backend up."""
+
+
+class _AlreadyLive(InvalidArgument):
+    """The request id is in use by a live request."""
+
+
+_STATUS_OF_REFUSAL: dict[type[OminixError], grpc.StatusCode] = {
+    _NotFound: grpc.StatusCode.NOT_FOUND,
+    _NotServing: grpc.StatusCode.UNAVAILABLE,
+    _AlreadyLive: grpc.StatusCode.ALREADY_EXISTS,
+}
 
 
 def status_for(error: OminixError) -> grpc.StatusCode:
-    return STATUS_OF_ERROR.get(error.kind, grpc.StatusCode.INTERNAL)
+    refusal = _STATUS_OF_REFUSAL.get(type(error))
+    return refusal if refusal is not None else STATUS_OF_ERROR.get(error.kind, grpc.StatusCode.INTERNAL)
 
 
-__all__ = ["EngineService", "STATUS_OF_ERROR", "status_for"]
+def error_metadata(kind: RuntimeErrorKind, tokens_sent: bool = False) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata of a failed RPC: the contract's error kind and whether a retry is safe."""
+    return (
+        (ERROR_KIND_METADATA_KEY, kind.name),
+        (RETRYABLE_METADATA_KEY, "true" if is_retryable(kind, tokens_sent) else "false"),
+    )
+
+
+__all__ = [
+    "ERROR_KIND_METADATA_KEY",
+    "EngineService",
+    "RETRYABLE_METADATA_KEY",
+    "STATUS_OF_ERROR",
+    "error_metadata",
+    "status_for",
+]
 
 
 def _request(
