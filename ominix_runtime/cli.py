@@ -23,6 +23,7 @@ from ominix_runtime.config import (
     EngineConfig,
     SchedulerConfig,
     TLSConfig,
+    V0FrontConfig,
 )
 from ominix_runtime.models import DEFAULT_MODEL_NAME
 
@@ -58,6 +59,26 @@ def _add_serve_flags(p: argparse.ArgumentParser, with_backends: bool) -> None:
         metavar="URL",
         help="an SGLang server to drive at request level (repeat for several)",
     )
+    p.add_argument(
+        "--sglang-api-key",
+        default=None,
+        help="bearer token for the SGLang servers (their --api-key)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another name requests may use for the model (repeatable; the first is the v0 served model)",
+    )
+    p.add_argument(
+        "--v0-port",
+        type=int,
+        default=None,
+        help="serve the ominix.worker.v0 HTTP/SSE protocol OminiX-API speaks on this port (needs --v0-token)",
+    )
+    p.add_argument("--v0-host", default=DEFAULT_HOST, help="address the v0 front binds")
+    p.add_argument("--v0-token", default=None, help="bearer token every v0 route requires")
     p.add_argument("--host", default=DEFAULT_HOST, help="address the engine's gRPC server binds")
     p.add_argument("--port", type=int, default=DEFAULT_ENGINE_PORT, help="engine gRPC port")
     p.add_argument(
@@ -226,6 +247,9 @@ def engine_config_from_args(args: argparse.Namespace, workers: Sequence[str]) ->
         model=args.model,
         workers=tuple(workers),
         sglang_urls=tuple(args.sglang),
+        sglang_api_key=args.sglang_api_key,
+        served_model_names=tuple(args.served_model_name),
+        v0=V0FrontConfig(port=args.v0_port, host=args.v0_host, token=args.v0_token),
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,
@@ -272,6 +296,16 @@ def _serve_argv(args: argparse.Namespace, workers: Sequence[str]) -> list[str]:
         argv += ["--worker", worker]
     for url in args.sglang:
         argv += ["--sglang", url]
+    for name in args.served_model_name:
+        argv += ["--served-model-name", name]
+    for flag, value in (
+        ("--sglang-api-key", args.sglang_api_key),
+        ("--v0-port", args.v0_port),
+        ("--v0-token", args.v0_token),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    argv += ["--v0-host", args.v0_host]
     for flag, value in (
         ("--max-batch-tokens", args.max_batch_tokens),
         ("--max-running-requests", args.max_running_requests),
@@ -303,6 +337,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "`ominix-runtime launch` starts workers for you",
             file=sys.stderr,
         )
+        return 2
+    if args.v0_port is not None and not args.v0_token:
+        print("ominix-runtime serve: --v0-port needs --v0-token (every v0 route wants it)", file=sys.stderr)
         return 2
     return run_server(engine_config_from_args(args, args.worker))
 
@@ -498,6 +535,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     if not devices:
         print("ominix-runtime launch: --devices is empty", file=sys.stderr)
+        return 2
+    if args.v0_port is not None and not args.v0_token:
+        print("ominix-runtime launch: --v0-port needs --v0-token (every v0 route wants it)", file=sys.stderr)
         return 2
     ports = [args.worker_base_port + i for i in range(len(devices))]
     addresses = [f"{args.host}:{p}" for p in ports]

@@ -47,6 +47,19 @@ class TLSConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class V0FrontConfig:
+    """The ``ominix.worker.v0`` HTTP/SSE front OminiX-API speaks; off while ``port`` is None."""
+
+    port: int | None = None  # 0: any free port
+    host: str = DEFAULT_HOST  # loopback unless told otherwise
+    token: str | None = None  # bearer token every route requires (mandatory when the front is on)
+
+    @property
+    def enabled(self) -> bool:
+        return self.port is not None
+
+
+@dataclass(frozen=True, slots=True)
 class DebugConfig:
     """Knobs for debugging, read from OMINIX_* environment variables only."""
 
@@ -71,6 +84,8 @@ class EngineConfig:
     model: str | None = None  # None: the embedded default model
     workers: tuple[str, ...] = ()  # host:port of step-level workers
     sglang_urls: tuple[str, ...] = ()  # request-level SGLang servers
+    sglang_api_key: str | None = None  # SGLang's --api-key, sent as a bearer token
+    served_model_names: tuple[str, ...] = ()  # other names requests may use for the model (first: v0's)
     host: str = DEFAULT_HOST
     port: int = DEFAULT_ENGINE_PORT
     metrics_port: int = DEFAULT_METRICS_PORT  # 0: no metrics HTTP server
@@ -81,6 +96,7 @@ class EngineConfig:
     log_json: bool | None = None  # None: JSON unless stderr is a terminal
     tls: TLSConfig = field(default_factory=TLSConfig)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger requests are refused (RESOURCE_EXHAUSTED)
+    v0: V0FrontConfig = field(default_factory=V0FrontConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     @property

@@ -26,6 +26,7 @@ from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.engine_service import EngineService
 from ominix_runtime.server.logging import configure_logging, get_logger
 from ominix_runtime.server.metrics import EngineMetrics, WorkerFigures
+from ominix_runtime.server.v0_http import V0Front
 from ominix_runtime.text import Tokenizer
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -58,7 +59,7 @@ def _build_backends(config: EngineConfig) -> list[Any]:
                 RuntimeErrorKind.CAPABILITY_MISMATCH,
                 f"--sglang needs the SGLang adapter and its dependencies (pip install 'ominix-runtime[sglang]'): {exc}",
             ) from exc
-        backends.extend(SGLangBackend(url) for url in config.sglang_urls)
+        backends.extend(SGLangBackend(url, api_key=config.sglang_api_key) for url in config.sglang_urls)
     if not backends:
         raise OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, "no backend given: pass --worker or --sglang")
     return backends
@@ -122,6 +123,7 @@ class EngineDaemon:
         self._server: grpc.aio.Server | None = None
         self._backends: list[Any] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self.v0_front: V0Front | None = None
 
     async def start(self) -> None:
         config = self.config
@@ -143,6 +145,7 @@ class EngineDaemon:
         )
         self._engine = EngineCore(self._backends, core_config)
         service = EngineService(self._engine, None, model_name, self.metrics)
+        service.aliases = frozenset(config.served_model_names)
 
         # Every service is registered before the server starts; Generate answers UNAVAILABLE and health
         # says NOT_SERVING until the engine is ready.
@@ -190,6 +193,11 @@ class EngineDaemon:
             caps = list(self._engine.capabilities() or [])
             service.model_name = caps[0].model.name if caps else ""
         _negotiate(list(self._engine.capabilities() or []), model_name, service.tokenizer)
+        if config.v0.enabled:
+            assert config.v0.port is not None and config.v0.token
+            served = config.served_model_names[0] if config.served_model_names else ""
+            self.v0_front = V0Front(service, self._engine, config.v0.token, served)
+            await self.v0_front.start(config.v0.host, config.v0.port)
         self._wire_observability()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
@@ -204,6 +212,13 @@ class EngineDaemon:
         )
         print(f"ominix-runtime engine serving {service.model_name} on {address}", file=sys.stderr, flush=True)
         print(_grpcurl_hint(address, config.tls.enabled), file=sys.stderr, flush=True)
+        if self.v0_front is not None:
+            print(
+                f"ominix.worker.v0 front on http://{config.v0.host}:{self.v0_front.port} "
+                f"(served model {self.v0_front.served_model_name!r})",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _wire_observability(self) -> None:
         engine = self._engine
@@ -291,6 +306,8 @@ class EngineDaemon:
         for result in results:
             if isinstance(result, BaseException):
                 _log.warning("shutdown step failed", error=repr(result))
+        if self.v0_front is not None:  # after the drain, so live v0 streams got their terminal records
+            await self.v0_front.stop()
         for task in self._tasks:
             task.cancel()
         for backend in self._backends:
