@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from ominix_runtime.contract import (
     BackendCapability,
     Done,
+    Error,
     FinishReason,
     GenerateRequest,
     Granularity,
@@ -34,6 +37,10 @@ from ominix_runtime.engine.driver import StepWorkerGroup
 
 class CheckFailed(AssertionError):
     """A conformance check failed; the message says what was observed and what was expected."""
+
+
+class CheckSkipped(Exception):
+    """The check cannot apply to this backend (the message says why); it reports SKIP, never PASS."""
 
 
 BackendFactory = Callable[[], Sequence[object]]
@@ -111,13 +118,16 @@ def _cap(core: EngineCore) -> BackendCapability:
     return core.capabilities()[0]
 
 
-def _fitting_max_tokens(core: EngineCore, prompt_len: int, want: int) -> int:
-    """``want`` reduced so that prompt + max_tokens fits the context and every group's KV."""
+def _fitting_max_tokens(core: EngineCore, prompt_len: int, want: int, concurrent: int = 1) -> int:
+    """``want`` reduced so that prompt + max_tokens fits the context and every group's KV, and a
+    request-level backend's pool holds ``concurrent`` such requests at once (else it queues them)."""
     limit = want
     for g in core.groups:
         limit = min(limit, g.capability.model.max_model_len - prompt_len)
         if isinstance(g, StepWorkerGroup):
             limit = min(limit, g.scheduler.registry.num_blocks * g.capability.kv_block_size - prompt_len)
+        elif g.capability.kv_capacity_tokens:  # a request-level backend's own pool
+            limit = min(limit, g.capability.kv_capacity_tokens // concurrent - prompt_len)
     return max(1, limit)
 
 
@@ -221,7 +231,7 @@ async def abort_frees_kv(h: Harness) -> str:
     """Aborting running requests ends them with Done(ABORT) and returns every KV block at once."""
     core = await h.engine()
     cap = _cap(core)
-    max_tokens = _fitting_max_tokens(core, 8, 2000)
+    max_tokens = _fitting_max_tokens(core, 8, 2000, concurrent=3)
     handles = [
         core.submit(_request(h, cap, "abort", n=8, max_tokens=max_tokens, salt=30 + i)) for i in range(3)
     ]
@@ -252,21 +262,31 @@ async def abort_frees_kv(h: Harness) -> str:
 
 
 async def capacity_overflow_rejected(h: Harness) -> str:
-    """A request needing more KV than the worker has is rejected at once with KV_CAPACITY_EXCEEDED."""
+    """A request needing more KV than the backend has is rejected at once with KV_CAPACITY_EXCEEDED; the
+    size comes from the capacity the backend reports (a request-level backend's own pool, e.g. SGLang's)."""
     core = await h.engine()
     cap = _cap(core)
-    if cap.granularity != Granularity.STEP:
-        return "not applicable: a request-level backend owns its KV"
-    group = core.groups[0]
-    assert isinstance(group, StepWorkerGroup)
-    capacity = group.scheduler.registry.num_blocks * cap.kv_block_size
-    if capacity + 1 > cap.model.max_model_len:
-        # Every request within max_model_len fits; check the engine-side limit with a reduced KV instead.
-        core = await h.engine(SchedulerConfig(max_kv_blocks=2))
-        capacity = 2 * cap.kv_block_size
-        note = "engine limited to 2 KV blocks: "
+    max_len = cap.model.max_model_len
+    note = ""
+    if cap.granularity == Granularity.STEP:
+        group = core.groups[0]
+        assert isinstance(group, StepWorkerGroup)
+        capacity = group.scheduler.registry.num_blocks * cap.kv_block_size
+        if capacity + 1 > max_len:
+            # Every request within max_model_len fits; check the engine-side limit with a reduced KV instead.
+            core = await h.engine(SchedulerConfig(max_kv_blocks=2))
+            capacity = 2 * cap.kv_block_size
+            note = "engine limited to 2 KV blocks: "
     else:
-        note = ""
+        capacity = cap.kv_capacity_tokens
+        if capacity <= 0:
+            raise CheckSkipped("the backend reports no KV capacity")
+        if capacity + 4 > max_len:
+            raise CheckSkipped(
+                f"the backend's KV pool ({capacity} tokens) holds any request within its context "
+                f"length ({max_len}): no admissible request can exceed it"
+            )
+        note = f"backend-reported pool of {capacity} tokens: "
     req = _request(h, cap, "overflow", n=4, max_tokens=capacity)
     try:
         core.submit(req)
@@ -280,18 +300,18 @@ async def capacity_overflow_rejected(h: Harness) -> str:
     raise CheckFailed(f"a request needing {4 + capacity} tokens of KV (capacity {capacity}) was accepted")
 
 
+# Most concurrent requests a request-level exhaustion run may use (each check has a time limit).
+MAX_EXHAUSTION_REQUESTS = 64
+
+
 async def survives_kv_exhaustion(h: Harness) -> str:
-    """Many concurrent requests on a small KV cache all complete (preemption by recompute)."""
+    """Concurrent requests demanding more KV than the backend has all complete: a step-level backend by
+    preemption, a request-level one by its own queueing or retraction. Sized from the reported capacity."""
     probe = await h.engine()
     cap = _cap(probe)
     n_requests = 8
     if cap.granularity != Granularity.STEP:
-        reqs = [_request(h, cap, "exhaust", n=16, max_tokens=8, salt=40 + i) for i in range(4 * n_requests)]
-        streams = await _collect(probe, reqs)
-        bad = [rid for rid, ev in streams.items() if not isinstance(ev[-1], Done)]
-        if bad:
-            raise CheckFailed(f"{len(bad)} of {len(reqs)} requests did not complete, e.g. {bad[0]}")
-        return f"{len(reqs)} concurrent requests completed (request-level: the backend manages its KV)"
+        return await _request_level_exhaustion(h, probe, cap)
     await probe.stop()
     bs = cap.kv_block_size
     blocks = min(8, cap.kv_num_blocks)
@@ -317,8 +337,127 @@ async def survives_kv_exhaustion(h: Harness) -> str:
     return f"{n_requests} requests on {blocks} blocks of {bs}: all complete, {stats.preemptions} preemptions"
 
 
+async def _request_level_exhaustion(h: Harness, core: EngineCore, cap: BackendCapability) -> str:
+    capacity = cap.kv_capacity_tokens
+    if capacity <= 0:
+        raise CheckSkipped("the backend reports no KV capacity to exhaust")
+    per_request = min(max(capacity // 4, 2), cap.model.max_model_len - 1)
+    n_requests = math.ceil(1.5 * capacity / per_request)
+    if n_requests > MAX_EXHAUSTION_REQUESTS:
+        raise CheckSkipped(
+            f"exhausting {capacity} KV tokens with requests of at most {per_request} tokens needs "
+            f"{n_requests} concurrent requests (more than {MAX_EXHAUSTION_REQUESTS})"
+        )
+    max_tokens = min(8, per_request // 2)
+    prompt_len = per_request - max_tokens
+    reqs = [
+        _request(h, cap, "exhaust", n=prompt_len, max_tokens=max_tokens, salt=40 + i)
+        for i in range(n_requests)
+    ]
+    streams = await _collect(core, reqs)
+    for rid, events in streams.items():
+        end = events[-1]
+        if not isinstance(end, Done) or end.finish_reason != FinishReason.LENGTH:
+            raise CheckFailed(f"{rid}: ended with {end!r} instead of Done(LENGTH)")
+        got = sum(len(e.token_ids) for e in events if isinstance(e, Token))
+        if got != max_tokens:
+            raise CheckFailed(f"{rid}: {got} tokens instead of {max_tokens}")
+    demand = n_requests * per_request
+    return (
+        f"{n_requests} concurrent requests of {per_request} tokens ({demand} tokens, "
+        f"{demand / capacity:.1f}x the backend's {capacity}-token pool): all complete"
+    )
+
+
+async def unsupported_model_rejected(h: Harness) -> str:
+    """A request for a model no backend serves is refused at submit with CAPABILITY_MISMATCH."""
+    core = await h.engine()
+    cap = _cap(core)
+    req = _request(h, cap, "model")
+    req.model = "conformance/no-such-model"
+    try:
+        core.submit(req)
+    except OminixError as exc:
+        if exc.kind != RuntimeErrorKind.CAPABILITY_MISMATCH:
+            raise CheckFailed(
+                f"rejected with {exc.kind.name} instead of CAPABILITY_MISMATCH: {exc.message}"
+            ) from exc
+        return f"rejected: {exc.message}"
+    core.abort(req.request_id)
+    raise CheckFailed(f"a request for {req.model!r} was accepted (the backend serves {cap.model.name!r})")
+
+
+async def abort_is_idempotent(h: Harness) -> str:
+    """Aborting twice, aborting an unknown id and aborting a finished request are harmless no-ops: one
+    Done(ABORT), no second terminal event, no KV left."""
+    core = await h.engine()
+    cap = _cap(core)
+    handle = core.submit(_request(h, cap, "abort-twice", max_tokens=_fitting_max_tokens(core, 8, 2000)))
+    events = [await anext(handle.__aiter__())]
+    if is_terminal(events[0]):
+        raise CheckFailed(f"ended before it could be aborted: {events[0]!r}")
+    first, second = core.abort(handle.request_id), core.abort(handle.request_id)
+    events += [e async for e in handle]
+    if not first:
+        raise CheckFailed("the first abort found no live request")
+    if second:
+        raise CheckFailed("a second abort of the same request found it live again")
+    ends = [e for e in events if is_terminal(e)]
+    if len(ends) != 1 or not isinstance(ends[0], Done) or ends[0].finish_reason != FinishReason.ABORT:
+        raise CheckFailed(f"expected exactly one Done(ABORT), got {ends!r}")
+    if core.abort("conformance-never-submitted") or core.abort(handle.request_id):
+        raise CheckFailed("aborting an unknown or finished request reported a live request")
+    await asyncio.sleep(0.05)  # a late event from the backend would show up as a protocol violation
+    if core.stats().protocol_violations:
+        raise CheckFailed(
+            "the backend sent events after the abort: "
+            + "; ".join(core.stats().recent_protocol_violations[:2])
+        )
+    _check_no_kv_held(core)
+    return "abort twice, unknown id, finished id: one Done(ABORT), no KV held"
+
+
+async def deadline_enforced(h: Harness) -> str:
+    """A request whose deadline passes ends with Error(TIMEOUT) and frees its KV."""
+    core = await h.engine()
+    cap = _cap(core)
+    deadline_s = 0.05
+    req = _request(h, cap, "deadline", max_tokens=_fitting_max_tokens(core, 8, 4000))
+    req.deadline = req.arrival_time + deadline_s
+    start = time.monotonic()
+    (events,) = (await _collect(core, [req])).values()
+    took = time.monotonic() - start
+    end = events[-1]
+    n_tokens = sum(len(e.token_ids) for e in events if isinstance(e, Token))
+    if isinstance(end, Done) and end.finish_reason == FinishReason.LENGTH and took < deadline_s:
+        raise CheckSkipped(
+            f"the backend generated all {n_tokens} tokens within the {deadline_s * 1000:g} ms deadline"
+        )
+    if not isinstance(end, Error) or end.kind != RuntimeErrorKind.TIMEOUT:
+        raise CheckFailed(f"after a {deadline_s * 1000:g} ms deadline the request ended with {end!r}")
+    if sum(is_terminal(e) for e in events) != 1:
+        raise CheckFailed(f"{sum(is_terminal(e) for e in events)} terminal events")
+    _check_no_kv_held(core)
+    return f"Error(TIMEOUT) after {took * 1000:.0f} ms and {n_tokens} tokens, no KV held"
+
+
+def _check_no_kv_held(core: EngineCore) -> None:
+    for g in core.groups:
+        if isinstance(g, StepWorkerGroup):
+            reg = g.scheduler.registry
+            if reg.num_leased_blocks or reg.num_leases:
+                raise CheckFailed(f"{g.worker_id}: {reg.num_leased_blocks} KV blocks still leased")
+            reg.check_integrity()
+        elif g.load().running_requests or g.load().queued_requests:
+            raise CheckFailed(f"{g.worker_id}: requests still counted as live after they ended")
+
+
 async def same_seed_same_tokens(h: Harness) -> str:
-    """A seeded request draws the same tokens when run again, alone or inside a different batch."""
+    """A seeded request draws the same tokens when run again, alone or inside a different batch.
+
+    SGLang is batch-invariant only when started with ``--enable-deterministic-inference``; without it this
+    check can fail against a real SGLang server although the adapter forwards the seed correctly.
+    """
     core = await h.engine()
     cap = _cap(core)
     sampling = {"seed": 4242, "temperature": 1.0, "top_k": 50}
@@ -348,8 +487,14 @@ async def same_seed_same_tokens(h: Harness) -> str:
             pos = next(
                 (i for i, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b), min(len(ref), len(got))
             )
+            hint = (
+                " (an SGLang server needs --enable-deterministic-inference for batch-invariant sampling)"
+                if cap.granularity == Granularity.REQUEST
+                else ""
+            )
             raise CheckFailed(
-                f"seed 4242 {label}: tokens differ at position {pos}: {ref[pos : pos + 4]} vs {got[pos : pos + 4]}"
+                f"seed 4242 {label}: tokens differ at position {pos}: {ref[pos : pos + 4]} vs "
+                f"{got[pos : pos + 4]}{hint}"
             )
     return f"{len(ref)} tokens identical alone, again and in a batch of {len(others) + 1}"
 
@@ -364,7 +509,10 @@ ALL_CHECKS: dict[str, CheckFn] = {
     "abort_frees_kv": abort_frees_kv,
     "capacity_overflow_rejected": capacity_overflow_rejected,
     "survives_kv_exhaustion": survives_kv_exhaustion,
+    "unsupported_model_rejected": unsupported_model_rejected,
+    "abort_is_idempotent": abort_is_idempotent,
+    "deadline_enforced": deadline_enforced,
     "same_seed_same_tokens": same_seed_same_tokens,
 }
 
-__all__ = ["ALL_CHECKS", "CheckFailed", "CheckFn", "Harness"]
+__all__ = ["ALL_CHECKS", "CheckFailed", "CheckFn", "CheckSkipped", "Harness"]

@@ -14,8 +14,10 @@ from ominix_runtime.conformance.runner import all_passed, format_json, format_ta
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ominix-runtime conformance",
-        description="Backend conformance suite: event order, one terminal event, abort, KV capacity, "
-        "KV exhaustion, capability declaration, seeded determinism. Exits 0 only if every check passes.",
+        description="Backend conformance suite: event order, one terminal event, abort (also twice), KV "
+        "capacity, KV exhaustion, unsupported model, deadline, capability declaration, seeded determinism "
+        "(an SGLang server needs --enable-deterministic-inference for it). A check that cannot apply to the "
+        "backend reports SKIP. Exits 0 when no check fails and at least one passes.",
     )
     p.add_argument(
         "--backend",
@@ -32,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
         help="check running ominix workers over gRPC instead (repeatable)",
     )
     p.add_argument("--url", help="SGLang server URL for --backend sglang")
+    p.add_argument("--sglang-api-key", default=None, help="bearer token of the SGLang server (its --api-key)")
     p.add_argument("--vocab-size", type=int, help="state the vocabulary size SGLang does not report")
     p.add_argument(
         "--eos-token-id",
@@ -66,7 +69,7 @@ def _factory(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Backe
         from ominix_runtime.backends.sglang import SGLangBackend
 
         url = args.url
-        stated: dict[str, object] = {}
+        stated: dict[str, object] = {"api_key": args.sglang_api_key}
         if args.vocab_size:
             stated["vocab_size"] = args.vocab_size
         if args.eos_token_id:
