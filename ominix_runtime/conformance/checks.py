@@ -29,7 +29,7 @@ from ominix_runtime.contract import (
     is_terminal,
 )
 from ominix_runtime.engine import EngineCore, EngineCoreConfig, SchedulerConfig
-from ominix_runtime.engine.driver import StepWorkerGroup
+from ominix_runtime.engine.groups.step_group import StepWorkerGroup
 
 
 class CheckFailed(AssertionError):

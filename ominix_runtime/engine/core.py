@@ -24,10 +24,10 @@ from ominix_runtime.contract import (
     is_terminal,
 )
 from ominix_runtime.engine.config import EngineCoreConfig
-from ominix_runtime.engine.driver import StepWorkerGroup
+from ominix_runtime.engine.groups.request_group import RequestWorkerGroup
+from ominix_runtime.engine.groups.step_group import StepWorkerGroup
 from ominix_runtime.engine.logs import log_event
 from ominix_runtime.engine.request import EngineRequest
-from ominix_runtime.engine.request_group import RequestWorkerGroup
 from ominix_runtime.engine.stats import EngineStats, LoadSnapshot, RunReport, StepReport
 
 WorkerGroup = StepWorkerGroup | RequestWorkerGroup

@@ -23,7 +23,7 @@ from ominix_runtime.contract import (
     is_terminal,
 )
 from ominix_runtime.engine import EngineCore, EngineCoreConfig, RequestHandle, RunReport, StepReport
-from ominix_runtime.engine.driver import StepWorkerGroup
+from ominix_runtime.engine.groups.step_group import StepWorkerGroup
 from ominix_runtime.testing.fake_backend import FakeConfig, FakeRequestBackend, FakeStepBackend
 
 TIMEOUT = 20.0

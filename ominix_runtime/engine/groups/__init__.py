@@ -1,0 +1,1 @@
+"""Worker groups: what the engine core drives, one group per backend."""
