@@ -16,11 +16,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ominix_runtime.backends.grpc_worker import CHANNEL_OPTIONS, GrpcWorkerBackend
-from ominix_runtime.backends.negotiation import check_group
 from ominix_runtime.config import EngineConfig
 from ominix_runtime.contract import BackendCapability, Granularity, OminixError, RuntimeErrorKind
 from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig
 from ominix_runtime.engine.core import EngineCore
+from ominix_runtime.engine.negotiation import check_group
 from ominix_runtime.models import ModelFormat, ModelSource, resolve_model
 from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.engine_service import EngineService

@@ -6,7 +6,6 @@ from dataclasses import replace
 
 import pytest
 
-from ominix_runtime.backends.negotiation import check_group
 from ominix_runtime.contract import (
     ASCEND_PROFILE,
     CPU_PROFILE,
@@ -16,6 +15,7 @@ from ominix_runtime.contract import (
     OminixError,
     RuntimeErrorKind,
 )
+from ominix_runtime.engine.negotiation import check_group
 
 MODEL = ModelInfo(name="tiny", vocab_size=1000, max_model_len=4096, eos_token_ids=(2,))
 
