@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from ominix_runtime.contract import (
+    BackendAdapter,
     BackendCapability,
     Error,
     FinishReason,
@@ -16,21 +17,16 @@ from ominix_runtime.contract import (
     Granularity,
     InvalidArgument,
     OminixError,
-    RequestBackend,
     RuntimeErrorKind,
-    StepBackend,
     Usage,
     WorkerEvent,
     is_terminal,
 )
 from ominix_runtime.engine.config import EngineCoreConfig
-from ominix_runtime.engine.groups.request_group import RequestWorkerGroup
-from ominix_runtime.engine.groups.step_group import StepWorkerGroup
+from ominix_runtime.engine.groups import GroupHooks, WorkerGroup, build_group
 from ominix_runtime.engine.logs import log_event
 from ominix_runtime.engine.request import EngineRequest
 from ominix_runtime.engine.stats import EngineStats, LoadSnapshot, RunReport, StepReport
-
-WorkerGroup = StepWorkerGroup | RequestWorkerGroup
 
 # Routing: groups whose load (queued + running requests) is within this many requests of the least loaded
 # one compete on prefix-cache affinity; beyond it, load wins.
@@ -95,9 +91,7 @@ class EngineCore:
     are synchronous.
     """
 
-    def __init__(
-        self, backends: Sequence[StepBackend | RequestBackend], config: EngineCoreConfig | None = None
-    ) -> None:
+    def __init__(self, backends: Sequence[BackendAdapter], config: EngineCoreConfig | None = None) -> None:
         if not backends:
             raise ValueError("EngineCore needs at least one backend")
         self.config = config or EngineCoreConfig()
@@ -121,23 +115,13 @@ class EngineCore:
             return
         caps = await asyncio.gather(*(b.describe() for b in self._backends))
         self._check_capabilities(caps)
-        for backend, cap in zip(self._backends, caps, strict=True):
-            group: WorkerGroup
-            if cap.granularity == Granularity.STEP:
-                group = StepWorkerGroup(
-                    backend,  # type: ignore[arg-type]
-                    cap,
-                    self.config,
-                    self._deliver,
-                    self._on_report,
-                    self._on_step,
-                    evacuate=self._evacuate,
-                )
-            else:
-                group = RequestWorkerGroup(
-                    backend, cap, self.config, self._deliver, self._on_report, self._on_step
-                )  # type: ignore[arg-type]
-            self._groups.append(group)
+        hooks = GroupHooks(
+            deliver=self._deliver, report=self._on_report, step_report=self._on_step, evacuate=self._evacuate
+        )
+        self._groups = [
+            build_group(backend, cap, self.config, hooks)
+            for backend, cap in zip(self._backends, caps, strict=True)
+        ]
         try:
             await asyncio.gather(*(g.start() for g in self._groups))
         except BaseException:
@@ -260,7 +244,7 @@ class EngineCore:
         close = [g for g in groups if load_of(g) <= least + _AFFINITY_LOAD_SLACK]
         return max(close, key=lambda g: (g.prefix_hit_tokens(request), -load_of(g)))
 
-    def _evacuate(self, failed: StepWorkerGroup, requests: list[EngineRequest]) -> list[EngineRequest]:
+    def _evacuate(self, failed: WorkerGroup, requests: list[EngineRequest]) -> list[EngineRequest]:
         """Resume a failed group's requests on healthy groups of the same model; returns the ones left over.
 
         Requests that streamed nothing are simply recomputed; the others continue from prompt + the tokens
@@ -275,7 +259,7 @@ class EngineCore:
             targets = [
                 g
                 for g in self._groups
-                if isinstance(g, StepWorkerGroup)
+                if g.resumes_requests
                 and g is not failed
                 and g.healthy
                 and g.running
@@ -376,10 +360,9 @@ class EngineCore:
         return [g.capability for g in self._groups]
 
     def check_integrity(self) -> None:
-        """Registry and scheduler invariants of every step-level group (raises AssertionError)."""
+        """Engine-side invariants of every group, e.g. registry and scheduler (raises AssertionError)."""
         for g in self._groups:
-            if isinstance(g, StepWorkerGroup):
-                g.scheduler.check_integrity()
+            g.check_integrity()
 
     def stats(self) -> EngineStats:
         fields = dict.fromkeys(
@@ -411,13 +394,12 @@ class EngineCore:
             u, t = g.kv_blocks
             used += u
             total += t
-            if isinstance(g, StepWorkerGroup):
-                snap = g.scheduler.registry
-                query_tokens += snap.prefix_query_tokens
-                hit_tokens += snap.prefix_hit_tokens
-            else:
-                protocol += g.num_protocol_violations
-                recent_protocol += list(g.protocol_violations)
+            prefix = g.prefix_cache_tokens()
+            if prefix is not None:
+                query_tokens += prefix[0]
+                hit_tokens += prefix[1]
+            protocol += g.num_protocol_violations
+            recent_protocol += list(g.protocol_violations)
             checks += g.integrity_checks
             violations += g.integrity_violations
             load = g.load()

@@ -258,10 +258,10 @@ class EngineDaemon:
         for group in self._engine.groups:
             used, total = group.kv_blocks
             ratio = None
-            registry = getattr(getattr(group, "scheduler", None), "registry", None)  # step-level groups only
-            if registry is not None:
-                queried = registry.prefix_query_tokens
-                ratio = registry.prefix_hit_tokens / queried if queried else 0.0
+            prefix = group.prefix_cache_tokens()  # None: the backend keeps its own prefix cache
+            if prefix is not None:
+                queried, hit = prefix
+                ratio = hit / queried if queried else 0.0
             figures.append(
                 WorkerFigures(
                     worker_id=group.worker_id,
