@@ -14,7 +14,6 @@ from ominix_runtime.contract import (
     Error,
     FinishReason,
     GenerateRequest,
-    Granularity,
     InvalidArgument,
     OminixError,
     RuntimeErrorKind,
@@ -25,6 +24,7 @@ from ominix_runtime.contract import (
 from ominix_runtime.engine.config import EngineCoreConfig
 from ominix_runtime.engine.groups import GroupHooks, WorkerGroup, build_group
 from ominix_runtime.engine.logs import log_event
+from ominix_runtime.engine.negotiation import ServingTerms, negotiate
 from ominix_runtime.engine.request import EngineRequest
 from ominix_runtime.engine.stats import EngineStats, LoadSnapshot, RunReport, StepReport
 
@@ -69,7 +69,7 @@ class EngineCore:
     Public API (used by the front server)::
 
         core = EngineCore(backends, EngineCoreConfig())
-        await core.start()          # describe backends, validate capabilities, build groups, start drivers
+        await core.start(terms)     # describe backends, negotiate, build groups, start drivers
         handle = core.submit(req)   # validate + route; raises OminixError on rejection
         async for event in handle:  # PrefillDone, Token..., Usage, then exactly one Done or Error
             ...
@@ -106,15 +106,15 @@ class EngineCore:
         self._rejected = 0
         self._all_done = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
-        self.capability_warnings: list[str] = []
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, terms: ServingTerms | None = None) -> None:
+        """Describe every backend, negotiate (CAPABILITY_MISMATCH on ``terms``), then start the groups."""
         if self._started:
             return
         caps = await asyncio.gather(*(b.describe() for b in self._backends))
-        self._check_capabilities(caps)
+        negotiate(caps, terms)  # before any group opens a stream to its backend
         hooks = GroupHooks(
             deliver=self._deliver, report=self._on_report, step_report=self._on_step, evacuate=self._evacuate
         )
@@ -131,32 +131,6 @@ class EngineCore:
         self._started = True
         self._accepting = True
         log_event("info", "engine_started", workers=[g.worker_id for g in self._groups])
-
-    def _check_capabilities(self, caps: Sequence[BackendCapability]) -> None:
-        problems: list[str] = []
-        seen: dict[str, BackendCapability] = {}
-        by_model: dict[str, BackendCapability] = {}
-        for cap in caps:
-            found = cap.problems()
-            if cap.granularity == Granularity.STEP:
-                problems += [f"{cap.worker_id or '?'}: {p}" for p in found]
-            else:  # a request-level backend may not know everything (e.g. eos ids); not fatal
-                self.capability_warnings += [f"{cap.worker_id}: {p}" for p in found]
-            if cap.worker_id in seen:
-                problems.append(f"two backends state the same worker_id {cap.worker_id!r}")
-            seen[cap.worker_id] = cap
-            other = by_model.get(cap.model.name)
-            if other is not None and cap.granularity == other.granularity == Granularity.STEP:
-                for attr in ("vocab_size", "max_model_len", "eos_token_ids"):
-                    if getattr(cap.model, attr) != getattr(other.model, attr):
-                        problems.append(
-                            f"{cap.worker_id} and {other.worker_id} serve {cap.model.name!r} with different {attr}"
-                        )
-            by_model.setdefault(cap.model.name, cap)
-        if problems:
-            raise OminixError(RuntimeErrorKind.CAPABILITY_MISMATCH, "; ".join(problems))
-        for w in self.capability_warnings:
-            log_event("warning", "capability_problem", detail=w)
 
     async def stop(self, drain_timeout: float = 0.0) -> None:
         if self._stopped:

@@ -17,10 +17,10 @@ from grpc_reflection.v1alpha import reflection
 
 from ominix_runtime.backends.grpc_worker import CHANNEL_OPTIONS, GrpcWorkerBackend
 from ominix_runtime.config import EngineConfig
-from ominix_runtime.contract import BackendCapability, Granularity, OminixError, RuntimeErrorKind
+from ominix_runtime.contract import OminixError, RuntimeErrorKind
 from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig
 from ominix_runtime.engine.core import EngineCore
-from ominix_runtime.engine.negotiation import check_group
+from ominix_runtime.engine.negotiation import ServingTerms
 from ominix_runtime.models import ModelFormat, ModelSource, resolve_model
 from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.engine_service import EngineService
@@ -71,27 +71,6 @@ async def _wait_workers_ready(backends: list[Any], timeout: float) -> None:
             "waiting for workers", workers=[b.address for b in backends if isinstance(b, GrpcWorkerBackend)]
         )
         await asyncio.gather(*waits)
-
-
-def _negotiate(caps: list[BackendCapability], model_name: str, tokenizer: Tokenizer | None) -> None:
-    """Refuse to serve when the backends cannot serve the configured model together (CAPABILITY_MISMATCH).
-
-    Step-level workers are one group for the served model: requests fail over between them, so they must
-    serve that model with one block size; each request-level model is a group of its own.
-    """
-    step_caps = [c for c in caps if c.granularity == Granularity.STEP]
-    if step_caps:
-        check_group(step_caps, model_name or step_caps[0].model.name)
-        vocab = step_caps[0].model.vocab_size
-        if tokenizer is not None and tokenizer.vocab_size > vocab:
-            raise OminixError(
-                RuntimeErrorKind.CAPABILITY_MISMATCH,
-                f"the tokenizer of {model_name!r} has {tokenizer.vocab_size} tokens but the workers' model has "
-                f"a vocabulary of {vocab}: engine and workers must load the same model",
-            )
-    request_models = {c.model.name for c in caps if c.granularity == Granularity.REQUEST}
-    for name in sorted(request_models):
-        check_group([c for c in caps if c.granularity == Granularity.REQUEST and c.model.name == name], name)
 
 
 def _grpcurl_hint(address: str, tls: bool) -> str:
@@ -185,11 +164,13 @@ class EngineDaemon:
         finally:
             if tokenizer_loading is not None and not tokenizer_loading.done():
                 tokenizer_loading.cancel()
-        await self._engine.start()
+        tokenizer = service.tokenizer
+        await self._engine.start(
+            ServingTerms(model_name, tokenizer.vocab_size if tokenizer is not None else None)
+        )
         if not model_name:
-            caps = list(self._engine.capabilities() or [])
+            caps = self._engine.capabilities()
             service.model_name = caps[0].model.name if caps else ""
-        _negotiate(list(self._engine.capabilities() or []), model_name, service.tokenizer)
         self._wire_observability()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)

@@ -24,6 +24,7 @@ from ominix_runtime.contract import (
 )
 from ominix_runtime.engine import EngineCore, EngineCoreConfig, RequestHandle, RunReport, StepReport
 from ominix_runtime.engine.groups.step_group import StepWorkerGroup
+from ominix_runtime.engine.negotiation import ServingTerms
 from ominix_runtime.testing.fake_backend import FakeConfig, FakeRequestBackend, FakeStepBackend
 
 TIMEOUT = 20.0
@@ -235,6 +236,11 @@ def test_capability_problems_refuse_to_start() -> None:
         twins = EngineCore([FakeStepBackend(), FakeStepBackend()], EngineCoreConfig())
         with pytest.raises(OminixError, match="same worker_id"):
             await twins.start()
+        worker = FakeStepBackend()
+        other_model = EngineCore([worker], EngineCoreConfig())
+        with pytest.raises(OminixError, match="model mismatch"):
+            await other_model.start(ServingTerms(model_name="another-model"))
+        assert worker.num_streams_opened == 0  # negotiation runs before any Run stream opens
 
     asyncio.run(main())
 
