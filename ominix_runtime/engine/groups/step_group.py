@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
+from typing import Literal
 
 from ominix_runtime.contract import (
     BackendAdapter,
@@ -276,7 +277,8 @@ class StepWorkerGroup(WorkerGroup):
                     # Aborts (deadlines included) set _wake; the timeout paces the idle integrity check.
                     timeout = 1.0
                     wake = asyncio.ensure_future(self._wake.wait())
-                    await asyncio.wait({wake, recv}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                    waiting: set[asyncio.Future[Literal[True]] | asyncio.Future[StepResult]] = {wake, recv}
+                    await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                     wake.cancel()
                     if recv.done():
                         recv.result()  # raises the stream's failure
