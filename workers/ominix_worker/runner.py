@@ -33,6 +33,7 @@ from ominix_runtime.contract import (
 from ominix_worker.attention.base import AttentionBackend, AttentionMetadata
 from ominix_worker.config import ModelConfig
 from ominix_worker.models.llama import LlamaForCausalLM
+from ominix_worker.parallel import SINGLE, TensorParallel
 from ominix_worker.sampler import SamplerOutput, SamplingTensors, sample
 
 if TYPE_CHECKING:  # imported on CUDA only, when graphs are captured
@@ -665,8 +666,11 @@ def build_runner(
     block_size: int = 16,
     attention: str | None = None,
     max_model_len: int | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> ModelRunner:
-    """A runner with a fixed number of KV blocks (tests, benchmarks); the server sizes KV from memory."""
+    """A runner with a fixed number of KV blocks (tests, benchmarks); the server sizes KV from memory.
+
+    With ``tp`` (a joined group), this rank's shards of the model and its KV heads."""
     from ominix_runtime.models import resolve_model
     from ominix_worker.attention import get_attention_backend
     from ominix_worker.kv_cache import allocate_kv_cache
@@ -675,7 +679,9 @@ def build_runner(
     device = torch.device(device)
     backend = get_attention_backend(attention or device.type, block_size)
     source = resolve_model(model_path)
-    loaded = load_model(source, device, dtype, backend, max_positions=max_model_len)
-    max_len = max_model_len or loaded.config.max_position_embeddings
-    kv = allocate_kv_cache(backend, loaded.config, num_blocks, dtype, device)
+    loaded = load_model(source, device, dtype, backend, max_positions=max_model_len, tp=tp)
+    config = loaded.config
+    max_len = max_model_len or config.max_position_embeddings
+    kv_heads = tp.kv_heads(config.num_kv_heads, config.num_heads).size
+    kv = allocate_kv_cache(backend, config, num_blocks, dtype, device, kv_heads)
     return ModelRunner(loaded.model, loaded.config, backend, kv, device, max_len)
