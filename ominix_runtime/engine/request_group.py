@@ -14,7 +14,7 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ominix_runtime.contract import (
     BackendCapability,
@@ -47,6 +47,8 @@ class _Forwarded:
     queued_time: float
     started_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    token_gaps: list[float] = field(default_factory=list)
     prefill_seen: bool = False
     terminal_sent: bool = False
     num_output_tokens: int = 0
@@ -261,8 +263,12 @@ class RequestWorkerGroup:
                 elif isinstance(event, Token):
                     if not fwd.prefill_seen:
                         self._violation(fwd, "sent a token before prefill_done")
+                    now = time.monotonic()
                     if fwd.first_token_time is None:
-                        fwd.first_token_time = time.monotonic()
+                        fwd.first_token_time = now
+                    if fwd.last_token_time is not None:
+                        fwd.token_gaps.append(now - fwd.last_token_time)
+                    fwd.last_token_time = now
                     fwd.num_output_tokens += len(event.token_ids)
                     self.counters.generated_tokens += len(event.token_ids)
                 if is_terminal(event):
@@ -353,5 +359,8 @@ class RequestWorkerGroup:
                 tpot=tpot,
                 e2e=now - fwd.queued_time,
                 priority=int(fwd.request.priority),
+                model=fwd.request.model,
+                arrival_time=fwd.queued_time,
+                inter_token_latencies=tuple(fwd.token_gaps),
             )
         )

@@ -21,11 +21,12 @@ from ominix_runtime.config import EngineConfig
 from ominix_runtime.contract import BackendCapability, Granularity, OminixError, RuntimeErrorKind
 from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig
 from ominix_runtime.engine.core import EngineCore
+from ominix_runtime.engine.stats import worker_stats
 from ominix_runtime.models import ModelFormat, ModelSource, resolve_model
 from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.engine_service import EngineService
 from ominix_runtime.server.logging import configure_logging, get_logger
-from ominix_runtime.server.metrics import EngineMetrics, WorkerFigures
+from ominix_runtime.server.metrics import EngineMetrics
 from ominix_runtime.text import Tokenizer
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -190,7 +191,7 @@ class EngineDaemon:
             caps = list(self._engine.capabilities() or [])
             service.model_name = caps[0].model.name if caps else ""
         _negotiate(list(self._engine.capabilities() or []), model_name, service.tokenizer)
-        self._wire_observability()
+        self._wire_observability(service.model_name)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.get_running_loop().create_task(self._follow_health()))
@@ -205,13 +206,15 @@ class EngineDaemon:
         print(f"ominix-runtime engine serving {service.model_name} on {address}", file=sys.stderr, flush=True)
         print(_grpcurl_hint(address, config.tls.enabled), file=sys.stderr, flush=True)
 
-    def _wire_observability(self) -> None:
+    def _wire_observability(self, model_name: str) -> None:
         engine = self._engine
         metrics = self.metrics
 
         def on_run(report: Any) -> None:
             fields = asdict(report)
             fields["finish_reason"] = report.finish_reason.name
+            gaps = fields.pop("inter_token_latencies")  # one per token: the log keeps the worst
+            fields["max_inter_token_latency"] = max(gaps) if gaps else None
             if report.error_kind is not None:
                 fields["error_kind"] = report.error_kind.name
             _log.info("request finished", **fields)
@@ -221,6 +224,7 @@ class EngineDaemon:
         engine.add_listener(on_run)
         if metrics is None:
             return
+        metrics.set_model_name(model_name)
         engine.add_step_listener(metrics.observe_step)
         self.metrics_port = metrics.start_http(self.config.metrics_port, self.config.host)
         self._tasks.append(asyncio.get_running_loop().create_task(self._refresh_metrics()))
@@ -246,33 +250,10 @@ class EngineDaemon:
         assert self.metrics is not None
         while True:
             try:
-                self.metrics.update_snapshots(
-                    self._engine.load(), self._engine.stats(), self._worker_figures()
-                )
+                self.metrics.update_workers(worker_stats(g) for g in self._engine.groups)
             except Exception as exc:  # noqa: BLE001 - metrics must never take the daemon down
                 _log.warning("metrics refresh failed", error=repr(exc))
             await asyncio.sleep(METRICS_REFRESH_INTERVAL_S)
-
-    def _worker_figures(self) -> list[WorkerFigures]:
-        figures = []
-        for group in self._engine.groups:
-            used, total = group.kv_blocks
-            ratio = None
-            registry = getattr(getattr(group, "scheduler", None), "registry", None)  # step-level groups only
-            if registry is not None:
-                queried = registry.prefix_query_tokens
-                ratio = registry.prefix_hit_tokens / queried if queried else 0.0
-            figures.append(
-                WorkerFigures(
-                    worker_id=group.worker_id,
-                    kv_blocks_used=used,
-                    kv_blocks_total=total,
-                    preemptions=group.counters.preemptions,
-                    integrity_violations=group.integrity_violations,
-                    prefix_cache_hit_ratio=ratio,
-                )
-            )
-        return figures
 
     async def shutdown(self) -> None:
         """NOT_SERVING, stop accepting, let live requests finish up to the drain timeout, then stop."""

@@ -182,17 +182,17 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 gen_request = self._resolve(request, request_id)
             except _NotFound as exc:
                 self._live.discard(request_id)
-                self._reject(str(exc), counted_by_engine=False)
+                self._reject(str(exc), "model_not_found", counted_by_engine=False)
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
             except OminixError as exc:
                 self._live.discard(request_id)
-                self._reject(exc.message, counted_by_engine=False)
+                self._reject(exc.message, exc.kind.name.lower(), counted_by_engine=False)
                 await context.abort(status_for(exc), exc.message)
             try:
                 handle = await _maybe_await(self._engine.submit(gen_request))
             except OminixError as exc:
                 self._live.discard(request_id)
-                self._reject(exc.message, counted_by_engine=True)
+                self._reject(exc.message, exc.kind.name.lower(), counted_by_engine=True)
                 await context.abort(status_for(exc), exc.message)
             except BaseException:
                 self._live.discard(request_id)
@@ -217,12 +217,12 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                     _log.info("stream ended early, aborting request")
                     await _maybe_await(handle.abort())
 
-    def _reject(self, message: str, counted_by_engine: bool) -> None:
+    def _reject(self, message: str, reason: str, counted_by_engine: bool) -> None:
         if not counted_by_engine:
             self._rejected += 1
         _log.info("request rejected", reason=message)
         if self._metrics is not None:
-            self._metrics.observe_rejection()
+            self._metrics.observe_rejection(reason)
 
     async def _events(self, req: GenerateRequest, handle: Any) -> AsyncIterator[engine_pb2.GenerateEvent]:
         rid = req.request_id
