@@ -128,6 +128,11 @@ def _has_evidence(kind: str, o: Observation) -> bool:
     return bool(o.output_fingerprint) or o.output_values is not None  # outputs
 
 
+def _comparable_fingerprints(a: str, b: str) -> bool:
+    """Both present and of one scheme (token ids vs text fingerprints cannot be compared)."""
+    return bool(a and b) and a.split(":", 1)[0] == b.split(":", 1)[0]
+
+
 class _Assessment:
     """Figures and signals for a set of matched pairs under one policy."""
 
@@ -169,7 +174,7 @@ class _Assessment:
                     drifted.append(c.request_id)
                 else:
                     mismatched.append(c.request_id)
-            elif b.output_fingerprint and c.output_fingerprint:
+            elif _comparable_fingerprints(b.output_fingerprint, c.output_fingerprint):
                 if b.output_fingerprint == c.output_fingerprint:
                     exact += 1
                 else:
