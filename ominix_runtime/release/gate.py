@@ -118,19 +118,25 @@ def _decision(signals: list[Signal]) -> Decision:
     return Decision.PROMOTE
 
 
-def _has_evidence(kind: str, o: Observation) -> bool:
+def _comparable_fingerprints(a: str, b: str) -> bool:
+    """Both present and of one scheme (token ids vs text fingerprints cannot be compared)."""
+    return bool(a and b) and a.split(":", 1)[0] == b.split(":", 1)[0]
+
+
+def _has_evidence(kind: str, b: Observation, c: Observation) -> bool:
+    """Whether both sides of a pair carry this kind of evidence (outputs: in a form that can be compared)."""
+    if kind == "outputs":
+        both_values = b.output_values is not None and c.output_values is not None
+        return both_values or _comparable_fingerprints(b.output_fingerprint, c.output_fingerprint)
+    return all(_has_own_evidence(kind, o) for o in (b, c))
+
+
+def _has_own_evidence(kind: str, o: Observation) -> bool:
     if kind == "route":
         return bool(o.route)
     if kind == "scheduler":
         return o.queue_depth is not None and o.kv_pressure_pct is not None
-    if kind == "streaming":
-        return o.ttft_ms is not None
-    return bool(o.output_fingerprint) or o.output_values is not None  # outputs
-
-
-def _comparable_fingerprints(a: str, b: str) -> bool:
-    """Both present and of one scheme (token ids vs text fingerprints cannot be compared)."""
-    return bool(a and b) and a.split(":", 1)[0] == b.split(":", 1)[0]
+    return o.ttft_ms is not None  # streaming
 
 
 class _Assessment:
@@ -279,13 +285,13 @@ class _Assessment:
         )
 
     def _evidence(self) -> None:
-        n = len(self.pairs)
+        # A failed request has no stream or output to show; the error-rate rule judges it instead.
+        both_ok = [p for p in self.pairs if p.baseline.ok and p.candidate.ok]
+        n = len(both_ok)
         evidence: dict[str, float] = {}
         for kind in self.policy.required_evidence:
             lacking = [
-                p.candidate.request_id
-                for p in self.pairs
-                if not (_has_evidence(kind, p.baseline) and _has_evidence(kind, p.candidate))
+                p.candidate.request_id for p in both_ok if not _has_evidence(kind, p.baseline, p.candidate)
             ]
             evidence[kind] = round((n - len(lacking)) / n, 6) if n else 0.0
             if n and evidence[kind] < self.policy.min_evidence_fraction:
