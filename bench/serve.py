@@ -34,8 +34,10 @@ import numpy as np  # noqa: E402
 from bench.common import (  # noqa: E402
     PlotData,
     Summary,
+    exit_code_of,
     fmt,
     launch_service,
+    run_while_alive,
     summarize_seconds,
     write_json,
     write_plot,
@@ -663,8 +665,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(_main_async(args))
     with launch_service(launch_args) as service:
         args.address = service.address
-        return asyncio.run(_main_async(args))
+        return run_while_alive(_main_async(args), service)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_code_of(main))
