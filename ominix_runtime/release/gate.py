@@ -100,6 +100,9 @@ class Signal:
         return _TRIAGE[self.name].response
 
 
+_Measured = tuple[str, list[float], list[float]]  # request id, baseline values, candidate values
+
+
 @dataclass(frozen=True, slots=True)
 class _Pair:
     baseline: Observation
@@ -232,10 +235,10 @@ class _Assessment:
             )
 
     def _compare_p95(
-        self, key: str, signal: str, limit: float, values: list[tuple[list[float], list[float]]], points: bool
+        self, key: str, signal: str, limit: float, values: list[_Measured], points: bool
     ) -> None:
-        base = [v for b, _ in values for v in b]
-        cand = [v for _, c in values for v in c]
+        base = [v for _, b, _ in values for v in b]
+        cand = [v for _, _, c in values for v in c]
         if not base or not cand:
             self.figures[key] = None
             return
@@ -248,22 +251,25 @@ class _Assessment:
         }
         if change > limit:
             unit = " points" if points else "%"
+            # The requests that got worst, by their own p95, as examples.
+            worst = sorted(values, key=lambda m: percentile(m[2], 95) - percentile(m[1], 95), reverse=True)
             self.signals.append(
                 Signal(
                     signal,
                     f"{key} p95 {cand_p95:.2f} vs {base_p95:.2f} (+{change:.1f}{unit} > {limit}{unit})",
+                    [rid for rid, _, _ in worst],
                 )
             )
 
     def _latency(self) -> None:
         both_ok = [p for p in self.pairs if p.baseline.ok and p.candidate.ok]
 
-        def scalar(name: str) -> list[tuple[list[float], list[float]]]:
+        def scalar(name: str) -> list[_Measured]:
             out = []
             for p in both_ok:
                 b, c = getattr(p.baseline, name), getattr(p.candidate, name)
                 if b is not None and c is not None:
-                    out.append(([float(b)], [float(c)]))
+                    out.append((p.candidate.request_id, [float(b)], [float(c)]))
             return out
 
         policy = self.policy
@@ -271,8 +277,10 @@ class _Assessment:
             "latency_ms", "latency_p95", policy.max_latency_p95_regression_pct, scalar("latency_ms"), False
         )
         self._compare_p95("ttft_ms", "ttft_p95", policy.max_ttft_p95_regression_pct, scalar("ttft_ms"), False)
-        decode = [(p.baseline.decode_times_ms, p.candidate.decode_times_ms) for p in both_ok]
-        decode = [(b, c) for b, c in decode if b and c]
+        decode = [
+            (p.candidate.request_id, p.baseline.decode_times_ms, p.candidate.decode_times_ms) for p in both_ok
+        ]
+        decode = [(rid, b, c) for rid, b, c in decode if b and c]
         self._compare_p95(
             "decode_ms_per_token", "decode_p95", policy.max_decode_p95_regression_pct, decode, False
         )
