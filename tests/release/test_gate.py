@@ -83,6 +83,8 @@ def test_latency_regression_holds() -> None:
     assert decision["decision"] == "hold"
     assert _signals(decision) == {"latency_p95", "ttft_p95", "decode_p95"}
     assert decision["summary"]["latency_ms"]["regression_pct"] == pytest.approx(25.0)
+    latency = next(t for t in decision["triage"] if t["signal"] == "latency_p95")
+    assert latency["example_request_ids"][0] == "req-23"  # the slowest request lost the most time
 
 
 def test_kv_pressure_increase_holds() -> None:
@@ -125,9 +127,9 @@ def test_segments_are_judged_apart() -> None:
     assert segments["H100"]["decision"] == "promote"
     assert segments["H200"]["decision"] == "hold"
     assert segments["H100"]["matched"] == segments["H200"]["matched"] == 12
-    assert any(
-        t["segment"] == "cuda/H200/llama-8b@r1" and t["signal"] == "latency_p95" for t in decision["triage"]
-    )
+    h200 = next(t for t in decision["triage"] if t["segment"] == "cuda/H200/llama-8b@r1")
+    assert h200["signal"] == "latency_p95"
+    assert all(int(rid.split("-")[1]) % 2 for rid in h200["example_request_ids"])
 
 
 def test_mirrored_vllm_to_sglang_promotes_and_converts_timings() -> None:
