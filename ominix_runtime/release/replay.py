@@ -83,7 +83,7 @@ class TickRecord:
 
 
 @dataclass(slots=True)
-class _RequestTrack:
+class RequestTrack:
     spec: ReplayRequest
     first_admitted_tick: int | None = None
     first_token_tick: int | None = None
@@ -100,7 +100,7 @@ class ReplayRun:
     workload: Workload
     scheduler: Scheduler
     ticks: list[TickRecord]
-    tracks: dict[str, _RequestTrack]
+    tracks: dict[str, RequestTrack]
     rejected: dict[str, str]
     simulated_ms: float
     kv_problem: str
@@ -122,7 +122,7 @@ class _Replayer:
             registry.num_blocks, registry.block_size, model.vocab_size, frozenset(model.eos_token_ids)
         )
         self.pending = deque(sorted(workload.requests, key=lambda r: r.arrival_tick))  # stable: list order
-        self.tracks = {r.request_id: _RequestTrack(r) for r in workload.requests}
+        self.tracks = {r.request_id: RequestTrack(r) for r in workload.requests}
         self.rejected: dict[str, str] = {}
         self.inflight: deque[tuple[DecodeStep, StepResult, StepShape]] = deque()
         self.ticks: list[TickRecord] = []

@@ -213,3 +213,42 @@ def test_command_writes_the_report_and_reports_bad_input(
     assert main("replay", ["--input", str(bad), "--output", str(out)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
     assert main("replay", ["--input", str(tmp_path / "missing.json"), "--output", str(out)]) == 2
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_workloads_end_every_request_and_return_every_block(seed: int) -> None:
+    rng = random.Random(seed)
+    requests = [
+        {
+            "id": f"r{i}",
+            "prompt_len": rng.randint(1, 120),
+            "max_tokens": rng.randint(1, 40),
+            "priority": rng.choice(["realtime", "interactive", "batch"]),
+            "arrival_tick": rng.randint(0, 60),
+            **(
+                {"prefix": {"group": rng.choice("xy"), "len": rng.randint(16, 48)}}
+                if rng.random() < 0.4
+                else {}
+            ),
+        }
+        for i in range(rng.randint(5, 30))
+    ]
+    doc = {
+        "backend": {
+            "kv_block_size": rng.choice([4, 16]),
+            "kv_num_blocks": rng.randint(12, 80),
+            "max_batch_tokens": rng.choice([32, 64, 256]),
+            "max_running_requests": rng.randint(1, 8),
+            "model": {"vocab_size": 500, "max_model_len": 256},
+        },
+        "max_inflight_steps": rng.choice([1, 2]),
+        "requests": requests,
+    }
+    report = _report(doc)
+    assert report["kv"]["all_blocks_returned"], report["kv"]
+    finished = {c["id"] for c in report["completions"] if c["finish"] == "LENGTH"}
+    assert finished | set(report["rejected"]) == {r["id"] for r in requests}
+    by_id = {c["id"]: c for c in report["completions"]}
+    assert all(by_id[r["id"]]["output_tokens"] == r["max_tokens"] for r in requests if r["id"] in finished)
+    assert report["kv"]["peak_blocks"] <= doc["backend"]["kv_num_blocks"]
+    assert _report(doc)["trace_fingerprint"] == report["trace_fingerprint"]  # deterministic
