@@ -207,7 +207,7 @@ _SOURCES: dict[str, type[ObservationSource]] = {
 
 
 def read_side(side: Fields) -> BuildObservations:
-    source = side.choice("format", _SOURCES, "ominix")
+    source: type[ObservationSource] = side.choice("format", _SOURCES, "ominix")
     return source(side).build()
 
 
@@ -217,7 +217,7 @@ def mirror_gate(document: dict[str, object]) -> tuple[dict[str, object], dict[st
     baseline = read_side(root.obj("baseline", required=True))
     candidate = read_side(root.obj("candidate", required=True))
     policy = root.obj("policy")
-    gate_input = {
+    gate_input: dict[str, object] = {
         "policy": dict(policy.value),
         "baseline": baseline.to_json(),
         "candidate": candidate.to_json(),

@@ -21,16 +21,20 @@ def replay_report(run: ReplayRun, include_trace: bool = True) -> dict[str, objec
     counters = scheduler.counters
     tracks = list(run.tracks.values())
     completions = []
+    # The scheduler keeps every ended request (its group drains them for run reports; replay has no group).
+    ended = {r.request_id: r for r in scheduler.finished}
     ttft_ms: list[float] = []
     e2e_ms: list[float] = []
-    for report in sorted(scheduler.finished_reports, key=lambda r: r.request_id):
-        if report.ttft is not None:
-            ttft_ms.append(report.ttft * 1e3)
-        e2e_ms.append(report.e2e * 1e3)
-    reports = {r.request_id: r for r in scheduler.finished_reports}
     for track in tracks:
         spec = track.spec
-        sim = reports.get(spec.request_id)
+        req = ended.get(spec.request_id)
+        ttft = e2e = None
+        if req is not None and req.finished_time is not None:
+            e2e = (req.finished_time - req.queued_time) * 1e3
+            e2e_ms.append(e2e)
+            if req.first_token_time is not None:
+                ttft = (req.first_token_time - req.queued_time) * 1e3
+                ttft_ms.append(ttft)
         completions.append(
             {
                 "id": spec.request_id,
@@ -43,10 +47,10 @@ def replay_report(run: ReplayRun, include_trace: bool = True) -> dict[str, objec
                 "error": track.error,
                 "prompt_tokens": len(spec.prompt_token_ids),
                 "output_tokens": track.output_tokens,
-                "cached_tokens": sim.cached_tokens if sim else 0,
-                "preemptions": sim.num_preemptions if sim else 0,
-                "ttft_ms": round(sim.ttft * 1e3, 6) if sim and sim.ttft is not None else None,
-                "e2e_ms": round(sim.e2e * 1e3, 6) if sim else None,
+                "cached_tokens": req.num_cached_tokens if req else 0,
+                "preemptions": req.num_preemptions if req else 0,
+                "ttft_ms": round(ttft, 6) if ttft is not None else None,
+                "e2e_ms": round(e2e, 6) if e2e is not None else None,
             }
         )
     finished = sum(1 for t in tracks if t.finish in ("STOP", "LENGTH"))

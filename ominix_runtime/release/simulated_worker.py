@@ -40,14 +40,14 @@ class SimulatedWorker:
         for new in step.new_requests:
             if new.request_id in self.requests:
                 raise WorkerContractViolation(f"step {step.step_id}: {new.request_id} sent as new twice")
-            req = _WorkerRequest(
+            fresh = _WorkerRequest(
                 num_known=len(new.prompt_token_ids) + len(new.output_token_ids),
                 num_computed=new.num_computed_tokens,
                 seed=zlib.crc32(new.request_id.encode("utf-8")),
             )
-            self.requests[new.request_id] = req
-            self._take_blocks(new.request_id, req, new.kv_block_ids, shared=new.num_computed_tokens)
-            outputs.append(self._run(step.step_id, new.request_id, req, new.num_scheduled_tokens))
+            self.requests[new.request_id] = fresh
+            self._take_blocks(new.request_id, fresh, new.kv_block_ids, shared=new.num_computed_tokens)
+            outputs.append(self._run(step.step_id, new.request_id, fresh, new.num_scheduled_tokens))
         for running in step.running_requests:
             req = self.requests.get(running.request_id)
             if req is None:
