@@ -25,6 +25,7 @@ from ominix_runtime.engine.stats import RunReport
 from ominix_runtime.models import ModelFormat, ModelSource, resolve_model
 from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.engine_service import EngineService
+from ominix_runtime.server.front_guard import FrontGuard
 from ominix_runtime.server.logging import configure_logging, get_logger
 from ominix_runtime.server.metrics import EngineMetrics, WorkerFigures
 from ominix_runtime.text import Tokenizer
@@ -34,6 +35,7 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 METRICS_REFRESH_INTERVAL_S = 0.5
 HEALTH_REFRESH_INTERVAL_S = 0.25
 SHUTDOWN_FLUSH_S = 2.0
+MIN_MESSAGE_BYTES = 1024  # below this no request fits: the engine would refuse every call
 
 _log = get_logger("ominix.server")
 
@@ -98,12 +100,18 @@ class EngineDaemon:
         self.bound_port = 0
         self.metrics_port = 0
         self._engine: EngineCore | None = None
+        self._service: EngineService | None = None
         self._server: grpc.aio.Server | None = None
         self._backends: list[BackendAdapter] = []
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         config = self.config
+        if config.max_message_bytes < MIN_MESSAGE_BYTES:
+            raise OminixError(
+                RuntimeErrorKind.INVALID_ARGUMENT,
+                f"--max-message-bytes must be at least {MIN_MESSAGE_BYTES}, got {config.max_message_bytes}",
+            )
         source = None
         model_name = ""
         if config.model or config.workers or not config.sglang_urls:  # SGLang alone needs no local model
@@ -121,13 +129,16 @@ class EngineDaemon:
             max_waiting_requests=sched.max_queue_len,
         )
         engine = self._engine = EngineCore(self._backends, core_config)
-        service = EngineService(engine, None, model_name, self.metrics)
+        service = EngineService(engine, None, model_name, self.metrics, config.front)
+        self._service = service
 
         # Every service is registered before the server starts; Generate answers UNAVAILABLE and health
         # says NOT_SERVING until the engine is ready.
         options = dict(CHANNEL_OPTIONS)
         options["grpc.max_receive_message_length"] = config.max_message_bytes
-        server = grpc.aio.server(options=list(options.items()))
+        server = grpc.aio.server(
+            options=list(options.items()), interceptors=[FrontGuard(config.front.api_keys)]
+        )
         self._server = server
         engine_pb2_grpc.add_EngineServicer_to_server(service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -27,11 +27,13 @@ from ominix_runtime.contract import (
     OminixError,
     PrefillDone,
     RequestBackend,
+    RequestLimits,
     RuntimeErrorKind,
     Token,
     Usage,
     WorkerEvent,
     is_terminal,
+    validate_request,
 )
 from ominix_runtime.engine.config import EngineCoreConfig
 from ominix_runtime.engine.groups.worker_group import ErrorInfo, GroupHooks, RequestTimes, WorkerGroup
@@ -107,25 +109,13 @@ class RequestWorkerGroup(WorkerGroup):
 
     def validate(self, request: GenerateRequest) -> None:
         model = self.capability.model
-        if not request.prompt_token_ids and not request.prompt_text:
-            raise InvalidArgument("the prompt is empty")
-        vocab = model.vocab_size if model.vocab_size > 0 else None
-        max_len = model.max_model_len if model.max_model_len > 0 else None
-        if vocab is not None:
-            bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        n = len(request.prompt_token_ids)
-        if max_len is not None and n > max_len:
-            raise InvalidArgument(
-                f"the prompt has {n} tokens, more than the model's context length {max_len}"
-            )
-        max_tokens = request.sampling.max_tokens
-        if max_len is not None and isinstance(max_tokens, int) and n and n + max_tokens > max_len:
-            raise InvalidArgument(
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the model's context length {max_len}"
-            )
-        request.sampling.validate(vocab, max_len)
+        validate_request(
+            request,
+            RequestLimits(
+                vocab_size=model.vocab_size if model.vocab_size > 0 else None,
+                max_model_len=model.max_model_len if model.max_model_len > 0 else None,
+            ),
+        )
 
     def submit(self, request: GenerateRequest) -> None:
         rid = request.request_id
@@ -298,7 +288,7 @@ class RequestWorkerGroup(WorkerGroup):
         terminal: WorkerEvent
         if error is not None:
             terminal = Error(rid, error[0], error[1])
-            if error[0] in (RuntimeErrorKind.TIMEOUT, RuntimeErrorKind.CANCELLED):
+            if error[0] == RuntimeErrorKind.CANCELLED:  # a passed deadline counts as failed
                 reason = FinishReason.ABORT
                 c.aborted += 1
             else:
