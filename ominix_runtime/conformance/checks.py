@@ -32,7 +32,6 @@ from ominix_runtime.contract import (
     is_terminal,
 )
 from ominix_runtime.engine import EngineCore, EngineCoreConfig, SchedulerConfig
-from ominix_runtime.engine.driver import StepWorkerGroup
 
 
 class CheckFailed(AssertionError):
@@ -124,10 +123,11 @@ def _fitting_max_tokens(core: EngineCore, prompt_len: int, want: int, concurrent
     limit = want
     for g in core.groups:
         limit = min(limit, g.capability.model.max_model_len - prompt_len)
-        if isinstance(g, StepWorkerGroup):
-            limit = min(limit, g.scheduler.registry.num_blocks * g.capability.kv_block_size - prompt_len)
-        elif g.capability.kv_capacity_tokens:  # a request-level backend's own pool
-            limit = min(limit, g.capability.kv_capacity_tokens // concurrent - prompt_len)
+        capacity = g.kv_token_capacity  # the engine-managed KV of a step-level group
+        if capacity is None:
+            capacity = g.capability.kv_capacity_tokens // concurrent or None  # a backend's own pool
+        if capacity is not None:
+            limit = min(limit, capacity - prompt_len)
     return max(1, limit)
 
 
@@ -248,13 +248,10 @@ async def abort_frees_kv(h: Harness) -> str:
         if not isinstance(end, Done) or end.finish_reason != FinishReason.ABORT:
             raise CheckFailed(f"{hd.request_id}: expected Done(ABORT), got {end!r}")
     for g in core.groups:
-        if isinstance(g, StepWorkerGroup):
-            reg = g.scheduler.registry
-            if reg.num_leased_blocks or reg.num_leases:
-                raise CheckFailed(
-                    f"{g.worker_id}: {reg.num_leased_blocks} KV blocks still leased after abort"
-                )
-            reg.check_integrity()
+        leased, _ = g.kv_blocks
+        if leased:
+            raise CheckFailed(f"{g.worker_id}: {leased} KV blocks still leased after abort")
+        g.check_integrity()  # no leases left without a running request
     used = sum(load.kv_bytes_used for load in core.load())
     if used:
         raise CheckFailed(f"load() still reports {used} KV bytes used after abort")
@@ -269,9 +266,8 @@ async def capacity_overflow_rejected(h: Harness) -> str:
     max_len = cap.model.max_model_len
     note = ""
     if cap.granularity == Granularity.STEP:
-        group = core.groups[0]
-        assert isinstance(group, StepWorkerGroup)
-        capacity = group.scheduler.registry.num_blocks * cap.kv_block_size
+        capacity = core.groups[0].kv_token_capacity
+        assert capacity is not None  # a step-level group: the engine manages its KV
         if capacity + 1 > max_len:
             # Every request within max_model_len fits; check the engine-side limit with a reduced KV instead.
             core = await h.engine(SchedulerConfig(max_kv_blocks=2))
@@ -443,12 +439,11 @@ async def deadline_enforced(h: Harness) -> str:
 
 def _check_no_kv_held(core: EngineCore) -> None:
     for g in core.groups:
-        if isinstance(g, StepWorkerGroup):
-            reg = g.scheduler.registry
-            if reg.num_leased_blocks or reg.num_leases:
-                raise CheckFailed(f"{g.worker_id}: {reg.num_leased_blocks} KV blocks still leased")
-            reg.check_integrity()
-        elif g.load().running_requests or g.load().queued_requests:
+        leased, _ = g.kv_blocks
+        if leased:
+            raise CheckFailed(f"{g.worker_id}: {leased} KV blocks still leased")
+        g.check_integrity()
+        if g.num_running or g.num_queued:
             raise CheckFailed(f"{g.worker_id}: requests still counted as live after they ended")
 
 

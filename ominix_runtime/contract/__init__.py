@@ -26,7 +26,7 @@ from ominix_runtime.contract.errors import (
 from ominix_runtime.contract.events import Done, Error, PrefillDone, Token, Usage, WorkerEvent, is_terminal
 from ominix_runtime.contract.health import BackendHealth
 from ominix_runtime.contract.kv import KVLease
-from ominix_runtime.contract.request import GenerateRequest, Priority
+from ominix_runtime.contract.request import ChatMessage, GenerateRequest, Priority
 from ominix_runtime.contract.sampling import SamplingParams
 from ominix_runtime.contract.state import (
     ALLOWED_TRANSITIONS,
@@ -47,6 +47,13 @@ from ominix_runtime.contract.step import (
     StepResult,
     TokenLogprob,
 )
+from ominix_runtime.contract.validation import (
+    CHAT_ROLES,
+    MAX_REQUEST_ID_BYTES,
+    RequestLimits,
+    validate_request,
+    validate_request_id,
+)
 
 __all__ = [
     "ALLOWED_TRANSITIONS",
@@ -60,7 +67,9 @@ __all__ = [
     "BackendCapability",
     "BackendKind",
     "BatchPlan",
+    "CHAT_ROLES",
     "CPU_PROFILE",
+    "ChatMessage",
     "CUDA_PROFILE",
     "DecodeStep",
     "Done",
@@ -72,6 +81,7 @@ __all__ = [
     "IllegalTransition",
     "InvalidArgument",
     "KVLease",
+    "MAX_REQUEST_ID_BYTES",
     "ModelInfo",
     "NewRequestData",
     "OminixError",
@@ -79,6 +89,7 @@ __all__ = [
     "PrefillDone",
     "Priority",
     "RequestBackend",
+    "RequestLimits",
     "RequestOutput",
     "RequestState",
     "RunningRequestData",
@@ -98,4 +109,6 @@ __all__ = [
     "is_terminal",
     "stated_profile",
     "terminal_state_for",
+    "validate_request",
+    "validate_request_id",
 ]

@@ -58,6 +58,9 @@ _FINISH_NAMES = {
     common_pb2.FINISH_REASON_ERROR: "error",
 }
 
+# Owner of requests admitted here (the gRPC front's callers are API-key digests, so they never match it).
+V0_CALLER = "ominix.worker.v0"
+
 _log = get_logger("ominix.v0")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -232,7 +235,7 @@ class V0Front:
             return json_error(400, str(exc))
         with request_context(req.request_id):
             try:
-                gen_request, handle = await self._service.admit(pb, req.request_id)
+                gen_request, handle = await self._service.admit(pb, req.request_id, V0_CALLER)
             except OminixError as exc:
                 return json_error(HTTP_STATUS_OF_ERROR.get(exc.kind, 500), exc.message, exc.kind)
             writer = V0EventWriter(req.request_id, req.trace_id)
@@ -261,7 +264,7 @@ class V0Front:
                         await response.write(sse_frame(writer.error("internal", message, False)))
                         await response.write(DONE_FRAME)
             finally:
-                await self._service.release(req.request_id, handle, finished)
+                self._service.release(req.request_id, handle, finished)
             return response
 
     def _engine_request(self, req: V0GenerateRequest) -> engine_pb2.GenerateRequest:
