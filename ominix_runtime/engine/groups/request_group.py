@@ -207,6 +207,18 @@ class RequestWorkerGroup(WorkerGroup):
         fwd = self._live.get(request_id)
         return fwd.request if fwd is not None else None
 
+    @property
+    def num_queued(self) -> int:
+        return sum(1 for f in self._live.values() if f.task is None)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._live) - self.num_queued
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(len(f.request.prompt_token_ids) for f in self._live.values() if f.task is None)
+
     async def flush_prefix_cache(self) -> bool:
         """The backend's own cache, when it offers a flush (SGLang's /flush_cache; refused while busy)."""
         flush = getattr(self.backend, "flush_cache", None)
