@@ -100,3 +100,37 @@ def test_gates_pass_on_a_real_cpu_worker(cpu_worker: str) -> None:
     results = asyncio.run(run_checks(make, NEW_GATES + SIZED, timeout=120))
     table = format_table(results)
     assert statuses(results) == dict.fromkeys(NEW_GATES + SIZED, "PASS"), table
+
+
+def test_cli_reaches_an_sglang_server_that_wants_an_api_key(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+    from e2e_procs import free_ports, start_proc, stop_procs
+
+    from ominix_runtime.conformance.cli import main
+
+    (port,) = free_ports(1)
+    fake = [
+        sys.executable,
+        "-m",
+        "ominix_runtime.testing.fake_sglang",
+        "--port",
+        str(port),
+        "--api-key",
+        "k1",
+    ]
+    proc = start_proc("fake-sglang", fake, tmp_path)
+    try:
+        for _ in range(600):
+            if "fake SGLang ready" in proc.log_tail():
+                break
+            assert proc.popen.poll() is None, proc.log_tail()
+            asyncio.run(asyncio.sleep(0.05))
+        url = f"http://127.0.0.1:{port}"
+        checks = ["--check", "unsupported_model_rejected", "--check", "capacity_overflow_rejected"]
+        assert main(["--backend", "sglang", "--url", url, "--sglang-api-key", "k1", *checks], False) == 0
+        out = capsys.readouterr().out
+        assert "unsupported_model_rejected" in out and "PASS" in out and "SKIP" in out
+        assert main(["--backend", "sglang", "--url", url, *checks], False) == 1  # no key: 401, a FAIL
+        assert "401" in capsys.readouterr().out
+    finally:
+        stop_procs([proc])

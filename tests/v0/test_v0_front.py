@@ -337,3 +337,27 @@ def test_remote_abort_is_a_failure_for_ominix_api(sglang_v0_daemon: V0Daemon) ->
         raise AssertionError("the aborted stream did not end with done+abort")
 
     assert run(body) == "abort"
+
+
+def test_client_disconnect_aborts_the_request_on_the_backend(sglang_v0_daemon: V0Daemon) -> None:
+    async def body(session: aiohttp.ClientSession) -> list[str]:
+        api = client(session, sglang_v0_daemon)
+        req = api.worker_request(MESSAGES, 2000, None, None, stream=True)
+        resp = await api.open_generate(req)
+        decoder = SseDecoder()
+        tokens = 0
+        async for piece in resp.content.iter_any():
+            tokens += sum('"kind":"token"' in d for d in decoder.feed(piece))
+            if tokens >= 2:
+                break
+        resp.close()  # the client goes away mid-stream, sending no abort of its own
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            async with session.get(sglang_v0_daemon.sglang_url + "/_fake/stats") as r:
+                stats = await r.json()
+            if req["request_id"] in stats["aborted_rids"] + stats["disconnected_rids"]:
+                return [req["request_id"]]
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"SGLang still runs {req['request_id']}: {stats}")
+
+    assert run(body)

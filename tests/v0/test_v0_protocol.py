@@ -1,0 +1,123 @@
+"""The v0 wire protocol module alone: the inputs the reference worker accepts beyond OminiX-API's chat, the
+refusals, and the records' envelope."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ominix_runtime.server.v0_protocol import (
+    PROTOCOL_VERSION,
+    V0EventWriter,
+    V0ProtocolError,
+    parse_abort_request,
+    parse_generate_request,
+    server_info,
+    sse_frame,
+)
+
+
+def body(**fields: object) -> bytes:
+    return json.dumps(fields).encode()
+
+
+def test_token_text_and_chat_inputs() -> None:
+    tokens = parse_generate_request(body(input={"kind": "tokens", "tokens": [5, "6", 7]}))
+    assert tokens.tokens == [5, 6, 7] and tokens.request_id.startswith("ominix-")
+    legacy = parse_generate_request(body(input_ids=[1, 2]))
+    assert legacy.tokens == [1, 2]
+    text = parse_generate_request(body(input={"kind": "completion", "text": "hello"}))
+    assert text.text == "hello"
+    top = parse_generate_request(body(prompt="hi there", request_id="r-1"))
+    assert top.text == "hi there" and top.request_id == "r-1"
+    chat = parse_generate_request(
+        body(input={"kind": "chat", "messages": [{"role": "user"}], "chat_template_kwargs": {"x": 1}})
+    )
+    assert chat.messages == [{"role": "user", "content": ""}] and chat.chat_template_kwargs == {"x": 1}
+
+
+def test_sampling_aliases_and_defaults() -> None:
+    req = parse_generate_request(
+        body(prompt="a", sampling_params={"max_tokens": 7, "stop": "x", "top_k": -1})
+    )
+    s = req.sampling
+    assert s.max_new_tokens == 7 and s.stop == ["x"] and s.top_k == -1 and s.temperature == 0.0
+    first = parse_generate_request(body(prompt="a", sampling={"max_new_tokens": 3, "max_tokens": 9}))
+    assert first.sampling.max_new_tokens == 3  # max_new_tokens wins, as in the shim
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (b"", "empty"),
+        (b"\xff\xfe", "UTF-8"),
+        (b"[]", "JSON object"),
+        (body(protocol_version="v9", prompt="a"), "protocol_version"),
+        (body(message_type="AbortRequest", prompt="a"), "message_type"),
+        (body(input={"kind": "tokens", "tokens": [-1]}), "input.tokens"),
+        (body(input={"kind": "tokens", "tokens": []}), "non-empty"),
+        (body(input={"kind": "chat", "messages": []}), "non-empty"),
+        (
+            body(input={"kind": "chat", "messages": [{"role": "user", "content": [{"type": "text"}]}]}),
+            "string",
+        ),
+        (body(input={"kind": "audio"}), "input.kind"),
+        (body(prompt="a", sampling={"temperature": "hot"}), "temperature"),
+        (body(prompt="a", sampling={"max_new_tokens": 1.5}), "integer"),
+        (body(prompt="a", stream="yes"), "stream"),
+        (body(prompt="a", priority="urgent"), "priority"),
+    ],
+)
+def test_refusals_name_the_field(raw: bytes, needle: str) -> None:
+    with pytest.raises(V0ProtocolError, match=needle):
+        parse_generate_request(raw)
+
+
+def test_abort_body() -> None:
+    assert parse_abort_request(body(request_id="a", reason="x")) == "a"
+    assert parse_abort_request(body(rid="b")) == "b"
+    with pytest.raises(V0ProtocolError):
+        parse_abort_request(body(message_type="GenerateRequest", rid="c"))
+
+
+def test_records_carry_the_envelope_and_end_once() -> None:
+    w = V0EventWriter("r-9", trace_id="t-1")
+    records = [
+        w.prefill_done(4, 1),
+        w.token([10, 11], "ab"),
+        w.token([12], ""),
+        w.usage(4, 3, 1),
+        w.done("stop"),
+    ]
+    for r in records:
+        assert r["protocol_version"] == PROTOCOL_VERSION and r["message_type"] == "WorkerEvent"
+        assert r["request_id"] == "r-9" and r["trace_id"] == "t-1" and isinstance(r["created_at_ms"], int)
+    assert (
+        records[1]["token_id"] == 11 and records[1]["text_delta"] == "ab" and "text_delta" not in records[2]
+    )
+    assert records[3]["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 3,
+        "total_tokens": 7,
+        "cached_tokens": 1,
+    }
+    assert w.tokens_sent == 3 and w.terminal_sent
+    stamps = [r["created_at_ms"] for r in records]
+    assert stamps == sorted(stamps)
+    assert sse_frame(records[0]).startswith(b"data: {") and sse_frame(records[0]).endswith(b"}\n\n")
+    err = V0EventWriter("r-10").error("timeout", "deadline passed", retryable=False)
+    assert err["finish_reason"] == "error" and err["error"] == {
+        "code": "timeout",
+        "message": "deadline passed",
+        "retryable": False,
+    }
+    with pytest.raises(ValueError):
+        V0EventWriter("r-11").done("finished")
+
+
+def test_server_info_is_the_identity_ominix_api_probes() -> None:
+    info = server_info("m", "1.0")
+    assert info["scheduler_backend"] == "sglang-ominix-v0-http-shim" and info["mode"] == "grpc"
+    assert info["public_openai_api"] is False and info["auth_required"] is True
+    assert info["routes"]["generate"] == "/generate"
