@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -39,6 +40,9 @@ from ominix_runtime.contract import (
 from ominix_runtime.models import DEFAULT_MODEL_NAME, resolve_model
 from ominix_runtime.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from ominix_worker import __version__
+
+if TYPE_CHECKING:  # the runner imports torch; the server loads it only when the model loads
+    from ominix_worker.runner import ModelRunner
 
 log = logging.getLogger("ominix_worker")
 
@@ -174,7 +178,7 @@ def server_credentials(args: argparse.Namespace) -> grpc.ServerCredentials | Non
 @dataclass(slots=True)
 class WorkerState:
     capability: BackendCapability | None = None
-    runner: object | None = None  # ominix_worker.runner.ModelRunner once loaded
+    runner: ModelRunner | None = None  # once loaded
     ready: bool = False
     run_active: bool = False
     run_idle: asyncio.Event = field(default_factory=asyncio.Event)
@@ -340,8 +344,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         runner = self.state.runner
         return worker_pb2.HealthResponse(
             ready=self.state.ready,
-            num_requests=len(runner.requests) if runner is not None else 0,  # type: ignore[attr-defined]
-            last_step_id=runner.last_step_id if runner is not None else 0,  # type: ignore[attr-defined]
+            num_requests=len(runner.requests) if runner is not None else 0,
+            last_step_id=runner.last_step_id if runner is not None else 0,
         )
 
     async def Run(
@@ -362,6 +366,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.state.run_active = True
         self.state.run_idle.clear()
         runner = self.state.runner
+        assert runner is not None  # ready: the model (and its runner) is loaded
         loop = asyncio.get_running_loop()
         outbox: asyncio.Queue[worker_pb2.WorkerMessage | None] = asyncio.Queue()
 
@@ -386,22 +391,22 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # On CUDA a decode step is launched before the previous one's sampled ids are back on the host
         # (ModelRunner.overlap_steps); its result is posted once the next step is launched, or as soon as
         # its ids arrive when no next step is waiting.
-        runner.overlap_steps = runner.can_overlap()  # type: ignore[attr-defined]
+        runner.overlap_steps = runner.can_overlap()
 
         def post_results() -> None:
-            for result in runner.take_results():  # type: ignore[attr-defined]
+            for result in runner.take_results():
                 post(result)
 
         def finish_pending() -> None:
-            runner.finish_pending()  # type: ignore[attr-defined]
+            runner.finish_pending()
             post_results()
 
         def next_arrival() -> _Arrival:
-            while runner.has_pending():  # type: ignore[attr-defined]
+            while runner.has_pending():
                 try:
                     return steps.get(timeout=_PENDING_POLL_S)
                 except queue.Empty:
-                    if runner.pending_ready():  # type: ignore[attr-defined]
+                    if runner.pending_ready():
                         finish_pending()
             return steps.get()
 
@@ -417,7 +422,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     post(worker_pb2.WorkerMessage(fatal_error=_error_info(arrival.error)))
                     continue
                 try:
-                    result = runner.execute_step(arrival.step)  # type: ignore[attr-defined]
+                    result = runner.execute_step(arrival.step)
                 except Exception as exc:  # noqa: BLE001 - reported to the engine, the server lives on
                     log.error("step %d failed:\n%s", arrival.step_id, traceback.format_exc())
                     message = f"step {arrival.step_id} failed: {type(exc).__name__}: {exc}"
@@ -425,7 +430,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                         finish_pending()
                     except Exception:  # noqa: BLE001 - the device failed; the fatal error below says so
                         log.error("pending step failed:\n%s", traceback.format_exc())
-                        runner.reset_pending()  # type: ignore[attr-defined]
+                        runner.reset_pending()
                     post(worker_pb2.WorkerMessage(fatal_error=_error_info(message)))
                     continue
                 if result is not None:
@@ -469,7 +474,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             reading.cancel()
             steps.put(_END_OF_STEPS)  # the forward thread stops after the step it may be running
             # Queued behind any step still running on the executor, so state is dropped after it finishes.
-            await loop.run_in_executor(self.executor, runner.reset)  # type: ignore[attr-defined]
+            await loop.run_in_executor(self.executor, runner.reset)
             self.state.run_active = False
             self.state.run_idle.set()
 
