@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.exposition import generate_latest
@@ -102,7 +102,7 @@ class EngineMetrics:
             "ominix_integrity_violations", "KV registry integrity check failures.", ["worker_id"], registry=r
         )
         self._last_cumulative: dict[tuple[str, str], float] = {}
-        self._http_server: Any = None
+        self._http_server: WSGIServer | None = None
 
     # ---- feeding -------------------------------------------------------------------------------------
 
