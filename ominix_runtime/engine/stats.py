@@ -57,6 +57,10 @@ class RunReport:
     tpot: float | None  # (e2e - ttft) / (output_tokens - 1)
     e2e: float  # arrival → end
     priority: int = 0
+    model: str = ""  # the model the request named (empty: the engine's served model)
+    arrival_time: float = 0.0  # on the monotonic clock: the phases above are offsets from it
+    # Gaps between consecutive token deliveries of this request (one per step that sampled for it).
+    inter_token_latencies: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +75,38 @@ class LoadSnapshot:
     kv_bytes_capacity: int
     estimated_decode_tokens_per_second: float
     healthy: bool
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """Per worker group, read by the metrics endpoint: gauges as they are now, counters since start.
+
+    Step-level groups know their KV registry; request-level backends (SGLang) leave the KV figures at 0
+    with ``kv_known`` False, so no made-up KV series are exported for them.
+    """
+
+    worker_id: str
+    backend: str  # the capability's backend kind: cuda, cpu, ascend, sglang, fake
+    model_name: str
+    up: bool  # the driver's stream is open and the group is healthy
+    running_requests: int
+    waiting_requests: int
+    preempted_requests: int  # waiting to resume after a preemption
+    kv_known: bool
+    kv_blocks_capacity: int
+    kv_blocks_used: int  # leased by live requests
+    kv_blocks_cached: int  # unleased blocks that hold prefix-cache content (evictable)
+    kv_blocks_free: int  # unleased and empty
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    prompt_tokens: int  # of requests admitted here
+    generation_tokens: int
+    preemptions: int
+    failovers: int  # times this group failed and its live requests were failed over
+    restarts: int  # times the engine reconnected to this worker after a failure
+    resumed_requests: int  # requests taken over here from a failed group
+    integrity_violations: int
+    protocol_violations: int
 
 
 @dataclass(frozen=True, slots=True)
