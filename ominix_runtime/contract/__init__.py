@@ -12,6 +12,7 @@ from ominix_runtime.contract.capability import (
     BackendKind,
     Granularity,
     ModelInfo,
+    RankInfo,
     stated_profile,
 )
 from ominix_runtime.contract.errors import AdmissionRejected, InvalidArgument, OminixError, RuntimeErrorKind
@@ -60,6 +61,7 @@ __all__ = [
     "InvalidArgument",
     "KVLease",
     "ModelInfo",
+    "RankInfo",
     "NewRequestData",
     "OminixError",
     "PROFILES",
