@@ -18,7 +18,7 @@ from ominix_runtime.contract.capability import (
 from ominix_runtime.contract.errors import AdmissionRejected, InvalidArgument, OminixError, RuntimeErrorKind
 from ominix_runtime.contract.events import Done, Error, PrefillDone, Token, Usage, WorkerEvent, is_terminal
 from ominix_runtime.contract.kv import KVLease
-from ominix_runtime.contract.request import GenerateRequest, Priority
+from ominix_runtime.contract.request import ChatMessage, GenerateRequest, Priority
 from ominix_runtime.contract.sampling import SamplingParams
 from ominix_runtime.contract.state import (
     ALLOWED_TRANSITIONS,
@@ -39,6 +39,13 @@ from ominix_runtime.contract.step import (
     StepResult,
     TokenLogprob,
 )
+from ominix_runtime.contract.validation import (
+    CHAT_ROLES,
+    MAX_REQUEST_ID_BYTES,
+    RequestLimits,
+    validate_request,
+    validate_request_id,
+)
 
 __all__ = [
     "ALLOWED_TRANSITIONS",
@@ -48,7 +55,9 @@ __all__ = [
     "BackendCapability",
     "BackendKind",
     "BatchPlan",
+    "CHAT_ROLES",
     "CPU_PROFILE",
+    "ChatMessage",
     "CUDA_PROFILE",
     "DecodeStep",
     "Done",
@@ -60,6 +69,7 @@ __all__ = [
     "IllegalTransition",
     "InvalidArgument",
     "KVLease",
+    "MAX_REQUEST_ID_BYTES",
     "ModelInfo",
     "RankInfo",
     "NewRequestData",
@@ -68,6 +78,7 @@ __all__ = [
     "PrefillDone",
     "Priority",
     "RequestBackend",
+    "RequestLimits",
     "RequestOutput",
     "RequestState",
     "RunningRequestData",
@@ -87,4 +98,6 @@ __all__ = [
     "is_terminal",
     "stated_profile",
     "terminal_state_for",
+    "validate_request",
+    "validate_request_id",
 ]
