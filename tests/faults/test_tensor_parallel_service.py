@@ -3,27 +3,13 @@ through the whole service (prefix hits, preemption), and what happens when rank 
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
-import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from fault_procs import (
-    CLI,
-    Engine,
-    Proc,
-    free_ports,
-    metric_value,
-    start_proc_env,
-    stop_procs,
-    stream_one,
-    wait_health,
-    worker_argv,
-)
+from fault_procs import metric_value, stream_one
+from tp_procs import DIST_TIMEOUT_S, STEP_TIMEOUT_S, kill_a_rank_mid_stream, request, seeded, start_tp_engine
 
 from ominix_runtime.contract import (
     DecodeStep,
@@ -32,14 +18,11 @@ from ominix_runtime.contract import (
     RuntimeErrorKind,
     SamplingParams,
 )
-from ominix_runtime.pb import common_pb2, engine_pb2
+from ominix_runtime.pb import engine_pb2
 
-STEP_TIMEOUT_S = 3.0
-DIST_TIMEOUT_S = 5.0
 GREEDY_TOKENS = 24
 # 24 blocks of 16 tokens per rank: eight requests of ~60 tokens need ~32, so some are preempted.
-SMALL_KV = "96KiB"
-GROUP_FAILURE_EXIT_CODE = 3
+SMALL_KV = ("--kv-cache-memory", "96KiB")
 
 
 @pytest.fixture(scope="module")
@@ -75,88 +58,20 @@ def greedy_reference(model: Path, prompts: list[list[int]], num_tokens: int) -> 
     return out
 
 
-def request(rid: str, ids: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0):  # noqa: ANN201
-    return engine_pb2.GenerateRequest(
-        request_id=rid,
-        input_ids=engine_pb2.TokenIds(ids=ids),
-        sampling=common_pb2.SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True
-        ),
-        deadline_ms=120_000,
-    )
-
-
-@contextlib.contextmanager
-def start_tp_engine(
-    model: Path, log_dir: Path, *, kv_cache_memory: str = "8MiB", with_single_worker: bool = False
-) -> Iterator[tuple[Engine, list[Proc]]]:
-    """Ranks 0 and 1 of one group (rank 0 at worker_addresses[0]), optionally a TP=1 worker, and the engine.
-
-    Yields the engine and the group's rank processes [rank 0, rank 1].
-    """
-    leader_port, dist_port, single_port, port, metrics_port = free_ports(5)
-    group = [
-        "--tp-size",
-        "2",
-        "--dist-init-addr",
-        f"127.0.0.1:{dist_port}",
-        "--dist-timeout",
-        str(DIST_TIMEOUT_S),
-    ]
-    group += ["--kv-cache-memory", kv_cache_memory]
-    procs: list[Proc] = []
-    try:
-        for rank in (1, 0):  # either order forms the group; rank 1 first shows it waits for its leader
-            argv = worker_argv(str(model), leader_port, extra=[*group, "--tp-rank", str(rank)])
-            procs.append(start_proc_env(f"rank{rank}", argv, log_dir, {}))
-        procs.reverse()
-        addresses = [f"127.0.0.1:{leader_port}"]
-        if with_single_worker:
-            procs.append(start_proc_env("single", worker_argv(str(model), single_port), log_dir, {}))
-            addresses.append(f"127.0.0.1:{single_port}")
-        serve = [
-            *CLI,
-            "serve",
-            "--model",
-            str(model),
-            "--port",
-            str(port),
-            "--metrics-port",
-            str(metrics_port),
-        ]
-        for a in addresses:
-            serve += ["--worker", a]
-        procs.append(start_proc_env("engine", serve, log_dir, {"OMINIX_STEP_TIMEOUT_S": str(STEP_TIMEOUT_S)}))
-        address = f"127.0.0.1:{port}"
-        wait_health(address, procs)
-        import grpc
-
-        with grpc.insecure_channel(address) as channel:
-            engine = Engine(address, procs, addresses, channel, f"http://127.0.0.1:{metrics_port}/metrics")
-            yield engine, procs[:2]
-    finally:
-        stop_procs(procs[::-1])
-
-
-def test_group_states_both_ranks(tiny_model: Path, tmp_path: Path) -> None:
-    with start_tp_engine(tiny_model, tmp_path, kv_cache_memory="4MiB") as (engine, _):
-        (backend,) = engine.stub.ListBackends(engine_pb2.ListBackendsRequest(), timeout=5).backends
-        assert backend.tensor_parallel_size == 2 and backend.collective_backend == "gloo"
-        assert [r.rank for r in backend.ranks] == [0, 1]
-        # two KV heads: one per rank; the block count holds on both, each rank's KV is its budget
-        assert [(r.kv_head_start, r.kv_num_heads) for r in backend.ranks] == [(0, 1), (1, 1)]
-        assert all(
-            r.kv_cache_bytes == backend.kv_num_blocks * backend.kv_bytes_per_block // 2 for r in backend.ranks
-        )
-        assert all(0 < r.kv_cache_bytes <= 4 * 2**20 and r.weight_bytes > 0 for r in backend.ranks)
-
-
-def test_tp2_service_gives_tp1_greedy_tokens_with_prefix_hits_and_preemption(
+def test_tp2_service_states_its_ranks_and_gives_tp1_greedy_tokens_with_prefix_hits_and_preemption(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     prompts = [prompt(i, 36 + i % 5) for i in range(8)]
     reference = greedy_reference(tiny_model, prompts, GREEDY_TOKENS)
-    with start_tp_engine(tiny_model, tmp_path, kv_cache_memory=SMALL_KV) as (engine, _):
+    with start_tp_engine(str(tiny_model), tmp_path, worker_args=SMALL_KV) as (engine, _):
+        (backend,) = engine.stub.ListBackends(engine_pb2.ListBackendsRequest(), timeout=5).backends
+        assert backend.tensor_parallel_size == 2 and backend.collective_backend == "gloo"
+        assert [r.rank for r in backend.ranks] == [0, 1]
+        # two KV heads, one per rank; the block count holds on both and each rank's KV fits its budget
+        assert [(r.kv_head_start, r.kv_num_heads) for r in backend.ranks] == [(0, 1), (1, 1)]
+        for r in backend.ranks:
+            assert r.kv_cache_bytes == backend.kv_num_blocks * backend.kv_bytes_per_block // 2
+            assert 0 < r.kv_cache_bytes <= 96 * 1024 and r.weight_bytes > 0
         with ThreadPoolExecutor(len(prompts)) as pool:
             outs = list(
                 pool.map(
@@ -183,36 +98,13 @@ def test_tp2_service_gives_tp1_greedy_tokens_with_prefix_hits_and_preemption(
         assert usage is not None and usage.cached_tokens >= 32
 
 
-def _seeded(i: int) -> engine_pb2.GenerateRequest:
-    return request(f"s{i}", prompt(i, 12 + i % 5), 150, temperature=0.8, seed=500 + i)
-
-
-def _kill_rank_1_mid_stream(engine: Engine, ranks: list[Proc], num_streams: int):  # noqa: ANN202
-    from fault_procs import Outcome
-
-    outcomes = [Outcome(f"s{i}") for i in range(num_streams)]
-    with ThreadPoolExecutor(num_streams) as pool:
-        futures = [
-            pool.submit(stream_one, engine.stub, _seeded(i), 120, outcomes[i]) for i in range(num_streams)
-        ]
-        for out in outcomes:
-            assert out.first_token.wait(60), engine.logs()
-        killed_at = time.monotonic()
-        os.kill(ranks[1].popen.pid, signal.SIGKILL)
-        results = [f.result() for f in futures]
-    # The leader notices its peer is gone and leaves too: no half-alive group.
-    code = ranks[0].popen.wait(timeout=DIST_TIMEOUT_S + 10)
-    assert code == GROUP_FAILURE_EXIT_CODE, ranks[0].log_tail()
-    return results, time.monotonic() - killed_at
-
-
 def test_killing_rank_1_fails_its_requests_over_to_another_group(tiny_model: Path, tmp_path: Path) -> None:
     num_streams = 6
-    with start_tp_engine(tiny_model, tmp_path, with_single_worker=True) as (engine, ranks):
+    with start_tp_engine(str(tiny_model), tmp_path, single_device="cpu") as (engine, ranks):
         with ThreadPoolExecutor(num_streams) as pool:
-            reference = list(pool.map(lambda i: stream_one(engine.stub, _seeded(i), 120), range(num_streams)))
+            reference = list(pool.map(lambda i: stream_one(engine.stub, seeded(i), 120), range(num_streams)))
         assert all(r.done is not None for r in reference), engine.logs()
-        results, _ = _kill_rank_1_mid_stream(engine, ranks, num_streams)
+        results, _ = kill_a_rank_mid_stream(engine, ranks, 1, [seeded(i) for i in range(num_streams)])
         for ref, out in zip(reference, results, strict=True):
             assert out.status is None and out.num_terminal == 1, f"{out}\n{engine.logs()}"
             assert out.done is not None, f"{out.request_id}: {out.error}\n{engine.logs()}"
@@ -222,9 +114,25 @@ def test_killing_rank_1_fails_its_requests_over_to_another_group(tiny_model: Pat
 
 def test_killing_rank_1_of_the_only_group_ends_requests_unavailable(tiny_model: Path, tmp_path: Path) -> None:
     num_streams = 4
-    with start_tp_engine(tiny_model, tmp_path) as (engine, ranks):
-        results, seconds = _kill_rank_1_mid_stream(engine, ranks, num_streams)
+    with start_tp_engine(str(tiny_model), tmp_path) as (engine, ranks):
+        results, seconds = kill_a_rank_mid_stream(engine, ranks, 1, [seeded(i) for i in range(num_streams)])
         for out in results:
             assert out.status is None and out.num_terminal == 1, f"{out}\n{engine.logs()}"
             assert out.error is not None and out.error.code == int(RuntimeErrorKind.BACKEND_UNAVAILABLE), out
         assert seconds < STEP_TIMEOUT_S + DIST_TIMEOUT_S + 10
+
+
+def test_a_hung_rank_takes_its_group_down_within_the_timeouts(tiny_model: Path, tmp_path: Path) -> None:
+    num_streams = 4
+    with start_tp_engine(str(tiny_model), tmp_path) as (engine, ranks):
+        try:
+            results, seconds = kill_a_rank_mid_stream(
+                engine, ranks, 1, [seeded(i) for i in range(num_streams)], signal.SIGSTOP
+            )
+        finally:
+            ranks[1].popen.kill()
+        for out in results:
+            assert out.status is None and out.num_terminal == 1, f"{out}\n{engine.logs()}"
+            assert out.error is not None and out.error.code == int(RuntimeErrorKind.BACKEND_UNAVAILABLE), out
+        # the engine's step timeout ends the requests; the leader's collective timeout ends the group
+        assert seconds < STEP_TIMEOUT_S + 10
