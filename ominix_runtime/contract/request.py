@@ -30,3 +30,4 @@ class GenerateRequest:
     deadline: float | None = None  # monotonic seconds; None: no deadline
     stream: bool = True
     prompt_text: str | None = None  # kept for request-level backends that take text
+    traceparent: str = ""  # W3C trace context to carry to the backend ("" when not traced)

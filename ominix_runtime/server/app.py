@@ -27,6 +27,7 @@ from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.engine_service import EngineService
 from ominix_runtime.server.logging import configure_logging, get_logger
 from ominix_runtime.server.metrics import EngineMetrics
+from ominix_runtime.server.tracing import tracer_from_environment
 from ominix_runtime.text import Tokenizer
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -115,6 +116,7 @@ class EngineDaemon:
         self.config = config
         self._given_backends = backends
         self.metrics = EngineMetrics() if config.metrics_port > 0 else None
+        self.tracer = tracer_from_environment()  # off unless OTEL_* variables configure it
         self.health = health.aio.HealthServicer()
         self.stop_requested = asyncio.Event()
         self.bound_port = 0
@@ -143,7 +145,7 @@ class EngineDaemon:
             max_waiting_requests=sched.max_queue_len,
         )
         self._engine = EngineCore(self._backends, core_config)
-        service = EngineService(self._engine, None, model_name, self.metrics)
+        service = EngineService(self._engine, None, model_name, self.metrics, self.tracer)
 
         # Every service is registered before the server starts; Generate answers UNAVAILABLE and health
         # says NOT_SERVING until the engine is ready.
@@ -222,6 +224,7 @@ class EngineDaemon:
                 metrics.observe_run(report)
 
         engine.add_listener(on_run)
+        engine.add_listener(self.tracer.on_run_report)
         if metrics is None:
             return
         metrics.set_model_name(model_name)
@@ -279,6 +282,7 @@ class EngineDaemon:
                 await asyncio.wait_for(backend.close(), timeout=2.0)
         if self.metrics is not None:
             self.metrics.stop_http()
+        self.tracer.shutdown()
         _log.info("stopped")
 
 

@@ -442,7 +442,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                         continue
                     last_step_id = step_pb.step_id
                     try:
-                        steps.put(_Arrival(step_pb.step_id, wire.step_from_pb(step_pb)))
+                        step = wire.step_from_pb(step_pb)
+                        for new in step.new_requests:  # the engine's trace context, for correlating logs
+                            if new.traceparent:
+                                log.debug("request %s traceparent %s", new.request_id, new.traceparent)
+                        steps.put(_Arrival(step_pb.step_id, step))
                     except Exception as exc:  # noqa: BLE001 - reported to the engine, the server lives on
                         log.error("step %d failed:\n%s", step_pb.step_id, traceback.format_exc())
                         error = f"step {step_pb.step_id} failed: {type(exc).__name__}: {exc}"
