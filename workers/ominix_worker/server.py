@@ -196,6 +196,7 @@ def load_worker(
         parse_bytes,
     )
     from ominix_worker.loader import ModelLoadError, load_model
+    from ominix_worker.progress import stage
     from ominix_worker.runner import ModelRunner
 
     device = parse_device(device_spec)
@@ -232,6 +233,7 @@ def load_worker(
         max_model_len,
     )
     _say("sizing the KV cache")
+    profiling = stage("profiling the KV cache")
     if device.type == "cpu":
         budget = parse_bytes(args.kv_cache_memory)
         runner.profile_forward(min(64, max_batch_tokens))  # warm-up only: the CPU budget is explicit
@@ -239,6 +241,7 @@ def load_worker(
         budget = measure_gpu_kv_budget(
             device, args.gpu_memory_utilization, lambda: runner.profile_forward(max_batch_tokens)
         )
+    profiling.close()
     num_blocks = num_blocks_for_budget(budget, bytes_per_block)
     if num_blocks < 1:
         raise StartupError(f"the KV budget ({budget} bytes) holds no block of {bytes_per_block} bytes")
@@ -250,8 +253,10 @@ def load_worker(
         f"KV cache: {num_blocks} blocks of {block_size} tokens ({num_blocks * bytes_per_block / 2**20:.0f} MiB)"
     )
     _say("warming up")
+    warming = stage("warming up")
     runner.profile_forward(min(16, max_batch_tokens))
     graphs = runner.capture_decode_graphs()
+    warming.close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     # Everything loaded so far lives as long as the process: keep it out of the collector's scans, so the
