@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ominix_runtime.contract import FinishReason, RequestState, RuntimeErrorKind
+
+if TYPE_CHECKING:  # the groups import this module
+    from ominix_runtime.engine.groups.worker_group import WorkerGroup
 
 
 @dataclass(slots=True)
@@ -136,7 +139,7 @@ class EngineStats:
     recent_protocol_violations: list[str] = field(default_factory=list)
 
 
-def worker_stats(group: Any) -> WorkerStats:
+def worker_stats(group: WorkerGroup) -> WorkerStats:
     """Read one worker group (step-level or request-level) into a :class:`WorkerStats`.
 
     Reads only what the groups expose publicly; the KV and preemption figures exist only where the group
@@ -171,9 +174,9 @@ def worker_stats(group: Any) -> WorkerStats:
         prompt_tokens=counters.prompt_tokens,
         generation_tokens=counters.generated_tokens,
         preemptions=counters.preemptions,
-        failovers=getattr(group, "num_failures", 0),
-        restarts=getattr(group, "num_reconnects", 0),
+        failovers=group.num_failures,
+        restarts=group.num_reconnects,
         resumed_requests=counters.resumed,
         integrity_violations=group.integrity_violations,
-        protocol_violations=getattr(group, "num_protocol_violations", 0),
+        protocol_violations=group.num_protocol_violations,
     )

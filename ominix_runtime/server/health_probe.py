@@ -29,7 +29,7 @@ def probe(address: str, service: str = "", timeout: float = 3.0, ca: bytes | Non
     )
     with channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
+            reply = health_pb2_grpc.HealthStub(channel).Check(  # type: ignore[attr-defined]
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
             )
         except grpc.RpcError as exc:

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))  # the in-thread daemon harness
+sys.path.append(str(Path(__file__).resolve().parents[1] / "server"))  # the in-thread daemon harness
 
 from server_harness import SMOLLM2_VOCAB, RunningDaemon, start_daemon, stop_daemon  # noqa: E402
 

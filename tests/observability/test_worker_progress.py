@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Scraped
 from e2e_procs import free_ports
+from obs_daemon import Scraped
 
 from ominix_worker import progress
 from ominix_worker.progress import Progress, stage, track
