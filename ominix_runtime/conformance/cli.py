@@ -69,12 +69,12 @@ def _factory(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Backe
         from ominix_runtime.backends.sglang import SGLangBackend
 
         url = args.url
-        stated: dict[str, object] = {"api_key": args.sglang_api_key}
-        if args.vocab_size:
-            stated["vocab_size"] = args.vocab_size
-        if args.eos_token_id:
-            stated["eos_token_ids"] = list(args.eos_token_id)
-        return lambda: [SGLangBackend(url, **stated)]  # type: ignore[arg-type]
+        vocab_size: int | None = args.vocab_size or None  # unset: the server's own statement stands
+        eos_token_ids: list[int] | None = list(args.eos_token_id) if args.eos_token_id else None
+        api_key: str | None = args.sglang_api_key
+        return lambda: [
+            SGLangBackend(url, vocab_size=vocab_size, eos_token_ids=eos_token_ids, api_key=api_key)
+        ]
     from ominix_runtime.testing.fake_backend import FakeConfig, FakeRequestBackend, FakeStepBackend
 
     if args.backend == "fake-broken":

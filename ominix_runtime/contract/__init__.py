@@ -13,6 +13,7 @@ from ominix_runtime.contract.capability import (
     BackendKind,
     Granularity,
     ModelInfo,
+    RankInfo,
     stated_profile,
 )
 from ominix_runtime.contract.errors import (
@@ -83,6 +84,7 @@ __all__ = [
     "KVLease",
     "MAX_REQUEST_ID_BYTES",
     "ModelInfo",
+    "RankInfo",
     "NewRequestData",
     "OminixError",
     "PROFILES",

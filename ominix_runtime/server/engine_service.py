@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import grpc
 import grpc.aio
@@ -38,6 +38,7 @@ from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.front_guard import caller_of
 from ominix_runtime.server.logging import get_logger, request_context
 from ominix_runtime.server.metrics import EngineMetrics
+from ominix_runtime.server.tracing import RequestSpan, RequestTracer, traceparent_from_grpc_metadata
 from ominix_runtime.text import OutputText, Tokenizer
 from ominix_runtime.text.pool import TokenizationPool
 
@@ -81,6 +82,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         model_name: str,
         metrics: EngineMetrics | None = None,
         front: FrontConfig | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self._engine = engine
         self.front = front or FrontConfig()
@@ -89,6 +91,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self.model_name = model_name
         self.aliases: frozenset[str] = frozenset()  # other names of model_name (--served-model-name)
         self._metrics = metrics
+        self._tracer = tracer or RequestTracer()
         self._live: set[str] = set()
         self._owners: dict[str, str] = {}  # live request id -> the caller that created it (see caller_of)
         self._rejected = 0  # refused at the front edge (never reached the engine's counters)
@@ -183,12 +186,13 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     # ---- RPCs ----------------------------------------------------------------------------------------
 
     async def admit(
-        self, pb: engine_pb2.GenerateRequest, request_id: str, caller: str = ""
-    ) -> tuple[GenerateRequest, RequestHandle]:
+        self, pb: engine_pb2.GenerateRequest, request_id: str, caller: str = "", traceparent: str = ""
+    ) -> AdmittedRequest:
         """Validate, resolve and admit one request: the one path every front (gRPC, ominix.worker.v0) takes.
 
-        Returns the contract request and its event handle; raises OminixError when refused (subclasses say
-        which gRPC status fits: not serving, duplicate id, unknown model). The caller must ``release`` it.
+        Raises OminixError when refused (subclasses say which gRPC status fits: not serving, duplicate id,
+        unknown model). ``caller`` owns the request (Abort with API keys); ``traceparent`` is the caller's
+        W3C trace context. The front streams ``stream(admitted)`` and must ``release`` it.
         """
         try:
             validate_request_id(request_id)  # before the id appears in any log line
@@ -205,12 +209,14 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         # Before any await, so a concurrent duplicate sees it.
         self._live.add(request_id)
         self._owners[request_id] = caller
+        span = self._tracer.start(request_id, traceparent, pb.model or self.model_name)
         try:
             gen_request = await self._resolve(pb, request_id)
+            gen_request.traceparent = span.traceparent
         except OminixError as exc:
             self._forget(request_id)
             reason = "model_not_found" if isinstance(exc, _NotFound) else exc.kind.name.lower()
-            self._reject(exc.message, reason, counted_by_engine=False)
+            self._reject(exc.message, reason, counted_by_engine=False, span=span)
             raise
         except BaseException:
             self._forget(request_id)
@@ -219,54 +225,72 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             handle = self._engine.submit(gen_request)
         except OminixError as exc:
             self._forget(request_id)
-            self._reject(exc.message, exc.kind.name.lower(), counted_by_engine=True)
+            self._reject(exc.message, exc.kind.name.lower(), counted_by_engine=True, span=span)
             raise
         except BaseException:
             self._forget(request_id)
+            span.end("error", "submit failed")
             raise
         _log.debug("request admitted", prompt_tokens=len(gen_request.prompt_token_ids))
-        return gen_request, handle
+        return AdmittedRequest(gen_request, handle, span)
 
-    def stream(self, req: GenerateRequest, handle: RequestHandle) -> AsyncIterator[engine_pb2.GenerateEvent]:
+    def stream(self, admitted: AdmittedRequest) -> AsyncIterator[engine_pb2.GenerateEvent]:
         """The admitted request's events (detokenized, stop strings applied), ending with one terminal."""
-        return self._events(req, handle)
+        return self._events(admitted.request, admitted.handle, admitted.span)
 
-    def release(self, request_id: str, handle: RequestHandle, finished: bool) -> None:
+    def release(
+        self, admitted: AdmittedRequest, finished: bool, last: engine_pb2.GenerateEvent | None
+    ) -> None:
         """End an admitted request's life at its front; unless it finished, abort it (frees its KV at once)."""
-        self._forget(request_id)
-        if not finished:
-            _log.info("stream ended early, aborting request")
-            handle.abort()
+        self._forget(admitted.request.request_id)
+        try:
+            if not finished:
+                # The client went away (or the stream failed).
+                _log.info("stream ended early, aborting request")
+                admitted.handle.abort()
+        finally:  # after the abort, so the engine's run report has added the phases
+            if last is not None and last.HasField("error"):
+                admitted.span.end("error", last.error.message)
+            else:
+                admitted.span.end("done" if finished else "cancelled")
 
     async def Generate(
         self, request: engine_pb2.GenerateRequest, context: _GenerateContext
     ) -> AsyncIterator[engine_pb2.GenerateEvent]:
         request_id = request.request_id or uuid.uuid4().hex
-        with request_context(request_id[:256]):
+        with request_context(request_id[:256]):  # the id is validated in admit before anything logs it
             try:
-                gen_request, handle = await self.admit(request, request_id, caller_of(context))
+                traceparent = traceparent_from_grpc_metadata(context.invocation_metadata())
+                admitted = await self.admit(request, request_id, caller_of(context), traceparent)
             except OminixError as exc:
                 await context.abort(status_for(exc), exc.message, trailing_metadata=error_metadata(exc.kind))
             finished = False
+            last: engine_pb2.GenerateEvent | None = None
             try:
                 try:
-                    async for event in self._events(gen_request, handle):
+                    async for event in self.stream(admitted):
+                        last = event
                         yield event
                     finished = True
                 except Exception as exc:  # a bug here must still end the stream with one terminal event
                     _log.exception("generate stream failed")
-                    yield engine_pb2.GenerateEvent(
+                    last = engine_pb2.GenerateEvent(
                         request_id=request_id,
                         error=wire.error_info_to_pb(RuntimeErrorKind.INTERNAL, repr(exc)),
                     )
+                    yield last
             finally:
-                self.release(request_id, handle, finished)
+                self.release(admitted, finished, last)
 
     def _forget(self, request_id: str) -> None:
         self._live.discard(request_id)
         self._owners.pop(request_id, None)
 
-    def _reject(self, message: str, reason: str, counted_by_engine: bool) -> None:
+    def _reject(
+        self, message: str, reason: str, counted_by_engine: bool, span: RequestSpan | None = None
+    ) -> None:
+        if span is not None:
+            span.end("rejected", message)
         if not counted_by_engine:
             self._rejected += 1
         _log.info("request rejected", reason=message)
@@ -274,7 +298,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             self._metrics.observe_rejection(reason)
 
     async def _events(
-        self, req: GenerateRequest, handle: RequestHandle
+        self, req: GenerateRequest, handle: RequestHandle, span: RequestSpan
     ) -> AsyncIterator[engine_pb2.GenerateEvent]:
         rid = req.request_id
         # Another model's tokens are not ours to decode: its request-level backend sends the text.
@@ -297,7 +321,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             elif isinstance(event, Token):
                 if matched_stop is not None:
                     continue  # tokens of steps already in flight when the stop string matched
+                span.first_token()
+                started = time.perf_counter()
                 match = output.push(event.token_ids, event.text)
+                span.detokenized(time.perf_counter() - started)
                 num_emitted_tokens += len(event.token_ids)
                 if match.matched_stop is not None:
                     matched_stop = match.matched_stop
@@ -452,6 +479,15 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         return engine_pb2.ListBackendsResponse(
             backends=[wire.capability_to_pb(c) for c in self._engine.capabilities()]
         )
+
+
+@dataclass(slots=True)
+class AdmittedRequest:
+    """A request a front got admitted: what it streams and later releases."""
+
+    request: GenerateRequest
+    handle: RequestHandle
+    span: RequestSpan
 
 
 class _NotFound(OminixError):

@@ -25,6 +25,7 @@ from ominix_runtime.contract import OminixError, RuntimeErrorKind, is_retryable
 from ominix_runtime.pb import common_pb2, engine_pb2
 from ominix_runtime.server.engine_service import EngineService
 from ominix_runtime.server.logging import get_logger, request_context
+from ominix_runtime.server.tracing import traceparent_from_http_headers
 from ominix_runtime.server.v0_protocol import (
     DONE_FRAME,
     V0EventWriter,
@@ -233,19 +234,22 @@ class V0Front:
             pb = self._engine_request(req)
         except V0ProtocolError as exc:
             return json_error(400, str(exc))
-        with request_context(req.request_id):
+        with request_context(req.request_id[:256]):  # admit validates the id before anything logs it
             try:
-                gen_request, handle = await self._service.admit(pb, req.request_id, V0_CALLER)
+                traceparent = traceparent_from_http_headers(request.headers)
+                admitted = await self._service.admit(pb, req.request_id, V0_CALLER, traceparent)
             except OminixError as exc:
                 return json_error(HTTP_STATUS_OF_ERROR.get(exc.kind, 500), exc.message, exc.kind)
             writer = V0EventWriter(req.request_id, req.trace_id)
             finished = False
+            last: engine_pb2.GenerateEvent | None = None
             response = web.StreamResponse(
                 status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             )
             try:
                 await response.prepare(request)
-                async for event in self._service.stream(gen_request, handle):
+                async for event in self._service.stream(admitted):
+                    last = event
                     for record in _records(event, writer):
                         await response.write(sse_frame(record))
                 finished = True
@@ -264,7 +268,7 @@ class V0Front:
                         await response.write(sse_frame(writer.error("internal", message, False)))
                         await response.write(DONE_FRAME)
             finally:
-                self._service.release(req.request_id, handle, finished)
+                self._service.release(admitted, finished, last)
             return response
 
     def _engine_request(self, req: V0GenerateRequest) -> engine_pb2.GenerateRequest:
