@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import aiohttp
 import pytest
-from conftest import TOKEN, V0Daemon
 from e2e_procs import CLI, free_ports, start_proc, stop_procs, wait_health
 from ominix_api_client import OminixApiClient
+from v0_daemons import TOKEN, V0Daemon
 
 from ominix_runtime.models import DEFAULT_MODEL_NAME, embedded_model_path
 from ominix_runtime.text import Tokenizer

@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 import aiohttp
 import grpc
 import pytest
-from conftest import FAKE_KV_TOKENS, SERVED_ALIAS, TOKEN, V0Daemon
 from ominix_api_client import OminixApiClient, RemoteFinish, SseDecoder, WorkerRejected, validate_event
+from v0_daemons import FAKE_KV_TOKENS, SERVED_ALIAS, TOKEN, V0Daemon
 
 from ominix_runtime.models import DEFAULT_MODEL_NAME
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
