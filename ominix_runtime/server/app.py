@@ -21,7 +21,7 @@ from ominix_runtime.contract import BackendAdapter, OminixError, RuntimeErrorKin
 from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig
 from ominix_runtime.engine.core import EngineCore
 from ominix_runtime.engine.negotiation import ServingTerms
-from ominix_runtime.engine.stats import RunReport, worker_stats
+from ominix_runtime.engine.stats import RunReport
 from ominix_runtime.models import ModelFormat, ModelSource, resolve_model
 from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.engine_service import EngineService
@@ -241,7 +241,7 @@ class EngineDaemon:
         assert self.metrics is not None
         while True:
             try:
-                self.metrics.update_workers(worker_stats(g) for g in engine.groups)
+                self.metrics.update_workers(g.stats() for g in engine.groups)
             except Exception as exc:  # noqa: BLE001 - metrics must never take the daemon down
                 _log.warning("metrics refresh failed", error=repr(exc))
             await asyncio.sleep(METRICS_REFRESH_INTERVAL_S)

@@ -30,7 +30,7 @@ from ominix_runtime.contract import FinishReason, RuntimeErrorKind
 from ominix_runtime.engine.stats import RunReport, StepReport, WorkerStats
 
 # `_created` series double every counter and histogram and no dashboard reads them.
-disable_created_metrics()  # type: ignore[no-untyped-call]
+disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
 
 # Buckets span a CPU worker (tens to hundreds of ms per token, seconds to first token) and a GPU worker
 # (a few ms per token, tens of ms to first token), with enough resolution around each to read p50/p99.

@@ -79,7 +79,7 @@ def _hf_weights(folder: Path) -> Iterator[tuple[str, WeightSource]]:
         for file, key in _progress(names, len(names), "loading weights"):
             if file not in handles:
                 handles[file] = safe_open(str(file), framework="pt", device="cpu")
-            yield key, SafetensorsWeight(handles[file].get_slice(key))
+            yield key, SafetensorsWeight(handles[file].get_slice(key), key)
     finally:
         handles.clear()
 
