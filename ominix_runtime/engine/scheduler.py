@@ -385,6 +385,7 @@ class Scheduler:
                     num_scheduled_tokens=n,
                     effective_seed=req.effective_seed,
                     output_token_ids=req.output_token_ids,
+                    traceparent=req.request.traceparent,
                 )
             )
             self._commit(req, n, scheduled, plan)

@@ -28,6 +28,7 @@ from ominix_runtime.server.engine_service import EngineService
 from ominix_runtime.server.front_guard import FrontGuard
 from ominix_runtime.server.logging import configure_logging, get_logger
 from ominix_runtime.server.metrics import EngineMetrics
+from ominix_runtime.server.tracing import tracer_from_environment
 from ominix_runtime.text import Tokenizer
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -95,6 +96,7 @@ class EngineDaemon:
         self.config = config
         self._given_backends = backends
         self.metrics = EngineMetrics() if config.metrics_port > 0 else None
+        self.tracer = tracer_from_environment()  # off unless OTEL_* variables configure it
         self.health = health.aio.HealthServicer()
         self.stop_requested = asyncio.Event()
         self.bound_port = 0
@@ -129,7 +131,7 @@ class EngineDaemon:
             max_waiting_requests=sched.max_queue_len,
         )
         engine = self._engine = EngineCore(self._backends, core_config)
-        service = EngineService(engine, None, model_name, self.metrics, config.front)
+        service = EngineService(engine, None, model_name, self.metrics, config.front, self.tracer)
         self._service = service
 
         # Every service is registered before the server starts; Generate answers UNAVAILABLE and health
@@ -210,6 +212,7 @@ class EngineDaemon:
                 metrics.observe_run(report)
 
         engine.add_listener(on_run)
+        engine.add_listener(self.tracer.on_run_report)
         if metrics is None:
             return
         metrics.set_model_name(model_name)
@@ -267,6 +270,7 @@ class EngineDaemon:
                 await asyncio.wait_for(backend.close(), timeout=2.0)
         if self.metrics is not None:
             self.metrics.stop_http()
+        self.tracer.shutdown()
         _log.info("stopped")
 
 

@@ -57,8 +57,8 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 STEP_TOKENS_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 FINISH_REASONS = tuple(r.name.lower() for r in FinishReason)
-# Why a request was refused before it ran: the error kinds, plus a model this engine does not serve.
-REJECTION_REASONS = (*(k.name.lower() for k in RuntimeErrorKind), "model_not_found")
+# Why a request was refused before it ran: the error kinds, a model this engine does not serve, a bad id.
+REJECTION_REASONS = (*(k.name.lower() for k in RuntimeErrorKind), "model_not_found", "invalid_request_id")
 
 
 class EngineMetrics:
