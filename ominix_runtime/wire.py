@@ -108,7 +108,7 @@ def capability_to_pb(cap: BackendCapability) -> common_pb2.BackendCapability:
         model.bos_token_id = m.bos_token_id
     return common_pb2.BackendCapability(
         worker_id=cap.worker_id,
-        kind=int(cap.kind),
+        kind=cast("common_pb2.BackendKind", int(cap.kind)),
         device=cap.device,
         dtype=cap.dtype,
         supported_dtypes=list(cap.supported_dtypes),
@@ -117,7 +117,7 @@ def capability_to_pb(cap: BackendCapability) -> common_pb2.BackendCapability:
         kv_bytes_per_block=cap.kv_bytes_per_block,
         max_batch_tokens=cap.max_batch_tokens,
         max_running_requests=cap.max_running_requests,
-        granularity=int(cap.granularity),
+        granularity=cast("common_pb2.Granularity", int(cap.granularity)),
         supports_paged_kv=cap.supports_paged_kv,
         supports_prefix_caching=cap.supports_prefix_caching,
         supports_chunked_prefill=cap.supports_chunked_prefill,
@@ -217,7 +217,7 @@ def backend_load_to_pb(load: LoadSnapshot, served_aliases: tuple[str, ...] = ())
         kv_bytes_capacity=load.kv_bytes_capacity,
         estimated_decode_tokens_per_second=load.estimated_decode_tokens_per_second,
         healthy=load.healthy,
-        health=int(load.health),
+        health=cast("engine_pb2.BackendHealth", int(load.health)),
         timestamp_ms=load.timestamp_ms,
         model_ids=list(load.model_ids),
         served_aliases=list(served_aliases),

@@ -28,7 +28,7 @@ import json
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +72,7 @@ def tokenize(text: str, vocab_size: int) -> list[int]:
     return ids
 
 
-def token_stream(input_ids: Sequence[int], seed: int | None, vocab_size: int):
+def token_stream(input_ids: Sequence[int], seed: int | None, vocab_size: int) -> Iterator[int]:
     """Infinite deterministic token ids from the prompt and seed (a 64-bit LCG, folded prompt)."""
     state = (seed or 0) * 0x9E3779B97F4A7C15 & _MASK64
     for t in input_ids:
@@ -276,7 +276,7 @@ class _Generation:
         return None
 
     def out(self, finish: dict[str, Any] | None, incremental: bool) -> dict[str, Any]:
-        meta = {
+        meta: dict[str, Any] = {  # JSON, as SGLang's meta_info
             "id": self.plan.rid,
             "finish_reason": finish,
             "prompt_tokens": len(self.plan.input_ids),
@@ -390,7 +390,7 @@ async def _decode(
     aborted: asyncio.Event,
     gen: _Generation,
     fits: bool = True,
-):
+) -> AsyncIterator[tuple[dict[str, Any] | None, str]]:
     """Yield (finish, fault) after each token; fault is "" or the fault mode that fires now."""
     if not fits:
         need = len(plan.input_ids) + plan.max_new_tokens
@@ -623,7 +623,9 @@ async def handle_fake_stats(request: web.Request) -> web.Response:
 
 
 @web.middleware
-async def _api_key(request: web.Request, handler: Any) -> web.StreamResponse:
+async def _api_key(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     key = request.app[STATE_KEY].api_key
     if key and request.path != "/health" and request.headers.get("Authorization") != f"Bearer {key}":
         return web.json_response({"error": "Unauthorized"}, status=401)
