@@ -23,6 +23,7 @@ from ominix_runtime.models import ModelFormat, ModelSource
 from ominix_worker.attention.base import AttentionBackend
 from ominix_worker.config import ModelConfig, ModelConfigError, config_from_gguf_fields, load_hf_config
 from ominix_worker.models.llama import LlamaForCausalLM
+from ominix_worker.models.moe import model_class
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ def _build(
     max_positions: int,
 ) -> LlamaForCausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, max_positions)
+        model = model_class(config)(config, backend, max_positions)
     model = model.to(dtype).to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty replaces parameters one module at a time: tie again
         model.lm_head.weight = model.embed_tokens.weight

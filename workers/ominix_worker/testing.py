@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-_ARCHES = ("llama", "qwen2", "qwen3")
+_ARCHES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
 PAD_TOKEN_ID = 0
 BOS_TOKEN_ID = 1
 EOS_TOKEN_ID = 2
@@ -101,11 +101,11 @@ def write_tiny_hf_model(
     with_tokenizer: bool = True,
     **config_overrides: Any,
 ) -> Path:
-    """Write a random ``arch`` model (llama, qwen2 or qwen3) to ``path`` and return the folder.
+    """Write a random ``arch`` model (see ``_ARCHES``) to ``path`` and return the folder.
 
     ``initializer_range`` is larger than the usual 0.02 so that logits are far from uniform and greedy
     decoding is stable under float rounding. ``config_overrides`` go to the transformers config (e.g.
-    ``rope_parameters`` for Llama 3.1 scaling).
+    ``rope_parameters`` for Llama 3.1 scaling, ``num_experts`` for MoE models).
     """
     import torch
     import transformers
@@ -130,6 +130,9 @@ def write_tiny_hf_model(
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[arch]
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
@@ -141,6 +144,9 @@ def write_tiny_hf_model(
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn_like(param))
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                # Routers start at zero in some classes: random ones make every expert matter.
+                param.copy_(0.5 * torch.randn_like(param))
     model.save_pretrained(str(folder), safe_serialization=True)
     if with_tokenizer and vocab_size >= MIN_VOCAB_SIZE:
         write_tiny_tokenizer(folder, vocab_size)

@@ -183,12 +183,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+        mlp: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, backend, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = mlp if mlp is not None else MLP(config)
 
     def forward(
         self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -216,12 +222,17 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, self.rotary) for _ in range(config.num_layers)
+            DecoderLayer(config, backend, self.rotary, self.build_mlp(config, i))
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def build_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module | None:
+        """The MLP of layer ``layer_index``; None: the dense ``MLP``. Subclasses (MoE) override it."""
+        return None
 
     def forward(
         self,

@@ -1,0 +1,204 @@
+"""Mixture-of-experts decoders: Qwen3-MoE, Qwen2-MoE (with its gated shared expert) and Mixtral.
+
+Attention, norms, rotary and the dense MLP are the Llama-family ones (``models/llama.py``); only the MLP of
+the sparse layers (``config.moe_layers``) changes: a router picks the top-k experts per token and
+``FusedExperts`` runs them. Expert weights are stacked per layer, ``w13`` (E, 2I, H) [gate rows | up rows]
+and ``w2`` (E, H, I), so a later expert-parallel or tensor-parallel split is a slice of dim 0 (experts) or
+of the I rows / columns (expert tensor parallel) of these two tensors.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from ominix_worker.config import ModelConfig
+from ominix_worker.models.llama import MLP, LlamaForCausalLM
+from ominix_worker.ops.moe_ref import fused_experts_ref, select_experts
+
+_FUSED_MOE: ModuleType | None = None
+_FUSED_MOE_TRIED = False
+
+
+def fused_moe_ops(x: torch.Tensor) -> ModuleType | None:
+    """The Triton fused MoE (``ops/fused_moe.py``) for CUDA tensors; None on other devices or without triton."""
+    global _FUSED_MOE, _FUSED_MOE_TRIED
+    if not x.is_cuda:
+        return None
+    if not _FUSED_MOE_TRIED:
+        _FUSED_MOE_TRIED = True
+        try:
+            from ominix_worker.ops import fused_moe
+
+            _FUSED_MOE = fused_moe
+        except ImportError:
+            _FUSED_MOE = None
+    return _FUSED_MOE
+
+
+class FusedExperts(nn.Module):
+    """E SiLU-gated experts as two stacked weights; ``forward`` applies the routed, weighted sum."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ``expert``'s (w13, w2) in the run dtype (the reference path's view of one expert)."""
+        return self.w13_weight[expert], self.w2_weight[expert]
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        ops = fused_moe_ops(x)
+        if ops is not None:
+            return ops.fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        return fused_experts_ref(x, self.expert_weights, self.num_experts, topk_weights, topk_ids)
+
+    def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> str:
+        """Copy one Hugging Face expert projection (gate, up or down) into its slice; returns its load key."""
+        size = self.intermediate_size
+        with torch.no_grad():
+            if part == "down":
+                target, key = self.w2_weight[expert], f"w2_weight#{expert}"
+            else:
+                shard = 0 if part == "gate" else 1
+                target = self.w13_weight[expert].narrow(0, shard * size, size)
+                key = f"w13_weight#{expert}.{shard}"
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"expert {expert} {part}: shape {tuple(tensor.shape)} != {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+        return key
+
+    def load_keys(self) -> set[str]:
+        keys = {f"w2_weight#{e}" for e in range(self.num_experts)}
+        keys.update(f"w13_weight#{e}.{s}" for e in range(self.num_experts) for s in (0, 1))
+        return keys
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts (+ Qwen2-MoE's shared expert, scaled by sigmoid(shared_expert_gate(x)))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.scoring_func = config.scoring_func
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = MLP(
+                replace(config, intermediate_size=config.shared_expert_intermediate_size)
+            )
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        router_logits = self.gate(x)
+        ops = fused_moe_ops(x)
+        if ops is not None:
+            topk_weights, topk_ids = ops.select_experts(
+                router_logits, self.top_k, self.renormalize, self.scoring_func
+            )
+        else:
+            topk_weights, topk_ids = select_experts(
+                router_logits, self.top_k, self.renormalize, self.scoring_func
+            )
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+# layers.<i>.(mlp|block_sparse_moe).experts.<e>.<projection>.weight
+_EXPERT_RE = re.compile(r"^layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT_PARTS = {
+    "gate_proj": "gate",
+    "w1": "gate",
+    "up_proj": "up",
+    "w3": "up",
+    "down_proj": "down",
+    "w2": "down",
+}
+_SHARED_SHARDS = {"gate_proj": 0, "up_proj": 1}
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """A Llama-family decoder whose sparse layers (``config.moe_layers``) use ``SparseMoeBlock``."""
+
+    def build_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module | None:
+        if layer_index in config.moe_layers:
+            return SparseMoeBlock(config)
+        return None
+
+    def _moe_block(self, layer_index: int) -> SparseMoeBlock:
+        block = self.layers[layer_index].mlp
+        if not isinstance(block, SparseMoeBlock):
+            raise KeyError(f"layer {layer_index} has no experts")
+        return block
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded: set[str] = set()
+        dense = self._load_moe_weights(weights, loaded)
+        loaded |= super().load_weights(dense)
+        return loaded
+
+    def _load_moe_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], loaded: set[str]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Loads expert and shared-expert shards here; yields everything else for the dense loader."""
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+            match = _EXPERT_RE.match(name)
+            if match is not None:
+                layer, expert, projection = int(match.group(1)), int(match.group(2)), match.group(3)
+                if projection not in _EXPERT_PARTS:
+                    raise KeyError(f"unexpected weight {hf_name!r}")
+                key = self._moe_block(layer).experts.load_expert(expert, _EXPERT_PARTS[projection], tensor)
+                loaded.add(f"layers.{layer}.mlp.experts.{key}")
+                continue
+            shared = re.match(r"^layers\.(\d+)\.mlp\.shared_expert\.(gate_proj|up_proj)\.weight$", name)
+            if shared is not None:
+                block = self._moe_block(int(shared.group(1)))
+                assert block.shared_expert is not None
+                size = block.shared_expert.intermediate_size
+                shard = _SHARED_SHARDS[shared.group(2)]
+                target = block.shared_expert.gate_up_proj.weight.narrow(0, shard * size, size)
+                if target.shape != tensor.shape:
+                    raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+                with torch.no_grad():
+                    target.copy_(tensor)
+                loaded.add(f"layers.{shared.group(1)}.mlp.shared_expert.gate_up_proj.weight#{shard}")
+                continue
+            yield name, tensor
+
+    def expected_weight_keys(self) -> set[str]:
+        keys = {
+            k
+            for k in super().expected_weight_keys()
+            if ".mlp.experts." not in k and ".mlp.shared_expert.gate_up_proj." not in k
+        }
+        for index in self.config.moe_layers:
+            block = self._moe_block(index)
+            keys.update(f"layers.{index}.mlp.experts.{k}" for k in block.experts.load_keys())
+            if block.shared_expert is not None:
+                keys.update(f"layers.{index}.mlp.shared_expert.gate_up_proj.weight#{s}" for s in (0, 1))
+        return keys
+
+
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The module class that runs ``config``: the MoE decoder for sparse models, else the dense one."""
+    return MoeForCausalLM if config.is_moe else LlamaForCausalLM
+
+
+__all__ = ["FusedExperts", "MoeForCausalLM", "SparseMoeBlock", "fused_moe_ops", "model_class"]
