@@ -104,16 +104,8 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        router_logits = self.gate(x)
-        ops = fused_moe_ops(x)
-        if ops is not None:
-            topk_weights, topk_ids = ops.select_experts(
-                router_logits, self.top_k, self.renormalize, self.scoring_func
-            )
-        else:
-            topk_weights, topk_ids = select_experts(
-                router_logits, self.top_k, self.renormalize, self.scoring_func
-            )
+        # Plain torch ops on every device: no host sync, so CUDA graphs capture the routing too.
+        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize, self.scoring_func)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
