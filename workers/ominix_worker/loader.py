@@ -24,6 +24,16 @@ from ominix_worker.attention.base import AttentionBackend
 from ominix_worker.config import ModelConfig, ModelConfigError, config_from_gguf_fields, load_hf_config
 from ominix_worker.models.llama import LlamaForCausalLM
 from ominix_worker.models.moe import model_class
+from ominix_worker.quant.fp8 import (
+    Fp8ConfigError,
+    Fp8Scheme,
+    checkpoint_tensor,
+    load_scales,
+    prepare_fp8_model,
+    quantize_model,
+    scheme_from_config,
+    split_scales,
+)
 
 log = logging.getLogger(__name__)
 
@@ -219,10 +229,16 @@ def _build(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    fp8: Fp8Scheme | None = None,
 ) -> LlamaForCausalLM:
+    """The model with empty weights on ``device``; with ``fp8`` its projections and experts are FP8 modules
+    (an FP8 checkpoint loads into them)."""
     with torch.device("meta"):
         model = model_class(config)(config, backend, max_positions)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    if fp8 is not None:
+        prepare_fp8_model(model, fp8, lambda name: model._shard_sizes(name))
+    model = model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty replaces parameters one module at a time: tie again
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()
@@ -250,8 +266,14 @@ def load_model(
     backend: AttentionBackend,
     max_positions: int | None = None,
     seed: int = 0,
+    quantization: str | None = None,
 ) -> LoadedModel:
-    """Read the source's config and weights onto ``device`` in ``dtype``. Raises ModelLoadError."""
+    """Read the source's config and weights onto ``device`` in ``dtype``. Raises ModelLoadError.
+
+    An FP8 checkpoint (``quantization_config`` quant_method fp8) loads as FP8; ``quantization="fp8"``
+    quantizes a bf16/fp32 checkpoint to FP8 (per channel) once its weights are loaded."""
+    if quantization not in (None, "", "none", "fp8"):
+        raise ModelLoadError(f"unknown quantization {quantization!r} (none or fp8)")
     try:
         if source.format == ModelFormat.GGUF:
             from gguf import GGUFReader
@@ -264,16 +286,38 @@ def load_model(
             )
         elif source.format == ModelFormat.HF:
             config = load_hf_config(source.path)
-            model = _build(config, backend, dtype, device, max_positions or config.max_position_embeddings)
-            weights = ((n, t.to(device=device, dtype=dtype)) for n, t in _hf_weights(Path(source.path)))
-            _load_checked(model, weights, str(source.path))
+            checkpoint_fp8 = scheme_from_config(config.quantization)
+            model = _build(
+                config,
+                backend,
+                dtype,
+                device,
+                max_positions or config.max_position_embeddings,
+                checkpoint_fp8,
+            )
+            scales: dict[str, torch.Tensor] = {}
+            weights = ((n, checkpoint_tensor(n, t, device, dtype)) for n, t in _hf_weights(Path(source.path)))
+            _load_checked(model, split_scales(weights, scales), str(source.path))
+            if checkpoint_fp8 is not None:
+                load_scales(model, scales)
+            elif scales:
+                raise ModelLoadError(
+                    f"{source.path} ships weight scales but states no FP8 quantization_config"
+                )
         elif source.format == ModelFormat.DUMMY:
             config = load_hf_config(source.path)
             model = _build(config, backend, dtype, device, max_positions or config.max_position_embeddings)
             model.init_dummy_weights(seed)
+            stated = scheme_from_config(config.quantization)
+            if stated is not None:  # random weights, quantized as the config states
+                quantize_model(model, stated)
         else:  # pragma: no cover - ModelFormat is closed
             raise ModelLoadError(f"unknown model format {source.format}")
-    except (ModelConfigError, KeyError, ValueError, OSError) as exc:
+        if quantization == "fp8" and not config.quantization:
+            quantize_model(model, Fp8Scheme())  # per channel
+            config = replace(config, quantization={"quant_method": "fp8", "activation_scheme": "dynamic"})
+            model.config = config
+    except (ModelConfigError, Fp8ConfigError, KeyError, ValueError, OSError) as exc:
         raise ModelLoadError(f"cannot load model {source.name!r} from {source.path}: {exc}") from exc
     model.post_load(device)
     return LoadedModel(name=source.name, config=config, model=model)

@@ -623,6 +623,7 @@ def build_runner(
     block_size: int = 16,
     attention: str | None = None,
     max_model_len: int | None = None,
+    quantization: str | None = None,
 ) -> ModelRunner:
     """A runner with a fixed number of KV blocks (tests, benchmarks); the server sizes KV from memory."""
     from ominix_runtime.models import resolve_model
@@ -633,7 +634,7 @@ def build_runner(
     device = torch.device(device)
     backend = get_attention_backend(attention or device.type, block_size)
     source = resolve_model(model_path)
-    loaded = load_model(source, device, dtype, backend, max_positions=max_model_len)
+    loaded = load_model(source, device, dtype, backend, max_positions=max_model_len, quantization=quantization)
     max_len = max_model_len or loaded.config.max_position_embeddings
     kv = allocate_kv_cache(backend, loaded.config, num_blocks, dtype, device)
     return ModelRunner(loaded.model, loaded.config, backend, kv, device, max_len)

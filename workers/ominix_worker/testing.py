@@ -153,7 +153,67 @@ def write_tiny_hf_model(
     return folder
 
 
+# Checkpoint tensors an FP8 checkpoint stores in e4m3: attention and MLP projections, experts included.
+_FP8_WEIGHT_SUFFIXES = (
+    "q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight", "up_proj.weight",
+    "down_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight",
+)  # fmt: skip
+
+
+def write_fp8_checkpoint(
+    source: str | Path, target: str | Path, granularity: str = "block", block: int = 16
+) -> Path:
+    """Quantize the Hugging Face folder ``source`` into an FP8 checkpoint at ``target`` as FP8 checkpoints
+    ship them: e4m3 projections with ``weight_scale_inv`` per (block × block) tile and ``weight_block_size``
+    (granularity "block"), or ``weight_scale`` per output row ("channel") or per tensor ("tensor"); the rest
+    is copied. Returns ``target``; ``target/dequantized`` holds the same weights dequantized (the checkpoint's
+    exact values in float32, loadable by transformers)."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from ominix_worker.quant.fp8 import dequantize_fp8, quantize_fp8_blocks
+
+    src, dst = Path(source), Path(target)
+    dequantized_dir = dst / "dequantized"
+    dequantized_dir.mkdir(parents=True, exist_ok=True)
+    for file in src.iterdir():
+        if file.is_file() and not file.name.endswith(".safetensors"):
+            shutil.copy(file, dst / file.name)
+            shutil.copy(file, dequantized_dir / file.name)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    quantized: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if not name.endswith(_FP8_WEIGHT_SUFFIXES):
+            quantized[name] = dequantized[name] = tensor
+            continue
+        rows, cols = tensor.shape
+        tile = {"block": (block, block), "channel": (1, cols), "tensor": (rows, cols)}[granularity]
+        q, scale = quantize_fp8_blocks(tensor, tile)
+        quantized[name] = q
+        base = name.removesuffix(".weight")
+        if granularity == "block":
+            quantized[f"{base}.weight_scale_inv"] = scale
+        else:
+            quantized[f"{base}.weight_scale"] = scale.reshape(()) if granularity == "tensor" else scale
+        dequantized[name] = dequantize_fp8(q, scale, tile, torch.float32)
+    save_file(quantized, str(dst / "model.safetensors"))
+    save_file(dequantized, str(dequantized_dir / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    if granularity == "block":
+        config["quantization_config"]["weight_block_size"] = [block, block]
+    (dst / "config.json").write_text(json.dumps(config, indent=1))
+    return dst
+
+
 __all__ = [
+    "write_fp8_checkpoint",
     "write_tiny_hf_model",
     "write_tiny_tokenizer",
     "BOS_TOKEN_ID",

@@ -42,7 +42,10 @@ def fused_moe_ops(x: torch.Tensor) -> ModuleType | None:
 
 
 class FusedExperts(nn.Module):
-    """E SiLU-gated experts as two stacked weights; ``forward`` applies the routed, weighted sum."""
+    """E SiLU-gated experts as two stacked weights; ``forward`` applies the routed, weighted sum.
+
+    In FP8 (``use_fp8`` before an FP8 checkpoint loads, ``quantize_fp8`` after a bf16 one) the weights are
+    e4m3 with float32 scale buffers ``w13_scale``/``w2_scale`` (E, rows / block, columns / block)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -51,16 +54,115 @@ class FusedExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w13_scale: torch.Tensor | None
+        self.w2_scale: torch.Tensor | None
+        self.register_buffer("w13_scale", None)  # set by use_fp8 / quantize_fp8
+        self.register_buffer("w2_scale", None)
+        self.w13_block = self.w2_block = (0, 0)
+        self._scales_loaded: set[tuple[int, str]] = set()
 
-    def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # ---- FP8 ---------------------------------------------------------------------------------------
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.w13_scale is not None
+
+    def _blocks(self, block: tuple[int, int] | None) -> None:
+        # Per-channel (block None): one scale per output row, all columns.
+        self.w13_block = block or (1, self.hidden_size)
+        self.w2_block = block or (1, self.intermediate_size)
+
+    def use_fp8(self, block: tuple[int, int] | None) -> None:
+        """Empty FP8 weights and unit scales, for an FP8 checkpoint to load into."""
+        from ominix_worker.quant.fp8 import FP8_DTYPE, scale_shape
+
+        self._blocks(block)
+        device = self.w13_weight.device
+        self.w13_weight = nn.Parameter(
+            torch.empty(self.w13_weight.shape, dtype=FP8_DTYPE, device=device), False
+        )
+        self.w2_weight = nn.Parameter(
+            torch.empty(self.w2_weight.shape, dtype=FP8_DTYPE, device=device), False
+        )
+        self.register_buffer("w13_scale", torch.ones(scale_shape(tuple(self.w13_weight.shape), self.w13_block),
+                                                     device=device))  # fmt: skip
+        self.register_buffer("w2_scale", torch.ones(scale_shape(tuple(self.w2_weight.shape), self.w2_block),
+                                                    device=device))  # fmt: skip
+
+    def quantize_fp8(self, block: tuple[int, int] | None) -> None:
+        """Quantize the loaded weights in place, one expert at a time (bounded extra memory)."""
+        from ominix_worker.quant.fp8 import FP8_DTYPE, quantize_fp8_blocks, scale_shape
+
+        self._blocks(block)
+        for attr, scale_attr, blk in (
+            ("w13_weight", "w13_scale", self.w13_block),
+            ("w2_weight", "w2_scale", self.w2_block),
+        ):
+            full = getattr(self, attr)
+            q = torch.empty(full.shape, dtype=FP8_DTYPE, device=full.device)
+            scale = torch.empty(scale_shape(tuple(full.shape), blk), dtype=torch.float32, device=full.device)
+            for e in range(self.num_experts):
+                q[e], scale[e] = quantize_fp8_blocks(full[e].detach(), blk)
+            delattr(self, attr)
+            setattr(self, attr, nn.Parameter(q, requires_grad=False))
+            self.register_buffer(scale_attr, scale)
+        self._scales_loaded = {(e, p) for e in range(self.num_experts) for p in ("gate", "up", "down")}
+
+    def load_scale(self, expert: int, part: str, tensor: torch.Tensor) -> None:
+        from ominix_worker.quant.fp8 import _load_scale_rows
+
+        if self.w13_scale is None or self.w2_scale is None:
+            raise ValueError("a weight scale for experts that are not FP8")
+        size = self.intermediate_size
+        with torch.no_grad():
+            if part == "down":
+                _load_scale_rows(self.w2_scale[expert], tensor.float(), 0, self.hidden_size, self.w2_block)
+            else:
+                offset = 0 if part == "gate" else size
+                _load_scale_rows(self.w13_scale[expert], tensor.float(), offset, size, self.w13_block)
+        self._scales_loaded.add((expert, part))
+
+    def missing_scales(self) -> int:
+        return 3 * self.num_experts - len(self._scales_loaded) if self.is_fp8 else 0
+
+    # ---- compute -----------------------------------------------------------------------------------
+
+    def expert_weights(
+        self, expert: int, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert ``expert``'s (w13, w2) in the run dtype (the reference path's view of one expert)."""
-        return self.w13_weight[expert], self.w2_weight[expert]
+        if self.w13_scale is None or self.w2_scale is None:
+            return self.w13_weight[expert], self.w2_weight[expert]
+        from ominix_worker.quant.fp8 import dequantize_fp8
+
+        dtype = dtype or torch.bfloat16
+        return (
+            dequantize_fp8(self.w13_weight[expert], self.w13_scale[expert], self.w13_block, dtype),
+            dequantize_fp8(self.w2_weight[expert], self.w2_scale[expert], self.w2_block, dtype),
+        )
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         ops = fused_moe_ops(x)
-        if ops is not None:
+        if ops is None:
+            return fused_experts_ref(
+                x, lambda e: self.expert_weights(e, x.dtype), self.num_experts, topk_weights, topk_ids
+            )
+        if not self.is_fp8:
             return ops.fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
-        return fused_experts_ref(x, self.expert_weights, self.num_experts, topk_weights, topk_ids)
+        from ominix_worker.quant.fp8 import dequantize_fp8, fp8_gemm_supported
+
+        if fp8_gemm_supported(x.device):
+            return ops.fused_experts(
+                x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.w13_scale, self.w2_scale,
+                self.w13_block, self.w2_block,
+            )  # fmt: skip
+        # No FP8 tensor cores: dequantize the layer for this call (slow, but no host sync).
+        assert self.w13_scale is not None and self.w2_scale is not None
+        w13 = dequantize_fp8(self.w13_weight, self.w13_scale, self.w13_block, x.dtype)
+        w2 = dequantize_fp8(self.w2_weight, self.w2_scale, self.w2_block, x.dtype)
+        return ops.fused_experts(x, w13, w2, topk_weights, topk_ids)
+
+    # ---- loading -----------------------------------------------------------------------------------
 
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> str:
         """Copy one Hugging Face expert projection (gate, up or down) into its slice; returns its load key."""
@@ -114,7 +216,7 @@ class SparseMoeBlock(nn.Module):
 
 # layers.<i>.(mlp|block_sparse_moe).experts.<e>.<projection>.weight
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
-_EXPERT_PARTS = {
+EXPERT_PARTS = {
     "gate_proj": "gate",
     "w1": "gate",
     "up_proj": "up",
@@ -154,9 +256,9 @@ class MoeForCausalLM(LlamaForCausalLM):
             match = _EXPERT_RE.match(name)
             if match is not None:
                 layer, expert, projection = int(match.group(1)), int(match.group(2)), match.group(3)
-                if projection not in _EXPERT_PARTS:
+                if projection not in EXPERT_PARTS:
                     raise KeyError(f"unexpected weight {hf_name!r}")
-                key = self._moe_block(layer).experts.load_expert(expert, _EXPERT_PARTS[projection], tensor)
+                key = self._moe_block(layer).experts.load_expert(expert, EXPERT_PARTS[projection], tensor)
                 loaded.add(f"layers.{layer}.mlp.experts.{key}")
                 continue
             shared = re.match(r"^layers\.(\d+)\.mlp\.shared_expert\.(gate_proj|up_proj)\.weight$", name)

@@ -254,7 +254,9 @@ def _device_name() -> str:
 
 
 def config_file_name(num_experts: int, n: int, k: int, dtype: str, device: str | None = None) -> str:
-    """``E=128,N=1536,K=2048,dtype=bf16,device=NVIDIA_H100_80GB_HBM3.json``: one table per GEMM shape."""
+    """``E=128,N=1536,K=2048,dtype=bf16,device=NVIDIA_H100_80GB_HBM3.json``: one table per MoE layer shape,
+    named by its gate_up GEMM (N = 2 × moe_intermediate, K = hidden); both GEMMs use the entry (they walk the
+    same aligned tiles)."""
     return f"E={num_experts},N={n},K={k},dtype={dtype},device={device or _device_name()}.json"
 
 
@@ -333,13 +335,15 @@ def fused_experts(
     topk_ids: torch.Tensor,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
-    scale_block: tuple[int, int] = (128, 128),
+    w13_block: tuple[int, int] = (128, 128),
+    w2_block: tuple[int, int] = (128, 128),
     config: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """Σ_k topk_weights[t, k] · w2[e]ᵀ(silu(gate) · up) with [gate | up] = w13[e] x_t and e = topk_ids[t, k].
 
-    ``x`` (T, H); ``w13`` (E, 2I, H); ``w2`` (E, H, I); fp8 weights come with float32 block scales
-    (E, ceil(rows / block), ceil(cols / block)).
+    ``x`` (T, H); ``w13`` (E, 2I, H); ``w2`` (E, H, I); fp8 weights come with float32 scales
+    (E, ceil(rows / block rows), ceil(columns / block columns)) for blocks ``w13_block`` and ``w2_block``
+    (per-channel: (1, columns)). The K tile must divide the scale block's columns.
     """
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
@@ -347,21 +351,21 @@ def fused_experts(
     if num_tokens == 0:
         return torch.zeros_like(x)
     use_fp8 = w13_scale is not None
-    cfg = config or pick_config(num_experts, two_i, hidden, num_tokens, use_fp8)
+    cfg = dict(config or pick_config(num_experts, two_i, hidden, num_tokens, use_fp8))
+    if use_fp8:  # a K tile never straddles two weight scale blocks
+        while cfg["BLOCK_K"] > 16 and (w13_block[1] % cfg["BLOCK_K"] or w2_block[1] % cfg["BLOCK_K"]):
+            cfg["BLOCK_K"] //= 2
     sorted_ids, expert_ids, num_post_pad = moe_align(topk_ids, num_experts, cfg["BLOCK_M"])
     num_assignments = num_tokens * top_k
     gate_up = torch.empty((num_assignments, two_i), dtype=x.dtype, device=x.device)
     grouped_gemm(
         x, w13, gate_up, sorted_ids, expert_ids, num_post_pad, num_assignments, top_k, cfg,
-        b_scale=w13_scale, scale_block=scale_block,
+        b_scale=w13_scale, scale_block=w13_block,
     )  # fmt: skip
     hidden_act = silu_and_mul(gate_up)
-    cfg2 = config or pick_config(num_experts, hidden, two_i // 2, num_tokens, use_fp8)
-    if cfg2["BLOCK_M"] != cfg["BLOCK_M"]:
-        cfg2 = {**cfg2, "BLOCK_M": cfg["BLOCK_M"]}  # both GEMMs walk the same aligned tiles
     down = torch.empty((num_assignments, hidden), dtype=x.dtype, device=x.device)
     grouped_gemm(
-        hidden_act, w2, down, sorted_ids, expert_ids, num_post_pad, num_assignments, 1, cfg2,
-        topk_weights=topk_weights.reshape(-1).float(), b_scale=w2_scale, scale_block=scale_block,
+        hidden_act, w2, down, sorted_ids, expert_ids, num_post_pad, num_assignments, 1, cfg,
+        topk_weights=topk_weights.reshape(-1).float(), b_scale=w2_scale, scale_block=w2_block,
     )  # fmt: skip
     return down.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -1,0 +1,153 @@
+"""Tunes the Triton fused MoE tile shapes for one MoE layer shape and writes the table the worker reads, and
+times the tuned layer per decode step against the bandwidth floor of the active experts' weights.
+
+    python bench/tune_moe.py --config bench/configs/qwen3-30b-a3b-config.json [--fp8] [--quick] [--write]
+
+For every token count M in the list it times ``fused_experts`` (align, gate_up GEMM, SiLU·mul, down GEMM,
+sum) with uniformly random routing for each candidate tile shape and keeps the fastest. ``--write`` stores
+``workers/ominix_worker/ops/moe_configs/E=..,N=..,K=..,dtype=..,device=<this GPU>.json``; the worker picks the
+nearest M entry of that file at run time (``fused_moe.pick_config``).
+
+The floor of one decode step's MoE work is reading the weights of the distinct experts the batch routes to
+(at batch 1: top_k experts × 3 × H × I elements per layer) at the measured device copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "gpu"))
+import conftest  # noqa: E402,F401  (makes ominix_worker importable from a bare checkout)
+from roofline import measure_copy_bandwidth  # noqa: E402
+
+from ominix_worker.config import load_hf_config  # noqa: E402
+from ominix_worker.ops import fused_moe  # noqa: E402
+from ominix_worker.ops.moe_ref import select_experts  # noqa: E402
+
+TOKEN_COUNTS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096, 8192]
+
+
+def candidates(use_fp8: bool, quick: bool) -> list[dict[str, int]]:
+    block_m = [16, 32, 64, 128]
+    block_n = [32, 64, 128, 256]
+    block_k = [64, 128] if use_fp8 else [32, 64, 128, 256]
+    group_m = [1, 16] if quick else [1, 4, 16, 32]
+    warps = [4, 8]
+    stages = [3, 4] if quick else [2, 3, 4, 5]
+    out = []
+    for bm, bn, bk, gm, w, s in itertools.product(block_m, block_n, block_k, group_m, warps, stages):
+        if quick and (bn == 32 or bk == 256):
+            continue
+        out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=w, num_stages=s))
+    return out
+
+
+def layer_inputs(config, tokens: int, use_fp8: bool, gen: torch.Generator):  # type: ignore[no-untyped-def]
+    e, h, i, k = (
+        config.num_experts,
+        config.hidden_size,
+        config.moe_intermediate_size,
+        config.num_experts_per_tok,
+    )
+    x = torch.randn((tokens, h), generator=gen).to(torch.bfloat16).cuda()
+    logits = torch.randn((tokens, e), generator=gen).cuda()
+    weights, ids = select_experts(logits, k, renormalize=True)
+    w13 = (torch.randn((e, 2 * i, h), generator=gen) / h**0.5).to(torch.bfloat16).cuda()
+    w2 = (torch.randn((e, h, i), generator=gen) / i**0.5).to(torch.bfloat16).cuda()
+    scales: dict[str, torch.Tensor] = {}
+    if use_fp8:
+        from ominix_worker.quant.fp8 import quantize_fp8_blocks
+
+        w13, scales["w13_scale"] = quantize_fp8_blocks(w13, (128, 128))
+        w2, scales["w2_scale"] = quantize_fp8_blocks(w2, (128, 128))
+    return x, w13, w2, weights, ids, scales
+
+
+def time_layer(inputs, cfg: dict[str, int] | None) -> float:  # type: ignore[no-untyped-def]
+    x, w13, w2, weights, ids, scales = inputs
+    return do_bench(
+        lambda: fused_moe.fused_experts(x, w13, w2, weights, ids, config=cfg, **scales),
+        warmup=10,
+        rep=60,
+        return_mode="median",
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", default="bench/configs/qwen3-30b-a3b-config.json")
+    parser.add_argument("--fp8", action="store_true", help="tune the W8A8 block-scaled path")
+    parser.add_argument("--quick", action="store_true", help="fewer candidates and token counts")
+    parser.add_argument("--write", action="store_true", help="store the table under moe_configs/")
+    parser.add_argument("--tokens", type=int, nargs="*", default=None, help="token counts to tune")
+    args = parser.parse_args()
+    config = load_hf_config(args.config)
+    e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    tokens_list = args.tokens or ([1, 8, 32, 128, 512, 2048, 8192] if args.quick else TOKEN_COUNTS)
+    gen = torch.Generator().manual_seed(0)
+    table: dict[str, dict[str, int]] = {}
+    for tokens in tokens_list:
+        inputs = layer_inputs(config, tokens, args.fp8, gen)
+        default_ms = time_layer(inputs, None)
+        best_ms, best = default_ms, fused_moe.default_config(tokens, args.fp8)
+        for cfg in candidates(args.fp8, args.quick):
+            try:
+                ms = time_layer(inputs, cfg)
+            except Exception:  # noqa: BLE001 - a shape the compiler or the device refuses is skipped
+                continue
+            if ms < best_ms:
+                best_ms, best = ms, cfg
+        table[str(tokens)] = best
+        print(
+            f"M={tokens:5d}  default {default_ms * 1e3:8.1f} us  tuned {best_ms * 1e3:8.1f} us  {best}",
+            flush=True,
+        )
+    name = fused_moe.config_file_name(e, 2 * i, h, "fp8" if args.fp8 else "bf16")
+    if args.write:
+        fused_moe.CONFIG_DIR.mkdir(exist_ok=True)
+        (fused_moe.CONFIG_DIR / name).write_text(json.dumps(table, indent=1) + "\n")
+        fused_moe._stored_table.cache_clear()
+        print(f"wrote {fused_moe.CONFIG_DIR / name}")
+    report_decode_floor(config, args.fp8, gen)
+
+
+def report_decode_floor(config, use_fp8: bool, gen: torch.Generator) -> None:  # type: ignore[no-untyped-def]
+    """MoE time per decode step (all layers) vs reading the routed experts' weights once at copy bandwidth.
+
+    Four layers with their own weights run back to back per timing, so no layer finds its experts in L2."""
+    bandwidth = measure_copy_bandwidth()  # bytes/s
+    h, i = config.hidden_size, config.moe_intermediate_size
+    element = 1 if use_fp8 else 2
+    layers = len(config.moe_layers)
+    print(f"\nMoE per decode step ({layers} layers, {'fp8' if use_fp8 else 'bf16'}), copy bandwidth "
+          f"{bandwidth / 1e12:.2f} TB/s")  # fmt: skip
+    print("batch  distinct experts/layer  kernel ms/step  floor ms/step  floor/kernel")
+    for batch in (1, 8, 32, 128):
+        stack = [layer_inputs(config, batch, use_fp8, gen) for _ in range(4)]
+
+        def run(stack=stack) -> None:  # type: ignore[no-untyped-def]
+            for x, w13, w2, weights, ids, scales in stack:
+                fused_moe.fused_experts(x, w13, w2, weights, ids, **scales)
+
+        per_layer_ms = do_bench(run, warmup=10, rep=100, return_mode="median") / len(stack)
+        distinct = sum(int(torch.unique(s[4]).numel()) for s in stack) / len(stack)
+        ms = per_layer_ms * layers
+        floor_ms = distinct * 3 * h * i * element * layers / bandwidth * 1e3
+        print(
+            f"{batch:5d}  {distinct:22.1f}  {ms:14.3f}  {floor_ms:13.3f}  {floor_ms / ms:12.2f}", flush=True
+        )
+        del stack
+
+
+if __name__ == "__main__":
+    main()
