@@ -81,6 +81,8 @@ def capability_to_pb(cap: BackendCapability) -> common_pb2.BackendCapability:
         num_kv_heads=m.num_kv_heads,
         head_dim=m.head_dim,
         num_parameters=m.num_parameters,
+        num_experts=m.num_experts,
+        num_experts_per_tok=m.num_experts_per_tok,
     )
     if m.bos_token_id is not None:
         model.bos_token_id = m.bos_token_id
@@ -107,6 +109,8 @@ def capability_to_pb(cap: BackendCapability) -> common_pb2.BackendCapability:
         attention_backend=cap.attention_backend,
         model=model,
         version=cap.version,
+        weight_dtype=cap.weight_dtype,
+        kv_cache_dtype=cap.kv_cache_dtype,
     )
 
 
@@ -125,6 +129,8 @@ def capability_from_pb(pb: common_pb2.BackendCapability) -> BackendCapability:
         num_kv_heads=m.num_kv_heads,
         head_dim=m.head_dim,
         num_parameters=m.num_parameters,
+        num_experts=m.num_experts,
+        num_experts_per_tok=m.num_experts_per_tok,
     )
     return BackendCapability(
         worker_id=pb.worker_id,
@@ -149,6 +155,8 @@ def capability_from_pb(pb: common_pb2.BackendCapability) -> BackendCapability:
         custom_all_reduce=pb.custom_all_reduce,
         attention_backend=pb.attention_backend,
         version=pb.version,
+        weight_dtype=pb.weight_dtype,
+        kv_cache_dtype=pb.kv_cache_dtype,
     )
 
 

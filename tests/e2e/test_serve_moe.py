@@ -1,6 +1,8 @@
 """``serve`` over a real CPU worker process running a mixture-of-experts model (tiny random Qwen3-MoE and
 Qwen2-MoE): concurrent greedy requests through the engine produce exactly Hugging Face transformers' greedy
-tokens, and the worker states the MoE architecture in its capability."""
+tokens, and the worker states the MoE architecture in its capability. With ``--quantization fp8
+--kv-cache-dtype fp8_e4m3`` the worker states FP8 weights and KV, sizes KV blocks at one byte per element, and
+the service's greedy tokens equal the in-process FP8 runner's."""
 
 from __future__ import annotations
 
@@ -84,3 +86,43 @@ def test_greedy_tokens_through_the_service_match_transformers(moe_daemon: tuple[
     backends = daemon.stub.ListBackends(engine_pb2.ListBackendsRequest(), timeout=5)
     architectures = {b.model.architecture for b in backends.backends}
     assert architectures == {reference.config.architectures[0]}
+
+
+def _runner_greedy(runner, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
+    from ominix_runtime.contract import DecodeStep, NewRequestData, RunningRequestData, SamplingParams
+
+    runner.reset()
+    greedy = SamplingParams(temperature=0.0)
+    blocks = list(range(-(-(len(prompt) + n) // 16)))
+    result = runner.execute_step(
+        DecodeStep(1, new_requests=[NewRequestData("r", prompt, greedy, blocks, 0, len(prompt), 0)])
+    )
+    tokens = [result.outputs[0].sampled_token_id]
+    for step_id in range(2, n + 1):
+        result = runner.execute_step(DecodeStep(step_id, running_requests=[RunningRequestData("r", [], 1)]))
+        tokens.append(result.outputs[0].sampled_token_id)
+    return tokens
+
+
+def test_fp8_weights_and_kv_through_the_service(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from ominix_worker.runner import build_runner
+    from ominix_worker.testing import write_tiny_hf_model
+
+    folder = write_tiny_hf_model(tmp_path_factory.mktemp("fp8") / "qwen3_moe", **MODELS["qwen3_moe"])
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 320, (n,), generator=generator).tolist() for n in (4, 19, 30, 11)]
+    fp8_args = ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"]
+    logs = tmp_path_factory.mktemp("logs-fp8")
+    with run_server(
+        str(folder), logs, num_workers=1, kv_cache_memory="96KiB", extra_worker_args=fp8_args
+    ) as d:
+        ours = asyncio.run(_generate_all(d.address, prompts))
+        (cap,) = d.stub.ListBackends(engine_pb2.ListBackendsRequest(), timeout=5).backends
+    assert (cap.weight_dtype, cap.kv_cache_dtype, cap.dtype) == ("float8_e4m3fn", "fp8_e4m3", "float32")
+    assert cap.supports_fp8_kv and cap.model.num_experts == 16 and cap.model.num_experts_per_tok == 4
+    model = cap.model
+    assert cap.kv_bytes_per_block == 2 * model.num_layers * 16 * model.num_kv_heads * model.head_dim
+    assert cap.kv_num_blocks == 96 * 1024 // cap.kv_bytes_per_block
+    runner = build_runner(str(folder), num_blocks=16, quantization="fp8", kv_cache_dtype="fp8_e4m3")
+    for prompt, tokens in zip(prompts, ours, strict=True):
+        assert tokens == _runner_greedy(runner, prompt, NEW_TOKENS)

@@ -624,17 +624,21 @@ def build_runner(
     attention: str | None = None,
     max_model_len: int | None = None,
     quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> ModelRunner:
     """A runner with a fixed number of KV blocks (tests, benchmarks); the server sizes KV from memory."""
     from ominix_runtime.models import resolve_model
     from ominix_worker.attention import get_attention_backend
-    from ominix_worker.kv_cache import allocate_kv_cache
+    from ominix_worker.kv_cache import allocate_kv_cache, resolve_kv_cache_dtype
     from ominix_worker.loader import load_model
 
     device = torch.device(device)
     backend = get_attention_backend(attention or device.type, block_size)
     source = resolve_model(model_path)
-    loaded = load_model(source, device, dtype, backend, max_positions=max_model_len, quantization=quantization)
+    loaded = load_model(
+        source, device, dtype, backend, max_positions=max_model_len, quantization=quantization
+    )
     max_len = max_model_len or loaded.config.max_position_embeddings
-    kv = allocate_kv_cache(backend, loaded.config, num_blocks, dtype, device)
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device)
+    kv = allocate_kv_cache(backend, loaded.config, num_blocks, kv_dtype, device)
     return ModelRunner(loaded.model, loaded.config, backend, kv, device, max_len)
