@@ -47,6 +47,18 @@ class TLSConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class FrontConfig:
+    """How the front API treats its clients: who may call it and what their text may do."""
+
+    api_keys: tuple[str, ...] = ()  # empty: no authentication; else `authorization: Bearer KEY` is required
+    # Trusted callers only: special-token strings in a prompt / in chat content act as special tokens.
+    allow_special_tokens_in_prompt: bool = False
+    allow_special_tokens_in_chat: bool = False
+    tokenizer_threads: int = 2  # threads that tokenize and render chat templates off the event loop
+    max_pending_tokenizations: int = 64  # more waiting prompts are refused (RESOURCE_EXHAUSTED)
+
+
+@dataclass(frozen=True, slots=True)
 class DebugConfig:
     """Knobs for debugging, read from OMINIX_* environment variables only."""
 
@@ -81,6 +93,7 @@ class EngineConfig:
     log_json: bool | None = None  # None: JSON unless stderr is a terminal
     tls: TLSConfig = field(default_factory=TLSConfig)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger requests are refused (RESOURCE_EXHAUSTED)
+    front: FrontConfig = field(default_factory=FrontConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     @property

@@ -6,9 +6,9 @@ import asyncio
 import contextlib
 import signal
 import sys
+from collections.abc import Awaitable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import grpc
 import grpc.aio
@@ -16,16 +16,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ominix_runtime.backends.grpc_worker import CHANNEL_OPTIONS, GrpcWorkerBackend
-from ominix_runtime.backends.negotiation import check_group
 from ominix_runtime.config import EngineConfig
-from ominix_runtime.contract import BackendCapability, Granularity, OminixError, RuntimeErrorKind
+from ominix_runtime.contract import BackendAdapter, OminixError, RuntimeErrorKind
 from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig
 from ominix_runtime.engine.core import EngineCore
+from ominix_runtime.engine.negotiation import ServingTerms
+from ominix_runtime.engine.stats import RunReport, worker_stats
 from ominix_runtime.models import ModelFormat, ModelSource, resolve_model
 from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.engine_service import EngineService
+from ominix_runtime.server.front_guard import FrontGuard
 from ominix_runtime.server.logging import configure_logging, get_logger
-from ominix_runtime.server.metrics import EngineMetrics, WorkerFigures
+from ominix_runtime.server.metrics import EngineMetrics
 from ominix_runtime.text import Tokenizer
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -33,11 +35,12 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 METRICS_REFRESH_INTERVAL_S = 0.5
 HEALTH_REFRESH_INTERVAL_S = 0.25
 SHUTDOWN_FLUSH_S = 2.0
+MIN_MESSAGE_BYTES = 1024  # below this no request fits: the engine would refuse every call
 
 _log = get_logger("ominix.server")
 
 
-def _build_backends(config: EngineConfig) -> list[Any]:
+def _build_backends(config: EngineConfig) -> list[BackendAdapter]:
     worker_tls = None
     if config.tls.worker_ca:
         # Mutual TLS: the engine proves itself to the workers with its own certificate when it has one.
@@ -46,7 +49,7 @@ def _build_backends(config: EngineConfig) -> list[Any]:
         worker_tls = grpc.ssl_channel_credentials(
             root_certificates=Path(config.tls.worker_ca).read_bytes(), private_key=key, certificate_chain=cert
         )
-    backends: list[Any] = [
+    backends: list[BackendAdapter] = [
         GrpcWorkerBackend(address, tls=worker_tls, step_timeout=config.debug.step_timeout_s)
         for address in config.workers
     ]
@@ -64,34 +67,12 @@ def _build_backends(config: EngineConfig) -> list[Any]:
     return backends
 
 
-async def _wait_workers_ready(backends: list[Any], timeout: float) -> None:
-    waits = [b.wait_ready(timeout) for b in backends if isinstance(b, GrpcWorkerBackend)]
-    if waits:
-        _log.info(
-            "waiting for workers", workers=[b.address for b in backends if isinstance(b, GrpcWorkerBackend)]
-        )
-        await asyncio.gather(*waits)
-
-
-def _negotiate(caps: list[BackendCapability], model_name: str, tokenizer: Tokenizer | None) -> None:
-    """Refuse to serve when the backends cannot serve the configured model together (CAPABILITY_MISMATCH).
-
-    Step-level workers are one group for the served model: requests fail over between them, so they must
-    serve that model with one block size; each request-level model is a group of its own.
-    """
-    step_caps = [c for c in caps if c.granularity == Granularity.STEP]
-    if step_caps:
-        check_group(step_caps, model_name or step_caps[0].model.name)
-        vocab = step_caps[0].model.vocab_size
-        if tokenizer is not None and tokenizer.vocab_size > vocab:
-            raise OminixError(
-                RuntimeErrorKind.CAPABILITY_MISMATCH,
-                f"the tokenizer of {model_name!r} has {tokenizer.vocab_size} tokens but the workers' model has "
-                f"a vocabulary of {vocab}: engine and workers must load the same model",
-            )
-    request_models = {c.model.name for c in caps if c.granularity == Granularity.REQUEST}
-    for name in sorted(request_models):
-        check_group([c for c in caps if c.granularity == Granularity.REQUEST and c.model.name == name], name)
+async def _wait_workers_ready(backends: list[BackendAdapter], timeout: float) -> None:
+    """Wait for the gRPC workers (the other backends answer at once or say why not in describe())."""
+    workers = [b for b in backends if isinstance(b, GrpcWorkerBackend)]
+    if workers:
+        _log.info("waiting for workers", workers=[b.address for b in workers])
+        await asyncio.gather(*(b.wait_ready(timeout) for b in workers))
 
 
 def _grpcurl_hint(address: str, tls: bool) -> str:
@@ -109,7 +90,7 @@ _EXAMPLE_REQUEST = (
 class EngineDaemon:
     """Owns the engine core, the gRPC server and the metrics endpoint of one process."""
 
-    def __init__(self, config: EngineConfig, backends: list[Any] | None = None) -> None:
+    def __init__(self, config: EngineConfig, backends: list[BackendAdapter] | None = None) -> None:
         """``backends`` replaces the ones named in ``config`` (in-process backends for tests)."""
         self.config = config
         self._given_backends = backends
@@ -118,13 +99,19 @@ class EngineDaemon:
         self.stop_requested = asyncio.Event()
         self.bound_port = 0
         self.metrics_port = 0
-        self._engine: Any = None
+        self._engine: EngineCore | None = None
+        self._service: EngineService | None = None
         self._server: grpc.aio.Server | None = None
-        self._backends: list[Any] = []
+        self._backends: list[BackendAdapter] = []
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         config = self.config
+        if config.max_message_bytes < MIN_MESSAGE_BYTES:
+            raise OminixError(
+                RuntimeErrorKind.INVALID_ARGUMENT,
+                f"--max-message-bytes must be at least {MIN_MESSAGE_BYTES}, got {config.max_message_bytes}",
+            )
         source = None
         model_name = ""
         if config.model or config.workers or not config.sglang_urls:  # SGLang alone needs no local model
@@ -141,14 +128,17 @@ class EngineDaemon:
             step_timeout=config.debug.step_timeout_s,
             max_waiting_requests=sched.max_queue_len,
         )
-        self._engine = EngineCore(self._backends, core_config)
-        service = EngineService(self._engine, None, model_name, self.metrics)
+        engine = self._engine = EngineCore(self._backends, core_config)
+        service = EngineService(engine, None, model_name, self.metrics, config.front)
+        self._service = service
 
         # Every service is registered before the server starts; Generate answers UNAVAILABLE and health
         # says NOT_SERVING until the engine is ready.
         options = dict(CHANNEL_OPTIONS)
         options["grpc.max_receive_message_length"] = config.max_message_bytes
-        server = grpc.aio.server(options=list(options.items()))
+        server = grpc.aio.server(
+            options=list(options.items()), interceptors=[FrontGuard(config.front.api_keys)]
+        )
         self._server = server
         engine_pb2_grpc.add_EngineServicer_to_server(service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -185,15 +175,15 @@ class EngineDaemon:
         finally:
             if tokenizer_loading is not None and not tokenizer_loading.done():
                 tokenizer_loading.cancel()
-        await self._engine.start()
+        tokenizer = service.tokenizer
+        await engine.start(ServingTerms(model_name, tokenizer.vocab_size if tokenizer is not None else None))
         if not model_name:
-            caps = list(self._engine.capabilities() or [])
+            caps = engine.capabilities()
             service.model_name = caps[0].model.name if caps else ""
-        _negotiate(list(self._engine.capabilities() or []), model_name, service.tokenizer)
-        self._wire_observability()
+        self._wire_observability(engine, service.model_name)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        self._tasks.append(asyncio.get_running_loop().create_task(self._follow_health()))
+        self._tasks.append(asyncio.get_running_loop().create_task(self._follow_health(engine)))
         address = f"{config.host}:{self.bound_port}"
         _log.info(
             "serving",
@@ -205,13 +195,14 @@ class EngineDaemon:
         print(f"ominix-runtime engine serving {service.model_name} on {address}", file=sys.stderr, flush=True)
         print(_grpcurl_hint(address, config.tls.enabled), file=sys.stderr, flush=True)
 
-    def _wire_observability(self) -> None:
-        engine = self._engine
+    def _wire_observability(self, engine: EngineCore, model_name: str) -> None:
         metrics = self.metrics
 
-        def on_run(report: Any) -> None:
+        def on_run(report: RunReport) -> None:
             fields = asdict(report)
             fields["finish_reason"] = report.finish_reason.name
+            gaps = fields.pop("inter_token_latencies")  # one per token: the log keeps the worst
+            fields["max_inter_token_latency"] = max(gaps) if gaps else None
             if report.error_kind is not None:
                 fields["error_kind"] = report.error_kind.name
             _log.info("request finished", **fields)
@@ -221,16 +212,17 @@ class EngineDaemon:
         engine.add_listener(on_run)
         if metrics is None:
             return
+        metrics.set_model_name(model_name)
         engine.add_step_listener(metrics.observe_step)
         self.metrics_port = metrics.start_http(self.config.metrics_port, self.config.host)
-        self._tasks.append(asyncio.get_running_loop().create_task(self._refresh_metrics()))
+        self._tasks.append(asyncio.get_running_loop().create_task(self._refresh_metrics(engine)))
 
-    async def _follow_health(self) -> None:
+    async def _follow_health(self, engine: EngineCore) -> None:
         """SERVING while at least one worker group serves; NOT_SERVING while none does (they reconnect)."""
         serving = True
         while True:
             await asyncio.sleep(HEALTH_REFRESH_INTERVAL_S)
-            ready = bool(self._engine.ready)
+            ready = engine.ready
             if ready != serving and not self.stop_requested.is_set():
                 serving = ready
                 status = (
@@ -242,37 +234,14 @@ class EngineDaemon:
                     await self.health.set(service, status)
                 _log.warning("health changed", serving=ready)
 
-    async def _refresh_metrics(self) -> None:
+    async def _refresh_metrics(self, engine: EngineCore) -> None:
         assert self.metrics is not None
         while True:
             try:
-                self.metrics.update_snapshots(
-                    self._engine.load(), self._engine.stats(), self._worker_figures()
-                )
+                self.metrics.update_workers(worker_stats(g) for g in engine.groups)
             except Exception as exc:  # noqa: BLE001 - metrics must never take the daemon down
                 _log.warning("metrics refresh failed", error=repr(exc))
             await asyncio.sleep(METRICS_REFRESH_INTERVAL_S)
-
-    def _worker_figures(self) -> list[WorkerFigures]:
-        figures = []
-        for group in self._engine.groups:
-            used, total = group.kv_blocks
-            ratio = None
-            registry = getattr(getattr(group, "scheduler", None), "registry", None)  # step-level groups only
-            if registry is not None:
-                queried = registry.prefix_query_tokens
-                ratio = registry.prefix_hit_tokens / queried if queried else 0.0
-            figures.append(
-                WorkerFigures(
-                    worker_id=group.worker_id,
-                    kv_blocks_used=used,
-                    kv_blocks_total=total,
-                    preemptions=group.counters.preemptions,
-                    integrity_violations=group.integrity_violations,
-                    prefix_cache_hit_ratio=ratio,
-                )
-            )
-        return figures
 
     async def shutdown(self) -> None:
         """NOT_SERVING, stop accepting, let live requests finish up to the drain timeout, then stop."""
@@ -280,7 +249,7 @@ class EngineDaemon:
         _log.info("shutting down", drain_timeout=drain)
         with contextlib.suppress(Exception):
             await self.health.enter_graceful_shutdown()
-        steps: list[Any] = []
+        steps: list[Awaitable[None]] = []
         if self._server is not None:
             # The engine ends what is left at the drain timeout; the extra grace lets those error events
             # reach their clients before the server cancels the calls.

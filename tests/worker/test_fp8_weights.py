@@ -105,9 +105,12 @@ def test_a_checkpoint_missing_scales_or_with_unknown_quantization_is_refused(
     folder = write_fp8_checkpoint(tiny_model_dir("qwen3_moe"), tmp_path / "fp8", "block", block=16)
     tensors = load_file(str(folder / "model.safetensors"))
     del tensors["model.layers.0.mlp.experts.3.down_proj.weight_scale_inv"]
+    del tensors["model.layers.1.self_attn.k_proj.weight_scale_inv"]
     save_file(tensors, str(folder / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match="lack weight scales"):
+    with pytest.raises(ModelLoadError, match="lacks 2 weights") as missing:
         build_runner(str(folder), num_blocks=4)
+    assert "layers.0.mlp.experts.w2_scale#3" in str(missing.value)
+    assert "layers.1.self_attn.qkv_proj.weight_scale_inv#1" in str(missing.value)
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "awq"}
     (folder / "config.json").write_text(json.dumps(config))

@@ -24,15 +24,14 @@ from ominix_worker.attention.base import AttentionBackend
 from ominix_worker.config import ModelConfig, ModelConfigError, config_from_gguf_fields, load_hf_config
 from ominix_worker.models.llama import LlamaForCausalLM
 from ominix_worker.models.moe import model_class
+from ominix_worker.parallel import SINGLE, SafetensorsWeight, TensorParallel, WeightSource
 from ominix_worker.quant.fp8 import (
     Fp8ConfigError,
     Fp8Scheme,
-    checkpoint_tensor,
-    load_scales,
+    fp8_checkpoint_names,
     prepare_fp8_model,
     quantize_model,
     scheme_from_config,
-    split_scales,
 )
 
 log = logging.getLogger(__name__)
@@ -81,7 +80,8 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _hf_weights(folder: Path) -> Iterator[tuple[str, WeightSource]]:
+    """Every tensor of the folder's safetensors files, unread: the model reads the slices it keeps."""
     from safetensors import safe_open
 
     files = _safetensors_files(folder)
@@ -94,7 +94,7 @@ def _hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         for file, key in _progress(names, len(names), "loading weights"):
             if file not in handles:
                 handles[file] = safe_open(str(file), framework="pt", device="cpu")
-            yield key, handles[file].get_tensor(key)
+            yield key, SafetensorsWeight(handles[file].get_slice(key))
     finally:
         handles.clear()
 
@@ -229,22 +229,25 @@ def _build(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    tp: TensorParallel,
     fp8: Fp8Scheme | None = None,
 ) -> LlamaForCausalLM:
     """The model with empty weights on ``device``; with ``fp8`` its projections and experts are FP8 modules
     (an FP8 checkpoint loads into them)."""
     with torch.device("meta"):
-        model = model_class(config)(config, backend, max_positions)
+        model = model_class(config)(config, backend, max_positions, tp)
     model = model.to(dtype)
     if fp8 is not None:
-        prepare_fp8_model(model, fp8, lambda name: model._shard_sizes(name))
+        prepare_fp8_model(model, fp8)
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty replaces parameters one module at a time: tie again
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()
 
 
-def _load_checked(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]], where: str) -> None:
+def _load_checked(
+    model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor | WeightSource]], where: str
+) -> None:
     loaded = model.load_weights(weights)
     missing = sorted(model.expected_weight_keys() - loaded)
     if missing:
@@ -266,12 +269,16 @@ def load_model(
     backend: AttentionBackend,
     max_positions: int | None = None,
     seed: int = 0,
+    tp: TensorParallel = SINGLE,
     quantization: str | None = None,
 ) -> LoadedModel:
     """Read the source's config and weights onto ``device`` in ``dtype``. Raises ModelLoadError.
 
+    Under tensor parallelism (``tp``) the model holds this rank's shards: safetensors are read slice by slice
+    (only what the rank keeps), GGUF tensors are dequantized whole and sliced, dummy weights drawn per shard.
     An FP8 checkpoint (``quantization_config`` quant_method fp8) loads as FP8; ``quantization="fp8"``
-    quantizes a bf16/fp32 checkpoint to FP8 (per channel) once its weights are loaded."""
+    quantizes a float checkpoint to FP8 (per channel) once its weights are loaded.
+    """
     if quantization not in (None, "", "none", "fp8"):
         raise ModelLoadError(f"unknown quantization {quantization!r} (none or fp8)")
     try:
@@ -280,10 +287,10 @@ def load_model(
 
             reader = GGUFReader(str(source.path))
             config, _ = read_gguf_config(reader)
-            model = _build(config, backend, dtype, device, max_positions or config.max_position_embeddings)
-            _load_checked(
-                model, ((n, t.to(device)) for n, t in _gguf_weights(reader, config, dtype)), str(source.path)
+            model = _build(
+                config, backend, dtype, device, max_positions or config.max_position_embeddings, tp
             )
+            _load_checked(model, _gguf_weights(reader, config, dtype), str(source.path))
         elif source.format == ModelFormat.HF:
             config = load_hf_config(source.path)
             checkpoint_fp8 = scheme_from_config(config.quantization)
@@ -293,20 +300,18 @@ def load_model(
                 dtype,
                 device,
                 max_positions or config.max_position_embeddings,
+                tp,
                 checkpoint_fp8,
             )
-            scales: dict[str, torch.Tensor] = {}
-            weights = ((n, checkpoint_tensor(n, t, device, dtype)) for n, t in _hf_weights(Path(source.path)))
-            _load_checked(model, split_scales(weights, scales), str(source.path))
+            weights = _hf_weights(Path(source.path))
             if checkpoint_fp8 is not None:
-                load_scales(model, scales)
-            elif scales:
-                raise ModelLoadError(
-                    f"{source.path} ships weight scales but states no FP8 quantization_config"
-                )
+                weights = fp8_checkpoint_names(weights)
+            _load_checked(model, weights, str(source.path))
         elif source.format == ModelFormat.DUMMY:
             config = load_hf_config(source.path)
-            model = _build(config, backend, dtype, device, max_positions or config.max_position_embeddings)
+            model = _build(
+                config, backend, dtype, device, max_positions or config.max_position_embeddings, tp
+            )
             model.init_dummy_weights(seed)
             stated = scheme_from_config(config.quantization)
             if stated is not None:  # random weights, quantized as the config states
@@ -318,6 +323,7 @@ def load_model(
             config = replace(config, quantization={"quant_method": "fp8", "activation_scheme": "dynamic"})
             model.config = config
     except (ModelConfigError, Fp8ConfigError, KeyError, ValueError, OSError) as exc:
+        # ValueError covers a model whose heads, FFN or KV heads do not divide among the ranks.
         raise ModelLoadError(f"cannot load model {source.name!r} from {source.path}: {exc}") from exc
     model.post_load(device)
     return LoadedModel(name=source.name, config=config, model=model)

@@ -20,6 +20,7 @@ from torch import nn
 from ominix_worker.config import ModelConfig
 from ominix_worker.models.llama import MLP, LlamaForCausalLM
 from ominix_worker.ops.moe_ref import fused_experts_ref, select_experts
+from ominix_worker.parallel import ParallelModule, WeightSource, as_weight_source
 
 _FUSED_MOE: ModuleType | None = None
 _FUSED_MOE_TRIED = False
@@ -59,7 +60,6 @@ class FusedExperts(nn.Module):
         self.register_buffer("w13_scale", None)  # set by use_fp8 / quantize_fp8
         self.register_buffer("w2_scale", None)
         self.w13_block = self.w2_block = (0, 0)
-        self._scales_loaded: set[tuple[int, str]] = set()
 
     # ---- FP8 ---------------------------------------------------------------------------------------
 
@@ -106,9 +106,9 @@ class FusedExperts(nn.Module):
             delattr(self, attr)
             setattr(self, attr, nn.Parameter(q, requires_grad=False))
             self.register_buffer(scale_attr, scale)
-        self._scales_loaded = {(e, p) for e in range(self.num_experts) for p in ("gate", "up", "down")}
 
-    def load_scale(self, expert: int, part: str, tensor: torch.Tensor) -> None:
+    def load_scale(self, expert: int, part: str, tensor: torch.Tensor) -> str:
+        """Copy one expert projection's checkpoint scale into its rows; returns its load key."""
         from ominix_worker.quant.fp8 import _load_scale_rows
 
         if self.w13_scale is None or self.w2_scale is None:
@@ -117,13 +117,10 @@ class FusedExperts(nn.Module):
         with torch.no_grad():
             if part == "down":
                 _load_scale_rows(self.w2_scale[expert], tensor.float(), 0, self.hidden_size, self.w2_block)
-            else:
-                offset = 0 if part == "gate" else size
-                _load_scale_rows(self.w13_scale[expert], tensor.float(), offset, size, self.w13_block)
-        self._scales_loaded.add((expert, part))
-
-    def missing_scales(self) -> int:
-        return 3 * self.num_experts - len(self._scales_loaded) if self.is_fp8 else 0
+                return f"w2_scale#{expert}"
+            shard = 0 if part == "gate" else 1
+            _load_scale_rows(self.w13_scale[expert], tensor.float(), shard * size, size, self.w13_block)
+            return f"w13_scale#{expert}.{shard}"
 
     # ---- compute -----------------------------------------------------------------------------------
 
@@ -182,8 +179,10 @@ class FusedExperts(nn.Module):
         return key
 
     def load_keys(self) -> set[str]:
-        keys = {f"w2_weight#{e}" for e in range(self.num_experts)}
-        keys.update(f"w13_weight#{e}.{s}" for e in range(self.num_experts) for s in (0, 1))
+        """What a checkpoint must provide: each expert's three projections (and their scales when FP8)."""
+        names = ("weight", "scale") if self.is_fp8 else ("weight",)
+        keys = {f"w2_{n}#{e}" for e in range(self.num_experts) for n in names}
+        keys.update(f"w13_{n}#{e}.{s}" for e in range(self.num_experts) for s in (0, 1) for n in names)
         return keys
 
 
@@ -214,8 +213,10 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
-# layers.<i>.(mlp|block_sparse_moe).experts.<e>.<projection>.weight
-_EXPERT_RE = re.compile(r"^layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+# layers.<i>.(mlp|block_sparse_moe).experts.<e>.<projection>.(weight|weight_scale_inv)
+_EXPERT_RE = re.compile(
+    r"^layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.(weight|weight_scale_inv)$"
+)
 EXPERT_PARTS = {
     "gate_proj": "gate",
     "w1": "gate",
@@ -231,9 +232,12 @@ class MoeForCausalLM(LlamaForCausalLM):
     """A Llama-family decoder whose sparse layers (``config.moe_layers``) use ``SparseMoeBlock``."""
 
     def build_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module | None:
-        if layer_index in config.moe_layers:
-            return SparseMoeBlock(config)
-        return None
+        if layer_index not in config.moe_layers:
+            return None
+        if self.tp.size > 1:
+            # The seam for expert / tensor-parallel experts: slice w13/w2 along experts or I per rank.
+            raise ValueError("mixture-of-experts layers under tensor parallelism are not supported yet")
+        return SparseMoeBlock(config)
 
     def _moe_block(self, layer_index: int) -> SparseMoeBlock:
         block = self.layers[layer_index].mlp
@@ -241,40 +245,47 @@ class MoeForCausalLM(LlamaForCausalLM):
             raise KeyError(f"layer {layer_index} has no experts")
         return block
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | WeightSource]]) -> set[str]:
         loaded: set[str] = set()
         dense = self._load_moe_weights(weights, loaded)
         loaded |= super().load_weights(dense)
         return loaded
 
     def _load_moe_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], loaded: set[str]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+        self, weights: Iterable[tuple[str, torch.Tensor | WeightSource]], loaded: set[str]
+    ) -> Iterator[tuple[str, torch.Tensor | WeightSource]]:
         """Loads expert and shared-expert shards here; yields everything else for the dense loader."""
-        for hf_name, tensor in weights:
+        for hf_name, weight in weights:
             name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
             match = _EXPERT_RE.match(name)
             if match is not None:
                 layer, expert, projection = int(match.group(1)), int(match.group(2)), match.group(3)
                 if projection not in EXPERT_PARTS:
                     raise KeyError(f"unexpected weight {hf_name!r}")
-                key = self._moe_block(layer).experts.load_expert(expert, EXPERT_PARTS[projection], tensor)
+                experts = self._moe_block(layer).experts
+                tensor = as_weight_source(weight).read()
+                if match.group(4) == "weight":
+                    key = experts.load_expert(expert, EXPERT_PARTS[projection], tensor)
+                else:
+                    key = experts.load_scale(expert, EXPERT_PARTS[projection], tensor)
                 loaded.add(f"layers.{layer}.mlp.experts.{key}")
                 continue
-            shared = re.match(r"^layers\.(\d+)\.mlp\.shared_expert\.(gate_proj|up_proj)\.weight$", name)
+            shared = re.match(
+                r"^layers\.(\d+)\.mlp\.shared_expert\.(gate_proj|up_proj)\.(weight|weight_scale_inv)$", name
+            )
             if shared is not None:
                 block = self._moe_block(int(shared.group(1)))
                 assert block.shared_expert is not None
-                size = block.shared_expert.intermediate_size
-                shard = _SHARED_SHARDS[shared.group(2)]
-                target = block.shared_expert.gate_up_proj.weight.narrow(0, shard * size, size)
-                if target.shape != tensor.shape:
-                    raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != {tuple(target.shape)}")
-                with torch.no_grad():
-                    target.copy_(tensor)
-                loaded.add(f"layers.{shared.group(1)}.mlp.shared_expert.gate_up_proj.weight#{shard}")
+                shard, param = _SHARED_SHARDS[shared.group(2)], shared.group(3)
+                layer = block.shared_expert.gate_up_proj
+                assert isinstance(layer, ParallelModule)
+                try:
+                    layer.load_weight(param, as_weight_source(weight), shard)
+                except ValueError as exc:
+                    raise ValueError(f"{hf_name}: {exc}") from None
+                loaded.add(f"layers.{shared.group(1)}.mlp.shared_expert.gate_up_proj.{param}#{shard}")
                 continue
-            yield name, tensor
+            yield name, weight
 
     def expected_weight_keys(self) -> set[str]:
         keys = {
@@ -286,7 +297,11 @@ class MoeForCausalLM(LlamaForCausalLM):
             block = self._moe_block(index)
             keys.update(f"layers.{index}.mlp.experts.{k}" for k in block.experts.load_keys())
             if block.shared_expert is not None:
-                keys.update(f"layers.{index}.mlp.shared_expert.gate_up_proj.weight#{s}" for s in (0, 1))
+                fused = block.shared_expert.gate_up_proj
+                params = [n for n, _ in fused.named_parameters()]
+                keys.update(
+                    f"layers.{index}.mlp.shared_expert.gate_up_proj.{p}#{s}" for p in params for s in (0, 1)
+                )
         return keys
 
 

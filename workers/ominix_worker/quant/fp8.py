@@ -16,7 +16,6 @@ elsewhere, the CPU included, the weight is dequantized to the run dtype for each
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ominix_worker.parallel import ColumnParallelLinear, ParallelModule, RowParallelLinear, WeightSource
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
 # Projections that run in FP8: attention and MLP (dense and shared expert) matrices. Embeddings, the LM head,
 # norms and routers stay in the run dtype, as FP8 checkpoints ship them.
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -121,8 +121,12 @@ def _load_scale_rows(
     part.copy_(tensor.reshape(part.shape))
 
 
-class Fp8Linear(nn.Module):
-    """A bias-optional linear layer with an e4m3 weight (N, K) and float32 block scales."""
+class Fp8Linear(ParallelModule):
+    """A bias-optional linear layer with an e4m3 weight (N, K) and float32 block scales ``weight_scale_inv``.
+
+    It loads like the layer it replaces: ``shard_sizes`` are the output rows of the checkpoint tensors fused
+    into it (q, k, v or gate, up), and each arrives as one part of ``weight``, ``weight_scale_inv`` and
+    ``bias``, so a missing scale is a missing weight key."""
 
     def __init__(
         self,
@@ -136,45 +140,50 @@ class Fp8Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.block = block
-        self.shard_sizes = shard_sizes or (out_features,)  # output rows per checkpoint tensor (fused q/k/v)
+        self.shard_sizes = shard_sizes or (out_features,)
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False
         )
-        # A buffer, not a parameter: the checkpoint's scales are loaded and checked apart from the weights.
-        self.register_buffer(
-            "weight_scale_inv",
+        self.weight_scale_inv = nn.Parameter(
             torch.ones(scale_shape((out_features, in_features), block), dtype=torch.float32),
+            requires_grad=False,
         )
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.scales_loaded: set[int] = set()
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, block: tuple[int, int] | None) -> Fp8Linear:
+    def from_linear(cls, linear: nn.Module, block: tuple[int, int] | None) -> Fp8Linear:
         """Quantize a loaded linear layer (``--quantization fp8``); per-channel when ``block`` is None."""
         w = linear.weight.detach()
         block = block or (1, w.shape[1])
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer.in_features, layer.out_features, layer.block = w.shape[1], w.shape[0], block
-        layer.shard_sizes = (w.shape[0],)
+        bias = getattr(linear, "bias", None)
+        layer = cls(w.shape[1], w.shape[0], bias is not None, block, _shard_sizes(linear))
         q, scale = quantize_fp8_blocks(w, block)
         layer.weight = nn.Parameter(q, requires_grad=False)
-        layer.register_buffer("weight_scale_inv", scale)
-        layer.bias = linear.bias
-        layer.scales_loaded = {0}
+        layer.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
+        layer.bias = bias
         return layer
 
-    def load_scale(self, shard: int | None, tensor: torch.Tensor) -> None:
-        index = shard or 0
-        offset = sum(self.shard_sizes[:index])
-        with torch.no_grad():
-            _load_scale_rows(
-                self.weight_scale_inv, tensor.float(), offset, self.shard_sizes[index], self.block
-            )
-        self.scales_loaded.add(index)
+    def num_parts(self, param_name: str) -> int:
+        return len(self.shard_sizes)
 
-    def missing_scales(self) -> int:
-        return len(self.shard_sizes) - len(self.scales_loaded)
+    def load_weight(self, param_name: str, source: WeightSource, part: int | None = None) -> None:
+        index = part or 0
+        offset, rows = sum(self.shard_sizes[:index]), self.shard_sizes[index]
+        tensor = source.read()
+        with torch.no_grad():
+            if param_name == "weight_scale_inv":
+                _load_scale_rows(self.weight_scale_inv, tensor.float(), offset, rows, self.block)
+                return
+            if param_name == "weight" and not is_fp8_tensor(tensor):
+                raise ValueError(f"expected an FP8 weight, found {tensor.dtype}")
+            param = self.weight if param_name == "weight" else self.bias
+            assert param is not None, f"no {param_name} in this layer"
+            target = param.narrow(0, offset, rows)
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"{param_name}: shape {tuple(tensor.shape)} != expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fp8_gemm_supported(x.device):
@@ -185,13 +194,26 @@ class Fp8Linear(nn.Module):
         return F.linear(x, w, self.bias)
 
 
+def _shard_sizes(linear: nn.Module) -> tuple[int, ...]:
+    """Output rows per fused checkpoint tensor of a column-parallel layer (one part otherwise)."""
+    if isinstance(linear, ColumnParallelLinear):
+        return tuple(part.size for part in linear.parts)
+    return (int(linear.weight.shape[0]),)
+
+
 def _quantizable(name: str, module: nn.Module, scheme: Fp8Scheme) -> bool:
     leaf = name.rsplit(".", 1)[-1]
     return (
-        type(module) is nn.Linear
+        isinstance(module, (ColumnParallelLinear, RowParallelLinear))
         and leaf in QUANTIZED_PROJECTIONS
         and not any(skip in name for skip in scheme.skip)
     )
+
+
+def _single_rank(model: nn.Module) -> None:
+    tp = getattr(model, "tp", None)
+    if tp is not None and tp.size > 1:
+        raise ValueError("FP8 weights under tensor parallelism are not supported yet")
 
 
 def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
@@ -199,26 +221,20 @@ def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, leaf, module)
 
 
-def prepare_fp8_model(model: nn.Module, scheme: Fp8Scheme, shard_sizes: Any) -> None:
-    """Swap the model's projections (and experts) for FP8 ones before an FP8 checkpoint is loaded into them.
-
-    ``shard_sizes(name)`` gives the checkpoint rows (q, k, v) that make up the fused projection ``name``."""
+def prepare_fp8_model(model: nn.Module, scheme: Fp8Scheme) -> None:
+    """Swap the model's projections (and experts) for FP8 ones before an FP8 checkpoint is loaded into them."""
     from ominix_worker.models.moe import FusedExperts
 
+    _single_rank(model)
     for name, module in list(model.named_modules()):
         if _quantizable(name, module, scheme):
-            assert isinstance(module, nn.Linear)
-            sizes: tuple[int, ...] = ()
-            if name.endswith("qkv_proj"):
-                sizes = tuple(shard_sizes(name))
-            elif name.endswith("gate_up_proj"):  # dense MLP or shared expert: [gate | up], equal halves
-                sizes = (module.out_features // 2,) * 2
+            weight = module.weight
             layer = Fp8Linear(
-                module.in_features,
-                module.out_features,
-                module.bias is not None,
-                scheme.block_for((module.out_features, module.in_features)),
-                sizes,
+                int(weight.shape[1]),
+                int(weight.shape[0]),
+                getattr(module, "bias", None) is not None,
+                scheme.block_for((int(weight.shape[0]), int(weight.shape[1]))),
+                _shard_sizes(module),
             )
             _set_module(model, name, layer)
         elif isinstance(module, FusedExperts):
@@ -229,83 +245,27 @@ def quantize_model(model: nn.Module, scheme: Fp8Scheme) -> None:
     """Quantize a loaded model's projections and experts in place (``--quantization fp8``)."""
     from ominix_worker.models.moe import FusedExperts
 
+    _single_rank(model)
     for name, module in list(model.named_modules()):
         if _quantizable(name, module, scheme):
-            assert isinstance(module, nn.Linear)
             _set_module(model, name, Fp8Linear.from_linear(module, scheme.block))
         elif isinstance(module, FusedExperts):
             module.quantize_fp8(scheme.block)
 
 
-def split_scales(
-    weights: Iterable[tuple[str, torch.Tensor]], scales: dict[str, torch.Tensor]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields the weights; scale tensors (and unused static input scales) are collected into ``scales``."""
-    for name, tensor in weights:
-        if name.endswith(SCALE_SUFFIXES):
-            scales[name] = tensor
-        elif name.endswith(".input_scale"):
-            continue  # dynamic activation scales are computed per token
-        else:
-            yield name, tensor
+def fp8_checkpoint_names(
+    weights: Iterable[tuple[str, torch.Tensor | WeightSource]],
+) -> Iterator[tuple[str, torch.Tensor | WeightSource]]:
+    """An FP8 checkpoint's tensors under the names the FP8 layers load: ``weight_scale`` (per tensor or per
+    channel) becomes ``weight_scale_inv`` (both multiply the e4m3 values); static activation scales are
+    dropped (activations are scaled per token at run time)."""
+    for name, weight in weights:
+        if name.endswith(".input_scale"):
+            continue
+        if name.endswith(".weight_scale"):
+            name = f"{name}_inv"
+        yield name, weight
 
 
 def is_fp8_tensor(tensor: torch.Tensor) -> bool:
     return tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def checkpoint_tensor(
-    name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype
-) -> torch.Tensor:
-    """A checkpoint tensor on ``device``: FP8 values keep their dtype, scales become float32, the rest ``dtype``."""
-    if is_fp8_tensor(tensor):
-        return tensor.to(device)
-    if name.endswith(SCALE_SUFFIXES):
-        return tensor.to(device=device, dtype=torch.float32)
-    return tensor.to(device=device, dtype=dtype)
-
-
-# layers.<i>.mlp.experts.<e>.<projection> (Mixtral's block_sparse_moe renamed to mlp first)
-_EXPERT_SCALE_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)$")
-_FUSED_LEAVES = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-
-
-def load_scales(model: nn.Module, scales: dict[str, torch.Tensor]) -> None:
-    """Put each checkpoint scale into its FP8 module (fused shards and stacked experts included); raises
-    ValueError when a scale has no FP8 module or an FP8 module lacks a scale."""
-    from ominix_worker.models.moe import EXPERT_PARTS, FusedExperts
-
-    for hf_name, tensor in scales.items():
-        path = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
-        path = path[: path.rindex(".weight_scale")]
-        expert = _EXPERT_SCALE_RE.match(path)
-        if expert is not None:
-            module = model.get_submodule(f"layers.{expert.group(1)}.mlp.experts")
-            if not isinstance(module, FusedExperts) or expert.group(3) not in EXPERT_PARTS:
-                raise ValueError(f"unexpected scale {hf_name!r}")
-            module.load_scale(int(expert.group(2)), EXPERT_PARTS[expert.group(3)], tensor)
-            continue
-        parent, _, leaf = path.rpartition(".")
-        shard = None
-        if leaf in _FUSED_LEAVES:
-            leaf, shard = _FUSED_LEAVES[leaf]
-        try:
-            module = model.get_submodule(f"{parent}.{leaf}")
-        except AttributeError:
-            raise ValueError(f"unexpected scale {hf_name!r}") from None
-        if not isinstance(module, Fp8Linear):
-            raise ValueError(f"scale {hf_name!r} belongs to a module that is not FP8")
-        module.load_scale(shard, tensor)
-    missing = [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, (Fp8Linear, FusedExperts)) and module.missing_scales()
-    ]
-    if missing:
-        raise ValueError(f"{len(missing)} FP8 modules lack weight scales, e.g. {', '.join(missing[:3])}")
