@@ -36,43 +36,45 @@ TOKEN_COUNTS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4
 
 
 def candidates(use_fp8: bool, quick: bool) -> list[dict[str, int]]:
-    block_m = [16, 32, 64, 128]
-    block_n = [32, 64, 128, 256]
-    block_k = [64, 128] if use_fp8 else [32, 64, 128, 256]
-    group_m = [1, 16] if quick else [1, 4, 16, 32]
-    warps = [4, 8]
-    stages = [3, 4] if quick else [2, 3, 4, 5]
-    out = []
-    for bm, bn, bk, gm, w, s in itertools.product(block_m, block_n, block_k, group_m, warps, stages):
-        if quick and (bn == 32 or bk == 256):
-            continue
-        out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=w, num_stages=s))
-    return out
+    """Tile shapes to try; ``quick`` keeps 24 (a few minutes of compiling), the full space has 512."""
+    if quick:
+        space = ([16, 32, 64], [64, 128], [64, 128], [1], [4], [3, 4])
+    else:
+        space = ([16, 32, 64, 128], [32, 64, 128, 256], [64, 128] if use_fp8 else [32, 64, 128, 256],
+                 [1, 16], [4, 8], [3, 4])  # fmt: skip
+    return [
+        dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=w, num_stages=st)
+        for bm, bn, bk, gm, w, st in itertools.product(*space)
+    ]
 
 
-def layer_inputs(config, tokens: int, use_fp8: bool, gen: torch.Generator):  # type: ignore[no-untyped-def]
-    e, h, i, k = (
-        config.num_experts,
-        config.hidden_size,
-        config.moe_intermediate_size,
-        config.num_experts_per_tok,
-    )
-    x = torch.randn((tokens, h), generator=gen).to(torch.bfloat16).cuda()
-    logits = torch.randn((tokens, e), generator=gen).cuda()
-    weights, ids = select_experts(logits, k, renormalize=True)
+def expert_weights(config, use_fp8: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, dict]:  # type: ignore[no-untyped-def,type-arg]
+    """One layer's stacked experts (random, bf16 or FP8 with 128 × 128 block scales) on the GPU."""
+    e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
     w13 = (torch.randn((e, 2 * i, h), generator=gen) / h**0.5).to(torch.bfloat16).cuda()
     w2 = (torch.randn((e, h, i), generator=gen) / i**0.5).to(torch.bfloat16).cuda()
-    scales: dict[str, torch.Tensor] = {}
-    if use_fp8:
-        from ominix_worker.quant.fp8 import quantize_fp8_blocks
+    if not use_fp8:
+        return w13, w2, {}
+    from ominix_worker.quant.fp8 import quantize_fp8_blocks
 
-        w13, scales["w13_scale"] = quantize_fp8_blocks(w13, (128, 128))
-        w2, scales["w2_scale"] = quantize_fp8_blocks(w2, (128, 128))
-    return x, w13, w2, weights, ids, scales
+    q13, s13 = quantize_fp8_blocks(w13, (128, 128))
+    q2, s2 = quantize_fp8_blocks(w2, (128, 128))
+    return q13, q2, {"w13_scale": s13, "w2_scale": s2}
 
 
-def time_layer(inputs, cfg: dict[str, int] | None) -> float:  # type: ignore[no-untyped-def]
-    x, w13, w2, weights, ids, scales = inputs
+def routed_tokens(
+    config, tokens: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Activations and a uniformly random top-k routing for ``tokens`` tokens."""
+    x = torch.randn((tokens, config.hidden_size), generator=gen).to(torch.bfloat16).cuda()
+    logits = torch.randn((tokens, config.num_experts), generator=gen).cuda()
+    weights, ids = select_experts(logits, config.num_experts_per_tok, renormalize=True)
+    return x, weights, ids
+
+
+def time_layer(layer, routed, cfg: dict[str, int] | None) -> float:  # type: ignore[no-untyped-def]
+    w13, w2, scales = layer
+    x, weights, ids = routed
     return do_bench(
         lambda: fused_moe.fused_experts(x, w13, w2, weights, ids, config=cfg, **scales),
         warmup=10,
@@ -93,16 +95,19 @@ def main() -> None:
     args = parser.parse_args()
     config = load_hf_config(args.config)
     e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    if not config.is_moe:
+        parser.error(f"{args.config} is not a mixture-of-experts config")
     tokens_list = args.tokens or ([1, 8, 32, 128, 512, 2048, 8192] if args.quick else TOKEN_COUNTS)
     gen = torch.Generator().manual_seed(0)
     table: dict[str, dict[str, int]] = {}
+    layer = expert_weights(config, args.fp8, gen)
     for tokens in tokens_list:
-        inputs = layer_inputs(config, tokens, args.fp8, gen)
-        default_ms = time_layer(inputs, None)
+        routed = routed_tokens(config, tokens, gen)
+        default_ms = time_layer(layer, routed, None)
         best_ms, best = default_ms, fused_moe.default_config(tokens, args.fp8)
         for cfg in candidates(args.fp8, args.quick):
             try:
-                ms = time_layer(inputs, cfg)
+                ms = time_layer(layer, routed, cfg)
             except Exception:  # noqa: BLE001 - a shape the compiler or the device refuses is skipped
                 continue
             if ms < best_ms:
@@ -124,29 +129,30 @@ def main() -> None:
 def report_decode_floor(config, use_fp8: bool, gen: torch.Generator) -> None:  # type: ignore[no-untyped-def]
     """MoE time per decode step (all layers) vs reading the routed experts' weights once at copy bandwidth.
 
-    Four layers with their own weights run back to back per timing, so no layer finds its experts in L2."""
-    bandwidth = measure_copy_bandwidth()  # bytes/s
+    Four layers with their own weights run back to back per timing, so no layer finds its experts in L2.
+    The floor counts expert weights only (scales, router and activations are a few percent more)."""
+    bandwidth = measure_copy_bandwidth()  # DRAM bytes/s (a copy counted as bytes read + bytes written)
     h, i = config.hidden_size, config.moe_intermediate_size
     element = 1 if use_fp8 else 2
     layers = len(config.moe_layers)
     print(f"\nMoE per decode step ({layers} layers, {'fp8' if use_fp8 else 'bf16'}), copy bandwidth "
           f"{bandwidth / 1e12:.2f} TB/s")  # fmt: skip
     print("batch  distinct experts/layer  kernel ms/step  floor ms/step  floor/kernel")
+    layer_set = [expert_weights(config, use_fp8, gen) for _ in range(4)]
     for batch in (1, 8, 32, 128):
-        stack = [layer_inputs(config, batch, use_fp8, gen) for _ in range(4)]
+        routed = [routed_tokens(config, batch, gen) for _ in layer_set]
 
-        def run(stack=stack) -> None:  # type: ignore[no-untyped-def]
-            for x, w13, w2, weights, ids, scales in stack:
+        def run(routed=routed) -> None:  # type: ignore[no-untyped-def]
+            for (w13, w2, scales), (x, weights, ids) in zip(layer_set, routed, strict=True):
                 fused_moe.fused_experts(x, w13, w2, weights, ids, **scales)
 
-        per_layer_ms = do_bench(run, warmup=10, rep=100, return_mode="median") / len(stack)
-        distinct = sum(int(torch.unique(s[4]).numel()) for s in stack) / len(stack)
+        per_layer_ms = do_bench(run, warmup=10, rep=100, return_mode="median") / len(layer_set)
+        distinct = sum(int(torch.unique(r[2]).numel()) for r in routed) / len(routed)
         ms = per_layer_ms * layers
         floor_ms = distinct * 3 * h * i * element * layers / bandwidth * 1e3
         print(
             f"{batch:5d}  {distinct:22.1f}  {ms:14.3f}  {floor_ms:13.3f}  {floor_ms / ms:12.2f}", flush=True
         )
-        del stack
 
 
 if __name__ == "__main__":
