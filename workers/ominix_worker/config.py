@@ -237,7 +237,46 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     return config
 
 
-_GGUF_ARCHES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}
+_GGUF_ARCHES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "mistral": "llama",
+    "qwen3moe": "qwen3_moe",
+    "qwen2moe": "qwen2_moe",
+}
+# GGUF expert_gating_func values (llama.cpp's enum): 1 softmax, 2 sigmoid.
+_GGUF_GATING = {1: "softmax", 2: "sigmoid"}
+
+
+def _moe_from_gguf(fields: dict[str, Any], gguf_arch: str, arch: str, num_layers: int) -> dict[str, Any]:
+    """MoE fields from ``<arch>.expert_*`` metadata (empty for dense models). Every layer is sparse in GGUF
+    MoE files; a ``llama`` file with experts is Mixtral."""
+    num_experts = int(fields.get(f"{gguf_arch}.expert_count") or 0)
+    if num_experts == 0:
+        return {}
+    top_k = int(fields.get(f"{gguf_arch}.expert_used_count") or 0)
+    if not 0 < top_k <= num_experts:
+        raise ModelConfigError(f"bad MoE shape in GGUF metadata: {num_experts} experts, top-{top_k}")
+    ffn = fields.get(f"{gguf_arch}.expert_feed_forward_length") or fields.get(
+        f"{gguf_arch}.feed_forward_length"
+    )
+    gating = int(fields.get(f"{gguf_arch}.expert_gating_func") or 1)
+    if gating not in _GGUF_GATING:
+        raise ModelConfigError(f"unsupported GGUF expert_gating_func {gating}")
+    norm = fields.get(f"{gguf_arch}.expert_weights_norm")
+    return dict(
+        arch="mixtral" if arch == "llama" else arch,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(ffn),
+        norm_topk_prob=bool(norm) if norm is not None else arch != "qwen2_moe",
+        scoring_func=_GGUF_GATING[gating],
+        shared_expert_intermediate_size=int(
+            fields.get(f"{gguf_arch}.expert_shared_feed_forward_length") or 0
+        ),
+        moe_layers=tuple(range(num_layers)),
+    )
 
 
 def config_from_gguf_fields(fields: dict[str, Any], token_embd_rows: int | None = None) -> ModelConfig:
@@ -269,22 +308,28 @@ def config_from_gguf_fields(fields: dict[str, Any], token_embd_rows: int | None 
         scaling = {"rope_type": "linear", "factor": float(fields[f"{gguf_arch}.rope.scaling.factor"])}
     eos = fields.get("tokenizer.ggml.eos_token_id")
     bos = fields.get("tokenizer.ggml.bos_token_id")
+    num_layers = int(get("block_count"))
+    moe = _moe_from_gguf(fields, gguf_arch, _GGUF_ARCHES[gguf_arch], num_layers)
+    dense_ffn = fields.get(f"{gguf_arch}.feed_forward_length") or moe.get("moe_intermediate_size")
+    if dense_ffn is None:
+        raise ModelConfigError(f"GGUF metadata lacks {gguf_arch}.feed_forward_length")
     return ModelConfig(
-        arch=_GGUF_ARCHES[gguf_arch],
+        arch=moe.pop("arch", _GGUF_ARCHES[gguf_arch]),
         vocab_size=int(vocab),
         hidden_size=hidden,
-        num_layers=int(get("block_count")),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(fields.get(f"{gguf_arch}.attention.head_count_kv") or heads),
         head_dim=head_dim,
-        intermediate_size=int(get("feed_forward_length")),
+        intermediate_size=int(dense_ffn),
         rope_theta=float(fields.get(f"{gguf_arch}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         tie_word_embeddings=False,  # decided by the loader: no output.weight means tied
-        qkv_bias=gguf_arch == "qwen2",
-        qk_norm=gguf_arch == "qwen3",
+        qkv_bias=gguf_arch in ("qwen2", "qwen2moe"),
+        qk_norm=gguf_arch in ("qwen3", "qwen3moe"),
         max_position_embeddings=int(get("context_length", 2048)),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=() if eos is None else (int(eos),),
+        **moe,
     )

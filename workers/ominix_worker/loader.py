@@ -110,6 +110,18 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Mixture of experts: router, Qwen2-MoE's shared expert and its gate.
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+# Experts stacked in one tensor (E, rows, columns) per projection; split into Hugging Face's per-expert names.
+_GGUF_EXPERT_NAMES = {
+    "ffn_gate_exps.weight": "gate_proj",
+    "ffn_up_exps.weight": "up_proj",
+    "ffn_down_exps.weight": "down_proj",
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -126,11 +138,14 @@ _SKIPPED_GGUF_FIELDS = (
 
 
 def gguf_to_hf_name(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor; stacked experts get ``...experts.{expert}.<proj>.weight``."""
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     match = _BLOCK_RE.match(name)
     if match and match.group(2) in _GGUF_LAYER_NAMES:
         return f"model.layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}"
+    if match and match.group(2) in _GGUF_EXPERT_NAMES:
+        return f"model.layers.{match.group(1)}.mlp.experts.{{expert}}.{_GGUF_EXPERT_NAMES[match.group(2)]}.weight"
     return None
 
 
@@ -194,7 +209,7 @@ def _gguf_weights(reader: Any, config: ModelConfig, dtype: torch.dtype) -> Itera
     from gguf.quants import dequantize
 
     _TORCH_DEQUANTIZERS = _torch_dequantizers()  # noqa: N806 - a constant table, built lazily
-    permute = config.arch in ("llama", "mistral")
+    permute = config.arch in ("llama", "mistral", "mixtral")
     tensors = list(reader.tensors)
     for t in _progress(tensors, len(tensors), "dequantizing weights"):
         hf_name = gguf_to_hf_name(t.name)
@@ -211,6 +226,12 @@ def _gguf_weights(reader: Any, config: ModelConfig, dtype: torch.dtype) -> Itera
             tensor = unpermute_llama_cpp_rows(tensor, config.num_heads)
         elif permute and hf_name.endswith("k_proj.weight"):
             tensor = unpermute_llama_cpp_rows(tensor, config.num_kv_heads)
+        elif hf_name.endswith("shared_expert_gate.weight"):
+            tensor = tensor.reshape(1, -1)  # GGUF stores the one-row gate as a vector
+        if "{expert}" in hf_name:
+            for expert in range(tensor.shape[0]):
+                yield hf_name.format(expert=expert), tensor[expert]
+            continue
         yield hf_name, tensor
 
 
