@@ -104,3 +104,41 @@ def test_fp8_fused_experts_vs_bf16(
         x.double(), lambda e: (w13[e].double(), w2[e].double()), experts, weights.double(), ids
     )
     assert _rel(got, full) < MOE_VS_BF16
+
+
+@pytest.mark.skipif(not FP8_GPU, reason="the whole runner on an FP8 GPU")
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe"])
+def test_fp8_checkpoint_runs_w8a8_on_the_gpu(model: str, tmp_path: Path) -> None:
+    """An FP8 checkpoint written from a random model: the CUDA runner (W8A8 GEMMs, fused FP8 MoE, FP8 KV)
+    stays within 20% (relative Frobenius norm of the last position's logits) of transformers on the
+    dequantized weights; activation and KV rounding are the difference."""
+    import transformers
+
+    from ominix_runtime.contract import DecodeStep, NewRequestData, SamplingParams
+    from ominix_worker.runner import build_runner
+    from ominix_worker.testing import write_fp8_checkpoint, write_tiny_hf_model
+
+    extra = (
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32) if model == "qwen3_moe" else {}
+    )
+    source = write_tiny_hf_model(tmp_path / "src", arch=model, seed=2, with_tokenizer=False, **extra)
+    folder = write_fp8_checkpoint(source, tmp_path / "fp8", "block", block=16)
+    runner = build_runner(
+        str(folder), device="cuda", dtype=torch.bfloat16, num_blocks=16, kv_cache_dtype="fp8_e4m3"
+    )
+    rows: list[torch.Tensor] = []
+    compute = runner.model.compute_logits
+
+    def record(hidden: torch.Tensor) -> torch.Tensor:
+        logits = compute(hidden)
+        rows.append(logits.float().cpu())
+        return logits
+
+    runner.model.compute_logits = record  # type: ignore[method-assign]
+    tokens = [(13 * i + 4) % 300 + 3 for i in range(27)]
+    greedy = SamplingParams(temperature=0.0)
+    runner.execute_step(DecodeStep(1, new_requests=[NewRequestData("a", tokens, greedy, [1, 5], 0, 27, 0)]))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder / "dequantized", dtype=torch.float32)
+    with torch.no_grad():
+        want = reference.eval()(torch.tensor([tokens])).logits[0, -1]
+    assert _rel(rows[0][0], want) < 0.2
