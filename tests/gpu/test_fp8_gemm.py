@@ -122,7 +122,7 @@ def test_fp8_checkpoint_runs_w8a8_on_the_gpu(model: str, tmp_path: Path) -> None
         dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32) if model == "qwen3_moe" else {}
     )
     source = write_tiny_hf_model(tmp_path / "src", arch=model, seed=2, with_tokenizer=False, **extra)
-    folder = write_fp8_checkpoint(source, tmp_path / "fp8", "block", block=16)
+    folder = write_fp8_checkpoint(source, tmp_path / "fp8", "block", block=32)  # 8-bit dots take K >= 32
     runner = build_runner(
         str(folder), device="cuda", dtype=torch.bfloat16, num_blocks=16, kv_cache_dtype="fp8_e4m3"
     )

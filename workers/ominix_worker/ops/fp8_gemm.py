@@ -66,8 +66,10 @@ def w8a8_block_matmul(
     m, k = x.shape
     n = weight.shape[0]
     block_k = min(128, block[1])
-    while block[1] % block_k:
+    while block[1] % block_k and block_k > 32:
         block_k //= 2
+    if block[1] % block_k:
+        raise ValueError(f"scale blocks of {block[1]} columns: the FP8 GEMM needs a multiple of 32")
     q, a_scale = quant_fp8_per_token_group(x, block_k)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m = 16 if m <= 16 else 64 if m <= 256 else 128

@@ -353,7 +353,7 @@ def fused_experts(
     use_fp8 = w13_scale is not None
     cfg = dict(config or pick_config(num_experts, two_i, hidden, num_tokens, use_fp8))
     if use_fp8:  # a K tile never straddles two weight scale blocks
-        while cfg["BLOCK_K"] > 16 and (w13_block[1] % cfg["BLOCK_K"] or w2_block[1] % cfg["BLOCK_K"]):
+        while cfg["BLOCK_K"] > 32 and (w13_block[1] % cfg["BLOCK_K"] or w2_block[1] % cfg["BLOCK_K"]):
             cfg["BLOCK_K"] //= 2
     sorted_ids, expert_ids, num_post_pad = moe_align(topk_ids, num_experts, cfg["BLOCK_M"])
     num_assignments = num_tokens * top_k

@@ -100,9 +100,12 @@ def dequantize_fp8(
     return (q.float() * expanded).to(dtype)
 
 
-def fp8_gemm_supported(device: torch.device) -> bool:
-    """FP8 tensor cores: compute capability 8.9 (Ada) or newer."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+def fp8_gemm_supported(device: torch.device, *scale_columns: int) -> bool:
+    """FP8 tensor cores (compute capability 8.9+, Ada or Hopper), and weight scale blocks at least 32 columns
+    wide: an 8-bit tensor-core dot takes K tiles of 32 or more, and a tile never straddles two scale blocks."""
+    if device.type != "cuda" or any(c % 32 for c in scale_columns):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _load_scale_rows(
@@ -186,7 +189,7 @@ class Fp8Linear(ParallelModule):
             target.copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fp8_gemm_supported(x.device):
+        if fp8_gemm_supported(x.device, self.block[1]):
             from ominix_worker.ops.fp8_gemm import fp8_linear
 
             return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
