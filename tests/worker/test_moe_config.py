@@ -23,9 +23,11 @@ def _qwen_moe(**overrides: object) -> dict[str, object]:
 
 
 def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers() -> None:
-    config = config_from_hf_dict(_qwen_moe(decoder_sparse_step=2, mlp_only_layers=[3]))
+    config = config_from_hf_dict(_qwen_moe(decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=True))
     assert config.moe_layers == (1, 5)  # (i + 1) % 2 == 0, minus layer 3
     assert config.norm_topk_prob and config.qk_norm and config.is_moe
+    # Unstated, norm_topk_prob is off (transformers' default for Qwen3-MoE and Qwen2-MoE).
+    assert not config_from_hf_dict(_qwen_moe()).norm_topk_prob
     assert config.architecture == "Qwen3MoeForCausalLM"
 
 

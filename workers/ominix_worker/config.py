@@ -156,7 +156,7 @@ def _moe_from_hf(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[
         num_experts=num_experts,
         num_experts_per_tok=top_k,
         moe_intermediate_size=int(raw["moe_intermediate_size"]),
-        norm_topk_prob=bool(raw.get("norm_topk_prob", model_type == "qwen3_moe")),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),  # transformers' default when unstated
         shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0)
         if model_type == "qwen2_moe"
         else 0,
