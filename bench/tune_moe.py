@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "gpu")
 import conftest  # noqa: E402,F401  (makes ominix_worker importable from a bare checkout)
 from roofline import measure_copy_bandwidth  # noqa: E402
 
-from ominix_worker.config import load_hf_config  # noqa: E402
+from ominix_worker.config import ModelConfig, load_hf_config  # noqa: E402
 from ominix_worker.ops import fused_moe  # noqa: E402
 from ominix_worker.ops.moe_ref import select_experts  # noqa: E402
 
@@ -48,7 +48,11 @@ def candidates(use_fp8: bool, quick: bool) -> list[dict[str, int]]:
     ]
 
 
-def expert_weights(config, use_fp8: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, dict]:  # type: ignore[no-untyped-def,type-arg]
+Layer = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+Routed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def expert_weights(config: ModelConfig, use_fp8: bool, gen: torch.Generator) -> Layer:
     """One layer's stacked experts (random, bf16 or FP8 with 128 × 128 block scales) on the GPU."""
     e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
     w13 = (torch.randn((e, 2 * i, h), generator=gen) / h**0.5).to(torch.bfloat16).cuda()
@@ -62,9 +66,7 @@ def expert_weights(config, use_fp8: bool, gen: torch.Generator) -> tuple[torch.T
     return q13, q2, {"w13_scale": s13, "w2_scale": s2}
 
 
-def routed_tokens(
-    config, tokens: int, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+def routed_tokens(config, tokens: int, gen: torch.Generator) -> Routed:
     """Activations and a uniformly random top-k routing for ``tokens`` tokens."""
     x = torch.randn((tokens, config.hidden_size), generator=gen).to(torch.bfloat16).cuda()
     logits = torch.randn((tokens, config.num_experts), generator=gen).cuda()
@@ -72,7 +74,7 @@ def routed_tokens(
     return x, weights, ids
 
 
-def time_layer(layer, routed, cfg: dict[str, int] | None) -> float:  # type: ignore[no-untyped-def]
+def time_layer(layer: Layer, routed: Routed, cfg: dict[str, int] | None) -> float:
     w13, w2, scales = layer
     x, weights, ids = routed
     return do_bench(
@@ -126,7 +128,7 @@ def main() -> None:
     report_decode_floor(config, args.fp8, gen)
 
 
-def report_decode_floor(config, use_fp8: bool, gen: torch.Generator) -> None:  # type: ignore[no-untyped-def]
+def report_decode_floor(config: ModelConfig, use_fp8: bool, gen: torch.Generator) -> None:
     """MoE time per decode step (all layers) vs reading the routed experts' weights once at copy bandwidth.
 
     Four layers with their own weights run back to back per timing, so no layer finds its experts in L2.
@@ -142,7 +144,7 @@ def report_decode_floor(config, use_fp8: bool, gen: torch.Generator) -> None:  #
     for batch in (1, 8, 32, 128):
         routed = [routed_tokens(config, batch, gen) for _ in layer_set]
 
-        def run(routed=routed) -> None:  # type: ignore[no-untyped-def]
+        def run(routed: list[Routed] = routed) -> None:
             for (w13, w2, scales), (x, weights, ids) in zip(layer_set, routed, strict=True):
                 fused_moe.fused_experts(x, w13, w2, weights, ids, **scales)
 

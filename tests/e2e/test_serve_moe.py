@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc.aio
 import pytest
@@ -17,6 +18,9 @@ import transformers
 from e2e_procs import Daemon, run_server
 
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
+
+if TYPE_CHECKING:
+    from ominix_worker.runner import ModelRunner
 
 NEW_TOKENS = 12
 MODELS = {
@@ -88,7 +92,7 @@ def test_greedy_tokens_through_the_service_match_transformers(moe_daemon: tuple[
     assert architectures == {reference.config.architectures[0]}
 
 
-def _runner_greedy(runner, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
+def _runner_greedy(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
     from ominix_runtime.contract import DecodeStep, NewRequestData, RunningRequestData, SamplingParams
 
     runner.reset()

@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:  # the runner is imported inside the tests, after the CUDA skip
+    from ominix_worker.runner import CachedRequest, ModelRunner, ScheduledRow
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,7 +47,7 @@ _MOE_CONFIG = {
 CONFIGS = pytest.mark.parametrize("model_config", [_CONFIG, _MOE_CONFIG], ids=["dense", "moe"])
 
 
-def _runner(tmp_path: Path, model_config: dict = _CONFIG):  # type: ignore[no-untyped-def,type-arg]
+def _runner(tmp_path: Path, model_config: dict[str, object] = _CONFIG) -> ModelRunner:
     from ominix_worker.runner import build_runner
 
     config = tmp_path / "config.json"
@@ -54,7 +58,7 @@ def _runner(tmp_path: Path, model_config: dict = _CONFIG):  # type: ignore[no-un
     )
 
 
-def _rows(requests, decode: bool):  # type: ignore[no-untyped-def]
+def _rows(requests: list[CachedRequest], decode: bool) -> list[ScheduledRow]:
     from ominix_worker.runner import ScheduledRow
 
     rows = []
@@ -65,13 +69,13 @@ def _rows(requests, decode: bool):  # type: ignore[no-untyped-def]
 
 
 @torch.inference_mode()
-def _eager_logits(runner, rows) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _eager_logits(runner: ModelRunner, rows: list[ScheduledRow]) -> torch.Tensor:
     inputs = runner._prepare_inputs(rows)
     return runner.model.compute_logits(runner._forward(inputs))
 
 
 @CONFIGS
-def test_graph_decode_matches_eager(tmp_path: Path, model_config: dict) -> None:  # type: ignore[type-arg]
+def test_graph_decode_matches_eager(tmp_path: Path, model_config: dict[str, object]) -> None:
     from ominix_runtime.contract import SamplingParams
     from ominix_worker.runner import CachedRequest
 
@@ -105,7 +109,7 @@ def test_graph_decode_matches_eager(tmp_path: Path, model_config: dict) -> None:
 
 
 @CONFIGS
-def test_graph_step_end_to_end_greedy(tmp_path: Path, model_config: dict) -> None:  # type: ignore[type-arg]
+def test_graph_step_end_to_end_greedy(tmp_path: Path, model_config: dict[str, object]) -> None:
     """execute_step with graphs on gives the same greedy tokens as with graphs off."""
     from ominix_runtime.contract import DecodeStep, NewRequestData, RunningRequestData, SamplingParams
 

@@ -134,7 +134,7 @@ def test_fp8_checkpoint_runs_w8a8_on_the_gpu(model: str, tmp_path: Path) -> None
         rows.append(logits.float().cpu())
         return logits
 
-    runner.model.compute_logits = record  # type: ignore[method-assign]
+    runner.model.compute_logits = record  # type: ignore[method-assign]  # records the logits
     tokens = [(13 * i + 4) % 300 + 3 for i in range(27)]
     greedy = SamplingParams(temperature=0.0)
     runner.execute_step(DecodeStep(1, new_requests=[NewRequestData("a", tokens, greedy, [1, 5], 0, 27, 0)]))

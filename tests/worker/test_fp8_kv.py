@@ -78,7 +78,7 @@ def test_fp8_kv_model_logits_stay_close_to_transformers(tiny_model_dir: Callable
     assert runner.kv_caches[0].dtype == torch.float8_e4m3fn
     rows: list[torch.Tensor] = []
     compute = runner.model.compute_logits
-    runner.model.compute_logits = lambda h: rows.append(compute(h)) or rows[-1]  # type: ignore[method-assign]
+    runner.model.compute_logits = lambda h: rows.append(compute(h)) or rows[-1]  # type: ignore[method-assign]  # records the logits
     tokens = [(5 * i + 7) % 300 + 3 for i in range(30)]
     greedy = SamplingParams(temperature=0.0)
     result = runner.execute_step(

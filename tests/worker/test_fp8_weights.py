@@ -33,7 +33,7 @@ def _runner_logits(folder: Path, quantization: str | None = None) -> tuple[list[
     runner = build_runner(str(folder), num_blocks=16, quantization=quantization)
     rows: list[torch.Tensor] = []
     compute = runner.model.compute_logits
-    runner.model.compute_logits = lambda h: rows.append(compute(h)) or rows[-1]  # type: ignore[method-assign]
+    runner.model.compute_logits = lambda h: rows.append(compute(h)) or rows[-1]  # type: ignore[method-assign]  # records the logits
     greedy = SamplingParams(temperature=0.0)
     tokens = list(PROMPT)
     result = runner.execute_step(

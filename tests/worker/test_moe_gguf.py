@@ -118,7 +118,7 @@ def test_moe_gguf_matches_transformers(
     assert runner.config.is_moe and runner.config.arch == model
     rows: list[torch.Tensor] = []
     compute = runner.model.compute_logits
-    runner.model.compute_logits = lambda h: rows.append(compute(h)) or rows[-1]  # type: ignore[method-assign]
+    runner.model.compute_logits = lambda h: rows.append(compute(h)) or rows[-1]  # type: ignore[method-assign]  # records the logits
     tokens = [(11 * i + 5) % 300 + 3 for i in range(19)]
     greedy = SamplingParams(temperature=0.0)
     runner.execute_step(DecodeStep(1, new_requests=[NewRequestData("a", tokens, greedy, [2, 4], 0, 19, 0)]))
