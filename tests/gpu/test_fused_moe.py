@@ -136,3 +136,35 @@ def test_a_captured_moe_layer_replays_new_routings() -> None:
             x_static.double(), lambda e: (w13_c[e], w2_c[e]), experts, weights.double(), ids
         )
         assert _rel(out_static, ref) < TOLERANCE[DTYPE], f"replay {trial}"
+
+
+def test_a_stored_tuning_table_is_used_for_the_nearest_token_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    from ominix_worker.ops import fused_moe
+
+    monkeypatch.setattr(fused_moe, "CONFIG_DIR", tmp_path)
+    fused_moe._stored_table.cache_clear()
+    small = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=2)
+    large = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=2)
+    name = fused_moe.config_file_name(8, 64, 64, "bf16")
+    (tmp_path / name).write_text(json.dumps({"1": small, "256": large}))
+    try:
+        assert fused_moe.pick_config(8, 64, 64, 3, use_fp8=False) == small
+        assert fused_moe.pick_config(8, 64, 64, 300, use_fp8=False) == large
+        assert fused_moe.pick_config(8, 64, 64, 3, use_fp8=True) == fused_moe.default_config(3, True)
+        gen = torch.Generator().manual_seed(3)
+        weights, ids = _routing(gen, 5, 8, 2, 8)
+        w13, w2 = _weights(gen, 8, 64, 32)
+        x = torch.randn((5, 64), generator=gen)
+        ref = fused_experts_ref(
+            x.double(), lambda e: (w13[e].double(), w2[e].double()), 8, weights.double(), ids
+        )
+        got = fused_experts(
+            *(t.to(DTYPE).to(DEVICE) for t in (x, w13, w2)), weights.to(DEVICE), ids.to(DEVICE)
+        )
+        assert _rel(got, ref) < TOLERANCE[DTYPE] * 2
+    finally:
+        fused_moe._stored_table.cache_clear()
