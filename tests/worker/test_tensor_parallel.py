@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,8 +30,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_group(model: Path, size: int, out: Path, device: str = "cpu", dtype: str = "float32") -> torch.Tensor:
-    """Start ``size`` rank processes of tp_logits.py and return rank 0's logits."""
+def run_group(
+    model: Path, size: int, out: Path, device: str = "cpu", dtype: str = "float32", check: str = "logits"
+) -> Any:
+    """Start ``size`` rank processes of tp_logits.py (``check``: logits or graphs) and return rank 0's result."""
     addr = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "OMP_NUM_THREADS": "1"}
     procs = []
@@ -46,7 +49,18 @@ def run_group(model: Path, size: int, out: Path, device: str = "cpu", dtype: str
             "--size",
             str(size),
         ]
-        argv += ["--addr", addr, "--device", rank_device, "--dtype", dtype, "--out", str(out)]
+        argv += [
+            "--addr",
+            addr,
+            "--device",
+            rank_device,
+            "--dtype",
+            dtype,
+            "--out",
+            str(out),
+            "--check",
+            check,
+        ]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     try:
         outputs = [p.communicate(timeout=RANK_TIMEOUT_S)[0].decode(errors="replace") for p in procs]
