@@ -215,6 +215,7 @@ def step_to_pb(step: DecodeStep) -> worker_pb2.DecodeStep:
                 num_computed_tokens=r.num_computed_tokens,
                 num_scheduled_tokens=r.num_scheduled_tokens,
                 effective_seed=r.effective_seed,
+                traceparent=r.traceparent,
             )
             for r in step.new_requests
         ],
@@ -243,6 +244,7 @@ def step_from_pb(pb: worker_pb2.DecodeStep) -> DecodeStep:
                 num_scheduled_tokens=r.num_scheduled_tokens,
                 effective_seed=r.effective_seed,
                 output_token_ids=list(r.output_token_ids),
+                traceparent=r.traceparent,
             )
             for r in pb.new_requests
         ],

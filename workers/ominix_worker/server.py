@@ -35,6 +35,7 @@ from grpc_reflection.v1alpha import reflection
 from ominix_runtime import wire
 from ominix_runtime.contract import (
     BackendCapability,
+    DecodeStep,
     ModelInfo,
     OminixError,
     RankInfo,
@@ -263,6 +264,7 @@ def load_worker(
     )
     from ominix_worker.loader import ModelLoadError, load_model
     from ominix_worker.parallel import SINGLE
+    from ominix_worker.progress import stage
     from ominix_worker.runner import ModelRunner
 
     tp = group.tp if group is not None else SINGLE
@@ -302,6 +304,7 @@ def load_worker(
         max_model_len,
     )
     _say("sizing the KV cache")
+    profiling = stage("profiling the KV cache")
     if device.type == "cpu":
         budget = parse_bytes(args.kv_cache_memory)
         runner.profile_forward(min(64, max_batch_tokens))  # warm-up only: the CPU budget is explicit
@@ -309,6 +312,7 @@ def load_worker(
         budget = measure_gpu_kv_budget(
             device, args.gpu_memory_utilization, lambda: runner.profile_forward(max_batch_tokens)
         )
+    profiling.close()
     num_blocks = num_blocks_for_budget(budget, bytes_per_block)
     if group is not None:  # one block table for the group: the rank with the least room decides
         num_blocks = group.min_over_ranks(num_blocks)
@@ -322,8 +326,10 @@ def load_worker(
         f"KV cache: {num_blocks} blocks of {block_size} tokens ({num_blocks * bytes_per_block / 2**20:.0f} MiB)"
     )
     _say("warming up")
+    warming = stage("warming up")
     runner.profile_forward(min(16, max_batch_tokens))
     graphs = runner.capture_decode_graphs()
+    warming.close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     # Everything loaded so far lives as long as the process: keep it out of the collector's scans, so the
@@ -459,7 +465,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         async def read_steps() -> None:
             try:
                 async for step_pb in request_iterator:
-                    steps.submit(step_pb.step_id, functools.partial(wire.step_from_pb, step_pb))
+                    steps.submit(step_pb.step_id, functools.partial(_step_from_pb, step_pb))
             finally:
                 steps.close()
 
@@ -484,6 +490,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             await running
             self.state.run_active = False
             self.state.run_idle.set()
+
+
+def _step_from_pb(step_pb: worker_pb2.DecodeStep) -> DecodeStep:
+    step = wire.step_from_pb(step_pb)
+    for new in step.new_requests:  # the engine's trace context, for correlating logs with traces
+        if new.traceparent:
+            log.debug("request %s traceparent %s", new.request_id, new.traceparent)
+    return step
 
 
 # ---- process -----------------------------------------------------------------------------------------
