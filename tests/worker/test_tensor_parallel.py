@@ -170,3 +170,21 @@ def test_each_rank_reads_only_its_slices(
             assert read_elements[name] == numel, name  # replicated
         else:
             assert read_elements[name] == numel // 2, name  # its half of q/k/v, gate/up, o/down, vocab
+
+
+def test_steps_reach_the_followers_unchanged() -> None:
+    from ominix_runtime.contract import DecodeStep, NewRequestData, RunningRequestData, SamplingParams
+    from ominix_worker.rank_group import decode_step, encode_step
+
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=11, logprobs=2, stop_token_ids=[4])
+    step = DecodeStep(
+        42,
+        new_requests=[
+            NewRequestData("a", [1, 2, 3], sampling, [7, 8], 16, 3, 99, [5, 6], "00-trace-span-01"),
+            NewRequestData("b", [9], SamplingParams(), [1], 0, 1, 0),
+        ],
+        running_requests=[RunningRequestData("c", [3], 1), RunningRequestData("d", [], 4)],
+        finished_request_ids=["e", "f"],
+    )
+    assert decode_step(encode_step(step)) == step
+    assert decode_step(encode_step(DecodeStep(1))) == DecodeStep(1)
