@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -110,9 +109,9 @@ def main() -> None:
     if args.rank is not None:
         rank_main(args)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    from ominix_worker.parallel.distributed import free_rendezvous_port
+
+    addr = f"127.0.0.1:{free_rendezvous_port()}"
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
     argv = [sys.executable, __file__, *sys.argv[1:], "--addr", addr]
     procs = [subprocess.Popen([*argv, "--rank", str(r)], env=env) for r in range(args.size)]

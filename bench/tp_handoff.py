@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -116,9 +115,9 @@ def main() -> None:
     if args.rank is not None:
         rank_main(args)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    from ominix_worker.parallel.distributed import free_rendezvous_port
+
+    addr = f"127.0.0.1:{free_rendezvous_port()}"
     argv = [sys.executable, __file__, *sys.argv[1:], "--addr", addr]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([*argv, "--rank", str(r)], env=env) for r in range(args.size)]

@@ -22,19 +22,13 @@ TP_LOGITS = Path(__file__).resolve().parent / "tp_logits.py"
 RANK_TIMEOUT_S = 120
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_group(
     model: Path, size: int, out: Path, device: str = "cpu", dtype: str = "float32", check: str = "logits"
 ) -> Any:
     """Start ``size`` rank processes of tp_logits.py (``check``: logits or graphs) and return rank 0's result."""
-    addr = f"127.0.0.1:{free_port()}"
+    from ominix_worker.parallel.distributed import free_rendezvous_port
+
+    addr = f"127.0.0.1:{free_rendezvous_port()}"
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "OMP_NUM_THREADS": "1"}
     procs = []
     for rank in range(size):
