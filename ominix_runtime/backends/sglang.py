@@ -556,7 +556,9 @@ class SGLangBackend:
             yield Error(rid, exc.kind, exc.message)
             return
         try:
-            async with contextlib.aclosing(self._stream(payload, live)) as events:
+            # The engine's trace context, so a traced SGLang server joins the request's trace.
+            headers = {"traceparent": request.traceparent} if request.traceparent else None
+            async with contextlib.aclosing(self._stream(payload, live, headers)) as events:
                 async for event in events:
                     yield event
         finally:
@@ -567,14 +569,18 @@ class SGLangBackend:
                 # The consumer went away mid-stream: tell SGLang so it frees the request's KV at once.
                 self._spawn(self._post_abort(rid))
 
-    async def _stream(self, payload: dict[str, Any], live: _LiveRequest) -> AsyncIterator[WorkerEvent]:
+    async def _stream(
+        self, payload: dict[str, Any], live: _LiveRequest, headers: dict[str, str] | None = None
+    ) -> AsyncIterator[WorkerEvent]:
         mapper = live.mapper
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=self.timeout, sock_read=self.stream_idle_timeout
         )
         try:
             session = self._get_session()
-            async with session.post(self.url + "/generate", json=payload, timeout=timeout) as resp:
+            async with session.post(
+                self.url + "/generate", json=payload, timeout=timeout, headers=headers
+            ) as resp:
                 live.response = resp
                 if resp.status != 200:
                     body = await _read_error_body(resp)

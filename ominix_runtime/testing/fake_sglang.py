@@ -93,6 +93,7 @@ class FakeSGLangState:
     max_total_num_tokens: int = 65536
     max_running_requests: int = 128
     generate_bodies: list[dict[str, Any]] = field(default_factory=list)
+    generate_traceparents: list[str] = field(default_factory=list)  # the traceparent header of each call
     aborted_rids: list[str] = field(default_factory=list)
     disconnected_rids: list[str] = field(default_factory=list)
     running: dict[str, asyncio.Event] = field(default_factory=dict)
@@ -286,6 +287,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         return _error(400, "the request body is not valid JSON")
     state.generate_bodies.append(body if isinstance(body, dict) else {"_invalid": body})
     del state.generate_bodies[:-256]
+    state.generate_traceparents.append(request.headers.get("traceparent", ""))
+    del state.generate_traceparents[:-256]
     if mode == "failing":
         return web.json_response({"error": {"message": "fake SGLang is failing on purpose"}}, status=500)
     try:
