@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -202,10 +202,8 @@ class SGLangStreamMapper:
             if isinstance(value, int) and value >= 0:
                 setattr(self, name, value)
 
-    def _new_ids(self, ids: Any, meta: Mapping[str, Any]) -> list[int]:
-        if not isinstance(ids, list):
-            ids = []
-        ids = [int(t) for t in ids]
+    def _new_ids(self, raw_ids: Any, meta: Mapping[str, Any]) -> list[int]:
+        ids = [int(t) for t in raw_ids] if isinstance(raw_ids, list) else []
         have = len(self.output_ids)
         total = meta.get("completion_tokens")
         mode = self.ids_mode
@@ -571,7 +569,7 @@ class SGLangBackend:
 
     async def _stream(
         self, payload: dict[str, Any], live: _LiveRequest, headers: dict[str, str] | None = None
-    ) -> AsyncIterator[WorkerEvent]:
+    ) -> AsyncGenerator[WorkerEvent, None]:
         mapper = live.mapper
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=self.timeout, sock_read=self.stream_idle_timeout

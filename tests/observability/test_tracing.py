@@ -145,7 +145,7 @@ def _generate(daemon: RunningDaemon, rid: str, metadata: tuple = (), **fields: o
 
 
 def _spans_of(exporter: object, rid: str) -> tuple[object, dict[str, object]]:
-    spans = exporter.get_finished_spans()  # type: ignore[attr-defined]
+    spans = exporter.get_finished_spans()  # type: ignore[attr-defined]  # an InMemorySpanExporter, imported lazily
     (root,) = [s for s in spans if s.name == "ominix.generate" and s.attributes["ominix.request_id"] == rid]
     children = {s.name: s for s in spans if s.parent is not None and s.parent.span_id == root.context.span_id}
     return root, children
