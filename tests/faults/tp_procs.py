@@ -30,8 +30,16 @@ from ominix_runtime.pb import common_pb2, engine_pb2
 STEP_TIMEOUT_S = 3.0
 DIST_TIMEOUT_S = 5.0
 GROUP_FAILURE_EXIT_CODE = 3  # ominix_worker.rank_group: a rank that leaves its group
-# Every process started here: NVLink SHARP off (its buffers fail on some machines); one CPU thread per rank.
-ENV = {"NCCL_NVLS_ENABLE": "0", "OMP_NUM_THREADS": "1"}
+ROOT = Path(__file__).resolve().parents[2]
+# Every process started here: NVLink SHARP off (its buffers fail on some machines); one CPU thread per rank;
+# both packages importable from a bare checkout (GPU machines run the tests without installing).
+ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), str(ROOT / "workers"), os.environ.get("PYTHONPATH")) if p
+    ),
+}
 
 
 def request(
@@ -93,7 +101,7 @@ def start_tp_engine(
         for a in addresses:
             serve += ["--worker", a]
         others.append(
-            start_proc_env("engine", serve, log_dir, {"OMINIX_STEP_TIMEOUT_S": str(STEP_TIMEOUT_S)})
+            start_proc_env("engine", serve, log_dir, {**ENV, "OMINIX_STEP_TIMEOUT_S": str(STEP_TIMEOUT_S)})
         )
         address = f"127.0.0.1:{port}"
         wait_health(address, [*ranks, *others], timeout=600)
