@@ -145,6 +145,7 @@ def capability_to_pb(cap: BackendCapability) -> common_pb2.BackendCapability:
         ],
         weight_dtype=cap.weight_dtype,
         kv_cache_dtype=cap.kv_cache_dtype,
+        moe_parallel=cap.moe_parallel,
     )
 
 
@@ -204,6 +205,7 @@ def capability_from_pb(pb: common_pb2.BackendCapability) -> BackendCapability:
         ),
         weight_dtype=pb.weight_dtype,
         kv_cache_dtype=pb.kv_cache_dtype,
+        moe_parallel=pb.moe_parallel,
     )
 
 

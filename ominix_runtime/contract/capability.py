@@ -52,6 +52,10 @@ DTYPE_BYTES = {
 }
 
 
+# BackendCapability.moe_parallel: "" (dense), or how a group splits the experts.
+MOE_PARALLEL_MODES = ("", "tensor", "expert")
+
+
 @dataclass(frozen=True, slots=True)
 class RankInfo:
     """One rank of a tensor-parallel worker group (a single worker states itself as rank 0 of 1)."""
@@ -95,6 +99,9 @@ class BackendCapability:
     # cache ("fp8_e4m3" with --kv-cache-dtype); empty: the run dtype.
     weight_dtype: str = ""
     kv_cache_dtype: str = ""
+    # How a group splits MoE layers: "tensor" (a slice of every expert per rank) or "expert" (whole experts,
+    # num_experts / tensor_parallel_size per rank); empty for a dense model (or a backend that does not say).
+    moe_parallel: str = ""
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -167,6 +174,14 @@ class BackendCapability:
             out.append("tensor_parallel_size > 1 needs a collective backend")
         if self.ranks and [r.rank for r in self.ranks] != list(range(self.tensor_parallel_size)):
             out.append(f"ranks must list ranks 0..{self.tensor_parallel_size - 1} in order")
+        if self.moe_parallel not in MOE_PARALLEL_MODES:
+            out.append(f"moe_parallel {self.moe_parallel!r} is not one of {MOE_PARALLEL_MODES}")
+        elif self.moe_parallel and self.model.num_experts <= 0:
+            out.append("moe_parallel is stated for a model without experts")
+        elif self.moe_parallel == "expert" and self.model.num_experts % self.tensor_parallel_size:
+            out.append(
+                f"{self.model.num_experts} experts do not divide over {self.tensor_parallel_size} ranks"
+            )
         if self.kind == BackendKind.ASCEND:
             if self.kv_block_size != 128:
                 out.append("Ascend workers use KV block size 128")

@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -193,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
         "group gives up (every rank then exits)",
     )
     p.add_argument(
+        "--moe-parallel",
+        default="tensor",
+        choices=("tensor", "expert"),
+        help="how a tensor-parallel group splits mixture-of-experts layers: tensor (every rank holds a slice "
+        "of every expert) or expert (each rank holds num_experts / --tp-size whole experts)",
+    )
+    p.add_argument(
         "--log-level", default="WARNING", help="Python logging level for the worker's own messages"
     )
     return p
@@ -247,7 +254,7 @@ def join_group(args: argparse.Namespace, device_spec: str) -> RankGroup | None:
         getattr(args, flag)
         for flag in (
             "model", "dtype", "block_size", "max_batch_tokens", "max_running_requests", "max_model_len",
-            "kv_cache_memory", "gpu_memory_utilization", "attention",
+            "kv_cache_memory", "gpu_memory_utilization", "attention", "moe_parallel",
         )
     )  # fmt: skip
     stated = group.gather_to_all(shape_flags)
@@ -277,11 +284,11 @@ def load_worker(
         resolve_kv_cache_dtype,
     )
     from ominix_worker.loader import ModelLoadError, load_model
-    from ominix_worker.parallel import SINGLE
+    from ominix_worker.parallel import SINGLE, MoeParallel
     from ominix_worker.progress import stage
     from ominix_worker.runner import ModelRunner
 
-    tp = group.tp if group is not None else SINGLE
+    tp = replace(group.tp if group is not None else SINGLE, moe=MoeParallel(args.moe_parallel))
 
     device = parse_device(device_spec)
     if args.num_threads > 0:
@@ -418,6 +425,7 @@ def load_worker(
         weight_dtype="float8_e4m3fn" if config.quantization else dtype_text,
         kv_cache_dtype="fp8_e4m3" if kv_dtype == torch.float8_e4m3fn else dtype_text,
         supports_fp8_kv=device.type in ("cpu", "cuda"),
+        moe_parallel=tp.moe.value if config.is_moe else "",
     )
     return runner, capability
 

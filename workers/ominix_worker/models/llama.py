@@ -200,12 +200,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+    """SiLU-gated MLP; ``reduce_results=False`` returns the rank's partial sum (the caller reduces it)."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE, reduce_results: bool = True) -> None:
         super().__init__()
         size = config.intermediate_size
         self.intermediate_size = tp.split(size, "intermediate_size").size
         self.gate_up_proj = ColumnParallelLinear.split_evenly(config.hidden_size, [size, size], False, tp)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, tp=tp)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, tp=tp, reduce=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = cuda_ops(x)

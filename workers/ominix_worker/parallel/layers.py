@@ -93,18 +93,34 @@ class ColumnParallelLinear(ParallelModule):
 
 
 class RowParallelLinear(ParallelModule):
-    """y = all_reduce(x_local W_localᵀ) (+ b): W's input columns split, x arrives already split the same way."""
+    """y = all_reduce(x_local W_localᵀ) (+ b): W's input columns split, x arrives already split the same way.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE) -> None:
+    With ``reduce=False`` it returns the rank's partial product (no bias), for a caller that adds other
+    partial sums first and reduces them together (a MoE layer's shared expert beside its routed experts)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TensorParallel = SINGLE,
+        reduce: bool = True,
+    ) -> None:
         super().__init__()
+        if bias and not reduce:
+            raise ValueError("a row-parallel layer that leaves the reduction to its caller cannot add a bias")
         self.tp = tp
+        self.reduce = reduce
         self.in_features = in_features
         self.shard = tp.split(in_features, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.shard.size))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = F.linear(x, self.weight)
+        if not self.reduce:
+            return out
+        out = self.tp.all_reduce(out)
         return out + self.bias if self.bias is not None else out
 
     def load_weight(self, param_name: str, source: WeightSource, part: int | None = None) -> None:

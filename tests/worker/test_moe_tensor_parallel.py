@@ -1,0 +1,179 @@
+"""Mixture-of-experts layers in a tensor-parallel group on the CPU: tensor-parallel experts (a slice of every
+expert per rank) and expert parallelism (whole experts per rank) give TP=1's logits at TP=2 (two gloo rank
+processes), each rank reads only its share of the checkpoint, and dummy experts are the same model at any
+split."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from ominix_worker.parallel import MoeParallel, ShardRange, TensorParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tp_logits import batch_logits, load_runner  # noqa: E402
+
+MOE_TP_LOGITS = Path(__file__).resolve().parent / "moe_tp_logits.py"
+RANK_TIMEOUT_S = 120
+
+
+class _Group:  # stands in for a process group: shard arithmetic and loading never touch it
+    pass
+
+
+def tp(rank: int, size: int, moe: MoeParallel) -> TensorParallel:
+    return TensorParallel(rank, size, _Group(), moe)  # type: ignore[arg-type]  # a stand-in process group
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_group(model: Path, size: int, moe: MoeParallel, out: Path) -> torch.Tensor:
+    """Start ``size`` rank processes of moe_tp_logits.py and return rank 0's logits."""
+    addr = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = []
+    for rank in range(size):
+        argv = [sys.executable, str(MOE_TP_LOGITS), "--model", str(model), "--rank", str(rank)]
+        argv += ["--size", str(size), "--addr", addr, "--moe-parallel", moe.value, "--out", str(out)]
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        outputs = [p.communicate(timeout=RANK_TIMEOUT_S)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, text) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{text[-3000:]}"
+    return torch.load(out)
+
+
+# ---- shard arithmetic --------------------------------------------------------------------------------
+
+
+def test_experts_and_their_rows_split_by_mode() -> None:
+    assert [tp(r, 4, MoeParallel.EXPERT).experts(16) for r in range(4)] == [
+        ShardRange(4 * r, 4) for r in range(4)
+    ]
+    assert tp(1, 4, MoeParallel.EXPERT).expert_intermediate(32) == ShardRange(0, 32)
+    assert tp(1, 4, MoeParallel.TENSOR).experts(16) == ShardRange(0, 16)
+    assert tp(1, 4, MoeParallel.TENSOR).expert_intermediate(32) == ShardRange(8, 8)
+    with pytest.raises(ValueError, match="6 experts do not divide into 4 ranks for expert parallelism"):
+        tp(0, 4, MoeParallel.EXPERT).experts(6)
+
+
+def test_experts_that_do_not_divide_refuse_to_load_with_the_reason(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    from ominix_runtime.models import resolve_model
+    from ominix_worker.attention import get_attention_backend
+    from ominix_worker.loader import ModelLoadError, load_model
+
+    backend = get_attention_backend("cpu", 16)
+    source = resolve_model(str(tiny_model_dir("mixtral")))  # 4 experts, 4 heads, 2 KV heads
+    with pytest.raises(ModelLoadError, match="4 experts do not divide into 8 ranks"):
+        load_model(source, torch.device("cpu"), torch.float32, backend, tp=tp(0, 8, MoeParallel.EXPERT))
+
+
+# ---- TP=2 against TP=1 --------------------------------------------------------------------------------
+
+CASES = [
+    ("qwen3_moe", MoeParallel.TENSOR),
+    ("qwen3_moe", MoeParallel.EXPERT),
+    ("qwen2_moe", MoeParallel.TENSOR),  # the shared expert split like the dense MLP, one reduction
+    ("qwen2_moe", MoeParallel.EXPERT),
+]
+
+
+@pytest.mark.parametrize(("name", "moe"), CASES, ids=[f"{n}-{m.value}" for n, m in CASES])
+def test_tp2_moe_logits_equal_tp1(
+    name: str, moe: MoeParallel, tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    folder = tiny_model_dir(name)
+    reference = batch_logits(load_runner(str(folder), "cpu", torch.float32))
+    sharded = run_group(folder, 2, moe, tmp_path / "logits.pt")
+    assert sharded.shape == reference.shape
+    torch.testing.assert_close(sharded, reference, atol=2e-5, rtol=1e-5)
+    assert torch.equal(sharded.argmax(-1), reference.argmax(-1))
+
+
+# ---- what each rank reads ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("moe", list(MoeParallel))
+def test_each_rank_reads_only_its_experts_or_their_slices(
+    moe: MoeParallel, tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 of 2: under TENSOR half of every expert tensor; under EXPERT experts 4..7 whole, 0..3 unread."""
+    from safetensors import safe_open
+
+    import ominix_worker.parallel.weights as weights
+
+    read_elements: dict[str, int] = {}
+    original = weights.SafetensorsWeight.read
+
+    def counting_read(
+        self: weights.SafetensorsWeight, dim: int = 0, start: int = 0, length: int | None = None
+    ) -> torch.Tensor:
+        out = original(self, dim, start, length)
+        read_elements[self.name] = read_elements.get(self.name, 0) + out.numel()
+        return out
+
+    monkeypatch.setattr(weights.SafetensorsWeight, "read", counting_read)
+    folder = tiny_model_dir("qwen2_moe")  # 8 experts
+    runner = load_runner(str(folder), "cpu", torch.float32, tp(1, 2, moe))
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        full = {name: f.get_slice(name).get_shape() for name in f.keys()}  # noqa: SIM118
+    experts = [name for name in full if ".mlp.experts." in name]
+    assert experts
+    for name in experts:
+        numel = int(torch.tensor(full[name]).prod())
+        expert = int(name.split(".mlp.experts.")[1].split(".")[0])
+        if moe is MoeParallel.TENSOR:
+            assert read_elements[name] == numel // 2, name
+        elif expert >= 4:
+            assert read_elements[name] == numel, name
+        else:
+            assert name not in read_elements, name
+    for name in full:  # router and shared-expert gate replicated, shared expert split like the dense MLP
+        if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+            assert read_elements[name] == int(torch.tensor(full[name]).prod()), name
+        elif ".shared_expert." in name:
+            assert read_elements[name] == int(torch.tensor(full[name]).prod()) // 2, name
+    block = runner.model.layers[0].mlp
+    assert block.experts.num_experts == (8 if moe is MoeParallel.TENSOR else 4)
+
+
+# ---- dummy weights -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("moe", list(MoeParallel))
+def test_dummy_experts_are_slices_of_the_single_rank_model(moe: MoeParallel) -> None:
+    from ominix_worker.models.moe import FusedExperts
+
+    whole = FusedExperts(8, 16, 12)
+    whole.init_dummy_weights(seed=3)
+    gate, up = whole.w13_weight.detach().split(12, dim=1)
+    for rank in range(2):
+        part = FusedExperts(8, 16, 12, tp(rank, 2, moe))
+        part.init_dummy_weights(seed=3)
+        experts = part.expert_range
+        rows = part.intermediate_range
+        e = slice(experts.start, experts.end)
+        expected_w13 = torch.cat((gate[e, rows.start : rows.end], up[e, rows.start : rows.end]), dim=1)
+        torch.testing.assert_close(part.w13_weight.detach(), expected_w13, atol=0, rtol=0)
+        torch.testing.assert_close(
+            part.w2_weight.detach(), whole.w2_weight.detach()[e, :, rows.start : rows.end], atol=0, rtol=0
+        )
