@@ -374,6 +374,7 @@ def fused_experts(
         x, w13, gate_up, sorted_ids, expert_ids, num_post_pad, num_assignments, top_k, cfg,
         b_scale=w13_scale, scale_block=w13_block,
     )  # fmt: skip
+    # Rows of skipped assignments hold whatever gate_up held (never written); the down GEMM never reads them.
     hidden_act = silu_and_mul(gate_up)
     # Rows of skipped assignments (another rank's experts) are never written: they must read as zero.
     alloc = torch.zeros if expert_map is not None else torch.empty
