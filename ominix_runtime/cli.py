@@ -189,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
         "one tensor-parallel backend (e.g. four GPUs at 2 = two groups of two)",
     )
     launch.add_argument(
+        "--moe-parallel",
+        default=None,
+        choices=("tensor", "expert"),
+        help="how each group splits mixture-of-experts layers: tensor (a slice of every expert per rank) or "
+        "expert (whole experts per rank) (unset: the worker's default, tensor)",
+    )
+    launch.add_argument(
         "--dist-base-port",
         type=int,
         default=0,
@@ -461,6 +468,7 @@ def _worker_command(args: argparse.Namespace, device: str, port: int, num_thread
         ("--dtype", args.dtype),
         ("--quantization", args.quantization),
         ("--kv-cache-dtype", args.kv_cache_dtype),
+        ("--moe-parallel", args.moe_parallel),
         ("--kv-cache-memory", args.kv_cache_memory),
         ("--block-size", args.block_size),
         ("--max-batch-tokens", args.max_batch_tokens),

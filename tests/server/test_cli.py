@@ -88,3 +88,13 @@ def test_worker_and_conformance_are_forwarded() -> None:
         timeout=120,
     )
     assert conformance.returncode == 0, conformance.stderr
+
+
+def test_launch_passes_the_moe_split_to_every_worker_only_when_given() -> None:
+    from ominix_runtime.cli import _worker_command
+
+    parser = build_parser()
+    given = parser.parse_args(["launch", "--tensor-parallel-size", "2", "--moe-parallel", "expert"])
+    cmd = _worker_command(given, "cuda:0", 50071, None)
+    assert cmd[cmd.index("--moe-parallel") + 1] == "expert"
+    assert "--moe-parallel" not in _worker_command(parser.parse_args(["launch"]), "cuda:0", 50071, None)

@@ -5,8 +5,6 @@ split."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,10 +15,8 @@ import torch
 from ominix_worker.parallel import MoeParallel, ShardRange, TensorParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_tensor_parallel import run_group  # noqa: E402
 from tp_logits import batch_logits, load_runner  # noqa: E402
-
-MOE_TP_LOGITS = Path(__file__).resolve().parent / "moe_tp_logits.py"
-RANK_TIMEOUT_S = 120
 
 
 class _Group:  # stands in for a process group: shard arithmetic and loading never touch it
@@ -29,35 +25,6 @@ class _Group:  # stands in for a process group: shard arithmetic and loading nev
 
 def tp(rank: int, size: int, moe: MoeParallel) -> TensorParallel:
     return TensorParallel(rank, size, _Group(), moe)  # type: ignore[arg-type]  # a stand-in process group
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_group(model: Path, size: int, moe: MoeParallel, out: Path) -> torch.Tensor:
-    """Start ``size`` rank processes of moe_tp_logits.py and return rank 0's logits."""
-    addr = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = []
-    for rank in range(size):
-        argv = [sys.executable, str(MOE_TP_LOGITS), "--model", str(model), "--rank", str(rank)]
-        argv += ["--size", str(size), "--addr", addr, "--moe-parallel", moe.value, "--out", str(out)]
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    try:
-        outputs = [p.communicate(timeout=RANK_TIMEOUT_S)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, (p, text) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{text[-3000:]}"
-    return torch.load(out)
 
 
 # ---- shard arithmetic --------------------------------------------------------------------------------
@@ -103,7 +70,7 @@ def test_tp2_moe_logits_equal_tp1(
 ) -> None:
     folder = tiny_model_dir(name)
     reference = batch_logits(load_runner(str(folder), "cpu", torch.float32))
-    sharded = run_group(folder, 2, moe, tmp_path / "logits.pt")
+    sharded = run_group(folder, 2, tmp_path / "logits.pt", moe_parallel=moe.value)
     assert sharded.shape == reference.shape
     torch.testing.assert_close(sharded, reference, atol=2e-5, rtol=1e-5)
     assert torch.equal(sharded.argmax(-1), reference.argmax(-1))
