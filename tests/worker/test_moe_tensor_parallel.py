@@ -76,6 +76,17 @@ def test_tp2_moe_logits_equal_tp1(
     assert torch.equal(sharded.argmax(-1), reference.argmax(-1))
 
 
+@pytest.mark.parametrize("moe", list(MoeParallel))
+def test_tp2_dummy_weights_are_the_tp1_model(
+    moe: MoeParallel, tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """dummy:CONFIG draws every sharded weight whole and keeps the rank's cut (experts per global id)."""
+    model = f"dummy:{tiny_model_dir('qwen2_moe') / 'config.json'}"
+    reference = batch_logits(load_runner(model, "cpu", torch.float32))
+    sharded = run_group(Path(model), 2, tmp_path / "logits.pt", moe_parallel=moe.value)
+    torch.testing.assert_close(sharded, reference, atol=2e-5, rtol=1e-5)
+
+
 # ---- what each rank reads ----------------------------------------------------------------------------
 
 

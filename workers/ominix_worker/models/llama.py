@@ -372,8 +372,11 @@ class LlamaForCausalLM(nn.Module):
     def init_dummy_weights(self, seed: int = 0) -> None:
         """Random weights that keep activations finite at any size (std 0.02 matrices, unit norms).
 
-        Drawn on the parameters' own device, so an 8B dummy model on a GPU initialises in seconds.
+        Drawn on the parameters' own device, so an 8B dummy model on a GPU initialises in seconds. Under
+        tensor parallelism a sharded weight is drawn whole and cut (``ParallelModule.load_full``), so every
+        group size holds slices of the same model as one rank.
         """
+        modules = dict(self.named_modules())
         with torch.no_grad():
             for index, (name, param) in enumerate(self.named_parameters()):
                 if name.endswith("norm.weight"):
@@ -382,7 +385,14 @@ class LlamaForCausalLM(nn.Module):
                     param.zero_()
                 else:
                     generator = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + index)
-                    param.normal_(0.0, 0.02, generator=generator)
+                    module_name, _, param_name = name.rpartition(".")
+                    module = modules[module_name]
+                    full = module.full_shape(param_name) if isinstance(module, ParallelModule) else None
+                    if self.tp.size == 1 or full is None:
+                        param.normal_(0.0, 0.02, generator=generator)
+                        continue
+                    whole = torch.empty(full, dtype=param.dtype, device=param.device)
+                    module.load_full(param_name, whole.normal_(0.0, 0.02, generator=generator))
 
     def post_load(self, device: torch.device) -> None:
         self.rotary.build(device)
