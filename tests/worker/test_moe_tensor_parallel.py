@@ -155,3 +155,38 @@ def test_dummy_experts_are_slices_of_the_single_rank_model(moe: MoeParallel) -> 
         torch.testing.assert_close(
             part.w2_weight.detach(), whole.w2_weight.detach()[e, :, rows.start : rows.end], atol=0, rtol=0
         )
+
+
+def test_a_group_whose_experts_do_not_divide_exits_at_startup_with_the_reason(tmp_path: Path) -> None:
+    """Two real worker ranks (--moe-parallel expert, 3 experts over 2 ranks): both exit with one clear line."""
+    import os
+    import subprocess
+
+    from ominix_worker.parallel.distributed import free_rendezvous_port
+    from ominix_worker.testing import write_tiny_hf_model
+
+    folder = write_tiny_hf_model(
+        tmp_path / "m", arch="qwen3_moe", num_experts=3, num_experts_per_tok=2, moe_intermediate_size=32,
+        with_tokenizer=False,
+    )  # fmt: skip
+    addr = f"127.0.0.1:{free_rendezvous_port()}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    procs = []
+    for rank in (1, 0):
+        argv = [sys.executable, "-m", "ominix_worker", "--model", str(folder), "--port", "0"]
+        argv += ["--tp-size", "2", "--tp-rank", str(rank), "--dist-init-addr", addr, "--dist-timeout", "30"]
+        argv += ["--moe-parallel", "expert", "--kv-cache-memory", "8MiB", "--num-threads", "1"]
+        procs.append(
+            subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    try:
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode != 0
+        lines = [line for line in err.strip().splitlines() if line and not line.startswith("{")]
+        assert len(lines) == 1 and "3 experts do not divide into 2 ranks" in lines[0], err
