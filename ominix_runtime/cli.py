@@ -250,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
         help="backend conformance suite (flags: ominix-runtime conformance --help)",
     )
+    from ominix_runtime.release.commands import COMMANDS as RELEASE_COMMANDS
+
+    for name, (summary, _add_arguments, _run) in RELEASE_COMMANDS.items():
+        sub.add_parser(name, add_help=False, help=f"{summary} (flags: ominix-runtime {name} --help)")
     return parser
 
 
@@ -729,6 +733,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _FORWARDED:
         return cmd_worker(argv[1:]) if argv[0] == "worker" else cmd_conformance(argv[1:])
+    from ominix_runtime.release.commands import COMMANDS as RELEASE_COMMANDS
+    from ominix_runtime.release.commands import main as release_main
+
+    if argv and argv[0] in RELEASE_COMMANDS:  # they parse their own arguments
+        return release_main(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return cmd_serve(args)
