@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ominix_runtime.backends.grpc_worker import CHANNEL_OPTIONS, GrpcWorkerBackend
 from ominix_runtime.backends.negotiation import check_group
-from ominix_runtime.config import EngineConfig
+from ominix_runtime.config import STEP_TIMEOUT_BACKSTOP_S, EngineConfig
 from ominix_runtime.contract import BackendCapability, Granularity, OminixError, RuntimeErrorKind
 from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig
 from ominix_runtime.engine.core import EngineCore
@@ -49,7 +49,13 @@ def _build_backends(config: EngineConfig) -> list[Any]:
             root_certificates=Path(config.tls.worker_ca).read_bytes(), private_key=key, certificate_chain=cert
         )
     backends: list[Any] = [
-        GrpcWorkerBackend(address, tls=worker_tls, step_timeout=config.debug.step_timeout_s)
+        GrpcWorkerBackend(
+            address,
+            tls=worker_tls,
+            step_timeout=config.step_timeout,
+            heartbeat_timeout=config.worker_heartbeat_timeout,
+            engine_secret=config.engine_secret,
+        )
         for address in config.workers
     ]
     if config.sglang_urls:
@@ -146,7 +152,7 @@ class EngineDaemon:
                 max_running_requests=sched.max_running_requests,
                 enable_prefix_caching=sched.enable_prefix_caching,
             ),
-            step_timeout=config.debug.step_timeout_s,
+            step_timeout=config.step_timeout or STEP_TIMEOUT_BACKSTOP_S,
             max_waiting_requests=sched.max_queue_len,
         )
         self._engine = EngineCore(self._backends, core_config)

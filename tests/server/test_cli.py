@@ -63,8 +63,8 @@ def test_launch_accepts_every_serve_flag() -> None:
 
 
 def test_debug_knobs_come_from_ominix_env_vars() -> None:
-    debug = DebugConfig.from_env({"OMINIX_LOG_STEPS": "1", "OMINIX_STEP_TIMEOUT_S": "7.5"})
-    assert debug == DebugConfig(log_steps=True, step_timeout_s=7.5)
+    debug = DebugConfig.from_env({"OMINIX_LOG_STEPS": "1"})
+    assert debug == DebugConfig(log_steps=True)
     assert EngineConfig().debug == DebugConfig()
 
 
