@@ -6,9 +6,9 @@ import asyncio
 import contextlib
 import signal
 import sys
+from collections.abc import Awaitable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import grpc
 import grpc.aio
@@ -16,11 +16,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ominix_runtime.backends.grpc_worker import CHANNEL_OPTIONS, GrpcWorkerBackend
-from ominix_runtime.backends.negotiation import check_group
 from ominix_runtime.config import STEP_TIMEOUT_BACKSTOP_S, EngineConfig
-from ominix_runtime.contract import BackendCapability, Granularity, OminixError, RuntimeErrorKind
+from ominix_runtime.contract import BackendAdapter, OminixError, RuntimeErrorKind
 from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig
 from ominix_runtime.engine.core import EngineCore
+from ominix_runtime.engine.negotiation import ServingTerms
+from ominix_runtime.engine.stats import RunReport
 from ominix_runtime.models import ModelFormat, ModelSource, resolve_model
 from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.engine_service import EngineService
@@ -39,7 +40,7 @@ MIN_MESSAGE_BYTES = 1024  # below this no request fits: the engine would refuse 
 _log = get_logger("ominix.server")
 
 
-def _build_backends(config: EngineConfig) -> list[Any]:
+def _build_backends(config: EngineConfig) -> list[BackendAdapter]:
     worker_tls = None
     if config.tls.worker_ca:
         # Mutual TLS: the engine proves itself to the workers with its own certificate when it has one.
@@ -48,7 +49,7 @@ def _build_backends(config: EngineConfig) -> list[Any]:
         worker_tls = grpc.ssl_channel_credentials(
             root_certificates=Path(config.tls.worker_ca).read_bytes(), private_key=key, certificate_chain=cert
         )
-    backends: list[Any] = [
+    backends: list[BackendAdapter] = [
         GrpcWorkerBackend(
             address,
             tls=worker_tls,
@@ -72,34 +73,12 @@ def _build_backends(config: EngineConfig) -> list[Any]:
     return backends
 
 
-async def _wait_workers_ready(backends: list[Any], timeout: float) -> None:
-    waits = [b.wait_ready(timeout) for b in backends if isinstance(b, GrpcWorkerBackend)]
-    if waits:
-        _log.info(
-            "waiting for workers", workers=[b.address for b in backends if isinstance(b, GrpcWorkerBackend)]
-        )
-        await asyncio.gather(*waits)
-
-
-def _negotiate(caps: list[BackendCapability], model_name: str, tokenizer: Tokenizer | None) -> None:
-    """Refuse to serve when the backends cannot serve the configured model together (CAPABILITY_MISMATCH).
-
-    Step-level workers are one group for the served model: requests fail over between them, so they must
-    serve that model with one block size; each request-level model is a group of its own.
-    """
-    step_caps = [c for c in caps if c.granularity == Granularity.STEP]
-    if step_caps:
-        check_group(step_caps, model_name or step_caps[0].model.name)
-        vocab = step_caps[0].model.vocab_size
-        if tokenizer is not None and tokenizer.vocab_size > vocab:
-            raise OminixError(
-                RuntimeErrorKind.CAPABILITY_MISMATCH,
-                f"the tokenizer of {model_name!r} has {tokenizer.vocab_size} tokens but the workers' model has "
-                f"a vocabulary of {vocab}: engine and workers must load the same model",
-            )
-    request_models = {c.model.name for c in caps if c.granularity == Granularity.REQUEST}
-    for name in sorted(request_models):
-        check_group([c for c in caps if c.granularity == Granularity.REQUEST and c.model.name == name], name)
+async def _wait_workers_ready(backends: list[BackendAdapter], timeout: float) -> None:
+    """Wait for the gRPC workers (the other backends answer at once or say why not in describe())."""
+    workers = [b for b in backends if isinstance(b, GrpcWorkerBackend)]
+    if workers:
+        _log.info("waiting for workers", workers=[b.address for b in workers])
+        await asyncio.gather(*(b.wait_ready(timeout) for b in workers))
 
 
 def _grpcurl_hint(address: str, tls: bool) -> str:
@@ -117,7 +96,7 @@ _EXAMPLE_REQUEST = (
 class EngineDaemon:
     """Owns the engine core, the gRPC server and the metrics endpoint of one process."""
 
-    def __init__(self, config: EngineConfig, backends: list[Any] | None = None) -> None:
+    def __init__(self, config: EngineConfig, backends: list[BackendAdapter] | None = None) -> None:
         """``backends`` replaces the ones named in ``config`` (in-process backends for tests)."""
         self.config = config
         self._given_backends = backends
@@ -126,10 +105,10 @@ class EngineDaemon:
         self.stop_requested = asyncio.Event()
         self.bound_port = 0
         self.metrics_port = 0
-        self._engine: Any = None
+        self._engine: EngineCore | None = None
         self._service: EngineService | None = None
         self._server: grpc.aio.Server | None = None
-        self._backends: list[Any] = []
+        self._backends: list[BackendAdapter] = []
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -155,8 +134,8 @@ class EngineDaemon:
             step_timeout=config.step_timeout or STEP_TIMEOUT_BACKSTOP_S,
             max_waiting_requests=sched.max_queue_len,
         )
-        self._engine = EngineCore(self._backends, core_config)
-        service = EngineService(self._engine, None, model_name, self.metrics, config.front)
+        engine = self._engine = EngineCore(self._backends, core_config)
+        service = EngineService(engine, None, model_name, self.metrics, config.front)
         self._service = service
 
         # Every service is registered before the server starts; Generate answers UNAVAILABLE and health
@@ -191,7 +170,7 @@ class EngineDaemon:
 
         # The tokenizer (a GGUF metadata parse for the embedded model) loads while the workers get ready.
         tokenizer_loading = (
-            asyncio.create_task(asyncio.to_thread(Tokenizer.from_source, source))
+            asyncio.create_task(asyncio.to_thread(_load_tokenizer, source))
             if source and _has_tokenizer(source)
             else None
         )
@@ -202,15 +181,15 @@ class EngineDaemon:
         finally:
             if tokenizer_loading is not None and not tokenizer_loading.done():
                 tokenizer_loading.cancel()
-        await self._engine.start()
+        tokenizer = service.tokenizer
+        await engine.start(ServingTerms(model_name, tokenizer.vocab_size if tokenizer is not None else None))
         if not model_name:
-            caps = list(self._engine.capabilities() or [])
+            caps = engine.capabilities()
             service.model_name = caps[0].model.name if caps else ""
-        _negotiate(list(self._engine.capabilities() or []), model_name, service.tokenizer)
-        self._wire_observability()
+        self._wire_observability(engine)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        self._tasks.append(asyncio.get_running_loop().create_task(self._follow_health()))
+        self._tasks.append(asyncio.get_running_loop().create_task(self._follow_health(engine)))
         address = f"{config.host}:{self.bound_port}"
         _log.info(
             "serving",
@@ -222,11 +201,10 @@ class EngineDaemon:
         print(f"ominix-runtime engine serving {service.model_name} on {address}", file=sys.stderr, flush=True)
         print(_grpcurl_hint(address, config.tls.enabled), file=sys.stderr, flush=True)
 
-    def _wire_observability(self) -> None:
-        engine = self._engine
+    def _wire_observability(self, engine: EngineCore) -> None:
         metrics = self.metrics
 
-        def on_run(report: Any) -> None:
+        def on_run(report: RunReport) -> None:
             fields = asdict(report)
             fields["finish_reason"] = report.finish_reason.name
             if report.error_kind is not None:
@@ -240,14 +218,14 @@ class EngineDaemon:
             return
         engine.add_step_listener(metrics.observe_step)
         self.metrics_port = metrics.start_http(self.config.metrics_port, self.config.host)
-        self._tasks.append(asyncio.get_running_loop().create_task(self._refresh_metrics()))
+        self._tasks.append(asyncio.get_running_loop().create_task(self._refresh_metrics(engine)))
 
-    async def _follow_health(self) -> None:
+    async def _follow_health(self, engine: EngineCore) -> None:
         """SERVING while at least one worker group serves; NOT_SERVING while none does (they reconnect)."""
         serving = True
         while True:
             await asyncio.sleep(HEALTH_REFRESH_INTERVAL_S)
-            ready = bool(self._engine.ready)
+            ready = engine.ready
             if ready != serving and not self.stop_requested.is_set():
                 serving = ready
                 status = (
@@ -259,37 +237,14 @@ class EngineDaemon:
                     await self.health.set(service, status)
                 _log.warning("health changed", serving=ready)
 
-    async def _refresh_metrics(self) -> None:
+    async def _refresh_metrics(self, engine: EngineCore) -> None:
         assert self.metrics is not None
         while True:
             try:
-                self.metrics.update_snapshots(
-                    self._engine.load(), self._engine.stats(), self._worker_figures()
-                )
+                self.metrics.update_snapshots(engine.load(), engine.stats(), _worker_figures(engine))
             except Exception as exc:  # noqa: BLE001 - metrics must never take the daemon down
                 _log.warning("metrics refresh failed", error=repr(exc))
             await asyncio.sleep(METRICS_REFRESH_INTERVAL_S)
-
-    def _worker_figures(self) -> list[WorkerFigures]:
-        figures = []
-        for group in self._engine.groups:
-            used, total = group.kv_blocks
-            ratio = None
-            registry = getattr(getattr(group, "scheduler", None), "registry", None)  # step-level groups only
-            if registry is not None:
-                queried = registry.prefix_query_tokens
-                ratio = registry.prefix_hit_tokens / queried if queried else 0.0
-            figures.append(
-                WorkerFigures(
-                    worker_id=group.worker_id,
-                    kv_blocks_used=used,
-                    kv_blocks_total=total,
-                    preemptions=group.counters.preemptions,
-                    integrity_violations=group.integrity_violations,
-                    prefix_cache_hit_ratio=ratio,
-                )
-            )
-        return figures
 
     async def shutdown(self) -> None:
         """NOT_SERVING, stop accepting, let live requests finish up to the drain timeout, then stop."""
@@ -297,7 +252,7 @@ class EngineDaemon:
         _log.info("shutting down", drain_timeout=drain)
         with contextlib.suppress(Exception):
             await self.health.enter_graceful_shutdown()
-        steps: list[Any] = []
+        steps: list[Awaitable[None]] = []
         if self._server is not None:
             # The engine ends what is left at the drain timeout; the extra grace lets those error events
             # reach their clients before the server cancels the calls.
@@ -353,6 +308,32 @@ async def serve(config: EngineConfig) -> int:
         return 1
     await daemon.shutdown()
     return 0
+
+
+def _worker_figures(engine: EngineCore) -> list[WorkerFigures]:
+    figures = []
+    for group in engine.groups:
+        used, total = group.kv_blocks
+        ratio = None
+        prefix = group.prefix_cache_tokens()  # None: the backend keeps its own prefix cache
+        if prefix is not None:
+            queried, hit = prefix
+            ratio = hit / queried if queried else 0.0
+        figures.append(
+            WorkerFigures(
+                worker_id=group.worker_id,
+                kv_blocks_used=used,
+                kv_blocks_total=total,
+                preemptions=group.counters.preemptions,
+                integrity_violations=group.integrity_violations,
+                prefix_cache_hit_ratio=ratio,
+            )
+        )
+    return figures
+
+
+def _load_tokenizer(source: ModelSource) -> Tokenizer:
+    return Tokenizer.from_source(source).prepare()
 
 
 def _has_tokenizer(source: ModelSource) -> bool:
