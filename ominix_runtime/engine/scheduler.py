@@ -222,6 +222,8 @@ class Scheduler:
             prefill_reported=old.prefill_reported,
             first_scheduled_time=old.first_scheduled_time,
             first_token_time=old.first_token_time,
+            last_token_time=old.last_token_time,
+            token_gaps=old.token_gaps,
         )
         self.requests[req.request_id] = ereq
         self.waiting.push_back(ereq)
@@ -546,9 +548,13 @@ class Scheduler:
     ) -> None:
         req.all_token_ids.append(token_id)
         self.counters.generated_tokens += 1
+        now = self.clock()
+        if req.last_token_time is not None:
+            req.token_gaps.append(now - req.last_token_time)
+        req.last_token_time = now
         if not req.prefill_reported:
             req.prefill_reported = True
-            req.first_token_time = self.clock()
+            req.first_token_time = now
             events.append(PrefillDone(req.request_id, req.num_prompt_tokens, req.num_cached_tokens))
         if req.state == RequestState.PREFILL:
             req.transition(RequestState.DECODE)

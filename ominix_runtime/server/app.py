@@ -21,13 +21,13 @@ from ominix_runtime.contract import BackendAdapter, OminixError, RuntimeErrorKin
 from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig
 from ominix_runtime.engine.core import EngineCore
 from ominix_runtime.engine.negotiation import ServingTerms
-from ominix_runtime.engine.stats import RunReport
+from ominix_runtime.engine.stats import RunReport, worker_stats
 from ominix_runtime.models import ModelFormat, ModelSource, resolve_model
 from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.engine_service import EngineService
 from ominix_runtime.server.front_guard import FrontGuard
 from ominix_runtime.server.logging import configure_logging, get_logger
-from ominix_runtime.server.metrics import EngineMetrics, WorkerFigures
+from ominix_runtime.server.metrics import EngineMetrics
 from ominix_runtime.text import Tokenizer
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -186,7 +186,7 @@ class EngineDaemon:
         if not model_name:
             caps = engine.capabilities()
             service.model_name = caps[0].model.name if caps else ""
-        self._wire_observability(engine)
+        self._wire_observability(engine, service.model_name)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.get_running_loop().create_task(self._follow_health(engine)))
@@ -201,12 +201,14 @@ class EngineDaemon:
         print(f"ominix-runtime engine serving {service.model_name} on {address}", file=sys.stderr, flush=True)
         print(_grpcurl_hint(address, config.tls.enabled), file=sys.stderr, flush=True)
 
-    def _wire_observability(self, engine: EngineCore) -> None:
+    def _wire_observability(self, engine: EngineCore, model_name: str) -> None:
         metrics = self.metrics
 
         def on_run(report: RunReport) -> None:
             fields = asdict(report)
             fields["finish_reason"] = report.finish_reason.name
+            gaps = fields.pop("inter_token_latencies")  # one per token: the log keeps the worst
+            fields["max_inter_token_latency"] = max(gaps) if gaps else None
             if report.error_kind is not None:
                 fields["error_kind"] = report.error_kind.name
             _log.info("request finished", **fields)
@@ -216,6 +218,7 @@ class EngineDaemon:
         engine.add_listener(on_run)
         if metrics is None:
             return
+        metrics.set_model_name(model_name)
         engine.add_step_listener(metrics.observe_step)
         self.metrics_port = metrics.start_http(self.config.metrics_port, self.config.host)
         self._tasks.append(asyncio.get_running_loop().create_task(self._refresh_metrics(engine)))
@@ -241,7 +244,7 @@ class EngineDaemon:
         assert self.metrics is not None
         while True:
             try:
-                self.metrics.update_snapshots(engine.load(), engine.stats(), _worker_figures(engine))
+                self.metrics.update_workers(worker_stats(g) for g in engine.groups)
             except Exception as exc:  # noqa: BLE001 - metrics must never take the daemon down
                 _log.warning("metrics refresh failed", error=repr(exc))
             await asyncio.sleep(METRICS_REFRESH_INTERVAL_S)
@@ -308,28 +311,6 @@ async def serve(config: EngineConfig) -> int:
         return 1
     await daemon.shutdown()
     return 0
-
-
-def _worker_figures(engine: EngineCore) -> list[WorkerFigures]:
-    figures = []
-    for group in engine.groups:
-        used, total = group.kv_blocks
-        ratio = None
-        prefix = group.prefix_cache_tokens()  # None: the backend keeps its own prefix cache
-        if prefix is not None:
-            queried, hit = prefix
-            ratio = hit / queried if queried else 0.0
-        figures.append(
-            WorkerFigures(
-                worker_id=group.worker_id,
-                kv_blocks_used=used,
-                kv_blocks_total=total,
-                preemptions=group.counters.preemptions,
-                integrity_violations=group.integrity_violations,
-                prefix_cache_hit_ratio=ratio,
-            )
-        )
-    return figures
 
 
 def _load_tokenizer(source: ModelSource) -> Tokenizer:

@@ -179,7 +179,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         try:
             validate_request_id(request.request_id)  # before the id appears in any log line
         except OminixError as exc:
-            self._reject(exc.message, counted_by_engine=False)
+            self._reject(exc.message, "invalid_request_id", counted_by_engine=False)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
         request_id = request.request_id or uuid.uuid4().hex
         with request_context(request_id):
@@ -199,11 +199,11 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 gen_request = await self._resolve(request, request_id)
             except _NotFound as exc:
                 self._forget(request_id)
-                self._reject(str(exc), counted_by_engine=False)
+                self._reject(str(exc), "model_not_found", counted_by_engine=False)
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
             except OminixError as exc:
                 self._forget(request_id)
-                self._reject(exc.message, counted_by_engine=False)
+                self._reject(exc.message, exc.kind.name.lower(), counted_by_engine=False)
                 await context.abort(status_for(exc), exc.message)
             except BaseException:
                 self._forget(request_id)
@@ -212,7 +212,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 handle = self._engine.submit(gen_request)
             except OminixError as exc:
                 self._forget(request_id)
-                self._reject(exc.message, counted_by_engine=True)
+                self._reject(exc.message, exc.kind.name.lower(), counted_by_engine=True)
                 await context.abort(status_for(exc), exc.message)
             except BaseException:
                 self._forget(request_id)
@@ -241,12 +241,12 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self._live.discard(request_id)
         self._owners.pop(request_id, None)
 
-    def _reject(self, message: str, counted_by_engine: bool) -> None:
+    def _reject(self, message: str, reason: str, counted_by_engine: bool) -> None:
         if not counted_by_engine:
             self._rejected += 1
         _log.info("request rejected", reason=message)
         if self._metrics is not None:
-            self._metrics.observe_rejection()
+            self._metrics.observe_rejection(reason)
 
     async def _events(
         self, req: GenerateRequest, handle: RequestHandle

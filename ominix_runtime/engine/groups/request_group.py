@@ -13,7 +13,7 @@ import asyncio
 import heapq
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ominix_runtime.contract import (
     BackendAdapter,
@@ -50,6 +50,8 @@ class _Forwarded:
     queued_time: float
     started_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    token_gaps: list[float] = field(default_factory=list)
     prefill_seen: bool = False
     terminal_sent: bool = False
     num_output_tokens: int = 0
@@ -234,8 +236,12 @@ class RequestWorkerGroup(WorkerGroup):
                 elif isinstance(event, Token):
                     if not fwd.prefill_seen:
                         self._violation(fwd, "sent a token before prefill_done")
+                    now = time.monotonic()
                     if fwd.first_token_time is None:
-                        fwd.first_token_time = time.monotonic()
+                        fwd.first_token_time = now
+                    if fwd.last_token_time is not None:
+                        fwd.token_gaps.append(now - fwd.last_token_time)
+                    fwd.last_token_time = now
                     fwd.num_output_tokens += len(event.token_ids)
                     self.counters.generated_tokens += len(event.token_ids)
                 if is_terminal(event):
@@ -317,4 +323,5 @@ class RequestWorkerGroup(WorkerGroup):
                 started=fwd.started_time,
                 first_token=fwd.first_token_time,
             ),
+            inter_token_latencies=fwd.token_gaps,
         )
