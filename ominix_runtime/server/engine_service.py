@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -105,6 +106,14 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no Generate stream is open (their last events sent); False after ``timeout``."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while self._live and loop.time() < end:
+            await asyncio.sleep(0.02)
+        return not self._live
 
     # ---- model facts ---------------------------------------------------------------------------------
 
