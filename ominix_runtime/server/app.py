@@ -20,13 +20,14 @@ from ominix_runtime.contract import BackendAdapter, OminixError, RuntimeErrorKin
 from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig
 from ominix_runtime.engine.core import EngineCore
 from ominix_runtime.engine.negotiation import ServingTerms
-from ominix_runtime.engine.stats import RunReport, worker_stats
+from ominix_runtime.engine.stats import RunReport
 from ominix_runtime.models import ModelFormat, ModelSource, resolve_model
 from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.engine_service import EngineService
 from ominix_runtime.server.front_guard import FrontGuard
 from ominix_runtime.server.logging import configure_logging, get_logger
 from ominix_runtime.server.metrics import EngineMetrics
+from ominix_runtime.server.tracing import tracer_from_environment
 from ominix_runtime.text import Tokenizer
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -100,6 +101,7 @@ class EngineDaemon:
         self.config = config
         self._given_backends = backends
         self.metrics = EngineMetrics() if config.metrics_port > 0 else None
+        self.tracer = tracer_from_environment()  # off unless OTEL_* variables configure it
         self.health = health.aio.HealthServicer()
         self.stop_requested = asyncio.Event()
         self.drain_cut = asyncio.Event()  # a second signal: stop draining
@@ -135,7 +137,7 @@ class EngineDaemon:
             max_waiting_requests=sched.max_queue_len,
         )
         engine = self._engine = EngineCore(self._backends, core_config)
-        service = EngineService(engine, None, model_name, self.metrics, config.front)
+        service = EngineService(engine, None, model_name, self.metrics, config.front, self.tracer)
         self._service = service
 
         # Every service is registered before the server starts; Generate answers UNAVAILABLE and health
@@ -216,6 +218,7 @@ class EngineDaemon:
                 metrics.observe_run(report)
 
         engine.add_listener(on_run)
+        engine.add_listener(self.tracer.on_run_report)
         if metrics is None:
             return
         metrics.set_model_name(model_name)
@@ -244,7 +247,7 @@ class EngineDaemon:
         assert self.metrics is not None
         while True:
             try:
-                self.metrics.update_workers(worker_stats(g) for g in engine.groups)
+                self.metrics.update_workers(g.stats() for g in engine.groups)
             except Exception as exc:  # noqa: BLE001 - metrics must never take the daemon down
                 _log.warning("metrics refresh failed", error=repr(exc))
             await asyncio.sleep(METRICS_REFRESH_INTERVAL_S)
@@ -291,6 +294,7 @@ class EngineDaemon:
                 await asyncio.wait_for(backend.close(), timeout=2.0)
         if self.metrics is not None:
             self.metrics.stop_http()
+        self.tracer.shutdown()
         _log.info("stopped")
 
     async def _drain_engine(self, engine: EngineCore, drain: float) -> None:

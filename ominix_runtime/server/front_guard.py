@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import grpc
@@ -24,13 +24,8 @@ ENGINE_METHOD_PREFIX = "/" + engine_pb2.DESCRIPTOR.services_by_name["Engine"].fu
 AUTHORIZATION = "authorization"
 _BEARER = "bearer "
 
-if TYPE_CHECKING:  # generic only in grpc's type stubs
-    Context = grpc.aio.ServicerContext[Any, Any]
-    Handler = grpc.RpcMethodHandler[Any, Any]
-Metadata = Sequence[tuple[str, "str | bytes"]]
 
-
-def bearer_key(metadata: Metadata | None) -> str | None:
+def bearer_key(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
     """The KEY of an ``authorization: Bearer KEY`` entry, or None."""
     for name, value in metadata or ():
         if name.lower() == AUTHORIZATION and isinstance(value, str) and value[:7].lower() == _BEARER:
@@ -38,9 +33,20 @@ def bearer_key(metadata: Metadata | None) -> str | None:
     return None
 
 
-def caller_of(context: Context) -> str:
+if TYPE_CHECKING:  # only the stubs make these generic
+    from typing import TypeAlias
+
+    # Requests and responses pass through the guard whatever their message type.
+    _Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
+    _Handler: TypeAlias = grpc.RpcMethodHandler[Any, Any]
+    # The aio server's handlers; the grpc stubs type RpcMethodHandler's behaviours for the sync server.
+    _UnaryUnary: TypeAlias = Callable[[Any, _Context], Awaitable[Any]]
+    _UnaryStream: TypeAlias = Callable[[Any, _Context], AsyncGenerator[Any, None]]
+
+
+def caller_of(context: _Context) -> str:
     """Who is calling: a digest of the API key the call carries ("" without one). Requests belong to it."""
-    key = bearer_key(cast("Metadata | None", context.invocation_metadata()))
+    key = bearer_key(context.invocation_metadata())
     return hashlib.sha256(key.encode()).hexdigest()[:32] if key else ""
 
 
@@ -72,7 +78,7 @@ class FrontGuard(grpc.aio.ServerInterceptor):
     def __init__(self, api_keys: Sequence[str] = ()) -> None:
         self._keys = [k.encode() for k in api_keys if k]
 
-    def _authorized(self, metadata: Metadata | None) -> bool:
+    def _authorized(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
         if not self._keys:
             return True
         key = bearer_key(metadata)
@@ -84,17 +90,17 @@ class FrontGuard(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[_Handler | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> Handler | None:
+    ) -> _Handler | None:
         handler = await continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith(ENGINE_METHOD_PREFIX):
             return handler
-        authorized = self._authorized(cast("Metadata | None", handler_call_details.invocation_metadata))
+        authorized = self._authorized(handler_call_details.invocation_metadata)
         return _guarded(handler, authorized)
 
 
-async def _refuse(request: Any, context: Context, authorized: bool) -> None:
+async def _refuse(request: Any, context: _Context, authorized: bool) -> None:
     if not authorized:
         await context.abort(
             grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (send `authorization: Bearer KEY`)"
@@ -103,23 +109,22 @@ async def _refuse(request: Any, context: Context, authorized: bool) -> None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
 
 
-def _guarded(handler: Handler, authorized: bool) -> Handler:
+def _guarded(handler: _Handler, authorized: bool) -> _Handler:
     """``handler`` with its request decoded safely, refusing unauthorized or undecodable calls first."""
     deserializer = _safe(handler.request_deserializer)
     serializer = handler.response_serializer
     if handler.unary_unary is not None:
-        # On a grpc.aio server the behaviours are coroutine and async-generator functions.
-        inner_uu = cast("Callable[[Any, Context], Awaitable[Any]]", handler.unary_unary)
+        inner_uu = cast("_UnaryUnary", handler.unary_unary)
 
-        async def unary_unary(request: Any, context: Context) -> Any:
+        async def unary_unary(request: Any, context: _Context) -> Any:
             await _refuse(request, context, authorized)
             return await inner_uu(request, context)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, serializer)
     if handler.unary_stream is not None:
-        inner_us = cast("Callable[[Any, Context], AsyncGenerator[Any, None]]", handler.unary_stream)
+        inner_us = cast("_UnaryStream", handler.unary_stream)
 
-        async def unary_stream(request: Any, context: Context) -> AsyncIterator[Any]:
+        async def unary_stream(request: Any, context: _Context) -> AsyncIterator[Any]:
             await _refuse(request, context, authorized)
             events = inner_us(request, context)
             try:

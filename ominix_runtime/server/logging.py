@@ -6,9 +6,9 @@ import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from typing import Any
 
 import structlog
+from structlog.typing import FilteringBoundLogger, Processor
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
@@ -18,12 +18,12 @@ def configure_logging(level: str = "info", json_output: bool | None = None) -> N
     if json_output is None:
         json_output = not sys.stderr.isatty()
     numeric_level = _LEVELS.get(level.lower(), logging.INFO)
-    shared: list[Any] = [
+    shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    renderer: Any
+    renderer: Processor
     if json_output:
         renderer = structlog.processors.JSONRenderer()
         shared.append(structlog.processors.format_exc_info)
@@ -38,12 +38,13 @@ def configure_logging(level: str = "info", json_output: bool | None = None) -> N
     logging.basicConfig(level=max(numeric_level, logging.WARNING), stream=sys.stderr, force=True)
 
 
-def get_logger(name: str = "ominix") -> Any:
-    return structlog.get_logger(name)
+def get_logger(name: str = "ominix") -> FilteringBoundLogger:
+    logger: FilteringBoundLogger = structlog.get_logger(name)  # the wrapper configure_logging installs
+    return logger
 
 
 @contextmanager
-def request_context(request_id: str, **fields: Any) -> Iterator[None]:
+def request_context(request_id: str, **fields: object) -> Iterator[None]:
     """Bind request_id (and fields) to every log line emitted in this context (asyncio-task local)."""
     tokens = structlog.contextvars.bind_contextvars(request_id=request_id, **fields)
     try:

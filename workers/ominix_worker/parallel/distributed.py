@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ominix_worker.parallel.tensor_parallel import TensorParallel
 
-DEFAULT_DIST_TIMEOUT_S = 60.0
+DEFAULT_DIST_TIMEOUT_S = 30.0
 
 
 class GroupInitError(RuntimeError):
