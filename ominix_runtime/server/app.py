@@ -14,6 +14,7 @@ import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ominix_runtime import memory
 from ominix_runtime.backends.grpc_worker import CHANNEL_OPTIONS, GrpcWorkerBackend
 from ominix_runtime.config import STEP_TIMEOUT_BACKSTOP_S, EngineConfig
 from ominix_runtime.contract import BackendAdapter, OminixError, RuntimeErrorKind
@@ -115,6 +116,7 @@ class EngineDaemon:
 
     async def start(self) -> None:
         config = self.config
+        memory.map_large_allocations()  # request buffers of megabytes must not stay in the heap after use
         if config.max_message_bytes < MIN_MESSAGE_BYTES:
             raise OminixError(
                 RuntimeErrorKind.INVALID_ARGUMENT,

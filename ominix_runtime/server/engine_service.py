@@ -11,7 +11,7 @@ from dataclasses import replace
 import grpc
 import grpc.aio
 
-from ominix_runtime import wire
+from ominix_runtime import memory, wire
 from ominix_runtime.config import FrontConfig
 from ominix_runtime.contract import (
     ChatMessage,
@@ -186,6 +186,17 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     # ---- RPCs ----------------------------------------------------------------------------------------
 
     async def Generate(
+        self, request: engine_pb2.GenerateRequest, context: _GenerateContext
+    ) -> AsyncIterator[engine_pb2.GenerateEvent]:
+        large = request.ByteSize() >= memory.LARGE_ALLOCATION_BYTES
+        try:
+            async for event in self._generate(request, context):
+                yield event
+        finally:
+            if large:  # megabytes of request text were just freed: hand them back (off the event loop)
+                asyncio.get_running_loop().run_in_executor(None, memory.trim)
+
+    async def _generate(
         self, request: engine_pb2.GenerateRequest, context: _GenerateContext
     ) -> AsyncIterator[engine_pb2.GenerateEvent]:
         try:
