@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 from pathlib import Path
@@ -39,6 +40,21 @@ def _children(pid: int) -> list[int]:
         if ppid == pid:
             out.append(int(entry.name))
     return out
+
+
+async def _try_open_run(address: str) -> str:
+    from ominix_runtime.backends.grpc_worker import GrpcWorkerBackend
+    from ominix_runtime.contract import OminixError
+
+    backend = GrpcWorkerBackend(address, rpc_timeout=5)
+    try:
+        stream = await backend.open()
+        await stream.close()
+        return "opened"
+    except OminixError as exc:
+        return exc.message
+    finally:
+        await backend.close()
 
 
 def _alive(pid: int) -> bool:
@@ -95,6 +111,11 @@ def test_launch_two_cpu_workers_and_stop_cleanly(tiny_model_dir: Path, tmp_path:
                 )
             )
             assert events[-1].done.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            # Only this launch's engine may drive its workers (a fresh secret): another local process
+            # cannot open Run, and the engine stays healthy.
+            stranger = asyncio.run(_try_open_run(f"127.0.0.1:{base}"))
+            assert "PERMISSION_DENIED" in stranger, stranger
+            assert stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=10).total.healthy
             # SIGTERM while a request streams: it is drained to its normal end, then everything exits.
             sampling = common_pb2.SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
             stream = stub.Generate(
