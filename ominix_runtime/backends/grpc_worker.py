@@ -56,7 +56,7 @@ class GrpcStepStream:
     def __init__(
         self,
         address: str,
-        call: grpc.aio.StreamStreamCall,
+        call: grpc.aio.StreamStreamCall[worker_pb2.DecodeStep, worker_pb2.WorkerMessage],
         step_timeout: float | None,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
     ) -> None:
@@ -88,7 +88,7 @@ class GrpcStepStream:
         try:
             while True:
                 msg = await self._call.read()
-                if msg is grpc.aio.EOF:
+                if not isinstance(msg, worker_pb2.WorkerMessage):  # grpc.aio.EOF: the worker closed it
                     self._inbox.put_nowait(_unavailable(self._address, "Run stream closed by the worker"))
                     return
                 self._last_heard = self._loop.time()

@@ -51,7 +51,7 @@ def test_serve_flags_build_a_frozen_config() -> None:
     assert config.scheduler.max_batch_tokens == 256 and not config.scheduler.enable_prefix_caching
     assert config.model is None  # the embedded default
     with pytest.raises(dataclasses.FrozenInstanceError):
-        config.port = 1  # type: ignore[misc]
+        config.port = 1  # type: ignore[misc]  # frozen: the assignment must fail
 
 
 def test_launch_accepts_every_serve_flag() -> None:
