@@ -36,8 +36,10 @@ def test_launch_restarts_a_killed_worker_and_the_engine_reconnects(tiny_model: P
         str(base),
         "--kv-cache-memory",
         "8MiB",
+        "--step-timeout",
+        "5",
     ]
-    launch = start_proc_env("launch", argv, tmp_path, {"OMINIX_STEP_TIMEOUT_S": "5"})
+    launch = start_proc_env("launch", argv, tmp_path, {})
     address = f"127.0.0.1:{port}"
     victim_address = f"127.0.0.1:{base}"
     try:
