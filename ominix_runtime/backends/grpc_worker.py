@@ -22,6 +22,8 @@ CLOSE_TIMEOUT_S = 5.0
 # and never less than the floor (a first long prefill, a slow device).
 AUTO_STEP_TIMEOUT_FACTOR = 10.0
 AUTO_STEP_TIMEOUT_FLOOR_S = 30.0
+# A wait that ends this much later than asked means the engine's own event loop was stalled.
+_LOOP_STALL_S = 0.25
 # Metadata on Run carrying the shared secret of plaintext deployments (see ominix_worker's --engine-secret).
 ENGINE_SECRET_METADATA = "x-ominix-engine-secret"
 
@@ -161,6 +163,11 @@ class GrpcStepStream:
             try:
                 item = await asyncio.wait_for(self._inbox.get(), timeout=wait)
             except asyncio.TimeoutError:
+                # This event loop itself may have been stalled (a long GC, a starved process): silence it
+                # slept through is not the worker's, and messages that came meanwhile are not read yet.
+                late = self._loop.time() - (now + wait)
+                if late > _LOOP_STALL_S:
+                    self._last_heard += late
                 continue  # re-check: a message may have arrived meanwhile
             if isinstance(item, OminixError):
                 self._broken = item
