@@ -234,6 +234,14 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 self._forget(request_id)
                 self._reject(exc.message, exc.kind.name.lower(), counted_by_engine=False, span=span)
                 await context.abort(status_for(exc), exc.message)
+            except asyncio.CancelledError:
+                # The client went away (or its deadline passed) while its prompt was being resolved: counted
+                # and logged like any request that never reached the engine.
+                self._forget(request_id)
+                self._reject(
+                    "the client cancelled before admission", "cancelled", counted_by_engine=False, span=span
+                )
+                raise
             except BaseException:
                 self._forget(request_id)
                 raise
