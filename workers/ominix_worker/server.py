@@ -44,6 +44,12 @@ from ominix_runtime.contract import (
 from ominix_runtime.models import DEFAULT_MODEL_NAME, resolve_model
 from ominix_runtime.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from ominix_worker import __version__
+from ominix_worker.access import (
+    DEFAULT_ENGINE_IDENTITY,
+    AccessConfigError,
+    EngineAccess,
+    engine_access,
+)
 from ominix_worker.parallel.distributed import DEFAULT_DIST_TIMEOUT_S
 from ominix_worker.step_loop import StepFailure, StepLoop, StepOutcome, StepRunner
 
@@ -55,7 +61,8 @@ log = logging.getLogger("ominix_worker")
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-HEARTBEAT_INTERVAL_S = 1.0
+# Well inside the engine's --worker-heartbeat-timeout (default 3 s).
+HEARTBEAT_INTERVAL_S = 0.5
 RUN_HANDOVER_S = 2.0
 ASCEND_BLOCK_SIZE = 128
 
@@ -166,6 +173,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--tls-ca",
         default=None,
         help="PEM CA bundle: only clients (the engine) with a certificate signed by it may connect (mutual TLS)",
+    )
+    p.add_argument(
+        "--engine-identity",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with --tls-ca: the subject CN or SAN entry the engine's client certificate must carry to open "
+        f"Run (repeatable; unset: {DEFAULT_ENGINE_IDENTITY!r}, as deploy/tls/make-certs.sh issues it)",
+    )
+    p.add_argument(
+        "--engine-secret-file",
+        default=None,
+        metavar="FILE",
+        help="a file holding the secret the engine must present to open Run (plaintext deployments; the "
+        "engine reads the same file); unset and without --tls-ca, any local process may drive the worker",
     )
     p.add_argument(
         "--tp-size",
@@ -446,9 +468,12 @@ def _outcome_to_pb(outcome: StepOutcome) -> worker_pb2.WorkerMessage:
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     """Adapts the Worker RPCs to the worker state; a Run stream drives one ``StepLoop``."""
 
-    def __init__(self, state: WorkerState, executor: ThreadPoolExecutor) -> None:
+    def __init__(
+        self, state: WorkerState, executor: ThreadPoolExecutor, access: EngineAccess | None = None
+    ) -> None:
         self.state = state
         self.executor = executor
+        self.access = access or EngineAccess()
 
     async def Describe(
         self, request: worker_pb2.DescribeRequest, context: grpc.aio.ServicerContext
@@ -471,6 +496,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Run(
         self, request_iterator: AsyncIterator[worker_pb2.DecodeStep], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.WorkerMessage]:
+        refusal = self.access.refusal(context)
+        if refusal is not None:
+            log.warning("Run refused: %s", refusal)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         if not self.state.ready or self.state.step_runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")
         if self.state.run_active:
@@ -508,6 +537,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         running = loop.run_in_executor(self.executor, steps.run)  # ends after close(), state dropped
         reading = asyncio.create_task(read_steps())
         try:
+            # The first message accepts the stream (the engine counts the worker healthy only then). Later
+            # heartbeats come from this event loop whenever nothing else was sent for an interval: the loop
+            # never waits on the device (steps run on the device thread), so a long step does not silence
+            # them, while a stopped or wedged process does.
+            yield worker_pb2.WorkerMessage(heartbeat=worker_pb2.Heartbeat(worker_time=time.monotonic()))
             while True:
                 try:
                     outcome = await asyncio.wait_for(outbox.get(), timeout=HEARTBEAT_INTERVAL_S)
@@ -636,7 +670,12 @@ async def serve(args: argparse.Namespace) -> int:
         ]
     )
     health_servicer = health.aio.HealthServicer()
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(state, executor), server)
+    mutual_tls = bool(args.tls_ca)
+    try:
+        access = engine_access(args.engine_identity, args.engine_secret_file, mutual_tls)
+    except AccessConfigError as exc:
+        raise StartupError(str(exc)) from None
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(state, executor, access), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((WORKER_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
     credentials = server_credentials(args)
@@ -672,6 +711,10 @@ async def serve(args: argparse.Namespace) -> int:
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         _say(f"serving {state.capability.model.name} as {worker_id}")
         log.info("ready: %s", worker_id)
+        if access.open_to_anyone:
+            log.warning(
+                "no --tls-ca and no engine secret: any process reaching %s may drive this worker", address
+            )
         await stop_wait
         return 0
     finally:
