@@ -162,6 +162,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     launch.add_argument("--dtype", default=None, help="worker dtype (unset: the device's default)")
     launch.add_argument(
+        "--quantization",
+        default=None,
+        choices=("none", "fp8"),
+        help="worker weight quantization (unset: none)",
+    )
+    launch.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=("auto", "fp8_e4m3"),
+        help="worker KV cache dtype (unset: the run dtype)",
+    )
+    launch.add_argument(
         "--kv-cache-memory", default=None, help="worker KV cache size (passed to each worker)"
     )
     launch.add_argument("--block-size", type=int, default=None, help="KV block size (passed to each worker)")
@@ -368,6 +380,8 @@ def _worker_command(args: argparse.Namespace, device: str, port: int, num_thread
         cmd += ["--model", args.model]
     for flag, value in (
         ("--dtype", args.dtype),
+        ("--quantization", args.quantization),
+        ("--kv-cache-dtype", args.kv_cache_dtype),
         ("--kv-cache-memory", args.kv_cache_memory),
         ("--block-size", args.block_size),
         ("--max-batch-tokens", args.max_batch_tokens),

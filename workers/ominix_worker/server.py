@@ -100,6 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPUs), float32, bfloat16, float16"
     )
     p.add_argument(
+        "--quantization",
+        default="none",
+        choices=("none", "fp8"),
+        help="fp8: quantize a float checkpoint's projections and experts to FP8 (e4m3, per-channel scales) at "
+        "load; FP8 checkpoints load as FP8 either way",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8_e4m3"),
+        help="auto: the run dtype; fp8_e4m3: store K and V in FP8 (half the bytes of bf16 per token)",
+    )
+    p.add_argument(
         "--kv-cache-memory",
         default="1GiB",
         help="CPU only: bytes for the KV cache (e.g. 1073741824, 512MiB, 1GiB)",
@@ -261,6 +274,7 @@ def load_worker(
         measure_gpu_kv_budget,
         num_blocks_for_budget,
         parse_bytes,
+        resolve_kv_cache_dtype,
     )
     from ominix_worker.loader import ModelLoadError, load_model
     from ominix_worker.parallel import SINGLE
@@ -282,7 +296,15 @@ def load_worker(
     _say(f"loading {source.name} ({source.format.value}) onto {device_name(device)} as {dtype_name(dtype)}")
     started = time.perf_counter()
     try:
-        loaded = load_model(source, device, dtype, backend, max_positions=args.max_model_len, tp=tp)
+        loaded = load_model(
+            source,
+            device,
+            dtype,
+            backend,
+            max_positions=args.max_model_len,
+            tp=tp,
+            quantization=args.quantization,
+        )
     except ModelLoadError as exc:
         raise StartupError(str(exc)) from None
     config = loaded.config
@@ -291,15 +313,16 @@ def load_worker(
     max_batch_tokens = args.max_batch_tokens or profile.max_batch_tokens
     max_running = args.max_running_requests or profile.max_running_requests
     max_model_len = min(args.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
     kv_heads = tp.kv_heads(config.num_kv_heads, config.num_heads)
-    bytes_per_block = kv_bytes_per_block(config, block_size, dtype, kv_heads.size)
+    bytes_per_block = kv_bytes_per_block(config, block_size, kv_dtype, kv_heads.size)
     # A small KV for the profile forward; replaced below by the sized one.
     profile_blocks = -(-max(max_batch_tokens, 1) // block_size) + 1
     runner = ModelRunner(
         loaded.model,
         config,
         backend,
-        allocate_kv_cache(backend, config, profile_blocks, dtype, device, kv_heads.size),
+        allocate_kv_cache(backend, config, profile_blocks, kv_dtype, device, kv_heads.size),
         device,
         max_model_len,
     )
@@ -319,7 +342,7 @@ def load_worker(
     if num_blocks < 1:
         raise StartupError(f"the KV budget ({budget} bytes) holds no block of {bytes_per_block} bytes")
     runner.set_kv_caches([])
-    runner.set_kv_caches(allocate_kv_cache(backend, config, num_blocks, dtype, device, kv_heads.size))
+    runner.set_kv_caches(allocate_kv_cache(backend, config, num_blocks, kv_dtype, device, kv_heads.size))
     max_model_len = min(max_model_len, num_blocks * block_size)
     runner.max_model_len = max_model_len
     _say(
@@ -360,6 +383,8 @@ def load_worker(
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
         num_parameters=config.num_parameters(),
+        num_experts=config.num_experts,
+        num_experts_per_tok=config.num_experts_per_tok,
     )
     rank = RankInfo(
         rank=tp.rank,
@@ -390,6 +415,9 @@ def load_worker(
         supports_graph_capture=graphs,
         attention_backend=backend.name,
         version=__version__,
+        weight_dtype="float8_e4m3fn" if config.quantization else dtype_text,
+        kv_cache_dtype="fp8_e4m3" if kv_dtype == torch.float8_e4m3fn else dtype_text,
+        supports_fp8_kv=device.type in ("cpu", "cuda"),
     )
     return runner, capability
 
@@ -523,14 +551,14 @@ def check_port_free(host: str, port: int) -> None:
 def check_args(args: argparse.Namespace) -> str:
     """Cheap argument checks before anything is bound or loaded; returns the device's name."""
     from ominix_worker.devices import DeviceError, device_name, parse_device, resolve_dtype
-    from ominix_worker.kv_cache import parse_bytes
+    from ominix_worker.kv_cache import parse_bytes, resolve_kv_cache_dtype
     from ominix_worker.parallel.distributed import parse_init_addr
 
     try:
         device = parse_device(args.device)
         resolve_model(args.model)
         # Cheap argument checks before anything is bound or loaded.
-        resolve_dtype(args.dtype, device)
+        resolve_kv_cache_dtype(args.kv_cache_dtype, resolve_dtype(args.dtype, device), device)
         parse_bytes(args.kv_cache_memory)
         if not 0.0 < args.gpu_memory_utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
