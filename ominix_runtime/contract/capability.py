@@ -183,14 +183,14 @@ class BackendCapability:
                     f"kv_bytes_per_block {self.kv_bytes_per_block} is less than the {implied} bytes the model "
                     f"shape needs in {self.effective_kv_cache_dtype}"
                 )
-        if self.kv_cache_dtype.startswith("fp8") and not self.supports_fp8_kv:
-            out.append(f"kv_cache_dtype {self.kv_cache_dtype} needs supports_fp8_kv")
             if self.kv_groups:
                 out.extend(layout_problems(self.kv_groups, self.model.num_layers))
                 if self.kv_groups[0].block_size != self.kv_block_size:
                     out.append("kv_block_size must equal the kv groups' block_size")
                 if self.kv_groups[0].num_blocks != self.kv_num_blocks:
                     out.append("kv_num_blocks must equal kv group 0's num_blocks")
+        if self.kv_cache_dtype.startswith("fp8") and not self.supports_fp8_kv:
+            out.append(f"kv_cache_dtype {self.kv_cache_dtype} needs supports_fp8_kv")
         if self.tensor_parallel_size < 1:
             out.append("tensor_parallel_size must be >= 1")
         if self.tensor_parallel_size > 1 and self.collective_backend == "none":
