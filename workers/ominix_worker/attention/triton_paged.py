@@ -390,6 +390,7 @@ class TritonPagedAttention:
     """Attention backend for CUDA devices (name "triton-paged"); see the module docstring for the grids."""
 
     name = "triton-paged"
+    supports_sliding_window = False  # the context is capped at the window instead
 
     def __init__(self, block_size: int = 16, store_with_index_copy: bool = False) -> None:
         if block_size & (block_size - 1) or not 16 <= block_size <= 128:
