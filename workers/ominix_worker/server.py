@@ -67,7 +67,7 @@ class StartupError(RuntimeError):
     """A reason the worker cannot start; printed as one line."""
 
 
-def _kv_groups(
+def stated_kv_groups(
     config: ModelConfig, window: int, block_size: int, num_blocks: int, bytes_per_block: int
 ) -> tuple[KVGroup, ...]:
     """The KV layout stated to the engine: one sliding-window group when every layer attends within a window
@@ -443,7 +443,7 @@ def load_worker(
         weight_dtype="float8_e4m3fn" if config.quantization else dtype_text,
         kv_cache_dtype="fp8_e4m3" if kv_dtype == torch.float8_e4m3fn else dtype_text,
         supports_fp8_kv=device.type in ("cpu", "cuda"),
-        kv_groups=_kv_groups(config, window, block_size, num_blocks, bytes_per_block * tp.size),
+        kv_groups=stated_kv_groups(config, window, block_size, num_blocks, bytes_per_block * tp.size),
     )
     return runner, capability
 
