@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -10,6 +11,8 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 from ominix_runtime.config import (
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -148,8 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
         "launch",
         formatter_class=_Formatter,
         help="start one worker per device, then the engine",
-        description="Start one worker process per device (ports --worker-base-port + i), wait until each is "
-        "ready, then run the engine; every serve flag applies. Ctrl-C stops everything.",
+        description="Start one worker process per device, grouped --tensor-parallel-size at a time (group g "
+        "serves on --worker-base-port + g), wait until each group is ready, then run the engine; every serve "
+        "flag applies. A group whose process dies is restarted whole. Ctrl-C stops everything.",
     )
     launch.add_argument(
         "--devices", default="cpu", help="comma-separated devices, e.g. cpu,cpu or cuda:0,cuda:1"
@@ -177,6 +181,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-memory", default=None, help="worker KV cache size (passed to each worker)"
     )
     launch.add_argument("--block-size", type=int, default=None, help="KV block size (passed to each worker)")
+    launch.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="devices per worker group: --devices is split into groups of this many consecutive devices, each "
+        "one tensor-parallel backend (e.g. four GPUs at 2 = two groups of two)",
+    )
+    launch.add_argument(
+        "--dist-base-port",
+        type=int,
+        default=0,
+        help="port where group g's ranks meet is base + g (0: free ports picked at start)",
+    )
     launch.add_argument(
         "--worker-threads",
         type=int,
@@ -361,6 +378,68 @@ def _cpu_threads_per_worker(args: argparse.Namespace, devices: Sequence[str]) ->
     return max(1, (os.cpu_count() or 1) // num_cpu_workers)
 
 
+@dataclass(frozen=True, slots=True)
+class GroupPlan:
+    """One worker group: a rank per device; rank 0 serves the engine on ``port``."""
+
+    devices: tuple[str, ...]
+    port: int
+    dist_port: int  # where the ranks meet (unused by a group of one)
+    commands: tuple[tuple[str, ...], ...]
+
+
+def plan_groups(args: argparse.Namespace, devices: Sequence[str], num_threads: int | None) -> list[GroupPlan]:
+    """Consecutive devices grouped --tensor-parallel-size at a time; raises ValueError when they do not divide."""
+    size = args.tensor_parallel_size
+    if size < 1 or len(devices) % size:
+        raise ValueError(
+            f"--devices lists {len(devices)} devices, which do not split into groups of --tensor-parallel-size {size}"
+        )
+    num_groups = len(devices) // size
+    if args.dist_base_port:
+        dist_ports = [args.dist_base_port + g for g in range(num_groups)]
+    else:
+        dist_ports = _rendezvous_ports(num_groups) if size > 1 else [0] * num_groups
+    plans = []
+    for g in range(num_groups):
+        group = tuple(devices[g * size : (g + 1) * size])
+        port = args.worker_base_port + g
+        commands = []
+        for rank, device in enumerate(group):
+            cmd = _worker_command(args, device, port, num_threads)
+            if size > 1:
+                cmd[cmd.index("--worker-id") + 1] = f"{'+'.join(group)}@{args.host}:{port}"
+                cmd += ["--tp-size", str(size), "--tp-rank", str(rank)]
+                cmd += ["--dist-init-addr", f"{args.host}:{dist_ports[g]}"]
+            commands.append(tuple(cmd))
+        plans.append(GroupPlan(group, port, dist_ports[g], tuple(commands)))
+    return plans
+
+
+def _rendezvous_ports(n: int) -> list[int]:
+    """Free ports below the kernel's ephemeral range for groups to meet at: a rank retrying to connect to a
+    port inside the range can be handed that port as its own and connect to itself, taking it from rank 0."""
+    import random
+    import socket
+
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    candidates = list(range(max(1024, low - 12000), low))
+    random.shuffle(candidates)
+    ports: list[int] = []
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise RuntimeError(f"no {n} free ports below {low} for the groups to meet at (pass --dist-base-port)")
+
+
 def _worker_command(args: argparse.Namespace, device: str, port: int, num_threads: int | None) -> list[str]:
     cmd = [
         sys.executable,
@@ -408,8 +487,9 @@ def _stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 1
 
 
 def _wait_workers_ready(
-    procs: Sequence[subprocess.Popen[bytes]], addresses: Sequence[str], timeout: float
+    groups: Sequence[Sequence[subprocess.Popen[bytes]]], addresses: Sequence[str], timeout: float
 ) -> None:
+    """Until every group's leader says ready; any rank that exits first ends the launch."""
     import grpc
 
     from ominix_runtime.pb import worker_pb2, worker_pb2_grpc
@@ -420,9 +500,11 @@ def _wait_workers_ready(
         deadline = time.monotonic() + timeout
         while pending:
             for i in sorted(pending):
-                code = procs[i].poll()
-                if code is not None:
-                    raise RuntimeError(f"worker {addresses[i]} exited with code {code} before it was ready")
+                for rank, proc in enumerate(groups[i]):
+                    code = proc.poll()
+                    if code is not None:
+                        who = f"worker {addresses[i]}" + (f" rank {rank}" if len(groups[i]) > 1 else "")
+                        raise RuntimeError(f"{who} exited with code {code} before it was ready")
                 try:
                     resp = worker_pb2_grpc.WorkerStub(channels[i]).Health(
                         worker_pb2.HealthRequest(), timeout=2.0
@@ -445,10 +527,12 @@ def _wait_workers_ready(
 
 
 class WorkerSupervisor(threading.Thread):
-    """Restarts workers that exit while the launcher runs, with exponential backoff per worker.
+    """Restarts worker groups whose processes exit while the launcher runs, with exponential backoff per group.
 
-    The engine notices the crash (broken stream), resumes the worker's requests elsewhere and reconnects
-    once the restarted worker answers again. ``procs`` is updated in place with the new processes.
+    A group is restarted whole: when one rank exits, the others are stopped first (a tensor-parallel group
+    never runs half-alive; its ranks would leave on their own within --dist-timeout anyway). The engine
+    notices the crash (broken stream), resumes the group's requests elsewhere and reconnects once the restarted
+    leader answers again. ``groups`` is updated in place with the new processes.
     """
 
     POLL_S = 0.5
@@ -457,15 +541,15 @@ class WorkerSupervisor(threading.Thread):
     STABLE_S = 60.0  # up this long: the next crash starts from the initial backoff again
 
     def __init__(
-        self, procs: list[subprocess.Popen[bytes]], commands: Sequence[list[str]], addresses: Sequence[str]
+        self, groups: list[list[subprocess.Popen[bytes]]], plans: Sequence[GroupPlan], host: str
     ) -> None:
         super().__init__(name="ominix-worker-supervisor", daemon=True)
-        self.procs = procs
-        self._commands = list(commands)
-        self._addresses = list(addresses)
+        self.groups = groups
+        self._plans = list(plans)
+        self._host = host
         self._stopping = threading.Event()
         self._lock = threading.Lock()
-        n = len(procs)
+        n = len(groups)
         self.restarts = [0] * n
         self._backoff = [self.BACKOFF_INITIAL_S] * n
         self._restart_at: list[float | None] = [None] * n
@@ -474,28 +558,33 @@ class WorkerSupervisor(threading.Thread):
     def run(self) -> None:
         while not self._stopping.wait(self.POLL_S):
             with self._lock:
-                for i in range(len(self.procs)):
+                for i in range(len(self.groups)):
                     self._check(i, time.monotonic())
 
     def _check(self, i: int, now: float) -> None:
-        code = self.procs[i].poll()
-        if code is None:
+        codes = [proc.poll() for proc in self.groups[i]]
+        if all(code is None for code in codes):
             if now - self._started_at[i] > self.STABLE_S:
                 self._backoff[i] = self.BACKOFF_INITIAL_S
             return
         if self._restart_at[i] is None:
             self._restart_at[i] = now + self._backoff[i]
+            plan = self._plans[i]
+            exited = ", ".join(
+                f"{d} (code {c})" for d, c in zip(plan.devices, codes, strict=True) if c is not None
+            )
             print(
-                f"worker {self._addresses[i]} exited with code {code}; restarting in {self._backoff[i]:.0f}s",
+                f"worker {self._host}:{plan.port}: {exited} exited; restarting "
+                f"{'the group' if len(plan.devices) > 1 else 'it'} in {self._backoff[i]:.0f}s",
                 file=sys.stderr,
                 flush=True,
             )
+            _stop_processes(self.groups[i], timeout=5.0)
             return
-        if now < self._restart_at[i]:
+        restart_at = self._restart_at[i]
+        if restart_at is not None and now < restart_at:
             return
-        self.procs[i] = subprocess.Popen(
-            self._commands[i], start_new_session=True, preexec_fn=_set_parent_death_signal
-        )  # noqa: PLW1509
+        self.groups[i] = [_spawn_worker(command) for command in self._plans[i].commands]
         self.restarts[i] += 1
         self._restart_at[i] = None
         self._started_at[i] = now
@@ -508,37 +597,48 @@ class WorkerSupervisor(threading.Thread):
             pass
 
 
+def _spawn_worker(command: Sequence[str]) -> subprocess.Popen[bytes]:
+    # Own session: a terminal's Ctrl-C reaches only the launcher, which drains the engine first and then
+    # stops the workers itself.
+    return subprocess.Popen(list(command), start_new_session=True, preexec_fn=_set_parent_death_signal)  # noqa: PLW1509
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     if not devices:
         print("ominix-runtime launch: --devices is empty", file=sys.stderr)
         return 2
-    ports = [args.worker_base_port + i for i in range(len(devices))]
-    addresses = [f"{args.host}:{p}" for p in ports]
-    procs: list[subprocess.Popen[bytes]] = []
+    num_threads = _cpu_threads_per_worker(args, devices)
+    try:
+        plans = plan_groups(args, devices, num_threads)
+    except (ValueError, RuntimeError) as exc:
+        print(f"ominix-runtime launch: {exc}", file=sys.stderr)
+        return 2
+    addresses = [f"{args.host}:{plan.port}" for plan in plans]
+    groups: list[list[subprocess.Popen[bytes]]] = []
 
     def on_term(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
 
-    num_threads = _cpu_threads_per_worker(args, devices)
     if "cpu" in devices:
         # CPU workers share cores with the engine: OpenMP threads spinning between steps starve the engine's
         # event loop (p99 inter-token gaps of seconds on 2 cores); passive waiting keeps them off the cores.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    commands = [_worker_command(args, d, p, num_threads) for d, p in zip(devices, ports, strict=True)]
+    if any(d.startswith("cuda") for d in devices):
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink SHARP buffers fail on some machines
     supervisor: WorkerSupervisor | None = None
     engines: list[subprocess.Popen[bytes]] = []
     previous_term = signal.signal(signal.SIGTERM, on_term)
     try:
-        for command in commands:
-            # Own session: a terminal's Ctrl-C reaches only the launcher, which drains the engine first and
-            # then stops the workers itself.
-            procs.append(
-                subprocess.Popen(command, start_new_session=True, preexec_fn=_set_parent_death_signal)
-            )  # noqa: PLW1509
-        print(f"started {len(procs)} worker(s): {', '.join(addresses)}", file=sys.stderr, flush=True)
-        _wait_workers_ready(procs, addresses, args.worker_ready_timeout)
-        supervisor = WorkerSupervisor(procs, commands, addresses)
+        for plan in plans:
+            groups.append([_spawn_worker(command) for command in plan.commands])
+        print(
+            f"started {len(devices)} worker(s) in {len(plans)} group(s): {', '.join(addresses)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        _wait_workers_ready(groups, addresses, args.worker_ready_timeout)
+        supervisor = WorkerSupervisor(groups, plans, args.host)
         supervisor.start()
         if args.engine_in_child:
             engine = subprocess.Popen(
@@ -563,7 +663,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not leave workers behind
         if supervisor is not None:
             supervisor.stop()
-        _stop_processes([*engines, *procs])
+        _stop_processes([*engines, *(proc for group in groups for proc in group)])  # kept current by restarts
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 

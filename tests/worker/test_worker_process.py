@@ -319,6 +319,13 @@ def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         (["--kv-cache-memory", "lots"], "bad byte size 'lots'"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
         (["--max-batch-tokens", "0"], "--max-batch-tokens must be >= 1"),
+        (["--tp-size", "2"], "--tp-size > 1 needs --dist-init-addr"),
+        (["--tp-size", "2", "--tp-rank", "2"], "--tp-rank 2 is not a rank of --tp-size 2"),
+        (["--tp-size", "2", "--dist-init-addr", "nohost"], "--dist-init-addr must be HOST:PORT"),
+        (
+            ["--tp-size", "2", "--tp-rank", "1", "--dist-init-addr", "127.0.0.1:1", "--dist-timeout", "1"],
+            "cannot join",
+        ),
     ],
 )
 def test_bad_flags_are_refused_before_loading(
