@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from ominix_runtime.contract import NULL_BLOCK_ID, AttentionKind, KVGroup, KVLease
 
 _ROOT_HASH = 0x5F3759DF  # parent hash of a request's first block
+_UNBOUNDED_TOKENS = 1 << 62  # no KV limit on a request's length (only sliding-window groups)
 
 
 class IntegrityError(AssertionError):
@@ -253,13 +254,20 @@ class KVRegistry:
     def num_leases(self) -> int:
         return len(self._leases)
 
-    @property
-    def max_request_tokens(self) -> int:
-        """Longest sequence one request could hold if it had every block (a sliding group never limits)."""
-        full = [p.num_blocks * self.block_size for p in self._pools if not p.group.is_sliding]
-        if full:
-            return min(full)
-        return 1 << 62
+    def max_request_tokens(self, chunk_tokens: int) -> int:
+        """Longest sequence one request could hold with every block, computing ``chunk_tokens`` per step.
+
+        A sliding group bounds nothing when its pool holds a window plus a chunk (and the block each may
+        straddle); one too small to hold even that bounds the context like a full group would.
+        """
+        limits = []
+        for pool in self._pools:
+            group = pool.group
+            capacity = pool.num_blocks * self.block_size
+            if group.is_sliding and capacity >= group.sliding_window + chunk_tokens + 2 * self.block_size:
+                continue
+            limits.append(capacity)
+        return min(limits) if limits else _UNBOUNDED_TOKENS
 
     def lease(self, request_id: str) -> KVLease | None:
         state = self._leases.get(request_id)

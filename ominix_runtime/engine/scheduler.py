@@ -127,7 +127,7 @@ class Scheduler:
             RequestLimits(
                 vocab_size=self.vocab_size,
                 max_model_len=self.max_model_len,
-                kv_capacity_tokens=self.registry.max_request_tokens,
+                kv_capacity_tokens=self.registry.max_request_tokens(self.max_batch_tokens),
                 holder=f"worker {self.worker_id}",
                 needs_token_ids=True,
             ),

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from sched_helpers import Run, drive, finished_ok, make, request
 
-from ominix_runtime.contract import NULL_BLOCK_ID
+from ominix_runtime.contract import NULL_BLOCK_ID, OminixError
 from ominix_runtime.engine.config import SchedulerConfig
 from ominix_runtime.testing.fake_backend import FakeConfig
 
@@ -68,3 +69,19 @@ def test_a_prefix_hit_on_a_sliding_layout_reads_only_the_window() -> None:
     assert NULL_BLOCK_ID not in new_b.kv_block_ids[(288 - 32) // 16 :]
     assert run.tokens("b") and finished_ok(run, "b")
     run.scheduler.registry.check_quiescent()
+
+
+def test_admission_bounds_length_only_where_a_window_cannot_fit() -> None:
+    # 64 blocks of 16 hold a 128-token window plus a 512-token chunk: any length up to max_model_len runs.
+    roomy = make(FakeConfig(kv_num_blocks=64, sliding_window=128, max_model_len=65536), SchedulerConfig())
+    roomy.scheduler.add_request(request("long", [5] * 5000, 4))
+    drive(roomy)
+    assert finished_ok(roomy, "long")
+    roomy.scheduler.registry.check_quiescent()
+    # 16 blocks cannot: the window group bounds a request like a full group would, so it is refused, not stuck.
+    tight = make(FakeConfig(kv_num_blocks=16, sliding_window=128, max_model_len=65536), SchedulerConfig())
+    with pytest.raises(OminixError, match="KV"):
+        tight.scheduler.add_request(request("long", [5] * 300, 4))
+    tight.scheduler.add_request(request("short", [5] * 200, 4))
+    drive(tight)
+    assert finished_ok(tight, "short")
