@@ -644,7 +644,7 @@ class ModelRunner:
         started = time.perf_counter()
         graphs = DecodeGraphs(
             self.model, self.backend, self.kv_caches, self.device, self.max_model_len,
-            batch_sizes or DEFAULT_BATCH_SIZES,
+            batch_sizes or DEFAULT_BATCH_SIZES, sliding_window=self.sliding_window,
         )  # fmt: skip
         graphs.capture()
         self._graphs = graphs
