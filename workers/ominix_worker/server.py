@@ -34,8 +34,10 @@ from grpc_reflection.v1alpha import reflection
 
 from ominix_runtime import wire
 from ominix_runtime.contract import (
+    AttentionKind,
     BackendCapability,
     DecodeStep,
+    KVGroup,
     ModelInfo,
     OminixError,
     RankInfo,
@@ -54,6 +56,7 @@ from ominix_worker.parallel.distributed import DEFAULT_DIST_TIMEOUT_S
 from ominix_worker.step_loop import StepFailure, StepLoop, StepOutcome, StepRunner
 
 if TYPE_CHECKING:  # these import torch, loaded only once the port is bound
+    from ominix_worker.config import ModelConfig
     from ominix_worker.parallel.distributed import RankGroup
     from ominix_worker.runner import ModelRunner
 
@@ -69,6 +72,25 @@ ASCEND_BLOCK_SIZE = 128
 
 class StartupError(RuntimeError):
     """A reason the worker cannot start; printed as one line."""
+
+
+def stated_kv_groups(
+    config: ModelConfig, window: int, block_size: int, num_blocks: int, bytes_per_block: int
+) -> tuple[KVGroup, ...]:
+    """The KV layout stated to the engine: one sliding-window group when every layer attends within a window
+    shorter than the context, else none (the engine then assumes one full-attention group)."""
+    if not window:
+        return ()
+    return (
+        KVGroup(
+            AttentionKind.SLIDING_WINDOW,
+            tuple(range(config.num_layers)),
+            block_size,
+            num_blocks,
+            bytes_per_token_per_layer=bytes_per_block // (block_size * config.num_layers),
+            sliding_window=window,
+        ),
+    )
 
 
 def _say(message: str) -> None:
@@ -341,7 +363,9 @@ def load_worker(
 
     max_batch_tokens = args.max_batch_tokens or profile.max_batch_tokens
     max_running = args.max_running_requests or profile.max_running_requests
-    max_model_len = min(args.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+    model_len = config.max_len_for(backend.supports_sliding_window)
+    max_model_len = min(args.max_model_len or model_len, model_len)
+    window = config.sliding_window if backend.supports_sliding_window else 0
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
     kv_heads = tp.kv_heads(config.num_kv_heads, config.num_heads)
     bytes_per_block = kv_bytes_per_block(config, block_size, kv_dtype, kv_heads.size)
@@ -372,7 +396,8 @@ def load_worker(
         raise StartupError(f"the KV budget ({budget} bytes) holds no block of {bytes_per_block} bytes")
     runner.set_kv_caches([])
     runner.set_kv_caches(allocate_kv_cache(backend, config, num_blocks, kv_dtype, device, kv_heads.size))
-    max_model_len = min(max_model_len, num_blocks * block_size)
+    if not window:  # a window keeps a request's blocks bounded; full attention needs them all
+        max_model_len = min(max_model_len, num_blocks * block_size)
     runner.max_model_len = max_model_len
     _say(
         f"KV cache: {num_blocks} blocks of {block_size} tokens ({num_blocks * bytes_per_block / 2**20:.0f} MiB)"
@@ -448,6 +473,7 @@ def load_worker(
         kv_cache_dtype="fp8_e4m3" if kv_dtype == torch.float8_e4m3fn else dtype_text,
         supports_fp8_kv=device.type in ("cpu", "cuda"),
         moe_parallel=tp.moe.value if config.is_moe else "",
+        kv_groups=stated_kv_groups(config, window, block_size, num_blocks, bytes_per_block * tp.size),
     )
     return runner, capability
 
