@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -21,9 +24,11 @@ from ominix_runtime.config import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_METRICS_PORT,
     DEFAULT_WORKER_BASE_PORT,
+    DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S,
     DEFAULT_WORKER_READY_TIMEOUT_S,
     DebugConfig,
     EngineConfig,
+    FrontConfig,
     SchedulerConfig,
     TLSConfig,
     V0FrontConfig,
@@ -150,6 +155,57 @@ def _add_serve_flags(p: argparse.ArgumentParser, with_backends: bool) -> None:
         default=DEFAULT_MAX_MESSAGE_BYTES,
         help="largest request accepted on the engine port; bigger ones get RESOURCE_EXHAUSTED",
     )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require `authorization: Bearer KEY` on the Engine API (repeatable; @FILE: one key per line); "
+        "health and reflection stay open",
+    )
+    p.add_argument(
+        "--allow-special-tokens-in-prompt",
+        action="store_true",
+        help="trusted callers only: special-token strings in a prompt act as special tokens (else plain text)",
+    )
+    p.add_argument(
+        "--allow-special-tokens-in-chat",
+        action="store_true",
+        help="trusted callers only: special-token strings in chat message content act as special tokens",
+    )
+    p.add_argument(
+        "--tokenizer-threads",
+        type=int,
+        default=FrontConfig().tokenizer_threads,
+        help="threads that tokenize prompts and render chat templates (off the event loop)",
+    )
+    p.add_argument(
+        "--max-pending-tokenizations",
+        type=int,
+        default=FrontConfig().max_pending_tokenizations,
+        help="prompts waiting to be tokenized before new ones get RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
+        "--worker-heartbeat-timeout",
+        type=float,
+        default=DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S,
+        help="seconds without a heartbeat or result before a worker is marked unhealthy and its requests "
+        "fail over",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=None,
+        help="seconds a step may take before its worker is marked unhealthy, heartbeats or not (unset: 10x "
+        "the slowest step measured on that worker, at least 30)",
+    )
+    p.add_argument(
+        "--engine-secret-file",
+        default=None,
+        metavar="FILE",
+        help="a file holding the secret workers started with the same flag require on Run (plaintext "
+        "deployments; `launch` makes one for its workers when unset)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
         "one tensor-parallel backend (e.g. four GPUs at 2 = two groups of two)",
     )
     launch.add_argument(
+        "--moe-parallel",
+        default=None,
+        choices=("tensor", "expert"),
+        help="how each group splits mixture-of-experts layers: tensor (a slice of every expert per rank) or "
+        "expert (whole experts per rank) (unset: the worker's default, tensor)",
+    )
+    launch.add_argument(
         "--dist-base-port",
         type=int,
         default=0,
@@ -264,14 +327,45 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
         help="backend conformance suite (flags: ominix-runtime conformance --help)",
     )
+    from ominix_runtime.release.commands import COMMANDS as RELEASE_COMMANDS
+
+    for name, (summary, _add_arguments, _run) in RELEASE_COMMANDS.items():
+        sub.add_parser(name, add_help=False, help=f"{summary} (flags: ominix-runtime {name} --help)")
     return parser
 
 
 # ---- config -----------------------------------------------------------------------------------------
 
 
+def _api_keys(values: Sequence[str]) -> tuple[str, ...]:
+    """Keys from --api-key values: a key, or @FILE with one key per line (blank lines and # comments skipped)."""
+    keys: list[str] = []
+    for value in values:
+        if value.startswith("@"):
+            lines = Path(value[1:]).expanduser().read_text(encoding="utf-8").splitlines()
+            keys += [k.strip() for k in lines if k.strip() and not k.strip().startswith("#")]
+        elif value.strip():
+            keys.append(value.strip())
+    if values and not keys:
+        raise ValueError("--api-key names no key")
+    return tuple(keys)
+
+
+def _read_secret(path: str | None) -> str | None:
+    if not path:
+        return None
+    secret = Path(path).read_text(encoding="utf-8").strip()
+    if not secret:
+        raise ValueError(f"--engine-secret-file {path} is empty")
+    return secret
+
+
 def engine_config_from_args(args: argparse.Namespace, workers: Sequence[str]) -> EngineConfig:
     log_json = {"auto": None, "json": True, "console": False}[args.log_format]
+    if args.worker_heartbeat_timeout <= 0 or (args.step_timeout is not None and args.step_timeout <= 0):
+        raise ValueError("--worker-heartbeat-timeout and --step-timeout must be > 0")
+    if args.tokenizer_threads < 1 or args.max_pending_tokenizations < 1:
+        raise ValueError("--tokenizer-threads and --max-pending-tokenizations must be >= 1")
     return EngineConfig(
         model=args.model,
         workers=tuple(workers),
@@ -294,6 +388,16 @@ def engine_config_from_args(args: argparse.Namespace, workers: Sequence[str]) ->
         log_json=log_json,
         tls=TLSConfig(server_cert=args.tls_cert, server_key=args.tls_key, worker_ca=args.worker_ca),
         max_message_bytes=args.max_message_bytes,
+        front=FrontConfig(
+            api_keys=_api_keys(args.api_key),
+            allow_special_tokens_in_prompt=args.allow_special_tokens_in_prompt,
+            allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
+            tokenizer_threads=args.tokenizer_threads,
+            max_pending_tokenizations=args.max_pending_tokenizations,
+        ),
+        worker_heartbeat_timeout=args.worker_heartbeat_timeout,
+        step_timeout=args.step_timeout,
+        engine_secret=_read_secret(args.engine_secret_file),
         debug=DebugConfig.from_env(),
     )
 
@@ -348,9 +452,22 @@ def _serve_argv(args: argparse.Namespace, workers: Sequence[str]) -> list[str]:
         ("--tls-key", args.tls_key),
         ("--tls-ca", args.worker_ca),
         ("--max-message-bytes", args.max_message_bytes),
+        ("--tokenizer-threads", args.tokenizer_threads),
+        ("--max-pending-tokenizations", args.max_pending_tokenizations),
+        ("--worker-heartbeat-timeout", args.worker_heartbeat_timeout),
+        ("--step-timeout", args.step_timeout),
+        ("--engine-secret-file", args.engine_secret_file),
     ):
         if value is not None:
             argv += [flag, str(value)]
+    for key in args.api_key:
+        argv += ["--api-key", key]
+    for flag, on in (
+        ("--allow-special-tokens-in-prompt", args.allow_special_tokens_in_prompt),
+        ("--allow-special-tokens-in-chat", args.allow_special_tokens_in_chat),
+    ):
+        if on:
+            argv.append(flag)
     return argv
 
 
@@ -370,7 +487,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.v0_port is not None and not args.v0_token:
         print("ominix-runtime serve: --v0-port needs --v0-token (every v0 route wants it)", file=sys.stderr)
         return 2
-    return run_server(engine_config_from_args(args, args.worker))
+    try:
+        config = engine_config_from_args(args, args.worker)
+    except (OSError, ValueError) as exc:
+        print(f"ominix-runtime serve: {exc}", file=sys.stderr)
+        return 1
+    return run_server(config)
 
 
 def cmd_worker(argv: list[str]) -> int:
@@ -498,6 +620,7 @@ def _worker_command(args: argparse.Namespace, device: str, port: int, num_thread
         ("--dtype", args.dtype),
         ("--quantization", args.quantization),
         ("--kv-cache-dtype", args.kv_cache_dtype),
+        ("--moe-parallel", args.moe_parallel),
         ("--kv-cache-memory", args.kv_cache_memory),
         ("--block-size", args.block_size),
         ("--max-batch-tokens", args.max_batch_tokens),
@@ -507,6 +630,8 @@ def _worker_command(args: argparse.Namespace, device: str, port: int, num_thread
             cmd += [flag, str(value)]
     if device == "cpu" and num_threads is not None:
         cmd += ["--num-threads", str(num_threads)]
+    if args.engine_secret_file:
+        cmd += ["--engine-secret-file", args.engine_secret_file]
     return cmd
 
 
@@ -648,13 +773,24 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.v0_port is not None and not args.v0_token:
         print("ominix-runtime launch: --v0-port needs --v0-token (every v0 route wants it)", file=sys.stderr)
         return 2
+    secret_dir = None
+    if not args.engine_secret_file:
+        # Only this launch's engine may drive its workers: a fresh secret, readable by this user only.
+        secret_dir = tempfile.mkdtemp(prefix="ominix-launch-")
+        secret_path = Path(secret_dir) / "engine.secret"
+        secret_path.write_text(secrets.token_urlsafe(32), encoding="utf-8")
+        secret_path.chmod(0o600)
+        args.engine_secret_file = str(secret_path)
     num_threads = _cpu_threads_per_worker(args, devices)
     try:
         plans = plan_groups(args, devices, num_threads)
-    except (ValueError, RuntimeError) as exc:
+        addresses = [f"{args.host}:{plan.port}" for plan in plans]
+        config = engine_config_from_args(args, addresses)  # bad values fail before any worker starts
+    except (OSError, ValueError, RuntimeError) as exc:
         print(f"ominix-runtime launch: {exc}", file=sys.stderr)
+        if secret_dir is not None:
+            shutil.rmtree(secret_dir, ignore_errors=True)
         return 2
-    addresses = [f"{args.host}:{plan.port}" for plan in plans]
     groups: list[list[subprocess.Popen[bytes]]] = []
 
     def on_term(signum: int, frame: object) -> None:
@@ -693,7 +829,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous_term)
         from ominix_runtime.server.app import run_server
 
-        return run_server(engine_config_from_args(args, addresses))
+        return run_server(config)
     except RuntimeError as exc:
         print(f"ominix-runtime launch: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -705,6 +841,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
             supervisor.stop()
         _stop_processes([*engines, *(proc for group in groups for proc in group)])  # kept current by restarts
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        if secret_dir is not None:
+            shutil.rmtree(secret_dir, ignore_errors=True)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -761,6 +899,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _FORWARDED:
         return cmd_worker(argv[1:]) if argv[0] == "worker" else cmd_conformance(argv[1:])
+    from ominix_runtime.release.commands import COMMANDS as RELEASE_COMMANDS
+    from ominix_runtime.release.commands import main as release_main
+
+    if argv and argv[0] in RELEASE_COMMANDS:  # they parse their own arguments
+        return release_main(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return cmd_serve(args)

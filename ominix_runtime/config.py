@@ -14,7 +14,10 @@ DEFAULT_WORKER_BASE_PORT = 50071
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 DEFAULT_WORKER_READY_TIMEOUT_S = 300.0
-DEFAULT_STEP_TIMEOUT_S = 60.0
+DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S = 3.0
+# Without --step-timeout the worker client derives each stream's step timeout from its measured step times;
+# the engine core's own guard then only catches a backend that has no timeout of its own.
+STEP_TIMEOUT_BACKSTOP_S = 600.0
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # one GenerateRequest on the engine port (gRPC's own default)
 
 
@@ -76,16 +79,12 @@ class DebugConfig:
     """Knobs for debugging, read from OMINIX_* environment variables only."""
 
     log_steps: bool = False  # OMINIX_LOG_STEPS=1: one log line per scheduler step
-    step_timeout_s: float = (
-        DEFAULT_STEP_TIMEOUT_S  # OMINIX_STEP_TIMEOUT_S: worker silence before it is dropped
-    )
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> DebugConfig:
         env = dict(os.environ) if env is None else env
         return cls(
             log_steps=env.get("OMINIX_LOG_STEPS", "") not in ("", "0", "false"),
-            step_timeout_s=float(env.get("OMINIX_STEP_TIMEOUT_S", DEFAULT_STEP_TIMEOUT_S)),
         )
 
 
@@ -110,6 +109,10 @@ class EngineConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger requests are refused (RESOURCE_EXHAUSTED)
     v0: V0FrontConfig = field(default_factory=V0FrontConfig)
     front: FrontConfig = field(default_factory=FrontConfig)
+    # A worker silent (no result, no heartbeat) this long is marked unhealthy and its requests fail over.
+    worker_heartbeat_timeout: float = DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S
+    step_timeout: float | None = None  # None: derived from measured step times (see GrpcStepStream)
+    engine_secret: str | None = None  # sent on Run to workers that require it (plaintext deployments)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     @property

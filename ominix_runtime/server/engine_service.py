@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -11,7 +12,7 @@ import grpc
 import grpc.aio
 from google.protobuf import json_format
 
-from ominix_runtime import wire
+from ominix_runtime import memory, wire
 from ominix_runtime.config import FrontConfig
 from ominix_runtime.contract import (
     ChatMessage,
@@ -114,6 +115,14 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no Generate stream is open (their last events sent); False after ``timeout``."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while self._live and loop.time() < end:
+            await asyncio.sleep(0.02)
+        return not self._live
 
     # ---- model facts ---------------------------------------------------------------------------------
 
@@ -218,6 +227,14 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             reason = "model_not_found" if isinstance(exc, _NotFound) else exc.kind.name.lower()
             self._reject(exc.message, reason, counted_by_engine=False, span=span)
             raise
+        except asyncio.CancelledError:
+            # The client went away (or its deadline passed) while its prompt was being resolved: counted and
+            # logged like any request that never reached the engine.
+            self._forget(request_id)
+            self._reject(
+                "the client cancelled before admission", "cancelled", counted_by_engine=False, span=span
+            )
+            raise
         except BaseException:
             self._forget(request_id)
             raise
@@ -255,6 +272,17 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 admitted.span.end("done" if finished else "cancelled")
 
     async def Generate(
+        self, request: engine_pb2.GenerateRequest, context: _GenerateContext
+    ) -> AsyncIterator[engine_pb2.GenerateEvent]:
+        large = request.ByteSize() >= memory.LARGE_ALLOCATION_BYTES
+        try:
+            async for event in self._generate(request, context):
+                yield event
+        finally:
+            if large:  # megabytes of request text were just freed: hand them back (off the event loop)
+                asyncio.get_running_loop().run_in_executor(None, memory.trim)
+
+    async def _generate(
         self, request: engine_pb2.GenerateRequest, context: _GenerateContext
     ) -> AsyncIterator[engine_pb2.GenerateEvent]:
         request_id = request.request_id or uuid.uuid4().hex

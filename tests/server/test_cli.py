@@ -63,8 +63,8 @@ def test_launch_accepts_every_serve_flag() -> None:
 
 
 def test_debug_knobs_come_from_ominix_env_vars() -> None:
-    debug = DebugConfig.from_env({"OMINIX_LOG_STEPS": "1", "OMINIX_STEP_TIMEOUT_S": "7.5"})
-    assert debug == DebugConfig(log_steps=True, step_timeout_s=7.5)
+    debug = DebugConfig.from_env({"OMINIX_LOG_STEPS": "1"})
+    assert debug == DebugConfig(log_steps=True)
     assert EngineConfig().debug == DebugConfig()
 
 
@@ -88,3 +88,54 @@ def test_worker_and_conformance_are_forwarded() -> None:
         timeout=120,
     )
     assert conformance.returncode == 0, conformance.stderr
+
+
+def test_launch_passes_the_moe_split_to_every_worker_only_when_given() -> None:
+    from ominix_runtime.cli import _worker_command
+
+    parser = build_parser()
+    given = parser.parse_args(["launch", "--tensor-parallel-size", "2", "--moe-parallel", "expert"])
+    cmd = _worker_command(given, "cuda:0", 50071, None)
+    assert cmd[cmd.index("--moe-parallel") + 1] == "expert"
+    assert "--moe-parallel" not in _worker_command(parser.parse_args(["launch"]), "cuda:0", 50071, None)
+
+
+def test_hardening_flags_reach_the_config(tmp_path) -> None:  # noqa: ANN001
+    keys = tmp_path / "keys"
+    keys.write_text("k2\n# a comment\n\nk3\n")
+    secret = tmp_path / "secret"
+    secret.write_text("  s3cret \n")
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--worker",
+            "127.0.0.1:1",
+            "--api-key",
+            "k1",
+            "--api-key",
+            f"@{keys}",
+            "--allow-special-tokens-in-chat",
+            "--worker-heartbeat-timeout",
+            "1.5",
+            "--step-timeout",
+            "20",
+            "--engine-secret-file",
+            str(secret),
+            "--max-pending-tokenizations",
+            "8",
+        ]
+    )
+    config = engine_config_from_args(args, args.worker)
+    assert config.front.api_keys == ("k1", "k2", "k3")
+    assert config.front.allow_special_tokens_in_chat and not config.front.allow_special_tokens_in_prompt
+    assert config.front.max_pending_tokenizations == 8
+    assert (config.worker_heartbeat_timeout, config.step_timeout) == (1.5, 20.0)
+    assert config.engine_secret == "s3cret"
+    defaults = engine_config_from_args(build_parser().parse_args(["serve", "--worker", "h:1"]), ["h:1"])
+    assert defaults.worker_heartbeat_timeout == 3.0 and defaults.step_timeout is None
+    assert defaults.front.api_keys == () and defaults.engine_secret is None
+
+
+def test_bad_hardening_values_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--worker", "h:1", "--worker-heartbeat-timeout", "0"]) == 1
+    assert "--worker-heartbeat-timeout" in capsys.readouterr().err
