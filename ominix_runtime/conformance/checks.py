@@ -270,7 +270,9 @@ async def capacity_overflow_rejected(h: Harness) -> str:
         capacity = core.groups[0].kv_token_capacity
         assert capacity is not None  # a step-level group: the engine manages its KV
         if capacity + 1 > max_len:
-            # Every request within max_model_len fits; check the engine-side limit with a reduced KV instead.
+            # Every request within max_model_len fits; check the engine-side limit with a reduced KV instead
+            # (a fresh engine: a worker takes one engine's Run stream at a time).
+            await core.stop()
             core = await h.engine(SchedulerConfig(max_kv_blocks=2))
             capacity = 2 * cap.kv_block_size
             note = "engine limited to 2 KV blocks: "
