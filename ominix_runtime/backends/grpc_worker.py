@@ -11,10 +11,10 @@ import grpc.aio
 
 from ominix_runtime import wire
 from ominix_runtime.contract import BackendCapability, DecodeStep, OminixError, RuntimeErrorKind, StepResult
+from ominix_runtime.engine.config import DEFAULT_STEP_TIMEOUT_S
 from ominix_runtime.pb import worker_pb2, worker_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-DEFAULT_STEP_TIMEOUT_S = 60.0
 DEFAULT_RPC_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 5.0
 

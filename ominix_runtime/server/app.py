@@ -17,9 +17,8 @@ from grpc_reflection.v1alpha import reflection
 
 from ominix_runtime.backends.grpc_worker import CHANNEL_OPTIONS, GrpcWorkerBackend
 from ominix_runtime.backends.negotiation import check_group
-from ominix_runtime.config import EngineConfig
+from ominix_runtime.config import RuntimeConfig
 from ominix_runtime.contract import BackendCapability, Granularity, OminixError, RuntimeErrorKind
-from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig
 from ominix_runtime.engine.core import EngineCore
 from ominix_runtime.models import ModelFormat, ModelSource, resolve_model
 from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
@@ -37,20 +36,20 @@ SHUTDOWN_FLUSH_S = 2.0
 _log = get_logger("ominix.server")
 
 
-def _build_backends(config: EngineConfig) -> list[Any]:
+def _build_backends(config: RuntimeConfig) -> list[Any]:
     worker_tls = None
-    if config.tls.worker_ca:
+    if config.tls.ca:
         # Mutual TLS: the engine proves itself to the workers with its own certificate when it has one.
-        key = Path(config.tls.server_key).read_bytes() if config.tls.server_key else None
-        cert = Path(config.tls.server_cert).read_bytes() if config.tls.server_cert else None
+        key = Path(config.tls.key).read_bytes() if config.tls.key else None
+        cert = Path(config.tls.cert).read_bytes() if config.tls.cert else None
         worker_tls = grpc.ssl_channel_credentials(
-            root_certificates=Path(config.tls.worker_ca).read_bytes(), private_key=key, certificate_chain=cert
+            root_certificates=Path(config.tls.ca).read_bytes(), private_key=key, certificate_chain=cert
         )
     backends: list[Any] = [
-        GrpcWorkerBackend(address, tls=worker_tls, step_timeout=config.debug.step_timeout_s)
-        for address in config.workers
+        GrpcWorkerBackend(address, tls=worker_tls, step_timeout=config.engine.step_timeout)
+        for address in config.backends.workers
     ]
-    if config.sglang_urls:
+    if config.backends.sglang_urls:
         try:
             from ominix_runtime.backends.sglang import SGLangBackend
         except ImportError as exc:
@@ -58,7 +57,7 @@ def _build_backends(config: EngineConfig) -> list[Any]:
                 RuntimeErrorKind.CAPABILITY_MISMATCH,
                 f"--sglang needs the SGLang adapter and its dependencies (pip install 'ominix-runtime[sglang]'): {exc}",
             ) from exc
-        backends.extend(SGLangBackend(url) for url in config.sglang_urls)
+        backends.extend(SGLangBackend(url) for url in config.backends.sglang_urls)
     if not backends:
         raise OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, "no backend given: pass --worker or --sglang")
     return backends
@@ -96,7 +95,7 @@ def _negotiate(caps: list[BackendCapability], model_name: str, tokenizer: Tokeni
 
 def _grpcurl_hint(address: str, tls: bool) -> str:
     transport = "-insecure" if tls else "-plaintext"
-    return f"try: grpcurl {transport} -d '{_EXAMPLE_REQUEST}' {address} ominix.runtime.v1.Engine/Generate"
+    return f"grpcurl {transport} -d '{_EXAMPLE_REQUEST}' {address} ominix.runtime.v1.Engine/Generate"
 
 
 # A chat request: instruct models answer coherently through their chat template, not to a bare word.
@@ -109,11 +108,11 @@ _EXAMPLE_REQUEST = (
 class EngineDaemon:
     """Owns the engine core, the gRPC server and the metrics endpoint of one process."""
 
-    def __init__(self, config: EngineConfig, backends: list[Any] | None = None) -> None:
+    def __init__(self, config: RuntimeConfig, backends: list[Any] | None = None) -> None:
         """``backends`` replaces the ones named in ``config`` (in-process backends for tests)."""
         self.config = config
         self._given_backends = backends
-        self.metrics = EngineMetrics() if config.metrics_port > 0 else None
+        self.metrics = EngineMetrics() if config.server.metrics_port > 0 else None
         self.health = health.aio.HealthServicer()
         self.stop_requested = asyncio.Event()
         self.bound_port = 0
@@ -127,27 +126,18 @@ class EngineDaemon:
         config = self.config
         source = None
         model_name = ""
-        if config.model or config.workers or not config.sglang_urls:  # SGLang alone needs no local model
-            source = resolve_model(config.model)
+        backends = config.backends
+        if config.model.path or backends.workers or not backends.sglang_urls:  # SGLang alone: no local model
+            source = resolve_model(config.model.path)
             model_name = source.name
         self._backends = list(self._given_backends) if self._given_backends else _build_backends(config)
-        sched = config.scheduler
-        core_config = EngineCoreConfig(
-            scheduler=SchedulerConfig(
-                max_batch_tokens=sched.max_batch_tokens,
-                max_running_requests=sched.max_running_requests,
-                enable_prefix_caching=sched.enable_prefix_caching,
-            ),
-            step_timeout=config.debug.step_timeout_s,
-            max_waiting_requests=sched.max_queue_len,
-        )
-        self._engine = EngineCore(self._backends, core_config)
+        self._engine = EngineCore(self._backends, config.engine)
         service = EngineService(self._engine, None, model_name, self.metrics)
 
         # Every service is registered before the server starts; Generate answers UNAVAILABLE and health
         # says NOT_SERVING until the engine is ready.
         options = dict(CHANNEL_OPTIONS)
-        options["grpc.max_receive_message_length"] = config.max_message_bytes
+        options["grpc.max_receive_message_length"] = config.server.max_message_bytes
         server = grpc.aio.server(options=list(options.items()))
         self._server = server
         engine_pb2_grpc.add_EngineServicer_to_server(service, server)
@@ -157,18 +147,16 @@ class EngineDaemon:
         await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
         try:
             if config.tls.enabled:
-                assert config.tls.server_key and config.tls.server_cert
-                key_and_cert = (
-                    Path(config.tls.server_key).read_bytes(),
-                    Path(config.tls.server_cert).read_bytes(),
-                )
+                assert config.tls.key and config.tls.cert
+                key_and_cert = (Path(config.tls.key).read_bytes(), Path(config.tls.cert).read_bytes())
                 credentials = grpc.ssl_server_credentials([key_and_cert])
-                self.bound_port = server.add_secure_port(config.address, credentials)
+                self.bound_port = server.add_secure_port(config.server.address, credentials)
             else:
-                self.bound_port = server.add_insecure_port(config.address)
+                self.bound_port = server.add_insecure_port(config.server.address)
         except RuntimeError as exc:
             raise OminixError(
-                RuntimeErrorKind.BACKEND_UNAVAILABLE, f"cannot bind {config.address} (port taken?): {exc}"
+                RuntimeErrorKind.BACKEND_UNAVAILABLE,
+                f"cannot bind {config.server.address} (port taken?): {exc}",
             ) from exc
         await server.start()
 
@@ -179,7 +167,7 @@ class EngineDaemon:
             else None
         )
         try:
-            await _wait_workers_ready(self._backends, config.worker_ready_timeout)
+            await _wait_workers_ready(self._backends, backends.ready_timeout)
             if tokenizer_loading is not None:
                 service.tokenizer = await tokenizer_loading
         finally:
@@ -194,16 +182,15 @@ class EngineDaemon:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.get_running_loop().create_task(self._follow_health()))
-        address = f"{config.host}:{self.bound_port}"
+        address = f"{config.server.host}:{self.bound_port}"
         _log.info(
             "serving",
             address=address,
             model=service.model_name,
-            workers=list(config.workers),
+            workers=list(backends.workers),
             metrics_port=self.metrics_port or None,
+            example=_grpcurl_hint(address, config.tls.enabled),
         )
-        print(f"ominix-runtime engine serving {service.model_name} on {address}", file=sys.stderr, flush=True)
-        print(_grpcurl_hint(address, config.tls.enabled), file=sys.stderr, flush=True)
 
     def _wire_observability(self) -> None:
         engine = self._engine
@@ -222,7 +209,9 @@ class EngineDaemon:
         if metrics is None:
             return
         engine.add_step_listener(metrics.observe_step)
-        self.metrics_port = metrics.start_http(self.config.metrics_port, self.config.host)
+        self.metrics_port = metrics.start_http(
+            self.config.server.metrics_port, self.config.server.metrics_host
+        )
         self._tasks.append(asyncio.get_running_loop().create_task(self._refresh_metrics()))
 
     async def _follow_health(self) -> None:
@@ -276,7 +265,7 @@ class EngineDaemon:
 
     async def shutdown(self) -> None:
         """NOT_SERVING, stop accepting, let live requests finish up to the drain timeout, then stop."""
-        drain = self.config.drain_timeout
+        drain = self.config.server.drain_timeout
         _log.info("shutting down", drain_timeout=drain)
         with contextlib.suppress(Exception):
             await self.health.enter_graceful_shutdown()
@@ -301,7 +290,7 @@ class EngineDaemon:
         _log.info("stopped")
 
 
-async def serve(config: EngineConfig) -> int:
+async def serve(config: RuntimeConfig) -> int:
     """Run the daemon until SIGINT/SIGTERM; 0 on a clean stop, 1 when startup failed."""
     daemon = EngineDaemon(config)
     loop = asyncio.get_running_loop()
@@ -330,8 +319,7 @@ async def serve(config: EngineConfig) -> int:
             with contextlib.suppress(BaseException):
                 await start
     except OminixError as exc:
-        _log.error("startup failed", error=exc.message)
-        print(f"ominix-runtime: {exc.message}", file=sys.stderr, flush=True)
+        print(f"ominix-runtime: error: {exc.message}", file=sys.stderr, flush=True)
         await daemon.shutdown()
         return 1
     await daemon.shutdown()
@@ -346,9 +334,9 @@ def _has_tokenizer(source: ModelSource) -> bool:
     return (folder / "tokenizer.json").is_file()
 
 
-def run_server(config: EngineConfig) -> int:
+def run_server(config: RuntimeConfig) -> int:
     """Blocking entry point (uvloop when installed)."""
-    configure_logging(config.log_level, config.log_json)
+    configure_logging(config.log.level, config.log.json, component="engine")
     try:
         import uvloop
     except ImportError:

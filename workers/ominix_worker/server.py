@@ -7,11 +7,11 @@ process with a one-line message and a non-zero exit code.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import gc
 import logging
+import os
 import queue
 import signal
 import socket
@@ -28,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ominix_runtime import wire
+from ominix_runtime.config import RuntimeConfig, TLSConfig
 from ominix_runtime.contract import (
     BackendCapability,
     DecodeStep,
@@ -36,8 +37,9 @@ from ominix_runtime.contract import (
     StepResult,
     stated_profile,
 )
-from ominix_runtime.models import DEFAULT_MODEL_NAME, resolve_model
+from ominix_runtime.models import resolve_model
 from ominix_runtime.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from ominix_runtime.server.logging import configure_logging, set_log_fields
 from ominix_worker import __version__
 
 log = logging.getLogger("ominix_worker")
@@ -57,110 +59,22 @@ class StartupError(RuntimeError):
 
 
 def _say(message: str) -> None:
-    """Progress for a human watching a terminal; silent when stderr is not a TTY."""
-    if sys.stderr.isatty():
-        print(f"ominix-worker: {message}", file=sys.stderr, flush=True)
+    """Startup progress (loading, sizing, warming up) as info lines of the log stream."""
+    log.info(message)
 
 
-# ---- arguments ---------------------------------------------------------------------------------------
+# ---- settings ----------------------------------------------------------------------------------------
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends "(default: X)" unless the help text already says what an unset flag means."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None:
-            return action.help
-        return super()._get_help_string(action)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ominix-worker",
-        description="Serve one model on one device to an ominix-runtime engine over gRPC (Worker service).",
-        formatter_class=_HelpFormatter,
-    )
-    p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL_NAME,
-        help="a .gguf file, a Hugging Face folder, dummy:CONFIG_JSON, or the embedded default",
-    )
-    p.add_argument("--device", default="cpu", help="cpu, cuda:N or npu:N")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind")
-    p.add_argument("--port", type=int, default=50071, help="port to bind")
-    p.add_argument(
-        "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPUs), float32, bfloat16, float16"
-    )
-    p.add_argument(
-        "--kv-cache-memory",
-        default="1GiB",
-        help="CPU only: bytes for the KV cache (e.g. 1073741824, 512MiB, 1GiB)",
-    )
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="GPU only: fraction of device memory for weights, activations and the KV cache",
-    )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (128 is forced on npu)")
-    p.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=None,
-        help="most tokens one step may compute (default: the device profile's, 2048 CPU / 8192 GPU)",
-    )
-    p.add_argument(
-        "--max-running-requests",
-        type=int,
-        default=None,
-        help="most requests one step may hold (default: the device profile's, 64 CPU / 256 GPU)",
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="longest sequence accepted (default: the model's max_position_embeddings)",
-    )
-    p.add_argument(
-        "--worker-id", default=None, help="worker id stated in Describe (default: DEVICE@HOST:PORT)"
-    )
-    p.add_argument(
-        "--attention",
-        default=None,
-        help="attention backend: torch, triton or ascend (default: chosen by the device)",
-    )
-    p.add_argument(
-        "--num-threads",
-        type=int,
-        default=0,
-        help="CPU threads for torch (0: torch's default); lower it when several workers share the cores",
-    )
-    p.add_argument(
-        "--tls-cert",
-        default=None,
-        help="PEM certificate served on the worker port (with --tls-key; unset: plaintext)",
-    )
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    p.add_argument(
-        "--tls-ca",
-        default=None,
-        help="PEM CA bundle: only clients (the engine) with a certificate signed by it may connect (mutual TLS)",
-    )
-    p.add_argument(
-        "--log-level", default="WARNING", help="Python logging level for the worker's own messages"
-    )
-    return p
-
-
-def server_credentials(args: argparse.Namespace) -> grpc.ServerCredentials | None:
+def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials | None:
     """TLS credentials from --tls-cert/--tls-key, requiring a client certificate when --tls-ca is given."""
-    if not (args.tls_cert or args.tls_key or args.tls_ca):
+    if not (tls.cert or tls.key or tls.ca):
         return None
-    if not (args.tls_cert and args.tls_key):
+    if not (tls.cert and tls.key):
         raise StartupError("--tls-cert and --tls-key go together (and --tls-ca needs both)")
     try:
-        key, cert = Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()
-        ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+        key, cert = Path(tls.key).read_bytes(), Path(tls.cert).read_bytes()
+        ca = Path(tls.ca).read_bytes() if tls.ca else None
     except OSError as exc:
         raise StartupError(f"cannot read a TLS file: {exc}") from None
     return grpc.ssl_server_credentials(
@@ -178,11 +92,10 @@ class WorkerState:
     ready: bool = False
     run_active: bool = False
     run_idle: asyncio.Event = field(default_factory=asyncio.Event)
+    launch_nonce: str = ""  # stated in Health: `launch` knows its own workers by it
 
 
-def load_worker(
-    args: argparse.Namespace, device_spec: str, worker_id: str
-) -> tuple[object, BackendCapability]:
+def load_worker(settings: RuntimeConfig, worker_id: str) -> tuple[object, BackendCapability]:
     """Load weights, size and allocate KV, warm up. Runs in a thread; raises StartupError."""
     import torch
 
@@ -198,7 +111,8 @@ def load_worker(
     from ominix_worker.loader import ModelLoadError, load_model
     from ominix_worker.runner import ModelRunner
 
-    device = parse_device(device_spec)
+    args, debug = settings.worker, settings.debug
+    device = parse_device(args.device)
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
     dtype = resolve_dtype(args.dtype, device)
@@ -206,7 +120,7 @@ def load_worker(
     profile = stated_profile(kind)
     block_size = ASCEND_BLOCK_SIZE if device.type == "npu" else args.block_size
     backend = get_attention_backend(args.attention or device.type, block_size)
-    source = resolve_model(args.model)
+    source = resolve_model(settings.model.path)
 
     _say(f"loading {source.name} ({source.format.value}) onto {device_name(device)} as {dtype_name(dtype)}")
     started = time.perf_counter()
@@ -251,7 +165,8 @@ def load_worker(
     )
     _say("warming up")
     runner.profile_forward(min(16, max_batch_tokens))
-    graphs = runner.capture_decode_graphs()
+    graphs = runner.capture_decode_graphs() if debug.cuda_graphs else False
+    runner.pipeline_decode = debug.pipeline
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     # Everything loaded so far lives as long as the process: keep it out of the collector's scans, so the
@@ -342,6 +257,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             ready=self.state.ready,
             num_requests=len(runner.requests) if runner is not None else 0,  # type: ignore[attr-defined]
             last_step_id=runner.last_step_id if runner is not None else 0,  # type: ignore[attr-defined]
+            launch_nonce=self.state.launch_nonce,
+            pid=os.getpid(),
         )
 
     async def Run(
@@ -494,30 +411,24 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(config: RuntimeConfig) -> int:
     from ominix_worker.devices import DeviceError, device_name, parse_device, resolve_dtype
     from ominix_worker.kv_cache import parse_bytes
 
+    args = config.worker
     try:
         device = parse_device(args.device)
-        resolve_model(args.model)
+        resolve_model(config.model.path)
         # Cheap argument checks before anything is bound or loaded.
         resolve_dtype(args.dtype, device)
         parse_bytes(args.kv_cache_memory)
-        if not 0.0 < args.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
-        if args.block_size < 1:
-            raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
-        for flag in ("max_batch_tokens", "max_running_requests", "max_model_len"):
-            value = getattr(args, flag)
-            if value is not None and value < 1:
-                raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     except (DeviceError, OminixError, ValueError) as exc:
         raise StartupError(str(exc)) from None
-    address = f"{args.host}:{args.port}"
+    address = config.server.address
     worker_id = args.worker_id or f"{device_name(device)}@{address}"
+    set_log_fields(worker_id=worker_id)
 
-    state = WorkerState()
+    state = WorkerState(launch_nonce=args.launch_nonce)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ominix-forward")
     server = grpc.aio.server(
         options=[
@@ -530,8 +441,8 @@ async def serve(args: argparse.Namespace) -> int:
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(state, executor), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((WORKER_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
-    credentials = server_credentials(args)
-    check_port_free(args.host, args.port)
+    credentials = server_credentials(config.tls)
+    check_port_free(config.server.host, config.server.port)
     try:
         if credentials is not None:
             bound = server.add_secure_port(address, credentials)
@@ -552,7 +463,7 @@ async def serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
 
     try:
-        load = loop.run_in_executor(executor, load_worker, args, args.device, worker_id)
+        load = loop.run_in_executor(executor, load_worker, config, worker_id)
         stop_wait = asyncio.ensure_future(stop.wait())
         done, _ = await asyncio.wait({load, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
         if load not in done:
@@ -562,7 +473,6 @@ async def serve(args: argparse.Namespace) -> int:
         for service in ("", WORKER_SERVICE):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         _say(f"serving {state.capability.model.name} as {worker_id}")
-        log.info("ready: %s", worker_id)
         await stop_wait
         return 0
     finally:
@@ -571,19 +481,15 @@ async def serve(args: argparse.Namespace) -> int:
         executor.shutdown(wait=False, cancel_futures=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def run(config: RuntimeConfig) -> int:
+    """Run the worker until SIGINT/SIGTERM; a startup failure is one line on stderr and exit code 1."""
+    configure_logging(config.log.level, config.log.json, component="worker")
     try:
         try:
             import uvloop
         except ImportError:
-            return asyncio.run(serve(args))
-        return uvloop.run(serve(args))
+            return asyncio.run(serve(config))
+        return uvloop.run(serve(config))
     except StartupError as exc:
         print(f"ominix-worker: error: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -593,6 +499,13 @@ def main(argv: list[str] | None = None) -> int:
         log.debug("startup failed", exc_info=True)
         print(f"ominix-worker: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ominix_worker``: the same flags as ``ominix-runtime worker``."""
+    from ominix_runtime.cli import main as cli_main
+
+    return cli_main(["worker", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

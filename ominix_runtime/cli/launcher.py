@@ -1,0 +1,295 @@
+"""``ominix-runtime launch``: check every port, start one worker per device, wait for its own workers, run
+the engine; restart workers that die later (:class:`WorkerSupervisor`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ominix_runtime.cli.commands import command
+from ominix_runtime.cli.ports import check_ports_free, free_ports
+from ominix_runtime.cli.serve import engine_ports
+from ominix_runtime.cli.settings import ConfigError, child_command, child_environment
+from ominix_runtime.config import RuntimeConfig, TLSConfig, with_paths
+from ominix_runtime.server.logging import configure_logging, get_logger
+
+_log = get_logger("ominix.launch")
+MAX_PORT = 65535
+READY_POLL_S = 0.2
+
+
+class LaunchError(RuntimeError):
+    """The launch cannot go on; the message is one line."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerPlan:
+    device: str
+    port: int
+    address: str  # where the engine reaches it
+    argv: tuple[str, ...]
+
+
+def _connect_host(bind_host: str) -> str:
+    return "127.0.0.1" if bind_host in ("0.0.0.0", "", "::") else bind_host
+
+
+def worker_ports(config: RuntimeConfig) -> list[int]:
+    launch = config.launch
+    count = len(launch.devices)
+    if launch.worker_base_port == 0:
+        return free_ports(launch.worker_host, count)
+    last = launch.worker_base_port + count - 1
+    if last > MAX_PORT:
+        raise ConfigError(
+            f"--worker-base-port {launch.worker_base_port} leaves no room for {count} workers (last port {last})"
+        )
+    return [launch.worker_base_port + i for i in range(count)]
+
+
+def _cpu_threads_per_worker(config: RuntimeConfig) -> int:
+    """Threads for each CPU worker, so that several of them do not oversubscribe the cores (0: torch's)."""
+    launch = config.launch
+    if launch.worker_threads > 0:
+        return launch.worker_threads
+    num_cpu_workers = sum(1 for d in launch.devices if d == "cpu")
+    if num_cpu_workers <= 1:
+        return config.worker.num_threads
+    return max(1, (os.cpu_count() or 1) // num_cpu_workers)
+
+
+def plan_workers(config: RuntimeConfig, ports: Sequence[int], nonce: str) -> list[WorkerPlan]:
+    """One worker command line per device: every worker flag of ``config`` passed on, the per-worker ones
+    (device, address, id, threads, nonce) set here. Worker links use TLS only with --tls-ca."""
+    worker_command = command("worker")
+    host = config.launch.worker_host
+    threads = _cpu_threads_per_worker(config)
+    plans = []
+    for device, port in zip(config.launch.devices, ports, strict=True):
+        tree = with_paths(
+            config,
+            {
+                "worker.device": device,
+                "server.host": host,
+                "server.port": port,
+                "worker.worker_id": f"{device}@{host}:{port}",
+                "worker.num_threads": threads if device == "cpu" else config.worker.num_threads,
+                "worker.launch_nonce": nonce,
+                "tls": config.tls if config.tls.ca else TLSConfig(),
+            },
+        )
+        words, _ = child_command(worker_command, tree)
+        argv = (sys.executable, "-m", "ominix_runtime", *words)
+        plans.append(WorkerPlan(device, port, f"{_connect_host(host)}:{port}", argv))
+    return plans
+
+
+def _set_parent_death_signal() -> None:
+    """Linux: a worker receives SIGTERM when the launcher dies, even by SIGKILL (no orphans)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def _spawn(argv: Sequence[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    # Own session: a terminal's Ctrl-C reaches only the launcher, which drains the engine first and then
+    # stops the workers itself.
+    return subprocess.Popen(  # noqa: PLW1509
+        list(argv), env=env, start_new_session=True, preexec_fn=_set_parent_death_signal
+    )
+
+
+def _stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 15.0) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+def wait_workers_ready(
+    procs: Sequence[subprocess.Popen[bytes]], plans: Sequence[WorkerPlan], nonce: str, timeout: float
+) -> None:
+    """Until every worker this launcher started says ready; a worker that exits first (it could not bind,
+    load or start) or a process answering with another nonce ends the launch."""
+    import grpc
+
+    from ominix_runtime.pb import worker_pb2, worker_pb2_grpc
+
+    channels = [grpc.insecure_channel(p.address) for p in plans]
+    try:
+        pending = set(range(len(plans)))
+        deadline = time.monotonic() + timeout
+        while pending:
+            for i in sorted(pending):
+                code = procs[i].poll()
+                if code is not None:
+                    raise LaunchError(
+                        f"worker {plans[i].address} ({plans[i].device}) exited with code {code} before it was "
+                        "ready (its error is above)"
+                    )
+                try:
+                    resp = worker_pb2_grpc.WorkerStub(channels[i]).Health(
+                        worker_pb2.HealthRequest(), timeout=2.0
+                    )
+                except grpc.RpcError:
+                    continue
+                if resp.launch_nonce != nonce:
+                    raise LaunchError(
+                        f"another process (pid {resp.pid or 'unknown'}) answers on worker port {plans[i].port}: "
+                        "stop it or pass another --worker-base-port"
+                    )
+                if resp.ready:
+                    pending.discard(i)
+                    _log.info("worker ready", worker_id=f"{plans[i].device}@{plans[i].address}", pid=resp.pid)
+            if pending:
+                if time.monotonic() > deadline:
+                    late = ", ".join(plans[i].address for i in sorted(pending))
+                    raise LaunchError(
+                        f"workers not ready within {timeout:.0f}s (--worker-ready-timeout): {late}"
+                    )
+                time.sleep(READY_POLL_S)
+    finally:
+        for ch in channels:
+            ch.close()
+
+
+class WorkerSupervisor(threading.Thread):
+    """Restarts workers that exit while the launcher runs, with exponential backoff per worker.
+
+    The engine notices the crash (broken stream), resumes the worker's requests elsewhere and reconnects
+    once the restarted worker answers again. ``procs`` is updated in place with the new processes.
+    """
+
+    POLL_S = 0.5
+    BACKOFF_INITIAL_S = 1.0
+    BACKOFF_MAX_S = 30.0
+    STABLE_S = 60.0  # up this long: the next crash starts from the initial backoff again
+
+    def __init__(
+        self, procs: list[subprocess.Popen[bytes]], plans: Sequence[WorkerPlan], env: dict[str, str]
+    ) -> None:
+        super().__init__(name="ominix-worker-supervisor", daemon=True)
+        self.procs = procs
+        self._plans = list(plans)
+        self._env = env
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        n = len(procs)
+        self.restarts = [0] * n
+        self._backoff = [self.BACKOFF_INITIAL_S] * n
+        self._restart_at: list[float | None] = [None] * n
+        self._started_at = [time.monotonic()] * n
+
+    def run(self) -> None:
+        while not self._stopping.wait(self.POLL_S):
+            with self._lock:
+                for i in range(len(self.procs)):
+                    self._check(i, time.monotonic())
+
+    def _check(self, i: int, now: float) -> None:
+        code = self.procs[i].poll()
+        if code is None:
+            if now - self._started_at[i] > self.STABLE_S:
+                self._backoff[i] = self.BACKOFF_INITIAL_S
+            return
+        if self._restart_at[i] is None:
+            self._restart_at[i] = now + self._backoff[i]
+            _log.warning(
+                "worker exited; restarting",
+                worker=self._plans[i].address,
+                exit_code=code,
+                restart_in_s=self._backoff[i],
+            )
+            return
+        if now < self._restart_at[i]:
+            return
+        self.procs[i] = _spawn(self._plans[i].argv, self._env)
+        self.restarts[i] += 1
+        self._restart_at[i] = None
+        self._started_at[i] = now
+        self._backoff[i] = min(self._backoff[i] * 2, self.BACKOFF_MAX_S)
+
+    def stop(self) -> None:
+        """No more restarts (call before stopping the workers)."""
+        self._stopping.set()
+        with self._lock:  # a restart in progress completes before the caller stops the processes
+            pass
+
+
+def run_launch(config: RuntimeConfig, options: argparse.Namespace) -> int:
+    configure_logging(config.log.level, config.log.json, component="launcher")
+    ports = worker_ports(config)
+    # Every port before anything loads: a taken one is found in milliseconds, not after the weights.
+    check_ports_free(
+        [
+            *engine_ports(config),
+            *((config.launch.worker_host, p, "--worker-base-port") for p in ports),
+        ]
+    )
+    nonce = secrets.token_hex(8)
+    plans = plan_workers(config, ports, nonce)
+    engine_config = with_paths(config, {"backends.workers": tuple(p.address for p in plans)})
+    _, secret_env = child_command(command("serve"), engine_config)
+    env = child_environment()
+    if "cpu" in config.launch.devices:
+        # CPU workers share cores with the engine: OpenMP threads spinning between steps starve the engine's
+        # event loop (p99 inter-token gaps of seconds on 2 cores); passive waiting keeps them off the cores.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+    procs: list[subprocess.Popen[bytes]] = []
+    engines: list[subprocess.Popen[bytes]] = []
+    supervisor: WorkerSupervisor | None = None
+
+    def on_term(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous_term = signal.signal(signal.SIGTERM, on_term)
+    try:
+        procs.extend(_spawn(plan.argv, env) for plan in plans)
+        _log.info("workers started", workers=[p.address for p in plans], devices=list(config.launch.devices))
+        wait_workers_ready(procs, plans, nonce, config.backends.ready_timeout)
+        supervisor = WorkerSupervisor(procs, plans, env)
+        supervisor.start()
+        if config.launch.engine_in_child:
+            serve_words, _ = child_command(command("serve"), engine_config)
+            engine = _spawn([sys.executable, "-m", "ominix_runtime", *serve_words], {**env, **secret_env})
+            engines.append(engine)
+            signal.signal(signal.SIGTERM, lambda s, f: engine.send_signal(signal.SIGTERM))
+            signal.signal(signal.SIGINT, lambda s, f: engine.send_signal(signal.SIGINT))
+            return engine.wait()
+        signal.signal(signal.SIGTERM, previous_term)
+        from ominix_runtime.server.app import run_server
+
+        return run_server(engine_config)
+    except LaunchError as exc:
+        _log.error("launch failed", error=str(exc))
+        print(f"ominix-runtime launch: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not leave workers behind
+        if supervisor is not None:
+            supervisor.stop()
+        _stop_processes([*engines, *procs])
+        signal.signal(signal.SIGINT, signal.default_int_handler)
