@@ -29,6 +29,7 @@ proto: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check ominix_runtime workers tests bench
 	$(BIN)/ruff format --check ominix_runtime workers tests bench
+	$(BIN)/mypy
 
 conformance: $(STAMP)
 	$(BIN)/ominix-runtime conformance --backend fake

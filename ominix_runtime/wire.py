@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from ominix_runtime.contract import (
     BackendCapability,
     BackendKind,
     DecodeStep,
+    FinishReason,
     Granularity,
     ModelInfo,
     NewRequestData,
@@ -18,6 +21,23 @@ from ominix_runtime.contract import (
     TokenLogprob,
 )
 from ominix_runtime.pb import common_pb2, worker_pb2
+
+# ---- enums and errors ---------------------------------------------------------------------------------
+# The contract enums carry the wire numbers (tests/unit/test_pb_fresh.py checks it); the casts only tell
+# the type checker that an int is the protobuf enum type it stands for.
+
+
+def error_code_to_pb(kind: RuntimeErrorKind) -> common_pb2.ErrorCode:
+    return cast("common_pb2.ErrorCode", int(kind))
+
+
+def finish_reason_to_pb(reason: FinishReason) -> common_pb2.FinishReason:
+    return cast("common_pb2.FinishReason", int(reason))
+
+
+def error_info_to_pb(kind: RuntimeErrorKind, message: str) -> common_pb2.ErrorInfo:
+    return common_pb2.ErrorInfo(code=error_code_to_pb(kind), message=message)
+
 
 # ---- sampling -----------------------------------------------------------------------------------------
 
@@ -234,7 +254,7 @@ def step_result_to_pb(res: StepResult) -> worker_pb2.StepResult:
         if o.logprobs is not None:
             pb.logprobs.CopyFrom(logprobs_to_pb(o.logprobs))
         if o.error_kind is not None:
-            pb.error.CopyFrom(common_pb2.ErrorInfo(code=int(o.error_kind), message=o.error_message))
+            pb.error.CopyFrom(error_info_to_pb(o.error_kind, o.error_message))
         outputs.append(pb)
     return worker_pb2.StepResult(
         step_id=res.step_id, outputs=outputs, compute_seconds=res.compute_seconds, num_tokens=res.num_tokens

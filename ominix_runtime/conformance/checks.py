@@ -29,7 +29,6 @@ from ominix_runtime.contract import (
     is_terminal,
 )
 from ominix_runtime.engine import EngineCore, EngineCoreConfig, SchedulerConfig
-from ominix_runtime.engine.driver import StepWorkerGroup
 
 
 class CheckFailed(AssertionError):
@@ -116,8 +115,9 @@ def _fitting_max_tokens(core: EngineCore, prompt_len: int, want: int) -> int:
     limit = want
     for g in core.groups:
         limit = min(limit, g.capability.model.max_model_len - prompt_len)
-        if isinstance(g, StepWorkerGroup):
-            limit = min(limit, g.scheduler.registry.num_blocks * g.capability.kv_block_size - prompt_len)
+        capacity = g.kv_token_capacity
+        if capacity is not None:
+            limit = min(limit, capacity - prompt_len)
     return max(1, limit)
 
 
@@ -238,13 +238,10 @@ async def abort_frees_kv(h: Harness) -> str:
         if not isinstance(end, Done) or end.finish_reason != FinishReason.ABORT:
             raise CheckFailed(f"{hd.request_id}: expected Done(ABORT), got {end!r}")
     for g in core.groups:
-        if isinstance(g, StepWorkerGroup):
-            reg = g.scheduler.registry
-            if reg.num_leased_blocks or reg.num_leases:
-                raise CheckFailed(
-                    f"{g.worker_id}: {reg.num_leased_blocks} KV blocks still leased after abort"
-                )
-            reg.check_integrity()
+        leased, _ = g.kv_blocks
+        if leased:
+            raise CheckFailed(f"{g.worker_id}: {leased} KV blocks still leased after abort")
+        g.check_integrity()  # no leases left without a running request
     used = sum(load.kv_bytes_used for load in core.load())
     if used:
         raise CheckFailed(f"load() still reports {used} KV bytes used after abort")
@@ -257,9 +254,8 @@ async def capacity_overflow_rejected(h: Harness) -> str:
     cap = _cap(core)
     if cap.granularity != Granularity.STEP:
         return "not applicable: a request-level backend owns its KV"
-    group = core.groups[0]
-    assert isinstance(group, StepWorkerGroup)
-    capacity = group.scheduler.registry.num_blocks * cap.kv_block_size
+    capacity = core.groups[0].kv_token_capacity
+    assert capacity is not None  # a step-level group: the engine manages its KV
     if capacity + 1 > cap.model.max_model_len:
         # Every request within max_model_len fits; check the engine-side limit with a reduced KV instead.
         core = await h.engine(SchedulerConfig(max_kv_blocks=2))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from enum import IntEnum
+from typing import Any
 
 
 class BackendKind(IntEnum):
@@ -220,8 +221,9 @@ PROFILES: dict[BackendKind, BackendCapability] = {
 }
 
 
-def stated_profile(kind: BackendKind, **overrides: object) -> BackendCapability:
+def stated_profile(kind: BackendKind, **overrides: Any) -> BackendCapability:
     """The stated profile of ``kind`` with ``overrides`` applied."""
+    # Any: field values of every type; replace() refuses unknown names and problems() judges the values.
     return replace(PROFILES[kind], **overrides)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from ominix_runtime.contract.errors import RuntimeErrorKind
 from ominix_runtime.contract.state import FinishReason
@@ -51,5 +52,5 @@ WorkerEvent = PrefillDone | Token | Usage | Done | Error
 TERMINAL_EVENT_TYPES = (Done, Error)
 
 
-def is_terminal(event: WorkerEvent) -> bool:
+def is_terminal(event: WorkerEvent) -> TypeGuard[Done | Error]:
     return isinstance(event, TERMINAL_EVENT_TYPES)

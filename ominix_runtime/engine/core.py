@@ -9,28 +9,24 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from ominix_runtime.contract import (
+    BackendAdapter,
     BackendCapability,
     Error,
     FinishReason,
     GenerateRequest,
-    Granularity,
     InvalidArgument,
     OminixError,
-    RequestBackend,
     RuntimeErrorKind,
-    StepBackend,
     Usage,
     WorkerEvent,
     is_terminal,
 )
 from ominix_runtime.engine.config import EngineCoreConfig
-from ominix_runtime.engine.driver import StepWorkerGroup
+from ominix_runtime.engine.groups import GroupHooks, WorkerGroup, build_group
 from ominix_runtime.engine.logs import log_event
+from ominix_runtime.engine.negotiation import ServingTerms, negotiate
 from ominix_runtime.engine.request import EngineRequest
-from ominix_runtime.engine.request_group import RequestWorkerGroup
 from ominix_runtime.engine.stats import EngineStats, LoadSnapshot, RunReport, StepReport
-
-WorkerGroup = StepWorkerGroup | RequestWorkerGroup
 
 # Routing: groups whose load (queued + running requests) is within this many requests of the least loaded
 # one compete on prefix-cache affinity; beyond it, load wins.
@@ -73,7 +69,7 @@ class EngineCore:
     Public API (used by the front server)::
 
         core = EngineCore(backends, EngineCoreConfig())
-        await core.start()          # describe backends, validate capabilities, build groups, start drivers
+        await core.start(terms)     # describe backends, negotiate, build groups, start drivers
         handle = core.submit(req)   # validate + route; raises OminixError on rejection
         async for event in handle:  # PrefillDone, Token..., Usage, then exactly one Done or Error
             ...
@@ -95,9 +91,7 @@ class EngineCore:
     are synchronous.
     """
 
-    def __init__(
-        self, backends: Sequence[StepBackend | RequestBackend], config: EngineCoreConfig | None = None
-    ) -> None:
+    def __init__(self, backends: Sequence[BackendAdapter], config: EngineCoreConfig | None = None) -> None:
         if not backends:
             raise ValueError("EngineCore needs at least one backend")
         self.config = config or EngineCoreConfig()
@@ -112,32 +106,22 @@ class EngineCore:
         self._rejected = 0
         self._all_done = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
-        self.capability_warnings: list[str] = []
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, terms: ServingTerms | None = None) -> None:
+        """Describe every backend, negotiate (CAPABILITY_MISMATCH on ``terms``), then start the groups."""
         if self._started:
             return
         caps = await asyncio.gather(*(b.describe() for b in self._backends))
-        self._check_capabilities(caps)
-        for backend, cap in zip(self._backends, caps, strict=True):
-            group: WorkerGroup
-            if cap.granularity == Granularity.STEP:
-                group = StepWorkerGroup(
-                    backend,  # type: ignore[arg-type]
-                    cap,
-                    self.config,
-                    self._deliver,
-                    self._on_report,
-                    self._on_step,
-                    evacuate=self._evacuate,
-                )
-            else:
-                group = RequestWorkerGroup(
-                    backend, cap, self.config, self._deliver, self._on_report, self._on_step
-                )  # type: ignore[arg-type]
-            self._groups.append(group)
+        negotiate(caps, terms)  # before any group opens a stream to its backend
+        hooks = GroupHooks(
+            deliver=self._deliver, report=self._on_report, step_report=self._on_step, evacuate=self._evacuate
+        )
+        self._groups = [
+            build_group(backend, cap, self.config, hooks)
+            for backend, cap in zip(self._backends, caps, strict=True)
+        ]
         try:
             await asyncio.gather(*(g.start() for g in self._groups))
         except BaseException:
@@ -147,32 +131,6 @@ class EngineCore:
         self._started = True
         self._accepting = True
         log_event("info", "engine_started", workers=[g.worker_id for g in self._groups])
-
-    def _check_capabilities(self, caps: Sequence[BackendCapability]) -> None:
-        problems: list[str] = []
-        seen: dict[str, BackendCapability] = {}
-        by_model: dict[str, BackendCapability] = {}
-        for cap in caps:
-            found = cap.problems()
-            if cap.granularity == Granularity.STEP:
-                problems += [f"{cap.worker_id or '?'}: {p}" for p in found]
-            else:  # a request-level backend may not know everything (e.g. eos ids); not fatal
-                self.capability_warnings += [f"{cap.worker_id}: {p}" for p in found]
-            if cap.worker_id in seen:
-                problems.append(f"two backends state the same worker_id {cap.worker_id!r}")
-            seen[cap.worker_id] = cap
-            other = by_model.get(cap.model.name)
-            if other is not None and cap.granularity == other.granularity == Granularity.STEP:
-                for attr in ("vocab_size", "max_model_len", "eos_token_ids"):
-                    if getattr(cap.model, attr) != getattr(other.model, attr):
-                        problems.append(
-                            f"{cap.worker_id} and {other.worker_id} serve {cap.model.name!r} with different {attr}"
-                        )
-            by_model.setdefault(cap.model.name, cap)
-        if problems:
-            raise OminixError(RuntimeErrorKind.CAPABILITY_MISMATCH, "; ".join(problems))
-        for w in self.capability_warnings:
-            log_event("warning", "capability_problem", detail=w)
 
     async def stop(self, drain_timeout: float = 0.0) -> None:
         if self._stopped:
@@ -260,7 +218,7 @@ class EngineCore:
         close = [g for g in groups if load_of(g) <= least + _AFFINITY_LOAD_SLACK]
         return max(close, key=lambda g: (g.prefix_hit_tokens(request), -load_of(g)))
 
-    def _evacuate(self, failed: StepWorkerGroup, requests: list[EngineRequest]) -> list[EngineRequest]:
+    def _evacuate(self, failed: WorkerGroup, requests: list[EngineRequest]) -> list[EngineRequest]:
         """Resume a failed group's requests on healthy groups of the same model; returns the ones left over.
 
         Requests that streamed nothing are simply recomputed; the others continue from prompt + the tokens
@@ -275,7 +233,7 @@ class EngineCore:
             targets = [
                 g
                 for g in self._groups
-                if isinstance(g, StepWorkerGroup)
+                if g.resumes_requests
                 and g is not failed
                 and g.healthy
                 and g.running
@@ -376,10 +334,9 @@ class EngineCore:
         return [g.capability for g in self._groups]
 
     def check_integrity(self) -> None:
-        """Registry and scheduler invariants of every step-level group (raises AssertionError)."""
+        """Engine-side invariants of every group, e.g. registry and scheduler (raises AssertionError)."""
         for g in self._groups:
-            if isinstance(g, StepWorkerGroup):
-                g.scheduler.check_integrity()
+            g.check_integrity()
 
     def stats(self) -> EngineStats:
         fields = dict.fromkeys(
@@ -411,13 +368,12 @@ class EngineCore:
             u, t = g.kv_blocks
             used += u
             total += t
-            if isinstance(g, StepWorkerGroup):
-                snap = g.scheduler.registry
-                query_tokens += snap.prefix_query_tokens
-                hit_tokens += snap.prefix_hit_tokens
-            else:
-                protocol += g.num_protocol_violations
-                recent_protocol += list(g.protocol_violations)
+            prefix = g.prefix_cache_tokens()
+            if prefix is not None:
+                query_tokens += prefix[0]
+                hit_tokens += prefix[1]
+            protocol += g.num_protocol_violations
+            recent_protocol += list(g.protocol_violations)
             checks += g.integrity_checks
             violations += g.integrity_violations
             load = g.load()

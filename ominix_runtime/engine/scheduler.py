@@ -54,7 +54,7 @@ from ominix_runtime.contract import (
 from ominix_runtime.engine.config import SchedulerConfig
 from ominix_runtime.engine.kv_registry import KVRegistry, PrefixHit
 from ominix_runtime.engine.request import EngineRequest
-from ominix_runtime.engine.stats import RunReport, SchedulerCounters
+from ominix_runtime.engine.stats import SchedulerCounters
 from ominix_runtime.engine.waiting_queue import WaitingQueue
 
 _ABORT_LIKE = (RuntimeErrorKind.TIMEOUT, RuntimeErrorKind.CANCELLED)
@@ -76,6 +76,7 @@ class Scheduler:
         config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         seed: int | None = None,
+        counters: SchedulerCounters | None = None,
     ) -> None:
         config = config or SchedulerConfig()
         self.capability = capability
@@ -101,8 +102,9 @@ class Scheduler:
         self.waiting = WaitingQueue()
         self.running: dict[str, EngineRequest] = {}
         self.requests: dict[str, EngineRequest] = {}  # every live request (waiting, running, preempted)
-        self.counters = SchedulerCounters()
-        self.finished_reports: list[RunReport] = []  # drained by the engine core
+        # The owning group passes its own counters so that they outlive a scheduler replaced on reconnect.
+        self.counters = counters if counters is not None else SchedulerCounters()
+        self.finished: list[EngineRequest] = []  # ended requests, drained by the group (for its run reports)
         self.last_plan: BatchPlan | None = None
         self._pending_finished_ids: list[str] = []
         self._inflight: dict[int, list[_Scheduled]] = {}
@@ -643,26 +645,4 @@ class Scheduler:
             c.aborted += 1
         else:
             c.failed += 1
-        self.finished_reports.append(self._report(req))
-
-    def _report(self, req: EngineRequest) -> RunReport:
-        arrival = req.queued_time
-        end = req.finished_time if req.finished_time is not None else arrival
-        ttft = req.first_token_time - arrival if req.first_token_time is not None else None
-        n_out = req.num_output_tokens
-        tpot = (end - req.first_token_time) / (n_out - 1) if ttft is not None and n_out > 1 else None
-        return RunReport(
-            request_id=req.request_id,
-            worker_id=self.worker_id,
-            finish_reason=req.finish_reason or FinishReason.ERROR,
-            error_kind=req.error_kind,
-            prompt_tokens=req.num_prompt_tokens,
-            output_tokens=n_out,
-            cached_tokens=req.num_cached_tokens,
-            num_preemptions=req.num_preemptions,
-            queue_time=req.first_scheduled_time - arrival if req.first_scheduled_time is not None else None,
-            ttft=ttft,
-            tpot=tpot,
-            e2e=end - arrival,
-            priority=int(req.priority),
-        )
+        self.finished.append(req)

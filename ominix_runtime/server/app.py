@@ -6,9 +6,9 @@ import asyncio
 import contextlib
 import signal
 import sys
+from collections.abc import Awaitable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import grpc
 import grpc.aio
@@ -16,10 +16,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ominix_runtime.backends.grpc_worker import CHANNEL_OPTIONS, GrpcWorkerBackend
-from ominix_runtime.backends.negotiation import check_group
 from ominix_runtime.config import RuntimeConfig
-from ominix_runtime.contract import BackendCapability, Granularity, OminixError, RuntimeErrorKind
+from ominix_runtime.contract import BackendAdapter, OminixError, RuntimeErrorKind
 from ominix_runtime.engine.core import EngineCore
+from ominix_runtime.engine.negotiation import ServingTerms
+from ominix_runtime.engine.stats import RunReport
 from ominix_runtime.models import ModelFormat, ModelSource, resolve_model
 from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.engine_service import EngineService
@@ -36,7 +37,7 @@ SHUTDOWN_FLUSH_S = 2.0
 _log = get_logger("ominix.server")
 
 
-def _build_backends(config: RuntimeConfig) -> list[Any]:
+def _build_backends(config: RuntimeConfig) -> list[BackendAdapter]:
     worker_tls = None
     if config.tls.ca:
         # Mutual TLS: the engine proves itself to the workers with its own certificate when it has one.
@@ -45,7 +46,7 @@ def _build_backends(config: RuntimeConfig) -> list[Any]:
         worker_tls = grpc.ssl_channel_credentials(
             root_certificates=Path(config.tls.ca).read_bytes(), private_key=key, certificate_chain=cert
         )
-    backends: list[Any] = [
+    backends: list[BackendAdapter] = [
         GrpcWorkerBackend(address, tls=worker_tls, step_timeout=config.engine.step_timeout)
         for address in config.backends.workers
     ]
@@ -63,34 +64,12 @@ def _build_backends(config: RuntimeConfig) -> list[Any]:
     return backends
 
 
-async def _wait_workers_ready(backends: list[Any], timeout: float) -> None:
-    waits = [b.wait_ready(timeout) for b in backends if isinstance(b, GrpcWorkerBackend)]
-    if waits:
-        _log.info(
-            "waiting for workers", workers=[b.address for b in backends if isinstance(b, GrpcWorkerBackend)]
-        )
-        await asyncio.gather(*waits)
-
-
-def _negotiate(caps: list[BackendCapability], model_name: str, tokenizer: Tokenizer | None) -> None:
-    """Refuse to serve when the backends cannot serve the configured model together (CAPABILITY_MISMATCH).
-
-    Step-level workers are one group for the served model: requests fail over between them, so they must
-    serve that model with one block size; each request-level model is a group of its own.
-    """
-    step_caps = [c for c in caps if c.granularity == Granularity.STEP]
-    if step_caps:
-        check_group(step_caps, model_name or step_caps[0].model.name)
-        vocab = step_caps[0].model.vocab_size
-        if tokenizer is not None and tokenizer.vocab_size > vocab:
-            raise OminixError(
-                RuntimeErrorKind.CAPABILITY_MISMATCH,
-                f"the tokenizer of {model_name!r} has {tokenizer.vocab_size} tokens but the workers' model has "
-                f"a vocabulary of {vocab}: engine and workers must load the same model",
-            )
-    request_models = {c.model.name for c in caps if c.granularity == Granularity.REQUEST}
-    for name in sorted(request_models):
-        check_group([c for c in caps if c.granularity == Granularity.REQUEST and c.model.name == name], name)
+async def _wait_workers_ready(backends: list[BackendAdapter], timeout: float) -> None:
+    """Wait for the gRPC workers (the other backends answer at once or say why not in describe())."""
+    workers = [b for b in backends if isinstance(b, GrpcWorkerBackend)]
+    if workers:
+        _log.info("waiting for workers", workers=[b.address for b in workers])
+        await asyncio.gather(*(b.wait_ready(timeout) for b in workers))
 
 
 def _grpcurl_hint(address: str, tls: bool) -> str:
@@ -108,7 +87,7 @@ _EXAMPLE_REQUEST = (
 class EngineDaemon:
     """Owns the engine core, the gRPC server and the metrics endpoint of one process."""
 
-    def __init__(self, config: RuntimeConfig, backends: list[Any] | None = None) -> None:
+    def __init__(self, config: RuntimeConfig, backends: list[BackendAdapter] | None = None) -> None:
         """``backends`` replaces the ones named in ``config`` (in-process backends for tests)."""
         self.config = config
         self._given_backends = backends
@@ -117,9 +96,9 @@ class EngineDaemon:
         self.stop_requested = asyncio.Event()
         self.bound_port = 0
         self.metrics_port = 0
-        self._engine: Any = None
+        self._engine: EngineCore | None = None
         self._server: grpc.aio.Server | None = None
-        self._backends: list[Any] = []
+        self._backends: list[BackendAdapter] = []
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -131,8 +110,8 @@ class EngineDaemon:
             source = resolve_model(config.model.path)
             model_name = source.name
         self._backends = list(self._given_backends) if self._given_backends else _build_backends(config)
-        self._engine = EngineCore(self._backends, config.engine)
-        service = EngineService(self._engine, None, model_name, self.metrics)
+        engine = self._engine = EngineCore(self._backends, config.engine)
+        service = EngineService(engine, None, model_name, self.metrics)
 
         # Every service is registered before the server starts; Generate answers UNAVAILABLE and health
         # says NOT_SERVING until the engine is ready.
@@ -173,15 +152,15 @@ class EngineDaemon:
         finally:
             if tokenizer_loading is not None and not tokenizer_loading.done():
                 tokenizer_loading.cancel()
-        await self._engine.start()
+        tokenizer = service.tokenizer
+        await engine.start(ServingTerms(model_name, tokenizer.vocab_size if tokenizer is not None else None))
         if not model_name:
-            caps = list(self._engine.capabilities() or [])
+            caps = engine.capabilities()
             service.model_name = caps[0].model.name if caps else ""
-        _negotiate(list(self._engine.capabilities() or []), model_name, service.tokenizer)
-        self._wire_observability()
+        self._wire_observability(engine)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        self._tasks.append(asyncio.get_running_loop().create_task(self._follow_health()))
+        self._tasks.append(asyncio.get_running_loop().create_task(self._follow_health(engine)))
         address = f"{config.server.host}:{self.bound_port}"
         _log.info(
             "serving",
@@ -192,11 +171,10 @@ class EngineDaemon:
             example=_grpcurl_hint(address, config.tls.enabled),
         )
 
-    def _wire_observability(self) -> None:
-        engine = self._engine
+    def _wire_observability(self, engine: EngineCore) -> None:
         metrics = self.metrics
 
-        def on_run(report: Any) -> None:
+        def on_run(report: RunReport) -> None:
             fields = asdict(report)
             fields["finish_reason"] = report.finish_reason.name
             if report.error_kind is not None:
@@ -212,14 +190,14 @@ class EngineDaemon:
         self.metrics_port = metrics.start_http(
             self.config.server.metrics_port, self.config.server.metrics_host
         )
-        self._tasks.append(asyncio.get_running_loop().create_task(self._refresh_metrics()))
+        self._tasks.append(asyncio.get_running_loop().create_task(self._refresh_metrics(engine)))
 
-    async def _follow_health(self) -> None:
+    async def _follow_health(self, engine: EngineCore) -> None:
         """SERVING while at least one worker group serves; NOT_SERVING while none does (they reconnect)."""
         serving = True
         while True:
             await asyncio.sleep(HEALTH_REFRESH_INTERVAL_S)
-            ready = bool(self._engine.ready)
+            ready = engine.ready
             if ready != serving and not self.stop_requested.is_set():
                 serving = ready
                 status = (
@@ -231,37 +209,14 @@ class EngineDaemon:
                     await self.health.set(service, status)
                 _log.warning("health changed", serving=ready)
 
-    async def _refresh_metrics(self) -> None:
+    async def _refresh_metrics(self, engine: EngineCore) -> None:
         assert self.metrics is not None
         while True:
             try:
-                self.metrics.update_snapshots(
-                    self._engine.load(), self._engine.stats(), self._worker_figures()
-                )
+                self.metrics.update_snapshots(engine.load(), engine.stats(), _worker_figures(engine))
             except Exception as exc:  # noqa: BLE001 - metrics must never take the daemon down
                 _log.warning("metrics refresh failed", error=repr(exc))
             await asyncio.sleep(METRICS_REFRESH_INTERVAL_S)
-
-    def _worker_figures(self) -> list[WorkerFigures]:
-        figures = []
-        for group in self._engine.groups:
-            used, total = group.kv_blocks
-            ratio = None
-            registry = getattr(getattr(group, "scheduler", None), "registry", None)  # step-level groups only
-            if registry is not None:
-                queried = registry.prefix_query_tokens
-                ratio = registry.prefix_hit_tokens / queried if queried else 0.0
-            figures.append(
-                WorkerFigures(
-                    worker_id=group.worker_id,
-                    kv_blocks_used=used,
-                    kv_blocks_total=total,
-                    preemptions=group.counters.preemptions,
-                    integrity_violations=group.integrity_violations,
-                    prefix_cache_hit_ratio=ratio,
-                )
-            )
-        return figures
 
     async def shutdown(self) -> None:
         """NOT_SERVING, stop accepting, let live requests finish up to the drain timeout, then stop."""
@@ -269,7 +224,7 @@ class EngineDaemon:
         _log.info("shutting down", drain_timeout=drain)
         with contextlib.suppress(Exception):
             await self.health.enter_graceful_shutdown()
-        steps: list[Any] = []
+        steps: list[Awaitable[None]] = []
         if self._server is not None:
             # The engine ends what is left at the drain timeout; the extra grace lets those error events
             # reach their clients before the server cancels the calls.
@@ -324,6 +279,28 @@ async def serve(config: RuntimeConfig) -> int:
         return 1
     await daemon.shutdown()
     return 0
+
+
+def _worker_figures(engine: EngineCore) -> list[WorkerFigures]:
+    figures = []
+    for group in engine.groups:
+        used, total = group.kv_blocks
+        ratio = None
+        prefix = group.prefix_cache_tokens()  # None: the backend keeps its own prefix cache
+        if prefix is not None:
+            queried, hit = prefix
+            ratio = hit / queried if queried else 0.0
+        figures.append(
+            WorkerFigures(
+                worker_id=group.worker_id,
+                kv_blocks_used=used,
+                kv_blocks_total=total,
+                preemptions=group.counters.preemptions,
+                integrity_violations=group.integrity_violations,
+                prefix_cache_hit_ratio=ratio,
+            )
+        )
+    return figures
 
 
 def _has_tokenizer(source: ModelSource) -> bool:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import inspect
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 import grpc.aio
@@ -27,6 +25,7 @@ from ominix_runtime.contract import (
     Token,
     Usage,
 )
+from ominix_runtime.engine.core import EngineCore, RequestHandle
 from ominix_runtime.engine.stats import LoadSnapshot
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.logging import get_logger, request_context
@@ -50,8 +49,14 @@ _PRIORITIES = frozenset(int(p) for p in Priority)
 _log = get_logger("ominix.server")
 
 
-async def _maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
+# The servicer context of each RPC: (request, response) message types.
+_GenerateContext = grpc.aio.ServicerContext[engine_pb2.GenerateRequest, engine_pb2.GenerateEvent]
+_AbortContext = grpc.aio.ServicerContext[engine_pb2.AbortRequest, engine_pb2.AbortResponse]
+_GetLoadContext = grpc.aio.ServicerContext[engine_pb2.GetLoadRequest, engine_pb2.GetLoadResponse]
+_GetStatsContext = grpc.aio.ServicerContext[engine_pb2.GetStatsRequest, engine_pb2.GetStatsResponse]
+_ListBackendsContext = grpc.aio.ServicerContext[
+    engine_pb2.ListBackendsRequest, engine_pb2.ListBackendsResponse
+]
 
 
 class EngineService(engine_pb2_grpc.EngineServicer):
@@ -59,7 +64,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
     def __init__(
         self,
-        engine: Any,
+        engine: EngineCore,
         tokenizer: Tokenizer | None,
         model_name: str,
         metrics: EngineMetrics | None = None,
@@ -78,13 +83,13 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         """Models that only request-level backends serve (e.g. another model behind SGLang)."""
         return {
             c.model.name
-            for c in self._engine.capabilities() or []
+            for c in self._engine.capabilities()
             if c.granularity == Granularity.REQUEST and c.model.name and c.model.name != self.model_name
         }
 
     def _model_limits(self, model: str | None = None) -> tuple[int | None, int | None]:
         """(vocab_size, max_model_len) over the backends serving ``model`` (the strictest)."""
-        all_caps = list(self._engine.capabilities() or [])
+        all_caps = self._engine.capabilities()
         caps = [c for c in all_caps if c.model.name == model] if model else []
         caps = caps or all_caps
         vocab = [c.model.vocab_size for c in caps if c.model.vocab_size > 0]
@@ -164,7 +169,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     # ---- RPCs ----------------------------------------------------------------------------------------
 
     async def Generate(
-        self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: engine_pb2.GenerateRequest, context: _GenerateContext
     ) -> AsyncIterator[engine_pb2.GenerateEvent]:
         request_id = request.request_id or uuid.uuid4().hex
         with request_context(request_id):
@@ -189,7 +194,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 self._reject(exc.message, counted_by_engine=False)
                 await context.abort(status_for(exc), exc.message)
             try:
-                handle = await _maybe_await(self._engine.submit(gen_request))
+                handle = self._engine.submit(gen_request)
             except OminixError as exc:
                 self._live.discard(request_id)
                 self._reject(exc.message, counted_by_engine=True)
@@ -208,14 +213,14 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                     _log.exception("generate stream failed")
                     yield engine_pb2.GenerateEvent(
                         request_id=request_id,
-                        error=common_pb2.ErrorInfo(code=int(RuntimeErrorKind.INTERNAL), message=repr(exc)),
+                        error=wire.error_info_to_pb(RuntimeErrorKind.INTERNAL, repr(exc)),
                     )
             finally:
                 self._live.discard(request_id)
                 if not finished:
                     # The client went away (or the stream failed): free the request's KV at once.
                     _log.info("stream ended early, aborting request")
-                    await _maybe_await(handle.abort())
+                    handle.abort()
 
     def _reject(self, message: str, counted_by_engine: bool) -> None:
         if not counted_by_engine:
@@ -224,7 +229,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         if self._metrics is not None:
             self._metrics.observe_rejection()
 
-    async def _events(self, req: GenerateRequest, handle: Any) -> AsyncIterator[engine_pb2.GenerateEvent]:
+    async def _events(
+        self, req: GenerateRequest, handle: RequestHandle
+    ) -> AsyncIterator[engine_pb2.GenerateEvent]:
         rid = req.request_id
         # Another model's tokens are not ours to decode: its request-level backend sends the text.
         tokenizer = self.tokenizer if req.model in ("", self.model_name) else None
@@ -250,7 +257,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 num_emitted_tokens += len(event.token_ids)
                 if match.matched_stop is not None:
                     matched_stop = match.matched_stop
-                    await _maybe_await(self._engine.finish(rid, FinishReason.STOP, matched_stop))
+                    self._engine.finish(rid, FinishReason.STOP, matched_stop)
                 if req.stream:
                     yield engine_pb2.GenerateEvent(
                         request_id=rid,
@@ -278,7 +285,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 yield engine_pb2.GenerateEvent(
                     request_id=rid,
                     done=engine_pb2.Done(
-                        finish_reason=int(finish_reason),
+                        finish_reason=wire.finish_reason_to_pb(finish_reason),
                         text=text,
                         matched_stop=matched_stop if matched_stop is not None else event.matched_stop,
                     ),
@@ -287,14 +294,14 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 return
             elif isinstance(event, Error):
                 yield engine_pb2.GenerateEvent(
-                    request_id=rid, error=common_pb2.ErrorInfo(code=int(event.kind), message=event.message)
+                    request_id=rid, error=wire.error_info_to_pb(event.kind, event.message)
                 )
                 return
         # The handle ended without a terminal event: report it rather than leaving the client guessing.
         yield engine_pb2.GenerateEvent(
             request_id=rid,
-            error=common_pb2.ErrorInfo(
-                code=int(RuntimeErrorKind.INTERNAL), message="request stream ended without a terminal event"
+            error=wire.error_info_to_pb(
+                RuntimeErrorKind.INTERNAL, "request stream ended without a terminal event"
             ),
         )
 
@@ -315,16 +322,16 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             ),
         )
 
-    async def Abort(self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> Any:
-        found = request.request_id in self._live
-        if found:
-            result = await _maybe_await(self._engine.abort(request.request_id))
-            found = bool(result) if isinstance(result, bool) else found
+    async def Abort(
+        self, request: engine_pb2.AbortRequest, context: _AbortContext
+    ) -> engine_pb2.AbortResponse:
+        found = request.request_id in self._live and self._engine.abort(request.request_id)
         return engine_pb2.AbortResponse(found=found)
 
-    async def GetLoad(self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> Any:
-        loads = list(await _maybe_await(self._engine.load()))
-        backends = [_backend_load_pb(load) for load in loads]
+    async def GetLoad(
+        self, request: engine_pb2.GetLoadRequest, context: _GetLoadContext
+    ) -> engine_pb2.GetLoadResponse:
+        backends = [_backend_load_pb(load) for load in self._engine.load()]
         total = engine_pb2.BackendLoad(
             worker_id="total",
             queued_requests=sum(b.queued_requests for b in backends),
@@ -337,8 +344,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         )
         return engine_pb2.GetLoadResponse(total=total, backends=backends)
 
-    async def GetStats(self, request: engine_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> Any:
-        stats = await _maybe_await(self._engine.stats())
+    async def GetStats(
+        self, request: engine_pb2.GetStatsRequest, context: _GetStatsContext
+    ) -> engine_pb2.GetStatsResponse:
+        stats = self._engine.stats()
         return engine_pb2.GetStatsResponse(
             requests_accepted=stats.accepted,
             requests_finished=stats.finished,
@@ -356,10 +365,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         )
 
     async def ListBackends(
-        self, request: engine_pb2.ListBackendsRequest, context: grpc.aio.ServicerContext
-    ) -> Any:
+        self, request: engine_pb2.ListBackendsRequest, context: _ListBackendsContext
+    ) -> engine_pb2.ListBackendsResponse:
         return engine_pb2.ListBackendsResponse(
-            backends=[wire.capability_to_pb(c) for c in self._engine.capabilities() or []]
+            backends=[wire.capability_to_pb(c) for c in self._engine.capabilities()]
         )
 
 

@@ -143,6 +143,11 @@ class FakeStepBackend:
     def capability(self) -> BackendCapability:
         return fake_capability(self.config, Granularity.STEP)
 
+    @property
+    def num_streams_opened(self) -> int:
+        """Run streams opened so far (the engine must open none when negotiation refuses it)."""
+        return len(self._streams)
+
     def crash(self) -> None:
         """Simulate a killed worker: open streams break, Describe and Run fail until :meth:`revive`."""
         self.down = True

@@ -61,3 +61,16 @@ def test_ruff_is_clean() -> None:
         [ruff, "format", "--check", *dirs], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
     assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+
+
+def test_mypy_is_clean() -> None:
+    """The type checker passes on what pyproject's [tool.mypy] names (strict for contract, engine, server)."""
+    check = subprocess.run(
+        [sys.executable, "-m", "mypy", "--no-incremental"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert "No module named mypy" not in check.stderr, "mypy is installed by the test extra"
+    assert check.returncode == 0, check.stdout + check.stderr

@@ -15,12 +15,13 @@ from ominix_runtime.testing.fake_backend import FakeConfig, FakeStepBackend
 
 
 def _start(*fakes: FakeConfig) -> OminixError | None:
+    backends = [FakeStepBackend(f) for f in fakes]
     daemon = EngineDaemon(
         RuntimeConfig(
             server=ServerConfig(port=free_port(), metrics_port=0, drain_timeout=1.0),
             log=LogConfig(format="json"),
         ),
-        backends=[FakeStepBackend(f) for f in fakes],
+        backends=backends,
     )
 
     async def main() -> OminixError | None:
@@ -32,7 +33,10 @@ def _start(*fakes: FakeConfig) -> OminixError | None:
             await daemon.shutdown()
         return None
 
-    return asyncio.run(asyncio.wait_for(main(), 60))
+    error = asyncio.run(asyncio.wait_for(main(), 60))
+    if error is not None:  # refused before any worker's Run stream was opened
+        assert [b.num_streams_opened for b in backends] == [0] * len(backends)
+    return error
 
 
 def _fake(worker_id: str, **overrides: object) -> FakeConfig:

@@ -1,4 +1,4 @@
-"""check_group: every mismatch is CAPABILITY_MISMATCH with a message naming the field."""
+"""negotiate / check_group: every mismatch is CAPABILITY_MISMATCH with a message naming the field."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ from dataclasses import replace
 
 import pytest
 
-from ominix_runtime.backends.negotiation import check_group
 from ominix_runtime.contract import (
     ASCEND_PROFILE,
     CPU_PROFILE,
@@ -16,6 +15,7 @@ from ominix_runtime.contract import (
     OminixError,
     RuntimeErrorKind,
 )
+from ominix_runtime.engine.negotiation import ServingTerms, check_group, negotiate
 
 MODEL = ModelInfo(name="tiny", vocab_size=1000, max_model_len=4096, eos_token_ids=(2,))
 
@@ -90,3 +90,33 @@ def test_request_level_backend_need_not_state_tokenizer_facts() -> None:
 
 def test_empty_group() -> None:
     assert "no backends" in mismatch([])
+
+
+def refused(capabilities: list[BackendCapability], terms: ServingTerms | None = None) -> str:
+    with pytest.raises(OminixError) as info:
+        negotiate(capabilities, terms)
+    assert info.value.kind == RuntimeErrorKind.CAPABILITY_MISMATCH
+    return info.value.message
+
+
+def test_negotiate_accepts_agreeing_backends_on_their_terms() -> None:
+    unstated = ModelInfo(name="big", vocab_size=0, max_model_len=8192, eos_token_ids=())
+    sglang = replace(SGLANG_PROFILE, worker_id="sglang@x", device="cuda", model=unstated)
+    negotiate([worker(0), worker(1), sglang], ServingTerms("tiny", tokenizer_vocab_size=1000))
+    negotiate([worker(0), worker(1, model=replace(MODEL, name="other"))])  # no terms: one group per model
+
+
+def test_negotiate_refuses() -> None:
+    assert "same worker_id" in refused([worker(0), worker(0)])
+    assert "model mismatch" in refused(
+        [worker(0), worker(1, model=replace(MODEL, name="other"))], ServingTerms("tiny")
+    )
+    assert "model mismatch" in refused([worker(0)], ServingTerms("other"))
+    message = refused([worker(0)], ServingTerms("tiny", tokenizer_vocab_size=1001))
+    assert "vocabulary" in message and "1001" in message and "cpu-0" in message
+    # Workers of one model must agree on what a resumed request sees.
+    assert "eos_token_ids" in refused([worker(0), worker(1, model=replace(MODEL, eos_token_ids=(3,)))])
+    assert "max_model_len" in refused([worker(0), worker(1, model=replace(MODEL, max_model_len=2048))])
+    # Request-level backends of one model are a group too.
+    sglang = replace(SGLANG_PROFILE, worker_id="sglang@x", device="cuda", model=MODEL, kv_block_size=16)
+    assert "kv_block_size" in refused([sglang, replace(sglang, worker_id="sglang@y", kv_block_size=1)])

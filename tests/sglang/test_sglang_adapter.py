@@ -12,7 +12,6 @@ from typing import Any, TypeVar
 import aiohttp
 import pytest
 
-from ominix_runtime.backends.negotiation import check_group
 from ominix_runtime.backends.sglang import SGLangBackend
 from ominix_runtime.contract import (
     BackendKind,
@@ -30,6 +29,7 @@ from ominix_runtime.contract import (
     WorkerEvent,
     is_terminal,
 )
+from ominix_runtime.engine.negotiation import check_group
 from ominix_runtime.testing.fake_sglang import (
     FakeSGLangServer,
     FakeSGLangState,

@@ -23,7 +23,8 @@ from ominix_runtime.contract import (
     is_terminal,
 )
 from ominix_runtime.engine import EngineCore, EngineCoreConfig, RequestHandle, RunReport, StepReport
-from ominix_runtime.engine.driver import StepWorkerGroup
+from ominix_runtime.engine.groups.step_group import StepWorkerGroup
+from ominix_runtime.engine.negotiation import ServingTerms
 from ominix_runtime.testing.fake_backend import FakeConfig, FakeRequestBackend, FakeStepBackend
 
 TIMEOUT = 20.0
@@ -103,7 +104,7 @@ def test_abort_frees_kv_and_ends_the_stream_once() -> None:
         assert isinstance(events[-1], Done) and events[-1].finish_reason == FinishReason.ABORT
         assert core.abort("a") is False
         group = core.groups[0]
-        assert group.scheduler.registry.num_leased_blocks == 0  # type: ignore[union-attr]
+        assert group.kv_blocks[0] == 0
 
     _run([backend], body)
 
@@ -235,6 +236,11 @@ def test_capability_problems_refuse_to_start() -> None:
         twins = EngineCore([FakeStepBackend(), FakeStepBackend()], EngineCoreConfig())
         with pytest.raises(OminixError, match="same worker_id"):
             await twins.start()
+        worker = FakeStepBackend()
+        other_model = EngineCore([worker], EngineCoreConfig())
+        with pytest.raises(OminixError, match="model mismatch"):
+            await other_model.start(ServingTerms(model_name="another-model"))
+        assert worker.num_streams_opened == 0  # negotiation runs before any Run stream opens
 
     asyncio.run(main())
 

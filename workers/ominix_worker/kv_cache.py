@@ -40,10 +40,13 @@ def parse_bytes(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V, all layers, one block."""
+def kv_bytes_per_block(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
+) -> int:
+    """K and V, all layers, one block; ``num_kv_heads``: the heads one tensor-parallel rank keeps."""
     element = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+    heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return 2 * config.num_layers * block_size * heads * config.head_dim * element
 
 
 def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:
@@ -75,10 +78,15 @@ def measure_gpu_kv_budget(
 
 
 def allocate_kv_cache(
-    backend: AttentionBackend, config: ModelConfig, num_blocks: int, dtype: torch.dtype, device: torch.device
+    backend: AttentionBackend,
+    config: ModelConfig,
+    num_blocks: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_kv_heads: int | None = None,
 ) -> list[torch.Tensor]:
+    """One KV tensor per layer; ``num_kv_heads``: the heads one tensor-parallel rank keeps (default: all)."""
     if num_blocks <= 0:
         raise ValueError("the KV cache budget leaves no room for a single block")
-    return backend.allocate_kv_cache(
-        config.num_layers, num_blocks, config.num_kv_heads, config.head_dim, dtype, device
-    )
+    heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return backend.allocate_kv_cache(config.num_layers, num_blocks, heads, config.head_dim, dtype, device)

@@ -23,6 +23,7 @@ from ominix_runtime.models import ModelFormat, ModelSource
 from ominix_worker.attention.base import AttentionBackend
 from ominix_worker.config import ModelConfig, ModelConfigError, config_from_gguf_fields, load_hf_config
 from ominix_worker.models.llama import LlamaForCausalLM
+from ominix_worker.parallel import SINGLE, SafetensorsWeight, TensorParallel, WeightSource
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,8 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _hf_weights(folder: Path) -> Iterator[tuple[str, WeightSource]]:
+    """Every tensor of the folder's safetensors files, unread: the model reads the slices it keeps."""
     from safetensors import safe_open
 
     files = _safetensors_files(folder)
@@ -83,7 +85,7 @@ def _hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         for file, key in _progress(names, len(names), "loading weights"):
             if file not in handles:
                 handles[file] = safe_open(str(file), framework="pt", device="cpu")
-            yield key, handles[file].get_tensor(key)
+            yield key, SafetensorsWeight(handles[file].get_slice(key))
     finally:
         handles.clear()
 
@@ -218,16 +220,19 @@ def _build(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    tp: TensorParallel,
 ) -> LlamaForCausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, max_positions)
+        model = LlamaForCausalLM(config, backend, max_positions, tp)
     model = model.to(dtype).to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty replaces parameters one module at a time: tie again
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()
 
 
-def _load_checked(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]], where: str) -> None:
+def _load_checked(
+    model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor | WeightSource]], where: str
+) -> None:
     loaded = model.load_weights(weights)
     missing = sorted(model.expected_weight_keys() - loaded)
     if missing:
@@ -249,30 +254,39 @@ def load_model(
     backend: AttentionBackend,
     max_positions: int | None = None,
     seed: int = 0,
+    tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
-    """Read the source's config and weights onto ``device`` in ``dtype``. Raises ModelLoadError."""
+    """Read the source's config and weights onto ``device`` in ``dtype``. Raises ModelLoadError.
+
+    Under tensor parallelism (``tp``) the model holds this rank's shards: safetensors are read slice by slice
+    (only what the rank keeps), GGUF tensors are dequantized whole and sliced, dummy weights drawn per shard.
+    """
     try:
         if source.format == ModelFormat.GGUF:
             from gguf import GGUFReader
 
             reader = GGUFReader(str(source.path))
             config, _ = read_gguf_config(reader)
-            model = _build(config, backend, dtype, device, max_positions or config.max_position_embeddings)
-            _load_checked(
-                model, ((n, t.to(device)) for n, t in _gguf_weights(reader, config, dtype)), str(source.path)
+            model = _build(
+                config, backend, dtype, device, max_positions or config.max_position_embeddings, tp
             )
+            _load_checked(model, _gguf_weights(reader, config, dtype), str(source.path))
         elif source.format == ModelFormat.HF:
             config = load_hf_config(source.path)
-            model = _build(config, backend, dtype, device, max_positions or config.max_position_embeddings)
-            weights = ((n, t.to(device=device, dtype=dtype)) for n, t in _hf_weights(Path(source.path)))
-            _load_checked(model, weights, str(source.path))
+            model = _build(
+                config, backend, dtype, device, max_positions or config.max_position_embeddings, tp
+            )
+            _load_checked(model, _hf_weights(Path(source.path)), str(source.path))
         elif source.format == ModelFormat.DUMMY:
             config = load_hf_config(source.path)
-            model = _build(config, backend, dtype, device, max_positions or config.max_position_embeddings)
+            model = _build(
+                config, backend, dtype, device, max_positions or config.max_position_embeddings, tp
+            )
             model.init_dummy_weights(seed)
         else:  # pragma: no cover - ModelFormat is closed
             raise ModelLoadError(f"unknown model format {source.format}")
     except (ModelConfigError, KeyError, ValueError, OSError) as exc:
+        # ValueError covers a model whose heads, FFN or KV heads do not divide among the ranks.
         raise ModelLoadError(f"cannot load model {source.name!r} from {source.path}: {exc}") from exc
     model.post_load(device)
     return LoadedModel(name=source.name, config=config, model=model)

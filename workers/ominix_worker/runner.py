@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,7 +32,11 @@ from ominix_runtime.contract import (
 from ominix_worker.attention.base import AttentionBackend, AttentionMetadata
 from ominix_worker.config import ModelConfig
 from ominix_worker.models.llama import LlamaForCausalLM
+from ominix_worker.parallel import SINGLE, TensorParallel
 from ominix_worker.sampler import SamplerOutput, SamplingTensors, sample
+
+if TYPE_CHECKING:  # imported on CUDA only, when graphs are captured
+    from ominix_worker.cuda_graph import DecodeGraphs
 
 # Block-table widths are padded to a multiple of this on CUDA, so Triton sees one stride specialisation.
 _BLOCK_TABLE_ALIGN = 16
@@ -139,7 +144,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequest] = {}
         self.last_step_id = 0
         self._pin = device.type == "cuda"
-        self._graphs: object | None = None  # ominix_worker.cuda_graph.DecodeGraphs once captured
+        self._graphs: DecodeGraphs | None = None  # captured on CUDA
         # Overlapped decode (set by the server on CUDA): a graph step is launched before the previous step's
         # sampled ids reach the host; results then come out of ``take_results`` instead of execute_step.
         self.overlap_steps = False
@@ -164,7 +169,7 @@ class ModelRunner:
         self._results.clear()
         self.requests.clear()
         if self._graphs is not None:
-            self._graphs.forget_rows()  # type: ignore[attr-defined]
+            self._graphs.forget_rows()
 
     def _add_new(self, new: NewRequestData) -> CachedRequest:
         sampling = new.sampling.validate(vocab_size=self.vocab_size)
@@ -267,36 +272,27 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_step(self, step: DecodeStep) -> StepResult | None:
         """Run one step. With ``overlap_steps`` off, returns its result; on, returns None and the results
-        (this step's and earlier ones', in step order) come out of ``take_results``."""
+        (this step's and earlier ones', in step order) come out of ``take_results``.
+
+        The step takes one of four forward paths: a pipelined decode graph (``_launch_pipelined``), a decode
+        graph (``_decode_graph``), a single-prompt prefill graph (``_prefill_graph``) or eager (``_eager``).
+        """
         started = time.perf_counter()
         order, rows, errors = self._apply_step(step)
         active = [row for row in rows if row is not None]
-        outputs: dict[str, RequestOutput] = dict(errors)
         num_tokens = sum(row.end - row.start for row in active)
         graph_step = bool(active) and self._graph_step(active)
         if self.overlap_steps and graph_step and all(_overlappable(row.request) for row in active):
-            previous = self._pending
-            prev_tokens = previous.token_ids if previous is not None else None
-            logits = self._graphs.run(active, prev_tokens)  # type: ignore[attr-defined]
-            sampled = self._sample_logits(logits, active)
-            self._pending = self._defer(step.step_id, order, outputs, active, sampled, num_tokens, started)
-            if previous is not None:
-                self._results.append(self._finish(previous))
+            self._launch_pipelined(step.step_id, order, dict(errors), active, num_tokens, started)
             return None
         self.finish_pending()  # what follows reads token values on the host
+        outputs: dict[str, RequestOutput] = dict(errors)
         if graph_step:
-            logits = self._graphs.run(active)  # type: ignore[attr-defined]
-            sampled = self._sample_logits(logits, active)
-            outputs.update(self._update_states(active, active, sampled))
-        elif active and self._graphs is not None and self._graphs.fits_prefill(active) and active[0].samples:  # type: ignore[attr-defined]
-            logits = self._graphs.run_prefill(active[0])  # type: ignore[attr-defined]
-            sampled = self._sample_logits(logits, active)
-            outputs.update(self._update_states(active, active, sampled))
+            outputs.update(self._decode_graph(active))
+        elif self._prefill_graph_fits(active):
+            outputs.update(self._prefill_graph(active))
         elif active:
-            inputs = self._prepare_inputs(active)
-            hidden = self._forward(inputs)
-            sampled = self._sample(hidden, inputs)
-            outputs.update(self._update_states(active, inputs.sampling_rows, sampled))
+            outputs.update(self._eager(active))
         result = StepResult(step_id=step.step_id, num_tokens=num_tokens)
         for request_id in order:
             result.outputs.append(outputs.get(request_id) or RequestOutput(request_id))
@@ -306,6 +302,53 @@ class ModelRunner:
             self._results.append(result)
             return None
         return result
+
+    # ---- forward paths: each computes its rows and returns their outputs ---------------------------
+
+    def _launch_pipelined(
+        self,
+        step_id: int,
+        order: list[str],
+        outputs: dict[str, RequestOutput],
+        rows: list[ScheduledRow],
+        num_tokens: int,
+        started: float,
+    ) -> None:
+        """Decode graph launched before the previous step's ids reach the host; it reads them on the device.
+        The previous step's result is queued now, this one's once its ids arrive."""
+        assert self._graphs is not None
+        previous = self._pending
+        prev_tokens = previous.token_ids if previous is not None else None
+        logits = self._graphs.run(rows, prev_tokens)
+        sampled = self._sample_logits(logits, rows)
+        self._pending = self._defer(step_id, order, outputs, rows, sampled, num_tokens, started)
+        if previous is not None:
+            self._results.append(self._finish(previous))
+
+    def _decode_graph(self, rows: list[ScheduledRow]) -> dict[str, RequestOutput]:
+        """Pure decode replayed from a captured graph."""
+        assert self._graphs is not None
+        sampled = self._sample_logits(self._graphs.run(rows), rows)
+        return self._update_states(rows, rows, sampled)
+
+    def _prefill_graph_fits(self, rows: list[ScheduledRow]) -> bool:
+        return (
+            len(rows) > 0 and self._graphs is not None and self._graphs.fits_prefill(rows) and rows[0].samples
+        )
+
+    def _prefill_graph(self, rows: list[ScheduledRow]) -> dict[str, RequestOutput]:
+        """One short prompt's last chunk replayed from a captured prefill graph."""
+        assert self._graphs is not None
+        sampled = self._sample_logits(self._graphs.run_prefill(rows[0]), rows)
+        return self._update_states(rows, rows, sampled)
+
+    def _eager(self, rows: list[ScheduledRow]) -> dict[str, RequestOutput]:
+        """Any mix of prefill chunks and decodes, run eagerly as one ragged batch."""
+        inputs = self._prepare_inputs(rows)
+        sampled = self._sample(self._forward(inputs), inputs)
+        return self._update_states(rows, inputs.sampling_rows, sampled)
+
+    # ---- pipelined decode ---------------------------------------------------------------------------
 
     def has_pending(self) -> bool:
         return self._pending is not None
@@ -496,7 +539,7 @@ class ModelRunner:
     def _graph_step(self, rows: list[ScheduledRow]) -> bool:
         """A captured graph serves the step: every row decodes exactly one token and the batch fits."""
         graphs = self._graphs
-        if graphs is None or not graphs.fits(len(rows)):  # type: ignore[attr-defined]
+        if graphs is None or not graphs.fits(len(rows)):
             return False
         return all(row.samples and row.end - row.start == 1 for row in rows)
 
@@ -623,8 +666,11 @@ def build_runner(
     block_size: int = 16,
     attention: str | None = None,
     max_model_len: int | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> ModelRunner:
-    """A runner with a fixed number of KV blocks (tests, benchmarks); the server sizes KV from memory."""
+    """A runner with a fixed number of KV blocks (tests, benchmarks); the server sizes KV from memory.
+
+    With ``tp`` (a joined group), this rank's shards of the model and its KV heads."""
     from ominix_runtime.models import resolve_model
     from ominix_worker.attention import get_attention_backend
     from ominix_worker.kv_cache import allocate_kv_cache
@@ -633,7 +679,9 @@ def build_runner(
     device = torch.device(device)
     backend = get_attention_backend(attention or device.type, block_size)
     source = resolve_model(model_path)
-    loaded = load_model(source, device, dtype, backend, max_positions=max_model_len)
-    max_len = max_model_len or loaded.config.max_position_embeddings
-    kv = allocate_kv_cache(backend, loaded.config, num_blocks, dtype, device)
+    loaded = load_model(source, device, dtype, backend, max_positions=max_model_len, tp=tp)
+    config = loaded.config
+    max_len = max_model_len or config.max_position_embeddings
+    kv_heads = tp.kv_heads(config.num_kv_heads, config.num_heads).size
+    kv = allocate_kv_cache(backend, config, num_blocks, dtype, device, kv_heads)
     return ModelRunner(loaded.model, loaded.config, backend, kv, device, max_len)

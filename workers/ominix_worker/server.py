@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import os
-import queue
 import signal
 import socket
 import sys
 import time
-import traceback
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -31,16 +31,18 @@ from ominix_runtime import wire
 from ominix_runtime.config import RuntimeConfig, TLSConfig
 from ominix_runtime.contract import (
     BackendCapability,
-    DecodeStep,
     ModelInfo,
     OminixError,
-    StepResult,
     stated_profile,
 )
 from ominix_runtime.models import resolve_model
 from ominix_runtime.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from ominix_runtime.server.logging import configure_logging, set_log_fields
 from ominix_worker import __version__
+from ominix_worker.step_loop import StepFailure, StepLoop, StepOutcome
+
+if TYPE_CHECKING:  # the runner imports torch, loaded only once the port is bound
+    from ominix_worker.runner import ModelRunner
 
 log = logging.getLogger("ominix_worker")
 
@@ -48,9 +50,6 @@ WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 HEARTBEAT_INTERVAL_S = 1.0
 RUN_HANDOVER_S = 2.0
-# While a launched step's sampled ids are in flight and no next step is queued, how often the forward thread
-# checks whether they arrived (so the result is posted without waiting for the next step).
-_PENDING_POLL_S = 0.0002
 ASCEND_BLOCK_SIZE = 128
 
 
@@ -88,14 +87,14 @@ def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials | None:
 @dataclass(slots=True)
 class WorkerState:
     capability: BackendCapability | None = None
-    runner: object | None = None  # ominix_worker.runner.ModelRunner once loaded
+    runner: ModelRunner | None = None
     ready: bool = False
     run_active: bool = False
     run_idle: asyncio.Event = field(default_factory=asyncio.Event)
     launch_nonce: str = ""  # stated in Health: `launch` knows its own workers by it
 
 
-def load_worker(settings: RuntimeConfig, worker_id: str) -> tuple[object, BackendCapability]:
+def load_worker(settings: RuntimeConfig, worker_id: str) -> tuple[ModelRunner, BackendCapability]:
     """Load weights, size and allocate KV, warm up. Runs in a thread; raises StartupError."""
     import torch
 
@@ -220,23 +219,19 @@ def load_worker(settings: RuntimeConfig, worker_id: str) -> tuple[object, Backen
 # ---- gRPC service ------------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class _Arrival:
-    """A step read from the engine's stream: converted, or the error to report in its place."""
-
-    step_id: int
-    step: DecodeStep | None
-    error: str = ""
-
-
-_END_OF_STEPS = _Arrival(0, None, "the engine closed its stream")
-
-
 def _error_info(message: str) -> common_pb2.ErrorInfo:
     return common_pb2.ErrorInfo(code=common_pb2.ERROR_CODE_INTERNAL, message=message)
 
 
+def _outcome_to_pb(outcome: StepOutcome) -> worker_pb2.WorkerMessage:
+    if isinstance(outcome, StepFailure):
+        return worker_pb2.WorkerMessage(fatal_error=_error_info(outcome.message))
+    return worker_pb2.WorkerMessage(step_result=wire.step_result_to_pb(outcome))
+
+
 class WorkerService(worker_pb2_grpc.WorkerServicer):
+    """Adapts the Worker RPCs to the worker state; a Run stream drives one ``StepLoop``."""
+
     def __init__(self, state: WorkerState, executor: ThreadPoolExecutor) -> None:
         self.state = state
         self.executor = executor
@@ -255,8 +250,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         runner = self.state.runner
         return worker_pb2.HealthResponse(
             ready=self.state.ready,
-            num_requests=len(runner.requests) if runner is not None else 0,  # type: ignore[attr-defined]
-            last_step_id=runner.last_step_id if runner is not None else 0,  # type: ignore[attr-defined]
+            num_requests=len(runner.requests) if runner is not None else 0,
+            last_step_id=runner.last_step_id if runner is not None else 0,
             launch_nonce=self.state.launch_nonce,
             pid=os.getpid(),
         )
@@ -264,7 +259,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Run(
         self, request_iterator: AsyncIterator[worker_pb2.DecodeStep], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.WorkerMessage]:
-        if not self.state.ready:
+        if not self.state.ready or self.state.runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")
         if self.state.run_active:
             # An engine that just closed its stream and reconnects may arrive before the old stream's
@@ -276,117 +271,47 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "another Run stream is active on this worker; only one engine may drive it",
             )
+        assert self.state.runner is not None
         self.state.run_active = True
         self.state.run_idle.clear()
-        runner = self.state.runner
         loop = asyncio.get_running_loop()
-        outbox: asyncio.Queue[worker_pb2.WorkerMessage | None] = asyncio.Queue()
+        outbox: asyncio.Queue[StepOutcome | None] = asyncio.Queue()
+
+        def emit(outcome: StepOutcome | None) -> None:
+            """From the device thread: hand an outcome to the event loop, in order."""
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening any more
+                loop.call_soon_threadsafe(outbox.put_nowait, outcome)
 
         # Steps are read and converted on the event loop as they arrive (while the previous one computes) and
-        # queued to the forward thread, which runs them back to back; results go back to the loop to be
-        # converted and sent. Neither the protobuf work nor a loop round trip sits between two steps, and
-        # every message keeps the order of the steps it answers.
-        steps: queue.SimpleQueue[_Arrival] = queue.SimpleQueue()
-
-        def post(message: worker_pb2.WorkerMessage | StepResult | None) -> None:
-            """From the forward thread: hand a message (or a result to convert) to the loop, in order."""
-
-            def put() -> None:
-                if isinstance(message, StepResult):
-                    outbox.put_nowait(worker_pb2.WorkerMessage(step_result=wire.step_result_to_pb(message)))
-                else:
-                    outbox.put_nowait(message)
-
-            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening any more
-                loop.call_soon_threadsafe(put)
-
-        # On CUDA a decode step is launched before the previous one's sampled ids are back on the host
-        # (ModelRunner.overlap_steps); its result is posted once the next step is launched, or as soon as
-        # its ids arrive when no next step is waiting.
-        runner.overlap_steps = runner.can_overlap()  # type: ignore[attr-defined]
-
-        def post_results() -> None:
-            for result in runner.take_results():  # type: ignore[attr-defined]
-                post(result)
-
-        def finish_pending() -> None:
-            runner.finish_pending()  # type: ignore[attr-defined]
-            post_results()
-
-        def next_arrival() -> _Arrival:
-            while runner.has_pending():  # type: ignore[attr-defined]
-                try:
-                    return steps.get(timeout=_PENDING_POLL_S)
-                except queue.Empty:
-                    if runner.pending_ready():  # type: ignore[attr-defined]
-                        finish_pending()
-            return steps.get()
-
-        def run_steps() -> None:
-            while True:
-                arrival = next_arrival()
-                if arrival is _END_OF_STEPS:
-                    finish_pending()
-                    post(None)
-                    return
-                if arrival.step is None:
-                    finish_pending()
-                    post(worker_pb2.WorkerMessage(fatal_error=_error_info(arrival.error)))
-                    continue
-                try:
-                    result = runner.execute_step(arrival.step)  # type: ignore[attr-defined]
-                except Exception as exc:  # noqa: BLE001 - reported to the engine, the server lives on
-                    log.error("step %d failed:\n%s", arrival.step_id, traceback.format_exc())
-                    message = f"step {arrival.step_id} failed: {type(exc).__name__}: {exc}"
-                    try:
-                        finish_pending()
-                    except Exception:  # noqa: BLE001 - the device failed; the fatal error below says so
-                        log.error("pending step failed:\n%s", traceback.format_exc())
-                        runner.reset_pending()  # type: ignore[attr-defined]
-                    post(worker_pb2.WorkerMessage(fatal_error=_error_info(message)))
-                    continue
-                if result is not None:
-                    post(result)
-                post_results()
+        # run back to back on the device thread; outcomes come back to the loop to be converted and sent.
+        steps = StepLoop(self.state.runner, emit)
 
         async def read_steps() -> None:
-            last_step_id = 0
             try:
                 async for step_pb in request_iterator:
-                    if step_pb.step_id <= last_step_id:
-                        error = f"step_id {step_pb.step_id} does not follow {last_step_id}"
-                        steps.put(_Arrival(step_pb.step_id, None, error))
-                        continue
-                    last_step_id = step_pb.step_id
-                    try:
-                        steps.put(_Arrival(step_pb.step_id, wire.step_from_pb(step_pb)))
-                    except Exception as exc:  # noqa: BLE001 - reported to the engine, the server lives on
-                        log.error("step %d failed:\n%s", step_pb.step_id, traceback.format_exc())
-                        error = f"step {step_pb.step_id} failed: {type(exc).__name__}: {exc}"
-                        steps.put(_Arrival(step_pb.step_id, None, error))
+                    steps.submit(step_pb.step_id, functools.partial(wire.step_from_pb, step_pb))
             finally:
-                steps.put(_END_OF_STEPS)
+                steps.close()
 
-        loop.run_in_executor(self.executor, run_steps)  # ends at the end-of-steps marker
+        running = loop.run_in_executor(self.executor, steps.run)  # ends after close(), state dropped
         reading = asyncio.create_task(read_steps())
         try:
             while True:
                 try:
-                    message = await asyncio.wait_for(outbox.get(), timeout=HEARTBEAT_INTERVAL_S)
+                    outcome = await asyncio.wait_for(outbox.get(), timeout=HEARTBEAT_INTERVAL_S)
                 except asyncio.TimeoutError:
                     yield worker_pb2.WorkerMessage(
                         heartbeat=worker_pb2.Heartbeat(worker_time=time.monotonic())
                     )
                     continue
-                if message is None:
+                if outcome is None:
                     break
-                yield message
+                yield _outcome_to_pb(outcome)
             await reading  # surfaces a broken request stream as an error of this call
         finally:
             reading.cancel()
-            steps.put(_END_OF_STEPS)  # the forward thread stops after the step it may be running
-            # Queued behind any step still running on the executor, so state is dropped after it finishes.
-            await loop.run_in_executor(self.executor, runner.reset)  # type: ignore[attr-defined]
+            steps.close()  # the device thread stops after the step it may be running
+            await running
             self.state.run_active = False
             self.state.run_idle.set()
 

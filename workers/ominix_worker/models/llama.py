@@ -3,6 +3,10 @@
 Covers Llama 2/3/3.1 (rope scaling), Mistral, SmolLM, Qwen2/2.5 (QKV bias) and Qwen3 (per-head q/k
 RMSNorm). Q/K/V and gate/up projections are fused into one matmul each; ``load_weights`` takes Hugging
 Face parameter names and writes each shard into its slice of the fused weight.
+
+Tensor parallel (``tp``, Megatron-style): QKV and gate/up are column-parallel, o_proj and down row-parallel
+(one all-reduce each), the embedding and LM head vocab-parallel; each rank keeps its query heads and their KV
+heads (a replicated KV head when there are fewer KV heads than ranks). With ``SINGLE`` nothing is split.
 """
 
 from __future__ import annotations
@@ -17,6 +21,18 @@ from torch import nn
 
 from ominix_worker.attention.base import AttentionBackend, AttentionMetadata
 from ominix_worker.config import ModelConfig
+from ominix_worker.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    ParallelLMHead,
+    ParallelModule,
+    RowParallelLinear,
+    ShardRange,
+    TensorParallel,
+    VocabParallelEmbedding,
+    WeightSource,
+    as_weight_source,
+)
 
 _FUSED: ModuleType | None = None
 _FUSED_TRIED = False
@@ -126,16 +142,31 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = config.q_size
-        self.kv_size = config.kv_size
-        self.scale = config.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        heads = tp.split(config.num_heads, "the number of attention heads")
+        kv_heads = tp.kv_heads(config.num_kv_heads, config.num_heads)
+        hd = config.head_dim
+        self.num_heads = heads.size
+        self.num_kv_heads = kv_heads.size
+        self.head_dim = hd
+        self.q_size = heads.size * hd
+        self.kv_size = kv_heads.size * hd
+        self.scale = hd**-0.5
+        kv_rows = ShardRange(kv_heads.start * hd, self.kv_size)
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size,
+            [config.q_size, config.kv_size, config.kv_size],
+            [ShardRange(heads.start * hd, self.q_size), kv_rows, kv_rows],
+            bias=config.qkv_bias,
+        )
+        self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, bias=config.o_proj_bias, tp=tp)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.backend = backend
@@ -168,11 +199,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        size = config.intermediate_size
+        self.intermediate_size = tp.split(size, "intermediate_size").size
+        self.gate_up_proj = ColumnParallelLinear.split_evenly(config.hidden_size, [size, size], False, tp)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = cuda_ops(x)
@@ -183,12 +215,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend, rotary)
+        self.self_attn = Attention(config, backend, rotary, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(
         self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -209,17 +247,22 @@ _FUSED_SHARDS = {
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, max_positions: int | None = None
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        max_positions: int | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
         self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, self.rotary) for _ in range(config.num_layers)
+            DecoderLayer(config, backend, self.rotary, tp) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -259,21 +302,20 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Logits over the whole vocabulary on every rank (gathered under tensor parallelism)."""
+        return self.lm_head.logits(hidden).float()
 
     # ---- weights ----------------------------------------------------------------------------------
 
-    def _shard_sizes(self, fused: str) -> list[int]:
-        c = self.config
-        if "qkv_proj" in fused:
-            return [c.q_size, c.kv_size, c.kv_size]
-        return [c.intermediate_size, c.intermediate_size]
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | WeightSource]]) -> set[str]:
+        """Copy Hugging Face-named tensors into this module; returns the parameter names that were set.
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy Hugging Face-named tensors into this module; returns the parameter names that were set."""
+        Sharded layers read only this rank's slice of each tensor (``WeightSource``); the others copy it whole.
+        """
         params = dict(self.named_parameters(remove_duplicate=False))
+        modules = dict(self.named_modules(remove_duplicate=False))
         loaded: set[str] = set()
-        for hf_name, tensor in weights:
+        for hf_name, weight in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
@@ -286,35 +328,34 @@ class LlamaForCausalLM(nn.Module):
                     break
             if target_name not in params:
                 raise KeyError(f"unexpected weight {hf_name!r}")
-            param = params[target_name]
-            with torch.no_grad():
-                if shard is None:
-                    if param.shape != tensor.shape:
-                        raise ValueError(
-                            f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}"
-                        )
-                    param.copy_(tensor)
+            module_name, _, param_name = target_name.rpartition(".")
+            module = modules[module_name]
+            source = as_weight_source(weight)
+            try:
+                if isinstance(module, ParallelModule):
+                    module.load_weight(param_name, source, shard)
                 else:
-                    sizes = self._shard_sizes(target_name)
-                    offset = sum(sizes[:shard])
-                    part = param.narrow(0, offset, sizes[shard])
-                    if part.shape != tensor.shape:
-                        raise ValueError(
-                            f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(part.shape)}"
-                        )
-                    part.copy_(tensor)
+                    target = params[target_name]
+                    tensor = source.read()
+                    if target.shape != tensor.shape:
+                        raise ValueError(f"shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
+                    with torch.no_grad():
+                        target.copy_(tensor)
+            except ValueError as exc:
+                raise ValueError(f"{hf_name}: {exc}") from None
             loaded.add(f"{target_name}#{shard}" if shard is not None else target_name)
         return loaded
 
     def expected_weight_keys(self) -> set[str]:
         """What ``load_weights`` must have set for the model to be complete."""
         keys: set[str] = set()
+        modules = dict(self.named_modules())
         for name, _ in self.named_parameters():
-            fused = next((f for f, _ in _FUSED_SHARDS.values() if name.endswith(f"{f}.weight")), None)
-            if fused is not None:
-                keys.update(f"{name}#{i}" for i in range(len(self._shard_sizes(fused))))
-            elif fused is None and any(name.endswith(f"{f}.bias") for f, _ in _FUSED_SHARDS.values()):
-                keys.update(f"{name}#{i}" for i in range(3))
+            module_name, _, param_name = name.rpartition(".")
+            module = modules[module_name]
+            fused = name.endswith(tuple(f"{f}.{param_name}" for f, _ in _FUSED_SHARDS.values()))
+            if fused and isinstance(module, ParallelModule):
+                keys.update(f"{name}#{i}" for i in range(module.num_parts(param_name)))
             else:
                 keys.add(name)
         return keys

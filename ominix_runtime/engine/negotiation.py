@@ -1,18 +1,58 @@
-"""Startup check that the backends of one worker group can serve one model together.
+"""Capability negotiation: can the described backends serve together, on the terms the server asks?
 
-The engine calls :func:`check_group` once per group after ``describe()``; any mismatch stops startup with
-``OminixError(CAPABILITY_MISMATCH)`` naming the field, instead of failing later on the first request.
+The one place where capabilities are checked. ``EngineCore.start`` calls :func:`negotiate` after every
+backend's ``describe()`` and before any group starts (so before any Run stream opens); any mismatch stops
+startup with ``OminixError(CAPABILITY_MISMATCH)`` naming the field, instead of failing on the first request.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ominix_runtime.contract import BackendCapability, Granularity, OminixError, RuntimeErrorKind
 
 # Stated by request-level backends whose server does not say (SGLang's native API reports neither).
 UNSTATED_DTYPE = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class ServingTerms:
+    """What the serving configuration asks of the backends; the defaults ask nothing beyond agreement."""
+
+    # The model the step-level workers must serve; "" accepts any, one group per model they state.
+    model_name: str = ""
+    # Tokens the front end's tokenizer can produce: the step-level workers' vocabulary must cover them.
+    tokenizer_vocab_size: int | None = None
+
+
+def negotiate(capabilities: Sequence[BackendCapability], terms: ServingTerms | None = None) -> None:
+    """Raise CAPABILITY_MISMATCH unless the backends can serve together on ``terms``.
+
+    Every backend has its own worker_id. Step-level workers of one model form one group (requests fail over
+    between them): with ``terms.model_name`` they must all serve that model; each group must pass
+    :func:`check_group`. Each model served by request-level backends is a group of its own.
+    """
+    terms = terms or ServingTerms()
+    seen: set[str] = set()
+    for cap in capabilities:
+        if cap.worker_id in seen:
+            raise _mismatch(f"two backends state the same worker_id {cap.worker_id!r}")
+        seen.add(cap.worker_id)
+    for granularity in Granularity:
+        caps = [c for c in capabilities if c.granularity == granularity]
+        if granularity == Granularity.STEP and caps and terms.model_name:
+            check_group(caps, terms.model_name)
+            continue
+        for name in sorted({c.model.name for c in caps}):
+            check_group([c for c in caps if c.model.name == name], name)
+    vocab = terms.tokenizer_vocab_size
+    for cap in capabilities:
+        if vocab is not None and cap.granularity == Granularity.STEP and vocab > cap.model.vocab_size:
+            raise _mismatch(
+                f"the tokenizer of {terms.model_name!r} has {vocab} tokens but worker {cap.worker_id}'s model "
+                f"has a vocabulary of {cap.model.vocab_size}: engine and workers must load the same model"
+            )
 
 
 def _mismatch(message: str) -> OminixError:
@@ -71,11 +111,15 @@ def check_group(
                 f"kv_block_size mismatch within the group: {first.worker_id} uses {first.kv_block_size}, "
                 f"{cap.worker_id} uses {cap.kv_block_size}"
             )
-        if cap.model.vocab_size != first.model.vocab_size and cap.granularity == Granularity.STEP:
-            raise _mismatch(
-                f"vocab_size mismatch within the group: {first.worker_id} has {first.model.vocab_size}, "
-                f"{cap.worker_id} has {cap.model.vocab_size}"
-            )
+        if cap.granularity == Granularity.STEP:
+            # A request resumed on another worker of the group must see the same tokenizer and limits.
+            for attr in ("vocab_size", "max_model_len", "eos_token_ids"):
+                mine, theirs = getattr(cap.model, attr), getattr(first.model, attr)
+                if mine != theirs:
+                    raise _mismatch(
+                        f"{attr} mismatch within the group: {first.worker_id} has {theirs}, "
+                        f"{cap.worker_id} has {mine}"
+                    )
         if required_max_model_len is not None and cap.model.max_model_len < required_max_model_len:
             raise _mismatch(
                 f"max_model_len too small: backend {cap.worker_id} supports {cap.model.max_model_len} tokens, "
@@ -91,4 +135,4 @@ def check_group(
             )
 
 
-__all__ = ["UNSTATED_DTYPE", "check_group"]
+__all__ = ["UNSTATED_DTYPE", "ServingTerms", "check_group", "negotiate"]

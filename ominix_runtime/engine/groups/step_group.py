@@ -1,8 +1,8 @@
-"""The asyncio driver of one step-level worker group: scheduler + KV registry + one ordered worker stream.
+"""The step-level worker group: scheduler + KV registry + one ordered worker stream, and the task driving it.
 
 The loop keeps up to ``max_inflight_steps`` steps in flight (2 = overlap: step N+1 is sent before step N's
-result is back; the scheduler's placeholders make that safe). Deadlines are swept every iteration, and a
-cheap registry integrity check runs now and then while idle.
+result is back; the scheduler's placeholders make that safe). A cheap registry integrity check runs now and
+then while idle; deadlines are the base class's (the engine core sweeps them).
 
 Failure: a broken stream, a missed heartbeat or a step past ``step_timeout`` marks the group unhealthy. Its
 live requests are handed to the engine (``evacuate``), which resumes them on another worker group from
@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
-import time
 from collections import deque
-from collections.abc import Callable
+from typing import Literal
 
 from ominix_runtime.contract import (
+    BackendAdapter,
     BackendCapability,
     DecodeStep,
     Error,
     FinishReason,
     GenerateRequest,
+    Granularity,
     OminixError,
     RuntimeErrorKind,
     StepBackend,
@@ -36,67 +36,51 @@ from ominix_runtime.contract import (
     WorkerEvent,
 )
 from ominix_runtime.engine.config import EngineCoreConfig
+from ominix_runtime.engine.groups.worker_group import ErrorInfo, GroupHooks, RequestTimes, WorkerGroup
 from ominix_runtime.engine.logs import log_event
 from ominix_runtime.engine.request import EngineRequest
 from ominix_runtime.engine.scheduler import Scheduler
-from ominix_runtime.engine.stats import LoadSnapshot, RunReport, SchedulerCounters, StepReport
+from ominix_runtime.engine.stats import StepReport
 
 # Above this many blocks the idle-time check is the O(1) quiescence check only (a full walk would stall).
 _FULL_CHECK_MAX_BLOCKS = 16384
 
-EventSink = Callable[[list[WorkerEvent]], None]
-ReportSink = Callable[[RunReport], None]
-StepSink = Callable[[str, StepReport], None]
-# Called with a failed group's live requests; returns those no other group took (the group ends them).
-EvacuateSink = Callable[["StepWorkerGroup", list[EngineRequest]], list[EngineRequest]]
 
-
-class StepWorkerGroup:
+class StepWorkerGroup(WorkerGroup):
     """Owns the scheduler of one StepBackend and the task that drives it."""
 
-    granularity = "step"
+    granularity = Granularity.STEP
+    resumes_requests = True
 
     def __init__(
-        self,
-        backend: StepBackend,
-        capability: BackendCapability,
-        config: EngineCoreConfig,
-        deliver: EventSink,
-        report: ReportSink,
-        step_report: StepSink,
-        evacuate: EvacuateSink | None = None,
+        self, backend: StepBackend, capability: BackendCapability, config: EngineCoreConfig, hooks: GroupHooks
     ) -> None:
+        super().__init__(capability, config, hooks)
         self.backend = backend
-        self.capability = capability
-        self.worker_id = capability.worker_id
-        self.config = config
-        self.scheduler = Scheduler(capability, config.scheduler)
-        self.healthy = True
-        self.running = False  # driver task started and stream open
-        self.integrity_checks = 0
-        self.integrity_violations = 0
-        self.decode_tokens_per_second = 0.0
-        self.recent_step_durations: deque[float] = deque(maxlen=config.recent_window)
-        self.recent_batch_sizes: deque[int] = deque(maxlen=config.recent_window)
-        self._deliver = deliver
-        self._report = report
-        self._step_report = step_report
-        self._evacuate = evacuate
-        self.num_failures = 0
-        self.num_reconnects = 0
+        self.scheduler = Scheduler(capability, config.scheduler, counters=self.counters)
         self._wake = asyncio.Event()
         self._opened = asyncio.Event()
         self._stopping = False
-        self._deadlines: list[tuple[float, str]] = []
         self._inflight: deque[tuple[DecodeStep, float]] = deque()
         self._stream: StepStream | None = None
         self._task: asyncio.Task[None] | None = None
         self._last_integrity_check = 0.0
         self._last_result_at = 0.0
 
-    @property
-    def counters(self) -> SchedulerCounters:
-        return self.scheduler.counters
+    @classmethod
+    def create(
+        cls,
+        backend: BackendAdapter,
+        capability: BackendCapability,
+        config: EngineCoreConfig,
+        hooks: GroupHooks,
+    ) -> StepWorkerGroup:
+        if not isinstance(backend, StepBackend):
+            raise OminixError(
+                RuntimeErrorKind.CAPABILITY_MISMATCH,
+                f"backend {capability.worker_id} states step granularity but cannot open a step stream",
+            )
+        return cls(backend, capability, config, hooks)
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 
@@ -128,13 +112,10 @@ class StepWorkerGroup:
 
     def submit(self, request: GenerateRequest) -> None:
         self.scheduler.add_request(request)
-        if request.deadline is not None:
-            heapq.heappush(self._deadlines, (request.deadline, request.request_id))
+        self._track_deadline(request)
         self._wake.set()
 
-    def abort(
-        self, request_id: str, reason: FinishReason, error: tuple[RuntimeErrorKind, str] | None
-    ) -> bool:
+    def abort(self, request_id: str, reason: FinishReason, error: ErrorInfo | None) -> bool:
         events = self.scheduler.abort_request(request_id, reason, error)
         self._emit(events)
         self._wake.set()
@@ -146,47 +127,68 @@ class StepWorkerGroup:
         self._wake.set()
         return bool(events)
 
-    def expire(self, now: float) -> None:
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, rid = heapq.heappop(self._deadlines)
-            if rid in self.scheduler.requests:
-                self.abort(
-                    rid, FinishReason.ABORT, (RuntimeErrorKind.TIMEOUT, "the request's deadline passed")
-                )
-
-    def live_request_ids(self) -> list[str]:
-        return list(self.scheduler.requests)
+    def live_request(self, request_id: str) -> GenerateRequest | None:
+        live = self.scheduler.requests.get(request_id)
+        return live.request if live is not None else None
 
     def prefix_hit_tokens(self, request: GenerateRequest) -> int:
         return self.scheduler.prefix_hit_tokens(request.prompt_token_ids) if self.healthy else 0
 
-    def load(self) -> LoadSnapshot:
-        s = self.scheduler
-        return LoadSnapshot(
-            worker_id=self.worker_id,
-            queued_requests=s.num_waiting,
-            running_requests=s.num_running,
-            waiting_tokens=s.waiting.num_waiting_tokens,
-            kv_bytes_used=s.registry.num_leased_blocks * self.capability.kv_bytes_per_block,
-            kv_bytes_capacity=s.registry.num_blocks * self.capability.kv_bytes_per_block,
-            estimated_decode_tokens_per_second=self.decode_tokens_per_second,
-            healthy=self.healthy,
-        )
+    @property
+    def num_queued(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return self.scheduler.waiting.num_waiting_tokens
 
     @property
     def kv_blocks(self) -> tuple[int, int]:
         return self.scheduler.registry.num_leased_blocks, self.scheduler.registry.num_blocks
 
+    @property
+    def kv_token_capacity(self) -> int:
+        return self.scheduler.registry.num_blocks * self.scheduler.registry.block_size
+
+    def prefix_cache_tokens(self) -> tuple[int, int]:
+        registry = self.scheduler.registry
+        return registry.prefix_query_tokens, registry.prefix_hit_tokens
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
     # ---- the loop -------------------------------------------------------------------------------------
 
     def _emit(self, events: list[WorkerEvent]) -> None:
         if events:
-            self._deliver(events)
-        reports = self.scheduler.finished_reports
-        if reports:
-            self.scheduler.finished_reports = []
-            for r in reports:
-                self._report(r)
+            self.hooks.deliver(events)
+        finished = self.scheduler.finished
+        if finished:
+            self.scheduler.finished = []
+            for req in finished:
+                self._report_finished(req)
+
+    def _report_finished(self, req: EngineRequest) -> None:
+        queued = req.queued_time
+        self._report_run(
+            req.request,
+            req.finish_reason or FinishReason.ERROR,
+            req.error_kind,
+            output_tokens=req.num_output_tokens,
+            cached_tokens=req.num_cached_tokens,
+            times=RequestTimes(
+                queued=queued,
+                finished=req.finished_time if req.finished_time is not None else queued,
+                started=req.first_scheduled_time,
+                first_token=req.first_token_time,
+            ),
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_preemptions=req.num_preemptions,
+        )
 
     async def _run(self) -> None:
         try:
@@ -235,10 +237,8 @@ class StepWorkerGroup:
             except Exception as exc:  # noqa: BLE001 - still down: try again later
                 log_event("debug", "worker_reconnect_failed", worker_id=self.worker_id, error=str(exc))
                 continue
-            counters = self.scheduler.counters
             self.capability = cap
-            self.scheduler = Scheduler(cap, self.config.scheduler)
-            self.scheduler.counters = counters  # monotonic across reconnects
+            self.scheduler = Scheduler(cap, self.config.scheduler, counters=self.counters)
             self._deadlines.clear()
             self._last_result_at = 0.0
             self.num_reconnects += 1
@@ -262,7 +262,6 @@ class StepWorkerGroup:
         recv: asyncio.Future[StepResult] | None = None
         try:
             while not self._stopping:
-                self.expire(time.monotonic())
                 while len(self._inflight) < max_inflight:
                     step = self.scheduler.schedule()
                     self._emit([])
@@ -275,9 +274,11 @@ class StepWorkerGroup:
                 if not self._inflight:
                     self._idle_check(loop.time())
                     self._wake.clear()
-                    timeout = self.config.deadline_check_interval if self._deadlines else 1.0
+                    # Aborts (deadlines included) set _wake; the timeout paces the idle integrity check.
+                    timeout = 1.0
                     wake = asyncio.ensure_future(self._wake.wait())
-                    await asyncio.wait({wake, recv}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                    waiting: set[asyncio.Future[Literal[True]] | asyncio.Future[StepResult]] = {wake, recv}
+                    await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                     wake.cancel()
                     if recv.done():
                         recv.result()  # raises the stream's failure
@@ -319,14 +320,10 @@ class StepWorkerGroup:
     ) -> None:
         sampled = sum(len(e.token_ids) for e in events if isinstance(e, Token))
         batch = len(step.new_requests) + len(step.running_requests)
-        if duration > 0 and sampled:
-            alpha = self.config.decode_rate_ewma_alpha
-            rate = sampled / duration
-            prev = self.decode_tokens_per_second
-            self.decode_tokens_per_second = rate if prev == 0.0 else alpha * rate + (1 - alpha) * prev
+        self._observe_decode_rate(sampled, duration)
         self.recent_step_durations.append(duration)
         self.recent_batch_sizes.append(batch)
-        self._step_report(
+        self.hooks.step_report(
             self.worker_id,
             StepReport(
                 step_id=step.step_id,
@@ -369,7 +366,7 @@ class StepWorkerGroup:
             self._end_all(error)
             return
         self._deadlines.clear()
-        left = self._evacuate(self, evicted) if self._evacuate is not None else evicted
+        left = self._hand_over(evicted)
         for req in left:
             try:
                 events = self.scheduler.fail_evicted(req, error)
@@ -378,7 +375,7 @@ class StepWorkerGroup:
             self._emit(events)
         self._end_all(error)  # anything the scheduler still holds
 
-    def _end_all(self, error: tuple[RuntimeErrorKind, str]) -> None:
+    def _end_all(self, error: ErrorInfo) -> None:
         for rid in list(self.scheduler.requests):
             try:
                 events = self.scheduler.abort_request(rid, FinishReason.ERROR, error)
@@ -390,7 +387,5 @@ class StepWorkerGroup:
     def adopt(self, req: EngineRequest) -> None:
         """Take over a request from a failed group (raises OminixError when it cannot run here)."""
         self.scheduler.adopt(req)
-        deadline = req.request.deadline
-        if deadline is not None:
-            heapq.heappush(self._deadlines, (deadline, req.request_id))
+        self._track_deadline(req.request)
         self._wake.set()

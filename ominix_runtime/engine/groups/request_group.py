@@ -12,16 +12,17 @@ from __future__ import annotations
 import asyncio
 import heapq
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from ominix_runtime.contract import (
+    BackendAdapter,
     BackendCapability,
     Done,
     Error,
     FinishReason,
     GenerateRequest,
+    Granularity,
     InvalidArgument,
     OminixError,
     PrefillDone,
@@ -33,8 +34,8 @@ from ominix_runtime.contract import (
     is_terminal,
 )
 from ominix_runtime.engine.config import EngineCoreConfig
+from ominix_runtime.engine.groups.worker_group import ErrorInfo, GroupHooks, RequestTimes, WorkerGroup
 from ominix_runtime.engine.logs import log_event
-from ominix_runtime.engine.stats import LoadSnapshot, RunReport, SchedulerCounters, StepReport
 
 # How long a backend stream may keep talking after its terminal event before the engine stops listening.
 _AFTER_TERMINAL_GRACE = 1.0
@@ -54,41 +55,41 @@ class _Forwarded:
     task: asyncio.Task[None] | None = None
 
 
-class RequestWorkerGroup:
-    granularity = "request"
+class RequestWorkerGroup(WorkerGroup):
+    """Forwards whole requests to one RequestBackend, at most ``max_running_requests`` at once."""
+
+    granularity = Granularity.REQUEST
 
     def __init__(
         self,
         backend: RequestBackend,
         capability: BackendCapability,
         config: EngineCoreConfig,
-        deliver: Callable[[list[WorkerEvent]], None],
-        report: Callable[[RunReport], None],
-        step_report: Callable[[str, StepReport], None],
+        hooks: GroupHooks,
     ) -> None:
+        super().__init__(capability, config, hooks)
         self.backend = backend
-        self.capability = capability
-        self.worker_id = capability.worker_id
-        self.config = config
         limit = config.scheduler.max_running_requests or capability.max_running_requests
         self.max_running_requests = max(1, min(limit, capability.max_running_requests))
-        self.counters = SchedulerCounters()
-        self.healthy = True
-        self.running = False
-        self.protocol_violations: deque[str] = deque(maxlen=64)
-        self.num_protocol_violations = 0
-        self.decode_tokens_per_second = 0.0
-        self.integrity_checks = 0
-        self.integrity_violations = 0
-        self.recent_step_durations: deque[float] = deque(maxlen=config.recent_window)
-        self.recent_batch_sizes: deque[int] = deque(maxlen=config.recent_window)
-        self._deliver = deliver
-        self._report = report
         self._queue: list[tuple[int, int, str]] = []  # (priority, seq, request id) heap
         self._live: dict[str, _Forwarded] = {}
         self._num_running = 0
         self._seq = 0
-        self._deadlines: list[tuple[float, str]] = []
+
+    @classmethod
+    def create(
+        cls,
+        backend: BackendAdapter,
+        capability: BackendCapability,
+        config: EngineCoreConfig,
+        hooks: GroupHooks,
+    ) -> RequestWorkerGroup:
+        if not isinstance(backend, RequestBackend):
+            raise OminixError(
+                RuntimeErrorKind.CAPABILITY_MISMATCH,
+                f"backend {capability.worker_id} states request granularity but cannot take whole requests",
+            )
+        return cls(backend, capability, config, hooks)
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 
@@ -138,8 +139,7 @@ class RequestWorkerGroup:
         self._seq += 1
         self._live[rid] = _Forwarded(request, self._seq, time.monotonic())
         heapq.heappush(self._queue, (int(request.priority), self._seq, rid))
-        if request.deadline is not None:
-            heapq.heappush(self._deadlines, (request.deadline, rid))
+        self._track_deadline(request)
         self.counters.accepted += 1
         self.counters.prompt_tokens += len(request.prompt_token_ids)
         self._pump()
@@ -154,9 +154,7 @@ class RequestWorkerGroup:
             self._num_running += 1
             fwd.task = asyncio.create_task(self._forward(fwd), name=f"ominix-forward-{rid}")
 
-    def abort(
-        self, request_id: str, reason: FinishReason, error: tuple[RuntimeErrorKind, str] | None
-    ) -> bool:
+    def abort(self, request_id: str, reason: FinishReason, error: ErrorInfo | None) -> bool:
         fwd = self._live.get(request_id)
         if fwd is None:
             return False
@@ -188,38 +186,24 @@ class RequestWorkerGroup:
                 error=str(exc),
             )
 
-    def expire(self, now: float) -> None:
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, rid = heapq.heappop(self._deadlines)
-            if rid in self._live:
-                self.abort(
-                    rid, FinishReason.ABORT, (RuntimeErrorKind.TIMEOUT, "the request's deadline passed")
-                )
-
-    def live_request_ids(self) -> list[str]:
-        return list(self._live)
-
-    def prefix_hit_tokens(self, request: GenerateRequest) -> int:
-        return 0
-
-    def load(self) -> LoadSnapshot:
-        queued = sum(1 for f in self._live.values() if f.task is None)
-        return LoadSnapshot(
-            worker_id=self.worker_id,
-            queued_requests=queued,
-            running_requests=len(self._live) - queued,
-            waiting_tokens=sum(
-                len(f.request.prompt_token_ids) for f in self._live.values() if f.task is None
-            ),
-            kv_bytes_used=0,
-            kv_bytes_capacity=self.capability.kv_bytes_capacity,
-            estimated_decode_tokens_per_second=self.decode_tokens_per_second,
-            healthy=self.healthy,
-        )
+    def live_request(self, request_id: str) -> GenerateRequest | None:
+        fwd = self._live.get(request_id)
+        return fwd.request if fwd is not None else None
 
     @property
-    def kv_blocks(self) -> tuple[int, int]:
-        return 0, 0
+    def num_queued(self) -> int:
+        return sum(1 for f in self._live.values() if f.task is None)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._live) - self.num_queued
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(len(f.request.prompt_token_ids) for f in self._live.values() if f.task is None)
+
+    def kv_bytes(self) -> tuple[int, int]:
+        return 0, self.capability.kv_bytes_capacity  # the backend's own KV: capacity only
 
     # ---- forwarding -----------------------------------------------------------------------------------
 
@@ -233,8 +217,7 @@ class RequestWorkerGroup:
         rid = fwd.request.request_id
         backend_terminal = False
         try:
-            stream = self.backend.generate(fwd.request)
-            iterator = stream.__aiter__()
+            iterator: AsyncIterator[WorkerEvent] = self.backend.generate(fwd.request).__aiter__()
             while True:
                 try:
                     if backend_terminal:
@@ -276,7 +259,7 @@ class RequestWorkerGroup:
                     fwd.cached_tokens = event.cached_tokens
                     continue  # the engine sends its own Usage right before the terminal event
                 if not fwd.terminal_sent:
-                    self._deliver([event])
+                    self.hooks.deliver([event])
             if not backend_terminal:
                 self._violation(fwd, "ended its stream without a terminal event")
                 self._end(
@@ -300,7 +283,7 @@ class RequestWorkerGroup:
         self,
         fwd: _Forwarded,
         reason: FinishReason,
-        error: tuple[RuntimeErrorKind, str] | None,
+        error: ErrorInfo | None,
         matched_stop: str = "",
         text: str = "",
     ) -> None:
@@ -328,30 +311,20 @@ class RequestWorkerGroup:
             else:
                 c.finished += 1
         c.cached_tokens += fwd.cached_tokens
-        self._deliver([usage, terminal])
+        self.hooks.deliver([usage, terminal])
         now = time.monotonic()
-        ttft = fwd.first_token_time - fwd.queued_time if fwd.first_token_time is not None else None
-        tpot = None
-        if fwd.first_token_time is not None and fwd.num_output_tokens > 1:
-            tpot = (now - fwd.first_token_time) / (fwd.num_output_tokens - 1)
-            rate = (fwd.num_output_tokens - 1) / max(now - fwd.first_token_time, 1e-9)
-            alpha = self.config.decode_rate_ewma_alpha
-            prev = self.decode_tokens_per_second
-            self.decode_tokens_per_second = rate if prev == 0.0 else alpha * rate + (1 - alpha) * prev
-        self._report(
-            RunReport(
-                request_id=rid,
-                worker_id=self.worker_id,
-                finish_reason=reason,
-                error_kind=error[0] if error else None,
-                prompt_tokens=len(fwd.request.prompt_token_ids),
-                output_tokens=fwd.num_output_tokens,
-                cached_tokens=fwd.cached_tokens,
-                num_preemptions=0,
-                queue_time=fwd.started_time - fwd.queued_time if fwd.started_time is not None else None,
-                ttft=ttft,
-                tpot=tpot,
-                e2e=now - fwd.queued_time,
-                priority=int(fwd.request.priority),
-            )
+        if fwd.first_token_time is not None:
+            self._observe_decode_rate(fwd.num_output_tokens - 1, now - fwd.first_token_time)
+        self._report_run(
+            fwd.request,
+            reason,
+            error[0] if error else None,
+            output_tokens=fwd.num_output_tokens,
+            cached_tokens=fwd.cached_tokens,
+            times=RequestTimes(
+                queued=fwd.queued_time,
+                finished=now,
+                started=fwd.started_time,
+                first_token=fwd.first_token_time,
+            ),
         )

@@ -1,0 +1,26 @@
+"""Tensor parallelism for model families: the group a rank belongs to, sharded layers, sliced weight reads."""
+
+from ominix_worker.parallel.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    ParallelModule,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from ominix_worker.parallel.tensor_parallel import SINGLE, ShardRange, TensorParallel
+from ominix_worker.parallel.weights import SafetensorsWeight, TensorWeight, WeightSource, as_weight_source
+
+__all__ = [
+    "SINGLE",
+    "ColumnParallelLinear",
+    "ParallelLMHead",
+    "ParallelModule",
+    "RowParallelLinear",
+    "SafetensorsWeight",
+    "ShardRange",
+    "TensorParallel",
+    "TensorWeight",
+    "VocabParallelEmbedding",
+    "WeightSource",
+    "as_weight_source",
+]

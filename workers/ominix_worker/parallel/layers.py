@@ -1,0 +1,158 @@
+"""Megatron-style sharded layers: column- and row-parallel linears, a vocab-parallel embedding and LM head.
+
+Each layer owns how its checkpoint tensors are cut: ``load_weight(param_name, source, part)`` reads this
+rank's slice of a full checkpoint tensor (``part`` picks one of several tensors fused into one parameter,
+e.g. q, k, v) and writes it into the local parameter. With ``SINGLE`` they are the plain layers with full
+weights and no collective, so one model definition serves every group size.
+
+- ``ColumnParallelLinear``: output features split; each rank returns its slice of the output (no collective).
+- ``RowParallelLinear``: input features split; partial products are summed with one all-reduce.
+- ``VocabParallelEmbedding``: vocabulary rows split (padded to a multiple of the group); lookups outside the
+  rank's rows give zeros and one all-reduce completes each embedding.
+- ``ParallelLMHead``: vocabulary rows split; the logits are all-gathered, so every rank holds all of them and
+  samples the same token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ominix_worker.parallel.tensor_parallel import SINGLE, ShardRange, TensorParallel
+from ominix_worker.parallel.weights import WeightSource
+
+
+def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(f"{what}: shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
+    with torch.no_grad():
+        target.copy_(tensor)
+
+
+class ParallelModule(nn.Module):
+    """A layer that reads its own slices of checkpoint tensors."""
+
+    def load_weight(self, param_name: str, source: WeightSource, part: int | None = None) -> None:
+        raise NotImplementedError
+
+    def num_parts(self, param_name: str) -> int:
+        """How many checkpoint tensors are fused into ``param_name`` (each must be loaded once)."""
+        return 1
+
+
+class ColumnParallelLinear(ParallelModule):
+    """y = x Wᵀ (+ b) with W's output rows split; ``parts`` are the fused outputs' rows on this rank.
+
+    ``full_sizes[i]`` is the output size of fused part i in the checkpoint; ``parts[i]`` the rows of it this
+    rank holds. The local output is the parts' slices side by side (e.g. [q | k | v] of the rank's heads).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        full_sizes: Sequence[int],
+        parts: Sequence[ShardRange],
+        bias: bool,
+    ) -> None:
+        super().__init__()
+        if len(full_sizes) != len(parts):
+            raise ValueError("one shard range per fused output")
+        self.full_sizes = list(full_sizes)
+        self.parts = list(parts)
+        self.offsets = [sum(p.size for p in self.parts[:i]) for i in range(len(self.parts))]
+        out_features = sum(p.size for p in self.parts)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    @classmethod
+    def split_evenly(
+        cls, in_features: int, full_sizes: Sequence[int], bias: bool, tp: TensorParallel = SINGLE
+    ) -> ColumnParallelLinear:
+        return cls(in_features, full_sizes, [tp.split(n, "output features") for n in full_sizes], bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def num_parts(self, param_name: str) -> int:
+        return len(self.parts)
+
+    def load_weight(self, param_name: str, source: WeightSource, part: int | None = None) -> None:
+        index = part or 0
+        shard = self.parts[index]
+        if source.shape[0] != self.full_sizes[index]:
+            raise ValueError(
+                f"{param_name}: {source.shape[0]} output rows, expected {self.full_sizes[index]}"
+            )
+        param = self.weight if param_name == "weight" else self.bias
+        assert param is not None, f"no {param_name} in this layer"
+        target = param.narrow(0, self.offsets[index], shard.size)
+        _copy_checked(target, source.read(0, shard.start, shard.size), param_name)
+
+
+class RowParallelLinear(ParallelModule):
+    """y = all_reduce(x_local W_localᵀ) (+ b): W's input columns split, x arrives already split the same way."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.shard = tp.split(in_features, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.shard.size))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out + self.bias if self.bias is not None else out
+
+    def load_weight(self, param_name: str, source: WeightSource, part: int | None = None) -> None:
+        if param_name == "bias":  # added once, after the reduction: every rank holds all of it
+            assert self.bias is not None, "no bias in this layer"
+            _copy_checked(self.bias, source.read(), param_name)
+            return
+        if source.shape[-1] != self.in_features:
+            raise ValueError(f"{param_name}: {source.shape[-1]} input columns, expected {self.in_features}")
+        _copy_checked(self.weight, source.read(1, self.shard.start, self.shard.size), param_name)
+
+
+class VocabParallelEmbedding(ParallelModule):
+    """Token embedding with the vocabulary split in contiguous row ranges (padded to a multiple of the group)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.shard = tp.padded_split(vocab_size)
+        self.num_real_rows = max(0, min(self.shard.end, vocab_size) - self.shard.start)
+        self.weight = nn.Parameter(torch.empty(self.shard.size, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.shard.start
+        outside = (local < 0) | (local >= self.num_real_rows)
+        embedded = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(embedded.masked_fill(outside.unsqueeze(-1), 0.0))
+
+    def load_weight(self, param_name: str, source: WeightSource, part: int | None = None) -> None:
+        if source.shape[0] != self.vocab_size:
+            raise ValueError(f"{param_name}: {source.shape[0]} vocabulary rows, expected {self.vocab_size}")
+        rows = self.weight.narrow(0, 0, self.num_real_rows)
+        _copy_checked(rows, source.read(0, self.shard.start, self.num_real_rows), param_name)
+        with torch.no_grad():  # padding rows: never looked up, and their logits are cut off
+            self.weight[self.num_real_rows :].zero_()
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection over the split vocabulary; ``logits`` gathers every rank's share."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden, self.weight)
+        if self.tp.size == 1:
+            return local
+        return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]
