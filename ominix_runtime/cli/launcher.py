@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ominix_runtime.cli.commands import command
 from ominix_runtime.cli.ports import check_ports_free, free_ports
-from ominix_runtime.cli.serve import engine_ports
+from ominix_runtime.cli.serve import check_model, engine_ports
 from ominix_runtime.cli.settings import ConfigError, child_command, child_environment
 from ominix_runtime.config import RuntimeConfig, TLSConfig, with_paths
 from ominix_runtime.server.logging import configure_logging, get_logger
@@ -104,12 +104,48 @@ def _set_parent_death_signal() -> None:
         pass
 
 
-def _spawn(argv: Sequence[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+def _spawn(argv: Sequence[str], env: dict[str, str], stderr: int | None = None) -> subprocess.Popen[bytes]:
     # Own session: a terminal's Ctrl-C reaches only the launcher, which drains the engine first and then
     # stops the workers itself.
     return subprocess.Popen(  # noqa: PLW1509
-        list(argv), env=env, start_new_session=True, preexec_fn=_set_parent_death_signal
+        list(argv), env=env, stderr=stderr, start_new_session=True, preexec_fn=_set_parent_death_signal
     )
+
+
+class WorkerOutput(threading.Thread):
+    """Copies a worker's stderr into the launcher's (one stream) and keeps its last line: a worker that dies
+    before it is ready is reported by the launcher in one line with the worker's own reason."""
+
+    FATAL_PREFIX = "ominix-worker: error: "
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        super().__init__(name="ominix-worker-output", daemon=True)
+        self._proc = proc
+        self.last_line = ""
+        self.hold_fatal = True  # until ready: the launcher reports a fatal line itself
+
+    def run(self) -> None:
+        assert self._proc.stderr is not None
+        for raw in self._proc.stderr:
+            line = raw.decode(errors="replace").rstrip("\n")
+            if not line:
+                continue
+            self.last_line = line
+            if self.hold_fatal and line.startswith(self.FATAL_PREFIX):
+                continue
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+
+    def reason(self) -> str:
+        self.join(timeout=2.0)  # the pipe closes when the process is gone
+        return self.last_line.removeprefix(self.FATAL_PREFIX)
+
+
+def _start_worker(plan: WorkerPlan, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], WorkerOutput]:
+    proc = _spawn(plan.argv, env, stderr=subprocess.PIPE)
+    output = WorkerOutput(proc)
+    output.start()
+    return proc, output
 
 
 def _stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 15.0) -> None:
@@ -126,7 +162,11 @@ def _stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 1
 
 
 def wait_workers_ready(
-    procs: Sequence[subprocess.Popen[bytes]], plans: Sequence[WorkerPlan], nonce: str, timeout: float
+    procs: Sequence[subprocess.Popen[bytes]],
+    plans: Sequence[WorkerPlan],
+    nonce: str,
+    timeout: float,
+    outputs: Sequence[WorkerOutput | None] = (),
 ) -> None:
     """Until every worker this launcher started says ready; a worker that exits first (it could not bind,
     load or start) or a process answering with another nonce ends the launch."""
@@ -142,9 +182,11 @@ def wait_workers_ready(
             for i in sorted(pending):
                 code = procs[i].poll()
                 if code is not None:
+                    output = outputs[i] if i < len(outputs) else None
+                    reason = output.reason() if output is not None else ""
                     raise LaunchError(
                         f"worker {plans[i].address} ({plans[i].device}) exited with code {code} before it was "
-                        "ready (its error is above)"
+                        f"ready: {reason or 'no reason given'}"
                     )
                 try:
                     resp = worker_pb2_grpc.WorkerStub(channels[i]).Health(
@@ -222,7 +264,8 @@ class WorkerSupervisor(threading.Thread):
             return
         if now < self._restart_at[i]:
             return
-        self.procs[i] = _spawn(self._plans[i].argv, self._env)
+        self.procs[i], output = _start_worker(self._plans[i], self._env)
+        output.hold_fatal = False
         self.restarts[i] += 1
         self._restart_at[i] = None
         self._started_at[i] = now
@@ -237,6 +280,7 @@ class WorkerSupervisor(threading.Thread):
 
 def run_launch(config: RuntimeConfig, options: argparse.Namespace) -> int:
     configure_logging(config.log.level, config.log.json, component="launcher")
+    check_model(config)
     ports = worker_ports(config)
     # Every port before anything loads: a taken one is found in milliseconds, not after the weights.
     check_ports_free(
@@ -265,9 +309,15 @@ def run_launch(config: RuntimeConfig, options: argparse.Namespace) -> int:
 
     previous_term = signal.signal(signal.SIGTERM, on_term)
     try:
-        procs.extend(_spawn(plan.argv, env) for plan in plans)
+        outputs: list[WorkerOutput] = []
+        for plan in plans:
+            proc, output = _start_worker(plan, env)
+            procs.append(proc)
+            outputs.append(output)
         _log.info("workers started", workers=[p.address for p in plans], devices=list(config.launch.devices))
-        wait_workers_ready(procs, plans, nonce, config.backends.ready_timeout)
+        wait_workers_ready(procs, plans, nonce, config.backends.ready_timeout, outputs)
+        for output in outputs:
+            output.hold_fatal = False
         supervisor = WorkerSupervisor(procs, plans, env)
         supervisor.start()
         if config.launch.engine_in_child:
@@ -282,7 +332,6 @@ def run_launch(config: RuntimeConfig, options: argparse.Namespace) -> int:
 
         return run_server(engine_config)
     except LaunchError as exc:
-        _log.error("launch failed", error=str(exc))
         print(f"ominix-runtime launch: error: {exc}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
