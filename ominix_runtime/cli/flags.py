@@ -212,8 +212,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--served-model-name",
         "served",
-        "a name requests may use for the model (repeatable; the first is the one reported; "
-        "unset: the model's own name)",
+        "a name requests may use for the model besides its own (GGUF general.name, the Hugging Face "
+        "folder or repo name, the dummy config's file name); repeatable",
         ("model.served_model_names",),
         repeatable=True,
         metavar="NAME",

@@ -111,7 +111,7 @@ class EngineDaemon:
             model_name = source.name
         self._backends = list(self._given_backends) if self._given_backends else _build_backends(config)
         engine = self._engine = EngineCore(self._backends, config.engine)
-        service = EngineService(engine, None, model_name, self.metrics)
+        service = EngineService(engine, None, model_name, self.metrics, config.model.served_model_names)
 
         # Every service is registered before the server starts; Generate answers UNAVAILABLE and health
         # says NOT_SERVING until the engine is ready.
@@ -166,6 +166,7 @@ class EngineDaemon:
             "serving",
             address=address,
             model=service.model_name,
+            served_model_names=list(config.model.served_model_names),
             workers=list(backends.workers),
             metrics_port=self.metrics_port or None,
             example=_grpcurl_hint(address, config.tls.enabled),

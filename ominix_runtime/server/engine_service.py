@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 import grpc.aio
@@ -68,10 +68,13 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         tokenizer: Tokenizer | None,
         model_name: str,
         metrics: EngineMetrics | None = None,
+        served_names: Sequence[str] = (),
     ) -> None:
         self._engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
+        # --served-model-name: further names requests may use for ``model_name``.
+        self.served_names = tuple(served_names)
         self._metrics = metrics
         self._live: set[str] = set()
         self._rejected = 0  # refused at the front edge (never reached the engine's counters)
@@ -99,9 +102,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     # ---- request resolution --------------------------------------------------------------------------
 
     def _resolve(self, pb: engine_pb2.GenerateRequest, request_id: str) -> GenerateRequest:
-        if pb.model and pb.model != self.model_name:
+        if pb.model and pb.model != self.model_name and pb.model not in self.served_names:
             if pb.model not in self._other_models():
-                served = ", ".join(repr(m) for m in sorted({self.model_name, *self._other_models()}))
+                names = {self.model_name, *self.served_names, *self._other_models()}
+                served = ", ".join(repr(m) for m in sorted(names))
                 raise _NotFound(f"model '{pb.model}' is not served here (serving {served})")
             return self._resolve_for_request_level(pb, request_id)
         vocab_size, max_model_len = self._model_limits(self.model_name)
