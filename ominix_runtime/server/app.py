@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+import time
 from collections.abc import Awaitable
 from dataclasses import asdict
 from pathlib import Path
@@ -26,6 +27,7 @@ from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.engine_service import EngineService
 from ominix_runtime.server.logging import configure_logging, get_logger
 from ominix_runtime.server.metrics import EngineMetrics, WorkerFigures
+from ominix_runtime.server.stats_line import StatsLine
 from ominix_runtime.text import Tokenizer
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -161,6 +163,8 @@ class EngineDaemon:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.get_running_loop().create_task(self._follow_health(engine)))
+        if config.server.stats_interval > 0:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._log_stats(engine)))
         address = f"{config.server.host}:{self.bound_port}"
         _log.info(
             "serving",
@@ -192,6 +196,18 @@ class EngineDaemon:
             self.config.server.metrics_port, self.config.server.metrics_host
         )
         self._tasks.append(asyncio.get_running_loop().create_task(self._refresh_metrics(engine)))
+
+    async def _log_stats(self, engine: EngineCore) -> None:
+        """One "stats" line every --stats-interval seconds while there is work (and once when it stops)."""
+        line = StatsLine(time.monotonic())
+        was_idle = True
+        while True:
+            await asyncio.sleep(self.config.server.stats_interval)
+            fields = line.fields(engine.stats())
+            idle = StatsLine.idle(fields)
+            if not (idle and was_idle):
+                _log.info("stats", **fields)
+            was_idle = idle
 
     async def _follow_health(self, engine: EngineCore) -> None:
         """SERVING while at least one worker group serves; NOT_SERVING while none does (they reconnect)."""

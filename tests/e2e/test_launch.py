@@ -4,6 +4,7 @@ failure found before anything loads, in one line."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -82,6 +83,8 @@ def test_launch_two_cpu_workers_and_stop_cleanly(tiny_model_dir: Path, tmp_path:
             "16MiB",
             "--drain-timeout",
             "60",
+            "--stats-interval",
+            "0.5",
         ],
         tmp_path,
     )
@@ -119,6 +122,18 @@ def test_launch_two_cpu_workers_and_stop_cleanly(tiny_model_dir: Path, tmp_path:
         assert rest[-1].done.finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert sum(len(e.token.token_ids) for e in rest if e.HasField("token")) == 60
         assert launch.popen.wait(timeout=120) == 0, launch.log_tail()
+        # One log stream: every line from the launcher, its workers and the engine is a JSON object with the
+        # same keys (stderr is not a terminal), and the stats line reported the streaming request.
+        lines = [json.loads(line) for line in launch.log_path.read_text().splitlines() if line.strip()]
+        assert all({"event", "level", "timestamp", "component"} <= set(line) for line in lines)
+        assert {line["component"] for line in lines} == {"launcher", "worker", "engine"}
+        assert {line["worker_id"] for line in lines if line["component"] == "worker"} == {
+            f"cpu@127.0.0.1:{base}",
+            f"cpu@127.0.0.1:{base + 1}",
+        }
+        stats = [line for line in lines if line["event"] == "stats"]
+        assert any(line["generation_tokens_per_s"] > 0 for line in stats), stats
+        assert all({"running", "waiting", "kv_usage", "prompt_tokens_per_s"} <= set(line) for line in stats)
         assert not any(_alive(pid) for pid in workers), "worker processes outlived launch"
         for worker_port in (base, base + 1):
             with socket.socket() as s:
