@@ -6,6 +6,8 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import contextlib
 import json
 import math
@@ -17,12 +19,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
 
 # ---------------------------------------------------------------- statistics
@@ -230,6 +233,101 @@ class ServiceFailed(RuntimeError):
     """The launched service exited or never became healthy."""
 
 
+class ServiceDied(ServiceFailed):
+    """A process the bench started exited while the bench waited on it."""
+
+
+class ServiceNotReady(ServiceFailed):
+    """The service stayed up but did not become SERVING in time."""
+
+
+def _log_tail(path: Path, num_lines: int) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-num_lines:])
+
+
+def _pid_exit(pid: int) -> str | None:
+    """None while ``pid`` runs; else how it ended as far as can be told without being its parent."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return "exited"
+    except OSError:  # no procfs: signal 0 tells whether it exists (a zombie still does)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return "exited"
+        except PermissionError:
+            return None
+        return None
+    state = stat.rsplit(")", 1)[-1].split()[0]  # the command name may hold spaces and parentheses
+    return "exited (zombie)" if state in ("Z", "X") else None
+
+
+@dataclass(slots=True)
+class WatchedProcess:
+    """A process a bench script started, watched while it waits: by Popen, or by pid when a shell started it."""
+
+    name: str
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    pid: int | None = None
+
+    def exit_status(self) -> str | None:
+        """None while it runs, else e.g. "exited with code 1"."""
+        if self.process is not None:
+            code = self.process.poll()
+            return None if code is None else f"exited with code {code}"
+        if self.pid is None:
+            raise ValueError(f"{self.name}: a watched process needs a Popen or a pid")
+        return _pid_exit(self.pid)
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        return _log_tail(self.log_path, num_lines)
+
+    def failure(self, status: str, num_lines: int = 40) -> str:
+        return f"{self.name} {status}; last lines of {self.log_path}:\n{self.log_tail(num_lines)}"
+
+
+def wait_until_ready(
+    probe: Callable[[], str],
+    watched: Sequence[WatchedProcess],
+    timeout_s: float,
+    what: str,
+    show_progress: bool = False,
+    poll_s: float = 0.5,
+) -> float:
+    """Poll ``probe`` until it returns "SERVING"; returns the seconds waited.
+
+    Before every probe each watched process is checked: the first one found dead raises ServiceFailed at once
+    with its last log lines, so a service that died at start never costs the whole timeout.
+    """
+    started = time.monotonic()
+    deadline = started + timeout_s
+    status = "UNREACHABLE"
+    while True:
+        for proc in watched:
+            exit_status = proc.exit_status()
+            if exit_status is not None:
+                raise ServiceDied(f"{what}: " + proc.failure(exit_status))
+        status = probe()
+        waited = time.monotonic() - started
+        if status == "SERVING":
+            if show_progress:
+                print(file=sys.stderr)
+            return waited
+        if time.monotonic() >= deadline:
+            break
+        if show_progress:
+            print(f"\rwaiting for {what}: {status} ({waited:.0f} s)", end="", file=sys.stderr, flush=True)
+        time.sleep(poll_s)
+    tails = "\n".join(p.failure("still running") for p in watched)
+    raise ServiceNotReady(f"{what} not SERVING after {timeout_s:.0f} s (last: {status})\n{tails}")
+
+
 @dataclass(slots=True)
 class LaunchedService:
     address: str
@@ -238,11 +336,10 @@ class LaunchedService:
     log_path: Path
 
     def log_tail(self, num_lines: int = 40) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-num_lines:])
+        return _log_tail(self.log_path, num_lines)
+
+    def watched(self) -> WatchedProcess:
+        return WatchedProcess("ominix-runtime launch", self.log_path, process=self.process)
 
 
 def _stop_process_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
@@ -310,34 +407,77 @@ def launch_service(
 
 
 def wait_until_serving(service: LaunchedService, timeout_s: float, show_progress: bool) -> None:
-    started = time.monotonic()
-    deadline = started + timeout_s
-    status = "UNREACHABLE"
-    while time.monotonic() < deadline:
-        if service.process.poll() is not None:
-            raise ServiceFailed(
-                f"service exited with code {service.process.returncode} before serving; log tail:\n"
-                + service.log_tail()
-            )
-        status = health_status(service.address, timeout_s=1.0)
-        if status == "SERVING":
-            if show_progress:
-                print(file=sys.stderr)
-            print(
-                f"service SERVING at {service.address} after {time.monotonic() - started:.1f} s",
-                file=sys.stderr,
-                flush=True,
-            )
-            return
-        if show_progress:
-            print(
-                f"\rwaiting for {service.address}: {status} ({time.monotonic() - started:.0f} s)",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
-        time.sleep(0.5)
-    raise ServiceFailed(
-        f"service at {service.address} not SERVING after {timeout_s:.0f} s (last: {status}); log tail:\n"
-        + service.log_tail()
+    waited = wait_until_ready(
+        lambda: health_status(service.address, timeout_s=1.0),
+        [service.watched()],
+        timeout_s,
+        f"service at {service.address}",
+        show_progress,
     )
+    print(f"service SERVING at {service.address} after {waited:.1f} s", file=sys.stderr, flush=True)
+
+
+def run_while_alive(work: Coroutine[Any, Any, T], service: LaunchedService, poll_s: float = 0.5) -> T:
+    """``asyncio.run(work)``, stopped at once with ServiceFailed (and the log tail) if the service dies."""
+
+    async def guarded() -> T:
+        task = asyncio.ensure_future(work)
+        while True:
+            await asyncio.wait({task}, timeout=poll_s)
+            if task.done():
+                return task.result()
+            status = service.watched().exit_status()
+            if status is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise ServiceDied(service.watched().failure(status))
+
+    return asyncio.run(guarded())
+
+
+def exit_code_of(script_main: Callable[[], int]) -> int:
+    """Run a bench script's main; a service that died or never served ends it with its log tail, exit 1."""
+    try:
+        return script_main()
+    except ServiceFailed as exc:
+        print(f"{Path(sys.argv[0]).name}: {exc}", file=sys.stderr, flush=True)
+        return 1
+
+
+# ---------------------------------------------------------------- command line (for shell scripts)
+
+
+def _watch_spec(spec: str) -> WatchedProcess:
+    name, pid, log = spec.split(":", 2)
+    return WatchedProcess(name, Path(log), pid=int(pid))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python3 bench/common.py wait-serving ADDRESS --watch NAME:PID:LOG ...``: wait for health SERVING,
+    exit 1 at once (printing its last log lines) when a watched process has died, 2 on timeout."""
+    parser = argparse.ArgumentParser(prog="bench/common.py")
+    sub = parser.add_subparsers(dest="command", required=True)
+    wait = sub.add_parser("wait-serving", help="wait for grpc health SERVING while the given processes live")
+    wait.add_argument("address")
+    wait.add_argument("--timeout", type=float, default=600.0)
+    wait.add_argument("--watch", action="append", default=[], type=_watch_spec, metavar="NAME:PID:LOG")
+    args = parser.parse_args(argv)
+    try:
+        waited = wait_until_ready(
+            lambda: health_status(args.address, timeout_s=1.0), args.watch, args.timeout, args.address
+        )
+    except ServiceDied as exc:
+        print(str(exc), file=sys.stderr, flush=True)
+        return 1
+    except ServiceNotReady as exc:
+        print(str(exc), file=sys.stderr, flush=True)
+        return 2
+    print(f"SERVING at {args.address} after {waited:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if __package__ in (None, ""):
+        sys.path[0] = str(REPO_ROOT)  # grpc stubs of the repository, not this folder
+    sys.exit(main())

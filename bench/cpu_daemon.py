@@ -34,7 +34,15 @@ if __package__ in (None, ""):
     # (bench/kernels.py would shadow the ``kernels`` package that transformers probes for).
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from bench.common import fmt, format_table, launch_service, write_json, write_plot  # noqa: E402
+from bench.common import (  # noqa: E402
+    exit_code_of,
+    fmt,
+    format_table,
+    launch_service,
+    run_while_alive,
+    write_json,
+    write_plot,
+)
 from bench.serve import BenchConfig, BenchResult, RequestSpec, fetch_backends, format_report, run_benchmark  # noqa: E402
 
 CHAT_PROMPTS: tuple[str, ...] = (
@@ -192,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         caching = [] if args.prefix_caching else ["--no-prefix-caching"]
         service_args = ["--devices", "cpu", *caching, *launch_args]
         with launch_service(service_args, ready_timeout_s=args.ready_timeout, env=env) as svc:
-            daemon, dtype, device = asyncio.run(run_daemon_side(svc.address, args))
+            daemon, dtype, device = run_while_alive(run_daemon_side(svc.address, args), svc)
         print("service stopped", file=sys.stderr, flush=True)
     if args.plot:
         print(f"plot: {write_plot(args.plot, daemon.plot_data())}")
@@ -245,4 +253,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_code_of(main))

@@ -48,17 +48,9 @@ run_service() {
     >"$OUT/engine.log" 2>&1 &
   epid=$!
   local started=$SECONDS
-  if timeout 600 python3 - "$eport" <<'EOF'
-import sys, time
-from bench.common import health_status
-address = f"127.0.0.1:{sys.argv[1]}"
-deadline = time.monotonic() + 600
-while time.monotonic() < deadline:
-    if health_status(address) == "SERVING":
-        sys.exit(0)
-    time.sleep(0.5)
-sys.exit(1)
-EOF
+  # Stops at once (exit 1, last log lines printed) when the worker or the engine has died, e.g. at import.
+  if timeout 660 python3 bench/common.py wait-serving "127.0.0.1:$eport" --timeout 600 \
+    --watch "worker:$wpid:$OUT/worker.log" --watch "engine:$epid:$OUT/engine.log"
   then
     echo "service SERVING after $((SECONDS - started)) s"
     timeout "$SERVICE_S" python3 bench/offline.py --address "127.0.0.1:$eport" --all --no-progress \
@@ -69,7 +61,7 @@ EOF
     timeout 120 python3 bench/offline.py --address "127.0.0.1:$eport" --no-progress --no-request-details \
       $PROFILE_ARGS $OFFLINE_ARGS >"$OUT/profile_run.txt" 2>&1 || echo "profile run failed: $(tail -3 "$OUT/profile_run.txt")"
   else
-    echo "service never SERVING"; tail -20 "$OUT/worker.log"; tail -20 "$OUT/engine.log"
+    echo "service never SERVING (see above)"
   fi
   kill -TERM "$epid" 2>/dev/null; sleep 1; kill -TERM "$wpid" 2>/dev/null
   for _ in $(seq 60); do kill -0 "$wpid" 2>/dev/null || break; sleep 0.5; done

@@ -36,7 +36,15 @@ if __package__ in (None, ""):
     # (bench/kernels.py would shadow the ``kernels`` package that transformers probes for).
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from bench.common import fmt, format_table, launch_service, write_json, write_plot  # noqa: E402
+from bench.common import (  # noqa: E402
+    exit_code_of,
+    fmt,
+    format_table,
+    launch_service,
+    run_while_alive,
+    write_json,
+    write_plot,
+)
 from bench.serve import (  # noqa: E402
     BenchConfig,
     BenchResult,
@@ -414,7 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.time()
     if args.launch:
         with launch_service(launch_args, ready_timeout_s=args.ready_timeout) as service:
-            asyncio.run(run_modes(service.address, args, report))
+            run_while_alive(run_modes(service.address, args, report), service)
         print("service stopped", file=sys.stderr, flush=True)
     else:
         asyncio.run(run_modes(args.address or "127.0.0.1:50061", args, report))
@@ -444,4 +452,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_code_of(main))

@@ -34,8 +34,10 @@ import numpy as np  # noqa: E402
 from bench.common import (  # noqa: E402
     PlotData,
     Summary,
+    exit_code_of,
     fmt,
     launch_service,
+    run_while_alive,
     summarize_seconds,
     write_json,
     write_plot,
@@ -76,6 +78,7 @@ class BenchConfig:
     timeline_bin_s: float | None = None  # None: about 60 bins over the run
     progress: bool | None = None  # None: a progress bar only when stderr is a TTY
     label: str = ""
+    load_sample_s: float = 0.0  # > 0: poll the engine's GetLoad this often (queue depth, KV use per request)
 
 
 @dataclass(slots=True)
@@ -190,6 +193,7 @@ class RequestResult:
     first_token_time: float | None = None
     chunk_times: list[float] = field(default_factory=list)  # arrival of every token chunk
     chunk_tokens: list[int] = field(default_factory=list)  # tokens per chunk
+    output_token_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
@@ -239,6 +243,7 @@ async def _send_one(
                     result.first_token_time = now
                 result.chunk_times.append(now)
                 result.chunk_tokens.append(len(event.token.token_ids))
+                result.output_token_ids.extend(event.token.token_ids)
             elif kind == "prefill_done":
                 result.server_ttft_s = event.prefill_done.ttft_seconds
                 result.prompt_tokens = event.prefill_done.prompt_tokens
@@ -267,6 +272,38 @@ async def _send_one(
     if result.success and result.first_token_time is None:
         result.success = False
         result.error = "finished without any token"
+
+
+@dataclass(slots=True)
+class LoadSample:
+    """The engine's load at ``time_s`` (seconds since the run started), summed over its backends."""
+
+    time_s: float
+    queued_requests: int
+    running_requests: int
+    kv_pressure_pct: float
+
+
+async def _sample_load(
+    stub: engine_pb2_grpc.EngineStub, start: float, every_s: float, out: list[LoadSample]
+) -> None:
+    """Append a GetLoad sample every ``every_s`` until cancelled; an engine without GetLoad yields none."""
+    while True:
+        try:
+            reply = await stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=max(every_s, 1.0))
+        except grpc.aio.AioRpcError:
+            return
+        total = reply.total
+        capacity = total.kv_bytes_capacity
+        out.append(
+            LoadSample(
+                time_s=time.perf_counter() - start,
+                queued_requests=total.queued_requests,
+                running_requests=total.running_requests,
+                kv_pressure_pct=100.0 * total.kv_bytes_used / capacity if capacity else 0.0,
+            )
+        )
+        await asyncio.sleep(every_s)
 
 
 # ---------------------------------------------------------------- aggregate metrics
@@ -380,6 +417,7 @@ class BenchResult:
     timeline: Timeline
     requests: list[RequestResult]
     started_at_unix: float
+    load_samples: list[LoadSample] = field(default_factory=list)
 
     def errors(self) -> list[str]:
         return [f"{r.request_id}: {r.error}" for r in self.requests if not r.success]
@@ -494,11 +532,15 @@ async def run_benchmark(
                 await _send_one(stub, pb_request, results[i], start, config.request_timeout_s)
         progress.update()
 
+    load_samples: list[LoadSample] = []
+    sampler: asyncio.Task[None] | None = None
     try:
         for channel in channels:
             await asyncio.wait_for(channel.channel_ready(), timeout=30.0)
         started_at_unix = time.time()
         start = time.perf_counter()
+        if config.load_sample_s > 0:
+            sampler = asyncio.create_task(_sample_load(stubs[0], start, config.load_sample_s, load_samples))
         tasks = []
         for i, delay in enumerate(delays):
             if delay > 0:
@@ -507,6 +549,9 @@ async def run_benchmark(
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     finally:
+        if sampler is not None:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
         progress.close()
         for channel in channels:
             await channel.close()
@@ -520,7 +565,7 @@ async def run_benchmark(
         slo_e2el_ms=config.slo_e2el_ms,
         timeline=timeline,
     )
-    return BenchResult(config, address, metrics, timeline, results, started_at_unix)
+    return BenchResult(config, address, metrics, timeline, results, started_at_unix, load_samples)
 
 
 def _nice_bin(duration_s: float) -> float:
@@ -621,6 +666,8 @@ async def _main_async(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     facts = await fetch_model_facts(args.address)
     requests = build_random_requests(config, facts)
+    if args.observations:
+        config.load_sample_s = args.load_sample_s
     passes = []
     for k in range(args.repeat):
         config.label = f"pass {k + 1}/{args.repeat}" if args.repeat > 1 else "serving benchmark"
@@ -630,6 +677,9 @@ async def _main_async(args: argparse.Namespace) -> int:
         suffix = f"-pass{k + 1}" if args.repeat > 1 else ""
         if args.plot:
             print(f"plot: {write_plot(_with_suffix(args.plot, suffix), result.plot_data())}")
+        if args.observations:
+            side = await _observations(args, result, facts)
+            print(f"observations: {write_json(_with_suffix(args.observations, suffix), side)}")
     if args.out_json:
         payload = {"model": facts.name, "passes": [p.to_json(not args.no_request_details) for p in passes]}
         print(f"json: {write_json(args.out_json, payload)}")
@@ -637,6 +687,24 @@ async def _main_async(args: argparse.Namespace) -> int:
         ratio = passes[-1].metrics.output_throughput / passes[0].metrics.output_throughput
         print(f"last pass / first pass output tok/s: {ratio:.2f}x")
     return 0 if all(p.metrics.failed == 0 for p in passes) else 1
+
+
+async def _observations(
+    args: argparse.Namespace, result: BenchResult, facts: ModelFacts
+) -> dict[str, object]:
+    from bench.observations import observations_side
+
+    backends = (await fetch_backends(args.address)).backends
+    first = backends[0] if backends else None
+    kind = common_pb2.BackendKind.Name(first.kind) if first is not None else "BACKEND_KIND_UNSPECIFIED"
+    return observations_side(
+        result,
+        build=args.build,
+        backend=kind.removeprefix("BACKEND_KIND_").lower(),
+        accelerator=args.accelerator or (first.device if first is not None else ""),
+        model_version=facts.name,
+        replica=",".join(b.worker_id for b in backends),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -652,6 +720,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-request-details", action="store_true", help="JSON without per-request rows")
     parser.add_argument("--plot", default=None, help="PNG path for latency distributions and throughput")
     parser.add_argument(
+        "--observations",
+        default=None,
+        help="JSON path for per-request observations in the release gate's format (docs/RELEASE.md)",
+    )
+    parser.add_argument("--build", default="", help="build label written with --observations")
+    parser.add_argument(
+        "--accelerator",
+        default="",
+        help="accelerator written with --observations (default: the backend's device)",
+    )
+    parser.add_argument(
+        "--load-sample-s", type=float, default=0.1, help="GetLoad sampling period with --observations"
+    )
+    parser.add_argument(
         "--launch",
         action="store_true",
         help="start `ominix-runtime launch` on free ports (unknown arguments go to it) and stop it at the end",
@@ -663,8 +745,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(_main_async(args))
     with launch_service(launch_args) as service:
         args.address = service.address
-        return asyncio.run(_main_async(args))
+        return run_while_alive(_main_async(args), service)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_code_of(main))

@@ -22,6 +22,7 @@ __all__ = [
     "DebugConfig",
     "DebugVariable",
     "EngineCoreConfig",
+    "FrontConfig",
     "LaunchConfig",
     "LogConfig",
     "ModelConfig",
@@ -70,6 +71,18 @@ class TLSConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class FrontConfig:
+    """How the front API treats its clients: who may call it and what their text may do."""
+
+    api_keys: tuple[str, ...] = ()  # empty: no authentication; else `authorization: Bearer KEY` is required
+    # Trusted callers only: special-token strings in a prompt / in chat content act as special tokens.
+    allow_special_tokens_in_prompt: bool = False
+    allow_special_tokens_in_chat: bool = False
+    tokenizer_threads: int = 2  # threads that tokenize and render chat templates off the event loop
+    max_pending_tokenizations: int = 64  # more waiting prompts are refused (RESOURCE_EXHAUSTED)
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     """The process's own gRPC server (engine front API, or a worker's Worker service) and its side ports."""
 
@@ -78,7 +91,6 @@ class ServerConfig:
     metrics_host: str = DEFAULT_HOST
     metrics_port: int = DEFAULT_METRICS_PORT  # 0: no metrics HTTP server
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger requests are refused (RESOURCE_EXHAUSTED)
-    api_keys: tuple[str, ...] = ()  # front API: ``authorization: Bearer KEY`` required when set
     drain_timeout: float = 30.0  # seconds live requests may take to finish after SIGINT/SIGTERM
     stats_interval: float = 10.0  # seconds between periodic stats log lines; 0: none
 
@@ -153,6 +165,7 @@ class RuntimeConfig:
     engine: EngineCoreConfig = field(default_factory=EngineCoreConfig)
     backends: BackendsConfig = field(default_factory=BackendsConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    front: FrontConfig = field(default_factory=FrontConfig)
     tls: TLSConfig = field(default_factory=TLSConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)

@@ -75,6 +75,18 @@ FORWARDED: Mapping[str, tuple[str, str]] = {
         "backend conformance suite (flags: ominix-runtime conformance --help)",
         "ominix_runtime.conformance.cli:main",
     ),
+    "replay": (
+        "replay a workload through the real scheduler with a simulated backend (docs/RELEASE.md)",
+        "ominix_runtime.cli.release:replay",
+    ),
+    "gate": (
+        "promote, hold or roll back a candidate from baseline/candidate observations",
+        "ominix_runtime.cli.release:gate",
+    ),
+    "mirror-gate": (
+        "the gate over vLLM/SGLang-style records of a mirrored run",
+        "ominix_runtime.cli.release:mirror_gate",
+    ),
 }
 
 

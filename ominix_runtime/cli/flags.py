@@ -313,7 +313,7 @@ FLAGS: tuple[Flag, ...] = (
         "server",
         "require `authorization: Bearer KEY` on the front API (repeatable; @FILE reads one key per line; "
         "unset: no authentication)",
-        ("server.api_keys",),
+        ("front.api_keys",),
         api_keys,
         repeatable=True,
         metavar="KEY|@FILE",

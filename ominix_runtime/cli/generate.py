@@ -46,7 +46,7 @@ def run_generate(config: RuntimeConfig, options: argparse.Namespace) -> int:
         request_id=options.request_id,
     )
     client_options = ClientOptions(
-        api_key=config.server.api_keys[0] if config.server.api_keys else None,
+        api_key=config.front.api_keys[0] if config.front.api_keys else None,
         root_certificates=config.tls.ca,
         timeout=options.timeout,
     )

@@ -17,7 +17,7 @@ from ominix_runtime.contract.capability import (
 from ominix_runtime.contract.errors import AdmissionRejected, InvalidArgument, OminixError, RuntimeErrorKind
 from ominix_runtime.contract.events import Done, Error, PrefillDone, Token, Usage, WorkerEvent, is_terminal
 from ominix_runtime.contract.kv import KVLease
-from ominix_runtime.contract.request import GenerateRequest, Priority
+from ominix_runtime.contract.request import ChatMessage, GenerateRequest, Priority
 from ominix_runtime.contract.sampling import SamplingParams
 from ominix_runtime.contract.state import (
     ALLOWED_TRANSITIONS,
@@ -38,6 +38,13 @@ from ominix_runtime.contract.step import (
     StepResult,
     TokenLogprob,
 )
+from ominix_runtime.contract.validation import (
+    CHAT_ROLES,
+    MAX_REQUEST_ID_BYTES,
+    RequestLimits,
+    validate_request,
+    validate_request_id,
+)
 
 __all__ = [
     "ALLOWED_TRANSITIONS",
@@ -47,7 +54,9 @@ __all__ = [
     "BackendCapability",
     "BackendKind",
     "BatchPlan",
+    "CHAT_ROLES",
     "CPU_PROFILE",
+    "ChatMessage",
     "CUDA_PROFILE",
     "DecodeStep",
     "Done",
@@ -59,6 +68,7 @@ __all__ = [
     "IllegalTransition",
     "InvalidArgument",
     "KVLease",
+    "MAX_REQUEST_ID_BYTES",
     "ModelInfo",
     "NewRequestData",
     "OminixError",
@@ -66,6 +76,7 @@ __all__ = [
     "PrefillDone",
     "Priority",
     "RequestBackend",
+    "RequestLimits",
     "RequestOutput",
     "RequestState",
     "RunningRequestData",
@@ -85,4 +96,6 @@ __all__ = [
     "is_terminal",
     "stated_profile",
     "terminal_state_for",
+    "validate_request",
+    "validate_request_id",
 ]

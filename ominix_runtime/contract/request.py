@@ -9,6 +9,14 @@ from enum import IntEnum
 from ominix_runtime.contract.sampling import SamplingParams
 
 
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One chat turn as the client sent it (rendered through the model's chat template at the front edge)."""
+
+    role: str
+    content: str
+
+
 class Priority(IntEnum):
     """Lower value = scheduled first, preempted last. Values match ``ominix.runtime.v1.Priority``."""
 
@@ -30,3 +38,4 @@ class GenerateRequest:
     deadline: float | None = None  # monotonic seconds; None: no deadline
     stream: bool = True
     prompt_text: str | None = None  # kept for request-level backends that take text
+    chat_messages: tuple[ChatMessage, ...] = ()  # the chat turns, until the front edge renders them

@@ -41,7 +41,9 @@ class EngineRequest:
     queued_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finished_time: float | None = None
+    token_gaps: list[float] = field(default_factory=list)  # inter-token latencies, one per sampling step
 
     @property
     def priority(self) -> Priority:

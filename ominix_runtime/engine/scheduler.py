@@ -42,6 +42,7 @@ from ominix_runtime.contract import (
     NewRequestData,
     OminixError,
     PrefillDone,
+    RequestLimits,
     RequestState,
     RunningRequestData,
     RuntimeErrorKind,
@@ -50,6 +51,7 @@ from ominix_runtime.contract import (
     Usage,
     WorkerEvent,
     terminal_state_for,
+    validate_request,
 )
 from ominix_runtime.engine.config import SchedulerConfig
 from ominix_runtime.engine.kv_registry import KVRegistry, PrefixHit
@@ -57,7 +59,8 @@ from ominix_runtime.engine.request import EngineRequest
 from ominix_runtime.engine.stats import SchedulerCounters
 from ominix_runtime.engine.waiting_queue import WaitingQueue
 
-_ABORT_LIKE = (RuntimeErrorKind.TIMEOUT, RuntimeErrorKind.CANCELLED)
+# A passed deadline is a failure (the proto counts timeouts as failed), a cancellation an abort.
+_ABORT_LIKE = (RuntimeErrorKind.CANCELLED,)
 
 
 @dataclass(slots=True)
@@ -116,30 +119,16 @@ class Scheduler:
 
     def validate(self, req: GenerateRequest) -> None:
         """Raise OminixError when ``req`` can never run on this worker group."""
-        prompt = req.prompt_token_ids
-        if not prompt:
-            raise InvalidArgument("the prompt is empty")
-        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        max_tokens = req.sampling.max_tokens
-        if len(prompt) > self.max_model_len:
-            raise InvalidArgument(
-                f"the prompt has {len(prompt)} tokens, more than the model's context length {self.max_model_len}"
-            )
-        if isinstance(max_tokens, int) and len(prompt) + max_tokens > self.max_model_len:
-            raise InvalidArgument(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {len(prompt) + max_tokens} "
-                f"exceeds the model's context length {self.max_model_len}"
-            )
-        req.sampling.validate(self.vocab_size, self.max_model_len)
-        capacity = self.registry.num_blocks * self.registry.block_size
-        if len(prompt) + max_tokens > capacity:
-            raise OminixError(
-                RuntimeErrorKind.KV_CAPACITY_EXCEEDED,
-                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) needs more KV than the "
-                f"{capacity} tokens worker {self.worker_id} has in total",
-            )
+        validate_request(
+            req,
+            RequestLimits(
+                vocab_size=self.vocab_size,
+                max_model_len=self.max_model_len,
+                kv_capacity_tokens=self.registry.num_blocks * self.registry.block_size,
+                holder=f"worker {self.worker_id}",
+                needs_token_ids=True,
+            ),
+        )
 
     def add_request(self, req: GenerateRequest) -> None:
         """Admit ``req`` to the waiting queue, or raise OminixError (nothing changes then)."""
@@ -233,6 +222,8 @@ class Scheduler:
             prefill_reported=old.prefill_reported,
             first_scheduled_time=old.first_scheduled_time,
             first_token_time=old.first_token_time,
+            last_token_time=old.last_token_time,
+            token_gaps=old.token_gaps,
         )
         self.requests[req.request_id] = ereq
         self.waiting.push_back(ereq)
@@ -557,9 +548,13 @@ class Scheduler:
     ) -> None:
         req.all_token_ids.append(token_id)
         self.counters.generated_tokens += 1
+        now = self.clock()
+        if req.last_token_time is not None:
+            req.token_gaps.append(now - req.last_token_time)
+        req.last_token_time = now
         if not req.prefill_reported:
             req.prefill_reported = True
-            req.first_token_time = self.clock()
+            req.first_token_time = now
             events.append(PrefillDone(req.request_id, req.num_prompt_tokens, req.num_cached_tokens))
         if req.state == RequestState.PREFILL:
             req.transition(RequestState.DECODE)

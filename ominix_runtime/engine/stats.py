@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from ominix_runtime.contract import FinishReason, RuntimeErrorKind
+from ominix_runtime.contract import FinishReason, RequestState, RuntimeErrorKind
 
 
 @dataclass(slots=True)
@@ -57,6 +58,10 @@ class RunReport:
     tpot: float | None  # (e2e - ttft) / (output_tokens - 1)
     e2e: float  # arrival → end
     priority: int = 0
+    model: str = ""  # the model the request named (empty: the engine's served model)
+    arrival_time: float = 0.0  # on the monotonic clock: the phases above are offsets from it
+    # Gaps between consecutive token deliveries of this request (one per step that sampled for it).
+    inter_token_latencies: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +76,38 @@ class LoadSnapshot:
     kv_bytes_capacity: int
     estimated_decode_tokens_per_second: float
     healthy: bool
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """Per worker group, read by the metrics endpoint: gauges as they are now, counters since start.
+
+    Step-level groups know their KV registry; request-level backends (SGLang) leave the KV figures at 0
+    with ``kv_known`` False, so no made-up KV series are exported for them.
+    """
+
+    worker_id: str
+    backend: str  # the capability's backend kind: cuda, cpu, ascend, sglang, fake
+    model_name: str
+    up: bool  # the driver's stream is open and the group is healthy
+    running_requests: int
+    waiting_requests: int
+    preempted_requests: int  # waiting to resume after a preemption
+    kv_known: bool
+    kv_blocks_capacity: int
+    kv_blocks_used: int  # leased by live requests
+    kv_blocks_cached: int  # unleased blocks that hold prefix-cache content (evictable)
+    kv_blocks_free: int  # unleased and empty
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    prompt_tokens: int  # of requests admitted here
+    generation_tokens: int
+    preemptions: int
+    failovers: int  # times this group failed and its live requests were failed over
+    restarts: int  # times the engine reconnected to this worker after a failure
+    resumed_requests: int  # requests taken over here from a failed group
+    integrity_violations: int
+    protocol_violations: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +134,46 @@ class EngineStats:
     recent_step_durations: list[float] = field(default_factory=list)
     recent_batch_sizes: list[int] = field(default_factory=list)
     recent_protocol_violations: list[str] = field(default_factory=list)
+
+
+def worker_stats(group: Any) -> WorkerStats:
+    """Read one worker group (step-level or request-level) into a :class:`WorkerStats`.
+
+    Reads only what the groups expose publicly; the KV and preemption figures exist only where the group
+    has its own scheduler (step-level), the protocol-violation count only where it forwards whole requests.
+    """
+    load = group.load()
+    counters = group.counters
+    scheduler = getattr(group, "scheduler", None)
+    kv = scheduler.registry.snapshot() if scheduler is not None else None
+    preempted = 0
+    if scheduler is not None:
+        preempted = sum(
+            1
+            for r in scheduler.requests.values()
+            if r.state == RequestState.PREEMPTED or (r.state == RequestState.WAITING and r.num_preemptions)
+        )
+    return WorkerStats(
+        worker_id=group.worker_id,
+        backend=group.capability.kind.name.lower(),
+        model_name=group.capability.model.name,
+        up=bool(group.running and group.healthy),
+        running_requests=load.running_requests,
+        waiting_requests=load.queued_requests,
+        preempted_requests=preempted,
+        kv_known=kv is not None,
+        kv_blocks_capacity=kv.num_blocks if kv else 0,
+        kv_blocks_used=kv.num_leased_blocks if kv else 0,
+        kv_blocks_cached=kv.num_cached_evictable_blocks if kv else 0,
+        kv_blocks_free=kv.num_free_blocks if kv else 0,
+        prefix_queried_tokens=kv.prefix_query_tokens if kv else 0,
+        prefix_hit_tokens=kv.prefix_hit_tokens if kv else 0,
+        prompt_tokens=counters.prompt_tokens,
+        generation_tokens=counters.generated_tokens,
+        preemptions=counters.preemptions,
+        failovers=getattr(group, "num_failures", 0),
+        restarts=getattr(group, "num_reconnects", 0),
+        resumed_requests=counters.resumed,
+        integrity_violations=group.integrity_violations,
+        protocol_violations=getattr(group, "num_protocol_violations", 0),
+    )

@@ -21,12 +21,13 @@ from ominix_runtime.config import RuntimeConfig
 from ominix_runtime.contract import BackendAdapter, OminixError, RuntimeErrorKind
 from ominix_runtime.engine.core import EngineCore
 from ominix_runtime.engine.negotiation import ServingTerms
-from ominix_runtime.engine.stats import RunReport
+from ominix_runtime.engine.stats import RunReport, worker_stats
 from ominix_runtime.models import ModelFormat, ModelSource, resolve_model
 from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.engine_service import EngineService
+from ominix_runtime.server.front_guard import FrontGuard
 from ominix_runtime.server.logging import configure_logging, get_logger
-from ominix_runtime.server.metrics import EngineMetrics, WorkerFigures
+from ominix_runtime.server.metrics import EngineMetrics
 from ominix_runtime.server.stats_line import StatsLine
 from ominix_runtime.text import Tokenizer
 
@@ -35,6 +36,7 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 METRICS_REFRESH_INTERVAL_S = 0.5
 HEALTH_REFRESH_INTERVAL_S = 0.25
 SHUTDOWN_FLUSH_S = 2.0
+MIN_MESSAGE_BYTES = 1024  # below this no request fits: the engine would refuse every call
 
 _log = get_logger("ominix.server")
 
@@ -99,12 +101,18 @@ class EngineDaemon:
         self.bound_port = 0
         self.metrics_port = 0
         self._engine: EngineCore | None = None
+        self._service: EngineService | None = None
         self._server: grpc.aio.Server | None = None
         self._backends: list[BackendAdapter] = []
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         config = self.config
+        if config.server.max_message_bytes < MIN_MESSAGE_BYTES:
+            raise OminixError(
+                RuntimeErrorKind.INVALID_ARGUMENT,
+                f"--max-message-bytes must be at least {MIN_MESSAGE_BYTES}, got {config.server.max_message_bytes}",
+            )
         source = None
         model_name = ""
         backends = config.backends
@@ -113,13 +121,18 @@ class EngineDaemon:
             model_name = source.name
         self._backends = list(self._given_backends) if self._given_backends else _build_backends(config)
         engine = self._engine = EngineCore(self._backends, config.engine)
-        service = EngineService(engine, None, model_name, self.metrics, config.model.served_model_names)
+        service = EngineService(
+            engine, None, model_name, self.metrics, config.front, config.model.served_model_names
+        )
+        self._service = service
 
         # Every service is registered before the server starts; Generate answers UNAVAILABLE and health
         # says NOT_SERVING until the engine is ready.
         options = dict(CHANNEL_OPTIONS)
         options["grpc.max_receive_message_length"] = config.server.max_message_bytes
-        server = grpc.aio.server(options=list(options.items()))
+        server = grpc.aio.server(
+            options=list(options.items()), interceptors=[FrontGuard(config.front.api_keys)]
+        )
         self._server = server
         engine_pb2_grpc.add_EngineServicer_to_server(service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -159,7 +172,7 @@ class EngineDaemon:
         if not model_name:
             caps = engine.capabilities()
             service.model_name = caps[0].model.name if caps else ""
-        self._wire_observability(engine)
+        self._wire_observability(engine, service.model_name)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.get_running_loop().create_task(self._follow_health(engine)))
@@ -176,12 +189,14 @@ class EngineDaemon:
             example=_grpcurl_hint(address, config.tls.enabled),
         )
 
-    def _wire_observability(self, engine: EngineCore) -> None:
+    def _wire_observability(self, engine: EngineCore, model_name: str) -> None:
         metrics = self.metrics
 
         def on_run(report: RunReport) -> None:
             fields = asdict(report)
             fields["finish_reason"] = report.finish_reason.name
+            gaps = fields.pop("inter_token_latencies")  # one per token: the log keeps the worst
+            fields["max_inter_token_latency"] = max(gaps) if gaps else None
             if report.error_kind is not None:
                 fields["error_kind"] = report.error_kind.name
             _log.info("request finished", **fields)
@@ -191,6 +206,7 @@ class EngineDaemon:
         engine.add_listener(on_run)
         if metrics is None:
             return
+        metrics.set_model_name(model_name)
         engine.add_step_listener(metrics.observe_step)
         self.metrics_port = metrics.start_http(
             self.config.server.metrics_port, self.config.server.metrics_host
@@ -230,7 +246,7 @@ class EngineDaemon:
         assert self.metrics is not None
         while True:
             try:
-                self.metrics.update_snapshots(engine.load(), engine.stats(), _worker_figures(engine))
+                self.metrics.update_workers(worker_stats(g) for g in engine.groups)
             except Exception as exc:  # noqa: BLE001 - metrics must never take the daemon down
                 _log.warning("metrics refresh failed", error=repr(exc))
             await asyncio.sleep(METRICS_REFRESH_INTERVAL_S)
@@ -296,28 +312,6 @@ async def serve(config: RuntimeConfig) -> int:
         return 1
     await daemon.shutdown()
     return 0
-
-
-def _worker_figures(engine: EngineCore) -> list[WorkerFigures]:
-    figures = []
-    for group in engine.groups:
-        used, total = group.kv_blocks
-        ratio = None
-        prefix = group.prefix_cache_tokens()  # None: the backend keeps its own prefix cache
-        if prefix is not None:
-            queried, hit = prefix
-            ratio = hit / queried if queried else 0.0
-        figures.append(
-            WorkerFigures(
-                worker_id=group.worker_id,
-                kv_blocks_used=used,
-                kv_blocks_total=total,
-                preemptions=group.counters.preemptions,
-                integrity_violations=group.integrity_violations,
-                prefix_cache_hit_ratio=ratio,
-            )
-        )
-    return figures
 
 
 def _has_tokenizer(source: ModelSource) -> bool:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 import grpc
 import grpc.aio
 
 from ominix_runtime import wire
+from ominix_runtime.config import FrontConfig
 from ominix_runtime.contract import (
+    ChatMessage,
     Done,
     Error,
     FinishReason,
@@ -20,17 +23,22 @@ from ominix_runtime.contract import (
     OminixError,
     PrefillDone,
     Priority,
+    RequestLimits,
     RuntimeErrorKind,
-    SamplingParams,
     Token,
     Usage,
+    validate_request,
+    validate_request_id,
 )
+from ominix_runtime.contract.validation import DEFAULT_MAX_CHARS_PER_TOKEN
 from ominix_runtime.engine.core import EngineCore, RequestHandle
 from ominix_runtime.engine.stats import LoadSnapshot
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
+from ominix_runtime.server.front_guard import caller_of
 from ominix_runtime.server.logging import get_logger, request_context
 from ominix_runtime.server.metrics import EngineMetrics
 from ominix_runtime.text import OutputText, Tokenizer
+from ominix_runtime.text.pool import TokenizationPool
 
 STATUS_OF_ERROR: dict[RuntimeErrorKind, grpc.StatusCode] = {
     RuntimeErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -43,7 +51,6 @@ STATUS_OF_ERROR: dict[RuntimeErrorKind, grpc.StatusCode] = {
     RuntimeErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 
-CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 _PRIORITIES = frozenset(int(p) for p in Priority)
 
 _log = get_logger("ominix.server")
@@ -68,17 +75,39 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         tokenizer: Tokenizer | None,
         model_name: str,
         metrics: EngineMetrics | None = None,
+        front: FrontConfig | None = None,
         served_names: Sequence[str] = (),
     ) -> None:
         self._engine = engine
+        self.front = front or FrontConfig()
+        self._pool: TokenizationPool | None = None
         self.tokenizer = tokenizer
         self.model_name = model_name
         # --served-model-name: further names requests may use for ``model_name``.
         self.served_names = tuple(served_names)
         self._metrics = metrics
         self._live: set[str] = set()
+        self._owners: dict[str, str] = {}  # live request id -> the caller that created it (see caller_of)
         self._rejected = 0  # refused at the front edge (never reached the engine's counters)
         self._started = time.monotonic()
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self._pool.tokenizer if self._pool is not None else None
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Tokenizer | None) -> None:
+        if self._pool is not None:
+            self._pool.close()
+        self._pool = (
+            TokenizationPool(tokenizer, self.front.tokenizer_threads, self.front.max_pending_tokenizations)
+            if tokenizer is not None
+            else None
+        )
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
 
     # ---- model facts ---------------------------------------------------------------------------------
 
@@ -101,7 +130,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
     # ---- request resolution --------------------------------------------------------------------------
 
-    def _resolve(self, pb: engine_pb2.GenerateRequest, request_id: str) -> GenerateRequest:
+    async def _resolve(self, pb: engine_pb2.GenerateRequest, request_id: str) -> GenerateRequest:
+        """The contract request of ``pb``: cheap checks first, then tokenization off the event loop."""
         if pb.model and pb.model != self.model_name and pb.model not in self.served_names:
             if pb.model not in self._other_models():
                 names = {self.model_name, *self.served_names, *self._other_models()}
@@ -109,72 +139,52 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 raise _NotFound(f"model '{pb.model}' is not served here (serving {served})")
             return self._resolve_for_request_level(pb, request_id)
         vocab_size, max_model_len = self._model_limits(self.model_name)
-        sampling = wire.sampling_from_pb(pb.sampling).validate(vocab_size, max_model_len)
-        which = pb.WhichOneof("input")
-        prompt_text: str | None = None
-        if which == "input_ids":
-            prompt_ids = list(pb.input_ids.ids)
-            if vocab_size is not None and any(t >= vocab_size for t in prompt_ids):
-                raise InvalidArgument(f"input_ids contain ids outside the vocabulary [0, {vocab_size})")
-        elif which == "prompt":
-            prompt_text = pb.prompt
-            # Without a tokenizer (SGLang alone) the text goes to the backend as is.
-            prompt_ids = self.tokenizer.encode(pb.prompt) if self.tokenizer is not None else []
-        elif which == "messages":
-            messages = [{"role": m.role, "content": m.content} for m in pb.messages.messages]
-            if not messages:
-                raise InvalidArgument("messages is empty")
-            for i, m in enumerate(messages):
-                if m["role"] not in CHAT_ROLES:
-                    raise InvalidArgument(
-                        f"messages[{i}].role {m['role']!r} is not one of {', '.join(sorted(CHAT_ROLES))}"
-                    )
-            tokenizer = self._require_tokenizer()
-            prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
-        else:
-            raise InvalidArgument("one of prompt, messages or input_ids is required")
-        if not prompt_ids and prompt_text is None:
-            raise InvalidArgument("the prompt is empty")
-        if self.tokenizer is not None and not prompt_ids:
-            raise InvalidArgument("the prompt is empty")
-        if max_model_len is not None and len(prompt_ids) >= max_model_len:
-            raise InvalidArgument(
-                f"prompt has {len(prompt_ids)} tokens; the model's context length is {max_model_len}"
+        pool = self._pool
+        limits = RequestLimits(
+            vocab_size=vocab_size,
+            max_model_len=max_model_len,
+            max_chars_per_token=pool.tokenizer.max_token_chars if pool else DEFAULT_MAX_CHARS_PER_TOKEN,
+        )
+        request = _request(pb, request_id, self.model_name)
+        validate_request(request, limits)  # before any tokenization: a huge prompt costs nothing
+        if request.chat_messages:
+            if pool is None:
+                raise InvalidArgument("this engine has no tokenizer: send input_ids")
+            messages = [{"role": m.role, "content": m.content} for m in request.chat_messages]
+            encoded = await pool.encode_chat(messages, self.front.allow_special_tokens_in_chat)
+            request.prompt_text, request.prompt_token_ids = encoded.text, encoded.token_ids
+            request.chat_messages = ()
+        elif request.prompt_text is not None and pool is not None:
+            request.prompt_token_ids = await pool.encode_prompt(
+                request.prompt_text, self.front.allow_special_tokens_in_prompt
             )
-        return _request(pb, request_id, prompt_ids, sampling, self.model_name, prompt_text)
+        # Without a tokenizer (SGLang alone) prompt text goes to the backend as it is.
+        validate_request(request, replace(limits, needs_token_ids=pool is not None))
+        return request
 
     def _resolve_for_request_level(self, pb: engine_pb2.GenerateRequest, request_id: str) -> GenerateRequest:
         """A model only request-level backends serve: they tokenize and apply chat templates themselves, so
         text goes through as text and ids are passed on unchecked against a vocabulary we do not know."""
-        _, max_model_len = self._model_limits(pb.model)
-        sampling = wire.sampling_from_pb(pb.sampling).validate(None, max_model_len)
-        which = pb.WhichOneof("input")
-        if which == "input_ids":
-            prompt_ids, prompt_text = list(pb.input_ids.ids), None
-        elif which == "prompt":
-            prompt_ids, prompt_text = [], pb.prompt
-        elif which == "messages":
+        if pb.WhichOneof("input") == "messages":
             raise InvalidArgument(
                 f"model '{pb.model}' is served by a request-level backend without a chat template here: "
                 "send prompt text or input_ids"
             )
-        else:
-            raise InvalidArgument("one of prompt, messages or input_ids is required")
-        if not prompt_ids and not prompt_text:
-            raise InvalidArgument("the prompt is empty")
-        return _request(pb, request_id, prompt_ids, sampling, pb.model, prompt_text)
-
-    def _require_tokenizer(self) -> Tokenizer:
-        if self.tokenizer is None:
-            raise InvalidArgument("this engine has no tokenizer: send input_ids")
-        return self.tokenizer
+        _, max_model_len = self._model_limits(pb.model)
+        request = _request(pb, request_id, pb.model)
+        validate_request(request, RequestLimits(max_model_len=max_model_len))
+        return request
 
     # ---- RPCs ----------------------------------------------------------------------------------------
 
     async def Generate(
         self, request: engine_pb2.GenerateRequest, context: _GenerateContext
     ) -> AsyncIterator[engine_pb2.GenerateEvent]:
+        try:
+            validate_request_id(request.request_id)  # before the id appears in any log line
+        except OminixError as exc:
+            self._reject(exc.message, "invalid_request_id", counted_by_engine=False)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
         request_id = request.request_id or uuid.uuid4().hex
         with request_context(request_id):
             if not self._engine.ready:
@@ -186,25 +196,30 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 await context.abort(
                     grpc.StatusCode.ALREADY_EXISTS, f"request_id '{request_id}' is already live"
                 )
-            self._live.add(request_id)  # before any await, so a concurrent duplicate sees it
+            # Before any await, so a concurrent duplicate sees it.
+            self._live.add(request_id)
+            self._owners[request_id] = caller_of(context)
             try:
-                gen_request = self._resolve(request, request_id)
+                gen_request = await self._resolve(request, request_id)
             except _NotFound as exc:
-                self._live.discard(request_id)
-                self._reject(str(exc), counted_by_engine=False)
+                self._forget(request_id)
+                self._reject(str(exc), "model_not_found", counted_by_engine=False)
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
             except OminixError as exc:
-                self._live.discard(request_id)
-                self._reject(exc.message, counted_by_engine=False)
+                self._forget(request_id)
+                self._reject(exc.message, exc.kind.name.lower(), counted_by_engine=False)
                 await context.abort(status_for(exc), exc.message)
+            except BaseException:
+                self._forget(request_id)
+                raise
             try:
                 handle = self._engine.submit(gen_request)
             except OminixError as exc:
-                self._live.discard(request_id)
-                self._reject(exc.message, counted_by_engine=True)
+                self._forget(request_id)
+                self._reject(exc.message, exc.kind.name.lower(), counted_by_engine=True)
                 await context.abort(status_for(exc), exc.message)
             except BaseException:
-                self._live.discard(request_id)
+                self._forget(request_id)
                 raise
             _log.debug("request admitted", prompt_tokens=len(gen_request.prompt_token_ids))
             finished = False
@@ -220,18 +235,22 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                         error=wire.error_info_to_pb(RuntimeErrorKind.INTERNAL, repr(exc)),
                     )
             finally:
-                self._live.discard(request_id)
+                self._forget(request_id)
                 if not finished:
                     # The client went away (or the stream failed): free the request's KV at once.
                     _log.info("stream ended early, aborting request")
                     handle.abort()
 
-    def _reject(self, message: str, counted_by_engine: bool) -> None:
+    def _forget(self, request_id: str) -> None:
+        self._live.discard(request_id)
+        self._owners.pop(request_id, None)
+
+    def _reject(self, message: str, reason: str, counted_by_engine: bool) -> None:
         if not counted_by_engine:
             self._rejected += 1
         _log.info("request rejected", reason=message)
         if self._metrics is not None:
-            self._metrics.observe_rejection()
+            self._metrics.observe_rejection(reason)
 
     async def _events(
         self, req: GenerateRequest, handle: RequestHandle
@@ -329,7 +348,17 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     async def Abort(
         self, request: engine_pb2.AbortRequest, context: _AbortContext
     ) -> engine_pb2.AbortResponse:
-        found = request.request_id in self._live and self._engine.abort(request.request_id)
+        rid = request.request_id
+        try:
+            validate_request_id(rid)
+        except OminixError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+        found = rid in self._live
+        if self.front.api_keys and (not found or self._owners.get(rid) != caller_of(context)):
+            # With API keys a request belongs to the key that created it; to any other key it does not
+            # exist (the same answer as an unknown id, so ids of others cannot be probed).
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no live request '{rid}' of this API key")
+        found = found and self._engine.abort(rid)
         return engine_pb2.AbortResponse(found=found)
 
     async def GetLoad(
@@ -400,26 +429,25 @@ def status_for(error: OminixError) -> grpc.StatusCode:
 __all__ = ["EngineService", "STATUS_OF_ERROR", "status_for"]
 
 
-def _request(
-    pb: engine_pb2.GenerateRequest,
-    request_id: str,
-    prompt_ids: list[int],
-    sampling: SamplingParams,
-    model: str,
-    prompt_text: str | None,
-) -> GenerateRequest:
-    """The contract request: priority, deadline and stream mode come from the wire request as they are."""
+def _request(pb: engine_pb2.GenerateRequest, request_id: str, model: str) -> GenerateRequest:
+    """The contract request as the client sent it (text and chat turns not yet tokenized)."""
+    which = pb.WhichOneof("input")
+    if which is None:
+        raise InvalidArgument("one of prompt, messages or input_ids is required")
+    if which == "messages" and not pb.messages.messages:
+        raise InvalidArgument("messages is empty")
     if pb.priority and pb.priority not in _PRIORITIES:
         raise InvalidArgument(f"priority {pb.priority} is not one of {sorted(_PRIORITIES)} (or unset)")
     arrival = time.monotonic()
     return GenerateRequest(
         request_id=request_id,
-        prompt_token_ids=prompt_ids,
-        sampling=sampling,
+        prompt_token_ids=list(pb.input_ids.ids) if which == "input_ids" else [],
+        sampling=wire.sampling_from_pb(pb.sampling),
         model=model,
         priority=Priority(pb.priority) if pb.priority else Priority.INTERACTIVE,
         arrival_time=arrival,
         deadline=arrival + pb.deadline_ms / 1000.0 if pb.deadline_ms else None,
         stream=pb.stream if pb.HasField("stream") else True,
-        prompt_text=prompt_text,
+        prompt_text=pb.prompt if which == "prompt" else None,
+        chat_messages=tuple(ChatMessage(m.role, m.content) for m in pb.messages.messages),
     )

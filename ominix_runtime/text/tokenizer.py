@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -36,8 +38,23 @@ _SPLIT_BY_PRE: dict[str, str] = {
 }
 
 
+# Stand-ins for special-token strings found inside chat content while the template renders: private-use
+# characters that no template writes. The opening character is itself escaped when content carries it.
+_MARK_OPEN = "\ue000"
+_MARK_CLOSE = "\ue001"
+_MARK = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
+
+
 class TokenizerError(InvalidArgument):
     """The model's tokenizer cannot be built or used."""
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedPrompt:
+    """A prompt as the engine sees it: the text (for logs and request-level backends) and its token ids."""
+
+    text: str
+    token_ids: list[int]
 
 
 @dataclass(slots=True)
@@ -51,6 +68,13 @@ class Tokenizer:
     chat_template: str | None = None
     special_token_ids: frozenset[int] = field(default_factory=frozenset)
     _compiled_template: Any = None
+    # A copy of ``backend`` that reads special-token strings as plain text (user content), and the
+    # patterns that find those strings; built on first use.
+    _plain: HFTokenizer | None = None
+    _special_re: re.Pattern[str] | None = None
+    _escape_re: re.Pattern[str] | None = None
+    _max_token_chars: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     # ---- construction --------------------------------------------------------------------------------
 
@@ -206,8 +230,46 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    @property
+    def max_token_chars(self) -> int:
+        """The longest text one token stands for (a byte-level token's string has a character per byte)."""
+        if not self._max_token_chars:
+            self._max_token_chars = max(
+                (len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1
+            )
+        return self._max_token_chars
+
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``parse_special`` False, special-token strings in it are plain text.
+
+        encode_batch releases the GIL while the Rust tokenizer runs (encode does not), so a long prompt
+        tokenized on a worker thread leaves the event loop free.
+        """
+        backend = self.backend if parse_special else self._plain_backend()
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def _plain_backend(self) -> HFTokenizer:
+        self._prepare_special()
+        assert self._plain is not None
+        return self._plain
+
+    def _prepare_special(self) -> None:
+        if self._plain is not None:
+            return
+        with self._lock:
+            if self._plain is not None:
+                return
+            plain = HFTokenizer.from_str(self.backend.to_str())
+            plain.encode_special_tokens = True
+            strings = sorted(
+                {t for i in self.special_token_ids if (t := self.backend.id_to_token(i))},
+                key=len,
+                reverse=True,
+            )
+            alternatives = [re.escape(t) for t in strings]
+            self._special_re = re.compile("|".join(alternatives)) if alternatives else None
+            self._escape_re = re.compile("|".join([*alternatives, _MARK_OPEN]))
+            self._plain = plain
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -241,10 +303,61 @@ class Tokenizer:
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
+        return self.tokenize_chat(messages, add_generation_prompt).token_ids
+
+    def tokenize_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        parse_special_in_content: bool = False,
+    ) -> EncodedPrompt:
+        """Render and tokenize chat turns. Special tokens come from the template only: a special-token
+        string inside a message's content is tokenized as the text it is (no role forging), unless
+        ``parse_special_in_content`` (trusted callers).
+
+        The template renders with such strings replaced by private-use markers; the rendered text is cut at
+        the template's own special tokens and every piece between them is tokenized as plain text with the
+        markers put back. For content without special-token strings the ids equal a plain HF encode.
+        """
         # The template writes its own BOS/special tokens, so none are added on top (HF behaviour).
-        return self.encode(
-            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
-        )
+        if parse_special_in_content:
+            text = self.apply_chat_template(messages, add_generation_prompt)
+            return EncodedPrompt(text, self.encode(text, add_special_tokens=False))
+        self._prepare_special()
+        assert self._escape_re is not None and self._plain is not None
+        originals: list[str] = []
+
+        def mark(match: re.Match[str]) -> str:
+            originals.append(match.group(0))
+            return f"{_MARK_OPEN}{len(originals) - 1}{_MARK_CLOSE}"
+
+        escaped = [
+            {**m, "content": self._escape_re.sub(mark, m["content"])}
+            if isinstance(m.get("content"), str)
+            else m
+            for m in messages
+        ]
+        rendered = self.apply_chat_template(escaped, add_generation_prompt)
+
+        def unmark(text: str) -> str:
+            return _MARK.sub(lambda m: originals[int(m.group(1))], text) if originals else text
+
+        pieces: list[str] = []
+        specials: list[int | None] = []  # the template's special token after each piece (None: the end)
+        position = 0
+        for match in self._special_re.finditer(rendered) if self._special_re is not None else ():
+            pieces.append(unmark(rendered[position : match.start()]))
+            specials.append(self.backend.token_to_id(match.group(0)))
+            position = match.end()
+        pieces.append(unmark(rendered[position:]))
+        specials.append(None)
+        encodings = self._plain.encode_batch(pieces, add_special_tokens=False)
+        ids: list[int] = []
+        for encoding, special in zip(encodings, specials, strict=True):
+            ids.extend(encoding.ids)
+            if special is not None:
+                ids.append(special)
+        return EncodedPrompt(unmark(rendered), ids)
 
 
 class TemplateRaised(Exception):

@@ -1,6 +1,7 @@
 """`serve` with in-process fake step backends, as its own process (soak, shutdown and bad-input tests).
 
     python fake_engine.py --port P --metrics-port M [--workers 2] [--step-latency S] [--max-queue-len N]
+        [--api-key KEY ...]
 
 The front server, engine core and drivers are the real ones; only the workers are the deterministic fake.
 The model is the embedded SmolLM2 (its tokenizer resolves text prompts), so the fakes state its vocabulary.
@@ -15,7 +16,7 @@ import contextlib
 import signal
 import sys
 
-from ominix_runtime.config import EngineCoreConfig, LogConfig, RuntimeConfig, ServerConfig
+from ominix_runtime.config import EngineCoreConfig, FrontConfig, LogConfig, RuntimeConfig, ServerConfig
 from ominix_runtime.models import DEFAULT_MODEL_NAME
 from ominix_runtime.server.app import EngineDaemon
 from ominix_runtime.server.logging import configure_logging
@@ -46,6 +47,11 @@ async def main(args: argparse.Namespace) -> int:
         ),
         engine=EngineCoreConfig(max_waiting_requests=args.max_queue_len),
         log=LogConfig(format="json"),
+        front=FrontConfig(
+            api_keys=tuple(args.api_key),
+            tokenizer_threads=args.tokenizer_threads,
+            max_pending_tokenizations=args.max_pending_tokenizations,
+        ),
     )
     daemon = EngineDaemon(config, backends=backends)
     loop = asyncio.get_running_loop()
@@ -79,5 +85,8 @@ if __name__ == "__main__":
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-queue-len", type=int, default=1024)
     p.add_argument("--drain-timeout", type=float, default=10.0)
+    p.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
+    p.add_argument("--tokenizer-threads", type=int, default=2)
+    p.add_argument("--max-pending-tokenizations", type=int, default=64)
     p.add_argument("--revive-after", type=float, default=0.3, help="SIGUSR1 crashes fake-0; back after this")
     sys.exit(asyncio.run(main(p.parse_args())))

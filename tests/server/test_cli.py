@@ -137,7 +137,7 @@ def test_engine_child_gets_every_serve_setting() -> None:
     words, secret_env = child_command(SERVE, config)
     assert "k1" not in words and secret_env == {"OMINIX_API_KEY": "k1"}
     child, _ = resolve(SERVE, words[1:], env=secret_env)
-    for section in ("model", "engine", "server", "backends", "log", "tls"):
+    for section in ("model", "engine", "server", "front", "backends", "log", "tls"):
         assert getattr(child, section) == getattr(config, section), section
 
 
@@ -184,7 +184,7 @@ def test_api_keys_from_a_file(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("# operators\nalpha\n\nbeta\n")
     config, _ = resolve(SERVE, ["--api-key", f"@{keys}", "--api-key", "gamma"], env={})
-    assert config.server.api_keys == ("alpha", "beta", "gamma")
+    assert config.front.api_keys == ("alpha", "beta", "gamma")
     with pytest.raises(ConfigError, match="cannot read API keys"):
         resolve(SERVE, ["--api-key", f"@{tmp_path / 'none'}"], env={})
 

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import RunningDaemon
 
+from ominix_runtime.models import DEFAULT_MODEL_NAME
 from ominix_runtime.pb import common_pb2, engine_pb2
 
 FINISH_STOP = common_pb2.FINISH_REASON_STOP
@@ -225,8 +226,11 @@ def test_metrics_families_and_counts_move(fake_daemon: RunningDaemon) -> None:
         return sum(
             s.value
             for s in families["ominix_requests"]
-            if s.name == "ominix_requests_total" and s.labels["outcome"] in ("length", "stop")
+            if s.name == "ominix_requests_total" and s.labels["finish_reason"] in ("length", "stop")
         )
+
+    def worker_value(families: dict[str, list], family: str) -> float:
+        return next(s.value for s in families[family] if s.labels["worker_id"] == "fake-0")
 
     before = scrape(fake_daemon)
     generate(fake_daemon, prompt="metrics", sampling=greedy(6))
@@ -235,40 +239,59 @@ def test_metrics_families_and_counts_move(fake_daemon: RunningDaemon) -> None:
     deadline = time.monotonic() + 5
     while True:
         after = scrape(fake_daemon)
-        ratio = [s.value for s in after["ominix_prefix_cache_hit_ratio"] if s.labels["worker_id"] == "fake-0"]
-        # Gauges refresh periodically; counters move with each finished request.
-        if finished_stop_or_length(after) > finished_stop_or_length(before) and ratio and ratio[0] > 0:
+        hits = worker_value(after, "ominix_prefix_cache_hit_tokens")
+        # Worker figures refresh periodically; request counters move with each finished request.
+        if finished_stop_or_length(after) > finished_stop_or_length(before) and hits > 0:
             break
-        assert time.monotonic() < deadline, "ominix_requests_total or the prefix hit ratio did not move"
+        assert time.monotonic() < deadline, "ominix_requests_total or the prefix cache hits did not move"
         time.sleep(0.05)
     expected = {
+        "ominix_build_info",
         "ominix_requests",
-        "ominix_queue_depth",
-        "ominix_running_requests",
+        "ominix_request_rejections",
+        "ominix_requests_waiting",
+        "ominix_requests_running",
+        "ominix_requests_preempted",
         "ominix_request_ttft_seconds",
+        "ominix_request_inter_token_latency_seconds",
         "ominix_request_tpot_seconds",
         "ominix_request_e2e_seconds",
         "ominix_request_queue_time_seconds",
+        "ominix_request_prompt_tokens",
+        "ominix_request_generation_tokens",
         "ominix_prompt_tokens",
         "ominix_generation_tokens",
         "ominix_kv_blocks_used",
-        "ominix_kv_blocks_total",
-        "ominix_prefix_cache_hit_ratio",
+        "ominix_kv_blocks_cached",
+        "ominix_kv_blocks_free",
+        "ominix_kv_blocks_capacity",
+        "ominix_kv_usage_ratio",
+        "ominix_prefix_cache_queried_tokens",
+        "ominix_prefix_cache_hit_tokens",
         "ominix_preemptions",
         "ominix_scheduler_step_duration_seconds",
         "ominix_scheduler_batch_size",
         "ominix_integrity_violations",
+        "ominix_worker_up",
+        "ominix_worker_failovers",
+        "ominix_worker_restarts",
     }
-    assert expected <= set(after)
+    assert expected <= set(after), expected - set(after)
     gen_tokens = next(s.value for s in after["ominix_generation_tokens"] if s.name.endswith("_total"))
     assert gen_tokens >= 6
     ttft_count = next(s.value for s in after["ominix_request_ttft_seconds"] if s.name.endswith("_count"))
     assert ttft_count >= 1
+    assert all(s.labels["model_name"] == DEFAULT_MODEL_NAME for s in after["ominix_request_ttft_seconds"])
     worker_ids = {s.labels.get("worker_id") for s in after["ominix_scheduler_step_duration_seconds"]}
     assert "fake-0" in worker_ids
-    total = [s.value for s in after["ominix_kv_blocks_total"] if s.labels["worker_id"] == "fake-0"]
-    assert total == [64]
-    assert len(ratio) == 1 and 0.0 < ratio[0] <= 1.0
+    assert worker_value(after, "ominix_kv_blocks_capacity") == 64
+    assert worker_value(after, "ominix_worker_up") == 1
+    queried = worker_value(after, "ominix_prefix_cache_queried_tokens")
+    assert 0 < hits <= queried
+    kv = [
+        worker_value(after, f"ominix_kv_blocks_{k}") for k in ("used", "cached", "free")
+    ]  # leased + cached-evictable + free == capacity (the registry invariant)
+    assert sum(kv) == 64
 
 
 def test_deadline_ends_the_stream_with_timeout(fake_daemon: RunningDaemon) -> None:

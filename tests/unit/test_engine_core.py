@@ -118,7 +118,8 @@ def test_deadline_ends_the_request_with_timeout() -> None:
         handle = core.submit(_req("late", max_tokens=1000, deadline=time.monotonic() + 0.1))
         events = await _collect(handle)
         assert isinstance(events[-1], Error) and events[-1].kind == RuntimeErrorKind.TIMEOUT
-        assert core.stats().aborted == 1
+        stats = core.stats()  # a passed deadline is a failure (GetStats: "failed (errors, timeouts)")
+        assert (stats.failed, stats.aborted) == (1, 0)
         assert core.load()[0].kv_bytes_used == 0
 
     _run([backend], body)

@@ -331,16 +331,19 @@ def test_abort_frees_kv_at_once_and_discards_in_flight_outputs() -> None:
 def test_abort_with_error_kinds_maps_to_states() -> None:
     run = make()
     s = run.scheduler
-    for rid in ("t", "f"):
+    for rid in ("t", "f", "c"):
         s.add_request(request(rid, [1, 2, 3]))
     t = s.requests["t"]
     ev = s.abort_request("t", error=(RuntimeErrorKind.TIMEOUT, "deadline"))
     assert isinstance(ev[-1], Error) and ev[-1].kind == RuntimeErrorKind.TIMEOUT
-    assert t.state == RequestState.ABORTED
+    assert t.state == RequestState.FAILED  # a passed deadline is a failure, as GetStats documents
     f = s.requests["f"]
     s.abort_request("f", FinishReason.ERROR, (RuntimeErrorKind.BACKEND_UNAVAILABLE, "gone"))
     assert f.state == RequestState.FAILED
-    assert s.counters.aborted == 1 and s.counters.failed == 1
+    c = s.requests["c"]
+    s.abort_request("c", error=(RuntimeErrorKind.CANCELLED, "client went away"))
+    assert c.state == RequestState.ABORTED
+    assert s.counters.aborted == 1 and s.counters.failed == 2
 
 
 def test_a_preempted_request_is_not_rescheduled_while_its_step_is_in_flight() -> None:

@@ -13,7 +13,7 @@ import asyncio
 import heapq
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ominix_runtime.contract import (
     BackendAdapter,
@@ -27,11 +27,13 @@ from ominix_runtime.contract import (
     OminixError,
     PrefillDone,
     RequestBackend,
+    RequestLimits,
     RuntimeErrorKind,
     Token,
     Usage,
     WorkerEvent,
     is_terminal,
+    validate_request,
 )
 from ominix_runtime.engine.config import EngineCoreConfig
 from ominix_runtime.engine.groups.worker_group import ErrorInfo, GroupHooks, RequestTimes, WorkerGroup
@@ -48,6 +50,8 @@ class _Forwarded:
     queued_time: float
     started_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    token_gaps: list[float] = field(default_factory=list)
     prefill_seen: bool = False
     terminal_sent: bool = False
     num_output_tokens: int = 0
@@ -107,25 +111,13 @@ class RequestWorkerGroup(WorkerGroup):
 
     def validate(self, request: GenerateRequest) -> None:
         model = self.capability.model
-        if not request.prompt_token_ids and not request.prompt_text:
-            raise InvalidArgument("the prompt is empty")
-        vocab = model.vocab_size if model.vocab_size > 0 else None
-        max_len = model.max_model_len if model.max_model_len > 0 else None
-        if vocab is not None:
-            bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        n = len(request.prompt_token_ids)
-        if max_len is not None and n > max_len:
-            raise InvalidArgument(
-                f"the prompt has {n} tokens, more than the model's context length {max_len}"
-            )
-        max_tokens = request.sampling.max_tokens
-        if max_len is not None and isinstance(max_tokens, int) and n and n + max_tokens > max_len:
-            raise InvalidArgument(
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the model's context length {max_len}"
-            )
-        request.sampling.validate(vocab, max_len)
+        validate_request(
+            request,
+            RequestLimits(
+                vocab_size=model.vocab_size if model.vocab_size > 0 else None,
+                max_model_len=model.max_model_len if model.max_model_len > 0 else None,
+            ),
+        )
 
     def submit(self, request: GenerateRequest) -> None:
         rid = request.request_id
@@ -244,8 +236,12 @@ class RequestWorkerGroup(WorkerGroup):
                 elif isinstance(event, Token):
                     if not fwd.prefill_seen:
                         self._violation(fwd, "sent a token before prefill_done")
+                    now = time.monotonic()
                     if fwd.first_token_time is None:
-                        fwd.first_token_time = time.monotonic()
+                        fwd.first_token_time = now
+                    if fwd.last_token_time is not None:
+                        fwd.token_gaps.append(now - fwd.last_token_time)
+                    fwd.last_token_time = now
                     fwd.num_output_tokens += len(event.token_ids)
                     self.counters.generated_tokens += len(event.token_ids)
                 if is_terminal(event):
@@ -298,7 +294,7 @@ class RequestWorkerGroup(WorkerGroup):
         terminal: WorkerEvent
         if error is not None:
             terminal = Error(rid, error[0], error[1])
-            if error[0] in (RuntimeErrorKind.TIMEOUT, RuntimeErrorKind.CANCELLED):
+            if error[0] == RuntimeErrorKind.CANCELLED:  # a passed deadline counts as failed
                 reason = FinishReason.ABORT
                 c.aborted += 1
             else:
@@ -327,4 +323,5 @@ class RequestWorkerGroup(WorkerGroup):
                 started=fwd.started_time,
                 first_token=fwd.first_token_time,
             ),
+            inter_token_latencies=fwd.token_gaps,
         )

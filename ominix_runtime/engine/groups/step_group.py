@@ -188,6 +188,7 @@ class StepWorkerGroup(WorkerGroup):
             ),
             num_prompt_tokens=req.num_prompt_tokens,
             num_preemptions=req.num_preemptions,
+            inter_token_latencies=req.token_gaps,
         )
 
     async def _run(self) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -232,6 +232,7 @@ class WorkerGroup(ABC):
         times: RequestTimes,
         num_prompt_tokens: int | None = None,
         num_preemptions: int = 0,
+        inter_token_latencies: Sequence[float] = (),
     ) -> None:
         """Build the run report of a finished request and hand it to the core."""
         ttft = times.first_token - times.queued if times.first_token is not None else None
@@ -255,6 +256,9 @@ class WorkerGroup(ABC):
                 tpot=tpot,
                 e2e=times.finished - times.queued,
                 priority=int(request.priority),
+                model=request.model,
+                arrival_time=times.queued,
+                inter_token_latencies=tuple(inter_token_latencies),
             )
         )
 
