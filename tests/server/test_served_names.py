@@ -16,7 +16,7 @@ from server_harness import SMOLLM2_VOCAB, RunningDaemon, start_daemon, stop_daem
 from ominix_runtime.cli import main
 from ominix_runtime.cli.generate import model_name
 from ominix_runtime.client import AsyncEngineClient, ClientOptions, EngineClient, generate_request
-from ominix_runtime.config import ModelConfig
+from ominix_runtime.config import FrontConfig, ModelConfig
 from ominix_runtime.models import DEFAULT_MODEL_NAME, embedded_model_path, resolve_model
 from ominix_runtime.server.logging import configure_logging
 from ominix_runtime.testing.fake_backend import FakeConfig
@@ -136,3 +136,30 @@ def test_async_client_streams_and_sends_the_api_key(aliased_daemon: RunningDaemo
     kinds = asyncio.run(scenario())
     assert kinds[0] == "prefill_done" and kinds[-1] == "done" and "token" in kinds
     assert ("authorization", "Bearer k-1") in seen[0]
+
+
+def test_generate_and_the_client_send_the_api_key(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    running, thread = start_daemon(
+        FakeConfig(vocab_size=SMOLLM2_VOCAB, eos_token_ids=(2,), kv_num_blocks=64),
+        front=FrontConfig(api_keys=("k-1", "k-2")),
+    )
+    try:
+        argv = ["generate", "hi", "--address", running.address, "--max-tokens", "2"]
+        assert main(argv) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "UNAUTHENTICATED" in err[0]
+        assert main([*argv, "--api-key", "k-2"]) == 0
+        assert "[length]" in capsys.readouterr().err
+        monkeypatch.setenv("OMINIX_API_KEY", "k-1")
+        assert main(argv) == 0
+        with EngineClient(running.address, api_key="k-1", timeout=30) as client:
+            assert client.health() and client.get_load().total.running_requests == 0
+        with EngineClient(running.address, timeout=30) as client:
+            assert client.health()  # grpc.health.v1 stays open
+            with pytest.raises(grpc.RpcError) as info:
+                client.get_load()
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        stop_daemon(running, thread)
