@@ -25,7 +25,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
 
-PRIORITIES = {"realtime": 1, "interactive": 2, "batch": 3}
+PRIORITIES = {
+    "realtime": common_pb2.PRIORITY_REALTIME,
+    "interactive": common_pb2.PRIORITY_INTERACTIVE,
+    "batch": common_pb2.PRIORITY_BATCH,
+}
 DEFAULT_ADDRESS = "localhost:50061"
 
 
@@ -134,13 +138,15 @@ class EngineClient:
         return bool(response.found)
 
     def get_load(self) -> engine_pb2.GetLoadResponse:
-        return self._stub.GetLoad(
+        response: engine_pb2.GetLoadResponse = self._stub.GetLoad(
             engine_pb2.GetLoadRequest(), timeout=self.options.timeout, metadata=self.options.metadata
         )
+        return response
 
     def health(self, service: str = "") -> bool:
         """True while grpc.health.v1 says SERVING (open to every client, no key needed)."""
-        response = health_pb2_grpc.HealthStub(self._channel).Check(
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        response = stub.Check(  # type: ignore[attr-defined]  # the health stubs' typing lacks Check
             health_pb2.HealthCheckRequest(service=service), timeout=self.options.timeout or 5.0
         )
         return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
@@ -196,7 +202,8 @@ class AsyncEngineClient:
         )
 
     async def health(self, service: str = "") -> bool:
-        response = await health_pb2_grpc.HealthStub(self._channel).Check(
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        response = await stub.Check(  # type: ignore[attr-defined]  # the health stubs' typing lacks Check
             health_pb2.HealthCheckRequest(service=service), timeout=self.options.timeout or 5.0
         )
         return bool(response.status == health_pb2.HealthCheckResponse.SERVING)

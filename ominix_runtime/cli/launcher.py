@@ -262,7 +262,8 @@ class WorkerSupervisor(threading.Thread):
                 restart_in_s=self._backoff[i],
             )
             return
-        if now < self._restart_at[i]:
+        restart_at = self._restart_at[i]
+        if restart_at is not None and now < restart_at:
             return
         self.procs[i], output = _start_worker(self._plans[i], self._env)
         output.hold_fatal = False

@@ -108,10 +108,10 @@ def read_config_file(path: str, flags: Sequence[Flag]) -> dict[str, Any]:
             if sys.version_info >= (3, 11):
                 import tomllib
             else:  # pragma: no cover - Python 3.10
-                import tomli as tomllib
+                import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
             data: Any = tomllib.loads(text)
         else:
-            import yaml
+            import yaml  # type: ignore[import-untyped,unused-ignore]  # stubs are a test extra at most
 
             data = yaml.safe_load(text) or {}
     except Exception as exc:  # noqa: BLE001 - any parser error is one line naming the file

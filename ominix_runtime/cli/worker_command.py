@@ -15,6 +15,6 @@ def run_worker(config: RuntimeConfig, options: argparse.Namespace) -> int:
         raise ConfigError(
             f"the worker needs {', '.join(missing)}, which is not installed: pip install 'ominix-runtime[worker]'"
         )
-    from ominix_worker.server import run
+    from ominix_worker.server import run  # type: ignore[import-untyped,unused-ignore]  # no py.typed there
 
-    return run(config)
+    return int(run(config))

@@ -243,3 +243,15 @@ def test_worker_and_conformance_run_from_the_command_line() -> None:
         timeout=120,
     )
     assert conformance.returncode == 0, conformance.stderr
+
+
+def test_serve_on_a_taken_port_fails_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        assert main(["serve", "--worker", "127.0.0.1:1", "--port", str(taken), "--metrics-port", "0"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"port {taken}" in err[0] and "--port" in err[0]
