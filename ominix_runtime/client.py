@@ -13,6 +13,7 @@ then exactly one done or error). :class:`AsyncEngineClient` is the same over ``g
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ class ClientOptions:
     tls: bool = False  # TLS with the system's roots
     root_certificates: str | None = None  # PEM CA bundle path (implies TLS)
     timeout: float | None = None  # seconds per call (a whole Generate stream included)
+    channel_options: tuple[tuple[str, Any], ...] = ()  # grpc channel arguments, e.g. message size limits
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -110,18 +112,25 @@ class EngineClient:
 
     def __init__(self, address: str = DEFAULT_ADDRESS, options: ClientOptions | None = None, **kw: Any):
         self.options = options or ClientOptions(**kw)
-        credentials = self.options.credentials()
+        credentials, channel_args = self.options.credentials(), list(self.options.channel_options)
         self._channel = (
-            grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+            grpc.secure_channel(address, credentials, channel_args)
+            if credentials
+            else grpc.insecure_channel(address, channel_args)
         )
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
 
     def generate(
-        self, request: engine_pb2.GenerateRequest | None = None, **kwargs: Any
+        self,
+        request: engine_pb2.GenerateRequest | None = None,
+        *,
+        timeout: float | None = None,
+        **kwargs: Any,
     ) -> Iterator[engine_pb2.GenerateEvent]:
-        """Events of one request as they arrive; a refused request raises ``grpc.RpcError``."""
+        """Events of one request as they arrive; a refused request raises ``grpc.RpcError``. ``kwargs``
+        build the request (see :func:`generate_request`); ``timeout`` overrides the client's."""
         call = self._stub.Generate(
-            _request(request, kwargs), timeout=self.options.timeout, metadata=self.options.metadata
+            _request(request, kwargs), timeout=timeout or self.options.timeout, metadata=self.options.metadata
         )
         try:
             yield from call
@@ -137,9 +146,20 @@ class EngineClient:
         )
         return bool(response.found)
 
-    def get_load(self) -> engine_pb2.GetLoadResponse:
+    def get_load(self, timeout: float | None = None) -> engine_pb2.GetLoadResponse:
         response: engine_pb2.GetLoadResponse = self._stub.GetLoad(
-            engine_pb2.GetLoadRequest(), timeout=self.options.timeout, metadata=self.options.metadata
+            engine_pb2.GetLoadRequest(),
+            timeout=timeout or self.options.timeout,
+            metadata=self.options.metadata,
+        )
+        return response
+
+    def list_backends(self, timeout: float | None = None) -> engine_pb2.ListBackendsResponse:
+        """Every backend's capability (model, limits, KV figures)."""
+        response: engine_pb2.ListBackendsResponse = self._stub.ListBackends(
+            engine_pb2.ListBackendsRequest(),
+            timeout=timeout or self.options.timeout,
+            metadata=self.options.metadata,
         )
         return response
 
@@ -168,19 +188,23 @@ class AsyncEngineClient:
 
     def __init__(self, address: str = DEFAULT_ADDRESS, options: ClientOptions | None = None, **kw: Any):
         self.options = options or ClientOptions(**kw)
-        credentials = self.options.credentials()
+        credentials, channel_args = self.options.credentials(), list(self.options.channel_options)
         self._channel = (
-            grpc.aio.secure_channel(address, credentials)
+            grpc.aio.secure_channel(address, credentials, channel_args)
             if credentials
-            else grpc.aio.insecure_channel(address)
+            else grpc.aio.insecure_channel(address, channel_args)
         )
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
 
     async def generate(
-        self, request: engine_pb2.GenerateRequest | None = None, **kwargs: Any
+        self,
+        request: engine_pb2.GenerateRequest | None = None,
+        *,
+        timeout: float | None = None,
+        **kwargs: Any,
     ) -> AsyncIterator[engine_pb2.GenerateEvent]:
         call = self._stub.Generate(
-            _request(request, kwargs), timeout=self.options.timeout, metadata=self.options.metadata
+            _request(request, kwargs), timeout=timeout or self.options.timeout, metadata=self.options.metadata
         )
         try:
             async for event in call:
@@ -196,10 +220,21 @@ class AsyncEngineClient:
         )
         return bool(response.found)
 
-    async def get_load(self) -> engine_pb2.GetLoadResponse:
-        return await self._stub.GetLoad(  # type: ignore[no-any-return]
-            engine_pb2.GetLoadRequest(), timeout=self.options.timeout, metadata=self.options.metadata
+    async def get_load(self, timeout: float | None = None) -> engine_pb2.GetLoadResponse:
+        response: engine_pb2.GetLoadResponse = await self._stub.GetLoad(
+            engine_pb2.GetLoadRequest(),
+            timeout=timeout or self.options.timeout,
+            metadata=self.options.metadata,
         )
+        return response
+
+    async def list_backends(self, timeout: float | None = None) -> engine_pb2.ListBackendsResponse:
+        response: engine_pb2.ListBackendsResponse = await self._stub.ListBackends(
+            engine_pb2.ListBackendsRequest(),
+            timeout=timeout or self.options.timeout,
+            metadata=self.options.metadata,
+        )
+        return response
 
     async def health(self, service: str = "") -> bool:
         stub = health_pb2_grpc.HealthStub(self._channel)
@@ -207,6 +242,10 @@ class AsyncEngineClient:
             health_pb2.HealthCheckRequest(service=service), timeout=self.options.timeout or 5.0
         )
         return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Until the channel is connected (asyncio.TimeoutError after ``timeout`` seconds)."""
+        await asyncio.wait_for(self._channel.channel_ready(), timeout)
 
     async def close(self) -> None:
         await self._channel.close()
