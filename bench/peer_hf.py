@@ -20,6 +20,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 if __package__ in (None, ""):
     # Run as a script: keep bench/ off the path, or bench/kernels.py would shadow the ``kernels`` package that
@@ -28,10 +29,13 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "llama8b-config.json"
 
 
-def load_model(model: str | None, device: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+def load_model(model: str | None, device: str, dtype: torch.dtype) -> tuple[PreTrainedModel, int]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if model is None or model.startswith("dummy:") or model.endswith(".json"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 
@@ -140,7 +141,7 @@ def measure_matmul_rate(n: int = 8192, repeats: int = 20) -> float:
     return 2 * n**3 / _median(times)
 
 
-def _time_cuda(fn, repeats: int) -> list[float]:  # type: ignore[no-untyped-def]
+def _time_cuda(fn: Callable[[], object], repeats: int) -> list[float]:
     import torch
 
     for _ in range(3):

@@ -40,6 +40,7 @@ DEFAULT_ENGINE_PORT = 50061
 DEFAULT_WORKER_PORT = 50071
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # one GenerateRequest on the engine port (gRPC's own default)
+DEFAULT_DIST_TIMEOUT_S = 30.0  # a tensor-parallel group's collectives and control messages
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
 
@@ -123,7 +124,12 @@ class WorkerConfig:
     attention: str | None = None  # None: chosen by the device
     num_threads: int = 0  # CPU threads for torch; 0: torch's default
     worker_id: str | None = None  # None: DEVICE@HOST:PORT
-    launch_nonce: str = ""  # set by `launch`; stated in Describe and Health so it knows its own workers
+    launch_nonce: str = ""  # set by `launch`; stated in Health so it knows its own workers
+    # Tensor parallelism: one process per rank; rank 0 serves the engine, the others follow it.
+    tp_size: int = 1
+    tp_rank: int = 0
+    dist_init_addr: str | None = None  # HOST:PORT where rank 0 gathers its group
+    dist_timeout: float = DEFAULT_DIST_TIMEOUT_S
 
 
 @dataclass(frozen=True, slots=True)

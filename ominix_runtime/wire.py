@@ -12,6 +12,7 @@ from ominix_runtime.contract import (
     Granularity,
     ModelInfo,
     NewRequestData,
+    RankInfo,
     RequestOutput,
     RunningRequestData,
     RuntimeErrorKind,
@@ -127,6 +128,19 @@ def capability_to_pb(cap: BackendCapability) -> common_pb2.BackendCapability:
         attention_backend=cap.attention_backend,
         model=model,
         version=cap.version,
+        ranks=[
+            common_pb2.RankInfo(
+                rank=r.rank,
+                device=r.device,
+                host=r.host,
+                memory_total_bytes=r.memory_total_bytes,
+                weight_bytes=r.weight_bytes,
+                kv_cache_bytes=r.kv_cache_bytes,
+                kv_head_start=r.kv_head_start,
+                kv_num_heads=r.kv_num_heads,
+            )
+            for r in cap.ranks
+        ],
     )
 
 
@@ -169,6 +183,19 @@ def capability_from_pb(pb: common_pb2.BackendCapability) -> BackendCapability:
         custom_all_reduce=pb.custom_all_reduce,
         attention_backend=pb.attention_backend,
         version=pb.version,
+        ranks=tuple(
+            RankInfo(
+                rank=r.rank,
+                device=r.device,
+                host=r.host,
+                memory_total_bytes=r.memory_total_bytes,
+                weight_bytes=r.weight_bytes,
+                kv_cache_bytes=r.kv_cache_bytes,
+                kv_head_start=r.kv_head_start,
+                kv_num_heads=r.kv_num_heads,
+            )
+            for r in pb.ranks
+        ),
     )
 
 
@@ -188,6 +215,7 @@ def step_to_pb(step: DecodeStep) -> worker_pb2.DecodeStep:
                 num_computed_tokens=r.num_computed_tokens,
                 num_scheduled_tokens=r.num_scheduled_tokens,
                 effective_seed=r.effective_seed,
+                traceparent=r.traceparent,
             )
             for r in step.new_requests
         ],
@@ -216,6 +244,7 @@ def step_from_pb(pb: worker_pb2.DecodeStep) -> DecodeStep:
                 num_scheduled_tokens=r.num_scheduled_tokens,
                 effective_seed=r.effective_seed,
                 output_token_ids=list(r.output_token_ids),
+                traceparent=r.traceparent,
             )
             for r in pb.new_requests
         ],

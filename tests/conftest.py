@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,8 +29,8 @@ def assert_scheduler_integrity(
         return
     original_init = Scheduler.__init__
 
-    def tracking_init(self: Scheduler, *args: object, **kwargs: object) -> None:
-        original_init(self, *args, **kwargs)  # type: ignore[arg-type]
+    def tracking_init(self: Scheduler, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
         created.append(self)
 
     monkeypatch.setattr(Scheduler, "__init__", tracking_init)

@@ -54,7 +54,7 @@ COMMANDS: tuple[Command, ...] = (
         "worker",
         "run a worker process (one device, one model)",
         "Serve one model on one device to an ominix-runtime engine over gRPC (Worker service).",
-        ("model", "listen", "limits", "worker", "worker-process", "tls", "log"),
+        ("model", "listen", "limits", "worker", "worker-process", "tensor-parallel", "tls", "log"),
         "ominix_runtime.cli.worker_command:run_worker",
         defaults={"server.port": DEFAULT_WORKER_PORT},
     ),

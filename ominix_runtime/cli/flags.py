@@ -397,6 +397,36 @@ FLAGS: tuple[Flag, ...] = (
         "set by `launch`: stated in Describe and Health so the launcher knows the worker is its own",
         ("worker.launch_nonce",),
     ),
+    # tensor parallelism (one worker process per rank)
+    Flag(
+        "--tp-size",
+        "tensor-parallel",
+        "ranks in this worker's tensor-parallel group, one process per device",
+        ("worker.tp_size",),
+        positive_int,
+    ),
+    Flag(
+        "--tp-rank",
+        "tensor-parallel",
+        "this process's rank in the group: 0 serves the engine, the others follow it",
+        ("worker.tp_rank",),
+        non_negative_int,
+    ),
+    Flag(
+        "--dist-init-addr",
+        "tensor-parallel",
+        "HOST:PORT where rank 0 gathers its group (required with --tp-size > 1; ranks may run on other "
+        "hosts that reach it)",
+        ("worker.dist_init_addr",),
+    ),
+    Flag(
+        "--dist-timeout",
+        "tensor-parallel",
+        "seconds any collective or control message of the group may wait for a peer before the group "
+        "gives up (every rank then exits)",
+        ("worker.dist_timeout",),
+        positive_float,
+    ),
     # launch
     Flag(
         "--devices",

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from ominix_runtime.contract import (
+    BackendAdapter,
     BackendCapability,
     Done,
     FinishReason,
@@ -28,14 +29,14 @@ from ominix_runtime.contract import (
     WorkerEvent,
     is_terminal,
 )
-from ominix_runtime.engine import EngineCore, EngineCoreConfig, SchedulerConfig
+from ominix_runtime.engine import EngineCore, EngineCoreConfig, RequestHandle, SchedulerConfig
 
 
 class CheckFailed(AssertionError):
     """A conformance check failed; the message says what was observed and what was expected."""
 
 
-BackendFactory = Callable[[], Sequence[object]]
+BackendFactory = Callable[[], Sequence[BackendAdapter]]
 
 
 @dataclass(slots=True)
@@ -49,7 +50,7 @@ class Harness:
 
     async def engine(self, scheduler: SchedulerConfig | None = None) -> EngineCore:
         config = EngineCoreConfig(scheduler=scheduler or SchedulerConfig(), step_timeout=self.step_timeout)
-        core = EngineCore(list(self.make_backends()), config)  # type: ignore[arg-type]
+        core = EngineCore(list(self.make_backends()), config)
         self._engines.append(core)
         await core.start()
         return core
@@ -84,18 +85,18 @@ def _request(
     n: int = 8,
     max_tokens: int = 6,
     salt: int = 0,
-    **sampling: object,
+    seed: int | None = None,
+    top_k: int = -1,
 ) -> GenerateRequest:
-    sampling.setdefault("ignore_eos", True)
-    sp = SamplingParams(max_tokens=max_tokens, **sampling)  # type: ignore[arg-type]
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=seed, top_k=top_k)
     return GenerateRequest(h.request_id(tag), _prompt(cap, n, salt), sp)
 
 
 async def _collect(core: EngineCore, requests: Sequence[GenerateRequest]) -> dict[str, list[WorkerEvent]]:
     handles = [core.submit(r) for r in requests]
 
-    async def one(handle: object) -> list[WorkerEvent]:
-        return [e async for e in handle]  # type: ignore[attr-defined]
+    async def one(handle: RequestHandle) -> list[WorkerEvent]:
+        return [e async for e in handle]
 
     outs = await asyncio.gather(*(one(hd) for hd in handles))
     return {hd.request_id: events for hd, events in zip(handles, outs, strict=True)}
@@ -128,10 +129,10 @@ async def capability_declaration(h: Harness) -> str:
     """Every backend states a complete, self-consistent capability (capability.problems() is empty)."""
     backends = list(h.make_backends())
     try:
-        caps = [await b.describe() for b in backends]  # type: ignore[attr-defined]
+        caps = [await b.describe() for b in backends]
     finally:
         for b in backends:
-            await b.close()  # type: ignore[attr-defined]
+            await b.close()
     problems = [f"{c.worker_id or '?'}: {p}" for c in caps for p in c.problems()]
     if problems:
         raise CheckFailed("capability problems: " + "; ".join(problems))
@@ -317,10 +318,9 @@ async def same_seed_same_tokens(h: Harness) -> str:
     """A seeded request draws the same tokens when run again, alone or inside a different batch."""
     core = await h.engine()
     cap = _cap(core)
-    sampling = {"seed": 4242, "temperature": 1.0, "top_k": 50}
 
-    def target(tag: str) -> GenerateRequest:
-        return _request(h, cap, tag, n=12, max_tokens=10, salt=77, **sampling)
+    def target(tag: str) -> GenerateRequest:  # temperature 1.0 (the default): a real draw
+        return _request(h, cap, tag, n=12, max_tokens=10, salt=77, seed=4242, top_k=50)
 
     alone = await _collect(core, [target("seed-alone")])
     again = await _collect(core, [target("seed-again")])

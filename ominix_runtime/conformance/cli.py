@@ -66,12 +66,9 @@ def _factory(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Backe
         from ominix_runtime.backends.sglang import SGLangBackend
 
         url = args.url
-        stated: dict[str, object] = {}
-        if args.vocab_size:
-            stated["vocab_size"] = args.vocab_size
-        if args.eos_token_id:
-            stated["eos_token_ids"] = list(args.eos_token_id)
-        return lambda: [SGLangBackend(url, **stated)]  # type: ignore[arg-type]
+        vocab_size: int | None = args.vocab_size or None  # unset: the server's own statement stands
+        eos_token_ids: list[int] | None = list(args.eos_token_id) if args.eos_token_id else None
+        return lambda: [SGLangBackend(url, vocab_size=vocab_size, eos_token_ids=eos_token_ids)]
     from ominix_runtime.testing.fake_backend import FakeConfig, FakeRequestBackend, FakeStepBackend
 
     if args.backend == "fake-broken":

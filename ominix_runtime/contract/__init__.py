@@ -12,6 +12,7 @@ from ominix_runtime.contract.capability import (
     BackendKind,
     Granularity,
     ModelInfo,
+    RankInfo,
     stated_profile,
 )
 from ominix_runtime.contract.errors import AdmissionRejected, InvalidArgument, OminixError, RuntimeErrorKind
@@ -70,6 +71,7 @@ __all__ = [
     "KVLease",
     "MAX_REQUEST_ID_BYTES",
     "ModelInfo",
+    "RankInfo",
     "NewRequestData",
     "OminixError",
     "PROFILES",

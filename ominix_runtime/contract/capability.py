@@ -39,6 +39,20 @@ class ModelInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class RankInfo:
+    """One rank of a tensor-parallel worker group (a single worker states itself as rank 0 of 1)."""
+
+    rank: int
+    device: str
+    host: str = ""
+    memory_total_bytes: int = 0  # 0: unknown (CPU)
+    weight_bytes: int = 0
+    kv_cache_bytes: int = 0
+    kv_head_start: int = 0
+    kv_num_heads: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class BackendCapability:
     worker_id: str
     kind: BackendKind
@@ -62,6 +76,7 @@ class BackendCapability:
     custom_all_reduce: bool = False
     attention_backend: str = ""
     version: str = ""
+    ranks: tuple[RankInfo, ...] = ()
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -114,6 +129,8 @@ class BackendCapability:
             out.append("tensor_parallel_size must be >= 1")
         if self.tensor_parallel_size > 1 and self.collective_backend == "none":
             out.append("tensor_parallel_size > 1 needs a collective backend")
+        if self.ranks and [r.rank for r in self.ranks] != list(range(self.tensor_parallel_size)):
+            out.append(f"ranks must list ranks 0..{self.tensor_parallel_size - 1} in order")
         if self.kind == BackendKind.ASCEND:
             if self.kv_block_size != 128:
                 out.append("Ascend workers use KV block size 128")

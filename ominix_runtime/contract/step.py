@@ -23,6 +23,7 @@ class NewRequestData:
     num_scheduled_tokens: int
     effective_seed: int
     output_token_ids: list[int] = field(default_factory=list)  # resumed after preemption
+    traceparent: str = ""  # W3C trace context of the engine's request span ("" when not traced)
 
 
 @dataclass(slots=True)

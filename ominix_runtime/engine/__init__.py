@@ -1,4 +1,4 @@
-"""The engine: policy core (scheduler, KV registry), drivers and the asyncio EngineCore."""
+"""The engine: policy core (scheduler, KV registry), worker groups and the asyncio EngineCore."""
 
 from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig
 from ominix_runtime.engine.core import EngineCore, RequestHandle

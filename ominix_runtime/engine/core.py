@@ -368,10 +368,10 @@ class EngineCore:
             u, t = g.kv_blocks
             used += u
             total += t
-            prefix = g.prefix_cache_tokens()
-            if prefix is not None:
-                query_tokens += prefix[0]
-                hit_tokens += prefix[1]
+            kv = g.kv_snapshot()
+            if kv is not None:
+                query_tokens += kv.prefix_query_tokens
+                hit_tokens += kv.prefix_hit_tokens
             protocol += g.num_protocol_violations
             recent_protocol += list(g.protocol_violations)
             checks += g.integrity_checks

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 import structlog
 
 _log = structlog.get_logger("ominix.engine")
 
 
-def log_event(level: str, event: str, **fields: Any) -> None:
+def log_event(level: str, event: str, **fields: object) -> None:
     with contextlib.suppress(Exception):
         getattr(_log, level)(event, **fields)

@@ -43,6 +43,7 @@ from ominix_runtime.contract import (
     OminixError,
     PrefillDone,
     RequestLimits,
+    RequestOutput,
     RequestState,
     RunningRequestData,
     RuntimeErrorKind,
@@ -384,6 +385,7 @@ class Scheduler:
                     num_scheduled_tokens=n,
                     effective_seed=req.effective_seed,
                     output_token_ids=req.output_token_ids,
+                    traceparent=req.request.traceparent,
                 )
             )
             self._commit(req, n, scheduled, plan)
@@ -544,7 +546,7 @@ class Scheduler:
         return events
 
     def _append_token(
-        self, req: EngineRequest, token_id: int, out: object, events: list[WorkerEvent]
+        self, req: EngineRequest, token_id: int, out: RequestOutput, events: list[WorkerEvent]
     ) -> None:
         req.all_token_ids.append(token_id)
         self.counters.generated_tokens += 1
@@ -558,7 +560,7 @@ class Scheduler:
             events.append(PrefillDone(req.request_id, req.num_prompt_tokens, req.num_cached_tokens))
         if req.state == RequestState.PREFILL:
             req.transition(RequestState.DECODE)
-        logprobs = getattr(out, "logprobs", None)
+        logprobs = out.logprobs
         events.append(Token(req.request_id, [token_id], [logprobs] if logprobs is not None else []))
         reason = self._stop_reason(req, token_id)
         if reason is not None:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from ominix_runtime.contract import FinishReason, RequestState, RuntimeErrorKind
+from ominix_runtime.contract import FinishReason, RuntimeErrorKind
 
 
 @dataclass(slots=True)
@@ -134,46 +133,3 @@ class EngineStats:
     recent_step_durations: list[float] = field(default_factory=list)
     recent_batch_sizes: list[int] = field(default_factory=list)
     recent_protocol_violations: list[str] = field(default_factory=list)
-
-
-def worker_stats(group: Any) -> WorkerStats:
-    """Read one worker group (step-level or request-level) into a :class:`WorkerStats`.
-
-    Reads only what the groups expose publicly; the KV and preemption figures exist only where the group
-    has its own scheduler (step-level), the protocol-violation count only where it forwards whole requests.
-    """
-    load = group.load()
-    counters = group.counters
-    scheduler = getattr(group, "scheduler", None)
-    kv = scheduler.registry.snapshot() if scheduler is not None else None
-    preempted = 0
-    if scheduler is not None:
-        preempted = sum(
-            1
-            for r in scheduler.requests.values()
-            if r.state == RequestState.PREEMPTED or (r.state == RequestState.WAITING and r.num_preemptions)
-        )
-    return WorkerStats(
-        worker_id=group.worker_id,
-        backend=group.capability.kind.name.lower(),
-        model_name=group.capability.model.name,
-        up=bool(group.running and group.healthy),
-        running_requests=load.running_requests,
-        waiting_requests=load.queued_requests,
-        preempted_requests=preempted,
-        kv_known=kv is not None,
-        kv_blocks_capacity=kv.num_blocks if kv else 0,
-        kv_blocks_used=kv.num_leased_blocks if kv else 0,
-        kv_blocks_cached=kv.num_cached_evictable_blocks if kv else 0,
-        kv_blocks_free=kv.num_free_blocks if kv else 0,
-        prefix_queried_tokens=kv.prefix_query_tokens if kv else 0,
-        prefix_hit_tokens=kv.prefix_hit_tokens if kv else 0,
-        prompt_tokens=counters.prompt_tokens,
-        generation_tokens=counters.generated_tokens,
-        preemptions=counters.preemptions,
-        failovers=getattr(group, "num_failures", 0),
-        restarts=getattr(group, "num_reconnects", 0),
-        resumed_requests=counters.resumed,
-        integrity_violations=group.integrity_violations,
-        protocol_violations=getattr(group, "num_protocol_violations", 0),
-    )

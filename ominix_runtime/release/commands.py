@@ -83,7 +83,9 @@ def add_gate_arguments(p: argparse.ArgumentParser) -> None:
 
 def _print_decision(decision: dict[str, object]) -> int:
     print(f"decision: {decision['decision']}")
-    for reason in decision["reasons"]:  # type: ignore[attr-defined]
+    reasons = decision["reasons"]
+    assert isinstance(reasons, list)  # the gate's decision JSON lists its reasons
+    for reason in reasons:
         print(f"  {reason}")
     return _DECISION_EXIT[str(decision["decision"])]
 

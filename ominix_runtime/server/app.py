@@ -21,7 +21,7 @@ from ominix_runtime.config import RuntimeConfig
 from ominix_runtime.contract import BackendAdapter, OminixError, RuntimeErrorKind
 from ominix_runtime.engine.core import EngineCore
 from ominix_runtime.engine.negotiation import ServingTerms
-from ominix_runtime.engine.stats import RunReport, worker_stats
+from ominix_runtime.engine.stats import RunReport
 from ominix_runtime.models import ModelFormat, ModelSource, resolve_model
 from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.engine_service import EngineService
@@ -29,6 +29,7 @@ from ominix_runtime.server.front_guard import FrontGuard
 from ominix_runtime.server.logging import configure_logging, get_logger
 from ominix_runtime.server.metrics import EngineMetrics
 from ominix_runtime.server.stats_line import StatsLine
+from ominix_runtime.server.tracing import tracer_from_environment
 from ominix_runtime.text import Tokenizer
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -96,6 +97,7 @@ class EngineDaemon:
         self.config = config
         self._given_backends = backends
         self.metrics = EngineMetrics() if config.server.metrics_port > 0 else None
+        self.tracer = tracer_from_environment()  # off unless OTEL_* variables configure it
         self.health = health.aio.HealthServicer()
         self.stop_requested = asyncio.Event()
         self.bound_port = 0
@@ -105,6 +107,7 @@ class EngineDaemon:
         self._server: grpc.aio.Server | None = None
         self._backends: list[BackendAdapter] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self._stats_line: StatsLine | None = None
 
     async def start(self) -> None:
         config = self.config
@@ -122,7 +125,13 @@ class EngineDaemon:
         self._backends = list(self._given_backends) if self._given_backends else _build_backends(config)
         engine = self._engine = EngineCore(self._backends, config.engine)
         service = EngineService(
-            engine, None, model_name, self.metrics, config.front, config.model.served_model_names
+            engine,
+            None,
+            model_name,
+            self.metrics,
+            config.front,
+            self.tracer,
+            served_names=config.model.served_model_names,
         )
         self._service = service
 
@@ -204,6 +213,7 @@ class EngineDaemon:
                 metrics.observe_run(report)
 
         engine.add_listener(on_run)
+        engine.add_listener(self.tracer.on_run_report)
         if metrics is None:
             return
         metrics.set_model_name(model_name)
@@ -215,7 +225,7 @@ class EngineDaemon:
 
     async def _log_stats(self, engine: EngineCore) -> None:
         """One "stats" line every --stats-interval seconds while there is work (and once when it stops)."""
-        line = StatsLine(time.monotonic())
+        line = self._stats_line = StatsLine(time.monotonic())
         was_idle = True
         while True:
             await asyncio.sleep(self.config.server.stats_interval)
@@ -224,6 +234,13 @@ class EngineDaemon:
             if not (idle and was_idle):
                 _log.info("stats", **fields)
             was_idle = idle
+
+    def _log_final_stats(self) -> None:
+        """At shutdown: the work since the last stats line, so a short run is reported too."""
+        if self._stats_line is not None and self._engine is not None:
+            fields = self._stats_line.fields(self._engine.stats())
+            if not StatsLine.idle(fields):
+                _log.info("stats", **fields)
 
     async def _follow_health(self, engine: EngineCore) -> None:
         """SERVING while at least one worker group serves; NOT_SERVING while none does (they reconnect)."""
@@ -246,7 +263,7 @@ class EngineDaemon:
         assert self.metrics is not None
         while True:
             try:
-                self.metrics.update_workers(worker_stats(g) for g in engine.groups)
+                self.metrics.update_workers(g.stats() for g in engine.groups)
             except Exception as exc:  # noqa: BLE001 - metrics must never take the daemon down
                 _log.warning("metrics refresh failed", error=repr(exc))
             await asyncio.sleep(METRICS_REFRESH_INTERVAL_S)
@@ -268,6 +285,7 @@ class EngineDaemon:
         for result in results:
             if isinstance(result, BaseException):
                 _log.warning("shutdown step failed", error=repr(result))
+        self._log_final_stats()
         for task in self._tasks:
             task.cancel()
         for backend in self._backends:
@@ -275,6 +293,7 @@ class EngineDaemon:
                 await asyncio.wait_for(backend.close(), timeout=2.0)
         if self.metrics is not None:
             self.metrics.stop_http()
+        self.tracer.shutdown()
         _log.info("stopped")
 
 

@@ -37,6 +37,7 @@ from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.front_guard import caller_of
 from ominix_runtime.server.logging import get_logger, request_context
 from ominix_runtime.server.metrics import EngineMetrics
+from ominix_runtime.server.tracing import RequestSpan, RequestTracer, traceparent_from_grpc_metadata
 from ominix_runtime.text import OutputText, Tokenizer
 from ominix_runtime.text.pool import TokenizationPool
 
@@ -76,6 +77,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         model_name: str,
         metrics: EngineMetrics | None = None,
         front: FrontConfig | None = None,
+        tracer: RequestTracer | None = None,
         served_names: Sequence[str] = (),
     ) -> None:
         self._engine = engine
@@ -86,6 +88,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         # --served-model-name: further names requests may use for ``model_name``.
         self.served_names = tuple(served_names)
         self._metrics = metrics
+        self._tracer = tracer or RequestTracer()
         self._live: set[str] = set()
         self._owners: dict[str, str] = {}  # live request id -> the caller that created it (see caller_of)
         self._rejected = 0  # refused at the front edge (never reached the engine's counters)
@@ -199,15 +202,21 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             # Before any await, so a concurrent duplicate sees it.
             self._live.add(request_id)
             self._owners[request_id] = caller_of(context)
+            span = self._tracer.start(
+                request_id,
+                traceparent_from_grpc_metadata(context.invocation_metadata()),
+                request.model or self.model_name,
+            )
             try:
                 gen_request = await self._resolve(request, request_id)
+                gen_request.traceparent = span.traceparent
             except _NotFound as exc:
                 self._forget(request_id)
-                self._reject(str(exc), "model_not_found", counted_by_engine=False)
+                self._reject(str(exc), "model_not_found", counted_by_engine=False, span=span)
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
             except OminixError as exc:
                 self._forget(request_id)
-                self._reject(exc.message, exc.kind.name.lower(), counted_by_engine=False)
+                self._reject(exc.message, exc.kind.name.lower(), counted_by_engine=False, span=span)
                 await context.abort(status_for(exc), exc.message)
             except BaseException:
                 self._forget(request_id)
@@ -216,36 +225,50 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 handle = self._engine.submit(gen_request)
             except OminixError as exc:
                 self._forget(request_id)
-                self._reject(exc.message, exc.kind.name.lower(), counted_by_engine=True)
+                self._reject(exc.message, exc.kind.name.lower(), counted_by_engine=True, span=span)
                 await context.abort(status_for(exc), exc.message)
             except BaseException:
                 self._forget(request_id)
+                span.end("error", "submit failed")
                 raise
             _log.debug("request admitted", prompt_tokens=len(gen_request.prompt_token_ids))
             finished = False
+            last: engine_pb2.GenerateEvent | None = None
             try:
                 try:
-                    async for event in self._events(gen_request, handle):
+                    async for event in self._events(gen_request, handle, span):
+                        last = event
                         yield event
                     finished = True
                 except Exception as exc:  # a bug here must still end the stream with one terminal event
                     _log.exception("generate stream failed")
-                    yield engine_pb2.GenerateEvent(
+                    last = engine_pb2.GenerateEvent(
                         request_id=request_id,
                         error=wire.error_info_to_pb(RuntimeErrorKind.INTERNAL, repr(exc)),
                     )
+                    yield last
             finally:
                 self._forget(request_id)
-                if not finished:
-                    # The client went away (or the stream failed): free the request's KV at once.
-                    _log.info("stream ended early, aborting request")
-                    handle.abort()
+                try:
+                    if not finished:
+                        # The client went away (or the stream failed): free the request's KV at once.
+                        _log.info("stream ended early, aborting request")
+                        handle.abort()
+                finally:  # after the abort, so the engine's run report has added the phases
+                    if last is not None and last.HasField("error"):
+                        span.end("error", last.error.message)
+                    else:
+                        span.end("done" if finished else "cancelled")
 
     def _forget(self, request_id: str) -> None:
         self._live.discard(request_id)
         self._owners.pop(request_id, None)
 
-    def _reject(self, message: str, reason: str, counted_by_engine: bool) -> None:
+    def _reject(
+        self, message: str, reason: str, counted_by_engine: bool, span: RequestSpan | None = None
+    ) -> None:
+        if span is not None:
+            span.end("rejected", message)
         if not counted_by_engine:
             self._rejected += 1
         _log.info("request rejected", reason=message)
@@ -253,7 +276,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             self._metrics.observe_rejection(reason)
 
     async def _events(
-        self, req: GenerateRequest, handle: RequestHandle
+        self, req: GenerateRequest, handle: RequestHandle, span: RequestSpan
     ) -> AsyncIterator[engine_pb2.GenerateEvent]:
         rid = req.request_id
         # Another model's tokens are not ours to decode: its request-level backend sends the text.
@@ -276,7 +299,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             elif isinstance(event, Token):
                 if matched_stop is not None:
                     continue  # tokens of steps already in flight when the stop string matched
+                span.first_token()
+                started = time.perf_counter()
                 match = output.push(event.token_ids, event.text)
+                span.detokenized(time.perf_counter() - started)
                 num_emitted_tokens += len(event.token_ids)
                 if match.matched_stop is not None:
                     matched_stop = match.matched_stop

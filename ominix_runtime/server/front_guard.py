@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 import grpc.aio
@@ -25,7 +25,7 @@ AUTHORIZATION = "authorization"
 _BEARER = "bearer "
 
 
-def bearer_key(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+def bearer_key(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
     """The KEY of an ``authorization: Bearer KEY`` entry, or None."""
     for name, value in metadata or ():
         if name.lower() == AUTHORIZATION and isinstance(value, str) and value[:7].lower() == _BEARER:
@@ -33,7 +33,18 @@ def bearer_key(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None
     return None
 
 
-def caller_of(context: grpc.aio.ServicerContext) -> str:
+if TYPE_CHECKING:  # only the stubs make these generic
+    from typing import TypeAlias
+
+    # Requests and responses pass through the guard whatever their message type.
+    _Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
+    _Handler: TypeAlias = grpc.RpcMethodHandler[Any, Any]
+    # The aio server's handlers; the grpc stubs type RpcMethodHandler's behaviours for the sync server.
+    _UnaryUnary: TypeAlias = Callable[[Any, _Context], Awaitable[Any]]
+    _UnaryStream: TypeAlias = Callable[[Any, _Context], AsyncGenerator[Any, None]]
+
+
+def caller_of(context: _Context) -> str:
     """Who is calling: a digest of the API key the call carries ("" without one). Requests belong to it."""
     key = bearer_key(context.invocation_metadata())
     return hashlib.sha256(key.encode()).hexdigest()[:32] if key else ""
@@ -79,9 +90,9 @@ class FrontGuard(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[_Handler | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> _Handler | None:
         handler = await continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith(ENGINE_METHOD_PREFIX):
             return handler
@@ -89,7 +100,7 @@ class FrontGuard(grpc.aio.ServerInterceptor):
         return _guarded(handler, authorized)
 
 
-async def _refuse(request: Any, context: grpc.aio.ServicerContext, authorized: bool) -> None:
+async def _refuse(request: Any, context: _Context, authorized: bool) -> None:
     if not authorized:
         await context.abort(
             grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (send `authorization: Bearer KEY`)"
@@ -98,22 +109,22 @@ async def _refuse(request: Any, context: grpc.aio.ServicerContext, authorized: b
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
 
 
-def _guarded(handler: grpc.RpcMethodHandler, authorized: bool) -> grpc.RpcMethodHandler:
+def _guarded(handler: _Handler, authorized: bool) -> _Handler:
     """``handler`` with its request decoded safely, refusing unauthorized or undecodable calls first."""
     deserializer = _safe(handler.request_deserializer)
     serializer = handler.response_serializer
     if handler.unary_unary is not None:
-        inner_uu = handler.unary_unary
+        inner_uu = cast("_UnaryUnary", handler.unary_unary)
 
-        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def unary_unary(request: Any, context: _Context) -> Any:
             await _refuse(request, context, authorized)
             return await inner_uu(request, context)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, serializer)
     if handler.unary_stream is not None:
-        inner_us = handler.unary_stream
+        inner_us = cast("_UnaryStream", handler.unary_stream)
 
-        async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def unary_stream(request: Any, context: _Context) -> AsyncIterator[Any]:
             await _refuse(request, context, authorized)
             events = inner_us(request, context)
             try:

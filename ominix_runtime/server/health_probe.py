@@ -29,7 +29,8 @@ def probe(address: str, service: str = "", timeout: float = 3.0, ca: bytes | Non
     )
     with channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = stub.Check(  # type: ignore[attr-defined]  # the grpc stubs leave HealthStub's methods out
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
             )
         except grpc.RpcError as exc:

@@ -7,6 +7,7 @@ modules, grpc) are rendered by the same processors, so nothing else reaches stde
 
 from __future__ import annotations
 
+import datetime
 import logging
 import sys
 from collections.abc import Iterator, MutableMapping
@@ -14,6 +15,7 @@ from contextlib import contextmanager, suppress
 from typing import Any
 
 import structlog
+from structlog.typing import FilteringBoundLogger, Processor
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 # Loggers of this project's own stdlib users: they log at the configured level; others (grpc, asyncio) at
@@ -25,6 +27,13 @@ _fields: dict[str, Any] = {}
 def set_log_fields(**fields: Any) -> None:
     """Fields added to every later line of this process (e.g. ``worker_id`` once the worker knows it)."""
     _fields.update({k: v for k, v in fields.items() if v is not None})
+
+
+def line_fields(level: str) -> dict[str, Any]:
+    """The keys every line carries besides ``event``, for a JSON line written without structlog (the
+    worker's progress events, which own their stream)."""
+    timestamp = datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+    return {"level": level, "timestamp": timestamp, **_fields}
 
 
 def _add_fields(logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
@@ -49,13 +58,13 @@ def configure_logging(
         json_output = not sys.stderr.isatty()
     numeric_level = _LEVELS.get(level.lower(), logging.INFO)
     set_log_fields(component=component, **fields)
-    shared: list[Any] = [
+    shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True, key="timestamp"),
         _add_fields,
     ]
-    renderer: Any
+    renderer: Processor
     if json_output:
         renderer = structlog.processors.JSONRenderer()
         shared.append(structlog.processors.format_exc_info)
@@ -83,12 +92,13 @@ def configure_logging(
         logging.getLogger(name).setLevel(numeric_level)
 
 
-def get_logger(name: str = "ominix") -> Any:
-    return structlog.get_logger(name)
+def get_logger(name: str = "ominix") -> FilteringBoundLogger:
+    logger: FilteringBoundLogger = structlog.get_logger(name)  # the wrapper configure_logging installs
+    return logger
 
 
 @contextmanager
-def request_context(request_id: str, **fields: Any) -> Iterator[None]:
+def request_context(request_id: str, **fields: object) -> Iterator[None]:
     """Bind request_id (and fields) to every log line emitted in this context (asyncio-task local)."""
     tokens = structlog.contextvars.bind_contextvars(request_id=request_id, **fields)
     try:

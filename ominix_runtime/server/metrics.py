@@ -30,7 +30,7 @@ from ominix_runtime.contract import FinishReason, RuntimeErrorKind
 from ominix_runtime.engine.stats import RunReport, StepReport, WorkerStats
 
 # `_created` series double every counter and histogram and no dashboard reads them.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
 
 # Buckets span a CPU worker (tens to hundreds of ms per token, seconds to first token) and a GPU worker
 # (a few ms per token, tens of ms to first token), with enough resolution around each to read p50/p99.
@@ -57,8 +57,8 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 STEP_TOKENS_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 FINISH_REASONS = tuple(r.name.lower() for r in FinishReason)
-# Why a request was refused before it ran: the error kinds, plus a model this engine does not serve.
-REJECTION_REASONS = (*(k.name.lower() for k in RuntimeErrorKind), "model_not_found")
+# Why a request was refused before it ran: the error kinds, a model this engine does not serve, a bad id.
+REJECTION_REASONS = (*(k.name.lower() for k in RuntimeErrorKind), "model_not_found", "invalid_request_id")
 
 
 class EngineMetrics:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from ominix_runtime.conformance import ALL_CHECKS, all_passed, format_table, run_checks
 from ominix_runtime.conformance.cli import main
+from ominix_runtime.conformance.runner import CheckResult
 from ominix_runtime.testing.fake_backend import FakeConfig, FakeRequestBackend, FakeStepBackend
 
 
@@ -40,7 +43,7 @@ def test_suite_fails_readably_against_a_broken_backend() -> None:
     assert "FAIL" in table and "checks passed" in table
 
 
-def test_cli_exit_codes_and_json(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_cli_exit_codes_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     checks = ["--check", "abort_frees_kv", "--check", "same_seed_same_tokens"]
     assert main(["--backend", "fake", *checks], configure_logs=False) == 0
     out = capsys.readouterr().out
@@ -67,7 +70,7 @@ def test_suite_passes_against_the_sglang_adapter_over_loopback_http() -> None:
     from ominix_runtime.backends.sglang import SGLangBackend
     from ominix_runtime.testing.fake_sglang import FakeSGLangServer
 
-    async def main() -> list:  # type: ignore[type-arg]
+    async def main() -> list[CheckResult]:
         async with FakeSGLangServer() as server:
             make = lambda: [SGLangBackend(server.url, vocab_size=32000, eos_token_ids=[2])]  # noqa: E731
             return await run_checks(make, timeout=30)

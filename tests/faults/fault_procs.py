@@ -235,6 +235,6 @@ def stream_one(
                 out.error = ev.error
                 out.num_terminal += 1
     except grpc.RpcError as exc:
-        out.status = exc.code()  # type: ignore[attr-defined]
+        out.status = exc.code()  # type: ignore[attr-defined]  # a failed call raises an RpcError that is a grpc.Call
     out.seconds = time.monotonic() - start
     return out

@@ -7,7 +7,7 @@ import json
 import re
 
 import yaml
-from conftest import REQUESTS, Scraped
+from obs_daemon import REQUESTS, Scraped
 from obs_tools import DEPLOY, promtool, run
 from prometheus_client.parser import text_string_to_metric_families
 

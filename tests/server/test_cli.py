@@ -84,8 +84,11 @@ def test_operator_aliases() -> None:
 
 def test_launch_accepts_every_serve_and_worker_flag() -> None:
     serve = _option_strings("serve") - {"--worker"}
-    # Per-worker settings are the launcher's to set (--devices, --worker-base-port, --worker-threads).
-    worker = _option_strings("worker") - {"--device", "--num-threads", "--worker-id", "--launch-nonce"}
+    # Per-worker settings are the launcher's to set (--devices, --worker-base-port, --worker-threads); it
+    # starts single-rank workers, so the per-rank tensor-parallel flags are not its to pass on.
+    per_process = {"--device", "--num-threads", "--worker-id", "--launch-nonce"}
+    per_rank = {"--tp-size", "--tp-rank", "--dist-init-addr", "--dist-timeout"}
+    worker = _option_strings("worker") - per_process - per_rank
     assert serve | worker <= _option_strings("launch")
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
+from typing import Any
 
 import pytest
 from server_harness import SMOLLM2_VOCAB, free_port
@@ -39,14 +41,9 @@ def _start(*fakes: FakeConfig) -> OminixError | None:
     return error
 
 
-def _fake(worker_id: str, **overrides: object) -> FakeConfig:
-    fields: dict[str, object] = {
-        "worker_id": worker_id,
-        "vocab_size": SMOLLM2_VOCAB,
-        "model_name": DEFAULT_MODEL_NAME,
-    }
-    fields.update(overrides)
-    return FakeConfig(**fields)  # type: ignore[arg-type]
+def _fake(worker_id: str, **overrides: Any) -> FakeConfig:
+    config = FakeConfig(worker_id=worker_id, vocab_size=SMOLLM2_VOCAB, model_name=DEFAULT_MODEL_NAME)
+    return replace(config, **overrides)
 
 
 def test_matching_workers_start() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -25,9 +26,9 @@ def worker(i: int, **overrides: object) -> BackendCapability:
     return replace(base, **overrides)
 
 
-def mismatch(capabilities: list[BackendCapability], **kwargs: object) -> str:
+def mismatch(capabilities: list[BackendCapability], **kwargs: Any) -> str:
     with pytest.raises(OminixError) as info:
-        check_group(capabilities, **{"model_name": "tiny", **kwargs})  # type: ignore[arg-type]
+        check_group(capabilities, **{"model_name": "tiny", **kwargs})
     assert info.value.kind == RuntimeErrorKind.CAPABILITY_MISMATCH
     return info.value.message
 

@@ -20,15 +20,17 @@ from ominix_runtime.contract import (
     WorkerEvent,
     is_terminal,
 )
-from ominix_runtime.engine.core import EngineCore
+from ominix_runtime.engine.core import EngineCore, RequestHandle
 from ominix_runtime.testing.fake_sglang import FakeSGLangServer, FakeSGLangState
 
 T = TypeVar("T")
 
 
-def with_engine(body: Callable[[FakeSGLangServer, EngineCore], Awaitable[T]], **state: object) -> T:
+def with_engine(
+    body: Callable[[FakeSGLangServer, EngineCore], Awaitable[T]], state: FakeSGLangState | None = None
+) -> T:
     async def main() -> T:
-        async with FakeSGLangServer(FakeSGLangState(**state)) as server:  # type: ignore[arg-type]
+        async with FakeSGLangServer(state or FakeSGLangState()) as server:
             core = EngineCore([SGLangBackend(server.url, timeout=5.0)])
             await core.start()
             try:
@@ -51,8 +53,8 @@ def test_engine_streams_sglang_requests_concurrently() -> None:
             for i in range(4)
         ]
 
-        async def drain(handle: object) -> list[WorkerEvent]:
-            return [e async for e in handle]  # type: ignore[attr-defined]
+        async def drain(handle: RequestHandle) -> list[WorkerEvent]:
+            return [e async for e in handle]
 
         results = await asyncio.gather(*(drain(h) for h in handles))
         for events in results:
@@ -80,7 +82,7 @@ def test_engine_abort_reaches_sglang() -> None:
         await core.stop()  # closes the backend, which flushes its pending abort notice
         assert "ab-e" in server.state.aborted_rids
 
-    with_engine(body, mode="slow", token_delay=0.02)
+    with_engine(body, FakeSGLangState(mode="slow", token_delay=0.02))
 
 
 def test_engine_reports_sglang_failure_as_one_error() -> None:
@@ -91,4 +93,4 @@ def test_engine_reports_sglang_failure_as_one_error() -> None:
         error = events[-1]
         assert isinstance(error, Error) and error.kind == RuntimeErrorKind.BACKEND_UNAVAILABLE
 
-    with_engine(body, mode="drop")
+    with_engine(body, FakeSGLangState(mode="drop"))

@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import json
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import aiohttp
@@ -227,7 +227,8 @@ def test_consumer_leaving_early_aborts_on_the_server() -> None:
         async for event in stream:
             if isinstance(event, Token):
                 break
-        await stream.aclose()  # type: ignore[attr-defined]
+        assert isinstance(stream, AsyncGenerator)  # generate() promises an iterator; it is a generator
+        await stream.aclose()
         await backend.close()  # waits for the abort notice to reach the server
         assert "gone-1" in server.state.aborted_rids
 
@@ -277,7 +278,8 @@ def test_flaky_mode_cycles_and_each_request_still_ends_once() -> None:
             )
             assert_well_formed(events)
             last = events[-1]
-            outcomes.append("done" if isinstance(last, Done) else last.kind.name)  # type: ignore[union-attr]
+            assert is_terminal(last)
+            outcomes.append("done" if isinstance(last, Done) else last.kind.name)
         assert outcomes == ["done", "INTERNAL", "BACKEND_UNAVAILABLE"] * 2
 
     with_server(body, mode="flaky")
@@ -354,7 +356,8 @@ def test_fake_non_streaming_generate_matches_streaming() -> None:
                 whole = await resp.json()
         assert whole["output_ids"] == [i for e in streamed if isinstance(e, Token) for i in e.token_ids]
         assert whole["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
-        assert whole["text"] == streamed[-1].text  # type: ignore[union-attr]
+        last = streamed[-1]
+        assert isinstance(last, Done) and whole["text"] == last.text
 
     with_server(body)
 

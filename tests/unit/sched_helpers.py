@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ominix_runtime.contract import (
@@ -46,19 +47,40 @@ def make(fake: FakeConfig | None = None, config: SchedulerConfig | None = None) 
 
 
 def request(
-    rid: str, prompt: list[int], max_tokens: int = 8, seed: int | None = 7, **sampling: object
+    rid: str,
+    prompt: list[int],
+    max_tokens: int = 8,
+    seed: int | None = 7,
+    ignore_eos: bool = True,
+    min_tokens: int = 0,
+    stop_token_ids: list[int] | None = None,
 ) -> GenerateRequest:
-    sampling.setdefault("ignore_eos", True)
-    return GenerateRequest(rid, list(prompt), SamplingParams(max_tokens=max_tokens, seed=seed, **sampling))  # type: ignore[arg-type]
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        seed=seed,
+        ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
+        stop_token_ids=stop_token_ids or [],
+    )
+    return GenerateRequest(rid, list(prompt), sampling)
 
 
-def drive(run: Run, max_inflight: int = 2, max_steps: int = 10_000, on_step=None) -> Run:  # type: ignore[no-untyped-def]
-    """Run until no request is left; checks integrity and the fake worker's checks after every step."""
+def drive(
+    run: Run,
+    max_inflight: int = 2,
+    max_steps: int = 10_000,
+    on_step: Callable[[Run], bool | None] | None = None,
+) -> Run:
+    """Run until no request is left; checks integrity and the fake worker's checks after every step.
+
+    ``on_step`` runs before every step; one that adds requests returns True while it may add more.
+    """
     s, backend = run.scheduler, run.backend
     inflight: deque[DecodeStep] = deque()
+    feeding = False
     for _ in range(max_steps):
         if on_step is not None:
-            on_step(run)
+            feeding = bool(on_step(run))
         while len(inflight) < max_inflight:
             step = s.schedule()
             if step is None:
@@ -67,7 +89,7 @@ def drive(run: Run, max_inflight: int = 2, max_steps: int = 10_000, on_step=None
             run.steps.append(step)
             inflight.append(step)
         if not inflight:
-            if not s.requests and (on_step is None or getattr(on_step, "done", True)):
+            if not s.requests and not feeding:
                 return run
             continue
         step = inflight.popleft()

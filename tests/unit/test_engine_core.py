@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import pytest
 
 from ominix_runtime.contract import (
+    BackendAdapter,
     Done,
     Error,
     FinishReason,
@@ -31,11 +32,17 @@ TIMEOUT = 20.0
 
 
 def _req(
-    rid: str, n: int = 12, max_tokens: int = 8, seed: int | None = 3, base: int = 10, **kw: object
+    rid: str,
+    n: int = 12,
+    max_tokens: int = 8,
+    seed: int | None = 3,
+    base: int = 10,
+    priority: Priority = Priority.INTERACTIVE,
+    deadline: float | None = None,
 ) -> GenerateRequest:
     prompt = [base + (i % 40) for i in range(n)]
     sp = SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=True)
-    return GenerateRequest(rid, prompt, sp, **kw)  # type: ignore[arg-type]
+    return GenerateRequest(rid, prompt, sp, priority=priority, deadline=deadline)
 
 
 async def _collect(handle: RequestHandle) -> list[WorkerEvent]:
@@ -47,12 +54,12 @@ def _tokens(events: list[WorkerEvent]) -> list[int]:
 
 
 def _run(
-    backends: Sequence[object],
+    backends: Sequence[BackendAdapter],
     body: Callable[[EngineCore], Awaitable[None]],
     config: EngineCoreConfig | None = None,
 ) -> EngineCore:
     async def main() -> EngineCore:
-        core = EngineCore(backends, config or EngineCoreConfig())  # type: ignore[arg-type]
+        core = EngineCore(backends, config or EngineCoreConfig())
         await core.start()
         try:
             await asyncio.wait_for(body(core), TIMEOUT)

@@ -6,6 +6,7 @@ import pytest
 from sched_helpers import Run, drive, make, request
 
 from ominix_runtime.contract import (
+    DecodeStep,
     Done,
     Error,
     FinishReason,
@@ -18,6 +19,7 @@ from ominix_runtime.contract import (
     StepResult,
     Token,
     Usage,
+    WorkerEvent,
 )
 from ominix_runtime.engine.config import SchedulerConfig
 from ominix_runtime.testing.fake_backend import FakeConfig
@@ -207,14 +209,13 @@ def _long_finish_step(max_bypass_steps: int) -> tuple[int | None, int]:
     s.add_request(request("long", _prompt(100), max_tokens=8))  # its first chunk needs 16 of 32 blocks
     finished_at: list[int] = []
 
-    def on_step(r: Run) -> None:
+    def on_step(r: Run) -> bool:
         if count["n"] < 300:
             add_short()
-        on_step.done = count["n"] >= 300  # type: ignore[attr-defined]
         if not finished_at and "long" in r.events and isinstance(r.events["long"][-1], Done):
             finished_at.append(len(r.steps))
+        return count["n"] < 300  # still feeding
 
-    on_step.done = False  # type: ignore[attr-defined]
     drive(run, on_step=on_step, max_steps=20_000)
     return (finished_at[0] if finished_at else None), len(run.steps)
 
@@ -247,7 +248,9 @@ def test_prefix_hit_skips_computed_tokens_but_recomputes_the_last_prompt_token()
     assert run.tokens("b") == run.tokens("a")  # same prompt, same seed
 
 
-def _one_token_result(step, token: int | None = None, error: RuntimeErrorKind | None = None) -> StepResult:  # type: ignore[no-untyped-def]
+def _one_token_result(
+    step: DecodeStep, token: int | None = None, error: RuntimeErrorKind | None = None
+) -> StepResult:
     outs = [
         RequestOutput(rid, sampled_token_id=token, error_kind=error, error_message="boom" if error else "")
         for rid in step.scheduled_request_ids
@@ -255,14 +258,24 @@ def _one_token_result(step, token: int | None = None, error: RuntimeErrorKind | 
     return StepResult(step.step_id, outs)
 
 
-def _started(max_tokens: int = 8, **kw: object) -> Run:
+def _started(
+    max_tokens: int = 8, ignore_eos: bool = True, min_tokens: int = 0, stop_token_ids: list[int] | None = None
+) -> Run:
     run = make(FakeConfig(kv_block_size=4, vocab_size=50, eos_token_ids=(2,), max_model_len=64))
-    run.scheduler.add_request(request("r", [5, 6, 7], max_tokens=max_tokens, **kw))
+    req = request(
+        "r",
+        [5, 6, 7],
+        max_tokens,
+        ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
+        stop_token_ids=stop_token_ids,
+    )
+    run.scheduler.add_request(req)
     return run
 
 
-def _feed(run: Run, tokens: list[int]) -> list:  # type: ignore[type-arg]
-    events: list = []  # type: ignore[type-arg]
+def _feed(run: Run, tokens: list[int]) -> list[WorkerEvent]:
+    events: list[WorkerEvent] = []
     for t in tokens:
         step = run.scheduler.schedule()
         assert step is not None

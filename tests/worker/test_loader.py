@@ -103,7 +103,7 @@ def write_gguf(folder: Path, out: Path) -> None:
 def last_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
     captured: list[torch.Tensor] = []
     compute = runner.model.compute_logits
-    runner.model.compute_logits = lambda h: captured.append(compute(h)) or captured[-1]  # type: ignore[method-assign]
+    runner.model.compute_logits = lambda h: captured.append(compute(h)) or captured[-1]  # type: ignore[method-assign]  # records the logits
     runner.execute_step(
         DecodeStep(
             1,

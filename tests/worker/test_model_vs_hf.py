@@ -32,7 +32,7 @@ class LogitsRecorder:
             self.rows = original(hidden)
             return self.rows
 
-        runner.model.compute_logits = record  # type: ignore[method-assign]
+        runner.model.compute_logits = record  # type: ignore[method-assign]  # records the logits
 
     def step(self, step: DecodeStep) -> tuple[StepResult, dict[str, torch.Tensor]]:
         self.rows = None

@@ -39,7 +39,7 @@ def test_runner_matches_transformers_in_bf16(tiny_model_dir: Callable[[str], Pat
         recorded.append(logits.float().cpu())
         return logits
 
-    runner.model.compute_logits = record  # type: ignore[method-assign]
+    runner.model.compute_logits = record  # type: ignore[method-assign]  # records the logits
     greedy = SamplingParams(temperature=0.0)
     long = list(range(3, 70))
     short = list(range(100, 109))

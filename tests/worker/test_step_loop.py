@@ -30,6 +30,7 @@ class ScriptedRunner:
         self.fail_steps = fail_steps
         self.overlap_steps = False
         self.executed: list[int] = []
+        self.announced: list[int] = []
         self.resets = 0
         self._pending: int | None = None
         self._ready_at = 0.0
@@ -37,6 +38,9 @@ class ScriptedRunner:
 
     def can_overlap(self) -> bool:
         return self.pipelined
+
+    def announce(self, step: DecodeStep) -> None:
+        self.announced.append(step.step_id)
 
     def execute_step(self, step: DecodeStep) -> StepResult | None:
         if step.step_id in self.fail_steps:
@@ -129,6 +133,7 @@ def test_out_of_order_ids_and_unbuildable_steps_fail_in_place() -> None:
     assert isinstance(outcomes[2], StepFailure) and "ValueError: bad field" in outcomes[2].message
     assert isinstance(outcomes[3], StepResult)
     assert runner.executed == [2, 4]
+    assert runner.announced == [2, 4]  # only steps that will run are forwarded to a group's peers
 
 
 def test_a_failing_step_is_reported_and_the_loop_lives_on() -> None:

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from ominix_worker.attention.base import AttentionMetadata
+from ominix_worker.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         backend: Any,
         kv_caches: list[torch.Tensor],
         device: torch.device,
@@ -116,7 +117,7 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         hidden = self.model(self.dev64[0, :size], self.dev64[1, :size], self.kv_caches, self._meta(size))
-        return self.model.compute_logits(hidden)  # type: ignore[operator]
+        return self.model.compute_logits(hidden)
 
     def _prefill_forward(self, size: int) -> torch.Tensor:
         meta = AttentionMetadata(
@@ -129,7 +130,7 @@ class DecodeGraphs:
             num_decode_only=False,
         )
         hidden = self.model(self.dev64[0, :size], self.dev64[1, :size], self.kv_caches, meta)
-        return self.model.compute_logits(hidden.index_select(0, self.d_last))  # type: ignore[operator]
+        return self.model.compute_logits(hidden.index_select(0, self.d_last))
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -45,7 +45,7 @@ def parse_device(spec: str) -> torch.device:
         import torch_npu  # noqa: F401  (registers the npu device with torch)
     except ImportError:
         raise DeviceError(f"device {spec} needs torch_npu, which is not installed") from None
-    count = torch.npu.device_count()  # type: ignore[attr-defined]
+    count = torch.npu.device_count()  # type: ignore[attr-defined]  # torch_npu adds torch.npu when imported
     if index >= count:
         raise DeviceError(f"device {spec} not found: this machine has {count} NPU(s)")
     return torch.device("npu", index)

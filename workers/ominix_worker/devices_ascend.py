@@ -106,13 +106,13 @@ def setup_npu_device(device: str, dtype: str = "bfloat16") -> torch.device:
 
 def npu_memory_info(device: torch.device) -> tuple[int, int]:
     """(free, total) bytes of ``device``, for sizing the KV cache."""
-    free, total = torch.npu.mem_get_info(device)  # type: ignore[attr-defined]
+    free, total = torch.npu.mem_get_info(device)  # type: ignore[attr-defined]  # torch_npu adds torch.npu when imported
     return int(free), int(total)
 
 
 def npu_device_name(device: torch.device) -> str:
     try:
-        return str(torch.npu.get_device_name(device))  # type: ignore[attr-defined]
+        return str(torch.npu.get_device_name(device))  # type: ignore[attr-defined]  # torch_npu adds torch.npu when imported
     except (AttributeError, RuntimeError):
         return "Ascend NPU"
 

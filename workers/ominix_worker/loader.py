@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,6 +23,7 @@ from ominix_worker.attention.base import AttentionBackend
 from ominix_worker.config import ModelConfig, ModelConfigError, config_from_gguf_fields, load_hf_config
 from ominix_worker.models.llama import LlamaForCausalLM
 from ominix_worker.parallel import SINGLE, SafetensorsWeight, TensorParallel, WeightSource
+from ominix_worker.progress import track
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +40,7 @@ class LoadedModel:
 
 
 def _progress(iterable: Any, total: int, desc: str) -> Any:
-    if not sys.stderr.isatty():
-        return iterable
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return iterable
-    return tqdm(iterable, total=total, desc=desc, unit="tensor", leave=False)
+    return track(iterable, total, desc, unit="tensor")
 
 
 # ---- Hugging Face safetensors ------------------------------------------------------------------------
@@ -85,7 +79,7 @@ def _hf_weights(folder: Path) -> Iterator[tuple[str, WeightSource]]:
         for file, key in _progress(names, len(names), "loading weights"):
             if file not in handles:
                 handles[file] = safe_open(str(file), framework="pt", device="cpu")
-            yield key, SafetensorsWeight(handles[file].get_slice(key))
+            yield key, SafetensorsWeight(handles[file].get_slice(key), key)
     finally:
         handles.clear()
 

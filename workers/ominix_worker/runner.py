@@ -163,6 +163,9 @@ class ModelRunner:
         """Overlapped decode needs captured graphs; ``pipeline_decode`` (``OMINIX_PIPELINE=0``) turns it off."""
         return self._graphs is not None and self.pipeline_decode
 
+    def announce(self, step: DecodeStep) -> None:
+        """A step is queued to run (``step_loop.StepRunner``); a lone runner has nobody to tell."""
+
     def reset(self) -> None:
         """Drop every request's state (the engine's stream closed)."""
         self._pending = None

@@ -3,6 +3,11 @@
 Startup order: check the device and the model source, bind the port (so a taken port fails at once),
 then load weights, size the KV cache and warm up while Health answers not-ready. Any failure ends the
 process with a one-line message and a non-zero exit code.
+
+Tensor parallel (``--tp-size N``): N such processes, one per device, form a group at ``--dist-init-addr``.
+Rank 0 (the leader) serves the engine as above, stating the whole group; ranks 1..N-1 bind no port and run
+the leader's steps on their shards (``rank_group``). Every rank must be started with the same model and
+flags; the group checks that before loading.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -31,17 +36,20 @@ from ominix_runtime import wire
 from ominix_runtime.config import RuntimeConfig, TLSConfig
 from ominix_runtime.contract import (
     BackendCapability,
+    DecodeStep,
     ModelInfo,
     OminixError,
+    RankInfo,
     stated_profile,
 )
 from ominix_runtime.models import resolve_model
 from ominix_runtime.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from ominix_runtime.server.logging import configure_logging, set_log_fields
 from ominix_worker import __version__
-from ominix_worker.step_loop import StepFailure, StepLoop, StepOutcome
+from ominix_worker.step_loop import StepFailure, StepLoop, StepOutcome, StepRunner
 
-if TYPE_CHECKING:  # the runner imports torch, loaded only once the port is bound
+if TYPE_CHECKING:  # these import torch, loaded only once the port is bound
+    from ominix_worker.parallel.distributed import RankGroup
     from ominix_worker.runner import ModelRunner
 
 log = logging.getLogger("ominix_worker")
@@ -88,14 +96,48 @@ def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials | None:
 class WorkerState:
     capability: BackendCapability | None = None
     runner: ModelRunner | None = None
+    # What a Run stream drives: the runner itself, or the group leader that forwards steps to its peers.
+    step_runner: StepRunner | None = None
     ready: bool = False
     run_active: bool = False
     run_idle: asyncio.Event = field(default_factory=asyncio.Event)
     launch_nonce: str = ""  # stated in Health: `launch` knows its own workers by it
 
 
-def load_worker(settings: RuntimeConfig, worker_id: str) -> tuple[ModelRunner, BackendCapability]:
-    """Load weights, size and allocate KV, warm up. Runs in a thread; raises StartupError."""
+def join_group(settings: RuntimeConfig) -> RankGroup | None:
+    """The tensor-parallel group this process belongs to (None without --tp-size > 1); raises StartupError."""
+    args = settings.worker
+    if args.tp_size == 1:
+        return None
+    from ominix_worker.devices import parse_device
+    from ominix_worker.parallel.distributed import GroupInitError, init_rank_group
+
+    _say(f"joining tensor-parallel group {args.dist_init_addr} as rank {args.tp_rank} of {args.tp_size}")
+    try:
+        group = init_rank_group(
+            args.tp_rank, args.tp_size, args.dist_init_addr, parse_device(args.device), args.dist_timeout
+        )
+    except GroupInitError as exc:
+        raise StartupError(str(exc)) from None
+    # Every rank must run the same collectives in the same order: the same model and shape-deciding flags.
+    shape_flags = (
+        settings.model.path, args.dtype, args.block_size, args.max_batch_tokens, args.max_running_requests,
+        args.max_model_len, args.kv_cache_memory, args.gpu_memory_utilization, args.attention,
+    )  # fmt: skip
+    stated = group.gather_to_all(shape_flags)
+    if any(flags != stated[0] for flags in stated):
+        differing = [r for r, flags in enumerate(stated) if flags != stated[0]]
+        raise StartupError(f"ranks {differing} were started with other model flags than rank 0")
+    return group
+
+
+def load_worker(
+    settings: RuntimeConfig, worker_id: str, group: RankGroup | None = None
+) -> tuple[ModelRunner, BackendCapability]:
+    """Load weights (this rank's shards in a group), size and allocate KV, warm up. Runs in a thread; raises
+    StartupError. In a group every rank runs it in lockstep: its forwards meet in collectives."""
+    import socket as socket_module
+
     import torch
 
     from ominix_worker.attention import get_attention_backend
@@ -108,9 +150,13 @@ def load_worker(settings: RuntimeConfig, worker_id: str) -> tuple[ModelRunner, B
         parse_bytes,
     )
     from ominix_worker.loader import ModelLoadError, load_model
+    from ominix_worker.parallel import SINGLE
+    from ominix_worker.progress import stage
     from ominix_worker.runner import ModelRunner
 
     args, debug = settings.worker, settings.debug
+    tp = group.tp if group is not None else SINGLE
+
     device = parse_device(args.device)
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
@@ -124,7 +170,7 @@ def load_worker(settings: RuntimeConfig, worker_id: str) -> tuple[ModelRunner, B
     _say(f"loading {source.name} ({source.format.value}) onto {device_name(device)} as {dtype_name(dtype)}")
     started = time.perf_counter()
     try:
-        loaded = load_model(source, device, dtype, backend, max_positions=args.max_model_len)
+        loaded = load_model(source, device, dtype, backend, max_positions=args.max_model_len, tp=tp)
     except ModelLoadError as exc:
         raise StartupError(str(exc)) from None
     config = loaded.config
@@ -133,18 +179,20 @@ def load_worker(settings: RuntimeConfig, worker_id: str) -> tuple[ModelRunner, B
     max_batch_tokens = args.max_batch_tokens or profile.max_batch_tokens
     max_running = args.max_running_requests or profile.max_running_requests
     max_model_len = min(args.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
-    bytes_per_block = kv_bytes_per_block(config, block_size, dtype)
+    kv_heads = tp.kv_heads(config.num_kv_heads, config.num_heads)
+    bytes_per_block = kv_bytes_per_block(config, block_size, dtype, kv_heads.size)
     # A small KV for the profile forward; replaced below by the sized one.
     profile_blocks = -(-max(max_batch_tokens, 1) // block_size) + 1
     runner = ModelRunner(
         loaded.model,
         config,
         backend,
-        allocate_kv_cache(backend, config, profile_blocks, dtype, device),
+        allocate_kv_cache(backend, config, profile_blocks, dtype, device, kv_heads.size),
         device,
         max_model_len,
     )
     _say("sizing the KV cache")
+    profiling = stage("profiling the KV cache")
     if device.type == "cpu":
         budget = parse_bytes(args.kv_cache_memory)
         runner.profile_forward(min(64, max_batch_tokens))  # warm-up only: the CPU budget is explicit
@@ -152,20 +200,25 @@ def load_worker(settings: RuntimeConfig, worker_id: str) -> tuple[ModelRunner, B
         budget = measure_gpu_kv_budget(
             device, args.gpu_memory_utilization, lambda: runner.profile_forward(max_batch_tokens)
         )
+    profiling.close()
     num_blocks = num_blocks_for_budget(budget, bytes_per_block)
+    if group is not None:  # one block table for the group: the rank with the least room decides
+        num_blocks = group.min_over_ranks(num_blocks)
     if num_blocks < 1:
         raise StartupError(f"the KV budget ({budget} bytes) holds no block of {bytes_per_block} bytes")
     runner.set_kv_caches([])
-    runner.set_kv_caches(allocate_kv_cache(backend, config, num_blocks, dtype, device))
+    runner.set_kv_caches(allocate_kv_cache(backend, config, num_blocks, dtype, device, kv_heads.size))
     max_model_len = min(max_model_len, num_blocks * block_size)
     runner.max_model_len = max_model_len
     _say(
         f"KV cache: {num_blocks} blocks of {block_size} tokens ({num_blocks * bytes_per_block / 2**20:.0f} MiB)"
     )
     _say("warming up")
+    warming = stage("warming up")
     runner.profile_forward(min(16, max_batch_tokens))
     graphs = runner.capture_decode_graphs() if debug.cuda_graphs else False
     runner.pipeline_decode = debug.pipeline
+    warming.close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     # Everything loaded so far lives as long as the process: keep it out of the collector's scans, so the
@@ -197,6 +250,17 @@ def load_worker(settings: RuntimeConfig, worker_id: str) -> tuple[ModelRunner, B
         head_dim=config.head_dim,
         num_parameters=config.num_parameters(),
     )
+    rank = RankInfo(
+        rank=tp.rank,
+        device=device_name(device),
+        host=socket_module.gethostname(),
+        memory_total_bytes=torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else 0,
+        weight_bytes=sum(p.numel() * p.element_size() for p in loaded.model.parameters()),
+        kv_cache_bytes=num_blocks * bytes_per_block,
+        kv_head_start=kv_heads.start,
+        kv_num_heads=kv_heads.size,
+    )
+    ranks = cast(tuple[RankInfo, ...], tuple(group.gather_to_all(rank))) if group is not None else (rank,)
     capability = stated_profile(
         kind,
         worker_id=worker_id,
@@ -206,7 +270,10 @@ def load_worker(settings: RuntimeConfig, worker_id: str) -> tuple[ModelRunner, B
         model=model_info,
         kv_block_size=block_size,
         kv_num_blocks=num_blocks,
-        kv_bytes_per_block=bytes_per_block,
+        kv_bytes_per_block=bytes_per_block * tp.size,  # the group's bytes: every rank holds its heads
+        tensor_parallel_size=tp.size,
+        collective_backend=group.backend if group is not None else profile.collective_backend,
+        ranks=ranks,
         max_batch_tokens=max_batch_tokens,
         max_running_requests=max_running,
         supports_graph_capture=graphs,
@@ -259,7 +326,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Run(
         self, request_iterator: AsyncIterator[worker_pb2.DecodeStep], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.WorkerMessage]:
-        if not self.state.ready or self.state.runner is None:
+        if not self.state.ready or self.state.step_runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")
         if self.state.run_active:
             # An engine that just closed its stream and reconnects may arrive before the old stream's
@@ -271,7 +338,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "another Run stream is active on this worker; only one engine may drive it",
             )
-        assert self.state.runner is not None
+        assert self.state.step_runner is not None
         self.state.run_active = True
         self.state.run_idle.clear()
         loop = asyncio.get_running_loop()
@@ -284,12 +351,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
         # Steps are read and converted on the event loop as they arrive (while the previous one computes) and
         # run back to back on the device thread; outcomes come back to the loop to be converted and sent.
-        steps = StepLoop(self.state.runner, emit)
+        steps = StepLoop(self.state.step_runner, emit)
 
         async def read_steps() -> None:
             try:
                 async for step_pb in request_iterator:
-                    steps.submit(step_pb.step_id, functools.partial(wire.step_from_pb, step_pb))
+                    steps.submit(step_pb.step_id, functools.partial(_step_from_pb, step_pb))
             finally:
                 steps.close()
 
@@ -316,6 +383,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             self.state.run_idle.set()
 
 
+def _step_from_pb(step_pb: worker_pb2.DecodeStep) -> DecodeStep:
+    step = wire.step_from_pb(step_pb)
+    for new in step.new_requests:  # the engine's trace context, for correlating logs with traces
+        if new.traceparent:
+            log.debug("request %s traceparent %s", new.request_id, new.traceparent)
+    return step
+
+
 # ---- process -----------------------------------------------------------------------------------------
 
 
@@ -336,21 +411,69 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
-async def serve(config: RuntimeConfig) -> int:
+def check_args(settings: RuntimeConfig) -> str:
+    """Cheap checks across flags before anything is bound or loaded (each flag's own range is checked when
+    it is read); returns the device's name."""
     from ominix_worker.devices import DeviceError, device_name, parse_device, resolve_dtype
     from ominix_worker.kv_cache import parse_bytes
+    from ominix_worker.parallel.distributed import parse_init_addr
 
-    args = config.worker
+    args = settings.worker
     try:
         device = parse_device(args.device)
-        resolve_model(config.model.path)
-        # Cheap argument checks before anything is bound or loaded.
+        resolve_model(settings.model.path)
         resolve_dtype(args.dtype, device)
         parse_bytes(args.kv_cache_memory)
+        if args.tp_size < 1 or not 0 <= args.tp_rank < args.tp_size:
+            raise ValueError(f"--tp-rank {args.tp_rank} is not a rank of --tp-size {args.tp_size}")
+        if args.tp_size > 1:
+            if not args.dist_init_addr:
+                raise ValueError(
+                    "--tp-size > 1 needs --dist-init-addr HOST:PORT (where rank 0 gathers the group)"
+                )
+            parse_init_addr(args.dist_init_addr)
+            if device.type not in ("cuda", "cpu"):
+                raise ValueError(f"tensor parallelism runs on cuda or cpu devices, not {device.type}")
     except (DeviceError, OminixError, ValueError) as exc:
         raise StartupError(str(exc)) from None
+    return device_name(device)
+
+
+def _load_leader(
+    settings: RuntimeConfig, worker_id: str
+) -> tuple[ModelRunner, StepRunner, BackendCapability]:
+    """Join the group (if any), load, and wrap the runner so a group leader forwards its steps."""
+    group = join_group(settings)
+    runner, capability = load_worker(settings, worker_id, group)
+    if group is None:
+        return runner, runner, capability
+    from ominix_worker.rank_group import GroupLeader
+
+    return runner, GroupLeader(runner, group), capability
+
+
+def follow(settings: RuntimeConfig) -> int:
+    """A rank > 0: no port, no engine; join the group, load this rank's shards and run the leader's steps."""
+    import socket as socket_module
+
+    from ominix_worker.rank_group import run_follower
+
+    args = settings.worker
+    device = check_args(settings)
+    worker_id = args.worker_id or f"{device}@{socket_module.gethostname()}#rank{args.tp_rank}"
+    set_log_fields(worker_id=worker_id)
+    group = join_group(settings)
+    assert group is not None
+    runner, _ = load_worker(settings, worker_id, group)
+    _say(f"rank {args.tp_rank} of {args.tp_size} ready")
+    run_follower(runner, group)
+
+
+async def serve(config: RuntimeConfig) -> int:
+    args = config.worker
+    device = check_args(config)
     address = config.server.address
-    worker_id = args.worker_id or f"{device_name(device)}@{address}"
+    worker_id = args.worker_id or f"{device}@{address}"
     set_log_fields(worker_id=worker_id)
 
     state = WorkerState(launch_nonce=args.launch_nonce)
@@ -388,12 +511,12 @@ async def serve(config: RuntimeConfig) -> int:
             loop.add_signal_handler(sig, stop.set)
 
     try:
-        load = loop.run_in_executor(executor, load_worker, config, worker_id)
+        load = loop.run_in_executor(executor, _load_leader, config, worker_id)
         stop_wait = asyncio.ensure_future(stop.wait())
         done, _ = await asyncio.wait({load, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
         if load not in done:
             return 0
-        state.runner, state.capability = load.result()
+        state.runner, state.step_runner, state.capability = load.result()
         state.ready = True
         for service in ("", WORKER_SERVICE):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -410,6 +533,8 @@ def run(config: RuntimeConfig) -> int:
     """Run the worker until SIGINT/SIGTERM; a startup failure is one line on stderr and exit code 1."""
     configure_logging(config.log.level, config.log.json, component="worker")
     try:
+        if config.worker.tp_rank > 0:
+            return follow(config)
         try:
             import uvloop
         except ImportError:

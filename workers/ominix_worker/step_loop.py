@@ -35,6 +35,10 @@ class StepRunner(Protocol):
 
     def can_overlap(self) -> bool: ...
 
+    def announce(self, step: DecodeStep) -> None:
+        """Called as soon as ``step`` is built, in step order, before it is queued to run (a group leader
+        forwards it to its peers here, so they start on it as soon as they are free)."""
+
     def execute_step(self, step: DecodeStep) -> StepResult | None: ...
 
     def has_pending(self) -> bool: ...
@@ -113,6 +117,7 @@ class StepLoop:
             log.error("step %d failed:\n%s", step_id, traceback.format_exc())
             self._steps.put(_Arrival(step_id, None, f"step {step_id} failed: {type(exc).__name__}: {exc}"))
             return
+        self._runner.announce(step)
         self._steps.put(_Arrival(step_id, step))
 
     def close(self) -> None:

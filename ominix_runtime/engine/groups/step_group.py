@@ -27,6 +27,7 @@ from ominix_runtime.contract import (
     GenerateRequest,
     Granularity,
     OminixError,
+    RequestState,
     RuntimeErrorKind,
     StepBackend,
     StepResult,
@@ -37,6 +38,7 @@ from ominix_runtime.contract import (
 )
 from ominix_runtime.engine.config import EngineCoreConfig
 from ominix_runtime.engine.groups.worker_group import ErrorInfo, GroupHooks, RequestTimes, WorkerGroup
+from ominix_runtime.engine.kv_registry import RegistrySnapshot
 from ominix_runtime.engine.logs import log_event
 from ominix_runtime.engine.request import EngineRequest
 from ominix_runtime.engine.scheduler import Scheduler
@@ -154,9 +156,16 @@ class StepWorkerGroup(WorkerGroup):
     def kv_token_capacity(self) -> int:
         return self.scheduler.registry.num_blocks * self.scheduler.registry.block_size
 
-    def prefix_cache_tokens(self) -> tuple[int, int]:
-        registry = self.scheduler.registry
-        return registry.prefix_query_tokens, registry.prefix_hit_tokens
+    def kv_snapshot(self) -> RegistrySnapshot:
+        return self.scheduler.registry.snapshot()
+
+    @property
+    def num_preempted(self) -> int:
+        return sum(
+            1
+            for r in self.scheduler.requests.values()
+            if r.state == RequestState.PREEMPTED or (r.state == RequestState.WAITING and r.num_preemptions)
+        )
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

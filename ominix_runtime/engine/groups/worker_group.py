@@ -29,8 +29,9 @@ from ominix_runtime.contract import (
     WorkerEvent,
 )
 from ominix_runtime.engine.config import EngineCoreConfig
+from ominix_runtime.engine.kv_registry import RegistrySnapshot
 from ominix_runtime.engine.request import EngineRequest
-from ominix_runtime.engine.stats import LoadSnapshot, RunReport, SchedulerCounters, StepReport
+from ominix_runtime.engine.stats import LoadSnapshot, RunReport, SchedulerCounters, StepReport, WorkerStats
 
 # (kind, message) of an error that ends a request; None when it ends normally.
 ErrorInfo = tuple[RuntimeErrorKind, str]
@@ -189,9 +190,44 @@ class WorkerGroup(ABC):
         per_block = self.capability.kv_bytes_per_block
         return used * per_block, total * per_block
 
-    def prefix_cache_tokens(self) -> tuple[int, int] | None:
-        """(queried, hit) prompt tokens of the engine-side prefix cache; None when there is none."""
+    def kv_snapshot(self) -> RegistrySnapshot | None:
+        """The engine-side KV registry's figures (prefix cache included); None when the backend owns its KV."""
         return None
+
+    @property
+    def num_preempted(self) -> int:
+        """Requests waiting to resume after a preemption (only an engine-side scheduler preempts)."""
+        return 0
+
+    def stats(self) -> WorkerStats:
+        """This group's figures for the metrics endpoint: gauges as they are now, counters since start."""
+        load = self.load()
+        counters = self.counters
+        kv = self.kv_snapshot()
+        return WorkerStats(
+            worker_id=self.worker_id,
+            backend=self.capability.kind.name.lower(),
+            model_name=self.capability.model.name,
+            up=self.running and self.healthy,
+            running_requests=load.running_requests,
+            waiting_requests=load.queued_requests,
+            preempted_requests=self.num_preempted,
+            kv_known=kv is not None,
+            kv_blocks_capacity=kv.num_blocks if kv else 0,
+            kv_blocks_used=kv.num_leased_blocks if kv else 0,
+            kv_blocks_cached=kv.num_cached_evictable_blocks if kv else 0,
+            kv_blocks_free=kv.num_free_blocks if kv else 0,
+            prefix_queried_tokens=kv.prefix_query_tokens if kv else 0,
+            prefix_hit_tokens=kv.prefix_hit_tokens if kv else 0,
+            prompt_tokens=counters.prompt_tokens,
+            generation_tokens=counters.generated_tokens,
+            preemptions=counters.preemptions,
+            failovers=self.num_failures,
+            restarts=self.num_reconnects,
+            resumed_requests=counters.resumed,
+            integrity_violations=self.integrity_violations,
+            protocol_violations=self.num_protocol_violations,
+        )
 
     def check_integrity(self) -> None:
         """Check the engine-side invariants of this group (raises AssertionError).

@@ -178,13 +178,14 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         ops = cuda_ops(qkv)
-        fused_rotary = ops is not None and self.q_norm is None and self.rotary.cos_sin is not None
-        if fused_rotary:
+        cos_sin = self.rotary.cos_sin
+        fused_rotary = ops is not None and self.q_norm is None and cos_sin is not None
+        if ops is not None and fused_rotary:
             # Q and K heads sit side by side in each QKV row: one in-place launch rotates both.
             heads = qkv[:, : self.q_size + self.kv_size].view(
                 num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
             )
-            ops.rotary_in_place(heads, positions, self.rotary.cos_sin)  # type: ignore[union-attr]
+            ops.rotary_in_place(heads, positions, cos_sin)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)

@@ -15,9 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ominix_runtime.config import DEFAULT_DIST_TIMEOUT_S  # the one definition, in the config tree
 from ominix_worker.parallel.tensor_parallel import TensorParallel
-
-DEFAULT_DIST_TIMEOUT_S = 60.0
 
 
 class GroupInitError(RuntimeError):

@@ -44,7 +44,8 @@ class TensorWeight(WeightSource):
 class SafetensorsWeight(WeightSource):
     """A tensor in a memory-mapped safetensors file (``safe_open(...).get_slice(name)``)."""
 
-    def __init__(self, tensor_slice: Any) -> None:
+    def __init__(self, tensor_slice: Any, name: str = "") -> None:
+        self.name = name
         self._slice = tensor_slice
         self._shape = tuple(int(d) for d in tensor_slice.get_shape())
 

@@ -1,0 +1,158 @@
+"""Tensor parallelism on the CPU: shard arithmetic, and TP=2 logits (two gloo rank processes) against TP=1."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from ominix_worker.parallel import ShardRange, TensorParallel
+from ominix_worker.testing import write_tiny_hf_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tp_logits import batch_logits, load_runner  # noqa: E402
+
+TP_LOGITS = Path(__file__).resolve().parent / "tp_logits.py"
+RANK_TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_group(model: Path, size: int, out: Path, device: str = "cpu", dtype: str = "float32") -> torch.Tensor:
+    """Start ``size`` rank processes of tp_logits.py and return rank 0's logits."""
+    addr = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "OMP_NUM_THREADS": "1"}
+    procs = []
+    for rank in range(size):
+        rank_device = device if device == "cpu" else f"cuda:{rank}"
+        argv = [
+            sys.executable,
+            str(TP_LOGITS),
+            "--model",
+            str(model),
+            "--rank",
+            str(rank),
+            "--size",
+            str(size),
+        ]
+        argv += ["--addr", addr, "--device", rank_device, "--dtype", dtype, "--out", str(out)]
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        outputs = [p.communicate(timeout=RANK_TIMEOUT_S)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, text) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{text[-3000:]}"
+    return torch.load(out)
+
+
+# ---- shard arithmetic ------------------------------------------------------------------------------
+
+
+class _Group:  # stands in for a process group: the arithmetic never touches it
+    pass
+
+
+def tp(rank: int, size: int) -> TensorParallel:
+    return TensorParallel(rank, size, _Group())  # type: ignore[arg-type]
+
+
+def test_even_splits_and_padded_vocabulary() -> None:
+    assert [tp(r, 4).split(64) for r in range(4)] == [ShardRange(16 * r, 16) for r in range(4)]
+    with pytest.raises(ValueError, match="does not divide into 3"):
+        tp(0, 3).split(64)
+    # 321 rows over 2 ranks: 161 each, the last rank's final row is padding
+    assert [tp(r, 2).padded_split(321) for r in range(2)] == [ShardRange(0, 161), ShardRange(161, 161)]
+
+
+def test_kv_heads_split_or_replicate_so_every_query_head_meets_its_kv_head() -> None:
+    num_heads = 8
+    for num_kv_heads, size in ((8, 2), (2, 2), (2, 4), (1, 4), (2, 8)):
+        group_size = num_heads // num_kv_heads
+        for rank in range(size):
+            heads = tp(rank, size).split(num_heads)
+            kv = tp(rank, size).kv_heads(num_kv_heads, num_heads)
+            needed = {h // group_size for h in range(heads.start, heads.end)}
+            assert needed == set(range(kv.start, kv.end)), (num_kv_heads, size, rank)
+    with pytest.raises(ValueError, match="cannot be replicated evenly"):
+        tp(0, 4).kv_heads(3, 12)
+    with pytest.raises(ValueError, match="attention heads"):
+        tp(0, 3).kv_heads(1, 4)
+
+
+def test_a_model_that_does_not_divide_is_refused_with_its_reason(tmp_path: Path) -> None:
+    from ominix_runtime.models import resolve_model
+    from ominix_worker.attention import get_attention_backend
+    from ominix_worker.loader import ModelLoadError, load_model
+
+    folder = write_tiny_hf_model(tmp_path / "m", heads=4, kv_heads=2, with_tokenizer=False)
+    backend = get_attention_backend("cpu", 16)
+    with pytest.raises(ModelLoadError, match="does not divide into 3"):
+        load_model(resolve_model(str(folder)), torch.device("cpu"), torch.float32, backend, tp=tp(0, 3))
+
+
+# ---- TP=2 against TP=1 --------------------------------------------------------------------------------
+
+CASES = {
+    # odd vocabulary (a padded row on rank 1), KV heads split 1 + 1
+    "llama-odd-vocab": dict(arch="llama", vocab_size=321),
+    # one KV head replicated on both ranks, tied embeddings, QKV bias
+    "qwen2-kv-replicated-tied": dict(arch="qwen2", vocab_size=320, kv_heads=1, tie_word_embeddings=True),
+    # per-head q/k norms
+    "qwen3": dict(arch="qwen3", vocab_size=322),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp2_logits_equal_tp1(case: str, tmp_path: Path) -> None:
+    folder = write_tiny_hf_model(tmp_path / case, with_tokenizer=False, **CASES[case])
+    reference = batch_logits(load_runner(str(folder), "cpu", torch.float32))
+    sharded = run_group(folder, 2, tmp_path / "logits.pt")
+    assert sharded.shape == reference.shape == (len(reference), CASES[case]["vocab_size"])
+    torch.testing.assert_close(sharded, reference, atol=2e-5, rtol=1e-5)
+    assert torch.equal(sharded.argmax(-1), reference.argmax(-1))
+
+
+def test_each_rank_reads_only_its_slices(
+    tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 of 2 asks the safetensors files for half of every sharded tensor, never a whole one."""
+    from safetensors import safe_open
+
+    import ominix_worker.parallel.weights as weights
+
+    read_elements: dict[str, int] = {}
+    original = weights.SafetensorsWeight.read
+
+    def counting_read(
+        self: weights.SafetensorsWeight, dim: int = 0, start: int = 0, length: int | None = None
+    ):  # noqa: ANN202
+        out = original(self, dim, start, length)
+        read_elements[self.name] = read_elements.get(self.name, 0) + out.numel()
+        return out
+
+    monkeypatch.setattr(weights.SafetensorsWeight, "read", counting_read)
+    folder = tiny_model_dir("llama")
+    load_runner(str(folder), "cpu", torch.float32, tp(1, 2))
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        full = {name: f.get_slice(name).get_shape() for name in f.keys()}  # noqa: SIM118
+    for name, shape in full.items():
+        numel = int(torch.tensor(shape).prod())
+        if "norm" in name:
+            assert read_elements[name] == numel, name  # replicated
+        else:
+            assert read_elements[name] == numel // 2, name  # its half of q/k/v, gate/up, o/down, vocab
