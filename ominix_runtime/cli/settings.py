@@ -8,15 +8,25 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from ominix_runtime.cli.commands import Command
+from ominix_runtime.cli import flags as readers
 from ominix_runtime.cli.flags import FLAGS, Flag, by_group, by_name
 from ominix_runtime.config import RuntimeConfig, debug_values, get_path, with_paths
 
 CONFIG_ENV = "OMINIX_CONFIG"
+_METAVARS: dict[Callable[[str], Any], str] = {
+    readers.port: "PORT",
+    readers.port_or_zero: "PORT",
+    readers.positive_int: "N",
+    readers.non_negative_int: "N",
+    readers.fraction: "FRACTION",
+    readers.positive_float: "SECONDS",
+    readers.non_negative_float: "SECONDS",
+}
 
 
 class ConfigError(Exception):
@@ -81,7 +91,7 @@ def build_parser(command: Command) -> argparse.ArgumentParser:
         if flag.switch:
             kwargs["action"] = "store_true"
         else:
-            kwargs["metavar"] = flag.metavar or flag.dest.upper()
+            kwargs["metavar"] = flag.metavar or _METAVARS.get(flag.parse, flag.dest.upper())
             if flag.repeatable:
                 kwargs["action"] = "append"
         section.add_argument(*flag.names, **kwargs)
