@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ominix_runtime.cli.commands import Command
 from ominix_runtime.cli import flags as readers
+from ominix_runtime.cli.commands import Command
 from ominix_runtime.cli.flags import FLAGS, Flag, by_group, by_name
 from ominix_runtime.config import RuntimeConfig, debug_values, get_path, with_paths
 
