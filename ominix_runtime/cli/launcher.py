@@ -84,12 +84,20 @@ def plan_workers(config: RuntimeConfig, ports: Sequence[int], nonce: str) -> lis
                 "worker.num_threads": threads if device == "cpu" else config.worker.num_threads,
                 "worker.launch_nonce": nonce,
                 "tls": config.tls if config.tls.ca else TLSConfig(),
+                # A worker's stderr is a pipe to the launcher: it renders as the launcher's own terminal does.
+                "log.format": _resolved_log_format(config),
             },
         )
         words, _ = child_command(worker_command, tree)
         argv = (sys.executable, "-m", "ominix_runtime", *words)
         plans.append(WorkerPlan(device, port, f"{_connect_host(host)}:{port}", argv))
     return plans
+
+
+def _resolved_log_format(config: RuntimeConfig) -> str:
+    if config.log.format != "auto":
+        return config.log.format
+    return "console" if sys.stderr.isatty() else "json"
 
 
 def _set_parent_death_signal() -> None:

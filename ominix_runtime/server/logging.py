@@ -22,6 +22,12 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 # WARNING and above.
 _OWN_STDLIB_LOGGERS = ("ominix_worker", "ominix")
 _fields: dict[str, Any] = {}
+_rendering = {"json": True}  # what configure_logging chose (JSON until it runs)
+
+
+def renders_json() -> bool:
+    """Whether this process's log stream is JSON lines (else the console renderer)."""
+    return _rendering["json"]
 
 
 def set_log_fields(**fields: Any) -> None:
@@ -57,6 +63,7 @@ def configure_logging(
     if json_output is None:
         json_output = not sys.stderr.isatty()
     numeric_level = _LEVELS.get(level.lower(), logging.INFO)
+    _rendering["json"] = json_output
     set_log_fields(component=component, **fields)
     shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
