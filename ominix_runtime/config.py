@@ -12,7 +12,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig
 
@@ -35,6 +35,7 @@ __all__ = [
     "with_paths",
 ]
 
+T = TypeVar("T")
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_ENGINE_PORT = 50061
 DEFAULT_WORKER_PORT = 50071
@@ -194,11 +195,12 @@ def get_path(tree: Any, path: str) -> Any:
     return node
 
 
-def with_paths(tree: Any, values: Mapping[str, Any]) -> Any:
+def with_paths(tree: T, values: Mapping[str, Any]) -> T:
     """A copy of a frozen tree with the dotted paths in ``values`` replaced (unknown paths raise KeyError)."""
+    node: Any = tree  # a dataclass instance: each branch of the tree is one
     here: dict[str, Any] = {}
     below: dict[str, dict[str, Any]] = {}
-    names = {f.name for f in dataclasses.fields(tree)}
+    names = {f.name for f in dataclasses.fields(node)}
     for path, value in values.items():
         head, _, rest = path.partition(".")
         if head not in names:
@@ -209,7 +211,7 @@ def with_paths(tree: Any, values: Mapping[str, Any]) -> Any:
             here[head] = value
     for head, sub in below.items():
         here[head] = with_paths(here.get(head, getattr(tree, head)), sub)
-    return dataclasses.replace(tree, **here)
+    return cast(T, dataclasses.replace(node, **here))
 
 
 # ---- debug variables ------------------------------------------------------------------------------------

@@ -107,7 +107,7 @@ def capability_to_pb(cap: BackendCapability) -> common_pb2.BackendCapability:
         model.bos_token_id = m.bos_token_id
     return common_pb2.BackendCapability(
         worker_id=cap.worker_id,
-        kind=int(cap.kind),
+        kind=cast("common_pb2.BackendKind", int(cap.kind)),
         device=cap.device,
         dtype=cap.dtype,
         supported_dtypes=list(cap.supported_dtypes),
@@ -116,7 +116,7 @@ def capability_to_pb(cap: BackendCapability) -> common_pb2.BackendCapability:
         kv_bytes_per_block=cap.kv_bytes_per_block,
         max_batch_tokens=cap.max_batch_tokens,
         max_running_requests=cap.max_running_requests,
-        granularity=int(cap.granularity),
+        granularity=cast("common_pb2.Granularity", int(cap.granularity)),
         supports_paged_kv=cap.supports_paged_kv,
         supports_prefix_caching=cap.supports_prefix_caching,
         supports_chunked_prefill=cap.supports_chunked_prefill,

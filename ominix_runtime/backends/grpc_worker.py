@@ -40,7 +40,12 @@ def _unavailable(address: str, what: str) -> OminixError:
 class GrpcStepStream:
     """One bidirectional Worker.Run call. Results arrive in step_id order; heartbeats reset the timeout."""
 
-    def __init__(self, address: str, call: grpc.aio.StreamStreamCall, step_timeout: float) -> None:
+    def __init__(
+        self,
+        address: str,
+        call: grpc.aio.StreamStreamCall[worker_pb2.DecodeStep, worker_pb2.WorkerMessage],
+        step_timeout: float,
+    ) -> None:
         self._address = address
         self._call = call
         self._step_timeout = step_timeout
@@ -58,7 +63,7 @@ class GrpcStepStream:
         try:
             while True:
                 msg = await self._call.read()
-                if msg is grpc.aio.EOF:
+                if not isinstance(msg, worker_pb2.WorkerMessage):  # grpc.aio.EOF: the worker closed it
                     self._inbox.put_nowait(_unavailable(self._address, "Run stream closed by the worker"))
                     return
                 self._last_heard = self._loop.time()

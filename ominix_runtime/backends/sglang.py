@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -202,10 +202,8 @@ class SGLangStreamMapper:
             if isinstance(value, int) and value >= 0:
                 setattr(self, name, value)
 
-    def _new_ids(self, ids: Any, meta: Mapping[str, Any]) -> list[int]:
-        if not isinstance(ids, list):
-            ids = []
-        ids = [int(t) for t in ids]
+    def _new_ids(self, raw_ids: Any, meta: Mapping[str, Any]) -> list[int]:
+        ids = [int(t) for t in raw_ids] if isinstance(raw_ids, list) else []
         have = len(self.output_ids)
         total = meta.get("completion_tokens")
         mode = self.ids_mode
@@ -556,7 +554,9 @@ class SGLangBackend:
             yield Error(rid, exc.kind, exc.message)
             return
         try:
-            async with contextlib.aclosing(self._stream(payload, live)) as events:
+            # The engine's trace context, so a traced SGLang server joins the request's trace.
+            headers = {"traceparent": request.traceparent} if request.traceparent else None
+            async with contextlib.aclosing(self._stream(payload, live, headers)) as events:
                 async for event in events:
                     yield event
         finally:
@@ -567,14 +567,18 @@ class SGLangBackend:
                 # The consumer went away mid-stream: tell SGLang so it frees the request's KV at once.
                 self._spawn(self._post_abort(rid))
 
-    async def _stream(self, payload: dict[str, Any], live: _LiveRequest) -> AsyncIterator[WorkerEvent]:
+    async def _stream(
+        self, payload: dict[str, Any], live: _LiveRequest, headers: dict[str, str] | None = None
+    ) -> AsyncGenerator[WorkerEvent, None]:
         mapper = live.mapper
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=self.timeout, sock_read=self.stream_idle_timeout
         )
         try:
             session = self._get_session()
-            async with session.post(self.url + "/generate", json=payload, timeout=timeout) as resp:
+            async with session.post(
+                self.url + "/generate", json=payload, timeout=timeout, headers=headers
+            ) as resp:
                 live.response = resp
                 if resp.status != 200:
                     body = await _read_error_body(resp)

@@ -28,7 +28,8 @@ class Command:
 
     def function(self) -> Callable[..., int]:
         module, _, name = self.run.partition(":")
-        return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+        function: Callable[..., int] = getattr(importlib.import_module(module), name)
+        return function
 
 
 _ENGINE_GROUPS = ("model", "served", "listen", "limits", "sglang", "engine", "server", "tls", "log")

@@ -46,7 +46,7 @@ def command_flags(command: Command) -> tuple[Flag, ...]:
 
 def base_tree(command: Command) -> RuntimeConfig:
     """The tree when nothing is set: the tree's defaults with this command's own."""
-    return with_paths(RuntimeConfig(), command.defaults)  # type: ignore[no-any-return]
+    return with_paths(RuntimeConfig(), command.defaults)
 
 
 def _default_text(value: Any) -> str | None:
@@ -118,7 +118,7 @@ def read_config_file(path: str, flags: Sequence[Flag]) -> dict[str, Any]:
             if sys.version_info >= (3, 11):
                 import tomllib
             else:  # pragma: no cover - Python 3.10
-                import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
+                import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]  # 3.10 only
             data: Any = tomllib.loads(text)
         else:
             import yaml  # type: ignore[import-untyped,unused-ignore]  # stubs are a test extra at most

@@ -314,6 +314,7 @@ class EngineCore:
         self._step_listeners.append(cb)
 
     async def _sweep_deadlines(self) -> None:
+        """The one place deadlines are expired: every group's heap, every ``deadline_check_interval``."""
         interval = self.config.deadline_check_interval
         while True:
             await asyncio.sleep(interval)

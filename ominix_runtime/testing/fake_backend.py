@@ -246,12 +246,12 @@ class FakeStepBackend:
             req.num_computed_tokens = new.num_computed_tokens
             scheduled.append((req, new.num_scheduled_tokens))
         for run in step.running_requests:
-            req = self.requests.get(run.request_id)
-            if req is None:
+            known = self.requests.get(run.request_id)
+            if known is None:
                 self._violation(f"running request {run.request_id} is unknown to the worker")
                 continue
-            self._add_blocks(req, list(run.new_kv_block_ids))
-            scheduled.append((req, run.num_scheduled_tokens))
+            self._add_blocks(known, list(run.new_kv_block_ids))
+            scheduled.append((known, run.num_scheduled_tokens))
         if step.num_scheduled_tokens > c.max_batch_tokens:
             self._violation(
                 f"step {step.step_id} schedules {step.num_scheduled_tokens} > {c.max_batch_tokens} tokens"
@@ -427,7 +427,7 @@ class FakeRequestBackend:
         return {"running_requests": float(self._running), "queued_requests": 0.0}
 
     async def health(self) -> bool:
-        return not self.closed and not self.down
+        return not self.closed  # it never goes down (only the step-level fake crashes)
 
     async def close(self) -> None:
         self.closed = True

@@ -24,7 +24,7 @@ import json
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +68,7 @@ def tokenize(text: str, vocab_size: int) -> list[int]:
     return ids
 
 
-def token_stream(input_ids: Sequence[int], seed: int | None, vocab_size: int):
+def token_stream(input_ids: Sequence[int], seed: int | None, vocab_size: int) -> Iterator[int]:
     """Infinite deterministic token ids from the prompt and seed (a 64-bit LCG, folded prompt)."""
     state = (seed or 0) * 0x9E3779B97F4A7C15 & _MASK64
     for t in input_ids:
@@ -93,6 +93,7 @@ class FakeSGLangState:
     max_total_num_tokens: int = 65536
     max_running_requests: int = 128
     generate_bodies: list[dict[str, Any]] = field(default_factory=list)
+    generate_traceparents: list[str] = field(default_factory=list)  # the traceparent header of each call
     aborted_rids: list[str] = field(default_factory=list)
     disconnected_rids: list[str] = field(default_factory=list)
     running: dict[str, asyncio.Event] = field(default_factory=dict)
@@ -246,7 +247,7 @@ class _Generation:
         return None
 
     def out(self, finish: dict[str, Any] | None, incremental: bool) -> dict[str, Any]:
-        meta = {
+        meta: dict[str, Any] = {  # JSON, as SGLang's meta_info
             "id": self.plan.rid,
             "finish_reason": finish,
             "prompt_tokens": len(self.plan.input_ids),
@@ -286,6 +287,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         return _error(400, "the request body is not valid JSON")
     state.generate_bodies.append(body if isinstance(body, dict) else {"_invalid": body})
     del state.generate_bodies[:-256]
+    state.generate_traceparents.append(request.headers.get("traceparent", ""))
+    del state.generate_traceparents[:-256]
     if mode == "failing":
         return web.json_response({"error": {"message": "fake SGLang is failing on purpose"}}, status=500)
     try:
@@ -315,7 +318,9 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         state.remember(plan.input_ids)
 
 
-async def _decode(state: FakeSGLangState, plan: _Plan, mode: str, aborted: asyncio.Event, gen: _Generation):
+async def _decode(
+    state: FakeSGLangState, plan: _Plan, mode: str, aborted: asyncio.Event, gen: _Generation
+) -> AsyncIterator[tuple[dict[str, Any] | None, str]]:
     """Yield (finish, fault) after each token; fault is "" or the fault mode that fires now."""
     tokens = token_stream(plan.input_ids, plan.seed, state.vocab_size)
     if plan.max_new_tokens == 0:

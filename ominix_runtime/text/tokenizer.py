@@ -9,13 +9,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from ominix_runtime.contract import InvalidArgument
 from ominix_runtime.models import ModelFormat, ModelSource
+
+if TYPE_CHECKING:  # jinja2 loads only when a chat template is first rendered
+    from jinja2 import Template
 
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_TYPE_CONTROL = 3
@@ -67,7 +70,7 @@ class Tokenizer:
     add_bos_token: bool
     chat_template: str | None = None
     special_token_ids: frozenset[int] = field(default_factory=frozenset)
-    _compiled_template: Any = None
+    _compiled_template: Template | None = None
     # A copy of ``backend`` that reads special-token strings as plain text (user content), and the
     # patterns that find those strings; built on first use.
     _plain: HFTokenizer | None = None
@@ -109,7 +112,10 @@ class Tokenizer:
                 "serve the model from a Hugging Face folder with tokenizer.json instead"
             )
         tokens = string_array("tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in string_array("tokenizer.ggml.merges")]
+        merges = [
+            (left, right)
+            for left, _, right in (m.partition(" ") for m in string_array("tokenizer.ggml.merges"))
+        ]
         type_field = fields.get("tokenizer.ggml.token_type")
         token_types = [int(type_field.parts[i][0]) for i in type_field.data] if type_field else []
         vocab = {tok: i for i, tok in enumerate(tokens)}
@@ -384,7 +390,7 @@ def _tojson(
     )
 
 
-def _compile_template(source: str) -> Any:
+def _compile_template(source: str) -> Template:
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

@@ -74,3 +74,25 @@ def test_mypy_is_clean() -> None:
     )
     assert "No module named mypy" not in check.stderr, "mypy is installed by the test extra"
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_the_engine_core_and_the_server_see_worker_groups_only_through_their_base() -> None:
+    """EngineCore and the server talk to WorkerGroup; the kinds of group are built by groups.build_group."""
+    kinds = {"ominix_runtime.engine.groups.step_group", "ominix_runtime.engine.groups.request_group"}
+    offenders = []
+    for path in [
+        ROOT / "ominix_runtime/engine/core.py",
+        *sorted((ROOT / "ominix_runtime/server").glob("*.py")),
+    ]:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+                used = names & kinds
+                if node.module == "ominix_runtime.engine.groups":
+                    used |= {a.name for a in node.names} & {"StepWorkerGroup", "RequestWorkerGroup"}
+                if used:
+                    offenders.append(f"{path.relative_to(ROOT)}: {sorted(used)}")
+    assert not offenders, "code that should see only WorkerGroup imports a kind of group:\n" + "\n".join(
+        offenders
+    )

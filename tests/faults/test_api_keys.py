@@ -49,7 +49,7 @@ def _stream(engine: Engine, request: engine_pb2.GenerateRequest, metadata: list,
                 out.done = ev.done if kind == "done" else None
                 out.error = ev.error if kind == "error" else None
     except grpc.RpcError as exc:
-        out.status = exc.code()  # type: ignore[attr-defined]
+        out.status = exc.code()  # type: ignore[attr-defined]  # a failed call's RpcError is a grpc.Call
     return out
 
 
@@ -69,7 +69,7 @@ def test_engine_api_refuses_calls_without_a_known_key(engine: Engine, metadata: 
     ):
         with pytest.raises(grpc.RpcError) as err:
             call(request, metadata=metadata, timeout=10)
-        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]  # a failed call's RpcError is a grpc.Call
 
 
 def test_each_configured_key_works(engine: Engine) -> None:
@@ -98,10 +98,10 @@ def test_a_request_belongs_to_its_key(engine: Engine) -> None:
     assert out.first_token.wait(30), engine.logs()
     with pytest.raises(grpc.RpcError) as err:
         engine.stub.Abort(engine_pb2.AbortRequest(request_id="owned"), metadata=_auth(KEY_B), timeout=10)
-    assert err.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]  # a failed call's RpcError is a grpc.Call
     with pytest.raises(grpc.RpcError) as unknown:  # the same answer as for an id nobody uses
         engine.stub.Abort(engine_pb2.AbortRequest(request_id="nobody"), metadata=_auth(KEY_B), timeout=10)
-    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]  # a failed call's RpcError is a grpc.Call
     assert thread.is_alive()  # still streaming
     resp = engine.stub.Abort(engine_pb2.AbortRequest(request_id="owned"), metadata=_auth(KEY_A), timeout=10)
     assert resp.found

@@ -72,7 +72,7 @@ def _ids(n: int, value: int = 11) -> engine_pb2.TokenIds:
 
 
 def _sp(**fields: object) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(**fields)  # type: ignore[arg-type]
+    return common_pb2.SamplingParams(**fields)  # type: ignore[arg-type]  # bad values on purpose
 
 
 def _chat(*pairs: tuple[str, str]) -> engine_pb2.ChatMessages:

@@ -69,7 +69,7 @@ def _stream_timed(engine: Engine, out: TimedStream, max_tokens: int) -> None:
                 result.num_terminal += 1
                 result.done = ev.done if kind == "done" else None
     except grpc.RpcError as exc:
-        result.status = exc.code()  # type: ignore[attr-defined]
+        result.status = exc.code()  # type: ignore[attr-defined]  # a failed call's RpcError is a grpc.Call
     out.outcome = result
 
 
@@ -132,7 +132,7 @@ def test_request_id_must_be_short_printable_ascii(engine: Engine, request_id: st
     assert out.status == INVALID and out.num_terminal == 0
     with pytest.raises(grpc.RpcError) as err:
         engine.stub.Abort(engine_pb2.AbortRequest(request_id=request_id), timeout=10)
-    assert err.value.code() == INVALID  # type: ignore[attr-defined]
+    assert err.value.code() == INVALID  # type: ignore[attr-defined]  # a failed call's RpcError is a grpc.Call
 
 
 def test_request_id_of_256_printable_bytes_is_fine(engine: Engine) -> None:
@@ -151,7 +151,7 @@ def _raw_generate(
         for ev in call(data, timeout=timeout):
             terminal += ev.WhichOneof("event") in ("done", "error")
     except grpc.RpcError as exc:
-        return exc.code(), exc.details() or "", terminal  # type: ignore[attr-defined]
+        return exc.code(), exc.details() or "", terminal  # type: ignore[attr-defined]  # a failed call's RpcError is a grpc.Call
     return None, "", terminal
 
 

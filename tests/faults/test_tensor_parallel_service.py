@@ -53,7 +53,7 @@ def greedy_reference(model: Path, prompts: list[list[int]], num_tokens: int) -> 
                 step = DecodeStep(step_id, running_requests=[RunningRequestData("r", [], 1)])
             result = runner.execute_step(step)
             assert result is not None
-            tokens.append(result.outputs[0].sampled_token_id)  # type: ignore[arg-type]
+            tokens.append(result.outputs[0].sampled_token_id)  # type: ignore[arg-type]  # every step samples here
         out.append(tokens)
     return out
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:  # the runner is imported inside the tests, after the CUDA skip
+    from ominix_worker.runner import CachedRequest, ModelRunner, ScheduledRow
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,7 +36,7 @@ _CONFIG = {
 }
 
 
-def _runner(tmp_path: Path):  # type: ignore[no-untyped-def]
+def _runner(tmp_path: Path) -> ModelRunner:
     from ominix_worker.runner import build_runner
 
     config = tmp_path / "config.json"
@@ -43,7 +47,7 @@ def _runner(tmp_path: Path):  # type: ignore[no-untyped-def]
     )
 
 
-def _rows(requests, decode: bool):  # type: ignore[no-untyped-def]
+def _rows(requests: list[CachedRequest], decode: bool) -> list[ScheduledRow]:
     from ominix_worker.runner import ScheduledRow
 
     rows = []
@@ -54,7 +58,7 @@ def _rows(requests, decode: bool):  # type: ignore[no-untyped-def]
 
 
 @torch.inference_mode()
-def _eager_logits(runner, rows) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _eager_logits(runner: ModelRunner, rows: list[ScheduledRow]) -> torch.Tensor:
     inputs = runner._prepare_inputs(rows)
     return runner.model.compute_logits(runner._forward(inputs))
 

@@ -36,4 +36,4 @@ def promtool() -> str:
 
 
 def run(argv: list[str], timeout: float = 120, **kwargs: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False, **kwargs)  # type: ignore[call-overload]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False, **kwargs)  # type: ignore[call-overload]  # callers pass run()'s own keywords

@@ -3,16 +3,18 @@ use answers for a live daemon; the systemd units rate at most 3.0 by systemd-ana
 
 from __future__ import annotations
 
+import fnmatch
 import re
 import shutil
 import socket
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 from obs_daemon import Scraped
-from obs_tools import DEPLOY, require_tool, run
+from obs_tools import DEPLOY, REPO, require_tool, run
 
 DOCKERFILES = sorted(p for p in (DEPLOY / "docker").glob("Dockerfile.*") if p.suffix != ".dockerignore")
 UNITS = DEPLOY / "systemd"
@@ -46,6 +48,61 @@ def test_image_runs_unprivileged_with_a_grpc_health_check(dockerfile: Path) -> N
     assert not user.startswith(("0", "root"))
     health = re.search(r"^HEALTHCHECK .*?CMD (\[.*?\])", final_stage, re.M | re.S)
     assert health and "ominix_runtime.server.health_probe" in health.group(1)
+
+
+def _build_context(dockerfile: Path) -> list[str]:
+    """The tracked files Docker would send for ``dockerfile`` (its .dockerignore: last matching rule wins)."""
+    rules = [
+        line.strip()
+        for line in Path(f"{dockerfile}.dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    tracked = subprocess.run(
+        ["git", "ls-files"], capture_output=True, text=True, cwd=REPO, check=True
+    ).stdout.split()
+    kept = []
+    for path in tracked:
+        keep = True
+        for rule in rules:
+            pattern = rule.removeprefix("!")
+            if fnmatch.fnmatch(path, pattern) or fnmatch.fnmatch(path, pattern.removeprefix("**/")):
+                keep = rule.startswith("!")
+        if keep:
+            kept.append(path)
+    return kept
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_build_context_installs_the_package(dockerfile: Path, tmp_path: Path) -> None:
+    """Without a Docker engine: the files the image's context holds (per its .dockerignore) are what its
+    COPY lines name, and they build the package the image installs."""
+    context = _build_context(dockerfile)
+    assert "pyproject.toml" in context and not [p for p in context if p.startswith(("tests/", "deploy/"))]
+    copies = re.findall(r"^COPY (?!--from)(.+) \S+$", dockerfile.read_text(), re.M)
+    for sources in copies:
+        for source in sources.split():
+            assert any(p == source or p.startswith(source + "/") for p in context), source
+    for path in context:
+        (tmp_path / "ctx" / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / path, tmp_path / "ctx" / path)
+    wheel = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path)]
+        + [str(tmp_path / "ctx")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert wheel.returncode == 0, wheel.stderr
+    (built,) = tmp_path.glob("ominix_runtime-*.whl")
+    with zipfile.ZipFile(built) as whl:
+        names = set(whl.namelist())
+    for module in (
+        "ominix_runtime/server/health_probe.py",
+        "ominix_worker/server.py",
+        "ominix_runtime/pb/engine_pb2.py",
+    ):
+        assert module in names
 
 
 def _free_port() -> int:

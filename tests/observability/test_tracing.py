@@ -3,6 +3,7 @@ span tree of a request through a real daemon (SDK in-memory exporter); the trace
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -144,7 +145,7 @@ def _generate(daemon: RunningDaemon, rid: str, metadata: tuple = (), **fields: o
 
 
 def _spans_of(exporter: object, rid: str) -> tuple[object, dict[str, object]]:
-    spans = exporter.get_finished_spans()  # type: ignore[attr-defined]
+    spans = exporter.get_finished_spans()  # type: ignore[attr-defined]  # an InMemorySpanExporter, imported lazily
     (root,) = [s for s in spans if s.name == "ominix.generate" and s.attributes["ominix.request_id"] == rid]
     children = {s.name: s for s in spans if s.parent is not None and s.parent.span_id == root.context.span_id}
     return root, children
@@ -223,3 +224,27 @@ def test_tracing_off_passes_the_callers_traceparent_on() -> None:
         assert _new_request(daemon, "plain-2").traceparent == ""
     finally:
         stop_daemon(daemon, thread)
+
+
+def test_request_level_backend_gets_the_traceparent_header() -> None:
+    """SGLang (request level) receives the request's trace context as a W3C traceparent HTTP header."""
+    from ominix_runtime.backends.sglang import SGLangBackend
+    from ominix_runtime.contract import GenerateRequest
+    from ominix_runtime.testing.fake_sglang import FakeSGLangServer, FakeSGLangState
+
+    async def main() -> list[str]:
+        state = FakeSGLangState()
+        async with FakeSGLangServer(state) as server:
+            backend = SGLangBackend(server.url, timeout=5.0)
+            try:
+                for rid, traceparent in (("s-1", TRACEPARENT), ("s-2", "")):
+                    request = GenerateRequest(
+                        rid, [5, 6, 7], SamplingParams(max_tokens=2), traceparent=traceparent
+                    )
+                    events = [e async for e in backend.generate(request)]
+                    assert type(events[-1]).__name__ == "Done"
+            finally:
+                await backend.close()
+        return state.generate_traceparents
+
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == [TRACEPARENT, ""]

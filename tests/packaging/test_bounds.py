@@ -25,7 +25,7 @@ def _requirement(name: str) -> str:
 def test_grpcio_floor_is_what_the_committed_stubs_require() -> None:
     """Finding 3: the stubs refused grpcio < 1.85.1 while pyproject allowed grpcio>=1.70."""
     versions = {
-        re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", p.read_text()).group(1)  # type: ignore[union-attr]
+        re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", p.read_text()).group(1)  # type: ignore[union-attr]  # every stub names it
         for p in (ROOT / "ominix_runtime" / "pb").glob("*_grpc.py")
     }
     assert len(versions) == 1

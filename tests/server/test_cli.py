@@ -73,7 +73,7 @@ def test_serve_flags_build_a_frozen_tree() -> None:
     assert config.engine.max_waiting_requests == 7 and config.server.drain_timeout == 3
     assert config.model.path is None  # the embedded default
     with pytest.raises(dataclasses.FrozenInstanceError):
-        config.server.port = 1  # type: ignore[misc]
+        config.server.port = 1  # type: ignore[misc]  # frozen: the assignment must fail
 
 
 def test_operator_aliases() -> None:

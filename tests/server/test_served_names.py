@@ -112,7 +112,7 @@ def test_generate_command_with_a_served_name(
 def test_async_client_streams_and_sends_the_api_key(aliased_daemon: RunningDaemon) -> None:
     seen: list[tuple[tuple[str, str], ...]] = []
 
-    class Recorder(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    class Recorder(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc's base class is untyped
         async def intercept_service(self, continuation, details):  # noqa: ANN001, ANN201
             seen.append(tuple(details.invocation_metadata or ()))
             return await continuation(details)

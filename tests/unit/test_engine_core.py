@@ -258,6 +258,7 @@ def test_request_level_backend_is_admitted_by_priority_and_checked() -> None:
     order: list[str] = []
 
     async def body(core: EngineCore) -> None:
+        assert await backend.health()
         core.add_listener(lambda r: order.append(r.request_id))
         blocker = core.submit(_req("first", max_tokens=5))
         handles = [blocker]

@@ -37,10 +37,14 @@ def test_every_proto_field_and_message_is_documented() -> None:
 
 def test_contract_enums_carry_the_wire_numbers() -> None:
     """wire.py passes contract enums to protobuf as their int values: each must name the same wire value."""
-    from ominix_runtime.contract import FinishReason, RuntimeErrorKind
+    from ominix_runtime.contract import BackendKind, FinishReason, Granularity, RuntimeErrorKind
     from ominix_runtime.pb import common_pb2
 
     for kind in RuntimeErrorKind:
         assert common_pb2.ErrorCode.Name(int(kind)) == f"ERROR_CODE_{kind.name}"
     for reason in FinishReason:
         assert common_pb2.FinishReason.Name(int(reason)) == f"FINISH_REASON_{reason.name}"
+    for kind in BackendKind:
+        assert common_pb2.BackendKind.Name(int(kind)) == f"BACKEND_KIND_{kind.name}"
+    for granularity in Granularity:
+        assert common_pb2.Granularity.Name(int(granularity)) == f"GRANULARITY_{granularity.name}"

@@ -192,9 +192,9 @@ def test_the_loop_drives_a_real_runner_like_direct_calls(tiny_model_dir: Callabl
     thread.join(JOIN_TIMEOUT_S)
     looped = out.outcomes
     assert looped[-1] is None and not runner.requests  # state dropped at the end of the stream
-    assert [[o.sampled_token_id for o in r.outputs] for r in looped[:-1]] == [  # type: ignore[union-attr]
+    assert [[o.sampled_token_id for o in r.outputs] for r in looped[:-1]] == [  # type: ignore[union-attr]  # every outcome here is a result
         [o.sampled_token_id for o in r.outputs]
-        for r in direct  # type: ignore[union-attr]
+        for r in direct  # type: ignore[union-attr]  # every outcome here is a result
     ]
 
 

@@ -68,7 +68,7 @@ class _Group:  # stands in for a process group: the arithmetic never touches it
 
 
 def tp(rank: int, size: int) -> TensorParallel:
-    return TensorParallel(rank, size, _Group())  # type: ignore[arg-type]
+    return TensorParallel(rank, size, _Group())  # type: ignore[arg-type]  # a stand-in process group
 
 
 def test_even_splits_and_padded_vocabulary() -> None:

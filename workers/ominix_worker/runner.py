@@ -567,12 +567,13 @@ class ModelRunner:
         sampled_lp = top_lp = top_ids = None
         if sampled.sampled_logprobs is not None:
             floats = [sampled.sampled_logprobs.unsqueeze(1)]
+            n = 0  # top-N columns
             if sampled.top_logprobs is not None and sampled.top_token_ids is not None:
+                n = sampled.top_logprobs.shape[1]
                 floats += [sampled.top_logprobs, sampled.top_token_ids.to(torch.float64)]
             host = torch.cat([f.to(torch.float64) for f in floats], dim=1).tolist()
             sampled_lp = [row[0] for row in host]
             if len(floats) > 1:
-                n = sampled.top_logprobs.shape[1]  # type: ignore[union-attr]
                 top_lp = [row[1 : 1 + n] for row in host]
                 top_ids = [[int(t) for t in row[1 + n :]] for row in host]
         for i, row in enumerate(sampling_rows):
