@@ -249,6 +249,11 @@ def _model_shape(config_path: str | None, dtype: str) -> Any:
     )
 
 
+def _is_moe(config_path: str) -> bool:
+    raw = json.loads(Path(config_path).read_text())
+    return bool(raw.get("num_experts") or raw.get("num_local_experts"))
+
+
 def add_roofline(args: argparse.Namespace, report: OfflineReport) -> None:
     """Achieved / roofline via bench/roofline.py: on CUDA (ceilings measured now, the service already
     stopped) or anywhere when --bandwidth and --flops are given."""
@@ -268,6 +273,10 @@ def add_roofline(args: argparse.Namespace, report: OfflineReport) -> None:
         bandwidth, flops = roofline.measure_copy_bandwidth(), roofline.measure_matmul_rate()
         source = "measured ceilings"
     source += f": {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s"
+    if args.model_config and _is_moe(args.model_config):
+        # The W1 roofline models dense layers; bench/tune_moe.py reports the MoE decode floor instead.
+        print("roofline skipped: mixture-of-experts config (see bench/tune_moe.py)", file=sys.stderr)
+        return
     shape = _model_shape(args.model_config, report.dtype)
     if report.figures.get("w1_cold_out_tok_s"):
         roof = roofline.w1_roofline(

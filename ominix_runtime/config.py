@@ -116,6 +116,8 @@ class WorkerConfig:
 
     device: str = "cpu"
     dtype: str = "auto"
+    quantization: str = "none"  # fp8: quantize a float checkpoint's projections and experts at load
+    kv_cache_dtype: str = "auto"  # auto: the run dtype; fp8_e4m3: K and V stored in FP8
     kv_cache_memory: str = "1GiB"  # CPU: bytes for the KV cache
     gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory for weights, activations and KV
     block_size: int = 16

@@ -102,6 +102,8 @@ def capability_to_pb(cap: BackendCapability) -> common_pb2.BackendCapability:
         num_kv_heads=m.num_kv_heads,
         head_dim=m.head_dim,
         num_parameters=m.num_parameters,
+        num_experts=m.num_experts,
+        num_experts_per_tok=m.num_experts_per_tok,
     )
     if m.bos_token_id is not None:
         model.bos_token_id = m.bos_token_id
@@ -141,6 +143,8 @@ def capability_to_pb(cap: BackendCapability) -> common_pb2.BackendCapability:
             )
             for r in cap.ranks
         ],
+        weight_dtype=cap.weight_dtype,
+        kv_cache_dtype=cap.kv_cache_dtype,
     )
 
 
@@ -159,6 +163,8 @@ def capability_from_pb(pb: common_pb2.BackendCapability) -> BackendCapability:
         num_kv_heads=m.num_kv_heads,
         head_dim=m.head_dim,
         num_parameters=m.num_parameters,
+        num_experts=m.num_experts,
+        num_experts_per_tok=m.num_experts_per_tok,
     )
     return BackendCapability(
         worker_id=pb.worker_id,
@@ -196,6 +202,8 @@ def capability_from_pb(pb: common_pb2.BackendCapability) -> BackendCapability:
             )
             for r in pb.ranks
         ),
+        weight_dtype=pb.weight_dtype,
+        kv_cache_dtype=pb.kv_cache_dtype,
     )
 
 

@@ -345,6 +345,21 @@ FLAGS: tuple[Flag, ...] = (
         ("worker.dtype",),
     ),
     Flag(
+        "--quantization",
+        "worker",
+        "none, or fp8: quantize a float checkpoint's projections and experts to FP8 (e4m3, per-channel "
+        "scales) at load; FP8 checkpoints load as FP8 either way",
+        ("worker.quantization",),
+        lowercase_choice(("none", "fp8")),
+    ),
+    Flag(
+        "--kv-cache-dtype",
+        "worker",
+        "auto (the run dtype) or fp8_e4m3 (K and V stored in FP8: half the bytes of bf16 per token)",
+        ("worker.kv_cache_dtype",),
+        lowercase_choice(("auto", "fp8_e4m3")),
+    ),
+    Flag(
         "--kv-cache-memory",
         "worker",
         "CPU only: bytes for the KV cache (e.g. 1073741824, 512MiB, 1GiB)",

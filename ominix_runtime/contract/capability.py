@@ -36,6 +36,20 @@ class ModelInfo:
     num_kv_heads: int = 0
     head_dim: int = 0
     num_parameters: int = 0
+    # Mixture of experts (0: a dense model): routed experts per MoE layer and how many each token uses.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+
+
+# Bytes per element of the dtype names capabilities use (the engine never imports torch).
+DTYPE_BYTES = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "fp8_e4m3": 1,
+    "float8_e5m2": 1,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +91,24 @@ class BackendCapability:
     attention_backend: str = ""
     version: str = ""
     ranks: tuple[RankInfo, ...] = ()
+    # Dtype of the stored weights ("float8_e4m3fn" for FP8 checkpoints or --quantization fp8) and of the KV
+    # cache ("fp8_e4m3" with --kv-cache-dtype); empty: the run dtype.
+    weight_dtype: str = ""
+    kv_cache_dtype: str = ""
 
     @property
     def kv_capacity_tokens(self) -> int:
         return self.kv_block_size * self.kv_num_blocks
+
+    @property
+    def effective_kv_cache_dtype(self) -> str:
+        return self.kv_cache_dtype or self.dtype
+
+    def kv_bytes_per_block_for_model(self) -> int:
+        """K and V bytes of one block as the model shape and the KV dtype imply (0: shape or dtype unstated)."""
+        m = self.model
+        element = DTYPE_BYTES.get(self.effective_kv_cache_dtype, 0)
+        return 2 * m.num_layers * self.kv_block_size * m.num_kv_heads * m.head_dim * element
 
     @property
     def kv_bytes_capacity(self) -> int:
@@ -125,6 +153,14 @@ class BackendCapability:
                 out.append("prefix caching needs a paged KV cache")
             if not self.supports_chunked_prefill and self.max_batch_tokens < self.model.max_model_len:
                 out.append("without chunked prefill max_batch_tokens must cover max_model_len")
+            implied = self.kv_bytes_per_block_for_model()
+            if implied and self.kv_bytes_per_block < implied:
+                out.append(
+                    f"kv_bytes_per_block {self.kv_bytes_per_block} is less than the {implied} bytes the model "
+                    f"shape needs in {self.effective_kv_cache_dtype}"
+                )
+        if self.kv_cache_dtype.startswith("fp8") and not self.supports_fp8_kv:
+            out.append(f"kv_cache_dtype {self.kv_cache_dtype} needs supports_fp8_kv")
         if self.tensor_parallel_size < 1:
             out.append("tensor_parallel_size must be >= 1")
         if self.tensor_parallel_size > 1 and self.collective_backend == "none":
@@ -245,6 +281,7 @@ def stated_profile(kind: BackendKind, **overrides: Any) -> BackendCapability:
 
 
 __all__ = [
+    "DTYPE_BYTES",
     "BackendKind",
     "Granularity",
     "ModelInfo",

@@ -143,7 +143,7 @@ class SampledLogprobs(_message.Message):
     def __init__(self, sampled: _Optional[_Union[TokenLogprob, _Mapping]] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "bos_token_id", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim", "num_parameters")
+    __slots__ = ("name", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "bos_token_id", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim", "num_parameters", "num_experts", "num_experts_per_tok")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,8 @@ class ModelInfo(_message.Message):
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_PER_TOK_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     vocab_size: int
@@ -168,7 +170,9 @@ class ModelInfo(_message.Message):
     num_kv_heads: int
     head_dim: int
     num_parameters: int
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_parameters: _Optional[int] = ...) -> None: ...
+    num_experts: int
+    num_experts_per_tok: int
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_parameters: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ...) -> None: ...
 
 class RankInfo(_message.Message):
     __slots__ = ("rank", "device", "host", "memory_total_bytes", "weight_bytes", "kv_cache_bytes", "kv_head_start", "kv_num_heads")
@@ -191,7 +195,7 @@ class RankInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., device: _Optional[str] = ..., host: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_num_heads: _Optional[int] = ...) -> None: ...
 
 class BackendCapability(_message.Message):
-    __slots__ = ("worker_id", "kind", "device", "dtype", "supported_dtypes", "kv_block_size", "kv_num_blocks", "kv_bytes_per_block", "max_batch_tokens", "max_running_requests", "granularity", "supports_paged_kv", "supports_prefix_caching", "supports_chunked_prefill", "supports_graph_capture", "supports_fp8_kv", "tensor_parallel_size", "collective_backend", "custom_all_reduce", "attention_backend", "model", "version", "ranks")
+    __slots__ = ("worker_id", "kind", "device", "dtype", "supported_dtypes", "kv_block_size", "kv_num_blocks", "kv_bytes_per_block", "max_batch_tokens", "max_running_requests", "granularity", "supports_paged_kv", "supports_prefix_caching", "supports_chunked_prefill", "supports_graph_capture", "supports_fp8_kv", "tensor_parallel_size", "collective_backend", "custom_all_reduce", "attention_backend", "model", "version", "ranks", "weight_dtype", "kv_cache_dtype")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +219,8 @@ class BackendCapability(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     kind: BackendKind
     device: str
@@ -238,4 +244,6 @@ class BackendCapability(_message.Message):
     model: ModelInfo
     version: str
     ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
-    def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[_Union[BackendKind, str]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., supported_dtypes: _Optional[_Iterable[str]] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., supports_paged_kv: _Optional[bool] = ..., supports_prefix_caching: _Optional[bool] = ..., supports_chunked_prefill: _Optional[bool] = ..., supports_graph_capture: _Optional[bool] = ..., supports_fp8_kv: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., collective_backend: _Optional[str] = ..., custom_all_reduce: _Optional[bool] = ..., attention_backend: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., version: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ...) -> None: ...
+    weight_dtype: str
+    kv_cache_dtype: str
+    def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[_Union[BackendKind, str]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., supported_dtypes: _Optional[_Iterable[str]] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., supports_paged_kv: _Optional[bool] = ..., supports_prefix_caching: _Optional[bool] = ..., supports_chunked_prefill: _Optional[bool] = ..., supports_graph_capture: _Optional[bool] = ..., supports_fp8_kv: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., collective_backend: _Optional[str] = ..., custom_all_reduce: _Optional[bool] = ..., attention_backend: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., version: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., weight_dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...

@@ -138,3 +138,19 @@ def test_request_level_backend_may_leave_tokenizer_facts_unstated() -> None:
         BackendKind.CPU, worker_id="w", model=unknown, kv_num_blocks=4, kv_bytes_per_block=8
     )
     assert {"model.vocab_size must be > 0", "model.eos_token_ids is empty"} <= set(step.problems())
+
+
+def test_kv_bytes_follow_the_stated_kv_dtype_and_fp8_kv_needs_support() -> None:
+    """A worker states its weight and KV dtypes; KV blocks must hold the model's K and V in the KV dtype."""
+    model = replace(MODEL, num_layers=4, num_kv_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2)
+    bf16_block = 2 * 4 * 16 * 2 * 64 * 2
+    cap = stated_profile(
+        BackendKind.CUDA, worker_id="w", model=model, kv_num_blocks=10, kv_bytes_per_block=bf16_block // 2,
+        weight_dtype="float8_e4m3fn", kv_cache_dtype="fp8_e4m3", supports_fp8_kv=True,
+    )  # fmt: skip
+    assert cap.problems() == [] and cap.kv_bytes_per_block_for_model() == bf16_block // 2
+    assert wire.capability_from_pb(wire.capability_to_pb(cap)) == cap
+    too_small = replace(cap, kv_cache_dtype="")  # bf16 KV in half the bytes it needs
+    assert any("kv_bytes_per_block" in p for p in too_small.problems())
+    unsupported = replace(cap, supports_fp8_kv=False)
+    assert any("supports_fp8_kv" in p for p in unsupported.problems())

@@ -127,7 +127,9 @@ class Daemon:
         return self.procs[-1]
 
 
-def start_workers(model: str, n: int, log_dir: Path, kv_cache_memory: str) -> tuple[list[Proc], list[str]]:
+def start_workers(
+    model: str, n: int, log_dir: Path, kv_cache_memory: str, extra_args: Sequence[str] = ()
+) -> tuple[list[Proc], list[str]]:
     ports = free_ports(n)
     procs = [
         start_proc(
@@ -146,6 +148,7 @@ def start_workers(model: str, n: int, log_dir: Path, kv_cache_memory: str) -> tu
                 # The workers share the cores: each gets its part instead of a full torch thread pool.
                 "--num-threads",
                 str(max(1, (os.cpu_count() or 1) // n)),
+                *extra_args,
             ],
             log_dir,
         )
@@ -164,13 +167,14 @@ def run_server(
     reference_prompts: Sequence[Sequence[int]] = (),
     reference_tokens: int = 0,
     extra_serve_args: Sequence[str] = (),
+    extra_worker_args: Sequence[str] = (),
 ) -> Iterator[Daemon]:
     """``serve`` + ``num_workers`` CPU workers. Greedy references for ``reference_prompts`` are computed by
     driving the first worker directly (before the engine connects), so they never pass through the engine."""
     procs: list[Proc] = []
     channel: grpc.Channel | None = None
     try:
-        workers, addresses = start_workers(model, num_workers, log_dir, kv_cache_memory)
+        workers, addresses = start_workers(model, num_workers, log_dir, kv_cache_memory, extra_worker_args)
         procs += workers
         references: dict[tuple[int, ...], list[int]] = {}
         if reference_prompts:

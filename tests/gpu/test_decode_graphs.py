@@ -1,4 +1,5 @@
-"""CUDA-graph decode steps against the eager forward on the same runner: same logits, padding rows inert."""
+"""CUDA-graph decode steps against the eager forward on the same runner: same logits, padding rows inert.
+The dense Llama shape and a Qwen3-MoE shape (Triton fused MoE inside the graph) both run."""
 
 from __future__ import annotations
 
@@ -34,13 +35,23 @@ _CONFIG = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+_MOE_CONFIG = {
+    **_CONFIG,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 128,
+    "norm_topk_prob": True,
+}
+CONFIGS = pytest.mark.parametrize("model_config", [_CONFIG, _MOE_CONFIG], ids=["dense", "moe"])
 
 
-def _runner(tmp_path: Path) -> ModelRunner:
+def _runner(tmp_path: Path, model_config: dict[str, object] = _CONFIG) -> ModelRunner:
     from ominix_worker.runner import build_runner
 
     config = tmp_path / "config.json"
-    config.write_text(json.dumps(_CONFIG))
+    config.write_text(json.dumps(model_config))
     torch.backends.cuda.matmul.allow_tf32 = False
     return build_runner(
         f"dummy:{config}", device="cuda", dtype=torch.float32, num_blocks=96, max_model_len=512
@@ -63,11 +74,12 @@ def _eager_logits(runner: ModelRunner, rows: list[ScheduledRow]) -> torch.Tensor
     return runner.model.compute_logits(runner._forward(inputs))
 
 
-def test_graph_decode_matches_eager(tmp_path: Path) -> None:
+@CONFIGS
+def test_graph_decode_matches_eager(tmp_path: Path, model_config: dict[str, object]) -> None:
     from ominix_runtime.contract import SamplingParams
     from ominix_worker.runner import CachedRequest
 
-    runner = _runner(tmp_path)
+    runner = _runner(tmp_path, model_config)
     assert runner.capture_decode_graphs([1, 2, 4, 8])
     graphs = runner._graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
@@ -96,13 +108,14 @@ def test_graph_decode_matches_eager(tmp_path: Path) -> None:
         assert err < 1e-4, f"step {step}: relative error {err:.2e}"
 
 
-def test_graph_step_end_to_end_greedy(tmp_path: Path) -> None:
+@CONFIGS
+def test_graph_step_end_to_end_greedy(tmp_path: Path, model_config: dict[str, object]) -> None:
     """execute_step with graphs on gives the same greedy tokens as with graphs off."""
     from ominix_runtime.contract import DecodeStep, NewRequestData, RunningRequestData, SamplingParams
 
     tokens = {}
     for use_graphs in (False, True):
-        runner = _runner(tmp_path)
+        runner = _runner(tmp_path, model_config)
         if use_graphs:
             assert runner.capture_decode_graphs([1, 2, 4])
         rng = random.Random(3)

@@ -34,6 +34,28 @@ TINY_MODELS = {
     "qwen2": dict(arch="qwen2", tie_word_embeddings=True),
     "qwen3": dict(arch="qwen3"),
     "llama31": dict(arch="llama", rope_parameters=LLAMA31_ROPE, seed=3),
+    # Mixture of experts: Qwen3-MoE with a dense layer among sparse ones (mlp_only_layers), Mixtral, and
+    # Qwen2-MoE's gated shared expert with un-normalised top-k weights.
+    "qwen3_moe": dict(
+        arch="qwen3_moe",
+        num_layers=3,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        seed=4,
+    ),
+    "mixtral": dict(arch="mixtral", num_local_experts=4, num_experts_per_tok=2, seed=5),
+    "qwen2_moe": dict(
+        arch="qwen2_moe",
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=False,
+        seed=6,
+    ),
 }
 
 

@@ -1,4 +1,5 @@
-"""Our runner's logits against Hugging Face transformers on tiny random models (CPU, float32).
+"""Our runner's logits against Hugging Face transformers on tiny random models (CPU, float32), dense and
+mixture-of-experts (Qwen3-MoE, Mixtral, Qwen2-MoE).
 
 Every scenario drives the runner with DecodeSteps exactly as the engine would (non-contiguous block ids,
 mixed prefill and decode rows) and compares each sampled row's logits with a full-sequence HF forward.
@@ -66,7 +67,9 @@ def tokens_by_id(result: StepResult) -> dict[str, int]:
     return {o.request_id: o.sampled_token_id for o in result.outputs if o.sampled_token_id is not None}
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "llama31"])
+@pytest.fixture(
+    scope="module", params=["llama", "qwen2", "qwen3", "llama31", "qwen3_moe", "mixtral", "qwen2_moe"]
+)
 def pair(
     request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]
 ) -> tuple[LogitsRecorder, Reference]:

@@ -1,4 +1,5 @@
-"""ModelConfig: the shape of a Llama-family model, read from a Hugging Face config.json or GGUF metadata."""
+"""ModelConfig: the shape of a Llama-family model (dense or mixture-of-experts), read from a Hugging Face
+config.json or GGUF metadata."""
 
 from __future__ import annotations
 
@@ -7,13 +8,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_ARCHES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral")
 _ARCH_CLASS = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+# Mixture-of-experts architectures (``models/moe.py``); the others are dense.
+MOE_ARCHES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 class ModelConfigError(ValueError):
@@ -43,10 +49,25 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # Explicit head_dim differing from hidden / heads (Qwen3) is supported; partial rotary is not.
     rotary_dim: int = 0
+    # Mixture of experts (0 experts: dense). ``moe_layers`` lists the layers whose MLP is the sparse block
+    # (Qwen's decoder_sparse_step and mlp_only_layers decide it); the others keep the dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    scoring_func: str = "softmax"  # router scores: softmax or sigmoid
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a sigmoid-gated shared expert beside the routed
+    moe_layers: tuple[int, ...] = ()
+    # Weight quantization: None (run dtype) or a parsed fp8 description (``ominix_worker.quant.fp8``).
+    quantization: dict[str, Any] = field(default_factory=dict)
 
     @property
     def architecture(self) -> str:
         return _ARCH_CLASS[self.arch]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0 and bool(self.moe_layers)
 
     @property
     def q_size(self) -> int:
@@ -64,11 +85,16 @@ class ModelConfig:
             attn += self.hidden_size
         if self.qk_norm:
             attn += 2 * self.head_dim
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        per_layer = attn + mlp + 2 * self.hidden_size
+        dense_mlp = 3 * self.hidden_size * self.intermediate_size
+        moe_mlp = self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size + self.hidden_size)
+        if self.shared_expert_intermediate_size:
+            moe_mlp += 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size
+        num_moe = len(self.moe_layers)
+        mlps = num_moe * moe_mlp + (self.num_layers - num_moe) * dense_mlp
+        per_layer = attn + 2 * self.hidden_size
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed
-        return self.num_layers * per_layer + embed + head + self.hidden_size
+        return self.num_layers * per_layer + mlps + embed + head + self.hidden_size
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -100,10 +126,42 @@ def _max_positions(raw: dict[str, Any], model_type: str) -> int:
     sliding-window attention only for sequences that fit in the window."""
     limit = int(raw.get("max_position_embeddings", 2048))
     window = raw.get("sliding_window")
-    uses_window = model_type == "mistral" or raw.get("use_sliding_window", False)
+    uses_window = model_type in ("mistral", "mixtral") or raw.get("use_sliding_window", False)
     if window and uses_window:
         limit = min(limit, int(window))
     return limit
+
+
+def _moe_from_hf(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE, Qwen2-MoE or Mixtral config (empty for dense models)."""
+    if model_type not in MOE_ARCHES:
+        return {}
+    num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    top_k = int(raw.get("num_experts_per_tok") or 0)
+    if num_experts <= 0 or not 0 < top_k <= num_experts:
+        raise ModelConfigError(f"bad MoE shape: {num_experts} experts, top-{top_k}")
+    if model_type == "mixtral":
+        # Mixtral: every layer is sparse, experts as wide as the dense MLP, top-k always renormalised.
+        return dict(
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=int(raw["intermediate_size"]),
+            norm_topk_prob=True,
+            moe_layers=tuple(range(num_layers)),
+        )
+    step = int(raw.get("decoder_sparse_step") or 1)
+    dense_only = {int(i) for i in raw.get("mlp_only_layers") or ()}
+    layers = tuple(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(raw["moe_intermediate_size"]),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),  # transformers' default when unstated
+        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0)
+        if model_type == "qwen2_moe"
+        else 0,
+        moe_layers=layers,
+    )
 
 
 def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
@@ -125,11 +183,16 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         theta, scaling = _rope_from_hf(raw)
+        num_layers = int(raw["num_hidden_layers"])
+        if model_type == "qwen2_moe":  # Qwen2-MoE states its q/k/v bias (default on)
+            qkv_bias = bool(raw.get("qkv_bias", True))
+        else:
+            qkv_bias = model_type == "qwen2" or bool(raw.get("attention_bias", False))
         return ModelConfig(
             arch=model_type,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
@@ -138,12 +201,14 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
             rope_scaling=scaling,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-            o_proj_bias=model_type != "qwen2" and bool(raw.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qkv_bias=qkv_bias,
+            o_proj_bias=model_type not in ("qwen2", "qwen2_moe") and bool(raw.get("attention_bias", False)),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             max_position_embeddings=_max_positions(raw, model_type),
             bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+            quantization=dict(raw.get("quantization_config") or {}),
+            **_moe_from_hf(raw, model_type, num_layers),
         )
     except KeyError as exc:
         raise ModelConfigError(f"config.json lacks the field {exc.args[0]!r}") from None
@@ -172,7 +237,46 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     return config
 
 
-_GGUF_ARCHES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}
+_GGUF_ARCHES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "mistral": "llama",
+    "qwen3moe": "qwen3_moe",
+    "qwen2moe": "qwen2_moe",
+}
+# GGUF expert_gating_func values (llama.cpp's enum): 1 softmax, 2 sigmoid.
+_GGUF_GATING = {1: "softmax", 2: "sigmoid"}
+
+
+def _moe_from_gguf(fields: dict[str, Any], gguf_arch: str, arch: str, num_layers: int) -> dict[str, Any]:
+    """MoE fields from ``<arch>.expert_*`` metadata (empty for dense models). Every layer is sparse in GGUF
+    MoE files; a ``llama`` file with experts is Mixtral."""
+    num_experts = int(fields.get(f"{gguf_arch}.expert_count") or 0)
+    if num_experts == 0:
+        return {}
+    top_k = int(fields.get(f"{gguf_arch}.expert_used_count") or 0)
+    if not 0 < top_k <= num_experts:
+        raise ModelConfigError(f"bad MoE shape in GGUF metadata: {num_experts} experts, top-{top_k}")
+    ffn = fields.get(f"{gguf_arch}.expert_feed_forward_length") or fields.get(
+        f"{gguf_arch}.feed_forward_length"
+    )
+    gating = int(fields.get(f"{gguf_arch}.expert_gating_func") or 1)
+    if gating not in _GGUF_GATING:
+        raise ModelConfigError(f"unsupported GGUF expert_gating_func {gating}")
+    norm = fields.get(f"{gguf_arch}.expert_weights_norm")
+    return dict(
+        arch="mixtral" if arch == "llama" else arch,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(ffn),
+        norm_topk_prob=bool(norm) if norm is not None else arch != "qwen2_moe",
+        scoring_func=_GGUF_GATING[gating],
+        shared_expert_intermediate_size=int(
+            fields.get(f"{gguf_arch}.expert_shared_feed_forward_length") or 0
+        ),
+        moe_layers=tuple(range(num_layers)),
+    )
 
 
 def config_from_gguf_fields(fields: dict[str, Any], token_embd_rows: int | None = None) -> ModelConfig:
@@ -204,22 +308,28 @@ def config_from_gguf_fields(fields: dict[str, Any], token_embd_rows: int | None 
         scaling = {"rope_type": "linear", "factor": float(fields[f"{gguf_arch}.rope.scaling.factor"])}
     eos = fields.get("tokenizer.ggml.eos_token_id")
     bos = fields.get("tokenizer.ggml.bos_token_id")
+    num_layers = int(get("block_count"))
+    moe = _moe_from_gguf(fields, gguf_arch, _GGUF_ARCHES[gguf_arch], num_layers)
+    dense_ffn = fields.get(f"{gguf_arch}.feed_forward_length") or moe.get("moe_intermediate_size")
+    if dense_ffn is None:
+        raise ModelConfigError(f"GGUF metadata lacks {gguf_arch}.feed_forward_length")
     return ModelConfig(
-        arch=_GGUF_ARCHES[gguf_arch],
+        arch=moe.pop("arch", _GGUF_ARCHES[gguf_arch]),
         vocab_size=int(vocab),
         hidden_size=hidden,
-        num_layers=int(get("block_count")),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(fields.get(f"{gguf_arch}.attention.head_count_kv") or heads),
         head_dim=head_dim,
-        intermediate_size=int(get("feed_forward_length")),
+        intermediate_size=int(dense_ffn),
         rope_theta=float(fields.get(f"{gguf_arch}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         tie_word_embeddings=False,  # decided by the loader: no output.weight means tied
-        qkv_bias=gguf_arch == "qwen2",
-        qk_norm=gguf_arch == "qwen3",
+        qkv_bias=gguf_arch in ("qwen2", "qwen2moe"),
+        qk_norm=gguf_arch in ("qwen3", "qwen3moe"),
         max_position_embeddings=int(get("context_length", 2048)),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=() if eos is None else (int(eos),),
+        **moe,
     )

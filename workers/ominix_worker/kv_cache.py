@@ -40,6 +40,18 @@ def parse_bytes(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def resolve_kv_cache_dtype(name: str, run_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """--kv-cache-dtype: "auto" keeps the run dtype; "fp8_e4m3" stores e4m3 (CPU reference and CUDA kernels)."""
+    key = name.lower()
+    if key == "auto":
+        return run_dtype
+    if key in ("fp8", "fp8_e4m3", "float8_e4m3fn"):
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"--kv-cache-dtype {name} is not supported on {device.type}")
+        return torch.float8_e4m3fn
+    raise ValueError(f"unknown --kv-cache-dtype {name!r}: auto or fp8_e4m3")
+
+
 def kv_bytes_per_block(
     config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
 ) -> int:

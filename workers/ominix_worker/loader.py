@@ -22,8 +22,17 @@ from ominix_runtime.models import ModelFormat, ModelSource
 from ominix_worker.attention.base import AttentionBackend
 from ominix_worker.config import ModelConfig, ModelConfigError, config_from_gguf_fields, load_hf_config
 from ominix_worker.models.llama import LlamaForCausalLM
+from ominix_worker.models.moe import model_class
 from ominix_worker.parallel import SINGLE, SafetensorsWeight, TensorParallel, WeightSource
 from ominix_worker.progress import track
+from ominix_worker.quant.fp8 import (
+    Fp8ConfigError,
+    Fp8Scheme,
+    fp8_checkpoint_names,
+    prepare_fp8_model,
+    quantize_model,
+    scheme_from_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +110,18 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Mixture of experts: router, Qwen2-MoE's shared expert and its gate.
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+# Experts stacked in one tensor (E, rows, columns) per projection; split into Hugging Face's per-expert names.
+_GGUF_EXPERT_NAMES = {
+    "ffn_gate_exps.weight": "gate_proj",
+    "ffn_up_exps.weight": "up_proj",
+    "ffn_down_exps.weight": "down_proj",
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -117,11 +138,14 @@ _SKIPPED_GGUF_FIELDS = (
 
 
 def gguf_to_hf_name(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor; stacked experts get ``...experts.{expert}.<proj>.weight``."""
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     match = _BLOCK_RE.match(name)
     if match and match.group(2) in _GGUF_LAYER_NAMES:
         return f"model.layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}"
+    if match and match.group(2) in _GGUF_EXPERT_NAMES:
+        return f"model.layers.{match.group(1)}.mlp.experts.{{expert}}.{_GGUF_EXPERT_NAMES[match.group(2)]}.weight"
     return None
 
 
@@ -185,7 +209,7 @@ def _gguf_weights(reader: Any, config: ModelConfig, dtype: torch.dtype) -> Itera
     from gguf.quants import dequantize
 
     _TORCH_DEQUANTIZERS = _torch_dequantizers()  # noqa: N806 - a constant table, built lazily
-    permute = config.arch in ("llama", "mistral")
+    permute = config.arch in ("llama", "mistral", "mixtral")
     tensors = list(reader.tensors)
     for t in _progress(tensors, len(tensors), "dequantizing weights"):
         hf_name = gguf_to_hf_name(t.name)
@@ -202,6 +226,12 @@ def _gguf_weights(reader: Any, config: ModelConfig, dtype: torch.dtype) -> Itera
             tensor = unpermute_llama_cpp_rows(tensor, config.num_heads)
         elif permute and hf_name.endswith("k_proj.weight"):
             tensor = unpermute_llama_cpp_rows(tensor, config.num_kv_heads)
+        elif hf_name.endswith("shared_expert_gate.weight"):
+            tensor = tensor.reshape(1, -1)  # GGUF stores the one-row gate as a vector
+        if "{expert}" in hf_name:
+            for expert in range(tensor.shape[0]):
+                yield hf_name.format(expert=expert), tensor[expert]
+            continue
         yield hf_name, tensor
 
 
@@ -215,10 +245,16 @@ def _build(
     device: torch.device,
     max_positions: int,
     tp: TensorParallel,
+    fp8: Fp8Scheme | None = None,
 ) -> LlamaForCausalLM:
+    """The model with empty weights on ``device``; with ``fp8`` its projections and experts are FP8 modules
+    (an FP8 checkpoint loads into them)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, max_positions, tp)
-    model = model.to(dtype).to_empty(device=device)
+        model = model_class(config)(config, backend, max_positions, tp)
+    model = model.to(dtype)
+    if fp8 is not None:
+        prepare_fp8_model(model, fp8)
+    model = model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty replaces parameters one module at a time: tie again
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()
@@ -249,12 +285,17 @@ def load_model(
     max_positions: int | None = None,
     seed: int = 0,
     tp: TensorParallel = SINGLE,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Read the source's config and weights onto ``device`` in ``dtype``. Raises ModelLoadError.
 
     Under tensor parallelism (``tp``) the model holds this rank's shards: safetensors are read slice by slice
     (only what the rank keeps), GGUF tensors are dequantized whole and sliced, dummy weights drawn per shard.
+    An FP8 checkpoint (``quantization_config`` quant_method fp8) loads as FP8; ``quantization="fp8"``
+    quantizes a float checkpoint to FP8 (per channel) once its weights are loaded.
     """
+    if quantization not in (None, "", "none", "fp8"):
+        raise ModelLoadError(f"unknown quantization {quantization!r} (none or fp8)")
     try:
         if source.format == ModelFormat.GGUF:
             from gguf import GGUFReader
@@ -267,19 +308,36 @@ def load_model(
             _load_checked(model, _gguf_weights(reader, config, dtype), str(source.path))
         elif source.format == ModelFormat.HF:
             config = load_hf_config(source.path)
+            checkpoint_fp8 = scheme_from_config(config.quantization)
             model = _build(
-                config, backend, dtype, device, max_positions or config.max_position_embeddings, tp
+                config,
+                backend,
+                dtype,
+                device,
+                max_positions or config.max_position_embeddings,
+                tp,
+                checkpoint_fp8,
             )
-            _load_checked(model, _hf_weights(Path(source.path)), str(source.path))
+            weights = _hf_weights(Path(source.path))
+            if checkpoint_fp8 is not None:
+                weights = fp8_checkpoint_names(weights)
+            _load_checked(model, weights, str(source.path))
         elif source.format == ModelFormat.DUMMY:
             config = load_hf_config(source.path)
             model = _build(
                 config, backend, dtype, device, max_positions or config.max_position_embeddings, tp
             )
             model.init_dummy_weights(seed)
+            stated = scheme_from_config(config.quantization)
+            if stated is not None:  # random weights, quantized as the config states
+                quantize_model(model, stated)
         else:  # pragma: no cover - ModelFormat is closed
             raise ModelLoadError(f"unknown model format {source.format}")
-    except (ModelConfigError, KeyError, ValueError, OSError) as exc:
+        if quantization == "fp8" and not config.quantization:
+            quantize_model(model, Fp8Scheme())  # per channel
+            config = replace(config, quantization={"quant_method": "fp8", "activation_scheme": "dynamic"})
+            model.config = config
+    except (ModelConfigError, Fp8ConfigError, KeyError, ValueError, OSError) as exc:
         # ValueError covers a model whose heads, FFN or KV heads do not divide among the ranks.
         raise ModelLoadError(f"cannot load model {source.name!r} from {source.path}: {exc}") from exc
     model.post_load(device)

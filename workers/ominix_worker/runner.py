@@ -670,6 +670,8 @@ def build_runner(
     block_size: int = 16,
     attention: str | None = None,
     max_model_len: int | None = None,
+    quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
     tp: TensorParallel = SINGLE,
 ) -> ModelRunner:
     """A runner with a fixed number of KV blocks (tests, benchmarks); the server sizes KV from memory.
@@ -677,15 +679,18 @@ def build_runner(
     With ``tp`` (a joined group), this rank's shards of the model and its KV heads."""
     from ominix_runtime.models import resolve_model
     from ominix_worker.attention import get_attention_backend
-    from ominix_worker.kv_cache import allocate_kv_cache
+    from ominix_worker.kv_cache import allocate_kv_cache, resolve_kv_cache_dtype
     from ominix_worker.loader import load_model
 
     device = torch.device(device)
     backend = get_attention_backend(attention or device.type, block_size)
     source = resolve_model(model_path)
-    loaded = load_model(source, device, dtype, backend, max_positions=max_model_len, tp=tp)
+    loaded = load_model(
+        source, device, dtype, backend, max_positions=max_model_len, tp=tp, quantization=quantization
+    )
     config = loaded.config
     max_len = max_model_len or config.max_position_embeddings
     kv_heads = tp.kv_heads(config.num_kv_heads, config.num_heads).size
-    kv = allocate_kv_cache(backend, config, num_blocks, dtype, device, kv_heads)
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device)
+    kv = allocate_kv_cache(backend, config, num_blocks, kv_dtype, device, kv_heads)
     return ModelRunner(loaded.model, loaded.config, backend, kv, device, max_len)

@@ -148,6 +148,7 @@ def load_worker(
         measure_gpu_kv_budget,
         num_blocks_for_budget,
         parse_bytes,
+        resolve_kv_cache_dtype,
     )
     from ominix_worker.loader import ModelLoadError, load_model
     from ominix_worker.parallel import SINGLE
@@ -170,7 +171,15 @@ def load_worker(
     _say(f"loading {source.name} ({source.format.value}) onto {device_name(device)} as {dtype_name(dtype)}")
     started = time.perf_counter()
     try:
-        loaded = load_model(source, device, dtype, backend, max_positions=args.max_model_len, tp=tp)
+        loaded = load_model(
+            source,
+            device,
+            dtype,
+            backend,
+            max_positions=args.max_model_len,
+            tp=tp,
+            quantization=args.quantization,
+        )
     except ModelLoadError as exc:
         raise StartupError(str(exc)) from None
     config = loaded.config
@@ -179,15 +188,16 @@ def load_worker(
     max_batch_tokens = args.max_batch_tokens or profile.max_batch_tokens
     max_running = args.max_running_requests or profile.max_running_requests
     max_model_len = min(args.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
     kv_heads = tp.kv_heads(config.num_kv_heads, config.num_heads)
-    bytes_per_block = kv_bytes_per_block(config, block_size, dtype, kv_heads.size)
+    bytes_per_block = kv_bytes_per_block(config, block_size, kv_dtype, kv_heads.size)
     # A small KV for the profile forward; replaced below by the sized one.
     profile_blocks = -(-max(max_batch_tokens, 1) // block_size) + 1
     runner = ModelRunner(
         loaded.model,
         config,
         backend,
-        allocate_kv_cache(backend, config, profile_blocks, dtype, device, kv_heads.size),
+        allocate_kv_cache(backend, config, profile_blocks, kv_dtype, device, kv_heads.size),
         device,
         max_model_len,
     )
@@ -207,7 +217,7 @@ def load_worker(
     if num_blocks < 1:
         raise StartupError(f"the KV budget ({budget} bytes) holds no block of {bytes_per_block} bytes")
     runner.set_kv_caches([])
-    runner.set_kv_caches(allocate_kv_cache(backend, config, num_blocks, dtype, device, kv_heads.size))
+    runner.set_kv_caches(allocate_kv_cache(backend, config, num_blocks, kv_dtype, device, kv_heads.size))
     max_model_len = min(max_model_len, num_blocks * block_size)
     runner.max_model_len = max_model_len
     _say(
@@ -249,6 +259,8 @@ def load_worker(
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
         num_parameters=config.num_parameters(),
+        num_experts=config.num_experts,
+        num_experts_per_tok=config.num_experts_per_tok,
     )
     rank = RankInfo(
         rank=tp.rank,
@@ -279,6 +291,9 @@ def load_worker(
         supports_graph_capture=graphs,
         attention_backend=backend.name,
         version=__version__,
+        weight_dtype="float8_e4m3fn" if config.quantization else dtype_text,
+        kv_cache_dtype="fp8_e4m3" if kv_dtype == torch.float8_e4m3fn else dtype_text,
+        supports_fp8_kv=device.type in ("cpu", "cuda"),
     )
     return runner, capability
 
@@ -415,14 +430,14 @@ def check_args(settings: RuntimeConfig) -> str:
     """Cheap checks across flags before anything is bound or loaded (each flag's own range is checked when
     it is read); returns the device's name."""
     from ominix_worker.devices import DeviceError, device_name, parse_device, resolve_dtype
-    from ominix_worker.kv_cache import parse_bytes
+    from ominix_worker.kv_cache import parse_bytes, resolve_kv_cache_dtype
     from ominix_worker.parallel.distributed import parse_init_addr
 
     args = settings.worker
     try:
         device = parse_device(args.device)
         resolve_model(settings.model.path)
-        resolve_dtype(args.dtype, device)
+        resolve_kv_cache_dtype(args.kv_cache_dtype, resolve_dtype(args.dtype, device), device)
         parse_bytes(args.kv_cache_memory)
         if args.tp_size < 1 or not 0 <= args.tp_rank < args.tp_size:
             raise ValueError(f"--tp-rank {args.tp_rank} is not a rank of --tp-size {args.tp_size}")

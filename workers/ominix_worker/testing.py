@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-_ARCHES = ("llama", "qwen2", "qwen3")
+_ARCHES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
 PAD_TOKEN_ID = 0
 BOS_TOKEN_ID = 1
 EOS_TOKEN_ID = 2
@@ -101,11 +101,11 @@ def write_tiny_hf_model(
     with_tokenizer: bool = True,
     **config_overrides: Any,
 ) -> Path:
-    """Write a random ``arch`` model (llama, qwen2 or qwen3) to ``path`` and return the folder.
+    """Write a random ``arch`` model (see ``_ARCHES``) to ``path`` and return the folder.
 
     ``initializer_range`` is larger than the usual 0.02 so that logits are far from uniform and greedy
     decoding is stable under float rounding. ``config_overrides`` go to the transformers config (e.g.
-    ``rope_parameters`` for Llama 3.1 scaling).
+    ``rope_parameters`` for Llama 3.1 scaling, ``num_experts`` for MoE models).
     """
     import torch
     import transformers
@@ -130,6 +130,9 @@ def write_tiny_hf_model(
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[arch]
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
@@ -141,13 +144,76 @@ def write_tiny_hf_model(
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn_like(param))
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                # Routers start at zero in some classes: random ones make every expert matter.
+                param.copy_(0.5 * torch.randn_like(param))
     model.save_pretrained(str(folder), safe_serialization=True)
     if with_tokenizer and vocab_size >= MIN_VOCAB_SIZE:
         write_tiny_tokenizer(folder, vocab_size)
     return folder
 
 
+# Checkpoint tensors an FP8 checkpoint stores in e4m3: attention and MLP projections, experts included.
+_FP8_WEIGHT_SUFFIXES = (
+    "q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight", "up_proj.weight",
+    "down_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight",
+)  # fmt: skip
+
+
+def write_fp8_checkpoint(
+    source: str | Path, target: str | Path, granularity: str = "block", block: int = 16
+) -> Path:
+    """Quantize the Hugging Face folder ``source`` into an FP8 checkpoint at ``target`` as FP8 checkpoints
+    ship them: e4m3 projections with ``weight_scale_inv`` per (block × block) tile and ``weight_block_size``
+    (granularity "block"), or ``weight_scale`` per output row ("channel") or per tensor ("tensor"); the rest
+    is copied. Returns ``target``; ``target/dequantized`` holds the same weights dequantized (the checkpoint's
+    exact values in float32, loadable by transformers)."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from ominix_worker.quant.fp8 import dequantize_fp8, quantize_fp8_blocks
+
+    src, dst = Path(source), Path(target)
+    dequantized_dir = dst / "dequantized"
+    dequantized_dir.mkdir(parents=True, exist_ok=True)
+    for file in src.iterdir():
+        if file.is_file() and not file.name.endswith(".safetensors"):
+            shutil.copy(file, dst / file.name)
+            shutil.copy(file, dequantized_dir / file.name)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    quantized: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if not name.endswith(_FP8_WEIGHT_SUFFIXES):
+            quantized[name] = dequantized[name] = tensor
+            continue
+        rows, cols = tensor.shape
+        tile = {"block": (block, block), "channel": (1, cols), "tensor": (rows, cols)}[granularity]
+        q, scale = quantize_fp8_blocks(tensor, tile)
+        quantized[name] = q
+        base = name.removesuffix(".weight")
+        if granularity == "block":
+            quantized[f"{base}.weight_scale_inv"] = scale
+        else:
+            quantized[f"{base}.weight_scale"] = scale.reshape(()) if granularity == "tensor" else scale
+        dequantized[name] = dequantize_fp8(q, scale, tile, torch.float32)
+    save_file(quantized, str(dst / "model.safetensors"))
+    save_file(dequantized, str(dequantized_dir / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    if granularity == "block":
+        config["quantization_config"]["weight_block_size"] = [block, block]
+    (dst / "config.json").write_text(json.dumps(config, indent=1))
+    return dst
+
+
 __all__ = [
+    "write_fp8_checkpoint",
     "write_tiny_hf_model",
     "write_tiny_tokenizer",
     "BOS_TOKEN_ID",

@@ -1,7 +1,7 @@
 """Reference paged attention in plain torch: gather each request's context from its block table, then SDPA.
 
 Correct above all: one request at a time, no fused kernels. The CPU path runs this; faster backends are
-tested against it.
+tested against it. An FP8 KV cache (e4m3) holds K / k_scale and V / v_scale and is dequantized when read.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ class TorchReferenceAttention:
 
     def __init__(self, block_size: int = 16) -> None:
         self.block_size = block_size
+        # FP8 KV: stored values are K / k_scale and V / v_scale, saturated to the e4m3 range.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         self._plan: _StepPlan | None = None
         self._plan_meta: AttentionMetadata | None = None
 
@@ -38,10 +41,25 @@ class TorchReferenceAttention:
         self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata
     ) -> None:
         num_kv_heads, head_dim = kv_cache.shape[-2:]
+        if _is_fp8(kv_cache):
+            # CPU torch has no fp8 index_copy_: store the bytes.
+            cache = kv_cache.view(torch.uint8)
+            for half, x, scale in ((0, key, self.k_scale), (1, value, self.v_scale)):
+                q = (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(kv_cache.dtype).view(torch.uint8)
+                cache[half].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, q)
+            return
         kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key.to(kv_cache.dtype))
         kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(
             0, meta.slot_mapping, value.to(kv_cache.dtype)
         )
+
+    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """K and V of ``blocks`` ((2, ..., blocks, block_size, heads, dim)) in ``dtype``, dequantized if FP8."""
+        if not _is_fp8(kv_cache):
+            return kv_cache[:, blocks].to(dtype)
+        raw = kv_cache.view(torch.uint8)[:, blocks].view(kv_cache.dtype).to(torch.float32)
+        scales = torch.tensor([self.k_scale, self.v_scale], dtype=torch.float32, device=raw.device)
+        return (raw * scales.view(2, *([1] * (raw.dim() - 1)))).to(dtype)
 
     def forward(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
@@ -49,19 +67,20 @@ class TorchReferenceAttention:
         plan = self._plan_for(meta, query.device)
         out = torch.empty_like(query)
         if plan.decode_tokens is not None:
-            kv = kv_cache[:, plan.decode_blocks].flatten(-4, -3)[:, :, : plan.decode_max_len]
+            kv = self._gather(kv_cache, plan.decode_blocks, query.dtype).flatten(-4, -3)
+            kv = kv[:, :, : plan.decode_max_len]
             q = query[plan.decode_tokens].unsqueeze(2)  # (B, heads, 1, head_dim)
-            k = kv[0].transpose(1, 2).to(q.dtype)  # (B, kv_heads, max_len, head_dim)
-            v = kv[1].transpose(1, 2).to(q.dtype)
+            k = kv[0].transpose(1, 2)  # (B, kv_heads, max_len, head_dim)
+            v = kv[1].transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True
             )
             out[plan.decode_tokens] = o.squeeze(2)
         for start, end, seq_len, blocks, mask in plan.others:
-            kv = kv_cache[:, blocks].flatten(-4, -3)[:, :seq_len]
+            kv = self._gather(kv_cache, blocks, query.dtype).flatten(-4, -3)[:, :seq_len]
             q = query[start:end].transpose(0, 1)  # (heads, q_len, head_dim)
-            k = kv[0].transpose(0, 1).to(q.dtype)  # (kv_heads, seq_len, head_dim)
-            v = kv[1].transpose(0, 1).to(q.dtype)
+            k = kv[0].transpose(0, 1)  # (kv_heads, seq_len, head_dim)
+            v = kv[1].transpose(0, 1)
             o = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
             )
@@ -103,6 +122,13 @@ class TorchReferenceAttention:
             plan.others.append((start, end, seq_len, block_tables[i, : -(-seq_len // bs)], mask))
         self._plan, self._plan_meta = plan, meta
         return plan
+
+
+_FP8_MAX = 448.0
+
+
+def _is_fp8(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass

@@ -15,6 +15,10 @@ General path: grid ``(num_requests, cdiv(max_query_len, BLOCK_M), num_heads)``. 
 last ``q_len`` positions of its ``seq_len``, so row ``m`` sits at position ``seq_len - q_len + m`` and may see
 keys ``0..position``. Programs whose tile lies past their request's ``q_len`` exit at once, which keeps the grid
 a function of host integers only (no device-to-host sync). Softmax runs online in fp32.
+
+FP8 KV (``--kv-cache-dtype fp8_e4m3``): the cache holds e4m3 values of K / k_scale and V / v_scale (one scale
+each per backend, 1.0 unless set); the store kernel quantizes, the attention kernels dequantize each tile to
+the query dtype in registers, so a step reads half the KV bytes of bf16.
 """
 
 from __future__ import annotations
@@ -44,10 +48,14 @@ def _store_kv_kernel(
     key_stride_t,
     value_stride_t,
     kv_half_stride,
+    k_scale,
+    v_scale,
     ROW: tl.constexpr,
     BLOCK_ROW: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
-    """One program per new token: copy its K and V rows (num_kv_heads * head_dim) into the flat slot."""
+    """One program per new token: copy its K and V rows (num_kv_heads * head_dim) into the flat slot; an FP8
+    cache stores K / k_scale and V / v_scale, saturated to the e4m3 range."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:  # padded token (e.g. a CUDA-graph filler row): nothing to store
@@ -56,9 +64,12 @@ def _store_kv_kernel(
     mask = cols < ROW
     k = tl.load(key_ptr + t.to(tl.int64) * key_stride_t + cols, mask=mask)
     v = tl.load(value_ptr + t.to(tl.int64) * value_stride_t + cols, mask=mask)
+    if KV_FP8:
+        k = tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
     dst = kv_ptr + slot * ROW + cols
-    tl.store(dst, k, mask=mask)
-    tl.store(dst + kv_half_stride, v, mask=mask)
+    tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + kv_half_stride, v.to(kv_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -79,6 +90,8 @@ def _decode_kernel(
     bt_stride,
     kv_half_stride,
     num_splits,
+    k_scale,
+    v_scale,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -90,6 +103,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     MIXED: tl.constexpr,
     IEEE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -137,6 +151,9 @@ def _decode_kernel(
         ld_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(kv_ptr + kv_off, mask=ld_mask, other=0.0)
         v = tl.load(kv_ptr + kv_half_stride + kv_off, mask=ld_mask, other=0.0)
+        if KV_FP8:  # dequantize to the query dtype before the tensor-core dots
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -236,6 +253,8 @@ def _prefill_kernel(
     out_stride_h,
     bt_stride,
     kv_half_stride,
+    k_scale,
+    v_scale,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -245,6 +264,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     SKIP_SINGLE: tl.constexpr,
     IEEE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     tile = tl.program_id(1)
@@ -291,6 +311,9 @@ def _prefill_kernel(
         kv_off = slot[:, None] * row_stride + kvh * HEAD_DIM + offs_d[None, :]
         k = tl.load(kv_ptr + kv_off, mask=d_mask[None, :], other=0.0)
         v = tl.load(kv_ptr + kv_half_stride + kv_off, mask=d_mask[None, :], other=0.0)
+        if KV_FP8:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -313,6 +336,9 @@ def _prefill_kernel(
         ld_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(kv_ptr + kv_off, mask=ld_mask, other=0.0)
         v = tl.load(kv_ptr + kv_half_stride + kv_off, mask=ld_mask, other=0.0)
+        if KV_FP8:  # dequantize to the query dtype before the tensor-core dots
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -338,6 +364,10 @@ def _prefill_kernel(
         o.to(out_ptr.dtype.element_ty),
         mask=m_mask[:, None] & d_mask[None, :],
     )
+
+
+def _is_fp8(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def decode_num_splits(
@@ -371,6 +401,9 @@ class TritonPagedAttention:
         # (BLOCK_M, BLOCK_N, num_warps, num_stages) override for the prefill kernel (tuning); None = defaults.
         self.prefill_config: tuple[int, int, int, int] | None = None
         self._num_sms: int | None = None
+        # FP8 KV: stored values are K / k_scale and V / v_scale (1.0: the raw values, saturated at ±448).
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def allocate_kv_cache(
         self,
@@ -390,7 +423,7 @@ class TritonPagedAttention:
         num_tokens = key.shape[0]
         if num_tokens == 0:
             return
-        if self.store_with_index_copy:
+        if self.store_with_index_copy and not _is_fp8(kv_cache):
             _, nb, bs, kvh, d = kv_cache.shape
             kv_cache[0].view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, key)
             kv_cache[1].view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, value)
@@ -410,8 +443,11 @@ class TritonPagedAttention:
             key2.stride(0),
             value2.stride(0),
             kv_cache.stride(0),
+            self.k_scale,
+            self.v_scale,
             ROW=row,
             BLOCK_ROW=triton.next_power_of_2(row),
+            KV_FP8=_is_fp8(kv_cache),
             num_warps=4,
         )
 
@@ -501,6 +537,8 @@ class TritonPagedAttention:
             meta.block_tables.stride(0),
             kv_cache.stride(0),
             splits,
+            self.k_scale,
+            self.v_scale,
             NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads,
             GROUP=group,
@@ -512,6 +550,7 @@ class TritonPagedAttention:
             SPLIT=splits > 1,
             MIXED=mixed,
             IEEE=ieee,
+            KV_FP8=_is_fp8(kv_cache),
             num_warps=4,
             num_stages=3,
         )
@@ -572,6 +611,8 @@ class TritonPagedAttention:
             out.stride(1),
             meta.block_tables.stride(0),
             kv_cache.stride(0),
+            self.k_scale,
+            self.v_scale,
             NUM_KV_HEADS=num_kv_heads,
             GROUP=num_heads // num_kv_heads,
             HEAD_DIM=head_dim,
@@ -581,6 +622,7 @@ class TritonPagedAttention:
             BLOCK_N=block_n,
             SKIP_SINGLE=True,
             IEEE=ieee,
+            KV_FP8=_is_fp8(kv_cache),
             num_warps=num_warps,
             num_stages=num_stages,
         )

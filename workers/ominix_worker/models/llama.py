@@ -222,12 +222,13 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         rotary: RotaryEmbedding,
         tp: TensorParallel = SINGLE,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, backend, rotary, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp)
+        self.mlp = mlp if mlp is not None else MLP(config, tp)
 
     def forward(
         self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -260,12 +261,17 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, self.rotary, tp) for _ in range(config.num_layers)
+            DecoderLayer(config, backend, self.rotary, tp, self.build_mlp(config, i))
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def build_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module | None:
+        """The MLP of layer ``layer_index``; None: the dense ``MLP``. Subclasses (MoE) override it."""
+        return None
 
     def forward(
         self,

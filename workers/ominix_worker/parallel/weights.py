@@ -54,6 +54,8 @@ class SafetensorsWeight(WeightSource):
         return self._shape
 
     def read(self, dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
+        if not self._shape:  # a scalar (e.g. an FP8 per-tensor scale) is read whole
+            return self._slice[()]
         stop = self._shape[dim] if length is None else start + length
         index = tuple(slice(start, stop) if d == dim else slice(None) for d in range(len(self._shape)))
         return self._slice[index]

@@ -1,0 +1,313 @@
+"""Mixture-of-experts decoders: Qwen3-MoE, Qwen2-MoE (with its gated shared expert) and Mixtral.
+
+Attention, norms, rotary and the dense MLP are the Llama-family ones (``models/llama.py``); only the MLP of
+the sparse layers (``config.moe_layers``) changes: a router picks the top-k experts per token and
+``FusedExperts`` runs them. Expert weights are stacked per layer, ``w13`` (E, 2I, H) [gate rows | up rows]
+and ``w2`` (E, H, I), so a later expert-parallel or tensor-parallel split is a slice of dim 0 (experts) or
+of the I rows / columns (expert tensor parallel) of these two tensors.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from ominix_worker.config import ModelConfig
+from ominix_worker.models.llama import MLP, LlamaForCausalLM
+from ominix_worker.ops.moe_ref import fused_experts_ref, select_experts
+from ominix_worker.parallel import ParallelModule, WeightSource, as_weight_source
+
+_FUSED_MOE: ModuleType | None = None
+_FUSED_MOE_TRIED = False
+
+
+def fused_moe_ops(x: torch.Tensor) -> ModuleType | None:
+    """The Triton fused MoE (``ops/fused_moe.py``) for CUDA tensors; None on other devices or without triton."""
+    global _FUSED_MOE, _FUSED_MOE_TRIED
+    if not x.is_cuda:
+        return None
+    if not _FUSED_MOE_TRIED:
+        _FUSED_MOE_TRIED = True
+        try:
+            from ominix_worker.ops import fused_moe
+
+            _FUSED_MOE = fused_moe
+        except ImportError:
+            _FUSED_MOE = None
+    return _FUSED_MOE
+
+
+class FusedExperts(nn.Module):
+    """E SiLU-gated experts as two stacked weights; ``forward`` applies the routed, weighted sum.
+
+    In FP8 (``use_fp8`` before an FP8 checkpoint loads, ``quantize_fp8`` after a bf16 one) the weights are
+    e4m3 with float32 scale buffers ``w13_scale``/``w2_scale`` (E, rows / block, columns / block)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w13_scale: torch.Tensor | None
+        self.w2_scale: torch.Tensor | None
+        self.register_buffer("w13_scale", None)  # set by use_fp8 / quantize_fp8
+        self.register_buffer("w2_scale", None)
+        self.w13_block = self.w2_block = (0, 0)
+
+    # ---- FP8 ---------------------------------------------------------------------------------------
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.w13_scale is not None
+
+    def _blocks(self, block: tuple[int, int] | None) -> None:
+        # Per-channel (block None): one scale per output row, all columns.
+        self.w13_block = block or (1, self.hidden_size)
+        self.w2_block = block or (1, self.intermediate_size)
+
+    def use_fp8(self, block: tuple[int, int] | None) -> None:
+        """Empty FP8 weights and unit scales, for an FP8 checkpoint to load into."""
+        from ominix_worker.quant.fp8 import FP8_DTYPE, scale_shape
+
+        self._blocks(block)
+        device = self.w13_weight.device
+        self.w13_weight = nn.Parameter(
+            torch.empty(self.w13_weight.shape, dtype=FP8_DTYPE, device=device), False
+        )
+        self.w2_weight = nn.Parameter(
+            torch.empty(self.w2_weight.shape, dtype=FP8_DTYPE, device=device), False
+        )
+        self.register_buffer("w13_scale", torch.ones(scale_shape(tuple(self.w13_weight.shape), self.w13_block),
+                                                     device=device))  # fmt: skip
+        self.register_buffer("w2_scale", torch.ones(scale_shape(tuple(self.w2_weight.shape), self.w2_block),
+                                                    device=device))  # fmt: skip
+
+    def quantize_fp8(self, block: tuple[int, int] | None) -> None:
+        """Quantize the loaded weights in place, one expert at a time (bounded extra memory)."""
+        from ominix_worker.quant.fp8 import FP8_DTYPE, quantize_fp8_blocks, scale_shape
+
+        self._blocks(block)
+        for attr, scale_attr, blk in (
+            ("w13_weight", "w13_scale", self.w13_block),
+            ("w2_weight", "w2_scale", self.w2_block),
+        ):
+            full = getattr(self, attr)
+            q = torch.empty(full.shape, dtype=FP8_DTYPE, device=full.device)
+            scale = torch.empty(scale_shape(tuple(full.shape), blk), dtype=torch.float32, device=full.device)
+            for e in range(self.num_experts):
+                q[e], scale[e] = quantize_fp8_blocks(full[e].detach(), blk)
+            delattr(self, attr)
+            setattr(self, attr, nn.Parameter(q, requires_grad=False))
+            self.register_buffer(scale_attr, scale)
+
+    def load_scale(self, expert: int, part: str, tensor: torch.Tensor) -> str:
+        """Copy one expert projection's checkpoint scale into its rows; returns its load key."""
+        from ominix_worker.quant.fp8 import _load_scale_rows
+
+        if self.w13_scale is None or self.w2_scale is None:
+            raise ValueError("a weight scale for experts that are not FP8")
+        size = self.intermediate_size
+        with torch.no_grad():
+            if part == "down":
+                _load_scale_rows(self.w2_scale[expert], tensor.float(), 0, self.hidden_size, self.w2_block)
+                return f"w2_scale#{expert}"
+            shard = 0 if part == "gate" else 1
+            _load_scale_rows(self.w13_scale[expert], tensor.float(), shard * size, size, self.w13_block)
+            return f"w13_scale#{expert}.{shard}"
+
+    # ---- compute -----------------------------------------------------------------------------------
+
+    def expert_weights(
+        self, expert: int, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ``expert``'s (w13, w2) in the run dtype (the reference path's view of one expert)."""
+        if self.w13_scale is None or self.w2_scale is None:
+            return self.w13_weight[expert], self.w2_weight[expert]
+        from ominix_worker.quant.fp8 import dequantize_fp8
+
+        dtype = dtype or torch.bfloat16
+        return (
+            dequantize_fp8(self.w13_weight[expert], self.w13_scale[expert], self.w13_block, dtype),
+            dequantize_fp8(self.w2_weight[expert], self.w2_scale[expert], self.w2_block, dtype),
+        )
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        ops = fused_moe_ops(x)
+        if ops is None:
+            return fused_experts_ref(
+                x, lambda e: self.expert_weights(e, x.dtype), self.num_experts, topk_weights, topk_ids
+            )
+        if not self.is_fp8:
+            return ops.fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        from ominix_worker.quant.fp8 import dequantize_fp8, fp8_gemm_supported
+
+        if fp8_gemm_supported(x.device, self.w13_block[1], self.w2_block[1]):
+            return ops.fused_experts(
+                x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.w13_scale, self.w2_scale,
+                self.w13_block, self.w2_block,
+            )  # fmt: skip
+        # No FP8 tensor cores (or narrow scale blocks): dequantize the layer for this call (slow, no host sync).
+        assert self.w13_scale is not None and self.w2_scale is not None
+        w13 = dequantize_fp8(self.w13_weight, self.w13_scale, self.w13_block, x.dtype)
+        w2 = dequantize_fp8(self.w2_weight, self.w2_scale, self.w2_block, x.dtype)
+        return ops.fused_experts(x, w13, w2, topk_weights, topk_ids)
+
+    # ---- loading -----------------------------------------------------------------------------------
+
+    def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> str:
+        """Copy one Hugging Face expert projection (gate, up or down) into its slice; returns its load key."""
+        size = self.intermediate_size
+        with torch.no_grad():
+            if part == "down":
+                target, key = self.w2_weight[expert], f"w2_weight#{expert}"
+            else:
+                shard = 0 if part == "gate" else 1
+                target = self.w13_weight[expert].narrow(0, shard * size, size)
+                key = f"w13_weight#{expert}.{shard}"
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"expert {expert} {part}: shape {tuple(tensor.shape)} != {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+        return key
+
+    def load_keys(self) -> set[str]:
+        """What a checkpoint must provide: each expert's three projections (and their scales when FP8)."""
+        names = ("weight", "scale") if self.is_fp8 else ("weight",)
+        keys = {f"w2_{n}#{e}" for e in range(self.num_experts) for n in names}
+        keys.update(f"w13_{n}#{e}.{s}" for e in range(self.num_experts) for s in (0, 1) for n in names)
+        return keys
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts (+ Qwen2-MoE's shared expert, scaled by sigmoid(shared_expert_gate(x)))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.scoring_func = config.scoring_func
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = MLP(
+                replace(config, intermediate_size=config.shared_expert_intermediate_size)
+            )
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Plain torch ops on every device: no host sync, so CUDA graphs capture the routing too.
+        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize, self.scoring_func)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+# layers.<i>.(mlp|block_sparse_moe).experts.<e>.<projection>.(weight|weight_scale_inv)
+_EXPERT_RE = re.compile(
+    r"^layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.(weight|weight_scale_inv)$"
+)
+EXPERT_PARTS = {
+    "gate_proj": "gate",
+    "w1": "gate",
+    "up_proj": "up",
+    "w3": "up",
+    "down_proj": "down",
+    "w2": "down",
+}
+_SHARED_SHARDS = {"gate_proj": 0, "up_proj": 1}
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """A Llama-family decoder whose sparse layers (``config.moe_layers``) use ``SparseMoeBlock``."""
+
+    def build_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module | None:
+        if layer_index not in config.moe_layers:
+            return None
+        if self.tp.size > 1:
+            # The seam for expert / tensor-parallel experts: slice w13/w2 along experts or I per rank.
+            raise ValueError("mixture-of-experts layers under tensor parallelism are not supported yet")
+        return SparseMoeBlock(config)
+
+    def _moe_block(self, layer_index: int) -> SparseMoeBlock:
+        block = self.layers[layer_index].mlp
+        if not isinstance(block, SparseMoeBlock):
+            raise KeyError(f"layer {layer_index} has no experts")
+        return block
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | WeightSource]]) -> set[str]:
+        loaded: set[str] = set()
+        dense = self._load_moe_weights(weights, loaded)
+        loaded |= super().load_weights(dense)
+        return loaded
+
+    def _load_moe_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | WeightSource]], loaded: set[str]
+    ) -> Iterator[tuple[str, torch.Tensor | WeightSource]]:
+        """Loads expert and shared-expert shards here; yields everything else for the dense loader."""
+        for hf_name, weight in weights:
+            name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+            match = _EXPERT_RE.match(name)
+            if match is not None:
+                layer, expert, projection = int(match.group(1)), int(match.group(2)), match.group(3)
+                if projection not in EXPERT_PARTS:
+                    raise KeyError(f"unexpected weight {hf_name!r}")
+                experts = self._moe_block(layer).experts
+                tensor = as_weight_source(weight).read()
+                if match.group(4) == "weight":
+                    key = experts.load_expert(expert, EXPERT_PARTS[projection], tensor)
+                else:
+                    key = experts.load_scale(expert, EXPERT_PARTS[projection], tensor)
+                loaded.add(f"layers.{layer}.mlp.experts.{key}")
+                continue
+            shared = re.match(
+                r"^layers\.(\d+)\.mlp\.shared_expert\.(gate_proj|up_proj)\.(weight|weight_scale_inv)$", name
+            )
+            if shared is not None:
+                block = self._moe_block(int(shared.group(1)))
+                assert block.shared_expert is not None
+                shard, param = _SHARED_SHARDS[shared.group(2)], shared.group(3)
+                layer = block.shared_expert.gate_up_proj
+                assert isinstance(layer, ParallelModule)
+                try:
+                    layer.load_weight(param, as_weight_source(weight), shard)
+                except ValueError as exc:
+                    raise ValueError(f"{hf_name}: {exc}") from None
+                loaded.add(f"layers.{shared.group(1)}.mlp.shared_expert.gate_up_proj.{param}#{shard}")
+                continue
+            yield name, weight
+
+    def expected_weight_keys(self) -> set[str]:
+        keys = {
+            k
+            for k in super().expected_weight_keys()
+            if ".mlp.experts." not in k and ".mlp.shared_expert.gate_up_proj." not in k
+        }
+        for index in self.config.moe_layers:
+            block = self._moe_block(index)
+            keys.update(f"layers.{index}.mlp.experts.{k}" for k in block.experts.load_keys())
+            if block.shared_expert is not None:
+                fused = block.shared_expert.gate_up_proj
+                params = [n for n, _ in fused.named_parameters()]
+                keys.update(
+                    f"layers.{index}.mlp.shared_expert.gate_up_proj.{p}#{s}" for p in params for s in (0, 1)
+                )
+        return keys
+
+
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The module class that runs ``config``: the MoE decoder for sparse models, else the dense one."""
+    return MoeForCausalLM if config.is_moe else LlamaForCausalLM
+
+
+__all__ = ["FusedExperts", "MoeForCausalLM", "SparseMoeBlock", "fused_moe_ops", "model_class"]

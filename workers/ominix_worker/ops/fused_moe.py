@@ -1,0 +1,371 @@
+"""Triton fused mixture-of-experts for CUDA: align tokens by expert, grouped GEMMs, SiLU·mul, weighted sum.
+
+One MoE layer over T tokens routed to k experts each (T·k assignments):
+
+1. ``moe_align`` (one single-program kernel) counts the assignments per expert, pads each expert's share to a
+   multiple of BLOCK_M and writes, for every padded slot, the flat assignment id (``t * k + j``) that sits there
+   (``T·k`` marks padding) and, for every BLOCK_M tile, its expert. Shapes depend only on T, so nothing waits on
+   the host and a CUDA graph can capture the layer.
+2. ``_grouped_gemm`` computes every tile against its expert's weights: gate_up = x @ w13[e]ᵀ into one row per
+   assignment, then (after SiLU·mul) down = h @ w2[e]ᵀ scaled by the assignment's routing weight.
+3. The k weighted rows of each token are summed.
+
+Tiles past the padded total exit at once, so a fixed grid covers every routing. FP8 weights (e4m3 with block
+scales, see ``ominix_worker.quant.fp8``) run W8A8: activations are quantized per token and 128-column group on
+the fly and the tile accumulates ``dot(a, b) · a_scale · b_scale`` per K block.
+
+Tile shapes come from a tuned table per (E, N, K, dtype, device) when one is stored in ``moe_configs/`` (written
+by ``bench/tune_moe.py``), otherwise from a size heuristic.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ominix_worker.ops.fused import silu_and_mul
+
+CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+# ---- align -----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _moe_align_kernel(
+    topk_ids_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_post_pad_ptr,
+    scratch_ptr,
+    ranks_ptr,
+    num_assignments,
+    max_padded,
+    max_blocks,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    offs_e = tl.arange(0, BLOCK_E)
+    e_mask = offs_e < NUM_EXPERTS
+    tl.store(scratch_ptr + offs_e, tl.zeros((BLOCK_E,), dtype=tl.int32), mask=e_mask)
+    for start in range(0, max_padded, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        fill = tl.full((CHUNK,), 0, dtype=tl.int32) + num_assignments
+        tl.store(sorted_ids_ptr + offs, fill, mask=offs < max_padded)
+    tl.debug_barrier()
+    # Each assignment's rank inside its expert is the counter's value before its own increment.
+    for start in range(0, num_assignments, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        mask = offs < num_assignments
+        expert = tl.load(topk_ids_ptr + offs, mask=mask, other=0)
+        ones = tl.full((CHUNK,), 1, dtype=tl.int32)
+        rank = tl.atomic_add(scratch_ptr + expert, ones, mask=mask)
+        tl.store(ranks_ptr + offs, rank, mask=mask)
+    tl.debug_barrier()
+    counts = tl.load(scratch_ptr + offs_e, mask=e_mask, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    total = tl.sum(padded, 0)
+    tl.store(num_post_pad_ptr, total)
+    tl.debug_barrier()
+    tl.store(scratch_ptr + offs_e, starts, mask=e_mask)
+    # Tile b belongs to the expert whose padded range holds row b * BLOCK_M: the number of experts ending
+    # at or before that row. Tiles past the total get -1.
+    for start in range(0, max_blocks, CHUNK):
+        blocks = start + tl.arange(0, CHUNK)
+        row = blocks * BLOCK_M
+        before = (ends[None, :] <= row[:, None]) & e_mask[None, :]
+        expert = tl.sum(before.to(tl.int32), 1)
+        expert = tl.where(row < total, expert, -1)
+        tl.store(expert_ids_ptr + blocks, expert, mask=blocks < max_blocks)
+    tl.debug_barrier()
+    for start in range(0, num_assignments, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        mask = offs < num_assignments
+        expert = tl.load(topk_ids_ptr + offs, mask=mask, other=0)
+        rank = tl.load(ranks_ptr + offs, mask=mask, other=0)
+        base = tl.load(scratch_ptr + expert, mask=mask, other=0)
+        tl.store(sorted_ids_ptr + base + rank, offs, mask=mask)
+
+
+def max_padded_slots(num_assignments: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of the padded total: at most min(assignments, experts) experts are used, each padded by
+    fewer than BLOCK_M rows."""
+    return num_assignments + min(num_assignments, num_experts) * (block_m - 1)
+
+
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(T, k) expert ids → (sorted assignment ids (P,), expert of each BLOCK_M tile (P / BLOCK_M,), padded
+    total (1,)), all int32 on the device; P = ``max_padded_slots``."""
+    num_assignments = topk_ids.numel()
+    max_padded = max_padded_slots(num_assignments, num_experts, block_m)
+    max_blocks = triton.cdiv(max_padded, block_m)
+    device = topk_ids.device
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
+    scratch = torch.empty(num_experts, dtype=torch.int32, device=device)
+    ranks = torch.empty(max(num_assignments, 1), dtype=torch.int32, device=device)
+    _moe_align_kernel[(1,)](
+        topk_ids.reshape(-1), sorted_ids, expert_ids, num_post_pad, scratch, ranks, num_assignments,
+        max_padded, max_blocks, NUM_EXPERTS=num_experts, BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_M=block_m, CHUNK=256 if num_experts <= 64 else 128, num_warps=4,
+    )  # fmt: skip
+    return sorted_ids, expert_ids, num_post_pad
+
+
+# ---- grouped GEMM ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    a_scale_ptr,
+    b_scale_ptr,
+    topk_weights_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_post_pad_ptr,
+    N,
+    K,
+    num_assignments,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_asm,
+    stride_bse,
+    stride_bsn,
+    stride_bsk,
+    A_ROWS_PER_TOKEN: tl.constexpr,  # k when A holds one row per token (gate_up), 1 when one per assignment
+    MUL_ROUTING_WEIGHT: tl.constexpr,
+    USE_FP8: tl.constexpr,
+    GROUP_N: tl.constexpr,  # weight scale block (rows, columns) when USE_FP8
+    GROUP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_tiles_m = tl.cdiv(tl.load(num_post_pad_ptr), BLOCK_M)
+    num_tiles_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP_M row tiles share each column tile's weights while they are in L2.
+    per_group = GROUP_M * num_tiles_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    group_size = min(tl.num_programs(0) // num_tiles_n - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    if pid_m >= num_tiles_m:
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    assignment = tl.load(sorted_ids_ptr + offs_m)
+    row_mask = assignment < num_assignments
+    a_row = (assignment // A_ROWS_PER_TOKEN).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = (
+        b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    )
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if USE_FP8:
+            a_s = tl.load(a_scale_ptr + a_row * stride_asm + k0 // BLOCK_K, mask=row_mask, other=0.0)
+            b_s = tl.load(
+                b_scale_ptr
+                + expert * stride_bse
+                + (offs_n // GROUP_N) * stride_bsn
+                + (k0 // GROUP_K) * stride_bsk,
+                mask=n_mask,
+                other=0.0,
+            )
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        else:
+            acc += tl.dot(a, b)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    if MUL_ROUTING_WEIGHT:
+        weight = tl.load(topk_weights_ptr + assignment, mask=row_mask, other=0.0)
+        acc = acc * weight[:, None]
+    c_ptrs = c_ptr + assignment[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+# ---- FP8 activations -------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quant_fp8_group_kernel(
+    x_ptr, q_ptr, s_ptr, stride_x, stride_q, K, GROUP: tl.constexpr, FP8_MAX: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    offs = group * GROUP + tl.arange(0, GROUP)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-10) / FP8_MAX
+    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * tl.cdiv(K, GROUP) + group, scale)
+
+
+def quant_fp8_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) → e4m3 values (M, K) and float32 scales (M, ceil(K / group)): x ≈ q · scale per group."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((m, triton.cdiv(k, group)), dtype=torch.float32, device=x.device)
+    if m:
+        _quant_fp8_group_kernel[(m, triton.cdiv(k, group))](
+            x, q, s, x.stride(0), q.stride(0), k, GROUP=group, FP8_MAX=FP8_MAX, num_warps=1
+        )
+    return q, s
+
+
+# ---- configs ---------------------------------------------------------------------------------------------
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name().replace(" ", "_") if torch.cuda.is_available() else "cpu"
+
+
+def config_file_name(num_experts: int, n: int, k: int, dtype: str, device: str | None = None) -> str:
+    """``E=128,N=1536,K=2048,dtype=bf16,device=NVIDIA_H100_80GB_HBM3.json``: one table per MoE layer shape,
+    named by its gate_up GEMM (N = 2 × moe_intermediate, K = hidden); both GEMMs use the entry (they walk the
+    same aligned tiles)."""
+    return f"E={num_experts},N={n},K={k},dtype={dtype},device={device or _device_name()}.json"
+
+
+@functools.cache
+def _stored_table(name: str) -> dict[int, dict[str, int]] | None:
+    path = CONFIG_DIR / name
+    if not path.is_file():
+        return None
+    return {int(m): cfg for m, cfg in json.loads(path.read_text()).items()}
+
+
+def default_config(num_tokens: int, use_fp8: bool) -> dict[str, int]:
+    """Tile shape without a tuned table: small M tiles for decode (few rows per expert), larger for prefill."""
+    if use_fp8:  # one K block per weight scale block
+        block_m = 16 if num_tokens <= 64 else 64
+        return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, GROUP_M=1 if num_tokens <= 64 else 8,
+                    num_warps=4, num_stages=3)  # fmt: skip
+    if num_tokens <= 32:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    if num_tokens <= 512:
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def pick_config(num_experts: int, n: int, k: int, num_tokens: int, use_fp8: bool) -> dict[str, int]:
+    """The tuned entry for the nearest stored token count, else ``default_config``."""
+    table = _stored_table(config_file_name(num_experts, n, k, "fp8" if use_fp8 else "bf16"))
+    if not table:
+        return default_config(num_tokens, use_fp8)
+    nearest = min(table, key=lambda m: abs(m - num_tokens))
+    return dict(table[nearest])
+
+
+# ---- entry points ----------------------------------------------------------------------------------------
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_post_pad: torch.Tensor,
+    num_assignments: int,
+    a_rows_per_token: int,
+    config: dict[str, int],
+    topk_weights: torch.Tensor | None = None,
+    b_scale: torch.Tensor | None = None,
+    scale_block: tuple[int, int] = (128, 128),
+) -> None:
+    """out[assignment] = a[assignment // a_rows_per_token] @ b[expert]ᵀ (× routing weight), for every tile."""
+    n, k = b.shape[1], b.shape[2]
+    use_fp8 = b_scale is not None
+    a_scale = a
+    if use_fp8:
+        a, a_scale = quant_fp8_per_token_group(a, config["BLOCK_K"])
+    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    grid = (expert_ids.numel() * triton.cdiv(n, block_n),)
+    bs = b_scale if b_scale is not None else b
+    _grouped_gemm_kernel[grid](
+        a, b, out, a_scale, bs, topk_weights if topk_weights is not None else out, sorted_ids, expert_ids,
+        num_post_pad, n, k, num_assignments, a.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
+        a_scale.stride(0), bs.stride(0), bs.stride(1), bs.stride(2) if bs.dim() == 3 else 0,
+        A_ROWS_PER_TOKEN=a_rows_per_token, MUL_ROUTING_WEIGHT=topk_weights is not None, USE_FP8=use_fp8,
+        GROUP_N=scale_block[0], GROUP_K=scale_block[1], BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )  # fmt: skip
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w13_block: tuple[int, int] = (128, 128),
+    w2_block: tuple[int, int] = (128, 128),
+    config: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """Σ_k topk_weights[t, k] · w2[e]ᵀ(silu(gate) · up) with [gate | up] = w13[e] x_t and e = topk_ids[t, k].
+
+    ``x`` (T, H); ``w13`` (E, 2I, H); ``w2`` (E, H, I); fp8 weights come with float32 scales
+    (E, ceil(rows / block rows), ceil(columns / block columns)) for blocks ``w13_block`` and ``w2_block``
+    (per-channel: (1, columns)). The K tile must divide the scale block's columns.
+    """
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    top_k = topk_ids.shape[1]
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    use_fp8 = w13_scale is not None
+    cfg = dict(config or pick_config(num_experts, two_i, hidden, num_tokens, use_fp8))
+    if use_fp8:  # a K tile never straddles two weight scale blocks
+        while cfg["BLOCK_K"] > 32 and (w13_block[1] % cfg["BLOCK_K"] or w2_block[1] % cfg["BLOCK_K"]):
+            cfg["BLOCK_K"] //= 2
+    sorted_ids, expert_ids, num_post_pad = moe_align(topk_ids, num_experts, cfg["BLOCK_M"])
+    num_assignments = num_tokens * top_k
+    gate_up = torch.empty((num_assignments, two_i), dtype=x.dtype, device=x.device)
+    grouped_gemm(
+        x, w13, gate_up, sorted_ids, expert_ids, num_post_pad, num_assignments, top_k, cfg,
+        b_scale=w13_scale, scale_block=w13_block,
+    )  # fmt: skip
+    hidden_act = silu_and_mul(gate_up)
+    down = torch.empty((num_assignments, hidden), dtype=x.dtype, device=x.device)
+    grouped_gemm(
+        hidden_act, w2, down, sorted_ids, expert_ids, num_post_pad, num_assignments, 1, cfg,
+        topk_weights=topk_weights.reshape(-1).float(), b_scale=w2_scale, scale_block=w2_block,
+    )  # fmt: skip
+    return down.view(num_tokens, top_k, hidden).sum(dim=1)
