@@ -45,9 +45,10 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         "launch",
         "start one worker per device, then the engine",
-        "Start one worker process per device on --worker-host (ports --worker-base-port + i), wait until "
-        "each is ready, then run the engine on --host:--port. Every serve and worker flag applies; the "
-        "worker flags are passed on to each worker. Ctrl-C stops everything.",
+        "Start one worker process per device on --worker-host, grouped --tensor-parallel-size at a time "
+        "(group g serves on --worker-base-port + g), wait until each group is ready, then run the engine on "
+        "--host:--port. Every serve and worker flag applies; the worker flags are passed on to each worker. "
+        "A group whose process dies is restarted whole. Ctrl-C stops everything.",
         (*_ENGINE_GROUPS, "worker", "launch"),
         "ominix_runtime.cli.launcher:run_launch",
     ),

@@ -464,6 +464,21 @@ FLAGS: tuple[Flag, ...] = (
         port_or_zero,
     ),
     Flag(
+        "--tensor-parallel-size",
+        "launch",
+        "devices per worker group: --devices is split into groups of this many consecutive devices, each one "
+        "tensor-parallel backend (e.g. four GPUs at 2 = two groups of two)",
+        ("launch.tensor_parallel_size",),
+        positive_int,
+    ),
+    Flag(
+        "--dist-base-port",
+        "launch",
+        "port where group g's ranks meet is base + g (0: free ports picked at start)",
+        ("launch.dist_base_port",),
+        port_or_zero,
+    ),
+    Flag(
         "--worker-threads",
         "launch",
         "torch CPU threads per CPU worker (0: the machine's cores split among the CPU workers)",

@@ -4,6 +4,7 @@ the engine; restart workers that die later (:class:`WorkerSupervisor`)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
 import signal
@@ -13,6 +14,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from ominix_runtime.cli.commands import command
 from ominix_runtime.cli.ports import check_ports_free, free_ports
@@ -32,27 +34,82 @@ class LaunchError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class WorkerPlan:
-    device: str
+    """One worker group: a rank per device (one rank without tensor parallelism); rank 0 serves the engine."""
+
+    devices: tuple[str, ...]
     port: int
-    address: str  # where the engine reaches it
-    argv: tuple[str, ...]
+    address: str  # where the engine reaches rank 0
+    argvs: tuple[tuple[str, ...], ...]  # one command line per rank
+
+    @property
+    def name(self) -> str:
+        return "+".join(self.devices)
 
 
 def _connect_host(bind_host: str) -> str:
     return "127.0.0.1" if bind_host in ("0.0.0.0", "", "::") else bind_host
 
 
+def device_groups(config: RuntimeConfig) -> list[tuple[str, ...]]:
+    """--devices split into consecutive groups of --tensor-parallel-size."""
+    devices, size = config.launch.devices, config.launch.tensor_parallel_size
+    if len(devices) % size:
+        raise ConfigError(
+            f"--devices lists {len(devices)} devices, which do not split into groups of "
+            f"--tensor-parallel-size {size}"
+        )
+    return [tuple(devices[g * size : (g + 1) * size]) for g in range(len(devices) // size)]
+
+
+def _consecutive_ports(base: int, count: int, flag: str) -> list[int]:
+    last = base + count - 1
+    if last > MAX_PORT:
+        raise ConfigError(f"{flag} {base} leaves no room for {count} worker groups (last port {last})")
+    return [base + i for i in range(count)]
+
+
 def worker_ports(config: RuntimeConfig) -> list[int]:
+    """The port of each group's rank 0."""
     launch = config.launch
-    count = len(launch.devices)
+    count = len(device_groups(config))
     if launch.worker_base_port == 0:
         return free_ports(launch.worker_host, count)
-    last = launch.worker_base_port + count - 1
-    if last > MAX_PORT:
-        raise ConfigError(
-            f"--worker-base-port {launch.worker_base_port} leaves no room for {count} workers (last port {last})"
-        )
-    return [launch.worker_base_port + i for i in range(count)]
+    return _consecutive_ports(launch.worker_base_port, count, "--worker-base-port")
+
+
+def rendezvous_ports(config: RuntimeConfig) -> list[int]:
+    """Where each tensor-parallel group's ranks meet (none without tensor parallelism)."""
+    launch = config.launch
+    if launch.tensor_parallel_size == 1:
+        return []
+    count = len(device_groups(config))
+    if launch.dist_base_port:
+        return _consecutive_ports(launch.dist_base_port, count, "--dist-base-port")
+    return _ports_below_the_ephemeral_range(count)
+
+
+def _ports_below_the_ephemeral_range(n: int) -> list[int]:
+    """Free ports below the kernel's ephemeral range: a rank retrying to connect to a port inside the range
+    can be handed that port as its own and connect to itself, taking it from rank 0."""
+    import random
+    import socket
+
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    candidates = list(range(max(1024, low - 12000), low))
+    random.shuffle(candidates)
+    ports: list[int] = []
+    for port in candidates:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise ConfigError(f"no {n} free ports below {low} for the groups to meet at (pass --dist-base-port)")
 
 
 def _cpu_threads_per_worker(config: RuntimeConfig) -> int:
@@ -66,31 +123,42 @@ def _cpu_threads_per_worker(config: RuntimeConfig) -> int:
     return max(1, (os.cpu_count() or 1) // num_cpu_workers)
 
 
-def plan_workers(config: RuntimeConfig, ports: Sequence[int], nonce: str) -> list[WorkerPlan]:
-    """One worker command line per device: every worker flag of ``config`` passed on, the per-worker ones
-    (device, address, id, threads, nonce) set here. Worker links use TLS only with --tls-ca."""
+def plan_workers(
+    config: RuntimeConfig, ports: Sequence[int], nonce: str, dist_ports: Sequence[int] = ()
+) -> list[WorkerPlan]:
+    """One command line per rank of each group: every worker flag of ``config`` passed on, the per-process
+    ones (device, address, id, threads, nonce, rank) set here. Worker links use TLS only with --tls-ca."""
     worker_command = command("worker")
     host = config.launch.worker_host
     threads = _cpu_threads_per_worker(config)
+    size = config.launch.tensor_parallel_size
     plans = []
-    for device, port in zip(config.launch.devices, ports, strict=True):
-        tree = with_paths(
-            config,
-            {
+    for g, (group, port) in enumerate(zip(device_groups(config), ports, strict=True)):
+        name = "+".join(group)
+        argvs = []
+        for rank, device in enumerate(group):
+            paths: dict[str, object] = {
                 "worker.device": device,
                 "server.host": host,
                 "server.port": port,
-                "worker.worker_id": f"{device}@{host}:{port}",
+                "worker.worker_id": f"{name}@{host}:{port}",
                 "worker.num_threads": threads if device == "cpu" else config.worker.num_threads,
                 "worker.launch_nonce": nonce,
                 "tls": config.tls if config.tls.ca else TLSConfig(),
                 # A worker's stderr is a pipe to the launcher: it renders as the launcher's own terminal does.
                 "log.format": _resolved_log_format(config),
-            },
-        )
-        words, _ = child_command(worker_command, tree)
-        argv = (sys.executable, "-m", "ominix_runtime", *words)
-        plans.append(WorkerPlan(device, port, f"{_connect_host(host)}:{port}", argv))
+            }
+            if size > 1:
+                paths.update(
+                    {
+                        "worker.tp_size": size,
+                        "worker.tp_rank": rank,
+                        "worker.dist_init_addr": f"{_connect_host(host)}:{dist_ports[g]}",
+                    }
+                )
+            words, _ = child_command(worker_command, with_paths(config, paths))
+            argvs.append((sys.executable, "-m", "ominix_runtime", *words))
+        plans.append(WorkerPlan(group, port, f"{_connect_host(host)}:{port}", tuple(argvs)))
     return plans
 
 
@@ -149,8 +217,8 @@ class WorkerOutput(threading.Thread):
         return self.last_line.removeprefix(self.FATAL_PREFIX)
 
 
-def _start_worker(plan: WorkerPlan, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], WorkerOutput]:
-    proc = _spawn(plan.argv, env, stderr=subprocess.PIPE)
+def _start_worker(argv: Sequence[str], env: dict[str, str]) -> tuple[subprocess.Popen[bytes], WorkerOutput]:
+    proc = _spawn(argv, env, stderr=subprocess.PIPE)
     output = WorkerOutput(proc)
     output.start()
     return proc, output
@@ -170,14 +238,14 @@ def _stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 1
 
 
 def wait_workers_ready(
-    procs: Sequence[subprocess.Popen[bytes]],
+    groups: Sequence[Sequence[subprocess.Popen[bytes]]],
     plans: Sequence[WorkerPlan],
     nonce: str,
     timeout: float,
-    outputs: Sequence[WorkerOutput | None] = (),
+    outputs: Sequence[Sequence[WorkerOutput]] = (),
 ) -> None:
-    """Until every worker this launcher started says ready; a worker that exits first (it could not bind,
-    load or start) or a process answering with another nonce ends the launch."""
+    """Until every group this launcher started says ready (its rank 0); a rank that exits first (it could not
+    bind, load or start) or a process answering with another nonce ends the launch."""
     import grpc
 
     from ominix_runtime.pb import worker_pb2, worker_pb2_grpc
@@ -188,13 +256,16 @@ def wait_workers_ready(
         deadline = time.monotonic() + timeout
         while pending:
             for i in sorted(pending):
-                code = procs[i].poll()
-                if code is not None:
-                    output = outputs[i] if i < len(outputs) else None
+                for rank, proc in enumerate(groups[i]):
+                    code = proc.poll()
+                    if code is None:
+                        continue
+                    output = outputs[i][rank] if i < len(outputs) else None
                     reason = output.reason() if output is not None else ""
+                    who = f"worker {plans[i].address} ({plans[i].name})"
+                    who += f" rank {rank}" if len(groups[i]) > 1 else ""
                     raise LaunchError(
-                        f"worker {plans[i].address} ({plans[i].device}) exited with code {code} before it was "
-                        f"ready: {reason or 'no reason given'}"
+                        f"{who} exited with code {code} before it was ready: {reason or 'no reason given'}"
                     )
                 try:
                     resp = worker_pb2_grpc.WorkerStub(channels[i]).Health(
@@ -209,7 +280,7 @@ def wait_workers_ready(
                     )
                 if resp.ready:
                     pending.discard(i)
-                    _log.info("worker ready", worker_id=f"{plans[i].device}@{plans[i].address}", pid=resp.pid)
+                    _log.info("worker ready", worker_id=f"{plans[i].name}@{plans[i].address}", pid=resp.pid)
             if pending:
                 if time.monotonic() > deadline:
                     late = ", ".join(plans[i].address for i in sorted(pending))
@@ -223,10 +294,11 @@ def wait_workers_ready(
 
 
 class WorkerSupervisor(threading.Thread):
-    """Restarts workers that exit while the launcher runs, with exponential backoff per worker.
+    """Restarts worker groups whose processes exit while the launcher runs, with exponential backoff per group.
 
-    The engine notices the crash (broken stream), resumes the worker's requests elsewhere and reconnects
-    once the restarted worker answers again. ``procs`` is updated in place with the new processes.
+    A group is restarted whole: when one rank exits, the others are stopped first (a tensor-parallel group
+    never runs half-alive). The engine notices the crash (broken stream), resumes the group's requests
+    elsewhere and reconnects once the restarted rank 0 answers again. ``groups`` is updated in place.
     """
 
     POLL_S = 0.5
@@ -235,15 +307,15 @@ class WorkerSupervisor(threading.Thread):
     STABLE_S = 60.0  # up this long: the next crash starts from the initial backoff again
 
     def __init__(
-        self, procs: list[subprocess.Popen[bytes]], plans: Sequence[WorkerPlan], env: dict[str, str]
+        self, groups: list[list[subprocess.Popen[bytes]]], plans: Sequence[WorkerPlan], env: dict[str, str]
     ) -> None:
         super().__init__(name="ominix-worker-supervisor", daemon=True)
-        self.procs = procs
+        self.groups = groups
         self._plans = list(plans)
         self._env = env
         self._stopping = threading.Event()
         self._lock = threading.Lock()
-        n = len(procs)
+        n = len(groups)
         self.restarts = [0] * n
         self._backoff = [self.BACKOFF_INITIAL_S] * n
         self._restart_at: list[float | None] = [None] * n
@@ -252,29 +324,36 @@ class WorkerSupervisor(threading.Thread):
     def run(self) -> None:
         while not self._stopping.wait(self.POLL_S):
             with self._lock:
-                for i in range(len(self.procs)):
+                for i in range(len(self.groups)):
                     self._check(i, time.monotonic())
 
     def _check(self, i: int, now: float) -> None:
-        code = self.procs[i].poll()
-        if code is None:
+        codes = [proc.poll() for proc in self.groups[i]]
+        if all(code is None for code in codes):
             if now - self._started_at[i] > self.STABLE_S:
                 self._backoff[i] = self.BACKOFF_INITIAL_S
             return
+        plan = self._plans[i]
         if self._restart_at[i] is None:
             self._restart_at[i] = now + self._backoff[i]
+            exited = {d: c for d, c in zip(plan.devices, codes, strict=True) if c is not None}
             _log.warning(
-                "worker exited; restarting",
-                worker=self._plans[i].address,
-                exit_code=code,
+                "worker exited; restarting the group"
+                if len(plan.devices) > 1
+                else "worker exited; restarting",
+                worker=plan.address,
+                exit_codes=exited,
                 restart_in_s=self._backoff[i],
             )
+            _stop_processes(self.groups[i], timeout=5.0)
             return
         restart_at = self._restart_at[i]
         if restart_at is not None and now < restart_at:
             return
-        self.procs[i], output = _start_worker(self._plans[i], self._env)
-        output.hold_fatal = False
+        started = [_start_worker(argv, self._env) for argv in plan.argvs]
+        for _, output in started:
+            output.hold_fatal = False
+        self.groups[i] = [proc for proc, _ in started]
         self.restarts[i] += 1
         self._restart_at[i] = None
         self._started_at[i] = now
@@ -291,15 +370,18 @@ def run_launch(config: RuntimeConfig, options: argparse.Namespace) -> int:
     configure_logging(config.log.level, config.log.json, component="launcher")
     check_model(config)
     ports = worker_ports(config)
+    dist_ports = rendezvous_ports(config)
     # Every port before anything loads: a taken one is found in milliseconds, not after the weights.
+    host = config.launch.worker_host
     check_ports_free(
         [
             *engine_ports(config),
-            *((config.launch.worker_host, p, "--worker-base-port") for p in ports),
+            *((host, p, "--worker-base-port") for p in ports),
+            *((_connect_host(host), p, "--dist-base-port") for p in dist_ports),
         ]
     )
     nonce = secrets.token_hex(8)
-    plans = plan_workers(config, ports, nonce)
+    plans = plan_workers(config, ports, nonce, dist_ports)
     engine_config = with_paths(config, {"backends.workers": tuple(p.address for p in plans)})
     _, secret_env = child_command(command("serve"), engine_config)
     env = child_environment()
@@ -308,8 +390,10 @@ def run_launch(config: RuntimeConfig, options: argparse.Namespace) -> int:
         # event loop (p99 inter-token gaps of seconds on 2 cores); passive waiting keeps them off the cores.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if any(d.startswith("cuda") for d in config.launch.devices):
+        env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink SHARP buffers fail on some machines
 
-    procs: list[subprocess.Popen[bytes]] = []
+    groups: list[list[subprocess.Popen[bytes]]] = []
     engines: list[subprocess.Popen[bytes]] = []
     supervisor: WorkerSupervisor | None = None
 
@@ -318,16 +402,16 @@ def run_launch(config: RuntimeConfig, options: argparse.Namespace) -> int:
 
     previous_term = signal.signal(signal.SIGTERM, on_term)
     try:
-        outputs: list[WorkerOutput] = []
+        outputs: list[list[WorkerOutput]] = []
         for plan in plans:
-            proc, output = _start_worker(plan, env)
-            procs.append(proc)
-            outputs.append(output)
+            started = [_start_worker(argv, env) for argv in plan.argvs]
+            groups.append([proc for proc, _ in started])
+            outputs.append([output for _, output in started])
         _log.info("workers started", workers=[p.address for p in plans], devices=list(config.launch.devices))
-        wait_workers_ready(procs, plans, nonce, config.backends.ready_timeout, outputs)
-        for output in outputs:
+        wait_workers_ready(groups, plans, nonce, config.backends.ready_timeout, outputs)
+        for output in (o for group_outputs in outputs for o in group_outputs):
             output.hold_fatal = False
-        supervisor = WorkerSupervisor(procs, plans, env)
+        supervisor = WorkerSupervisor(groups, plans, env)
         supervisor.start()
         if config.launch.engine_in_child:
             serve_words, _ = child_command(command("serve"), engine_config)
@@ -349,5 +433,5 @@ def run_launch(config: RuntimeConfig, options: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not leave workers behind
         if supervisor is not None:
             supervisor.stop()
-        _stop_processes([*engines, *procs])
+        _stop_processes([*engines, *(proc for group in groups for proc in group)])  # kept current by restarts
         signal.signal(signal.SIGINT, signal.default_int_handler)

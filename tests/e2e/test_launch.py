@@ -231,10 +231,10 @@ def test_launch_never_takes_a_foreign_worker_for_its_own() -> None:
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         own = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        plan = WorkerPlan("cpu", port, f"127.0.0.1:{port}", ())
+        plan = WorkerPlan(("cpu",), port, f"127.0.0.1:{port}", ((),))
         try:
             with pytest.raises(LaunchError) as info:
-                await asyncio.to_thread(wait_workers_ready, [own], [plan], "our-nonce", 10.0)
+                await asyncio.to_thread(wait_workers_ready, [[own]], [plan], "our-nonce", 10.0)
             return str(info.value)
         finally:
             own.kill()
@@ -254,5 +254,5 @@ def test_launch_keeps_workers_on_loopback_when_the_engine_moves() -> None:
     config, _ = resolve(command("launch"), ["--host", "0.0.0.0", "--devices", "cpu,cpu"], env={})
     assert config.server.metrics_host == "127.0.0.1"
     for plan in plan_workers(config, [41000, 41001], "n"):
-        worker, _ = resolve(command("worker"), list(plan.argv[4:]), env={})
+        worker, _ = resolve(command("worker"), list(plan.argvs[0][4:]), env={})
         assert worker.server.host == "127.0.0.1" and plan.address.startswith("127.0.0.1:")

@@ -30,8 +30,16 @@ from ominix_runtime.pb import common_pb2, engine_pb2
 STEP_TIMEOUT_S = 3.0
 DIST_TIMEOUT_S = 5.0
 GROUP_FAILURE_EXIT_CODE = 3  # ominix_worker.rank_group: a rank that leaves its group
-# Every process started here: NVLink SHARP off (its buffers fail on some machines); one CPU thread per rank.
-ENV = {"NCCL_NVLS_ENABLE": "0", "OMP_NUM_THREADS": "1"}
+ROOT = Path(__file__).resolve().parents[2]
+# Every process started here: NVLink SHARP off (its buffers fail on some machines); one CPU thread per rank;
+# both packages importable from a bare checkout (GPU machines run the tests without installing).
+ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), str(ROOT / "workers"), os.environ.get("PYTHONPATH")) if p
+    ),
+}
 
 
 def request(
@@ -71,7 +79,10 @@ def start_tp_engine(
     """One group with a rank per device (rank 0 at worker_addresses[0]), a TP=1 worker on ``single_device``
     when given, and the engine. Yields the engine and the group's rank processes in rank order."""
     size = len(devices)
-    leader_port, dist_port, single_port, port, metrics_port = free_ports(5)
+    from ominix_worker.parallel.distributed import free_rendezvous_port
+
+    leader_port, single_port, port, metrics_port = free_ports(4)
+    dist_port = free_rendezvous_port()
     group = ["--tp-size", str(size), "--dist-init-addr", f"127.0.0.1:{dist_port}"]
     group += ["--dist-timeout", str(DIST_TIMEOUT_S), *worker_args]
     ranks: list[Proc] = []
@@ -90,7 +101,7 @@ def start_tp_engine(
         for a in addresses:
             serve += ["--worker", a]
         others.append(
-            start_proc_env("engine", serve, log_dir, {"OMINIX_STEP_TIMEOUT_S": str(STEP_TIMEOUT_S)})
+            start_proc_env("engine", serve, log_dir, {**ENV, "OMINIX_STEP_TIMEOUT_S": str(STEP_TIMEOUT_S)})
         )
         address = f"127.0.0.1:{port}"
         wait_health(address, [*ranks, *others], timeout=600)

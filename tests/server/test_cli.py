@@ -109,8 +109,9 @@ def test_launch_passes_every_worker_flag_on() -> None:
     config, _ = resolve(LAUNCH, argv, env={})
     plans = plan_workers(config, [41000, 41001], "nonce")
     for i, plan in enumerate(plans):
-        assert plan.argv[1:4] == ("-m", "ominix_runtime", "worker")
-        child, _ = resolve(WORKER, list(plan.argv[4:]), env={})
+        (argv,) = plan.argvs
+        assert argv[1:4] == ("-m", "ominix_runtime", "worker")
+        child, _ = resolve(WORKER, list(argv[4:]), env={})
         # Everything the worker reads equals what the launcher was given, except what it assigns per worker.
         assert child.model == config.model and child.log == config.log
         expected = dataclasses.replace(
@@ -122,6 +123,23 @@ def test_launch_passes_every_worker_flag_on() -> None:
         assert child.worker == expected
         assert child.server.port == 41000 + i and child.server.host == "127.0.0.1"
     assert config.log.level == "debug"
+
+
+def test_launch_groups_devices_for_tensor_parallelism() -> None:
+    argv = ["--devices", "cpu,cpu,cpu,cpu", "--tensor-parallel-size", "2", "--max-model-len", "256"]
+    config, _ = resolve(LAUNCH, argv, env={})
+    plans = plan_workers(config, [41000, 41001], "nonce", [30000, 30001])
+    assert [p.devices for p in plans] == [("cpu", "cpu"), ("cpu", "cpu")]
+    for g, plan in enumerate(plans):
+        ranks = [resolve(WORKER, list(argv[4:]), env={})[0] for argv in plan.argvs]
+        assert [r.worker.tp_rank for r in ranks] == [0, 1]
+        for rank in ranks:
+            assert rank.worker.tp_size == 2 and rank.worker.dist_init_addr == f"127.0.0.1:{30000 + g}"
+            assert rank.server.port == 41000 + g and rank.worker.worker_id == f"cpu+cpu@127.0.0.1:{41000 + g}"
+            assert rank.worker.max_model_len == 256 and rank.worker.launch_nonce == "nonce"
+    odd, _ = resolve(LAUNCH, ["--devices", "cpu,cpu,cpu", "--tensor-parallel-size", "2"], env={})
+    with pytest.raises(ConfigError, match="do not split into groups of --tensor-parallel-size 2"):
+        plan_workers(odd, [41000], "n")
 
 
 def test_engine_child_gets_every_serve_setting() -> None:
@@ -206,7 +224,7 @@ def test_log_level_is_case_insensitive_with_one_set_of_choices() -> None:
         (["launch", "--port", "0"], "--port: port 0 is outside 1-65535"),
         (["launch", "--log-level", "verbose"], "--log-level: 'verbose' is not one of"),
         (["launch", "--gpu-memory-utilization", "2"], "--gpu-memory-utilization: expected a fraction"),
-        (["launch", "--worker-base-port", "65535", "--devices", "cpu,cpu"], "leaves no room for 2 workers"),
+        (["launch", "--worker-base-port", "65535", "--devices", "cpu,cpu"], "leaves no room for 2 worker groups"),
         (["serve"], "pass --worker HOST:PORT"),
         (["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["frobnicate"], "unknown command"),

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,17 +22,13 @@ TP_LOGITS = Path(__file__).resolve().parent / "tp_logits.py"
 RANK_TIMEOUT_S = 120
 
 
-def free_port() -> int:
-    import socket
+def run_group(
+    model: Path, size: int, out: Path, device: str = "cpu", dtype: str = "float32", check: str = "logits"
+) -> Any:
+    """Start ``size`` rank processes of tp_logits.py (``check``: logits or graphs) and return rank 0's result."""
+    from ominix_worker.parallel.distributed import free_rendezvous_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_group(model: Path, size: int, out: Path, device: str = "cpu", dtype: str = "float32") -> torch.Tensor:
-    """Start ``size`` rank processes of tp_logits.py and return rank 0's logits."""
-    addr = f"127.0.0.1:{free_port()}"
+    addr = f"127.0.0.1:{free_rendezvous_port()}"
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "OMP_NUM_THREADS": "1"}
     procs = []
     for rank in range(size):
@@ -46,7 +43,18 @@ def run_group(model: Path, size: int, out: Path, device: str = "cpu", dtype: str
             "--size",
             str(size),
         ]
-        argv += ["--addr", addr, "--device", rank_device, "--dtype", dtype, "--out", str(out)]
+        argv += [
+            "--addr",
+            addr,
+            "--device",
+            rank_device,
+            "--dtype",
+            dtype,
+            "--out",
+            str(out),
+            "--check",
+            check,
+        ]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     try:
         outputs = [p.communicate(timeout=RANK_TIMEOUT_S)[0].decode(errors="replace") for p in procs]
@@ -156,3 +164,21 @@ def test_each_rank_reads_only_its_slices(
             assert read_elements[name] == numel, name  # replicated
         else:
             assert read_elements[name] == numel // 2, name  # its half of q/k/v, gate/up, o/down, vocab
+
+
+def test_steps_reach_the_followers_unchanged() -> None:
+    from ominix_runtime.contract import DecodeStep, NewRequestData, RunningRequestData, SamplingParams
+    from ominix_worker.rank_group import decode_step, encode_step
+
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=11, logprobs=2, stop_token_ids=[4])
+    step = DecodeStep(
+        42,
+        new_requests=[
+            NewRequestData("a", [1, 2, 3], sampling, [7, 8], 16, 3, 99, [5, 6], "00-trace-span-01"),
+            NewRequestData("b", [9], SamplingParams(), [1], 0, 1, 0),
+        ],
+        running_requests=[RunningRequestData("c", [3], 1), RunningRequestData("d", [], 4)],
+        finished_request_ids=["e", "f"],
+    )
+    assert decode_step(encode_step(step)) == step
+    assert decode_step(encode_step(DecodeStep(1))) == DecodeStep(1)

@@ -1,9 +1,13 @@
-"""One rank of a tensor-parallel logits check, run as its own process (gloo on CPU, NCCL on CUDA).
+"""One rank of a tensor-parallel check, run as its own process (gloo on CPU, NCCL on CUDA).
 
 ``python tp_logits.py --model DIR --rank R --size N --addr HOST:PORT --device cpu --out FILE`` joins the group,
 loads rank R's shards, runs a fixed ragged batch (two prompts of different lengths in one step, then one
 decode step for both) and, on rank 0, saves every row's logits to FILE. ``batch_logits`` is the same batch
 for an in-process runner (TP=1 reference).
+
+``--check graphs`` (CUDA) instead captures decode graphs on every rank (their all-reduces and the logits
+all-gather inside) and saves, on rank 0, the greedy tokens of a pipelined graph run and of an eager run of
+the same steps, and the largest logit difference between a graph replay and the eager forward.
 """
 
 from __future__ import annotations
@@ -46,6 +50,71 @@ def batch_logits(runner: ModelRunner) -> torch.Tensor:
     return torch.cat([prefill_logits, decode_logits]).float().cpu()
 
 
+def greedy_tokens(runner: ModelRunner, num_steps: int, pipelined: bool) -> dict[str, list[int]]:
+    """Greedy tokens of both prompts over ``num_steps`` steps, driven like the worker's step loop."""
+    from ominix_runtime.contract import DecodeStep, NewRequestData, RunningRequestData
+
+    runner.reset()
+    runner.overlap_steps = pipelined
+    greedy = SamplingParams(temperature=0.0)
+    news = [
+        NewRequestData(f"r{i}", list(p), greedy, list(range(8 * i, 8 * i + 8)), 0, len(p), 0)
+        for i, p in enumerate(PROMPTS)
+    ]
+    results = []
+    for step_id in range(1, num_steps + 1):
+        if step_id == 1:
+            step = DecodeStep(1, new_requests=news)
+        else:
+            step = DecodeStep(
+                step_id, running_requests=[RunningRequestData(n.request_id, [], 1) for n in news]
+            )
+        result = runner.execute_step(step)
+        results += ([result] if result is not None else []) + runner.take_results()
+    runner.finish_pending()
+    results += runner.take_results()
+    tokens: dict[str, list[int]] = {n.request_id: [] for n in news}
+    for result in results:
+        for out in result.outputs:
+            assert out.error_kind is None, out.error_message
+            tokens[out.request_id].append(int(out.sampled_token_id))  # type: ignore[arg-type]
+    return tokens
+
+
+@torch.inference_mode()
+def graph_check(runner: ModelRunner) -> dict[str, object]:
+    """Pipelined graph decode vs eager decode on one runner (graphs captured on every rank)."""
+    assert runner.capture_decode_graphs([1, 2, 4]), "no graphs captured"
+    graphs = runner._graphs
+    assert graphs is not None
+    pipelined = greedy_tokens(runner, 12, pipelined=True)
+    saved, runner._graphs = runner._graphs, None
+    eager = greedy_tokens(runner, 12, pipelined=False)
+    runner._graphs = saved
+    requests = [
+        CachedRequest(
+            f"g{i}", list(p), [7], SamplingParams(temperature=0.0), [3 * i, 3 * i + 1, 3 * i + 2], 0, 0
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
+    runner.model.compute_logits(
+        runner._forward(
+            runner._prepare_inputs([ScheduledRow(r, 0, r.num_tokens - 1, False) for r in requests])
+        )
+    )
+    for r in requests:
+        r.num_computed_tokens = r.num_tokens - 1
+    rows = [ScheduledRow(r, r.num_tokens - 1, r.num_tokens, samples=True) for r in requests]
+    graph_logits = graphs.run(rows).float()
+    eager_logits = runner.model.compute_logits(runner._forward(runner._prepare_inputs(rows))).float()
+    return {
+        "pipelined": pipelined,
+        "eager": eager,
+        "max_logit_diff": float((graph_logits - eager_logits).abs().max()),
+        "num_graphs": len(graphs.graphs),
+    }
+
+
 def load_runner(model: str, device: str, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> ModelRunner:
     return build_runner(
         model, device=device, dtype=dtype, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, tp=tp
@@ -61,15 +130,17 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--check", choices=("logits", "graphs"), default="logits")
     args = parser.parse_args()
     from ominix_worker.parallel.distributed import init_rank_group
 
     torch.set_num_threads(1)
     device = torch.device(args.device)
     group = init_rank_group(args.rank, args.size, args.addr, device, timeout_s=60)
-    logits = batch_logits(load_runner(args.model, args.device, getattr(torch, args.dtype), group.tp))
+    runner = load_runner(args.model, args.device, getattr(torch, args.dtype), group.tp)
+    result = batch_logits(runner) if args.check == "logits" else graph_check(runner)
     if args.rank == 0:
-        torch.save(logits, args.out)
+        torch.save(result, args.out)
     torch.distributed.destroy_process_group()
 
 

@@ -2,7 +2,7 @@
 
 The leader serves the engine over gRPC like a single worker. Each step it receives is forwarded to the
 followers on the group's gloo control group (``StepSender``: one all-reduce of a two-integer header, then
-one broadcast of the pickled step) as soon as it arrives, while the previous step still computes; every
+one broadcast of the encoded step, ``encode_step``) as soon as it arrives, while the previous step still computes; every
 rank then runs the same step on its shards, the model's collectives meet on the compute group, and every
 rank samples the same tokens from the gathered logits. Only the leader's results leave the group.
 
@@ -21,6 +21,7 @@ import queue
 import sys
 import threading
 import traceback
+from dataclasses import fields
 from datetime import timedelta
 from enum import IntEnum
 from typing import NoReturn
@@ -28,7 +29,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from ominix_runtime.contract import DecodeStep, StepResult
+from ominix_runtime.contract import DecodeStep, NewRequestData, RunningRequestData, StepResult
 from ominix_worker.parallel.distributed import RankGroup
 from ominix_worker.runner import ModelRunner
 
@@ -41,8 +42,36 @@ GROUP_FAILURE_EXIT_CODE = 3
 
 class Message(IntEnum):
     TICK = 0  # proof of life, nothing to do
-    STEP = 1  # payload: a pickled DecodeStep
+    STEP = 1  # payload: an encoded DecodeStep
     RESET = 2  # the engine's stream ended: drop every request
+
+
+_NEW_FIELDS = tuple(f.name for f in fields(NewRequestData))
+
+
+def encode_step(step: DecodeStep) -> bytes:
+    """A step as plain lists for pickle: a decode step of 256 requests pickles in a tenth of the time its
+    dataclasses take (the ranks trust each other: they are one deployment)."""
+    running = step.running_requests
+    plain = (
+        step.step_id,
+        [tuple(getattr(n, name) for name in _NEW_FIELDS) for n in step.new_requests],
+        [r.request_id for r in running],
+        [r.new_kv_block_ids for r in running],
+        [r.num_scheduled_tokens for r in running],
+        step.finished_request_ids,
+    )
+    return pickle.dumps(plain, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_step(payload: bytes) -> DecodeStep:
+    step_id, news, ids, blocks, nums, finished = pickle.loads(payload)
+    return DecodeStep(
+        step_id,
+        new_requests=[NewRequestData(*values) for values in news],
+        running_requests=[RunningRequestData(*r) for r in zip(ids, blocks, nums, strict=True)],
+        finished_request_ids=finished,
+    )
 
 
 def fail_group(rank: int, reason: str) -> NoReturn:
@@ -63,22 +92,21 @@ class StepSender:
     def __init__(self, group: RankGroup, tick_s: float = TICK_S) -> None:
         self._group = group
         self._tick_s = tick_s
-        self._queue: queue.SimpleQueue[tuple[Message, object]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Message, DecodeStep | None]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="ominix-tp-sender", daemon=True)
         self._thread.start()
 
-    def send(self, kind: Message, item: object = None) -> None:
-        self._queue.put((kind, item))
+    def send(self, kind: Message, step: DecodeStep | None = None) -> None:
+        self._queue.put((kind, step))
 
     def _run(self) -> None:
         try:
             while True:
                 try:
-                    kind, item = self._queue.get(timeout=self._tick_s)
+                    kind, step = self._queue.get(timeout=self._tick_s)
                 except queue.Empty:
-                    kind, item = Message.TICK, None
-                payload = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL) if item is not None else b""
-                self._transmit(kind, payload)
+                    kind, step = Message.TICK, None
+                self._transmit(kind, encode_step(step) if step is not None else b"")
         except Exception as exc:  # noqa: BLE001 - any failure here means a peer is gone or stuck
             fail_group(self._group.rank, f"a peer stopped answering ({type(exc).__name__}: {exc})")
 
@@ -91,7 +119,7 @@ class StepSender:
             _wait(dist.broadcast(data, src=0, group=group.control, async_op=True), timeout)
 
 
-def receive(group: RankGroup) -> tuple[Message, object]:
+def receive(group: RankGroup) -> tuple[Message, DecodeStep | None]:
     """Follower side: the leader's next message (raises when the leader is gone or silent too long)."""
     timeout = group.timeout_s
     header = torch.zeros(2, dtype=torch.int64)
@@ -101,7 +129,7 @@ def receive(group: RankGroup) -> tuple[Message, object]:
         return kind, None
     data = torch.empty(size, dtype=torch.uint8)
     _wait(dist.broadcast(data, src=0, group=group.control, async_op=True), timeout)
-    return kind, pickle.loads(data.numpy().tobytes())
+    return kind, decode_step(data.numpy().tobytes())
 
 
 class GroupLeader:
@@ -160,7 +188,7 @@ class GroupLeader:
 
 def run_follower(runner: ModelRunner, group: RankGroup) -> NoReturn:
     """A follower's life after loading: run the leader's steps in order until the group ends."""
-    inbox: queue.SimpleQueue[tuple[Message, object]] = queue.SimpleQueue()
+    inbox: queue.SimpleQueue[tuple[Message, DecodeStep | None]] = queue.SimpleQueue()
 
     def receive_forever() -> None:
         try:
