@@ -224,7 +224,10 @@ def test_log_level_is_case_insensitive_with_one_set_of_choices() -> None:
         (["launch", "--port", "0"], "--port: port 0 is outside 1-65535"),
         (["launch", "--log-level", "verbose"], "--log-level: 'verbose' is not one of"),
         (["launch", "--gpu-memory-utilization", "2"], "--gpu-memory-utilization: expected a fraction"),
-        (["launch", "--worker-base-port", "65535", "--devices", "cpu,cpu"], "leaves no room for 2 worker groups"),
+        (
+            ["launch", "--worker-base-port", "65535", "--devices", "cpu,cpu"],
+            "leaves no room for 2 worker groups",
+        ),
         (["serve"], "pass --worker HOST:PORT"),
         (["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["frobnicate"], "unknown command"),
