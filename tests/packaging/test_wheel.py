@@ -93,7 +93,8 @@ def _metadata(wheel: Path) -> tuple[list[str], dict[str, list[str]]]:
     return names, fields
 
 
-def test_the_wheel_holds_every_module_and_the_license(base_install: Installed) -> None:
+def test_the_wheel_holds_every_file_of_both_packages_and_the_license(base_install: Installed) -> None:
+    """Every tracked file of ominix_runtime and ominix_worker: modules, stubs, py.typed, package data."""
     names, _ = _metadata(base_install.wheel)
     tracked = subprocess.run(
         ["git", "ls-files", "ominix_runtime", "workers/ominix_worker"],
@@ -102,16 +103,17 @@ def test_the_wheel_holds_every_module_and_the_license(base_install: Installed) -
         cwd=ROOT,
         timeout=30,
     )
-    sources = [line for line in tracked.stdout.splitlines() if line.endswith(".py")]
-    if tracked.returncode != 0 or not sources:  # not a git checkout: every file on disk
+    sources = tracked.stdout.splitlines()
+    if tracked.returncode != 0 or not sources:  # not a git checkout: every source file on disk
         sources = [
             str(p.relative_to(ROOT))
             for base in ("ominix_runtime", "workers/ominix_worker")
-            for p in (ROOT / base).rglob("*.py")
+            for p in (ROOT / base).rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts
         ]
     expected = {s.removeprefix("workers/") for s in sources}
     missing = sorted(expected - set(names))
-    assert not missing, f"modules missing from the wheel: {missing}"
+    assert not missing, f"files missing from the wheel: {missing}"
     assert "ominix_runtime/py.typed" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
 
