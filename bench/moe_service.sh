@@ -23,6 +23,7 @@ for stage in $MOE_STAGES; do
   case $stage in
     tests)
       timeout ${TESTS_S:-400} python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu/test_fused_moe.py \
+        tests/gpu/test_fused_moe_expert_parallel.py \
         tests/gpu/test_fp8_gemm.py tests/gpu/test_fp8_kv_attention.py tests/gpu/test_decode_graphs.py 2>&1 | tail -8 ;;
     kernels)
       mkdir -p "$OUT/kernels"

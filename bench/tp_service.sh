@@ -91,7 +91,8 @@ for stage in $STAGES; do
       nvidia-smi topo -m 2>/dev/null | head -8
       python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())" ;;
     tests)
-      timeout ${TESTS_S:-900} python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tail -8 ;;
+      timeout ${TESTS_S:-900} python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu/test_tensor_parallel_gpu.py \
+        tests/gpu/test_moe_tensor_parallel_gpu.py 2>&1 | tail -8 ;;
     nccl)
       timeout 300 python3 bench/nccl_bus.py --size "$TP" --json "$OUT/nccl.json" 2>&1 | grep -v Warning | tail -3 ;;
     handoff)

@@ -42,6 +42,8 @@ DEFAULT_WORKER_PORT = 50071
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # one GenerateRequest on the engine port (gRPC's own default)
 DEFAULT_DIST_TIMEOUT_S = 30.0  # a tensor-parallel group's collectives and control messages
+# A worker silent (no result, no heartbeat) this long is marked unhealthy and its requests fail over.
+DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S = 3.0
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
 
@@ -66,6 +68,10 @@ class TLSConfig:
     cert: str | None = None
     key: str | None = None
     ca: str | None = None
+    # Plaintext deployments: a file holding the secret the engine presents on Run and workers require.
+    engine_secret_file: str | None = None
+    # Worker with --tls-ca: names the engine's client certificate must carry (empty: the default identity).
+    engine_identities: tuple[str, ...] = ()
 
     @property
     def enabled(self) -> bool:
@@ -108,6 +114,9 @@ class BackendsConfig:
     workers: tuple[str, ...] = ()  # host:port of step-level workers
     sglang_urls: tuple[str, ...] = ()  # request-level SGLang servers
     ready_timeout: float = 300.0  # seconds to wait for every worker to report ready
+    heartbeat_timeout: float = DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S
+    # A step may take this long, heartbeats or not; None: derived per stream from its measured steps.
+    step_timeout: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +142,7 @@ class WorkerConfig:
     tp_rank: int = 0
     dist_init_addr: str | None = None  # HOST:PORT where rank 0 gathers its group
     dist_timeout: float = DEFAULT_DIST_TIMEOUT_S
+    moe_parallel: str = "tensor"  # how a group splits MoE layers: tensor (slices) or expert (whole experts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,12 +252,6 @@ class DebugVariable:
 
 DEBUG_VARIABLES: tuple[DebugVariable, ...] = (
     DebugVariable("OMINIX_LOG_STEPS", "debug.log_steps", _switch, "1: one log line per scheduler step"),
-    DebugVariable(
-        "OMINIX_STEP_TIMEOUT_S",
-        "engine.step_timeout",
-        float,
-        "seconds without a step result or heartbeat before a worker is dropped",
-    ),
     DebugVariable("OMINIX_PIPELINE", "debug.pipeline", _switch, "0: no overlapped decode steps on CUDA"),
     DebugVariable("OMINIX_CUDA_GRAPHS", "debug.cuda_graphs", _switch, "0: every CUDA step runs eagerly"),
 )

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import cast
 
 from ominix_runtime.contract import (
+    NULL_BLOCK_ID,
+    AttentionKind,
     BackendCapability,
     BackendKind,
     DecodeStep,
     FinishReason,
     Granularity,
+    KVGroup,
     ModelInfo,
     NewRequestData,
     RankInfo,
@@ -85,6 +89,51 @@ def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
     return pb
 
 
+# ---- KV layouts ---------------------------------------------------------------------------------------
+
+_NULL_BLOCK_WIRE = 0xFFFFFFFF  # NULL_BLOCK_ID on the wire (block ids are uint32)
+
+
+def block_ids_to_pb(ids: list[int]) -> list[int]:
+    return [_NULL_BLOCK_WIRE if b == NULL_BLOCK_ID else b for b in ids]
+
+
+def block_ids_from_pb(ids: Iterable[int]) -> list[int]:
+    return [NULL_BLOCK_ID if b == _NULL_BLOCK_WIRE else b for b in ids]
+
+
+def block_tables_to_pb(tables: list[list[int]]) -> list[common_pb2.BlockTable]:
+    return [common_pb2.BlockTable(block_ids=block_ids_to_pb(t)) for t in tables]
+
+
+def block_tables_from_pb(tables: Iterable[common_pb2.BlockTable]) -> list[list[int]]:
+    return [block_ids_from_pb(t.block_ids) for t in tables]
+
+
+def kv_group_to_pb(g: KVGroup) -> common_pb2.KVGroup:
+    return common_pb2.KVGroup(
+        kind=cast("common_pb2.AttentionKind", int(g.kind)),
+        layer_indices=list(g.layer_indices),
+        block_size=g.block_size,
+        num_blocks=g.num_blocks,
+        bytes_per_token_per_layer=g.bytes_per_token_per_layer,
+        sliding_window=g.sliding_window,
+        compress_ratio=g.compress_ratio,
+    )
+
+
+def kv_group_from_pb(pb: common_pb2.KVGroup) -> KVGroup:
+    return KVGroup(
+        kind=AttentionKind(pb.kind or AttentionKind.FULL),
+        layer_indices=tuple(pb.layer_indices),
+        block_size=pb.block_size,
+        num_blocks=pb.num_blocks,
+        bytes_per_token_per_layer=pb.bytes_per_token_per_layer,
+        sliding_window=pb.sliding_window,
+        compress_ratio=pb.compress_ratio,
+    )
+
+
 # ---- capability ---------------------------------------------------------------------------------------
 
 
@@ -143,8 +192,10 @@ def capability_to_pb(cap: BackendCapability) -> common_pb2.BackendCapability:
             )
             for r in cap.ranks
         ],
+        kv_groups=[kv_group_to_pb(g) for g in cap.kv_groups],
         weight_dtype=cap.weight_dtype,
         kv_cache_dtype=cap.kv_cache_dtype,
+        moe_parallel=cap.moe_parallel,
     )
 
 
@@ -202,8 +253,10 @@ def capability_from_pb(pb: common_pb2.BackendCapability) -> BackendCapability:
             )
             for r in pb.ranks
         ),
+        kv_groups=tuple(kv_group_from_pb(g) for g in pb.kv_groups),
         weight_dtype=pb.weight_dtype,
         kv_cache_dtype=pb.kv_cache_dtype,
+        moe_parallel=pb.moe_parallel,
     )
 
 
@@ -219,11 +272,12 @@ def step_to_pb(step: DecodeStep) -> worker_pb2.DecodeStep:
                 prompt_token_ids=r.prompt_token_ids,
                 output_token_ids=r.output_token_ids,
                 sampling=sampling_to_pb(r.sampling),
-                kv_block_ids=r.kv_block_ids,
+                kv_block_ids=block_ids_to_pb(r.kv_block_ids),
                 num_computed_tokens=r.num_computed_tokens,
                 num_scheduled_tokens=r.num_scheduled_tokens,
                 effective_seed=r.effective_seed,
                 traceparent=r.traceparent,
+                group_kv_block_ids=block_tables_to_pb(r.group_kv_block_ids),
             )
             for r in step.new_requests
         ],
@@ -232,6 +286,7 @@ def step_to_pb(step: DecodeStep) -> worker_pb2.DecodeStep:
                 request_id=r.request_id,
                 new_kv_block_ids=r.new_kv_block_ids,
                 num_scheduled_tokens=r.num_scheduled_tokens,
+                new_group_kv_block_ids=block_tables_to_pb(r.new_group_kv_block_ids),
             )
             for r in step.running_requests
         ],
@@ -247,12 +302,13 @@ def step_from_pb(pb: worker_pb2.DecodeStep) -> DecodeStep:
                 request_id=r.request_id,
                 prompt_token_ids=list(r.prompt_token_ids),
                 sampling=sampling_from_pb(r.sampling),
-                kv_block_ids=list(r.kv_block_ids),
+                kv_block_ids=block_ids_from_pb(r.kv_block_ids),
                 num_computed_tokens=r.num_computed_tokens,
                 num_scheduled_tokens=r.num_scheduled_tokens,
                 effective_seed=r.effective_seed,
                 output_token_ids=list(r.output_token_ids),
                 traceparent=r.traceparent,
+                group_kv_block_ids=block_tables_from_pb(r.group_kv_block_ids),
             )
             for r in pb.new_requests
         ],
@@ -261,6 +317,7 @@ def step_from_pb(pb: worker_pb2.DecodeStep) -> DecodeStep:
                 request_id=r.request_id,
                 new_kv_block_ids=list(r.new_kv_block_ids),
                 num_scheduled_tokens=r.num_scheduled_tokens,
+                new_group_kv_block_ids=block_tables_from_pb(r.new_group_kv_block_ids),
             )
             for r in pb.running_requests
         ],

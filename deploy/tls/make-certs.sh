@@ -4,16 +4,19 @@
 #   deploy/tls/make-certs.sh OUT_DIR [NAME ...]
 #
 # NAME: extra DNS names or IP addresses the engine and workers are reached at (localhost and 127.0.0.1
-# are always included). Writes into OUT_DIR:
+# are always included). Writes into OUT_DIR, one distinct identity (subject CN) per role:
 #   ca.pem, ca.key          the CA (keep ca.key offline; only ca.pem is distributed)
-#   engine.pem, engine.key  the engine: served on its port and presented to workers as a client certificate
-#   worker.pem, worker.key  the workers: served on their port and presented to nothing else
-#   client.pem, client.key  a client of the engine port (only needed if you put mTLS in front of it)
-# Every leaf certificate is valid for server and client authentication, for DAYS days (default 365).
+#   engine.pem, engine.key  CN "ominix-runtime engine": served on the engine port and presented to workers
+#                           as a client certificate (server and client authentication); the only
+#                           identity a worker lets open Run (worker --engine-identity)
+#   worker.pem, worker.key  CN "ominix-runtime worker": served on the worker port (server authentication)
+#   client.pem, client.key  CN "ominix-runtime client": a front-end client of the engine port (client
+#                           authentication only; a worker refuses it)
+# Certificates are valid for DAYS days (default 365).
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 out=$1
@@ -32,13 +35,13 @@ openssl req -x509 -newkey rsa:3072 -nodes -sha256 -days "$days" \
   -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" 2>/dev/null
 
 leaf() {
-  local name=$1
+  local name=$1 usage=$2
   local ext
   ext=$(mktemp)
   printf '%s\n' \
     "basicConstraints=critical,CA:FALSE" \
     "keyUsage=critical,digitalSignature,keyEncipherment" \
-    "extendedKeyUsage=serverAuth,clientAuth" \
+    "extendedKeyUsage=$usage" \
     "subjectAltName=$san" >"$ext"
   openssl req -new -newkey rsa:2048 -nodes -sha256 -keyout "$out/$name.key" -out "$out/$name.csr" \
     -subj "/CN=ominix-runtime $name" 2>/dev/null
@@ -47,7 +50,9 @@ leaf() {
   rm -f "$out/$name.csr" "$ext"
 }
 
-for name in engine worker client; do leaf "$name"; done
+leaf engine serverAuth,clientAuth
+leaf worker serverAuth
+leaf client clientAuth
 rm -f "$out/ca.srl"
 chmod 644 "$out"/*.pem
 echo "certificates for $san written to $out"

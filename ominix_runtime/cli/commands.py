@@ -32,7 +32,7 @@ class Command:
         return function
 
 
-_ENGINE_GROUPS = ("model", "served", "listen", "limits", "sglang", "engine", "server", "tls", "log")
+_ENGINE_GROUPS = ("model", "served", "listen", "limits", "sglang", "engine", "server", "access", "tls", "log")
 
 COMMANDS: tuple[Command, ...] = (
     Command(
@@ -49,14 +49,25 @@ COMMANDS: tuple[Command, ...] = (
         "(group g serves on --worker-base-port + g), wait until each group is ready, then run the engine on "
         "--host:--port. Every serve and worker flag applies; the worker flags are passed on to each worker. "
         "A group whose process dies is restarted whole. Ctrl-C stops everything.",
-        (*_ENGINE_GROUPS, "worker", "launch"),
+        (*_ENGINE_GROUPS, "worker", "worker-access", "launch"),
         "ominix_runtime.cli.launcher:run_launch",
     ),
     Command(
         "worker",
         "run a worker process (one device, one model)",
         "Serve one model on one device to an ominix-runtime engine over gRPC (Worker service).",
-        ("model", "listen", "limits", "worker", "worker-process", "tensor-parallel", "tls", "log"),
+        (
+            "model",
+            "listen",
+            "limits",
+            "worker",
+            "worker-process",
+            "tensor-parallel",
+            "access",
+            "worker-access",
+            "tls",
+            "log",
+        ),
         "ominix_runtime.cli.worker_command:run_worker",
         defaults={"server.port": DEFAULT_WORKER_PORT},
     ),

@@ -119,6 +119,18 @@ def api_keys(text: str) -> tuple[str, ...]:
     return keys
 
 
+def secret_file(text: str) -> str:
+    """A readable file holding a non-empty secret; the path is kept (each process reads the file)."""
+    path = Path(str(text)).expanduser()
+    try:
+        secret = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if not secret:
+        raise argparse.ArgumentTypeError(f"{path} is empty")
+    return str(path)
+
+
 def _render_scalar(value: Any) -> str:
     if isinstance(value, tuple):
         return ",".join(str(v) for v in value)
@@ -286,6 +298,21 @@ FLAGS: tuple[Flag, ...] = (
         non_negative_float,
     ),
     Flag(
+        "--worker-heartbeat-timeout",
+        "engine",
+        "seconds without a heartbeat or result before a worker is marked unhealthy and its requests fail over",
+        ("backends.heartbeat_timeout",),
+        positive_float,
+    ),
+    Flag(
+        "--step-timeout",
+        "engine",
+        "seconds a step may take before its worker is marked unhealthy, heartbeats or not (unset: 10x the "
+        "slowest step measured on that worker, at least 30)",
+        ("backends.step_timeout", "engine.step_timeout"),
+        positive_float,
+    ),
+    Flag(
         "--stats-interval",
         "engine",
         "seconds between stats log lines (running, waiting, KV usage, tok/s); 0: none",
@@ -318,6 +345,53 @@ FLAGS: tuple[Flag, ...] = (
         repeatable=True,
         metavar="KEY|@FILE",
         secret=True,
+    ),
+    Flag(
+        "--allow-special-tokens-in-prompt",
+        "server",
+        "trusted callers only: special-token strings in a prompt act as special tokens (else plain text)",
+        ("front.allow_special_tokens_in_prompt",),
+        switch=True,
+    ),
+    Flag(
+        "--allow-special-tokens-in-chat",
+        "server",
+        "trusted callers only: special-token strings in chat message content act as special tokens",
+        ("front.allow_special_tokens_in_chat",),
+        switch=True,
+    ),
+    Flag(
+        "--tokenizer-threads",
+        "server",
+        "threads that tokenize prompts and render chat templates (off the event loop)",
+        ("front.tokenizer_threads",),
+        positive_int,
+    ),
+    Flag(
+        "--max-pending-tokenizations",
+        "server",
+        "prompts waiting to be tokenized before new ones get RESOURCE_EXHAUSTED",
+        ("front.max_pending_tokenizations",),
+        positive_int,
+    ),
+    # engine access: which engine may drive a worker
+    Flag(
+        "--engine-secret-file",
+        "access",
+        "a file holding the secret the engine presents on Run and workers started with the same flag require "
+        "(plaintext deployments; `launch` makes one for its workers when unset)",
+        ("tls.engine_secret_file",),
+        secret_file,
+        metavar="FILE",
+    ),
+    Flag(
+        "--engine-identity",
+        "worker-access",
+        "with --tls-ca: the subject CN or SAN entry the engine's client certificate must carry to open Run "
+        "(repeatable; unset: the engine identity deploy/tls/make-certs.sh issues)",
+        ("tls.engine_identities",),
+        repeatable=True,
+        metavar="NAME",
     ),
     # tls
     Flag(
@@ -441,6 +515,14 @@ FLAGS: tuple[Flag, ...] = (
         "gives up (every rank then exits)",
         ("worker.dist_timeout",),
         positive_float,
+    ),
+    Flag(
+        "--moe-parallel",
+        "worker",
+        "how a tensor-parallel group splits mixture-of-experts layers: tensor (every rank holds a slice of "
+        "every expert) or expert (each rank holds num_experts / --tp-size whole experts)",
+        ("worker.moe_parallel",),
+        lowercase_choice(("tensor", "expert")),
     ),
     # launch
     Flag(

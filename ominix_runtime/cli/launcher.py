@@ -7,20 +7,22 @@ import argparse
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ominix_runtime.cli.commands import command
 from ominix_runtime.cli.ports import check_ports_free, free_ports
 from ominix_runtime.cli.serve import check_model, engine_ports
 from ominix_runtime.cli.settings import ConfigError, child_command, child_environment
-from ominix_runtime.config import RuntimeConfig, TLSConfig, with_paths
+from ominix_runtime.config import RuntimeConfig, with_paths
 from ominix_runtime.server.logging import configure_logging, get_logger
 
 _log = get_logger("ominix.launch")
@@ -144,7 +146,8 @@ def plan_workers(
                 "worker.worker_id": f"{name}@{host}:{port}",
                 "worker.num_threads": threads if device == "cpu" else config.worker.num_threads,
                 "worker.launch_nonce": nonce,
-                "tls": config.tls if config.tls.ca else TLSConfig(),
+                # Plaintext worker links unless --tls-ca; the engine secret goes along either way.
+                "tls": config.tls if config.tls.ca else replace(config.tls, cert=None, key=None, ca=None),
                 # A worker's stderr is a pipe to the launcher: it renders as the launcher's own terminal does.
                 "log.format": _resolved_log_format(config),
             }
@@ -381,6 +384,22 @@ def run_launch(config: RuntimeConfig, options: argparse.Namespace) -> int:
         ]
     )
     nonce = secrets.token_hex(8)
+    secret_dir = None
+    if config.tls.engine_secret_file is None:
+        # Only this launch's engine may drive its workers: a fresh secret, readable by this user only.
+        secret_dir = tempfile.mkdtemp(prefix="ominix-launch-")
+        secret_path = Path(secret_dir) / "engine.secret"
+        secret_path.write_text(secrets.token_urlsafe(32), encoding="utf-8")
+        secret_path.chmod(0o600)
+        config = with_paths(config, {"tls.engine_secret_file": str(secret_path)})
+    try:
+        return _launch(config, ports, dist_ports, nonce)
+    finally:
+        if secret_dir is not None:
+            shutil.rmtree(secret_dir, ignore_errors=True)
+
+
+def _launch(config: RuntimeConfig, ports: Sequence[int], dist_ports: Sequence[int], nonce: str) -> int:
     plans = plan_workers(config, ports, nonce, dist_ports)
     engine_config = with_paths(config, {"backends.workers": tuple(p.address for p in plans)})
     _, secret_env = child_command(command("serve"), engine_config)

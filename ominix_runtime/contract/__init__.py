@@ -18,6 +18,7 @@ from ominix_runtime.contract.capability import (
 from ominix_runtime.contract.errors import AdmissionRejected, InvalidArgument, OminixError, RuntimeErrorKind
 from ominix_runtime.contract.events import Done, Error, PrefillDone, Token, Usage, WorkerEvent, is_terminal
 from ominix_runtime.contract.kv import KVLease
+from ominix_runtime.contract.kv_layout import NULL_BLOCK_ID, AttentionKind, KVGroup, layout_problems
 from ominix_runtime.contract.request import ChatMessage, GenerateRequest, Priority
 from ominix_runtime.contract.sampling import SamplingParams
 from ominix_runtime.contract.state import (
@@ -48,6 +49,10 @@ from ominix_runtime.contract.validation import (
 )
 
 __all__ = [
+    "NULL_BLOCK_ID",
+    "AttentionKind",
+    "KVGroup",
+    "layout_problems",
     "ALLOWED_TRANSITIONS",
     "ASCEND_PROFILE",
     "AdmissionRejected",

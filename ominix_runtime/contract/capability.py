@@ -6,6 +6,8 @@ from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Any
 
+from ominix_runtime.contract.kv_layout import AttentionKind, KVGroup, layout_problems
+
 
 class BackendKind(IntEnum):
     """Values match ``ominix.runtime.v1.BackendKind``."""
@@ -52,6 +54,10 @@ DTYPE_BYTES = {
 }
 
 
+# BackendCapability.moe_parallel: "" (dense), or how a group splits the experts.
+MOE_PARALLEL_MODES = ("", "tensor", "expert")
+
+
 @dataclass(frozen=True, slots=True)
 class RankInfo:
     """One rank of a tensor-parallel worker group (a single worker states itself as rank 0 of 1)."""
@@ -95,6 +101,31 @@ class BackendCapability:
     # cache ("fp8_e4m3" with --kv-cache-dtype); empty: the run dtype.
     weight_dtype: str = ""
     kv_cache_dtype: str = ""
+    # How a group splits MoE layers: "tensor" (a slice of every expert per rank) or "expert" (whole experts,
+    # num_experts / tensor_parallel_size per rank); empty for a dense model (or a backend that does not say).
+    moe_parallel: str = ""
+    # The KV groups of a hybrid layout; empty: one full-attention group over every layer, sized by
+    # kv_block_size / kv_num_blocks / kv_bytes_per_block (see kv_layout).
+    kv_groups: tuple[KVGroup, ...] = ()
+
+    @property
+    def kv_layout(self) -> tuple[KVGroup, ...]:
+        """The stated KV groups, or the one full-attention group a uniform model implies."""
+        if self.kv_groups:
+            return self.kv_groups
+        layers = self.model.num_layers
+        per_token = (
+            self.kv_bytes_per_block // (self.kv_block_size * layers) if self.kv_block_size and layers else 0
+        )
+        return (
+            KVGroup(
+                kind=AttentionKind.FULL,
+                layer_indices=tuple(range(layers)),
+                block_size=self.kv_block_size,
+                num_blocks=self.kv_num_blocks,
+                bytes_per_token_per_layer=per_token,
+            ),
+        )
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -159,6 +190,12 @@ class BackendCapability:
                     f"kv_bytes_per_block {self.kv_bytes_per_block} is less than the {implied} bytes the model "
                     f"shape needs in {self.effective_kv_cache_dtype}"
                 )
+            if self.kv_groups:
+                out.extend(layout_problems(self.kv_groups, self.model.num_layers))
+                if self.kv_groups[0].block_size != self.kv_block_size:
+                    out.append("kv_block_size must equal the kv groups' block_size")
+                if self.kv_groups[0].num_blocks != self.kv_num_blocks:
+                    out.append("kv_num_blocks must equal kv group 0's num_blocks")
         if self.kv_cache_dtype.startswith("fp8") and not self.supports_fp8_kv:
             out.append(f"kv_cache_dtype {self.kv_cache_dtype} needs supports_fp8_kv")
         if self.tensor_parallel_size < 1:
@@ -167,6 +204,14 @@ class BackendCapability:
             out.append("tensor_parallel_size > 1 needs a collective backend")
         if self.ranks and [r.rank for r in self.ranks] != list(range(self.tensor_parallel_size)):
             out.append(f"ranks must list ranks 0..{self.tensor_parallel_size - 1} in order")
+        if self.moe_parallel not in MOE_PARALLEL_MODES:
+            out.append(f"moe_parallel {self.moe_parallel!r} is not one of {MOE_PARALLEL_MODES}")
+        elif self.moe_parallel and self.model.num_experts <= 0:
+            out.append("moe_parallel is stated for a model without experts")
+        elif self.moe_parallel == "expert" and self.model.num_experts % self.tensor_parallel_size:
+            out.append(
+                f"{self.model.num_experts} experts do not divide over {self.tensor_parallel_size} ranks"
+            )
         if self.kind == BackendKind.ASCEND:
             if self.kv_block_size != 128:
                 out.append("Ascend workers use KV block size 128")

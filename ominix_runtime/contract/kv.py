@@ -9,8 +9,16 @@ from dataclasses import dataclass, field
 class KVLease:
     request_id: str
     worker_id: str
-    kv_block_ids: list[int] = field(default_factory=list)
+    # One block table per KV group (see contract.kv_layout), in the capability's group order. A sliding-window
+    # group's table keeps NULL_BLOCK_ID where a block slid out of the window, so position p stays in entry
+    # p // block_size.
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     num_tokens_reserved: int = (
-        0  # tokens whose KV slots the blocks cover (len(blocks) * block_size upper bound)
+        0  # tokens whose KV slots the blocks cover (len(table) * block_size upper bound)
     )
     num_prefix_hit_tokens: int = 0  # prompt tokens found in the prefix cache at admission to the worker
+
+    @property
+    def kv_block_ids(self) -> list[int]:
+        """Block table of group 0 (the only one of a uniform layout)."""
+        return self.block_tables[0]

@@ -18,19 +18,23 @@ class NewRequestData:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    kv_block_ids: list[int]
+    kv_block_ids: list[int]  # block table of KV group 0; NULL_BLOCK_ID where a window slid past
     num_computed_tokens: int  # prefix-cache hit: KV already in the first blocks
     num_scheduled_tokens: int
     effective_seed: int
     output_token_ids: list[int] = field(default_factory=list)  # resumed after preemption
     traceparent: str = ""  # W3C trace context of the engine's request span ("" when not traced)
+    # Block tables of KV groups 1..n-1 of a hybrid layout (group 0's is kv_block_ids); empty for one group.
+    group_kv_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class RunningRequestData:
     request_id: str
-    new_kv_block_ids: list[int]
+    new_kv_block_ids: list[int]  # appended to group 0's table
     num_scheduled_tokens: int
+    # Per KV group 1..n-1: blocks appended to that group's table; empty for a one-group layout.
+    new_group_kv_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# A step result (or heartbeat) later than this marks a worker group unhealthy; the one definition.
-DEFAULT_STEP_TIMEOUT_S = 60.0
+# The engine core's own guard on a step: --step-timeout when given; else only a backstop for a backend with
+# no timeout of its own (the worker client derives one per stream from its measured steps). One definition.
+DEFAULT_STEP_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,20 +10,25 @@ One registry per worker group, sized from the worker's BackendCapability (kv_num
   so the prefix survives longest.
 - A prefix hit is block-aligned and capped at ``len(tokens) - 1`` so the last prompt token is always
   recomputed (the worker needs its logits to sample).
-- Invariant (``check_integrity``): free + evictable-cached + leased == total, every block's ref count equals
-  the number of live leases holding it, and a block is held by two leases only if it is a cached (hashed)
-  block shared through the prefix cache.
+- KV groups (contract.kv_layout): each group of layers has its own block pool, prefix cache and one block
+  table per lease; a uniform model has one full-attention group. A sliding-window group frees the blocks
+  that slid wholly out of the window (``slide``); their table entries become NULL_BLOCK_ID so positions keep
+  their entry. A prefix hit is the longest prefix that *every* group still holds in full.
+- Invariant (``check_integrity``, per group): free + evictable-cached + leased == total, every block's ref
+  count equals the number of live leases holding it, and a block is held by two leases only if it is a
+  cached (hashed) block shared through the prefix cache.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
-from ominix_runtime.contract import KVLease
+from ominix_runtime.contract import NULL_BLOCK_ID, AttentionKind, KVGroup, KVLease
 
 _ROOT_HASH = 0x5F3759DF  # parent hash of a request's first block
+_UNBOUNDED_TOKENS = 1 << 62  # no KV limit on a request's length (only sliding-window groups)
 
 
 class IntegrityError(AssertionError):
@@ -43,15 +48,135 @@ class _Block:
 class _LeaseState:
     lease: KVLease
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache (or skipped)
-    last_hash: int = _ROOT_HASH
+    last_hashes: list[int] = field(default_factory=list)  # per group: hash of the last registered block
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
-    """Cached leading blocks found for a token sequence (not yet leased)."""
+    """Cached leading blocks found for a token sequence (not yet leased): one tuple per KV group."""
 
-    kv_block_ids: tuple[int, ...] = ()
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
     num_tokens: int = 0
+
+    @property
+    def kv_block_ids(self) -> tuple[int, ...]:
+        """Group 0's hit blocks."""
+        return self.group_block_ids[0] if self.group_block_ids else ()
+
+
+class _BlockPool:
+    """The blocks of one KV group: ref counts, the free queue (front = reused first) and the prefix cache."""
+
+    def __init__(self, group: KVGroup) -> None:
+        self.group = group
+        self.num_blocks = group.num_blocks
+        self.blocks = [_Block(i) for i in range(group.num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(group.num_blocks))
+        self.cache: dict[int, int] = {}  # block hash -> block id
+        self.num_leased = 0
+
+    def take(self) -> int:
+        block_id, _none = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # lazy eviction of the cached content
+            if self.cache.get(block.block_hash) == block_id:
+                del self.cache[block.block_hash]
+            block.block_hash = None
+            block.hash_key = None
+        block.ref_count = 1
+        self.num_leased += 1
+        return block_id
+
+    def ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+            self.num_leased += 1
+        block.ref_count += 1
+
+    def unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.num_leased -= 1
+            self.free[block_id] = None
+            if block.block_hash is None:
+                self.free.move_to_end(block_id, last=False)  # no content worth keeping: reuse first
+
+    def lookup(self, key: tuple[int, tuple[int, ...]]) -> int | None:
+        block_id = self.cache.get(hash(key))
+        if block_id is None or self.blocks[block_id].hash_key != key:
+            return None
+        return block_id
+
+    def register(self, block_id: int, key: tuple[int, tuple[int, ...]]) -> None:
+        block = self.blocks[block_id]
+        block_hash = hash(key)
+        if block.block_hash is None and block_hash not in self.cache:
+            block.block_hash = block_hash
+            block.hash_key = key
+            self.cache[block_hash] = block_id
+        # A duplicate of content cached elsewhere stays unhashed; the chain continues either way.
+
+    def check(self, tables: dict[str, list[int]], index: int) -> None:
+        """Raise IntegrityError when this pool's bookkeeping disagrees with the leases' ``tables``."""
+        where = f"kv group {index}: "
+        holders: dict[int, int] = {}
+        for rid, table in tables.items():
+            seen: set[int] = set()
+            for b in table:
+                if b == NULL_BLOCK_ID:
+                    if not self.group.is_sliding:
+                        raise IntegrityError(f"{where}lease {rid} has a null entry in a full-attention table")
+                    continue
+                if not 0 <= b < self.num_blocks:
+                    raise IntegrityError(f"{where}lease {rid} holds block {b} outside [0, {self.num_blocks})")
+                if b in seen:
+                    raise IntegrityError(f"{where}lease {rid} holds block {b} twice")
+                seen.add(b)
+                holders[b] = holders.get(b, 0) + 1
+            if NULL_BLOCK_ID in table:
+                last_null = len(table) - 1 - table[::-1].index(NULL_BLOCK_ID)
+                if any(b != NULL_BLOCK_ID for b in table[:last_null]):
+                    raise IntegrityError(f"{where}lease {rid}: null entries must be a leading run")
+        num_free = num_evictable = 0
+        for block in self.blocks:
+            held = holders.get(block.block_id, 0)
+            if block.ref_count != held:
+                raise IntegrityError(
+                    f"{where}block {block.block_id} has ref count {block.ref_count} but {held} live leases hold it"
+                )
+            if held > 1 and block.block_hash is None:
+                raise IntegrityError(
+                    f"{where}block {block.block_id} is held by {held} requests but is not a cached block"
+                )
+            in_free = block.block_id in self.free
+            if (block.ref_count == 0) != in_free:
+                raise IntegrityError(
+                    f"{where}block {block.block_id} ref count {block.ref_count} vs free-queue {in_free}"
+                )
+            if in_free:
+                if block.block_hash is None:
+                    num_free += 1
+                else:
+                    num_evictable += 1
+            if block.block_hash is not None and self.cache.get(block.block_hash) != block.block_id:
+                raise IntegrityError(
+                    f"{where}block {block.block_id} keeps a hash the prefix cache maps elsewhere"
+                )
+        for block_hash, block_id in self.cache.items():
+            if self.blocks[block_id].block_hash != block_hash:
+                raise IntegrityError(
+                    f"{where}prefix cache entry points at block {block_id} with another hash"
+                )
+        num_leased = sum(1 for b in self.blocks if b.ref_count > 0)
+        if num_leased != self.num_leased:
+            raise IntegrityError(f"{where}leased-block counter {self.num_leased} != {num_leased}")
+        if num_free + num_evictable + num_leased != self.num_blocks:
+            raise IntegrityError(
+                f"{where}free {num_free} + evictable {num_evictable} + leased {num_leased} != total "
+                f"{self.num_blocks}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,37 +193,81 @@ class RegistrySnapshot:
 
 
 class KVRegistry:
+    """Blocks of every KV group of one worker group, and the leases that hold them.
+
+    ``layout`` states the groups (contract.kv_layout); empty means one full-attention group of ``num_blocks``
+    blocks. With a layout, ``num_blocks`` caps every group's pool and ``block_size`` must match it.
+    """
+
     def __init__(
-        self, worker_id: str, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        worker_id: str,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        layout: Sequence[KVGroup] = (),
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be > 0")
+        if not layout:
+            layout = (KVGroup(AttentionKind.FULL, (), block_size, num_blocks),)
+        for i, group in enumerate(layout):
+            if group.block_size != block_size:
+                raise ValueError(f"kv group {i} has block size {group.block_size}, not {block_size}")
+            if group.kind not in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW):
+                raise ValueError(f"kv group {i}: {group.kind.name} attention is not served yet")
         self.worker_id = worker_id
-        self.num_blocks = num_blocks
+        self.layout = tuple(replace(g, num_blocks=min(g.num_blocks, num_blocks)) for g in layout)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._blocks = [_Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cache: dict[int, int] = {}  # block hash -> block id
+        self._pools = [_BlockPool(g) for g in self.layout]
         self._leases: dict[str, _LeaseState] = {}
-        self._num_leased = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
 
     # ---- queries --------------------------------------------------------------------------------------
 
     @property
+    def num_groups(self) -> int:
+        return len(self._pools)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of every group's pool."""
+        return sum(p.num_blocks for p in self._pools)
+
+    @property
     def num_available_blocks(self) -> int:
-        """Blocks that can be handed out now (free or evictable cached)."""
-        return len(self._free)
+        """Blocks of every group that can be handed out now (free or evictable cached)."""
+        return sum(len(p.free) for p in self._pools)
+
+    def available_blocks(self) -> tuple[int, ...]:
+        """Per group: blocks that can be handed out now."""
+        return tuple(len(p.free) for p in self._pools)
 
     @property
     def num_leased_blocks(self) -> int:
-        return self._num_leased
+        """Leased blocks over every group."""
+        return sum(p.num_leased for p in self._pools)
 
     @property
     def num_leases(self) -> int:
         return len(self._leases)
+
+    def max_request_tokens(self, chunk_tokens: int) -> int:
+        """Longest sequence one request could hold with every block, computing ``chunk_tokens`` per step.
+
+        A sliding group bounds nothing when its pool holds a window plus a chunk (and the block each may
+        straddle); one too small to hold even that bounds the context like a full group would.
+        """
+        limits = []
+        for pool in self._pools:
+            group = pool.group
+            capacity = pool.num_blocks * self.block_size
+            if group.is_sliding and capacity >= group.sliding_window + chunk_tokens + 2 * self.block_size:
+                continue
+            limits.append(capacity)
+        return min(limits) if limits else _UNBOUNDED_TOKENS
 
     def lease(self, request_id: str) -> KVLease | None:
         state = self._leases.get(request_id)
@@ -110,83 +279,125 @@ class KVRegistry:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def footprint(self, num_tokens: int, num_computed_tokens: int = 0) -> tuple[int, ...]:
+        """Per group: blocks a request holds while computing up to ``num_tokens`` from ``num_computed_tokens``.
+
+        A full group holds every block; a sliding group drops the blocks wholly before its window.
+        """
+        total = self.blocks_for_tokens(num_tokens)
+        return tuple(total - self._num_slid(p.group, num_computed_tokens) for p in self._pools)
+
+    def _num_slid(self, group: KVGroup, num_computed_tokens: int) -> int:
+        return group.first_needed_position(num_computed_tokens) // self.block_size
+
     def find_prefix(self, token_ids: Sequence[int], record: bool = False) -> PrefixHit:
-        """Longest run of cached full leading blocks, capped so the last token is recomputed."""
+        """Longest run of leading blocks every group holds in its cache, capped so the last token is recomputed."""
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return PrefixHit()
-        max_blocks = (len(token_ids) - 1) // self.block_size
-        parent = _ROOT_HASH
-        hit: list[int] = []
         bs = self.block_size
-        for i in range(max_blocks):
-            key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
-            block_hash = hash(key)
-            block_id = self._cache.get(block_hash)
-            if block_id is None or self._blocks[block_id].hash_key != key:
-                break
-            hit.append(block_id)
-            parent = block_hash
+        num_hit = (len(token_ids) - 1) // bs
+        per_group: list[list[int]] = []
+        for pool in self._pools:
+            parent = _ROOT_HASH
+            hit: list[int] = []
+            for i in range(num_hit):
+                key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+                block_id = pool.lookup(key)
+                if block_id is None:
+                    break
+                hit.append(block_id)
+                parent = hash(key)
+            per_group.append(hit)
+            num_hit = len(hit)
         if record:
             self.prefix_query_tokens += len(token_ids)
-            self.prefix_hit_tokens += len(hit) * bs
-        return PrefixHit(tuple(hit), len(hit) * bs)
+            self.prefix_hit_tokens += num_hit * bs
+        return PrefixHit(tuple(tuple(h[:num_hit]) for h in per_group), num_hit * bs)
 
     # ---- allocation -----------------------------------------------------------------------------------
 
-    def allocate(self, request_id: str, num_tokens: int, prefix: PrefixHit | None = None) -> list[int] | None:
-        """Grow ``request_id``'s lease to cover ``num_tokens`` tokens; all or nothing.
+    def allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        prefix: PrefixHit | None = None,
+        num_computed_tokens: int | None = None,
+    ) -> list[int] | None:
+        """Grow ``request_id``'s lease to cover ``num_tokens`` tokens in every group; all or nothing.
 
-        On the first call the lease starts with the ``prefix`` blocks (shared, ref count +1). Returns the
-        block ids appended to the lease (prefix blocks included on the first call), or None when there are
-        not enough blocks; then nothing changed.
+        On the first call the lease starts with the ``prefix`` blocks (shared, ref count +1). Given
+        ``num_computed_tokens`` (tokens already computed before this step), sliding groups first release the
+        blocks their window has left (``slide``). Returns group 0's block ids appended to the lease (prefix
+        blocks included on the first call; the other groups' are in ``lease.block_tables``), or None when
+        some group lacks blocks; then nothing changed but the slide.
         """
         state = self._leases.get(request_id)
-        if (  # fast path: a running request that needs no new block
-            state is not None
-            and prefix is None
-            and -(-num_tokens // self.block_size) <= len(state.lease.kv_block_ids)
-        ):
-            return []
+        if state is not None and num_computed_tokens is not None:
+            self.slide(request_id, num_computed_tokens)
+        need_total = self.blocks_for_tokens(num_tokens)
+        if state is not None and prefix is None and need_total <= len(state.lease.block_tables[0]):
+            return []  # fast path: a running request that needs no new block
         if state is not None and prefix is not None and prefix.kv_block_ids:
             raise ValueError("a prefix hit can only start a new lease")
-        prefix_ids = prefix.kv_block_ids if (state is None and prefix is not None) else ()
-        if any(self._blocks[b].block_hash is None for b in prefix_ids):
-            raise ValueError("stale prefix hit: a block was evicted since find_prefix")
-        have = len(state.lease.kv_block_ids) if state else len(prefix_ids)
-        need = max(self.blocks_for_tokens(num_tokens) - have, 0)
-        # Prefix blocks with ref 0 are in the free queue; taking them shrinks what is available.
-        prefix_from_free = sum(1 for b in prefix_ids if self._blocks[b].ref_count == 0)
-        if need + prefix_from_free > len(self._free):
-            return None
+        groups_prefix: list[tuple[int, ...]] = [()] * len(self._pools)
+        if state is None and prefix is not None and prefix.group_block_ids:
+            if len(prefix.group_block_ids) != len(self._pools):
+                raise ValueError("prefix hit from another layout")
+            groups_prefix = list(prefix.group_block_ids)
+        for pool, ids in zip(self._pools, groups_prefix, strict=True):
+            if any(pool.blocks[b].block_hash is None for b in ids):
+                raise ValueError("stale prefix hit: a block was evicted since find_prefix")
+        needs: list[int] = []
+        for g, pool in enumerate(self._pools):
+            have = len(state.lease.block_tables[g]) if state else len(groups_prefix[g])
+            need = max(need_total - have, 0)
+            # Prefix blocks with ref 0 are in the free queue; taking them shrinks what is available.
+            prefix_from_free = sum(1 for b in groups_prefix[g] if pool.blocks[b].ref_count == 0)
+            if need + prefix_from_free > len(pool.free):
+                return None
+            needs.append(need)
         if state is None:
-            state = _LeaseState(KVLease(request_id, self.worker_id))
+            state = _LeaseState(
+                KVLease(request_id, self.worker_id, block_tables=[[] for _ in self._pools]),
+                last_hashes=[_ROOT_HASH] * len(self._pools),
+            )
             self._leases[request_id] = state
-            for b in prefix_ids:
-                self._ref(b)
-                state.lease.kv_block_ids.append(b)
-            state.lease.num_prefix_hit_tokens = len(prefix_ids) * self.block_size
-        added = list(prefix_ids)
-        for _ in range(need):
-            block_id, _none = self._free.popitem(last=False)
-            block = self._blocks[block_id]
-            if block.block_hash is not None:  # lazy eviction of the cached content
-                if self._cache.get(block.block_hash) == block_id:
-                    del self._cache[block.block_hash]
-                block.block_hash = None
-                block.hash_key = None
-            block.ref_count = 1
-            self._num_leased += 1
-            state.lease.kv_block_ids.append(block_id)
-            added.append(block_id)
-        state.lease.num_tokens_reserved = len(state.lease.kv_block_ids) * self.block_size
+            for pool, table, ids in zip(self._pools, state.lease.block_tables, groups_prefix, strict=True):
+                for b in ids:
+                    pool.ref(b)
+                    table.append(b)
+            state.lease.num_prefix_hit_tokens = len(groups_prefix[0]) * self.block_size
+        added = list(groups_prefix[0])
+        for g, (pool, table) in enumerate(zip(self._pools, state.lease.block_tables, strict=True)):
+            for _ in range(needs[g]):
+                block_id = pool.take()
+                table.append(block_id)
+                if g == 0:
+                    added.append(block_id)
+        state.lease.num_tokens_reserved = len(state.lease.block_tables[0]) * self.block_size
+        if num_computed_tokens is not None:
+            self.slide(request_id, num_computed_tokens)
         return added
 
-    def _ref(self, block_id: int) -> None:
-        block = self._blocks[block_id]
-        if block.ref_count == 0:
-            del self._free[block_id]
-            self._num_leased += 1
-        block.ref_count += 1
+    def slide(self, request_id: str, num_computed_tokens: int) -> int:
+        """Release, in every sliding group, the blocks wholly before the window of the next token.
+
+        Only blocks no step at or after ``num_computed_tokens`` reads or writes go: the worker runs steps in
+        order, so a block freed here is reused only by a later step. Returns the number of blocks freed.
+        """
+        state = self._leases.get(request_id)
+        if state is None:
+            return 0
+        freed = 0
+        for pool, table in zip(self._pools, state.lease.block_tables, strict=True):
+            upto = min(self._num_slid(pool.group, num_computed_tokens), len(table))
+            for i in range(upto - 1, -1, -1):  # newest first: stop at the already-null run
+                if table[i] == NULL_BLOCK_ID:
+                    break
+                pool.unref(table[i])
+                table[i] = NULL_BLOCK_ID
+                freed += 1
+        return freed
 
     def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Register the lease's full blocks whose tokens are known and computed in the prefix cache."""
@@ -196,111 +407,73 @@ class KVRegistry:
         if state is None:
             return
         bs = self.block_size
-        lease_blocks = state.lease.kv_block_ids
+        tables = state.lease.block_tables
         num_full = min(num_computed_tokens, len(token_ids)) // bs
-        if num_full <= state.num_hashed_blocks:
-            return
-        num_full = min(num_full, len(lease_blocks))
+        num_full = min(num_full, min(len(t) for t in tables))
         for i in range(state.num_hashed_blocks, num_full):
-            key = (state.last_hash, tuple(token_ids[i * bs : (i + 1) * bs]))
-            block_hash = hash(key)
-            block = self._blocks[lease_blocks[i]]
-            if block.block_hash is None and block_hash not in self._cache:
-                block.block_hash = block_hash
-                block.hash_key = key
-                self._cache[block_hash] = block.block_id
-            # A duplicate of content cached elsewhere stays unhashed; the chain continues either way.
-            state.last_hash = block_hash
+            block_tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            for g, (pool, table) in enumerate(zip(self._pools, tables, strict=True)):
+                key = (state.last_hashes[g], block_tokens)
+                if table[i] != NULL_BLOCK_ID:  # a slid-out block is gone; the chain continues
+                    pool.register(table[i], key)
+                state.last_hashes[g] = hash(key)
             state.num_hashed_blocks = i + 1
 
     def free(self, request_id: str) -> list[int]:
-        """Release the lease tail-first; returns its block ids (empty when there was none)."""
+        """Release the lease tail-first; returns group 0's block ids (empty when there was none)."""
         state = self._leases.pop(request_id, None)
         if state is None:
             return []
-        blocks = state.lease.kv_block_ids
-        for block_id in reversed(blocks):
-            block = self._blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._num_leased -= 1
-                self._free[block_id] = None
-                if block.block_hash is None:
-                    self._free.move_to_end(block_id, last=False)  # no content worth keeping: reuse first
-        return list(blocks)
+        for pool, table in zip(self._pools, state.lease.block_tables, strict=True):
+            for block_id in reversed(table):
+                if block_id != NULL_BLOCK_ID:
+                    pool.unref(block_id)
+        return [b for b in state.lease.block_tables[0] if b != NULL_BLOCK_ID]
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (e.g. after the worker restarted and lost its KV tensor)."""
-        for block in self._blocks:
-            block.block_hash = None
-            block.hash_key = None
-        self._cache.clear()
+        for pool in self._pools:
+            for block in pool.blocks:
+                block.block_hash = None
+                block.hash_key = None
+            pool.cache.clear()
 
     # ---- checks and stats -----------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Raise :class:`IntegrityError` when the bookkeeping is inconsistent."""
-        holders: dict[int, int] = {}
+        """Raise :class:`IntegrityError` when the bookkeeping of any group is inconsistent."""
+        for g, pool in enumerate(self._pools):
+            tables: dict[str, list[int]] = {}
+            for rid, state in self._leases.items():
+                if len(state.lease.block_tables) != len(self._pools):
+                    raise IntegrityError(f"lease {rid} has {len(state.lease.block_tables)} block tables")
+                tables[rid] = state.lease.block_tables[g]
+            pool.check(tables, g)
         for rid, state in self._leases.items():
-            seen: set[int] = set()
-            for b in state.lease.kv_block_ids:
-                if not 0 <= b < self.num_blocks:
-                    raise IntegrityError(f"lease {rid} holds block {b} outside [0, {self.num_blocks})")
-                if b in seen:
-                    raise IntegrityError(f"lease {rid} holds block {b} twice")
-                seen.add(b)
-                holders[b] = holders.get(b, 0) + 1
-        num_free = num_evictable = 0
-        for block in self._blocks:
-            held = holders.get(block.block_id, 0)
-            if block.ref_count != held:
-                raise IntegrityError(
-                    f"block {block.block_id} has ref count {block.ref_count} but {held} live leases hold it"
-                )
-            if held > 1 and block.block_hash is None:
-                raise IntegrityError(
-                    f"block {block.block_id} is held by {held} requests but is not a cached block"
-                )
-            in_free = block.block_id in self._free
-            if (block.ref_count == 0) != in_free:
-                raise IntegrityError(
-                    f"block {block.block_id} ref count {block.ref_count} vs free-queue {in_free}"
-                )
-            if in_free:
-                if block.block_hash is None:
-                    num_free += 1
-                else:
-                    num_evictable += 1
-            if block.block_hash is not None and self._cache.get(block.block_hash) != block.block_id:
-                raise IntegrityError(f"block {block.block_id} keeps a hash the prefix cache maps elsewhere")
-        for block_hash, block_id in self._cache.items():
-            if self._blocks[block_id].block_hash != block_hash:
-                raise IntegrityError(f"prefix cache entry points at block {block_id} with another hash")
-        num_leased = sum(1 for b in self._blocks if b.ref_count > 0)
-        if num_leased != self._num_leased:
-            raise IntegrityError(f"leased-block counter {self._num_leased} != {num_leased}")
-        if num_free + num_evictable + num_leased != self.num_blocks:
-            raise IntegrityError(
-                f"free {num_free} + evictable {num_evictable} + leased {num_leased} != total {self.num_blocks}"
-            )
+            lengths = {len(t) for t in state.lease.block_tables}
+            if len(lengths) != 1:
+                raise IntegrityError(f"lease {rid} covers different token counts per group: {lengths}")
 
     def check_quiescent(self) -> None:
-        """O(1) check for an idle registry: no lease may be left and every block must be reusable."""
-        if self._leases or self._num_leased or len(self._free) != self.num_blocks:
-            raise IntegrityError(
-                f"idle registry holds {len(self._leases)} leases, {self._num_leased} leased blocks, "
-                f"{len(self._free)} of {self.num_blocks} blocks reusable"
-            )
+        """O(1) per group check for an idle registry: no lease may be left and every block must be reusable."""
+        for g, pool in enumerate(self._pools):
+            if self._leases or pool.num_leased or len(pool.free) != pool.num_blocks:
+                raise IntegrityError(
+                    f"idle registry holds {len(self._leases)} leases; kv group {g}: {pool.num_leased} leased "
+                    f"blocks, {len(pool.free)} of {pool.num_blocks} blocks reusable"
+                )
 
     def snapshot(self) -> RegistrySnapshot:
-        num_evictable = sum(1 for b in self._free if self._blocks[b].block_hash is not None)
+        """Counts over every group (num_blocks is the sum of the groups' pools)."""
+        num_evictable = sum(1 for p in self._pools for b in p.free if p.blocks[b].block_hash is not None)
+        num_free = sum(len(p.free) for p in self._pools)
         return RegistrySnapshot(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
-            num_leased_blocks=self._num_leased,
-            num_free_blocks=len(self._free) - num_evictable,
+            num_leased_blocks=self.num_leased_blocks,
+            num_free_blocks=num_free - num_evictable,
             num_cached_evictable_blocks=num_evictable,
-            num_cached_blocks=len(self._cache),
+            num_cached_blocks=sum(len(p.cache) for p in self._pools),
             num_leases=len(self._leases),
             prefix_query_tokens=self.prefix_query_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ominix_runtime.contract import (
+    NULL_BLOCK_ID,
     BackendCapability,
     BatchPlan,
     DecodeStep,
@@ -92,6 +93,7 @@ class Scheduler:
             min(capability.kv_num_blocks, config.max_kv_blocks or capability.kv_num_blocks),
             capability.kv_block_size,
             enable_prefix_caching=config.enable_prefix_caching and capability.supports_prefix_caching,
+            layout=capability.kv_groups,
         )
         self.max_batch_tokens = min(
             config.max_batch_tokens or capability.max_batch_tokens, capability.max_batch_tokens
@@ -125,7 +127,7 @@ class Scheduler:
             RequestLimits(
                 vocab_size=self.vocab_size,
                 max_model_len=self.max_model_len,
-                kv_capacity_tokens=self.registry.num_blocks * self.registry.block_size,
+                kv_capacity_tokens=self.registry.max_request_tokens(self.max_batch_tokens),
                 holder=f"worker {self.worker_id}",
                 needs_token_ids=True,
             ),
@@ -278,7 +280,8 @@ class Scheduler:
             n = self._num_to_schedule(req, budget)
             if n <= 0:
                 continue
-            new_blocks = self.registry.allocate(req.request_id, req.num_computed_tokens + n)
+            table_lengths = self._table_lengths(req)
+            new_blocks = self._allocate_running(req, n)
             while new_blocks is None:
                 victim = self._pick_victim(order, idx, step_id)
                 if victim is req and self._has_later_candidate(order, idx):
@@ -289,10 +292,14 @@ class Scheduler:
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
-                new_blocks = self.registry.allocate(req.request_id, req.num_computed_tokens + n)
+                new_blocks = self._allocate_running(req, n)
             if new_blocks is None:
                 continue
-            running_requests.append(RunningRequestData(req.request_id, new_blocks, n))
+            running_requests.append(
+                RunningRequestData(
+                    req.request_id, new_blocks, n, self._appended_group_blocks(req, table_lengths)
+                )
+            )
             self._commit(req, n, scheduled, plan)
             budget -= n
 
@@ -314,6 +321,22 @@ class Scheduler:
         plan.preempted_request_ids = preempted
         self.last_plan = plan
         return DecodeStep(step_id, new_requests, running_requests, finished_ids)
+
+    def _allocate_running(self, req: EngineRequest, n: int) -> list[int] | None:
+        return self.registry.allocate(
+            req.request_id, req.num_computed_tokens + n, num_computed_tokens=req.num_computed_tokens
+        )
+
+    def _table_lengths(self, req: EngineRequest) -> list[int]:
+        lease = self.registry.lease(req.request_id)
+        return [len(t) for t in lease.block_tables] if lease else []
+
+    def _appended_group_blocks(self, req: EngineRequest, before: list[int]) -> list[list[int]]:
+        """Blocks appended this step to the tables of KV groups 1..n-1 (empty for one group)."""
+        lease = self.registry.lease(req.request_id)
+        if lease is None or len(lease.block_tables) == 1:
+            return []
+        return [list(t[n:]) for t, n in zip(lease.block_tables[1:], before[1:], strict=True)]
 
     def _num_to_schedule(self, req: EngineRequest, budget: int) -> int:
         remaining = req.num_tokens - req.num_computed_tokens
@@ -364,7 +387,9 @@ class Scheduler:
             n = min(remaining, budget)
             blocks = None
             if n == remaining or self.chunked_prefill:
-                blocks = self.registry.allocate(req.request_id, hit.num_tokens + n, hit)
+                blocks = self.registry.allocate(
+                    req.request_id, hit.num_tokens + n, hit, num_computed_tokens=hit.num_tokens
+                )
             if blocks is None:
                 if req.num_times_bypassed >= self.config.max_bypass_steps:
                     break  # anti-starvation: nothing behind it is admitted until it fits
@@ -375,17 +400,20 @@ class Scheduler:
             blocked.clear()
             admitted.append(req)
             self._start(req, hit, step_id)
+            lease = self.registry.lease(req.request_id)
+            assert lease is not None
             new_requests.append(
                 NewRequestData(
                     request_id=req.request_id,
                     prompt_token_ids=req.all_token_ids[: req.num_prompt_tokens],
                     sampling=req.request.sampling,
-                    kv_block_ids=list(blocks),
+                    kv_block_ids=list(lease.block_tables[0]),
                     num_computed_tokens=hit.num_tokens,
                     num_scheduled_tokens=n,
                     effective_seed=req.effective_seed,
                     output_token_ids=req.output_token_ids,
                     traceparent=req.request.traceparent,
+                    group_kv_block_ids=[list(t) for t in lease.block_tables[1:]],
                 )
             )
             self._commit(req, n, scheduled, plan)
@@ -443,11 +471,15 @@ class Scheduler:
         head = next((r for r in self.waiting if r.num_inflight_steps == 0), None)
         if head is None or not self.running:
             return
-        need = self.registry.blocks_for_tokens(min(head.num_tokens, self.max_batch_tokens))
+        # Per KV group: what the head's first chunk would take (a sliding group's window is part of it).
+        need = self.registry.footprint(min(head.num_tokens, self.max_batch_tokens))
+
+        def lacks(available: tuple[int, ...], growth: tuple[int, ...]) -> bool:
+            return any(a < n + g for a, n, g in zip(available, need, growth, strict=True))
 
         def short_of_room() -> bool:
-            return len(self.running) >= self.max_running_requests or (
-                self.registry.num_available_blocks < need + self._running_growth_blocks()
+            return len(self.running) >= self.max_running_requests or lacks(
+                self.registry.available_blocks(), self._running_growth_blocks()
             )
 
         if not short_of_room():
@@ -456,8 +488,12 @@ class Scheduler:
         if not lower or len(self.running) - len(lower) >= self.max_running_requests:
             return
         kept = [r for r in self.running.values() if r.priority <= head.priority]
-        reclaimable = sum(len(self._lease_blocks(r)) for r in lower)
-        if self.registry.num_available_blocks + reclaimable < need + self._running_growth_blocks(kept):
+        reclaimable = [0] * self.registry.num_groups
+        for r in lower:
+            for g, held in enumerate(self._live_blocks(r)):
+                reclaimable[g] += held
+        available = tuple(a + r for a, r in zip(self.registry.available_blocks(), reclaimable, strict=True))
+        if lacks(available, self._running_growth_blocks(kept)):
             return
         while self.running and short_of_room():
             victim = max(self.running.values(), key=lambda r: r.order_key)
@@ -466,17 +502,22 @@ class Scheduler:
             self._preempt(victim)
             preempted.append(victim.request_id)
 
-    def _lease_blocks(self, req: EngineRequest) -> list[int]:
+    def _live_blocks(self, req: EngineRequest) -> tuple[int, ...]:
+        """Per KV group: blocks ``req`` holds now (slid-out entries excluded)."""
         lease = self.registry.lease(req.request_id)
-        return lease.kv_block_ids if lease else []
+        if lease is None:
+            return (0,) * self.registry.num_groups
+        return tuple(sum(1 for b in t if b != NULL_BLOCK_ID) for t in lease.block_tables)
 
-    def _running_growth_blocks(self, requests: list[EngineRequest] | None = None) -> int:
-        """Blocks these running requests (all by default) would take this step if each got all it asks for."""
-        total = 0
+    def _running_growth_blocks(self, requests: list[EngineRequest] | None = None) -> tuple[int, ...]:
+        """Per KV group: blocks these running requests (all by default) would take this step if each got all
+        it asks for."""
+        total = [0] * self.registry.num_groups
         for req in self.running.values() if requests is None else requests:
-            have = len(self._lease_blocks(req))
-            total += max(0, self.registry.blocks_for_tokens(req.num_tokens) - have)
-        return total
+            footprint = self.registry.footprint(req.num_tokens, req.num_computed_tokens)
+            for g, (want, have) in enumerate(zip(footprint, self._live_blocks(req), strict=True)):
+                total[g] += max(0, want - have)
+        return tuple(total)
 
     def _preempt(self, req: EngineRequest) -> None:
         self.registry.free(req.request_id)

@@ -48,6 +48,13 @@ class Granularity(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GRANULARITY_UNSPECIFIED: _ClassVar[Granularity]
     GRANULARITY_STEP: _ClassVar[Granularity]
     GRANULARITY_REQUEST: _ClassVar[Granularity]
+
+class AttentionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ATTENTION_KIND_UNSPECIFIED: _ClassVar[AttentionKind]
+    ATTENTION_KIND_FULL: _ClassVar[AttentionKind]
+    ATTENTION_KIND_SLIDING_WINDOW: _ClassVar[AttentionKind]
+    ATTENTION_KIND_COMPRESSED: _ClassVar[AttentionKind]
 PRIORITY_UNSPECIFIED: Priority
 PRIORITY_REALTIME: Priority
 PRIORITY_INTERACTIVE: Priority
@@ -75,6 +82,10 @@ BACKEND_KIND_FAKE: BackendKind
 GRANULARITY_UNSPECIFIED: Granularity
 GRANULARITY_STEP: Granularity
 GRANULARITY_REQUEST: Granularity
+ATTENTION_KIND_UNSPECIFIED: AttentionKind
+ATTENTION_KIND_FULL: AttentionKind
+ATTENTION_KIND_SLIDING_WINDOW: AttentionKind
+ATTENTION_KIND_COMPRESSED: AttentionKind
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens")
@@ -195,7 +206,7 @@ class RankInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., device: _Optional[str] = ..., host: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_num_heads: _Optional[int] = ...) -> None: ...
 
 class BackendCapability(_message.Message):
-    __slots__ = ("worker_id", "kind", "device", "dtype", "supported_dtypes", "kv_block_size", "kv_num_blocks", "kv_bytes_per_block", "max_batch_tokens", "max_running_requests", "granularity", "supports_paged_kv", "supports_prefix_caching", "supports_chunked_prefill", "supports_graph_capture", "supports_fp8_kv", "tensor_parallel_size", "collective_backend", "custom_all_reduce", "attention_backend", "model", "version", "ranks", "weight_dtype", "kv_cache_dtype")
+    __slots__ = ("worker_id", "kind", "device", "dtype", "supported_dtypes", "kv_block_size", "kv_num_blocks", "kv_bytes_per_block", "max_batch_tokens", "max_running_requests", "granularity", "supports_paged_kv", "supports_prefix_caching", "supports_chunked_prefill", "supports_graph_capture", "supports_fp8_kv", "tensor_parallel_size", "collective_backend", "custom_all_reduce", "attention_backend", "model", "version", "ranks", "kv_groups", "weight_dtype", "kv_cache_dtype", "moe_parallel")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -219,8 +230,10 @@ class BackendCapability(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MOE_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     kind: BackendKind
     device: str
@@ -244,6 +257,32 @@ class BackendCapability(_message.Message):
     model: ModelInfo
     version: str
     ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
+    kv_groups: _containers.RepeatedCompositeFieldContainer[KVGroup]
     weight_dtype: str
     kv_cache_dtype: str
-    def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[_Union[BackendKind, str]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., supported_dtypes: _Optional[_Iterable[str]] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., supports_paged_kv: _Optional[bool] = ..., supports_prefix_caching: _Optional[bool] = ..., supports_chunked_prefill: _Optional[bool] = ..., supports_graph_capture: _Optional[bool] = ..., supports_fp8_kv: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., collective_backend: _Optional[str] = ..., custom_all_reduce: _Optional[bool] = ..., attention_backend: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., version: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., weight_dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    moe_parallel: str
+    def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[_Union[BackendKind, str]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., supported_dtypes: _Optional[_Iterable[str]] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., supports_paged_kv: _Optional[bool] = ..., supports_prefix_caching: _Optional[bool] = ..., supports_chunked_prefill: _Optional[bool] = ..., supports_graph_capture: _Optional[bool] = ..., supports_fp8_kv: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., collective_backend: _Optional[str] = ..., custom_all_reduce: _Optional[bool] = ..., attention_backend: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., version: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., kv_groups: _Optional[_Iterable[_Union[KVGroup, _Mapping]]] = ..., weight_dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., moe_parallel: _Optional[str] = ...) -> None: ...
+
+class KVGroup(_message.Message):
+    __slots__ = ("kind", "layer_indices", "block_size", "num_blocks", "bytes_per_token_per_layer", "sliding_window", "compress_ratio")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LAYER_INDICES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_TOKEN_PER_LAYER_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    COMPRESS_RATIO_FIELD_NUMBER: _ClassVar[int]
+    kind: AttentionKind
+    layer_indices: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    num_blocks: int
+    bytes_per_token_per_layer: int
+    sliding_window: int
+    compress_ratio: int
+    def __init__(self, kind: _Optional[_Union[AttentionKind, str]] = ..., layer_indices: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_token_per_layer: _Optional[int] = ..., sliding_window: _Optional[int] = ..., compress_ratio: _Optional[int] = ...) -> None: ...
+
+class BlockTable(_message.Message):
+    __slots__ = ("block_ids",)
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...

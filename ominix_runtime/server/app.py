@@ -7,7 +7,6 @@ import contextlib
 import signal
 import sys
 import time
-from collections.abc import Awaitable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ominix_runtime import memory
 from ominix_runtime.backends.grpc_worker import CHANNEL_OPTIONS, GrpcWorkerBackend
 from ominix_runtime.config import RuntimeConfig
 from ominix_runtime.contract import BackendAdapter, OminixError, RuntimeErrorKind
@@ -52,7 +52,13 @@ def _build_backends(config: RuntimeConfig) -> list[BackendAdapter]:
             root_certificates=Path(config.tls.ca).read_bytes(), private_key=key, certificate_chain=cert
         )
     backends: list[BackendAdapter] = [
-        GrpcWorkerBackend(address, tls=worker_tls, step_timeout=config.engine.step_timeout)
+        GrpcWorkerBackend(
+            address,
+            tls=worker_tls,
+            step_timeout=config.backends.step_timeout,
+            heartbeat_timeout=config.backends.heartbeat_timeout,
+            engine_secret=_read_secret(config.tls.engine_secret_file),
+        )
         for address in config.backends.workers
     ]
     if config.backends.sglang_urls:
@@ -100,6 +106,7 @@ class EngineDaemon:
         self.tracer = tracer_from_environment()  # off unless OTEL_* variables configure it
         self.health = health.aio.HealthServicer()
         self.stop_requested = asyncio.Event()
+        self.drain_cut = asyncio.Event()  # a second signal: stop draining
         self.bound_port = 0
         self.metrics_port = 0
         self._engine: EngineCore | None = None
@@ -111,6 +118,7 @@ class EngineDaemon:
 
     async def start(self) -> None:
         config = self.config
+        memory.map_large_allocations()  # request buffers of megabytes must not stay in the heap after use
         if config.server.max_message_bytes < MIN_MESSAGE_BYTES:
             raise OminixError(
                 RuntimeErrorKind.INVALID_ARGUMENT,
@@ -165,7 +173,7 @@ class EngineDaemon:
 
         # The tokenizer (a GGUF metadata parse for the embedded model) loads while the workers get ready.
         tokenizer_loading = (
-            asyncio.create_task(asyncio.to_thread(Tokenizer.from_source, source))
+            asyncio.create_task(asyncio.to_thread(_load_tokenizer, source))
             if source and _has_tokenizer(source)
             else None
         )
@@ -268,24 +276,42 @@ class EngineDaemon:
                 _log.warning("metrics refresh failed", error=repr(exc))
             await asyncio.sleep(METRICS_REFRESH_INTERVAL_S)
 
+    def on_signal(self) -> None:
+        """SIGINT/SIGTERM. The first drains; the second ends every live stream at once, each with a terminal
+        error event; a third exits without waiting."""
+        if not self.stop_requested.is_set():
+            self.stop_requested.set()
+        elif not self.drain_cut.is_set():
+            _log.warning("second signal: ending live requests now")
+            self.drain_cut.set()
+        else:
+            _log.warning("third signal: exiting")
+            sys.exit(1)
+
     async def shutdown(self) -> None:
-        """NOT_SERVING, stop accepting, let live requests finish up to the drain timeout, then stop."""
+        """NOT_SERVING, stop accepting, let live requests finish up to the drain timeout (or a second
+        signal), end the rest with an error event each, then close the listener.
+
+        The listener stays open while draining, so health checks see NOT_SERVING and new Generate calls get
+        UNAVAILABLE with a reason, rather than a refused connection.
+        """
         drain = self.config.server.drain_timeout
         _log.info("shutting down", drain_timeout=drain)
         with contextlib.suppress(Exception):
             await self.health.enter_graceful_shutdown()
-        steps: list[Awaitable[None]] = []
-        if self._server is not None:
-            # The engine ends what is left at the drain timeout; the extra grace lets those error events
-            # reach their clients before the server cancels the calls.
-            steps.append(self._server.stop(grace=drain + SHUTDOWN_FLUSH_S))
         if self._engine is not None:
-            steps.append(self._engine.stop(drain_timeout=drain))
-        results = await asyncio.gather(*steps, return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                _log.warning("shutdown step failed", error=repr(result))
+            try:
+                await self._drain_engine(self._engine, drain)
+            except Exception as exc:  # noqa: BLE001 - shutdown goes on whatever failed
+                _log.warning("shutdown step failed", error=repr(exc))
         self._log_final_stats()
+        if self._service is not None:
+            # The terminal events of the requests just ended are still on their way to the clients.
+            await self._service.wait_idle(SHUTDOWN_FLUSH_S)
+            self._service.close()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await self._server.stop(grace=SHUTDOWN_FLUSH_S)
         for task in self._tasks:
             task.cancel()
         for backend in self._backends:
@@ -296,24 +322,29 @@ class EngineDaemon:
         self.tracer.shutdown()
         _log.info("stopped")
 
+    async def _drain_engine(self, engine: EngineCore, drain: float) -> None:
+        stopping = asyncio.ensure_future(engine.stop(drain_timeout=drain))
+        cut = asyncio.ensure_future(self.drain_cut.wait())
+        await asyncio.wait({stopping, cut}, return_when=asyncio.FIRST_COMPLETED)
+        cut.cancel()
+        if stopping.done():
+            stopping.result()
+            return
+        # Cut short: stop() is still waiting for the live requests; stop again without waiting, which
+        # ends each of them with an error event.
+        stopping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await stopping
+        await engine.stop(drain_timeout=0)
+
 
 async def serve(config: RuntimeConfig) -> int:
     """Run the daemon until SIGINT/SIGTERM; 0 on a clean stop, 1 when startup failed."""
     daemon = EngineDaemon(config)
     loop = asyncio.get_running_loop()
-    signals_seen = 0
-
-    def on_signal() -> None:
-        nonlocal signals_seen
-        signals_seen += 1
-        if signals_seen > 1:
-            _log.warning("second signal: exiting without draining")
-            sys.exit(1)
-        daemon.stop_requested.set()
-
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
-            loop.add_signal_handler(sig, on_signal)
+            loop.add_signal_handler(sig, daemon.on_signal)
     try:
         start = loop.create_task(daemon.start())
         stop_wait = loop.create_task(daemon.stop_requested.wait())
@@ -331,6 +362,17 @@ async def serve(config: RuntimeConfig) -> int:
         return 1
     await daemon.shutdown()
     return 0
+
+
+def _read_secret(path: str | None) -> str | None:
+    """The engine secret of --engine-secret-file (checked readable and non-empty when the flag was read)."""
+    if not path:
+        return None
+    return Path(path).read_text(encoding="utf-8").strip() or None
+
+
+def _load_tokenizer(source: ModelSource) -> Tokenizer:
+    return Tokenizer.from_source(source).prepare()
 
 
 def _has_tokenizer(source: ModelSource) -> bool:

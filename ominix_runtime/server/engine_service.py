@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -10,7 +11,7 @@ from dataclasses import replace
 import grpc
 import grpc.aio
 
-from ominix_runtime import wire
+from ominix_runtime import memory, wire
 from ominix_runtime.config import FrontConfig
 from ominix_runtime.contract import (
     ChatMessage,
@@ -112,6 +113,14 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         if self._pool is not None:
             self._pool.close()
 
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no Generate stream is open (their last events sent); False after ``timeout``."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while self._live and loop.time() < end:
+            await asyncio.sleep(0.02)
+        return not self._live
+
     # ---- model facts ---------------------------------------------------------------------------------
 
     def _other_models(self) -> set[str]:
@@ -183,6 +192,17 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     async def Generate(
         self, request: engine_pb2.GenerateRequest, context: _GenerateContext
     ) -> AsyncIterator[engine_pb2.GenerateEvent]:
+        large = request.ByteSize() >= memory.LARGE_ALLOCATION_BYTES
+        try:
+            async for event in self._generate(request, context):
+                yield event
+        finally:
+            if large:  # megabytes of request text were just freed: hand them back (off the event loop)
+                asyncio.get_running_loop().run_in_executor(None, memory.trim)
+
+    async def _generate(
+        self, request: engine_pb2.GenerateRequest, context: _GenerateContext
+    ) -> AsyncIterator[engine_pb2.GenerateEvent]:
         try:
             validate_request_id(request.request_id)  # before the id appears in any log line
         except OminixError as exc:
@@ -218,6 +238,14 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 self._forget(request_id)
                 self._reject(exc.message, exc.kind.name.lower(), counted_by_engine=False, span=span)
                 await context.abort(status_for(exc), exc.message)
+            except asyncio.CancelledError:
+                # The client went away (or its deadline passed) while its prompt was being resolved: counted
+                # and logged like any request that never reached the engine.
+                self._forget(request_id)
+                self._reject(
+                    "the client cancelled before admission", "cancelled", counted_by_engine=False, span=span
+                )
+                raise
             except BaseException:
                 self._forget(request_id)
                 raise

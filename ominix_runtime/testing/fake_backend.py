@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 from ominix_runtime.contract import (
     FAKE_PROFILE,
+    NULL_BLOCK_ID,
+    AttentionKind,
     BackendCapability,
     BackendKind,
     DecodeStep,
@@ -29,6 +31,7 @@ from ominix_runtime.contract import (
     FinishReason,
     GenerateRequest,
     Granularity,
+    KVGroup,
     ModelInfo,
     OminixError,
     PrefillDone,
@@ -78,6 +81,9 @@ class FakeConfig:
     max_running_requests: int = 64
     supports_prefix_caching: bool = True
     step_latency: float = 0.0  # seconds per step
+    # > 0: every layer attends to this many tokens; the fake states one sliding-window KV group and checks
+    # that every position a step reads is still intact.
+    sliding_window: int = 0
     # Failure injection (step ids count from 1, as the engine sends them).
     fail_step: int | None = None  # every request in this step gets a per-request error
     die_after_steps: int | None = None  # the stream breaks once this many steps have been answered
@@ -106,6 +112,17 @@ def fake_capability(c: FakeConfig, granularity: Granularity) -> BackendCapabilit
         max_running_requests=c.max_running_requests,
         supports_prefix_caching=c.supports_prefix_caching,
         version=FAKE_PROFILE.version or "fake",
+        kv_groups=(
+            KVGroup(
+                AttentionKind.SLIDING_WINDOW,
+                (0,),
+                c.kv_block_size,
+                c.kv_num_blocks,
+                sliding_window=c.sliding_window,
+            ),
+        )
+        if c.sliding_window
+        else (),
     )
 
 
@@ -197,16 +214,43 @@ class FakeStepBackend:
             self._violation(f"finished_request_ids names unknown request {request_id}")
             return
         for b in req.kv_block_ids:
-            self.block_holders[b].discard(request_id)
+            if b != NULL_BLOCK_ID:
+                self.block_holders[b].discard(request_id)
 
     def _add_blocks(self, req: _FakeRequest, block_ids: list[int]) -> None:
         for b in block_ids:
+            if b == NULL_BLOCK_ID and self.config.sliding_window:
+                req.kv_block_ids.append(b)  # slid out of the window before the worker saw it
+                continue
             if not 0 <= b < self.config.kv_num_blocks:
                 self._violation(f"{req.request_id}: block {b} outside [0, {self.config.kv_num_blocks})")
-            if b in req.kv_block_ids:
+            if req.request_id in self.block_holders.get(b, set()):
                 self._violation(f"{req.request_id}: block {b} sent twice for the same request")
             req.kv_block_ids.append(b)
             self.block_holders.setdefault(b, set()).add(req.request_id)
+
+    def _first_read(self, num_computed_tokens: int) -> int:
+        """First position a step starting at ``num_computed_tokens`` reads (a window's first token)."""
+        if not self.config.sliding_window:
+            return 0
+        return max(0, num_computed_tokens - self.config.sliding_window + 1)
+
+    def _slide(self, req: _FakeRequest, start: int) -> None:
+        """Check the window a step starting at ``start`` reads, and stop holding blocks wholly before it."""
+        bs = self.config.kv_block_size
+        first = self._first_read(start)
+        for i in range(first // bs):
+            b = req.kv_block_ids[i]
+            if b != NULL_BLOCK_ID:
+                self.block_holders[b].discard(req.request_id)
+        for pos in range(first, start):
+            block = req.kv_block_ids[pos // bs]
+            if (
+                block == NULL_BLOCK_ID
+                or self.block_contents.get(block, {}).get(pos % bs) != req.token_ids[pos]
+            ):
+                self._violation(f"{req.request_id}: position {pos} in the window lost its KV (block {block})")
+                return
 
     def execute(self, step: DecodeStep) -> StepResult:
         c = self.config
@@ -236,7 +280,7 @@ class FakeStepBackend:
                 self._violation(
                     f"{new.request_id}: prefix hit covers the last token, nothing left to sample from"
                 )
-            for pos in range(new.num_computed_tokens):
+            for pos in range(self._first_read(new.num_computed_tokens), new.num_computed_tokens):
                 block = req.kv_block_ids[pos // bs]
                 if self.block_contents.get(block, {}).get(pos % bs) != req.token_ids[pos]:
                     self._violation(
@@ -250,6 +294,8 @@ class FakeStepBackend:
             if known is None:
                 self._violation(f"running request {run.request_id} is unknown to the worker")
                 continue
+            if c.sliding_window:  # the engine released the blocks behind the window before it grew the table
+                self._slide(known, known.num_computed_tokens)
             self._add_blocks(known, list(run.new_kv_block_ids))
             scheduled.append((known, run.num_scheduled_tokens))
         if step.num_scheduled_tokens > c.max_batch_tokens:
@@ -286,6 +332,8 @@ class FakeStepBackend:
             self._violation(
                 f"{req.request_id}: {end} tokens need more than its {len(req.kv_block_ids)} blocks"
             )
+        if c.sliding_window:
+            self._slide(req, start)
         for pos in range(start, end):
             block = req.kv_block_ids[pos // bs]
             others = self.block_holders[block] - {req.request_id}

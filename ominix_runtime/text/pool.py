@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from ominix_runtime import memory
 from ominix_runtime.contract import AdmissionRejected, RuntimeErrorKind
 from ominix_runtime.text.tokenizer import EncodedPrompt, Tokenizer
 
@@ -27,19 +26,6 @@ DEFAULT_MAX_PENDING = 64
 _TRIM_AFTER_CHARS = 256 * 1024
 
 
-def _malloc_trim() -> Callable[[], None]:
-    """glibc's malloc_trim(0), or nothing where there is no glibc."""
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return lambda: None
-
-    def run() -> None:
-        trim(0)
-
-    return run
-
-
 class TokenizationPool:
     """Runs one tokenizer's work on ``threads`` threads; at most ``max_pending`` calls queued or running."""
 
@@ -50,7 +36,6 @@ class TokenizationPool:
         self.max_pending = max(1, max_pending)
         self.pending = 0
         self._executor = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ominix-tokenize")
-        self._trim = _malloc_trim()
 
     async def encode_prompt(self, text: str, parse_special: bool) -> list[int]:
         return await self._run(len(text), lambda: self.tokenizer.encode(text, parse_special=parse_special))
@@ -92,7 +77,7 @@ class TokenizationPool:
             return work()
         finally:
             if size >= _TRIM_AFTER_CHARS:
-                self._trim()
+                memory.trim()
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -236,6 +236,15 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
+    def prepare(self) -> Tokenizer:
+        """Build now what is otherwise built on first use (the plain-text copy, the longest token): seconds of
+        work that would otherwise hold the GIL while the first request waits. Returns self."""
+        self._prepare_special()
+        _ = self.max_token_chars
+        if self.chat_template and self._compiled_template is None:
+            self._compiled_template = _compile_template(self.chat_template)
+        return self
+
     @property
     def max_token_chars(self) -> int:
         """The longest text one token stands for (a byte-level token's string has a character per byte)."""

@@ -154,3 +154,21 @@ def test_kv_bytes_follow_the_stated_kv_dtype_and_fp8_kv_needs_support() -> None:
     assert any("kv_bytes_per_block" in p for p in too_small.problems())
     unsupported = replace(cap, supports_fp8_kv=False)
     assert any("supports_fp8_kv" in p for p in unsupported.problems())
+
+
+def test_moe_parallel_is_stated_for_experts_that_divide_and_round_trips() -> None:
+    model = replace(MODEL, num_layers=4, num_kv_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2)
+    base = stated_profile(
+        BackendKind.CUDA, worker_id="w", model=model, kv_num_blocks=10, kv_bytes_per_block=2 * 4 * 16 * 2 * 64 * 2,
+        tensor_parallel_size=2, collective_backend="nccl",
+    )  # fmt: skip
+    for mode in ("tensor", "expert"):
+        cap = replace(base, moe_parallel=mode)
+        assert cap.problems() == []
+        assert wire.capability_from_pb(wire.capability_to_pb(cap)) == cap
+    assert any("not one of" in p for p in replace(base, moe_parallel="pipeline").problems())
+    assert any(
+        "do not divide" in p for p in replace(base, moe_parallel="expert", tensor_parallel_size=3).problems()
+    )
+    dense = replace(base, model=replace(model, num_experts=0, num_experts_per_tok=0), moe_parallel="tensor")
+    assert any("without experts" in p for p in dense.problems())

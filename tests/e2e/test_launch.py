@@ -53,6 +53,21 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+async def _try_open_run(address: str) -> str:
+    from ominix_runtime.backends.grpc_worker import GrpcWorkerBackend
+    from ominix_runtime.contract import OminixError
+
+    backend = GrpcWorkerBackend(address, rpc_timeout=5)
+    try:
+        stream = await backend.open()
+        await stream.close()
+        return "opened"
+    except OminixError as exc:
+        return exc.message
+    finally:
+        await backend.close()
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -109,6 +124,11 @@ def test_launch_two_cpu_workers_and_stop_cleanly(tiny_model_dir: Path, tmp_path:
                 )
             )
             assert events[-1].done.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            # Only this launch's engine may drive its workers (a fresh secret): another local process
+            # cannot open Run, and the engine stays healthy.
+            stranger = asyncio.run(_try_open_run(f"127.0.0.1:{base}"))
+            assert "PERMISSION_DENIED" in stranger, stranger
+            assert stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=10).total.healthy
             # SIGTERM while a request streams: it is drained to its normal end, then everything exits.
             sampling = common_pb2.SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
             stream = stub.Generate(
@@ -139,6 +159,63 @@ def test_launch_two_cpu_workers_and_stop_cleanly(tiny_model_dir: Path, tmp_path:
         for worker_port in (base, base + 1):
             with socket.socket() as s:
                 assert s.connect_ex(("127.0.0.1", worker_port)) != 0
+    finally:
+        stop_procs([launch])
+
+
+def test_ctrl_c_twice_ends_every_stream_with_a_terminal_event(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Two SIGINTs to launch while requests stream: each stream still ends with one terminal event (an error,
+    not CANCELLED), launch exits, its workers are gone, and nothing prints a traceback."""
+    port, metrics_port = free_ports(2)
+    launch = start_proc(
+        "launch",
+        [
+            *CLI,
+            "launch",
+            "--devices",
+            "cpu",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            "--worker-base-port",
+            str(free_ports(1)[0]),
+            "--kv-cache-memory",
+            "16MiB",
+            "--drain-timeout",
+            "60",
+        ],
+        tmp_path,
+    )
+    try:
+        wait_health(f"127.0.0.1:{port}", [launch])
+        workers = _children(launch.popen.pid)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            sampling = common_pb2.SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+            streams = [
+                stub.Generate(
+                    engine_pb2.GenerateRequest(prompt=f"stream {i}", sampling=sampling), timeout=120
+                )
+                for i in range(3)
+            ]
+            for s in streams:
+                assert next(s).HasField("prefill_done")
+            launch.popen.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            launch.popen.send_signal(signal.SIGINT)
+            endings = []
+            for s in streams:
+                events = list(s)  # a CANCELLED stream would raise here
+                endings.append(
+                    [e.WhichOneof("event") for e in events if e.WhichOneof("event") in ("done", "error")]
+                )
+        assert endings == [["error"]] * 3, endings
+        assert launch.popen.wait(timeout=60) == 0, launch.log_tail()
+        assert not any(_alive(pid) for pid in workers)
+        assert "Traceback" not in launch.log_path.read_text(errors="replace"), launch.log_tail()
     finally:
         stop_procs([launch])
 

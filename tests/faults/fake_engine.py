@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import signal
 import sys
 
@@ -56,7 +55,7 @@ async def main(args: argparse.Namespace) -> int:
     daemon = EngineDaemon(config, backends=backends)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, daemon.stop_requested.set)
+        loop.add_signal_handler(sig, daemon.on_signal)
 
     def crash_first_worker() -> None:  # SIGUSR1: fault injection (kill, then restart after a moment)
         if backends[0].down:
@@ -70,8 +69,7 @@ async def main(args: argparse.Namespace) -> int:
         await daemon.start()
         await daemon.stop_requested.wait()
     finally:
-        with contextlib.suppress(Exception):
-            await daemon.shutdown()
+        await daemon.shutdown()
     return 0
 
 

@@ -211,3 +211,34 @@ def test_max_message_bytes_zero_is_refused_at_startup(tmp_path: Path) -> None:
     )
     assert result.returncode == 1, result.stderr
     assert "--max-message-bytes" in result.stderr and "Traceback" not in result.stderr
+
+
+_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "system\n", "\ue000", "\ue0000\ue001"]
+_chat_text = st.lists(st.one_of(st.sampled_from(_SPECIALS), st.text(max_size=10)), max_size=6).map("".join)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    derandomize=True,
+)
+@given(
+    turns=st.lists(
+        st.tuples(st.sampled_from(["system", "user", "assistant", "tool", "", "root"]), _chat_text),
+        max_size=4,
+    )
+)
+def test_fuzz_chat_messages_with_special_tokens(engine: Engine, turns: list[tuple[str, str]]) -> None:
+    """Chat turns full of special-token strings: a refusal with a status and a message, or one terminal."""
+    request = engine_pb2.GenerateRequest(
+        messages=engine_pb2.ChatMessages(
+            messages=[engine_pb2.ChatMessage(role=r, content=c) for r, c in turns]
+        ),
+        sampling=common_pb2.SamplingParams(max_tokens=2),
+    )
+    out = stream_one(engine.stub, request, 30)
+    if out.status is not None:
+        assert out.status in _ALLOWED and out.num_terminal == 0, out.status
+    else:
+        assert out.num_terminal == 1

@@ -36,8 +36,10 @@ def test_launch_restarts_a_killed_worker_and_the_engine_reconnects(tiny_model: P
         str(base),
         "--kv-cache-memory",
         "8MiB",
+        "--step-timeout",
+        "5",
     ]
-    launch = start_proc_env("launch", argv, tmp_path, {"OMINIX_STEP_TIMEOUT_S": "5"})
+    launch = start_proc_env("launch", argv, tmp_path, {})
     address = f"127.0.0.1:{port}"
     victim_address = f"127.0.0.1:{base}"
     try:
@@ -84,8 +86,8 @@ def test_launch_runs_a_tp2_group_and_restarts_it_whole_when_a_rank_dies(
     port, metrics_port = free_ports(2)
     argv = [*CLI, "launch", "--devices", "cpu,cpu", "--tensor-parallel-size", "2", "--model", str(tiny_model)]
     argv += ["--port", str(port), "--metrics-port", str(metrics_port), "--worker-base-port", str(base)]
-    argv += ["--kv-cache-memory", "8MiB"]
-    launch = start_proc_env("launch", argv, tmp_path, {"OMINIX_STEP_TIMEOUT_S": "5"})
+    argv += ["--kv-cache-memory", "8MiB", "--step-timeout", "5"]
+    launch = start_proc_env("launch", argv, tmp_path, {})
     address = f"127.0.0.1:{port}"
     request = engine_pb2.GenerateRequest(
         input_ids=engine_pb2.TokenIds(ids=[5, 6, 7]),

@@ -1,4 +1,5 @@
-"""Mutual TLS between engine and worker: only a client with a certificate from the worker's CA gets a stream.
+"""Mutual TLS between engine and worker: only the engine's certificate from the worker's CA gets a Run stream
+(a front-end client's certificate from the same CA does not).
 
 Certificates come from deploy/tls/make-certs.sh (openssl), so the script is exercised too.
 """
@@ -67,7 +68,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_hf_model(tmp_path_factory.mktemp("mtls-model") / "tiny", arch="llama", vocab_size=320)
 
 
-def test_worker_accepts_only_clients_with_a_certificate_from_its_ca(tiny_model: Path, tmp_path: Path) -> None:
+def test_worker_accepts_only_the_engine_certificate_from_its_ca(tiny_model: Path, tmp_path: Path) -> None:
     tls = _certs(tmp_path / "tls")
     other = _certs(tmp_path / "other-ca")  # a valid-looking certificate from a CA the worker does not trust
     worker_port, port, metrics_port = free_ports(3)
@@ -95,6 +96,16 @@ def test_worker_accepts_only_clients_with_a_certificate_from_its_ca(tiny_model: 
             asyncio.run(
                 _try_stream(address, _creds(tls / "ca.pem", other / "engine.pem", other / "engine.key"))
             )
+            != "ok"
+        )
+        # Refused: certificates from the worker's own CA that are not the engine's. The front-end client's
+        # passes the handshake, then Run says who it is not; the worker's own is no client certificate.
+        client_refused = asyncio.run(
+            _try_stream(address, _creds(tls / "ca.pem", tls / "client.pem", tls / "client.key"))
+        )
+        assert "PERMISSION_DENIED" in client_refused and "ominix-runtime client" in client_refused
+        assert (
+            asyncio.run(_try_stream(address, _creds(tls / "ca.pem", tls / "worker.pem", tls / "worker.key")))
             != "ok"
         )
         # Accepted: the engine's certificate, signed by the worker's CA.

@@ -1,5 +1,6 @@
-"""SIGTERM under load: health NOT_SERVING, new requests UNAVAILABLE, in-flight ones finish within the drain
-timeout, the rest end with one error event, and every process exits 0."""
+"""SIGTERM under load: health NOT_SERVING, new requests UNAVAILABLE (the listener stays open while draining),
+in-flight ones finish within the drain timeout, the rest end with one error event, and every process exits 0.
+A second signal cuts the drain short: every stream still ends with one terminal error event."""
 
 from __future__ import annotations
 
@@ -53,8 +54,22 @@ def _health(address: str) -> int | None:
 
 
 def _refused_while_draining(engine: Engine) -> grpc.StatusCode | None:
-    out = stream_one(engine.stub, _req("late", 4), 10)
-    return out.status
+    """The status of a new request while draining: the engine's own UNAVAILABLE, not a refused connection."""
+    try:
+        list(engine.stub.Generate(_req("late", 4), timeout=10))
+    except grpc.RpcError as exc:
+        assert "not serving" in (exc.details() or ""), exc.details()  # type: ignore[attr-defined]
+        return exc.code()  # type: ignore[attr-defined]
+    return None
+
+
+def _wait_not_serving(engine: Engine) -> None:
+    """Health answers NOT_SERVING soon after the signal (an answer: the listener is still open)."""
+    deadline = time.monotonic() + 5
+    while (status := _health(engine.address)) != health_pb2.HealthCheckResponse.NOT_SERVING:
+        assert status is not None, "the listener closed while draining"
+        assert time.monotonic() < deadline, "still SERVING after SIGTERM"
+        time.sleep(0.02)
 
 
 def test_sigterm_drains_in_flight_then_ends_the_rest(tmp_path: Path) -> None:
@@ -68,10 +83,7 @@ def test_sigterm_drains_in_flight_then_ends_the_rest(tmp_path: Path) -> None:
         proc = engine.engine.popen
         proc.send_signal(signal.SIGTERM)
         sent_at = time.monotonic()
-        deadline = sent_at + 5
-        while _health(engine.address) == health_pb2.HealthCheckResponse.SERVING:
-            assert time.monotonic() < deadline, "still SERVING after SIGTERM"
-            time.sleep(0.02)
+        _wait_not_serving(engine)
         assert _refused_while_draining(engine) == grpc.StatusCode.UNAVAILABLE
         for t in threads:
             t.join(30)
@@ -84,6 +96,27 @@ def test_sigterm_drains_in_flight_then_ends_the_rest(tmp_path: Path) -> None:
             else:
                 assert o.error is not None and o.error.code == int(RuntimeErrorKind.BACKEND_UNAVAILABLE)
                 assert "shutting down" in o.error.message
+
+
+def test_second_signal_ends_every_stream_with_a_terminal_error(tmp_path: Path) -> None:
+    """Ctrl-C twice: the drain is cut short, yet no stream ends with CANCELLED or without a terminal event."""
+    args = ("--workers", "2", "--step-latency", "0.02", "--drain-timeout", "60")
+    with start_fake_engine(tmp_path, *args) as engine:
+        outs, threads = _start_streams(engine, [_req(f"c{i}", 1000, i) for i in range(6)])
+        proc = engine.engine.popen
+        proc.send_signal(signal.SIGINT)
+        _wait_not_serving(engine)
+        proc.send_signal(signal.SIGINT)
+        cut_at = time.monotonic()
+        for t in threads:
+            t.join(30)
+        assert proc.wait(timeout=15) == 0, engine.logs()
+        assert time.monotonic() - cut_at < 10  # not the 60 s drain timeout
+        for o in outs:
+            assert o.status is None and o.num_terminal == 1, (o.request_id, o.status)
+            assert o.error is not None and o.error.code == int(RuntimeErrorKind.BACKEND_UNAVAILABLE)
+            assert len(o.tokens) < 1000
+        assert "Traceback" not in engine.logs()
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +132,7 @@ def test_sigterm_real_engine_and_workers_exit_0(tiny_model: Path, tmp_path: Path
     with start_engine(str(tiny_model), tmp_path, serve_args=("--drain-timeout", "20")) as engine:
         outs, threads = _start_streams(engine, [_req(f"r{i}", 150, i) for i in range(10)])
         engine.engine.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        while _health(engine.address) == health_pb2.HealthCheckResponse.SERVING:
-            assert time.monotonic() < deadline, "still SERVING after SIGTERM"
-            time.sleep(0.02)
+        _wait_not_serving(engine)
         assert _refused_while_draining(engine) == grpc.StatusCode.UNAVAILABLE
         for t in threads:
             t.join(60)

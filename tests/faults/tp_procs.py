@@ -97,12 +97,10 @@ def start_tp_engine(
             others.append(start_proc_env("single", argv, log_dir, ENV))
             addresses.append(f"127.0.0.1:{single_port}")
         serve = [*CLI, "serve", "--model", model, "--port", str(port), "--metrics-port", str(metrics_port)]
-        serve += ["--worker-ready-timeout", "600"]
+        serve += ["--worker-ready-timeout", "600", "--step-timeout", str(STEP_TIMEOUT_S)]
         for a in addresses:
             serve += ["--worker", a]
-        others.append(
-            start_proc_env("engine", serve, log_dir, {**ENV, "OMINIX_STEP_TIMEOUT_S": str(STEP_TIMEOUT_S)})
-        )
+        others.append(start_proc_env("engine", serve, log_dir, ENV))
         address = f"127.0.0.1:{port}"
         wait_health(address, [*ranks, *others], timeout=600)
         with grpc.insecure_channel(address) as channel:

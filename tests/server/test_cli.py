@@ -186,11 +186,11 @@ def test_environment_and_config_file(tmp_path: Path) -> None:
 
 
 def test_debug_variables_are_typed_and_land_in_the_tree() -> None:
-    env = {"OMINIX_STEP_TIMEOUT_S": "7.5", "OMINIX_PIPELINE": "0", "OMINIX_CUDA_GRAPHS": "0"}
+    env = {"OMINIX_LOG_STEPS": "1", "OMINIX_PIPELINE": "0", "OMINIX_CUDA_GRAPHS": "0"}
     config, _ = resolve(WORKER, [], env=env)
-    assert config.engine.step_timeout == 7.5
+    assert config.debug.log_steps
     assert not config.debug.pipeline and not config.debug.cuda_graphs
-    assert RuntimeConfig().debug.pipeline and RuntimeConfig().engine.step_timeout == 60.0
+    assert RuntimeConfig().debug.pipeline and not RuntimeConfig().debug.log_steps
     with pytest.raises(ConfigError, match="OMINIX_PIPELINE"):
         resolve(WORKER, [], env={"OMINIX_PIPELINE": "maybe"})
 
@@ -279,3 +279,45 @@ def test_serve_on_a_taken_port_fails_in_one_line(capsys: pytest.CaptureFixture[s
         assert main(["serve", "--worker", "127.0.0.1:1", "--port", str(taken), "--metrics-port", "0"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"port {taken}" in err[0] and "--port" in err[0]
+
+
+def test_launch_passes_the_moe_split_to_every_worker_only_when_given() -> None:
+    argv = ["--devices", "cpu,cpu", "--tensor-parallel-size", "2", "--moe-parallel", "expert"]
+    config, _ = resolve(LAUNCH, argv, env={})
+    for words in plan_workers(config, [41000], "n", [30000])[0].argvs:
+        assert words[words.index("--moe-parallel") + 1] == "expert"
+    default, _ = resolve(LAUNCH, [], env={})
+    assert "--moe-parallel" not in plan_workers(default, [41000], "n")[0].argvs[0]
+
+
+def test_hardening_flags_reach_the_config(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("k2\n# a comment\n\nk3\n")
+    secret = tmp_path / "secret"
+    secret.write_text("  s3cret \n")
+    argv = ["--worker", "127.0.0.1:1", "--api-key", "k1", "--api-key", f"@{keys}"]
+    argv += ["--allow-special-tokens-in-chat", "--worker-heartbeat-timeout", "1.5", "--step-timeout", "20"]
+    argv += ["--engine-secret-file", str(secret), "--max-pending-tokenizations", "8"]
+    config, _ = resolve(SERVE, argv, env={})
+    assert config.front.api_keys == ("k1", "k2", "k3")
+    assert config.front.allow_special_tokens_in_chat and not config.front.allow_special_tokens_in_prompt
+    assert config.front.max_pending_tokenizations == 8
+    assert (config.backends.heartbeat_timeout, config.backends.step_timeout) == (1.5, 20.0)
+    assert config.engine.step_timeout == 20.0  # the engine core's guard follows an explicit step timeout
+    assert config.tls.engine_secret_file == str(secret)
+    defaults, _ = resolve(SERVE, ["--worker", "h:1"], env={})
+    assert defaults.backends.heartbeat_timeout == 3.0 and defaults.backends.step_timeout is None
+    assert defaults.front.api_keys == () and defaults.tls.engine_secret_file is None
+    # The worker reads the same secret file; launch passes it on (and makes one when unset).
+    worker, _ = resolve(WORKER, ["--engine-secret-file", str(secret), "--engine-identity", "eng"], env={})
+    assert worker.tls.engine_secret_file == str(secret) and worker.tls.engine_identities == ("eng",)
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        resolve(SERVE, ["--engine-secret-file", str(empty)], env={})
+
+
+def test_bad_hardening_values_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--worker", "h:1", "--worker-heartbeat-timeout", "0"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--worker-heartbeat-timeout" in err[0]

@@ -21,7 +21,9 @@ CAPABILITY = dataclasses.replace(
 
 
 class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
-    """mode: echo | heartbeat_only | silent | fatal | close."""
+    """mode: echo | heartbeat_only | silent | fatal | close | refuse | mute.
+
+    Every mode but ``mute`` and ``refuse`` accepts the stream with a heartbeat, as a real worker does."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -34,6 +36,10 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.HealthResponse(ready=True)
 
     async def Run(self, request_iterator, context) -> AsyncIterator[worker_pb2.WorkerMessage]:  # noqa: ANN001
+        if self.mode == "refuse":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another Run stream is active")
+        if self.mode != "mute":
+            yield worker_pb2.WorkerMessage(heartbeat=worker_pb2.Heartbeat(worker_time=0.0))
         if self.mode == "heartbeat_only":
             # Heartbeats until the client half-closes; the step never finishes.
             drained = asyncio.ensure_future(_drain(request_iterator))
@@ -71,9 +77,9 @@ async def _serve(mode: str) -> tuple[grpc.aio.Server, ScriptedWorker, str]:
     return server, worker, f"127.0.0.1:{port}"
 
 
-async def _expect_unavailable(mode: str, step_timeout: float = 5.0) -> str:
+async def _expect_unavailable(mode: str, step_timeout: float = 5.0, heartbeat_timeout: float = 3.0) -> str:
     server, _, address = await _serve(mode)
-    backend = GrpcWorkerBackend(address, step_timeout=step_timeout)
+    backend = GrpcWorkerBackend(address, step_timeout=step_timeout, heartbeat_timeout=heartbeat_timeout)
     try:
         stream = await backend.open()
         await stream.send(DecodeStep(1))
@@ -117,20 +123,68 @@ def test_stream_closed_by_worker() -> None:
     assert "closed" in asyncio.run(_expect_unavailable("close"))
 
 
-def test_silence_beyond_the_step_timeout() -> None:
-    assert "within 0.3s" in asyncio.run(_expect_unavailable("silent", step_timeout=0.3))
+def test_silence_beyond_the_heartbeat_timeout() -> None:
+    """No result and no heartbeat (a SIGSTOPped worker): unavailable after the heartbeat timeout, even with a
+    long step timeout."""
+    message = asyncio.run(_expect_unavailable("silent", step_timeout=30, heartbeat_timeout=0.4))
+    assert "within 0.4s" in message and "unresponsive" in message
 
 
-def test_heartbeats_keep_a_slow_step_alive() -> None:
+def test_a_step_past_the_step_timeout_fails_even_with_heartbeats() -> None:
+    """Heartbeats prove the worker's process alive, not its device: a step due longer than the step
+    timeout breaks the stream."""
+    message = asyncio.run(_expect_unavailable("heartbeat_only", step_timeout=0.5, heartbeat_timeout=3))
+    assert "0.5s step timeout" in message
+
+
+def test_heartbeats_keep_an_idle_stream_alive() -> None:
     async def run() -> None:
         server, _, address = await _serve("heartbeat_only")
-        backend = GrpcWorkerBackend(address, step_timeout=0.3)
+        backend = GrpcWorkerBackend(address, heartbeat_timeout=0.3)
         try:
             stream = await backend.open()
-            await stream.send(DecodeStep(1))
-            # Well past the step timeout, yet heartbeats keep arriving: no BACKEND_UNAVAILABLE.
+            # No step is due: well past the heartbeat timeout, heartbeats keep the stream healthy.
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(stream.recv(), 1.2)
+        finally:
+            await backend.close()
+            await server.stop(0)
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("mode", ["refuse", "mute"])
+def test_open_fails_when_the_worker_does_not_accept_the_stream(mode: str) -> None:
+    """A refused or unanswered Run never yields a stream, so the group is never reported healthy."""
+
+    async def run() -> str:
+        server, _, address = await _serve(mode)
+        backend = GrpcWorkerBackend(address, heartbeat_timeout=0.5, rpc_timeout=0.5)
+        try:
+            with pytest.raises(OminixError) as info:
+                await backend.open()
+            assert info.value.kind == RuntimeErrorKind.BACKEND_UNAVAILABLE
+            return info.value.message
+        finally:
+            await backend.close()
+            await server.stop(0)
+
+    message = asyncio.run(run())
+    assert ("FAILED_PRECONDITION" in message) if mode == "refuse" else ("did not answer" in message)
+
+
+def test_auto_step_timeout_follows_the_slowest_step() -> None:
+    async def run() -> None:
+        server, _, address = await _serve("echo")
+        backend = GrpcWorkerBackend(address)  # no explicit step timeout
+        try:
+            stream = await backend.open()
+            assert stream.step_timeout == 30.0  # the floor before any step
+            await stream.send(DecodeStep(1))
+            await stream.recv()
+            assert 0 < stream.slowest_step < 1 and stream.step_timeout == 30.0
+            stream.slowest_step = 7.0  # as if a 7 s step had been measured
+            assert stream.step_timeout == 70.0
         finally:
             await backend.close()
             await server.stop(0)

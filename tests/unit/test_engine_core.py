@@ -304,7 +304,7 @@ def test_idle_integrity_checks_are_counted_and_catch_corruption() -> None:
         group = core.groups[0]
         assert isinstance(group, StepWorkerGroup)
         registry = group.scheduler.registry
-        registry._num_leased += 1  # simulate a leak
+        registry._pools[0].num_leased += 1  # simulate a leak
         before = core.stats().integrity_checks
         await _collect(core.submit(_req("two")))
         for _ in range(500):
@@ -312,6 +312,6 @@ def test_idle_integrity_checks_are_counted_and_catch_corruption() -> None:
                 break
             await asyncio.sleep(0.01)
         assert core.stats().integrity_violations >= 1
-        registry._num_leased -= 1
+        registry._pools[0].num_leased -= 1
 
     _run([FakeStepBackend()], body, EngineCoreConfig(idle_integrity_check_interval=0.0))

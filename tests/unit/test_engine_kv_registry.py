@@ -73,7 +73,7 @@ def test_shared_prefix_blocks_are_ref_counted() -> None:
 def test_integrity_check_catches_corruption() -> None:
     reg = KVRegistry("w", num_blocks=4, block_size=BS)
     reg.allocate("a", BS)
-    reg._blocks[0].ref_count = 2
+    reg._pools[0].blocks[0].ref_count = 2
     with pytest.raises(IntegrityError):
         reg.check_integrity()
 

@@ -165,7 +165,9 @@ def test_hf_config_variants(tmp_path: Path) -> None:
     mistral = config_from_hf_dict(
         {**old_style, "model_type": "mistral", "max_position_embeddings": 32768, "sliding_window": 4096}
     )
-    assert mistral.max_position_embeddings == 4096  # full attention equals the window only inside it
+    assert mistral.max_position_embeddings == 32768 and mistral.sliding_window == 4096
+    # Full attention equals the window only inside it: a backend without windows caps the context there.
+    assert mistral.max_len_for(False) == 4096 and mistral.max_len_for(True) == 32768
     for bad, message in [({"hidden_act": "gelu"}, "hidden_act"), ({"mlp_bias": True}, "mlp_bias")]:
         with pytest.raises(ModelConfigError, match=message):
             config_from_hf_dict({**old_style, **bad})

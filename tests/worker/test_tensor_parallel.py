@@ -23,9 +23,16 @@ RANK_TIMEOUT_S = 120
 
 
 def run_group(
-    model: Path, size: int, out: Path, device: str = "cpu", dtype: str = "float32", check: str = "logits"
+    model: Path,
+    size: int,
+    out: Path,
+    device: str = "cpu",
+    dtype: str = "float32",
+    check: str = "logits",
+    moe_parallel: str = "tensor",
 ) -> Any:
-    """Start ``size`` rank processes of tp_logits.py (``check``: logits or graphs) and return rank 0's result."""
+    """Start ``size`` rank processes of tp_logits.py (``check``: logits or graphs; ``moe_parallel``: how MoE
+    layers split) and return rank 0's result."""
     from ominix_worker.parallel.distributed import free_rendezvous_port
 
     addr = f"127.0.0.1:{free_rendezvous_port()}"
@@ -54,6 +61,8 @@ def run_group(
             str(out),
             "--check",
             check,
+            "--moe-parallel",
+            moe_parallel,
         ]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     try:

@@ -186,6 +186,8 @@ def test_stream_close_drops_state_and_only_one_stream_at_a_time(worker: tuple[st
                 await release.wait()
 
             first = stub.Run(held_open(), timeout=30)
+            accepted = await first.read()  # the worker accepts a stream with a heartbeat at once
+            assert accepted.WhichOneof("kind") == "heartbeat"
             message = await first.read()
             assert message.WhichOneof("kind") == "step_result"
             # Nothing else to say while the engine sends nothing: a heartbeat within about a second.

@@ -3,7 +3,7 @@
 ``python tp_logits.py --model DIR --rank R --size N --addr HOST:PORT --device cpu --out FILE`` joins the group,
 loads rank R's shards, runs a fixed ragged batch (two prompts of different lengths in one step, then one
 decode step for both) and, on rank 0, saves every row's logits to FILE. ``batch_logits`` is the same batch
-for an in-process runner (TP=1 reference).
+for an in-process runner (TP=1 reference). ``--moe-parallel tensor|expert`` picks how MoE layers split.
 
 ``--check graphs`` (CUDA) instead captures decode graphs on every rank (their all-reduces and the logits
 all-gather inside) and saves, on rank 0, the greedy tokens of a pipelined graph run and of an eager run of
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workers"))  # a bare checkout on GPU machines
 
 from ominix_runtime.contract import SamplingParams  # noqa: E402
-from ominix_worker.parallel import SINGLE, TensorParallel  # noqa: E402
+from ominix_worker.parallel import SINGLE, MoeParallel, TensorParallel  # noqa: E402
 from ominix_worker.runner import CachedRequest, ModelRunner, ScheduledRow, build_runner  # noqa: E402
 
 PROMPTS = ([3 + (7 * i) % 250 for i in range(37)], [5 + (11 * i) % 240 for i in range(9)])
@@ -131,13 +132,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", required=True)
     parser.add_argument("--check", choices=("logits", "graphs"), default="logits")
+    parser.add_argument("--moe-parallel", choices=[m.value for m in MoeParallel], default="tensor")
     args = parser.parse_args()
     from ominix_worker.parallel.distributed import init_rank_group
 
     torch.set_num_threads(1)
     device = torch.device(args.device)
     group = init_rank_group(args.rank, args.size, args.addr, device, timeout_s=60)
-    runner = load_runner(args.model, args.device, getattr(torch, args.dtype), group.tp)
+    tp = replace(group.tp, moe=MoeParallel(args.moe_parallel))
+    runner = load_runner(args.model, args.device, getattr(torch, args.dtype), tp)
     result = batch_logits(runner) if args.check == "logits" else graph_check(runner)
     if args.rank == 0:
         torch.save(result, args.out)

@@ -45,6 +45,8 @@ class ModelConfig:
     o_proj_bias: bool = False  # Llama with attention_bias (Qwen2 has none on o_proj)
     qk_norm: bool = False  # Qwen3
     max_position_embeddings: int = 2048
+    # Mistral family: every layer attends to the last sliding_window tokens (itself included); 0: full.
+    sliding_window: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Explicit head_dim differing from hidden / heads (Qwen3) is supported; partial rotary is not.
@@ -64,6 +66,13 @@ class ModelConfig:
     @property
     def architecture(self) -> str:
         return _ARCH_CLASS[self.arch]
+
+    def max_len_for(self, attends_within_window: bool) -> int:
+        """Longest sequence this model runs correctly on a backend that does (or does not) attend within a
+        sliding window: full attention equals sliding-window attention only inside the window."""
+        if self.sliding_window and not attends_within_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
 
     @property
     def is_moe(self) -> bool:
@@ -121,15 +130,11 @@ def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     return theta, scaling
 
 
-def _max_positions(raw: dict[str, Any], model_type: str) -> int:
-    """max_position_embeddings, capped at a sliding window: attention here is always full, which equals
-    sliding-window attention only for sequences that fit in the window."""
-    limit = int(raw.get("max_position_embeddings", 2048))
+def _sliding_window(raw: dict[str, Any], model_type: str) -> int:
+    """The window every layer attends within (0: full attention)."""
     window = raw.get("sliding_window")
     uses_window = model_type in ("mistral", "mixtral") or raw.get("use_sliding_window", False)
-    if window and uses_window:
-        limit = min(limit, int(window))
-    return limit
+    return int(window) if window and uses_window else 0
 
 
 def _moe_from_hf(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
@@ -204,7 +209,8 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
             qkv_bias=qkv_bias,
             o_proj_bias=model_type not in ("qwen2", "qwen2_moe") and bool(raw.get("attention_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            max_position_embeddings=_max_positions(raw, model_type),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            sliding_window=_sliding_window(raw, model_type),
             bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
             quantization=dict(raw.get("quantization_config") or {}),

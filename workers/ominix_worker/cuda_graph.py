@@ -61,8 +61,10 @@ class DecodeGraphs:
         max_model_len: int,
         batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
         prefill_sizes: Sequence[int] = DEFAULT_PREFILL_SIZES,
+        sliding_window: int = 0,
     ) -> None:
         self.model = model
+        self.sliding_window = sliding_window  # captured into every graph's attention metadata
         self.backend = backend
         self.kv_caches = kv_caches
         self.device = device
@@ -113,6 +115,7 @@ class DecodeGraphs:
             max_query_len=1,
             max_seq_len=CAPTURE_SEQ_LEN,
             num_decode_only=True,
+            sliding_window=self.sliding_window,
         )
 
     def _forward(self, size: int) -> torch.Tensor:
@@ -128,6 +131,7 @@ class DecodeGraphs:
             max_query_len=size,
             max_seq_len=CAPTURE_SEQ_LEN,
             num_decode_only=False,
+            sliding_window=self.sliding_window,
         )
         hidden = self.model(self.dev64[0, :size], self.dev64[1, :size], self.kv_caches, meta)
         return self.model.compute_logits(hidden.index_select(0, self.d_last))

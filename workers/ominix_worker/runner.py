@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ominix_runtime.contract import (
+    NULL_BLOCK_ID,
     DecodeStep,
     InvalidArgument,
     NewRequestData,
@@ -140,6 +141,8 @@ class ModelRunner:
         self.block_size = backend.block_size
         self.num_blocks = int(kv_caches[0].shape[1]) if kv_caches else 0
         self.max_model_len = max_model_len
+        # Attend within the model's window where the backend can; otherwise max_model_len is capped at it.
+        self.sliding_window = config.sliding_window if backend.supports_sliding_window else 0
         self.vocab_size = config.vocab_size
         self.requests: dict[str, CachedRequest] = {}
         self.last_step_id = 0
@@ -196,7 +199,9 @@ class ModelRunner:
 
     def _check_block_ids(self, block_ids: list[int]) -> None:
         """Checked once when blocks arrive, not every step."""
-        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
+        # A sliding window's table holds NULL_BLOCK_ID where the engine freed a block behind the window.
+        low = NULL_BLOCK_ID if self.sliding_window else 0
+        if block_ids and (min(block_ids) < low or max(block_ids) >= self.num_blocks):
             raise RequestError(RuntimeErrorKind.INTERNAL, f"KV block id outside [0, {self.num_blocks})")
 
     def _check_row(self, request: CachedRequest, num_scheduled: int) -> ScheduledRow:
@@ -217,6 +222,13 @@ class ModelRunner:
                 RuntimeErrorKind.INTERNAL,
                 f"{len(request.kv_block_ids)} KV blocks cannot hold {end} tokens (block size {self.block_size})",
             )
+        if self.sliding_window:
+            first_read = max(0, start - self.sliding_window + 1) // self.block_size
+            if NULL_BLOCK_ID in request.kv_block_ids[first_read : -(-end // self.block_size)]:
+                raise RequestError(
+                    RuntimeErrorKind.INTERNAL,
+                    f"a KV block inside the window of positions [{start}, {end}) is null",
+                )
         return ScheduledRow(request, start, end, samples=end == request.num_tokens)
 
     def _apply_step(
@@ -462,6 +474,7 @@ class ModelRunner:
             num_decode_only=max_query_len == 1,
             query_start_loc_cpu=query_start,
             seq_lens_cpu=seq_lens,
+            sliding_window=self.sliding_window,
         )
         sampling_rows = [row for row in rows if row.samples]
         return StepInputs(
@@ -631,7 +644,7 @@ class ModelRunner:
         started = time.perf_counter()
         graphs = DecodeGraphs(
             self.model, self.backend, self.kv_caches, self.device, self.max_model_len,
-            batch_sizes or DEFAULT_BATCH_SIZES,
+            batch_sizes or DEFAULT_BATCH_SIZES, sliding_window=self.sliding_window,
         )  # fmt: skip
         graphs.capture()
         self._graphs = graphs
@@ -689,7 +702,7 @@ def build_runner(
         source, device, dtype, backend, max_positions=max_model_len, tp=tp, quantization=quantization
     )
     config = loaded.config
-    max_len = max_model_len or config.max_position_embeddings
+    max_len = max_model_len or config.max_len_for(backend.supports_sliding_window)
     kv_heads = tp.kv_heads(config.num_kv_heads, config.num_heads).size
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device)
     kv = allocate_kv_cache(backend, config, num_blocks, kv_dtype, device, kv_heads)

@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -35,8 +35,10 @@ from grpc_reflection.v1alpha import reflection
 from ominix_runtime import wire
 from ominix_runtime.config import RuntimeConfig, TLSConfig
 from ominix_runtime.contract import (
+    AttentionKind,
     BackendCapability,
     DecodeStep,
+    KVGroup,
     ModelInfo,
     OminixError,
     RankInfo,
@@ -46,9 +48,11 @@ from ominix_runtime.models import resolve_model
 from ominix_runtime.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from ominix_runtime.server.logging import configure_logging, set_log_fields
 from ominix_worker import __version__
+from ominix_worker.access import AccessConfigError, EngineAccess, engine_access
 from ominix_worker.step_loop import StepFailure, StepLoop, StepOutcome, StepRunner
 
 if TYPE_CHECKING:  # these import torch, loaded only once the port is bound
+    from ominix_worker.config import ModelConfig
     from ominix_worker.parallel.distributed import RankGroup
     from ominix_worker.runner import ModelRunner
 
@@ -56,13 +60,33 @@ log = logging.getLogger("ominix_worker")
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-HEARTBEAT_INTERVAL_S = 1.0
+# Well inside the engine's --worker-heartbeat-timeout (default 3 s).
+HEARTBEAT_INTERVAL_S = 0.5
 RUN_HANDOVER_S = 2.0
 ASCEND_BLOCK_SIZE = 128
 
 
 class StartupError(RuntimeError):
     """A reason the worker cannot start; printed as one line."""
+
+
+def stated_kv_groups(
+    config: ModelConfig, window: int, block_size: int, num_blocks: int, bytes_per_block: int
+) -> tuple[KVGroup, ...]:
+    """The KV layout stated to the engine: one sliding-window group when every layer attends within a window
+    shorter than the context, else none (the engine then assumes one full-attention group)."""
+    if not window:
+        return ()
+    return (
+        KVGroup(
+            AttentionKind.SLIDING_WINDOW,
+            tuple(range(config.num_layers)),
+            block_size,
+            num_blocks,
+            bytes_per_token_per_layer=bytes_per_block // (block_size * config.num_layers),
+            sliding_window=window,
+        ),
+    )
 
 
 def _say(message: str) -> None:
@@ -123,6 +147,7 @@ def join_group(settings: RuntimeConfig) -> RankGroup | None:
     shape_flags = (
         settings.model.path, args.dtype, args.block_size, args.max_batch_tokens, args.max_running_requests,
         args.max_model_len, args.kv_cache_memory, args.gpu_memory_utilization, args.attention,
+        args.moe_parallel,
     )  # fmt: skip
     stated = group.gather_to_all(shape_flags)
     if any(flags != stated[0] for flags in stated):
@@ -151,12 +176,12 @@ def load_worker(
         resolve_kv_cache_dtype,
     )
     from ominix_worker.loader import ModelLoadError, load_model
-    from ominix_worker.parallel import SINGLE
+    from ominix_worker.parallel import SINGLE, MoeParallel
     from ominix_worker.progress import stage
     from ominix_worker.runner import ModelRunner
 
     args, debug = settings.worker, settings.debug
-    tp = group.tp if group is not None else SINGLE
+    tp = replace(group.tp if group is not None else SINGLE, moe=MoeParallel(args.moe_parallel))
 
     device = parse_device(args.device)
     if args.num_threads > 0:
@@ -187,7 +212,9 @@ def load_worker(
 
     max_batch_tokens = args.max_batch_tokens or profile.max_batch_tokens
     max_running = args.max_running_requests or profile.max_running_requests
-    max_model_len = min(args.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+    model_len = config.max_len_for(backend.supports_sliding_window)
+    max_model_len = min(args.max_model_len or model_len, model_len)
+    window = config.sliding_window if backend.supports_sliding_window else 0
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
     kv_heads = tp.kv_heads(config.num_kv_heads, config.num_heads)
     bytes_per_block = kv_bytes_per_block(config, block_size, kv_dtype, kv_heads.size)
@@ -218,7 +245,8 @@ def load_worker(
         raise StartupError(f"the KV budget ({budget} bytes) holds no block of {bytes_per_block} bytes")
     runner.set_kv_caches([])
     runner.set_kv_caches(allocate_kv_cache(backend, config, num_blocks, kv_dtype, device, kv_heads.size))
-    max_model_len = min(max_model_len, num_blocks * block_size)
+    if not window:  # a window keeps a request's blocks bounded; full attention needs them all
+        max_model_len = min(max_model_len, num_blocks * block_size)
     runner.max_model_len = max_model_len
     _say(
         f"KV cache: {num_blocks} blocks of {block_size} tokens ({num_blocks * bytes_per_block / 2**20:.0f} MiB)"
@@ -294,6 +322,8 @@ def load_worker(
         weight_dtype="float8_e4m3fn" if config.quantization else dtype_text,
         kv_cache_dtype="fp8_e4m3" if kv_dtype == torch.float8_e4m3fn else dtype_text,
         supports_fp8_kv=device.type in ("cpu", "cuda"),
+        moe_parallel=tp.moe.value if config.is_moe else "",
+        kv_groups=stated_kv_groups(config, window, block_size, num_blocks, bytes_per_block * tp.size),
     )
     return runner, capability
 
@@ -314,9 +344,12 @@ def _outcome_to_pb(outcome: StepOutcome) -> worker_pb2.WorkerMessage:
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     """Adapts the Worker RPCs to the worker state; a Run stream drives one ``StepLoop``."""
 
-    def __init__(self, state: WorkerState, executor: ThreadPoolExecutor) -> None:
+    def __init__(
+        self, state: WorkerState, executor: ThreadPoolExecutor, access: EngineAccess | None = None
+    ) -> None:
         self.state = state
         self.executor = executor
+        self.access = access or EngineAccess()
 
     async def Describe(
         self, request: worker_pb2.DescribeRequest, context: grpc.aio.ServicerContext
@@ -341,6 +374,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Run(
         self, request_iterator: AsyncIterator[worker_pb2.DecodeStep], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.WorkerMessage]:
+        refusal = self.access.refusal(context)
+        if refusal is not None:
+            log.warning("Run refused: %s", refusal)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         if not self.state.ready or self.state.step_runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")
         if self.state.run_active:
@@ -378,6 +415,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         running = loop.run_in_executor(self.executor, steps.run)  # ends after close(), state dropped
         reading = asyncio.create_task(read_steps())
         try:
+            # The first message accepts the stream (the engine counts the worker healthy only then). Later
+            # heartbeats come from this event loop whenever nothing else was sent for an interval: the loop
+            # never waits on the device (steps run on the device thread), so a long step does not silence
+            # them, while a stopped or wedged process does.
+            yield worker_pb2.WorkerMessage(heartbeat=worker_pb2.Heartbeat(worker_time=time.monotonic()))
             while True:
                 try:
                     outcome = await asyncio.wait_for(outbox.get(), timeout=HEARTBEAT_INTERVAL_S)
@@ -501,7 +543,12 @@ async def serve(config: RuntimeConfig) -> int:
         ]
     )
     health_servicer = health.aio.HealthServicer()
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(state, executor), server)
+    mutual_tls = bool(config.tls.ca)
+    try:
+        access = engine_access(list(config.tls.engine_identities), config.tls.engine_secret_file, mutual_tls)
+    except AccessConfigError as exc:
+        raise StartupError(str(exc)) from None
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(state, executor, access), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((WORKER_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
     credentials = server_credentials(config.tls)
@@ -536,6 +583,10 @@ async def serve(config: RuntimeConfig) -> int:
         for service in ("", WORKER_SERVICE):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         _say(f"serving {state.capability.model.name} as {worker_id}")
+        if access.open_to_anyone:
+            log.warning(
+                "no --tls-ca and no engine secret: any process reaching %s may drive this worker", address
+            )
         await stop_wait
         return 0
     finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-_ARCHES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
+_ARCHES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "mistral")
 PAD_TOKEN_ID = 0
 BOS_TOKEN_ID = 1
 EOS_TOKEN_ID = 2
@@ -133,6 +133,7 @@ def write_tiny_hf_model(
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[arch]
     config = config_cls(**kwargs)
     torch.manual_seed(seed)

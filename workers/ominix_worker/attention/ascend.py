@@ -273,6 +273,7 @@ class AscendPagedAttention:
     """AttentionBackend for ``npu`` devices. ``ops`` defaults to the real torch_npu ops."""
 
     name = "npu-paged"
+    supports_sliding_window = False  # the context is capped at the window instead
 
     def __init__(
         self,

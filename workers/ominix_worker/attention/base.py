@@ -32,6 +32,10 @@ class AttentionMetadata:
     # the fast path.
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # > 0: a query row at position p attends to keys at positions (p - sliding_window, p] only (Mistral);
+    # set only for a backend that supports_sliding_window. Block table entries before the window may be
+    # stale or -1 (the engine freed them) and must not be read.
+    sliding_window: int = 0
 
     @property
     def num_requests(self) -> int:
@@ -41,6 +45,7 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     name: str
     block_size: int
+    supports_sliding_window: bool  # honours AttentionMetadata.sliding_window
 
     def allocate_kv_cache(
         self,

@@ -16,6 +16,7 @@ from ominix_worker.attention.base import AttentionMetadata
 
 class TorchReferenceAttention:
     name = "torch-sdpa"
+    supports_sliding_window = True
 
     def __init__(self, block_size: int = 16) -> None:
         self.block_size = block_size
@@ -76,8 +77,8 @@ class TorchReferenceAttention:
                 q, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True
             )
             out[plan.decode_tokens] = o.squeeze(2)
-        for start, end, seq_len, blocks, mask in plan.others:
-            kv = self._gather(kv_cache, blocks, query.dtype).flatten(-4, -3)[:, :seq_len]
+        for start, end, num_keys, blocks, mask in plan.others:
+            kv = self._gather(kv_cache, blocks, query.dtype).flatten(-4, -3)[:, :num_keys]
             q = query[start:end].transpose(0, 1)  # (heads, q_len, head_dim)
             k = kv[0].transpose(0, 1)  # (kv_heads, seq_len, head_dim)
             v = kv[1].transpose(0, 1)
@@ -95,8 +96,9 @@ class TorchReferenceAttention:
         seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
         bs = self.block_size
         block_tables = meta.block_tables.long()
+        window = meta.sliding_window
         decode_rows = [i for i in range(len(seq_lens)) if query_start[i + 1] - query_start[i] == 1]
-        if len(decode_rows) < 2:  # a lone decode row goes the general way
+        if len(decode_rows) < 2 or window:  # a lone decode row (or any, with a window) goes the general way
             decode_rows = []
         plan = _StepPlan()
         if decode_rows:
@@ -114,12 +116,21 @@ class TorchReferenceAttention:
             if end == start or i in single:
                 continue
             q_len = end - start
+            # With a window only the blocks from the first key the earliest query row sees are read: the
+            # ones before may have been freed by the engine.
+            first_block = max(0, seq_len - q_len - window + 1) // bs if window else 0
+            first_key = first_block * bs
             mask = None  # a whole prompt at once: plain causal attention (lets SDPA pick a fused kernel)
-            if q_len < seq_len:
-                # Query row j sits at absolute position seq_len - q_len + j and sees keys up to it.
+            if q_len < seq_len or window:
+                # Query row j sits at absolute position seq_len - q_len + j and sees keys up to it (and, with
+                # a window, only the last ``window`` of them).
                 q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
-                mask = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
-            plan.others.append((start, end, seq_len, block_tables[i, : -(-seq_len // bs)], mask))
+                k_pos = torch.arange(first_key, seq_len, device=device).unsqueeze(0)
+                mask = k_pos <= q_pos
+                if window:
+                    mask &= k_pos > q_pos - window
+            blocks = block_tables[i, first_block : -(-seq_len // bs)]
+            plan.others.append((start, end, seq_len - first_key, blocks, mask))
         self._plan, self._plan_meta = plan, meta
         return plan
 
@@ -137,5 +148,5 @@ class _StepPlan:
     decode_blocks: torch.Tensor | None = None  # (B, blocks) block table of those rows
     decode_max_len: int = 0
     decode_mask: torch.Tensor | None = None  # (B, 1, 1, max_len) valid context positions
-    # (start, end, seq_len, blocks, causal mask) of every other row
+    # (start, end, number of keys, blocks from the first one read, causal mask) of every other row
     others: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)

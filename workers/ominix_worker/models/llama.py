@@ -200,12 +200,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+    """SiLU-gated MLP; ``reduce_results=False`` returns the rank's partial sum (the caller reduces it)."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE, reduce_results: bool = True) -> None:
         super().__init__()
         size = config.intermediate_size
         self.intermediate_size = tp.split(size, "intermediate_size").size
         self.gate_up_proj = ColumnParallelLinear.split_evenly(config.hidden_size, [size, size], False, tp)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, tp=tp)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, tp=tp, reduce=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = cuda_ops(x)
@@ -370,8 +372,11 @@ class LlamaForCausalLM(nn.Module):
     def init_dummy_weights(self, seed: int = 0) -> None:
         """Random weights that keep activations finite at any size (std 0.02 matrices, unit norms).
 
-        Drawn on the parameters' own device, so an 8B dummy model on a GPU initialises in seconds.
+        Drawn on the parameters' own device, so an 8B dummy model on a GPU initialises in seconds. Under
+        tensor parallelism a sharded weight is drawn whole and cut (``ParallelModule.load_full``), so every
+        group size holds slices of the same model as one rank.
         """
+        modules = dict(self.named_modules())
         with torch.no_grad():
             for index, (name, param) in enumerate(self.named_parameters()):
                 if name.endswith("norm.weight"):
@@ -380,7 +385,14 @@ class LlamaForCausalLM(nn.Module):
                     param.zero_()
                 else:
                     generator = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + index)
-                    param.normal_(0.0, 0.02, generator=generator)
+                    module_name, _, param_name = name.rpartition(".")
+                    module = modules[module_name]
+                    full = module.full_shape(param_name) if isinstance(module, ParallelModule) else None
+                    if self.tp.size == 1 or full is None:
+                        param.normal_(0.0, 0.02, generator=generator)
+                        continue
+                    whole = torch.empty(full, dtype=param.dtype, device=param.device)
+                    module.load_full(param_name, whole.normal_(0.0, 0.02, generator=generator))
 
     def post_load(self, device: torch.device) -> None:
         self.rotary.build(device)

@@ -3,8 +3,13 @@
 Attention, norms, rotary and the dense MLP are the Llama-family ones (``models/llama.py``); only the MLP of
 the sparse layers (``config.moe_layers``) changes: a router picks the top-k experts per token and
 ``FusedExperts`` runs them. Expert weights are stacked per layer, ``w13`` (E, 2I, H) [gate rows | up rows]
-and ``w2`` (E, H, I), so a later expert-parallel or tensor-parallel split is a slice of dim 0 (experts) or
-of the I rows / columns (expert tensor parallel) of these two tensors.
+and ``w2`` (E, H, I).
+
+In a tensor-parallel group (``tp.moe``, ``--moe-parallel``) a rank holds either every expert's slice of I
+(TENSOR: w13's gate and up rows and w2's columns split like the dense MLP) or E / size whole experts (EXPERT:
+a slice of dim 0; assignments routed to other ranks' experts contribute zero). The router and Qwen2-MoE's
+shared-expert gate are replicated, the shared expert is split like the dense MLP, and the layer's partial
+sums (routed and shared) meet in one all-reduce, as the dense MLP's down projection does.
 """
 
 from __future__ import annotations
@@ -20,7 +25,13 @@ from torch import nn
 from ominix_worker.config import ModelConfig
 from ominix_worker.models.llama import MLP, LlamaForCausalLM
 from ominix_worker.ops.moe_ref import fused_experts_ref, select_experts
-from ominix_worker.parallel import ParallelModule, WeightSource, as_weight_source
+from ominix_worker.parallel import (
+    SINGLE,
+    ParallelModule,
+    TensorParallel,
+    WeightSource,
+    as_weight_source,
+)
 
 _FUSED_MOE: ModuleType | None = None
 _FUSED_MOE_TRIED = False
@@ -45,14 +56,28 @@ def fused_moe_ops(x: torch.Tensor) -> ModuleType | None:
 class FusedExperts(nn.Module):
     """E SiLU-gated experts as two stacked weights; ``forward`` applies the routed, weighted sum.
 
+    Under tensor parallelism the stacks hold this rank's share (``tp.experts``, ``tp.expert_intermediate``)
+    and ``forward`` returns the rank's partial sum; the caller reduces it. ``num_experts`` and
+    ``intermediate_size`` are the local sizes, ``num_global_experts`` the router's width.
+
     In FP8 (``use_fp8`` before an FP8 checkpoint loads, ``quantize_fp8`` after a bf16 one) the weights are
     e4m3 with float32 scale buffers ``w13_scale``/``w2_scale`` (E, rows / block, columns / block)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        self.num_experts = num_experts
+        self.num_global_experts = num_experts
+        self.full_intermediate_size = intermediate_size
+        self.expert_range = tp.experts(num_experts)
+        self.intermediate_range = tp.expert_intermediate(intermediate_size)
+        self.num_experts = num_experts = self.expert_range.size
         self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
+        self.intermediate_size = intermediate_size = self.intermediate_range.size
+        # Global expert id → local index, -1 for another rank's expert (expert parallelism only); filled by
+        # ``build_expert_map`` once the module is on its device.
+        self.expert_map: torch.Tensor | None
+        self.register_buffer("expert_map", None, persistent=False)
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.w13_scale: torch.Tensor | None
@@ -108,7 +133,8 @@ class FusedExperts(nn.Module):
             self.register_buffer(scale_attr, scale)
 
     def load_scale(self, expert: int, part: str, tensor: torch.Tensor) -> str:
-        """Copy one expert projection's checkpoint scale into its rows; returns its load key."""
+        """Copy one expert projection's checkpoint scale into its rows; returns its load key (FP8 runs on
+        one rank, where global and local expert ids agree)."""
         from ominix_worker.quant.fp8 import _load_scale_rows
 
         if self.w13_scale is None or self.w2_scale is None:
@@ -121,6 +147,25 @@ class FusedExperts(nn.Module):
             shard = 0 if part == "gate" else 1
             _load_scale_rows(self.w13_scale[expert], tensor.float(), shard * size, size, self.w13_block)
             return f"w13_scale#{expert}.{shard}"
+
+    # ---- expert parallelism ------------------------------------------------------------------------
+
+    @property
+    def holds_all_experts(self) -> bool:
+        return self.num_experts == self.num_global_experts
+
+    def build_expert_map(self, device: torch.device) -> None:
+        if self.holds_all_experts:
+            return
+        expert_map = torch.full((self.num_global_experts,), -1, dtype=torch.int32)
+        start, size = self.expert_range.start, self.expert_range.size
+        expert_map[start : start + size] = torch.arange(size, dtype=torch.int32)
+        self.register_buffer("expert_map", expert_map.to(device), persistent=False)
+
+    def local_expert(self, expert: int) -> int | None:
+        """The local index of global expert ``expert``; None when another rank holds it."""
+        local = expert - self.expert_range.start
+        return local if 0 <= local < self.num_experts else None
 
     # ---- compute -----------------------------------------------------------------------------------
 
@@ -139,13 +184,20 @@ class FusedExperts(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the routed sum: every token's assignments to the experts it holds."""
+        expert_map = self.expert_map
+        if not self.holds_all_experts and expert_map is None:
+            raise RuntimeError("build_expert_map() was not called")
         ops = fused_moe_ops(x)
         if ops is None:
+            local_ids = topk_ids if expert_map is None else expert_map[topk_ids.long()]
             return fused_experts_ref(
-                x, lambda e: self.expert_weights(e, x.dtype), self.num_experts, topk_weights, topk_ids
+                x, lambda e: self.expert_weights(e, x.dtype), self.num_experts, topk_weights, local_ids
             )
         if not self.is_fp8:
-            return ops.fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+            return ops.fused_experts(
+                x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, expert_map=expert_map
+            )
         from ominix_worker.quant.fp8 import dequantize_fp8, fp8_gemm_supported
 
         if fp8_gemm_supported(x.device, self.w13_block[1], self.w2_block[1]):
@@ -161,15 +213,25 @@ class FusedExperts(nn.Module):
 
     # ---- loading -----------------------------------------------------------------------------------
 
-    def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> str:
-        """Copy one Hugging Face expert projection (gate, up or down) into its slice; returns its load key."""
-        size = self.intermediate_size
+    def load_expert(self, expert: int, part: str, source: WeightSource) -> str | None:
+        """Copy this rank's share of one Hugging Face expert projection (gate, up or down) into its slice;
+        returns its load key, None (nothing read) when another rank holds the expert."""
+        local = self.local_expert(expert)
+        if local is None:
+            return None
+        size, full = self.intermediate_size, self.full_intermediate_size
+        rows = self.intermediate_range
+        # gate/up are (I, H): this rank's rows; down is (H, I): its columns.
+        dim = 1 if part == "down" else 0
+        if len(source.shape) != 2 or source.shape[dim] != full:
+            raise ValueError(f"expert {expert} {part}: shape {source.shape}, expected {full} along dim {dim}")
+        tensor = source.read(dim, rows.start, rows.size)
         with torch.no_grad():
             if part == "down":
-                target, key = self.w2_weight[expert], f"w2_weight#{expert}"
+                target, key = self.w2_weight[local], f"w2_weight#{expert}"
             else:
                 shard = 0 if part == "gate" else 1
-                target = self.w13_weight[expert].narrow(0, shard * size, size)
+                target = self.w13_weight[local].narrow(0, shard * size, size)
                 key = f"w13_weight#{expert}.{shard}"
             if target.shape != tensor.shape:
                 raise ValueError(
@@ -179,28 +241,53 @@ class FusedExperts(nn.Module):
         return key
 
     def load_keys(self) -> set[str]:
-        """What a checkpoint must provide: each expert's three projections (and their scales when FP8)."""
+        """What a checkpoint must provide: each held expert's three projections (and their scales when FP8),
+        keyed by global expert id."""
         names = ("weight", "scale") if self.is_fp8 else ("weight",)
-        keys = {f"w2_{n}#{e}" for e in range(self.num_experts) for n in names}
-        keys.update(f"w13_{n}#{e}.{s}" for e in range(self.num_experts) for s in (0, 1) for n in names)
+        held = range(self.expert_range.start, self.expert_range.end)
+        keys = {f"w2_{n}#{e}" for e in held for n in names}
+        keys.update(f"w13_{n}#{e}.{s}" for e in held for s in (0, 1) for n in names)
         return keys
+
+    def init_dummy_weights(self, seed: int) -> None:
+        """Random experts (std 0.02), each drawn whole from a generator seeded by (seed, global expert id)
+        and cut to this rank's share, so every split of a group holds slices of the same model."""
+        device = self.w13_weight.device
+        rows = self.intermediate_range
+        full, hidden = self.full_intermediate_size, self.hidden_size
+        with torch.no_grad():
+            for local in range(self.num_experts):
+                expert = self.expert_range.start + local
+                generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + expert)
+                w13 = torch.empty(2 * full, hidden, device=device).normal_(0.0, 0.02, generator=generator)
+                w2 = torch.empty(hidden, full, device=device).normal_(0.0, 0.02, generator=generator)
+                gate, up = w13.split(full)
+                local_w13 = torch.cat((gate[rows.start : rows.end], up[rows.start : rows.end]))
+                self.w13_weight[local].copy_(local_w13)
+                self.w2_weight[local].copy_(w2[:, rows.start : rows.end])
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + experts (+ Qwen2-MoE's shared expert, scaled by sigmoid(shared_expert_gate(x)))."""
+    """Router + experts (+ Qwen2-MoE's shared expert, scaled by sigmoid(shared_expert_gate(x))).
 
-    def __init__(self, config: ModelConfig) -> None:
+    Under tensor parallelism both the experts and the shared expert give partial sums; one all-reduce
+    completes the layer."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.scoring_func = config.scoring_func
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp)
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = MLP(
-                replace(config, intermediate_size=config.shared_expert_intermediate_size)
+                replace(config, intermediate_size=config.shared_expert_intermediate_size),
+                tp,
+                reduce_results=False,
             )
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
@@ -209,8 +296,9 @@ class SparseMoeBlock(nn.Module):
         topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize, self.scoring_func)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
+            # The gate is per token and replicated: scaling each rank's partial sum scales their total.
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return self.tp.all_reduce(out)
 
 
 # layers.<i>.(mlp|block_sparse_moe).experts.<e>.<projection>.(weight|weight_scale_inv)
@@ -234,10 +322,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     def build_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module | None:
         if layer_index not in config.moe_layers:
             return None
-        if self.tp.size > 1:
-            # The seam for expert / tensor-parallel experts: slice w13/w2 along experts or I per rank.
-            raise ValueError("mixture-of-experts layers under tensor parallelism are not supported yet")
-        return SparseMoeBlock(config)
+        return SparseMoeBlock(config, self.tp)
 
     def _moe_block(self, layer_index: int) -> SparseMoeBlock:
         block = self.layers[layer_index].mlp
@@ -263,12 +348,16 @@ class MoeForCausalLM(LlamaForCausalLM):
                 if projection not in EXPERT_PARTS:
                     raise KeyError(f"unexpected weight {hf_name!r}")
                 experts = self._moe_block(layer).experts
-                tensor = as_weight_source(weight).read()
-                if match.group(4) == "weight":
-                    key = experts.load_expert(expert, EXPERT_PARTS[projection], tensor)
-                else:
-                    key = experts.load_scale(expert, EXPERT_PARTS[projection], tensor)
-                loaded.add(f"layers.{layer}.mlp.experts.{key}")
+                source = as_weight_source(weight)
+                try:
+                    if match.group(4) == "weight":
+                        key = experts.load_expert(expert, EXPERT_PARTS[projection], source)
+                    else:
+                        key = experts.load_scale(expert, EXPERT_PARTS[projection], source.read())
+                except ValueError as exc:
+                    raise ValueError(f"{hf_name}: {exc}") from None
+                if key is not None:
+                    loaded.add(f"layers.{layer}.mlp.experts.{key}")
                 continue
             shared = re.match(
                 r"^layers\.(\d+)\.mlp\.shared_expert\.(gate_proj|up_proj)\.(weight|weight_scale_inv)$", name
@@ -303,6 +392,17 @@ class MoeForCausalLM(LlamaForCausalLM):
                     f"layers.{index}.mlp.shared_expert.gate_up_proj.{p}#{s}" for p in params for s in (0, 1)
                 )
         return keys
+
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """As the dense model, with experts drawn per global expert (see ``FusedExperts.init_dummy_weights``)."""
+        super().init_dummy_weights(seed)
+        for index in self.config.moe_layers:
+            self._moe_block(index).experts.init_dummy_weights(seed * 7919 + index)
+
+    def post_load(self, device: torch.device) -> None:
+        super().post_load(device)
+        for index in self.config.moe_layers:
+            self._moe_block(index).experts.build_expert_map(device)
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

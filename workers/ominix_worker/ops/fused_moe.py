@@ -10,7 +10,9 @@ One MoE layer over T tokens routed to k experts each (T·k assignments):
    assignment, then (after SiLU·mul) down = h @ w2[e]ᵀ scaled by the assignment's routing weight.
 3. The k weighted rows of each token are summed.
 
-Tiles past the padded total exit at once, so a fixed grid covers every routing. FP8 weights (e4m3 with block
+Tiles past the padded total exit at once, so a fixed grid covers every routing. Under expert parallelism an
+``expert_map`` turns global expert ids into this rank's (-1 for another rank's expert): align leaves those
+assignments out, so no tile computes them and their rows of the weighted sum stay zero. FP8 weights (e4m3 with block
 scales, see ``ominix_worker.quant.fp8``) run W8A8: activations are quantized per token and 128-column group on
 the fly and the tile accumulates ``dot(a, b) · a_scale · b_scale`` per K block.
 
@@ -63,11 +65,13 @@ def _moe_align_kernel(
         fill = tl.full((CHUNK,), 0, dtype=tl.int32) + num_assignments
         tl.store(sorted_ids_ptr + offs, fill, mask=offs < max_padded)
     tl.debug_barrier()
-    # Each assignment's rank inside its expert is the counter's value before its own increment.
+    # Each assignment's rank inside its expert is the counter's value before its own increment. Negative
+    # ids (experts of other ranks) are neither counted nor placed.
     for start in range(0, num_assignments, CHUNK):
         offs = start + tl.arange(0, CHUNK)
         mask = offs < num_assignments
         expert = tl.load(topk_ids_ptr + offs, mask=mask, other=0)
+        mask = mask & (expert >= 0)
         ones = tl.full((CHUNK,), 1, dtype=tl.int32)
         rank = tl.atomic_add(scratch_ptr + expert, ones, mask=mask)
         tl.store(ranks_ptr + offs, rank, mask=mask)
@@ -94,6 +98,7 @@ def _moe_align_kernel(
         offs = start + tl.arange(0, CHUNK)
         mask = offs < num_assignments
         expert = tl.load(topk_ids_ptr + offs, mask=mask, other=0)
+        mask = mask & (expert >= 0)
         rank = tl.load(ranks_ptr + offs, mask=mask, other=0)
         base = tl.load(scratch_ptr + expert, mask=mask, other=0)
         tl.store(sorted_ids_ptr + base + rank, offs, mask=mask)
@@ -338,12 +343,17 @@ def fused_experts(
     w13_block: tuple[int, int] = (128, 128),
     w2_block: tuple[int, int] = (128, 128),
     config: dict[str, Any] | None = None,
+    expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Σ_k topk_weights[t, k] · w2[e]ᵀ(silu(gate) · up) with [gate | up] = w13[e] x_t and e = topk_ids[t, k].
 
     ``x`` (T, H); ``w13`` (E, 2I, H); ``w2`` (E, H, I); fp8 weights come with float32 scales
     (E, ceil(rows / block rows), ceil(columns / block columns)) for blocks ``w13_block`` and ``w2_block``
     (per-channel: (1, columns)). The K tile must divide the scale block's columns.
+
+    ``expert_map`` (E_global,) int32, expert parallelism: ``topk_ids`` are global ids, ``w13``/``w2`` hold this
+    rank's experts, and the map gives each global id its local index or -1; assignments to -1 add nothing.
+    The lookup is a device gather, so the call stays free of host syncs.
     """
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
@@ -355,6 +365,8 @@ def fused_experts(
     if use_fp8:  # a K tile never straddles two weight scale blocks
         while cfg["BLOCK_K"] > 32 and (w13_block[1] % cfg["BLOCK_K"] or w2_block[1] % cfg["BLOCK_K"]):
             cfg["BLOCK_K"] //= 2
+    if expert_map is not None:
+        topk_ids = expert_map[topk_ids.long()]
     sorted_ids, expert_ids, num_post_pad = moe_align(topk_ids, num_experts, cfg["BLOCK_M"])
     num_assignments = num_tokens * top_k
     gate_up = torch.empty((num_assignments, two_i), dtype=x.dtype, device=x.device)
@@ -362,8 +374,11 @@ def fused_experts(
         x, w13, gate_up, sorted_ids, expert_ids, num_post_pad, num_assignments, top_k, cfg,
         b_scale=w13_scale, scale_block=w13_block,
     )  # fmt: skip
+    # Rows of skipped assignments hold whatever gate_up held (never written); the down GEMM never reads them.
     hidden_act = silu_and_mul(gate_up)
-    down = torch.empty((num_assignments, hidden), dtype=x.dtype, device=x.device)
+    # Rows of skipped assignments (another rank's experts) are never written: they must read as zero.
+    alloc = torch.zeros if expert_map is not None else torch.empty
+    down = alloc((num_assignments, hidden), dtype=x.dtype, device=x.device)
     grouped_gemm(
         hidden_act, w2, down, sorted_ids, expert_ids, num_post_pad, num_assignments, 1, cfg,
         topk_weights=topk_weights.reshape(-1).float(), b_scale=w2_scale, scale_block=w2_block,

@@ -51,7 +51,8 @@ def fused_experts_ref(
 
     ``expert_weights(e)`` returns expert e's (w13 (2I, H), w2 (H, I)) in the run dtype. Tokens are grouped by
     expert (a stable sort of the flattened assignments), each expert multiplies its rows once, and the
-    weighted rows are summed back per token in float32.
+    weighted rows are summed back per token in float32. An id of -1 (an expert another rank holds under
+    expert parallelism) contributes nothing.
     """
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -59,10 +60,11 @@ def fused_experts_ref(
     if num_tokens == 0:
         return out.to(x.dtype)
     flat_ids = topk_ids.reshape(-1).long()
+    flat_ids = torch.where(flat_ids < 0, num_experts, flat_ids)  # skipped assignments sort last
     order = torch.argsort(flat_ids, stable=True)
     token_of = order // top_k
     weight_of = topk_weights.reshape(-1)[order].float()
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()[:num_experts]
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:

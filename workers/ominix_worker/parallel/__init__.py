@@ -7,12 +7,13 @@ from ominix_worker.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from ominix_worker.parallel.tensor_parallel import SINGLE, ShardRange, TensorParallel
+from ominix_worker.parallel.tensor_parallel import SINGLE, MoeParallel, ShardRange, TensorParallel
 from ominix_worker.parallel.weights import SafetensorsWeight, TensorWeight, WeightSource, as_weight_source
 
 __all__ = [
     "SINGLE",
     "ColumnParallelLinear",
+    "MoeParallel",
     "ParallelLMHead",
     "ParallelModule",
     "RowParallelLinear",

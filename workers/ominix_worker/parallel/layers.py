@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ominix_worker.parallel.tensor_parallel import SINGLE, ShardRange, TensorParallel
-from ominix_worker.parallel.weights import WeightSource
+from ominix_worker.parallel.weights import TensorWeight, WeightSource
 
 
 def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
@@ -41,6 +41,14 @@ class ParallelModule(nn.Module):
     def num_parts(self, param_name: str) -> int:
         """How many checkpoint tensors are fused into ``param_name`` (each must be loaded once)."""
         return 1
+
+    def full_shape(self, param_name: str) -> tuple[int, ...] | None:
+        """The unsharded shape of ``param_name`` (its fused parts stacked); None when it is held whole."""
+        return None
+
+    def load_full(self, param_name: str, full: torch.Tensor) -> None:
+        """Keep this rank's share of the unsharded ``full`` (dummy weights drawn whole, then cut)."""
+        self.load_weight(param_name, TensorWeight(full))
 
 
 class ColumnParallelLinear(ParallelModule):
@@ -79,6 +87,13 @@ class ColumnParallelLinear(ParallelModule):
     def num_parts(self, param_name: str) -> int:
         return len(self.parts)
 
+    def full_shape(self, param_name: str) -> tuple[int, ...] | None:
+        return (sum(self.full_sizes), self.weight.shape[1]) if param_name == "weight" else None
+
+    def load_full(self, param_name: str, full: torch.Tensor) -> None:
+        for index, part in enumerate(full.split(self.full_sizes)):
+            self.load_weight(param_name, TensorWeight(part), index)
+
     def load_weight(self, param_name: str, source: WeightSource, part: int | None = None) -> None:
         index = part or 0
         shard = self.parts[index]
@@ -93,18 +108,34 @@ class ColumnParallelLinear(ParallelModule):
 
 
 class RowParallelLinear(ParallelModule):
-    """y = all_reduce(x_local W_localᵀ) (+ b): W's input columns split, x arrives already split the same way."""
+    """y = all_reduce(x_local W_localᵀ) (+ b): W's input columns split, x arrives already split the same way.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE) -> None:
+    With ``reduce=False`` it returns the rank's partial product (no bias), for a caller that adds other
+    partial sums first and reduces them together (a MoE layer's shared expert beside its routed experts)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TensorParallel = SINGLE,
+        reduce: bool = True,
+    ) -> None:
         super().__init__()
+        if bias and not reduce:
+            raise ValueError("a row-parallel layer that leaves the reduction to its caller cannot add a bias")
         self.tp = tp
+        self.reduce = reduce
         self.in_features = in_features
         self.shard = tp.split(in_features, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.shard.size))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = F.linear(x, self.weight)
+        if not self.reduce:
+            return out
+        out = self.tp.all_reduce(out)
         return out + self.bias if self.bias is not None else out
 
     def load_weight(self, param_name: str, source: WeightSource, part: int | None = None) -> None:
@@ -115,6 +146,9 @@ class RowParallelLinear(ParallelModule):
         if source.shape[-1] != self.in_features:
             raise ValueError(f"{param_name}: {source.shape[-1]} input columns, expected {self.in_features}")
         _copy_checked(self.weight, source.read(1, self.shard.start, self.shard.size), param_name)
+
+    def full_shape(self, param_name: str) -> tuple[int, ...] | None:
+        return (self.weight.shape[0], self.in_features) if param_name == "weight" else None
 
 
 class VocabParallelEmbedding(ParallelModule):
@@ -143,6 +177,9 @@ class VocabParallelEmbedding(ParallelModule):
         _copy_checked(rows, source.read(0, self.shard.start, self.num_real_rows), param_name)
         with torch.no_grad():  # padding rows: never looked up, and their logits are cut off
             self.weight[self.num_real_rows :].zero_()
+
+    def full_shape(self, param_name: str) -> tuple[int, ...] | None:
+        return (self.vocab_size, self.weight.shape[1])
 
 
 class ParallelLMHead(VocabParallelEmbedding):

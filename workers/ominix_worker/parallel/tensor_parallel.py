@@ -9,6 +9,7 @@ CUDA graphs with the kernels around them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 import torch.distributed as dist
@@ -26,11 +27,23 @@ class ShardRange:
         return self.start + self.size
 
 
+class MoeParallel(str, Enum):
+    """How a group splits mixture-of-experts layers (``--moe-parallel``).
+
+    TENSOR: every rank holds a slice of every expert's intermediate dimension (w13 rows, w2 columns).
+    EXPERT: every rank holds E / size whole experts and computes only the assignments routed to them.
+    Either way each rank's output is a partial sum that one all-reduce per layer completes."""
+
+    TENSOR = "tensor"
+    EXPERT = "expert"
+
+
 @dataclass(frozen=True, slots=True)
 class TensorParallel:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
+    moe: MoeParallel = MoeParallel.TENSOR
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -53,6 +66,24 @@ class TensorParallel:
         ``size`` is the padded per-rank share; the last ranks may hold fewer than ``size`` real rows."""
         size = -(-total // self.size)
         return ShardRange(self.rank * size, size)
+
+    def experts(self, num_experts: int) -> ShardRange:
+        """The routed experts this rank holds: all of them under TENSOR, an even share under EXPERT."""
+        if self.moe is MoeParallel.TENSOR:
+            return ShardRange(0, num_experts)
+        if num_experts % self.size:
+            raise ValueError(
+                f"{num_experts} experts do not divide into {self.size} ranks for expert parallelism "
+                f"(--moe-parallel expert); use --moe-parallel tensor or a tensor-parallel size dividing "
+                f"{num_experts}"
+            )
+        return self.split(num_experts, "the number of experts")
+
+    def expert_intermediate(self, intermediate_size: int) -> ShardRange:
+        """The rows of each held expert's intermediate dimension: a slice under TENSOR, all under EXPERT."""
+        if self.moe is MoeParallel.EXPERT:
+            return ShardRange(0, intermediate_size)
+        return self.split(intermediate_size, "moe_intermediate_size")
 
     def kv_heads(self, num_kv_heads: int, num_heads: int) -> ShardRange:
         """The KV heads this rank keeps: an even share, or one replicated head when there are fewer KV heads
