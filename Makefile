@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: run test proto lint bench soak conformance clean
+.PHONY: run test proto lint bench soak conformance wheel clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,5 +40,9 @@ bench: $(STAMP)
 soak: $(STAMP)
 	OMINIX_SOAK_REQUESTS=10000 $(BIN)/python -m pytest -q -p no:cacheprovider tests/faults/test_soak.py
 
+# The installable artefact (tests/packaging installs it into a fresh venv and serves a request with it).
+wheel: $(STAMP)
+	$(BIN)/python -m pip wheel --no-deps -q -w dist .
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) build dist

@@ -42,7 +42,8 @@ from bench.common import (  # noqa: E402
     write_json,
     write_plot,
 )
-from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc  # noqa: E402
+from ominix_runtime.client import AsyncEngineClient, ClientOptions  # noqa: E402
+from ominix_runtime.pb import common_pb2, engine_pb2  # noqa: E402
 
 _PRIORITIES = {
     "unspecified": common_pb2.PRIORITY_UNSPECIFIED,
@@ -136,10 +137,8 @@ def build_random_requests(
 
 async def fetch_model_facts(address: str, timeout_s: float = 30.0) -> ModelFacts:
     """The served model's vocabulary and special ids, from ListBackends."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        reply = await engine_pb2_grpc.EngineStub(channel).ListBackends(
-            engine_pb2.ListBackendsRequest(), timeout=timeout_s
-        )
+    async with AsyncEngineClient(address) as client:
+        reply = await client.list_backends(timeout_s)
     if not reply.backends:
         raise RuntimeError(f"engine at {address} lists no backends")
     model = reply.backends[0].model
@@ -150,10 +149,8 @@ async def fetch_model_facts(address: str, timeout_s: float = 30.0) -> ModelFacts
 
 
 async def fetch_backends(address: str, timeout_s: float = 30.0) -> engine_pb2.ListBackendsResponse:
-    async with grpc.aio.insecure_channel(address) as channel:
-        return await engine_pb2_grpc.EngineStub(channel).ListBackends(
-            engine_pb2.ListBackendsRequest(), timeout=timeout_s
-        )
+    async with AsyncEngineClient(address) as client:
+        return await client.list_backends(timeout_s)
 
 
 def to_pb_request(spec: RequestSpec, config: BenchConfig, request_id: str) -> engine_pb2.GenerateRequest:
@@ -224,7 +221,7 @@ class RequestResult:
 
 
 async def _send_one(
-    stub: engine_pb2_grpc.EngineStub,
+    client: AsyncEngineClient,
     request: engine_pb2.GenerateRequest,
     result: RequestResult,
     start: float,
@@ -232,8 +229,7 @@ async def _send_one(
 ) -> None:
     result.send_time = time.perf_counter() - start
     try:
-        call = stub.Generate(request, timeout=timeout_s)
-        async for event in call:
+        async for event in client.generate(request, timeout=timeout_s):
             now = time.perf_counter() - start
             kind = event.WhichOneof("event")
             if kind == "token":
@@ -285,12 +281,12 @@ class LoadSample:
 
 
 async def _sample_load(
-    stub: engine_pb2_grpc.EngineStub, start: float, every_s: float, out: list[LoadSample]
+    client: AsyncEngineClient, start: float, every_s: float, out: list[LoadSample]
 ) -> None:
     """Append a GetLoad sample every ``every_s`` until cancelled; an engine without GetLoad yields none."""
     while True:
         try:
-            reply = await stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=max(every_s, 1.0))
+            reply = await client.get_load(timeout=max(every_s, 1.0))
         except grpc.aio.AioRpcError:
             return
         total = reply.total
@@ -505,17 +501,13 @@ async def run_benchmark(
     if requests is None:
         requests = build_random_requests(config, await fetch_model_facts(address))
     delays = arrival_delays(len(requests), config.request_rate, config.burstiness, config.seed)
-    channels = [
-        grpc.aio.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_receive_message_length", -1),
-                ("grpc.use_local_subchannel_pool", 1),  # separate connections per channel
-            ],
+    options = ClientOptions(
+        channel_options=(
+            ("grpc.max_receive_message_length", -1),
+            ("grpc.use_local_subchannel_pool", 1),  # separate connections per channel
         )
-        for _ in range(max(1, config.num_channels))
-    ]
-    stubs = [engine_pb2_grpc.EngineStub(c) for c in channels]
+    )
+    clients = [AsyncEngineClient(address, options) for _ in range(max(1, config.num_channels))]
     limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     show = sys.stderr.isatty() if config.progress is None else config.progress
     progress = _Progress(len(requests), show, config.label)
@@ -524,23 +516,23 @@ async def run_benchmark(
 
     async def one(i: int, start: float) -> None:
         pb_request = to_pb_request(requests[i], config, results[i].request_id)
-        stub = stubs[i % len(stubs)]
+        client = clients[i % len(clients)]
         if limit is None:
-            await _send_one(stub, pb_request, results[i], start, config.request_timeout_s)
+            await _send_one(client, pb_request, results[i], start, config.request_timeout_s)
         else:
             async with limit:
-                await _send_one(stub, pb_request, results[i], start, config.request_timeout_s)
+                await _send_one(client, pb_request, results[i], start, config.request_timeout_s)
         progress.update()
 
     load_samples: list[LoadSample] = []
     sampler: asyncio.Task[None] | None = None
     try:
-        for channel in channels:
-            await asyncio.wait_for(channel.channel_ready(), timeout=30.0)
+        for client in clients:
+            await client.wait_ready(30.0)
         started_at_unix = time.time()
         start = time.perf_counter()
         if config.load_sample_s > 0:
-            sampler = asyncio.create_task(_sample_load(stubs[0], start, config.load_sample_s, load_samples))
+            sampler = asyncio.create_task(_sample_load(clients[0], start, config.load_sample_s, load_samples))
         tasks = []
         for i, delay in enumerate(delays):
             if delay > 0:
@@ -553,8 +545,8 @@ async def run_benchmark(
             sampler.cancel()
             await asyncio.gather(sampler, return_exceptions=True)
         progress.close()
-        for channel in channels:
-            await channel.close()
+        for client in clients:
+            await client.close()
     bin_s = config.timeline_bin_s or _nice_bin(duration)
     timeline = throughput_timeline(results, duration, bin_s)
     metrics = compute_metrics(

@@ -1,52 +1,110 @@
-"""The daemon's configuration: one frozen tree built from the command line.
+"""The runtime's configuration: one frozen tree for every process (engine daemon, worker, launcher).
 
-Environment variables are only read for debug knobs, all prefixed ``OMINIX_`` (see :class:`DebugConfig`).
+The tree is built in one place (``ominix_runtime.cli.settings``) from command-line flags, ``OMINIX_<FLAG>``
+environment variables and a ``--config`` file; each flag writes one or more paths of this tree
+(``ominix_runtime.cli.flags``). A few debug-only switches are environment variables only; they are listed,
+typed, in :data:`DEBUG_VARIABLES` and land in :class:`DebugConfig`. Nothing else reads the environment.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
 
+from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig
+
+__all__ = [
+    "DEBUG_VARIABLES",
+    "BackendsConfig",
+    "DebugConfig",
+    "DebugVariable",
+    "EngineCoreConfig",
+    "FrontConfig",
+    "LaunchConfig",
+    "LogConfig",
+    "ModelConfig",
+    "RuntimeConfig",
+    "SchedulerConfig",
+    "ServerConfig",
+    "TLSConfig",
+    "WorkerConfig",
+    "get_path",
+    "with_paths",
+]
+
+T = TypeVar("T")
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_ENGINE_PORT = 50061
-DEFAULT_WORKER_BASE_PORT = 50071
+DEFAULT_WORKER_PORT = 50071
 DEFAULT_METRICS_PORT = 9400
-DEFAULT_DRAIN_TIMEOUT_S = 30.0
-DEFAULT_WORKER_READY_TIMEOUT_S = 300.0
-DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S = 3.0
-# Without --step-timeout the worker client derives each stream's step timeout from its measured step times;
-# the engine core's own guard then only catches a backend that has no timeout of its own.
-STEP_TIMEOUT_BACKSTOP_S = 600.0
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # one GenerateRequest on the engine port (gRPC's own default)
+DEFAULT_DIST_TIMEOUT_S = 30.0  # a tensor-parallel group's collectives and control messages
+# A worker silent (no result, no heartbeat) this long is marked unhealthy and its requests fail over.
+DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S = 3.0
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("auto", "json", "console")
 
 
 @dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    """Overrides of what the backends state; None keeps the backend's own figure."""
+class ModelConfig:
+    """What to serve: shared by the engine (tokenizer, name checks) and the worker (weights)."""
 
-    max_batch_tokens: int | None = None
-    max_running_requests: int | None = None
-    max_queue_len: int = 1024
-    enable_prefix_caching: bool = True
+    path: str | None = None  # None: the embedded default model
+    served_model_names: tuple[str, ...] = ()  # names requests may use; empty: the model's own name
 
 
 @dataclass(frozen=True, slots=True)
 class TLSConfig:
-    """PEM paths; plaintext while unset.
+    """This process's identity and the CA of its peers (PEM paths); plaintext while unset.
 
-    ``server_cert``/``server_key`` are the engine's identity: served on the engine port and, when
-    ``worker_ca`` is set, presented to workers as the client certificate (mutual TLS). ``worker_ca`` verifies
-    the workers' certificates.
+    Engine: ``cert``/``key`` are served on the engine port and, when ``ca`` is set, presented to the workers
+    as the client certificate; ``ca`` verifies the workers. Worker: ``cert``/``key`` are served on the worker
+    port; ``ca`` makes the worker accept only clients (the engine) with a certificate it signed (mutual TLS).
     """
 
-    server_cert: str | None = None
-    server_key: str | None = None
-    worker_ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+    # Plaintext deployments: a file holding the secret the engine presents on Run and workers require.
+    engine_secret_file: str | None = None
+    # Worker with --tls-ca: names the engine's client certificate must carry (empty: the default identity).
+    engine_identities: tuple[str, ...] = ()
 
     @property
     def enabled(self) -> bool:
-        return bool(self.server_cert and self.server_key)
+        return bool(self.cert and self.key)
+
+
+@dataclass(frozen=True, slots=True)
+class FrontConfig:
+    """How the front API treats its clients: who may call it and what their text may do."""
+
+    api_keys: tuple[str, ...] = ()  # empty: no authentication; else `authorization: Bearer KEY` is required
+    # Trusted callers only: special-token strings in a prompt / in chat content act as special tokens.
+    allow_special_tokens_in_prompt: bool = False
+    allow_special_tokens_in_chat: bool = False
+    tokenizer_threads: int = 2  # threads that tokenize and render chat templates off the event loop
+    max_pending_tokenizations: int = 64  # more waiting prompts are refused (RESOURCE_EXHAUSTED)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The process's own gRPC server (engine front API, or a worker's Worker service) and its side ports."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_ENGINE_PORT
+    metrics_host: str = DEFAULT_HOST
+    metrics_port: int = DEFAULT_METRICS_PORT  # 0: no metrics HTTP server
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger requests are refused (RESOURCE_EXHAUSTED)
+    drain_timeout: float = 30.0  # seconds live requests may take to finish after SIGINT/SIGTERM
+    stats_interval: float = 10.0  # seconds between periodic stats log lines; 0: none
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,58 +121,165 @@ class V0FrontConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class FrontConfig:
-    """How the front API treats its clients: who may call it and what their text may do."""
+class BackendsConfig:
+    """The backends an engine drives."""
 
-    api_keys: tuple[str, ...] = ()  # empty: no authentication; else `authorization: Bearer KEY` is required
-    # Trusted callers only: special-token strings in a prompt / in chat content act as special tokens.
-    allow_special_tokens_in_prompt: bool = False
-    allow_special_tokens_in_chat: bool = False
-    tokenizer_threads: int = 2  # threads that tokenize and render chat templates off the event loop
-    max_pending_tokenizations: int = 64  # more waiting prompts are refused (RESOURCE_EXHAUSTED)
+    workers: tuple[str, ...] = ()  # host:port of step-level workers
+    sglang_urls: tuple[str, ...] = ()  # request-level SGLang servers
+    sglang_api_key: str | None = None  # SGLang's --api-key, sent as a bearer token
+    ready_timeout: float = 300.0  # seconds to wait for every worker to report ready
+    heartbeat_timeout: float = DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S
+    # A step may take this long, heartbeats or not; None: derived per stream from its measured steps.
+    step_timeout: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """One worker process: its device, how the model is loaded and how large its KV cache is."""
+
+    device: str = "cpu"
+    dtype: str = "auto"
+    quantization: str = "none"  # fp8: quantize a float checkpoint's projections and experts at load
+    kv_cache_dtype: str = "auto"  # auto: the run dtype; fp8_e4m3: K and V stored in FP8
+    kv_cache_memory: str = "1GiB"  # CPU: bytes for the KV cache
+    gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory for weights, activations and KV
+    block_size: int = 16
+    max_batch_tokens: int | None = None  # None: the device profile's
+    max_running_requests: int | None = None  # None: the device profile's
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    attention: str | None = None  # None: chosen by the device
+    num_threads: int = 0  # CPU threads for torch; 0: torch's default
+    worker_id: str | None = None  # None: DEVICE@HOST:PORT
+    launch_nonce: str = ""  # set by `launch`; stated in Health so it knows its own workers
+    # Tensor parallelism: one process per rank; rank 0 serves the engine, the others follow it.
+    tp_size: int = 1
+    tp_rank: int = 0
+    dist_init_addr: str | None = None  # HOST:PORT where rank 0 gathers its group
+    dist_timeout: float = DEFAULT_DIST_TIMEOUT_S
+    moe_parallel: str = "tensor"  # how a group splits MoE layers: tensor (slices) or expert (whole experts)
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    """``ominix-runtime launch``: one worker per device on loopback, then the engine."""
+
+    devices: tuple[str, ...] = ("cpu",)
+    worker_host: str = DEFAULT_HOST
+    worker_base_port: int = DEFAULT_WORKER_PORT  # 0: free ports picked by the system
+    worker_threads: int = 0  # torch threads per CPU worker; 0: the cores split among the CPU workers
+    tensor_parallel_size: int = 1  # devices per worker group (consecutive devices, one backend per group)
+    dist_base_port: int = 0  # group g's ranks meet on base + g; 0: free ports picked at start
+    engine_in_child: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    level: str = "info"
+    format: str = "auto"  # auto: console on a terminal, JSON otherwise
+
+    @property
+    def json(self) -> bool | None:
+        """None: decide by whether stderr is a terminal."""
+        return {"auto": None, "json": True, "console": False}[self.format]
 
 
 @dataclass(frozen=True, slots=True)
 class DebugConfig:
-    """Knobs for debugging, read from OMINIX_* environment variables only."""
+    """Debug-only switches; set from the ``OMINIX_*`` variables in :data:`DEBUG_VARIABLES` only."""
 
-    log_steps: bool = False  # OMINIX_LOG_STEPS=1: one log line per scheduler step
-
-    @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> DebugConfig:
-        env = dict(os.environ) if env is None else env
-        return cls(
-            log_steps=env.get("OMINIX_LOG_STEPS", "") not in ("", "0", "false"),
-        )
+    log_steps: bool = False  # one log line per scheduler step
+    pipeline: bool = True  # worker: overlap decode steps on CUDA
+    cuda_graphs: bool = True  # worker: capture decode steps as CUDA graphs
 
 
 @dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Everything ``ominix-runtime serve`` needs."""
+class RuntimeConfig:
+    """The root of the tree."""
 
-    model: str | None = None  # None: the embedded default model
-    workers: tuple[str, ...] = ()  # host:port of step-level workers
-    sglang_urls: tuple[str, ...] = ()  # request-level SGLang servers
-    sglang_api_key: str | None = None  # SGLang's --api-key, sent as a bearer token
-    served_model_names: tuple[str, ...] = ()  # other names requests may use for the model (first: v0's)
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_ENGINE_PORT
-    metrics_port: int = DEFAULT_METRICS_PORT  # 0: no metrics HTTP server
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
-    worker_ready_timeout: float = DEFAULT_WORKER_READY_TIMEOUT_S
-    log_level: str = "info"
-    log_json: bool | None = None  # None: JSON unless stderr is a terminal
-    tls: TLSConfig = field(default_factory=TLSConfig)
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger requests are refused (RESOURCE_EXHAUSTED)
-    v0: V0FrontConfig = field(default_factory=V0FrontConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineCoreConfig = field(default_factory=EngineCoreConfig)
+    backends: BackendsConfig = field(default_factory=BackendsConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     front: FrontConfig = field(default_factory=FrontConfig)
-    # A worker silent (no result, no heartbeat) this long is marked unhealthy and its requests fail over.
-    worker_heartbeat_timeout: float = DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S
-    step_timeout: float | None = None  # None: derived from measured step times (see GrpcStepStream)
-    engine_secret: str | None = None  # sent on Run to workers that require it (plaintext deployments)
+    v0: V0FrontConfig = field(default_factory=V0FrontConfig)
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
+    def scheduler(self) -> SchedulerConfig:
+        return self.engine.scheduler
+
+
+# ---- paths ----------------------------------------------------------------------------------------------
+
+
+def get_path(tree: Any, path: str) -> Any:
+    """The value at a dotted path, e.g. ``get_path(config, "engine.scheduler.max_batch_tokens")``."""
+    node = tree
+    for part in path.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def with_paths(tree: T, values: Mapping[str, Any]) -> T:
+    """A copy of a frozen tree with the dotted paths in ``values`` replaced (unknown paths raise KeyError)."""
+    node: Any = tree  # a dataclass instance: each branch of the tree is one
+    here: dict[str, Any] = {}
+    below: dict[str, dict[str, Any]] = {}
+    names = {f.name for f in dataclasses.fields(node)}
+    for path, value in values.items():
+        head, _, rest = path.partition(".")
+        if head not in names:
+            raise KeyError(f"{type(tree).__name__} has no field {head!r} (path {path!r})")
+        if rest:
+            below.setdefault(head, {})[rest] = value
+        else:
+            here[head] = value
+    for head, sub in below.items():
+        here[head] = with_paths(here.get(head, getattr(tree, head)), sub)
+    return cast(T, dataclasses.replace(node, **here))
+
+
+# ---- debug variables ------------------------------------------------------------------------------------
+
+
+def _switch(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected 0 or 1, got {text!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class DebugVariable:
+    """An environment-only debug switch: its variable, the tree path it sets and how its text is read."""
+
+    name: str
+    path: str
+    parse: Callable[[str], Any]
+    help: str
+
+
+DEBUG_VARIABLES: tuple[DebugVariable, ...] = (
+    DebugVariable("OMINIX_LOG_STEPS", "debug.log_steps", _switch, "1: one log line per scheduler step"),
+    DebugVariable("OMINIX_PIPELINE", "debug.pipeline", _switch, "0: no overlapped decode steps on CUDA"),
+    DebugVariable("OMINIX_CUDA_GRAPHS", "debug.cuda_graphs", _switch, "0: every CUDA step runs eagerly"),
+)
+
+
+def debug_values(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Tree paths set by the debug variables present in ``env``; a malformed value raises ValueError."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for var in DEBUG_VARIABLES:
+        if var.name in env:
+            try:
+                values[var.path] = var.parse(env[var.name])
+            except ValueError as exc:
+                raise ValueError(f"{var.name}={env[var.name]!r}: {exc}") from None
+    return values

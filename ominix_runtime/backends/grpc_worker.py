@@ -11,11 +11,11 @@ import grpc
 import grpc.aio
 
 from ominix_runtime import wire
+from ominix_runtime.config import DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S as DEFAULT_HEARTBEAT_TIMEOUT_S
 from ominix_runtime.contract import BackendCapability, DecodeStep, OminixError, RuntimeErrorKind, StepResult
 from ominix_runtime.pb import worker_pb2, worker_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-DEFAULT_HEARTBEAT_TIMEOUT_S = 3.0
 DEFAULT_RPC_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 5.0
 # Without an explicit step timeout, a step may take this many times the slowest step seen on the stream,

@@ -1,13 +1,17 @@
-"""Engine and scheduler settings."""
+"""Engine and scheduler settings: the ``engine`` branch of the runtime's config tree (``ominix_runtime.config``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The engine core's own guard on a step: --step-timeout when given; else only a backstop for a backend with
+# no timeout of its own (the worker client derives one per stream from its measured steps). One definition.
+DEFAULT_STEP_TIMEOUT_S = 600.0
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Per worker group. Limits default to the worker's capability when None."""
+    """Per worker group. Limits default to the worker's capability when None (the one scheduler config)."""
 
     max_batch_tokens: int | None = None  # token budget per step
     max_running_requests: int | None = None
@@ -26,12 +30,12 @@ class SchedulerConfig:
 class EngineCoreConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     max_inflight_steps: int = 2  # 1 disables overlap
-    step_timeout: float = 60.0  # a step result later than this marks the worker group unhealthy
+    step_timeout: float = DEFAULT_STEP_TIMEOUT_S
     deadline_check_interval: float = 0.05  # seconds between deadline sweeps while idle
     idle_integrity_check_interval: float = 1.0  # registry check_integrity() while idle, at most this often
     recent_window: int = 256  # recent step durations / batch sizes kept for stats
     decode_rate_ewma_alpha: float = 0.2
-    max_waiting_requests: int = 0  # per engine; 0: unbounded
+    max_waiting_requests: int = 1024  # per engine (--max-queue-len); 0: unbounded
     # A failed worker is polled (Describe) with exponential backoff and re-joins with a fresh scheduler.
     reconnect: bool = True
     reconnect_backoff_initial: float = 0.5

@@ -16,14 +16,18 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ready", "num_requests", "last_step_id")
+    __slots__ = ("ready", "num_requests", "last_step_id", "launch_nonce", "pid")
     READY_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_NONCE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     num_requests: int
     last_step_id: int
-    def __init__(self, ready: _Optional[bool] = ..., num_requests: _Optional[int] = ..., last_step_id: _Optional[int] = ...) -> None: ...
+    launch_nonce: str
+    pid: int
+    def __init__(self, ready: _Optional[bool] = ..., num_requests: _Optional[int] = ..., last_step_id: _Optional[int] = ..., launch_nonce: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "kv_block_ids", "num_computed_tokens", "num_scheduled_tokens", "effective_seed", "traceparent", "group_kv_block_ids")

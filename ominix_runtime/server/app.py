@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,9 +17,8 @@ from grpc_reflection.v1alpha import reflection
 
 from ominix_runtime import memory
 from ominix_runtime.backends.grpc_worker import CHANNEL_OPTIONS, GrpcWorkerBackend
-from ominix_runtime.config import STEP_TIMEOUT_BACKSTOP_S, EngineConfig
+from ominix_runtime.config import RuntimeConfig
 from ominix_runtime.contract import BackendAdapter, OminixError, RuntimeErrorKind
-from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig
 from ominix_runtime.engine.core import EngineCore
 from ominix_runtime.engine.negotiation import ServingTerms
 from ominix_runtime.engine.stats import RunReport
@@ -28,6 +28,7 @@ from ominix_runtime.server.engine_service import EngineService
 from ominix_runtime.server.front_guard import FrontGuard
 from ominix_runtime.server.logging import configure_logging, get_logger
 from ominix_runtime.server.metrics import EngineMetrics
+from ominix_runtime.server.stats_line import StatsLine
 from ominix_runtime.server.tracing import tracer_from_environment
 from ominix_runtime.server.v0_http import V0Front
 from ominix_runtime.text import Tokenizer
@@ -42,26 +43,26 @@ MIN_MESSAGE_BYTES = 1024  # below this no request fits: the engine would refuse 
 _log = get_logger("ominix.server")
 
 
-def _build_backends(config: EngineConfig) -> list[BackendAdapter]:
+def _build_backends(config: RuntimeConfig) -> list[BackendAdapter]:
     worker_tls = None
-    if config.tls.worker_ca:
+    if config.tls.ca:
         # Mutual TLS: the engine proves itself to the workers with its own certificate when it has one.
-        key = Path(config.tls.server_key).read_bytes() if config.tls.server_key else None
-        cert = Path(config.tls.server_cert).read_bytes() if config.tls.server_cert else None
+        key = Path(config.tls.key).read_bytes() if config.tls.key else None
+        cert = Path(config.tls.cert).read_bytes() if config.tls.cert else None
         worker_tls = grpc.ssl_channel_credentials(
-            root_certificates=Path(config.tls.worker_ca).read_bytes(), private_key=key, certificate_chain=cert
+            root_certificates=Path(config.tls.ca).read_bytes(), private_key=key, certificate_chain=cert
         )
     backends: list[BackendAdapter] = [
         GrpcWorkerBackend(
             address,
             tls=worker_tls,
-            step_timeout=config.step_timeout,
-            heartbeat_timeout=config.worker_heartbeat_timeout,
-            engine_secret=config.engine_secret,
+            step_timeout=config.backends.step_timeout,
+            heartbeat_timeout=config.backends.heartbeat_timeout,
+            engine_secret=_read_secret(config.tls.engine_secret_file),
         )
-        for address in config.workers
+        for address in config.backends.workers
     ]
-    if config.sglang_urls:
+    if config.backends.sglang_urls:
         try:
             from ominix_runtime.backends.sglang import SGLangBackend
         except ImportError as exc:
@@ -69,7 +70,9 @@ def _build_backends(config: EngineConfig) -> list[BackendAdapter]:
                 RuntimeErrorKind.CAPABILITY_MISMATCH,
                 f"--sglang needs the SGLang adapter and its dependencies (pip install 'ominix-runtime[sglang]'): {exc}",
             ) from exc
-        backends.extend(SGLangBackend(url, api_key=config.sglang_api_key) for url in config.sglang_urls)
+        backends.extend(
+            SGLangBackend(url, api_key=config.backends.sglang_api_key) for url in config.backends.sglang_urls
+        )
     if not backends:
         raise OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, "no backend given: pass --worker or --sglang")
     return backends
@@ -85,7 +88,7 @@ async def _wait_workers_ready(backends: list[BackendAdapter], timeout: float) ->
 
 def _grpcurl_hint(address: str, tls: bool) -> str:
     transport = "-insecure" if tls else "-plaintext"
-    return f"try: grpcurl {transport} -d '{_EXAMPLE_REQUEST}' {address} ominix.runtime.v1.Engine/Generate"
+    return f"grpcurl {transport} -d '{_EXAMPLE_REQUEST}' {address} ominix.runtime.v1.Engine/Generate"
 
 
 # A chat request: instruct models answer coherently through their chat template, not to a bare word.
@@ -98,11 +101,11 @@ _EXAMPLE_REQUEST = (
 class EngineDaemon:
     """Owns the engine core, the gRPC server and the metrics endpoint of one process."""
 
-    def __init__(self, config: EngineConfig, backends: list[BackendAdapter] | None = None) -> None:
+    def __init__(self, config: RuntimeConfig, backends: list[BackendAdapter] | None = None) -> None:
         """``backends`` replaces the ones named in ``config`` (in-process backends for tests)."""
         self.config = config
         self._given_backends = backends
-        self.metrics = EngineMetrics() if config.metrics_port > 0 else None
+        self.metrics = EngineMetrics() if config.server.metrics_port > 0 else None
         self.tracer = tracer_from_environment()  # off unless OTEL_* variables configure it
         self.health = health.aio.HealthServicer()
         self.stop_requested = asyncio.Event()
@@ -115,40 +118,39 @@ class EngineDaemon:
         self._backends: list[BackendAdapter] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.v0_front: V0Front | None = None
+        self._stats_line: StatsLine | None = None
 
     async def start(self) -> None:
         config = self.config
         memory.map_large_allocations()  # request buffers of megabytes must not stay in the heap after use
-        if config.max_message_bytes < MIN_MESSAGE_BYTES:
+        if config.server.max_message_bytes < MIN_MESSAGE_BYTES:
             raise OminixError(
                 RuntimeErrorKind.INVALID_ARGUMENT,
-                f"--max-message-bytes must be at least {MIN_MESSAGE_BYTES}, got {config.max_message_bytes}",
+                f"--max-message-bytes must be at least {MIN_MESSAGE_BYTES}, got {config.server.max_message_bytes}",
             )
         source = None
         model_name = ""
-        if config.model or config.workers or not config.sglang_urls:  # SGLang alone needs no local model
-            source = resolve_model(config.model)
+        backends = config.backends
+        if config.model.path or backends.workers or not backends.sglang_urls:  # SGLang alone: no local model
+            source = resolve_model(config.model.path)
             model_name = source.name
         self._backends = list(self._given_backends) if self._given_backends else _build_backends(config)
-        sched = config.scheduler
-        core_config = EngineCoreConfig(
-            scheduler=SchedulerConfig(
-                max_batch_tokens=sched.max_batch_tokens,
-                max_running_requests=sched.max_running_requests,
-                enable_prefix_caching=sched.enable_prefix_caching,
-            ),
-            step_timeout=config.step_timeout or STEP_TIMEOUT_BACKSTOP_S,
-            max_waiting_requests=sched.max_queue_len,
+        engine = self._engine = EngineCore(self._backends, config.engine)
+        service = EngineService(
+            engine,
+            None,
+            model_name,
+            self.metrics,
+            config.front,
+            self.tracer,
+            served_names=config.model.served_model_names,
         )
-        engine = self._engine = EngineCore(self._backends, core_config)
-        service = EngineService(engine, None, model_name, self.metrics, config.front, self.tracer)
-        service.aliases = frozenset(config.served_model_names)
         self._service = service
 
         # Every service is registered before the server starts; Generate answers UNAVAILABLE and health
         # says NOT_SERVING until the engine is ready.
         options = dict(CHANNEL_OPTIONS)
-        options["grpc.max_receive_message_length"] = config.max_message_bytes
+        options["grpc.max_receive_message_length"] = config.server.max_message_bytes
         server = grpc.aio.server(
             options=list(options.items()), interceptors=[FrontGuard(config.front.api_keys)]
         )
@@ -160,18 +162,16 @@ class EngineDaemon:
         await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
         try:
             if config.tls.enabled:
-                assert config.tls.server_key and config.tls.server_cert
-                key_and_cert = (
-                    Path(config.tls.server_key).read_bytes(),
-                    Path(config.tls.server_cert).read_bytes(),
-                )
+                assert config.tls.key and config.tls.cert
+                key_and_cert = (Path(config.tls.key).read_bytes(), Path(config.tls.cert).read_bytes())
                 credentials = grpc.ssl_server_credentials([key_and_cert])
-                self.bound_port = server.add_secure_port(config.address, credentials)
+                self.bound_port = server.add_secure_port(config.server.address, credentials)
             else:
-                self.bound_port = server.add_insecure_port(config.address)
+                self.bound_port = server.add_insecure_port(config.server.address)
         except RuntimeError as exc:
             raise OminixError(
-                RuntimeErrorKind.BACKEND_UNAVAILABLE, f"cannot bind {config.address} (port taken?): {exc}"
+                RuntimeErrorKind.BACKEND_UNAVAILABLE,
+                f"cannot bind {config.server.address} (port taken?): {exc}",
             ) from exc
         await server.start()
 
@@ -182,7 +182,7 @@ class EngineDaemon:
             else None
         )
         try:
-            await _wait_workers_ready(self._backends, config.worker_ready_timeout)
+            await _wait_workers_ready(self._backends, backends.ready_timeout)
             if tokenizer_loading is not None:
                 service.tokenizer = await tokenizer_loading
         finally:
@@ -194,31 +194,31 @@ class EngineDaemon:
             caps = engine.capabilities()
             service.model_name = caps[0].model.name if caps else ""
         if config.v0.enabled:
-            assert config.v0.port is not None and config.v0.token
-            served = config.served_model_names[0] if config.served_model_names else ""
+            if config.v0.port is None or not config.v0.token:
+                raise OminixError(
+                    RuntimeErrorKind.INVALID_ARGUMENT, "--v0-port needs --v0-token (every v0 route wants it)"
+                )
+            names = config.model.served_model_names
+            served = names[0] if names else ""
             self.v0_front = V0Front(service, engine, config.v0.token, served)
             await self.v0_front.start(config.v0.host, config.v0.port)
         self._wire_observability(engine, service.model_name)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.get_running_loop().create_task(self._follow_health(engine)))
-        address = f"{config.host}:{self.bound_port}"
+        if config.server.stats_interval > 0:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._log_stats(engine)))
+        address = f"{config.server.host}:{self.bound_port}"
         _log.info(
             "serving",
             address=address,
             model=service.model_name,
-            workers=list(config.workers),
+            served_model_names=list(config.model.served_model_names),
+            workers=list(backends.workers),
             metrics_port=self.metrics_port or None,
+            example=_grpcurl_hint(address, config.tls.enabled),
+            v0_front=f"http://{config.v0.host}:{self.v0_front.port}" if self.v0_front is not None else None,
         )
-        print(f"ominix-runtime engine serving {service.model_name} on {address}", file=sys.stderr, flush=True)
-        print(_grpcurl_hint(address, config.tls.enabled), file=sys.stderr, flush=True)
-        if self.v0_front is not None:
-            print(
-                f"ominix.worker.v0 front on http://{config.v0.host}:{self.v0_front.port} "
-                f"(served model {self.v0_front.served_model_name!r})",
-                file=sys.stderr,
-                flush=True,
-            )
 
     def _wire_observability(self, engine: EngineCore, model_name: str) -> None:
         metrics = self.metrics
@@ -240,8 +240,29 @@ class EngineDaemon:
             return
         metrics.set_model_name(model_name)
         engine.add_step_listener(metrics.observe_step)
-        self.metrics_port = metrics.start_http(self.config.metrics_port, self.config.host)
+        self.metrics_port = metrics.start_http(
+            self.config.server.metrics_port, self.config.server.metrics_host
+        )
         self._tasks.append(asyncio.get_running_loop().create_task(self._refresh_metrics(engine)))
+
+    async def _log_stats(self, engine: EngineCore) -> None:
+        """One "stats" line every --stats-interval seconds while there is work (and once when it stops)."""
+        line = self._stats_line = StatsLine(time.monotonic())
+        was_idle = True
+        while True:
+            await asyncio.sleep(self.config.server.stats_interval)
+            fields = line.fields(engine.stats())
+            idle = StatsLine.idle(fields)
+            if not (idle and was_idle):
+                _log.info("stats", **fields)
+            was_idle = idle
+
+    def _log_final_stats(self) -> None:
+        """At shutdown: the work since the last stats line, so a short run is reported too."""
+        if self._stats_line is not None and self._engine is not None:
+            fields = self._stats_line.fields(self._engine.stats())
+            if not StatsLine.idle(fields):
+                _log.info("stats", **fields)
 
     async def _follow_health(self, engine: EngineCore) -> None:
         """SERVING while at least one worker group serves; NOT_SERVING while none does (they reconnect)."""
@@ -288,7 +309,7 @@ class EngineDaemon:
         The listener stays open while draining, so health checks see NOT_SERVING and new Generate calls get
         UNAVAILABLE with a reason, rather than a refused connection.
         """
-        drain = self.config.drain_timeout
+        drain = self.config.server.drain_timeout
         _log.info("shutting down", drain_timeout=drain)
         with contextlib.suppress(Exception):
             await self.health.enter_graceful_shutdown()
@@ -297,6 +318,7 @@ class EngineDaemon:
                 await self._drain_engine(self._engine, drain)
             except Exception as exc:  # noqa: BLE001 - shutdown goes on whatever failed
                 _log.warning("shutdown step failed", error=repr(exc))
+        self._log_final_stats()
         if self._service is not None:
             # The terminal events of the requests just ended are still on their way to the clients.
             await self._service.wait_idle(SHUTDOWN_FLUSH_S)
@@ -333,7 +355,7 @@ class EngineDaemon:
         await engine.stop(drain_timeout=0)
 
 
-async def serve(config: EngineConfig) -> int:
+async def serve(config: RuntimeConfig) -> int:
     """Run the daemon until SIGINT/SIGTERM; 0 on a clean stop, 1 when startup failed."""
     daemon = EngineDaemon(config)
     loop = asyncio.get_running_loop()
@@ -352,12 +374,18 @@ async def serve(config: EngineConfig) -> int:
             with contextlib.suppress(BaseException):
                 await start
     except OminixError as exc:
-        _log.error("startup failed", error=exc.message)
-        print(f"ominix-runtime: {exc.message}", file=sys.stderr, flush=True)
+        print(f"ominix-runtime: error: {exc.message}", file=sys.stderr, flush=True)
         await daemon.shutdown()
         return 1
     await daemon.shutdown()
     return 0
+
+
+def _read_secret(path: str | None) -> str | None:
+    """The engine secret of --engine-secret-file (checked readable and non-empty when the flag was read)."""
+    if not path:
+        return None
+    return Path(path).read_text(encoding="utf-8").strip() or None
 
 
 def _load_tokenizer(source: ModelSource) -> Tokenizer:
@@ -372,9 +400,9 @@ def _has_tokenizer(source: ModelSource) -> bool:
     return (folder / "tokenizer.json").is_file()
 
 
-def run_server(config: EngineConfig) -> int:
+def run_server(config: RuntimeConfig) -> int:
     """Blocking entry point (uvloop when installed)."""
-    configure_logging(config.log_level, config.log_json)
+    configure_logging(config.log.level, config.log.json, component="engine")
     try:
         import uvloop
     except ImportError:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
 import grpc
@@ -84,13 +84,15 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         metrics: EngineMetrics | None = None,
         front: FrontConfig | None = None,
         tracer: RequestTracer | None = None,
+        served_names: Sequence[str] = (),
     ) -> None:
         self._engine = engine
         self.front = front or FrontConfig()
         self._pool: TokenizationPool | None = None
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.aliases: frozenset[str] = frozenset()  # other names of model_name (--served-model-name)
+        # --served-model-name: further names requests may use for ``model_name``.
+        self.served_names = tuple(served_names)
         self._metrics = metrics
         self._tracer = tracer or RequestTracer()
         self._live: set[str] = set()
@@ -147,11 +149,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
     async def _resolve(self, pb: engine_pb2.GenerateRequest, request_id: str) -> GenerateRequest:
         """The contract request of ``pb``: cheap checks first, then tokenization off the event loop."""
-        if pb.model in self.aliases:
-            pb.model = self.model_name
-        if pb.model and pb.model != self.model_name:
+        if pb.model and pb.model != self.model_name and pb.model not in self.served_names:
             if pb.model not in self._other_models():
-                served = ", ".join(repr(m) for m in sorted({self.model_name, *self._other_models()}))
+                names = {self.model_name, *self.served_names, *self._other_models()}
+                served = ", ".join(repr(m) for m in sorted(names))
                 raise _NotFound(f"model '{pb.model}' is not served here (serving {served})")
             return self._resolve_for_request_level(pb, request_id)
         vocab_size, max_model_len = self._model_limits(self.model_name)
@@ -456,7 +457,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         for load in self._engine.load():
             if worker_ids is not None and load.worker_id not in worker_ids:
                 continue
-            aliases = tuple(sorted(self.aliases)) if self.model_name in load.model_ids else ()
+            aliases = tuple(sorted(self.served_names)) if self.model_name in load.model_ids else ()
             out.append(wire.backend_load_to_pb(load, aliases))
         return out
 

@@ -1,27 +1,75 @@
-"""structlog setup: JSON lines to stderr (a readable console renderer on a terminal), request_id bound."""
+"""One log stream for the engine, the worker and the launcher: structlog, JSON lines unless stderr is a TTY.
+
+Every line carries ``event``, ``level``, ``timestamp`` and ``component`` (engine, worker, launcher), plus
+``worker_id`` in a worker and ``request_id`` inside a request. stdlib ``logging`` records (the worker's
+modules, grpc) are rendered by the same processors, so nothing else reaches stderr in another shape.
+"""
 
 from __future__ import annotations
 
+import datetime
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager, suppress
+from typing import Any
 
 import structlog
 from structlog.typing import FilteringBoundLogger, Processor
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+# Loggers of this project's own stdlib users: they log at the configured level; others (grpc, asyncio) at
+# WARNING and above.
+_OWN_STDLIB_LOGGERS = ("ominix_worker", "ominix")
+_fields: dict[str, Any] = {}
+_rendering = {"json": True}  # what configure_logging chose (JSON until it runs)
 
 
-def configure_logging(level: str = "info", json_output: bool | None = None) -> None:
-    """Route structlog (and stdlib logging, e.g. grpc's) to stderr. ``json_output=None``: JSON unless a TTY."""
+def renders_json() -> bool:
+    """Whether this process's log stream is JSON lines (else the console renderer)."""
+    return _rendering["json"]
+
+
+def set_log_fields(**fields: Any) -> None:
+    """Fields added to every later line of this process (e.g. ``worker_id`` once the worker knows it)."""
+    _fields.update({k: v for k, v in fields.items() if v is not None})
+
+
+def line_fields(level: str) -> dict[str, Any]:
+    """The keys every line carries besides ``event``, for a JSON line written without structlog (the
+    worker's progress events, which own their stream)."""
+    timestamp = datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+    return {"level": level, "timestamp": timestamp, **_fields}
+
+
+def _add_fields(logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    for key, value in _fields.items():
+        event_dict.setdefault(key, value)
+    return event_dict
+
+
+def _drop_stdlib_extras(
+    logger: Any, method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    event_dict.pop("_record", None)
+    event_dict.pop("_from_structlog", None)
+    return event_dict
+
+
+def configure_logging(
+    level: str = "info", json_output: bool | None = None, component: str = "engine", **fields: Any
+) -> None:
+    """Route structlog and stdlib logging to stderr. ``json_output=None``: JSON unless stderr is a TTY."""
     if json_output is None:
         json_output = not sys.stderr.isatty()
     numeric_level = _LEVELS.get(level.lower(), logging.INFO)
+    _rendering["json"] = json_output
+    set_log_fields(component=component, **fields)
     shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.TimeStamper(fmt="iso", utc=True, key="timestamp"),
+        _add_fields,
     ]
     renderer: Processor
     if json_output:
@@ -35,7 +83,20 @@ def configure_logging(level: str = "info", json_output: bool | None = None) -> N
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
-    logging.basicConfig(level=max(numeric_level, logging.WARNING), stream=sys.stderr, force=True)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+            processors=[_drop_stdlib_extras, renderer],
+        )
+    )
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(max(numeric_level, logging.WARNING))
+    for name in _OWN_STDLIB_LOGGERS:
+        logging.getLogger(name).setLevel(numeric_level)
 
 
 def get_logger(name: str = "ominix") -> FilteringBoundLogger:

@@ -108,7 +108,7 @@ class V0Front:
             "model_path": model,
             "tokenizer_path": model if self._service.tokenizer is not None else "",
             "served_model_name": self.served_model_name,
-            "served_model_aliases": sorted(self._service.aliases),
+            "served_model_aliases": sorted(self._service.served_names),
             "is_generation": True,
             "context_length": cap.model.max_model_len if cap else 0,
             "vocab_size": cap.model.vocab_size if cap else 0,

@@ -15,7 +15,7 @@ import asyncio
 import signal
 import sys
 
-from ominix_runtime.config import EngineConfig, FrontConfig, SchedulerConfig
+from ominix_runtime.config import EngineCoreConfig, FrontConfig, LogConfig, RuntimeConfig, ServerConfig
 from ominix_runtime.models import DEFAULT_MODEL_NAME
 from ominix_runtime.server.app import EngineDaemon
 from ominix_runtime.server.logging import configure_logging
@@ -40,13 +40,12 @@ async def main(args: argparse.Namespace) -> int:
         )
         for i in range(args.workers)
     ]
-    config = EngineConfig(
-        host="127.0.0.1",
-        port=args.port,
-        metrics_port=args.metrics_port,
-        drain_timeout=args.drain_timeout,
-        scheduler=SchedulerConfig(max_queue_len=args.max_queue_len),
-        log_json=True,
+    config = RuntimeConfig(
+        server=ServerConfig(
+            host="127.0.0.1", port=args.port, metrics_port=args.metrics_port, drain_timeout=args.drain_timeout
+        ),
+        engine=EngineCoreConfig(max_waiting_requests=args.max_queue_len),
+        log=LogConfig(format="json"),
         front=FrontConfig(
             api_keys=tuple(args.api_key),
             tokenizer_threads=args.tokenizer_threads,

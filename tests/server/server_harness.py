@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from ominix_runtime.config import EngineConfig
+from ominix_runtime.config import LogConfig, RuntimeConfig, ServerConfig
 from ominix_runtime.models import DEFAULT_MODEL_NAME
 from ominix_runtime.pb import engine_pb2_grpc
 from ominix_runtime.server.app import EngineDaemon
@@ -47,8 +47,10 @@ class RunningDaemon:
 
 
 def start_daemon(fake: FakeConfig, **config_overrides) -> tuple[RunningDaemon, threading.Thread]:  # noqa: ANN003
-    config = EngineConfig(
-        port=free_port(), metrics_port=free_port(), drain_timeout=5.0, log_json=True, **config_overrides
+    config = RuntimeConfig(
+        server=ServerConfig(port=free_port(), metrics_port=free_port(), drain_timeout=5.0),
+        log=LogConfig(format="json"),
+        **config_overrides,
     )
     # The daemon serves the embedded model's tokenizer; the fake backend states that model's name.
     backend = FakeStepBackend(replace(fake, model_name=DEFAULT_MODEL_NAME))

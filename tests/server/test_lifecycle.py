@@ -10,7 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_harness import SMOLLM2_VOCAB, free_port
 
-from ominix_runtime.config import EngineConfig
+from ominix_runtime.config import LogConfig, RuntimeConfig, ServerConfig
 from ominix_runtime.models import DEFAULT_MODEL_NAME
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.app import EngineDaemon
@@ -23,7 +23,9 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 def test_not_serving_until_ready_then_serving_then_clean_stop() -> None:
     port = free_port()
     daemon = EngineDaemon(
-        EngineConfig(port=port, metrics_port=0, drain_timeout=2.0, log_json=True),
+        RuntimeConfig(
+            server=ServerConfig(port=port, metrics_port=0, drain_timeout=2.0), log=LogConfig(format="json")
+        ),
         backends=[
             FakeStepBackend(
                 FakeConfig(vocab_size=SMOLLM2_VOCAB, describe_delay=2.0, model_name=DEFAULT_MODEL_NAME)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from server_harness import SMOLLM2_VOCAB, free_port
 
-from ominix_runtime.config import EngineConfig
+from ominix_runtime.config import LogConfig, RuntimeConfig, ServerConfig
 from ominix_runtime.contract import OminixError, RuntimeErrorKind
 from ominix_runtime.models import DEFAULT_MODEL_NAME
 from ominix_runtime.server.app import EngineDaemon
@@ -19,7 +19,10 @@ from ominix_runtime.testing.fake_backend import FakeConfig, FakeStepBackend
 def _start(*fakes: FakeConfig) -> OminixError | None:
     backends = [FakeStepBackend(f) for f in fakes]
     daemon = EngineDaemon(
-        EngineConfig(port=free_port(), metrics_port=0, drain_timeout=1.0, log_json=True),
+        RuntimeConfig(
+            server=ServerConfig(port=free_port(), metrics_port=0, drain_timeout=1.0),
+            log=LogConfig(format="json"),
+        ),
         backends=backends,
     )
 

@@ -32,7 +32,7 @@ def _self_signed(folder: Path) -> tuple[Path, Path]:
 def test_front_api_over_tls(tmp_path: Path) -> None:
     cert, key = _self_signed(tmp_path)
     running, thread = start_daemon(
-        FakeConfig(vocab_size=SMOLLM2_VOCAB), tls=TLSConfig(server_cert=str(cert), server_key=str(key))
+        FakeConfig(vocab_size=SMOLLM2_VOCAB), tls=TLSConfig(cert=str(cert), key=str(key))
     )
     try:
         credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())

@@ -88,7 +88,7 @@ def sglang_v0_daemon_procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator
         procs.append(start_proc("engine", serve, logs))
         address = f"127.0.0.1:{port}"
         wait_health(address, procs, timeout=90)
-        _wait_line(procs[1], "ominix.worker.v0 front on")
+        _wait_line(procs[1], "ominix.worker.v0 front listening")
         yield V0Daemon(f"http://127.0.0.1:{v0_port}", address, procs, f"http://127.0.0.1:{sglang_port}")
     finally:
         stop_procs(procs[::-1])

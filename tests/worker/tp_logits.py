@@ -13,6 +13,7 @@ the same steps, and the largest logit difference between a graph replay and the 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -144,6 +145,11 @@ def main() -> None:
     result = batch_logits(runner) if args.check == "logits" else graph_check(runner)
     if args.rank == 0:
         torch.save(result, args.out)
+    if args.check == "graphs":
+        # Captured graphs hold the NCCL communicator: tearing the group down under them blocks forever
+        # (seen on H100s), so a rank that captured leaves without it, as a worker process does.
+        sys.stdout.flush()
+        os._exit(0)
     torch.distributed.destroy_process_group()
 
 

@@ -1,4 +1,4 @@
-"""``python -m ominix_worker``: run a worker process."""
+"""``python -m ominix_worker``: run a worker process (the flags of ``ominix-runtime worker``)."""
 
 import sys
 

@@ -18,6 +18,8 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import IO, Any, TypeVar
 
+from ominix_runtime.server.logging import get_logger, line_fields, renders_json
+
 T = TypeVar("T")
 JSON_UPDATE_INTERVAL_S = 1.0
 
@@ -76,6 +78,11 @@ class Progress:
             event["total"] = self.total
         if status != "start":
             event["elapsed_s"] = round(time.monotonic() - self._started, 3)
+        if self._stream is sys.stderr and not renders_json():
+            # The log stream is rendered for a terminal further up (launch's): a console line, not JSON.
+            get_logger("ominix_worker.progress").info(event.pop("event"), **event)
+            return
+        event.update(line_fields("info"))  # the keys of every other line of the log stream
         print(json.dumps(event), file=self._stream, flush=True)
 
 

@@ -12,7 +12,6 @@ forward is ``_forward`` and ``capture_decode_graphs`` is the seam where CUDA/ACL
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -152,6 +151,7 @@ class ModelRunner:
         # Overlapped decode (set by the server on CUDA): a graph step is launched before the previous step's
         # sampled ids reach the host; results then come out of ``take_results`` instead of execute_step.
         self.overlap_steps = False
+        self.pipeline_decode = True  # False (debug): never overlap, even with captured graphs
         self._pending: PendingStep | None = None
         self._results: list[StepResult] = []
 
@@ -163,8 +163,8 @@ class ModelRunner:
         self.num_blocks = int(kv_caches[0].shape[1]) if kv_caches else 0
 
     def can_overlap(self) -> bool:
-        """Overlapped decode needs captured graphs; ``OMINIX_PIPELINE=0`` turns it off."""
-        return self._graphs is not None and os.environ.get("OMINIX_PIPELINE") != "0"
+        """Overlapped decode needs captured graphs; ``pipeline_decode`` (``OMINIX_PIPELINE=0``) turns it off."""
+        return self._graphs is not None and self.pipeline_decode
 
     def announce(self, step: DecodeStep) -> None:
         """A step is queued to run (``step_loop.StepRunner``); a lone runner has nobody to tell."""
@@ -632,10 +632,10 @@ class ModelRunner:
     def capture_decode_graphs(self, batch_sizes: list[int] | None = None) -> bool:
         """CUDA: capture pure-decode steps for ``batch_sizes`` (default: 1 to 256); other devices capture nothing.
 
-        ``OMINIX_CUDA_GRAPHS=0`` keeps every step eager. Eager shapes are warmed up first, so the Triton kernels
-        of prefill and mixed steps are compiled before the first request.
+        Eager shapes are warmed up first, so the Triton kernels of prefill and mixed steps are compiled before
+        the first request. (The server skips this call under ``OMINIX_CUDA_GRAPHS=0``.)
         """
-        if self.device.type != "cuda" or not self.kv_caches or os.environ.get("OMINIX_CUDA_GRAPHS") == "0":
+        if self.device.type != "cuda" or not self.kv_caches:
             return False
         from ominix_worker.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphs
 

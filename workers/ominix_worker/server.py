@@ -12,12 +12,12 @@ flags; the group checks that before loading.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import functools
 import gc
 import logging
+import os
 import signal
 import socket
 import sys
@@ -33,6 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ominix_runtime import wire
+from ominix_runtime.config import RuntimeConfig, TLSConfig
 from ominix_runtime.contract import (
     AttentionKind,
     BackendCapability,
@@ -43,16 +44,11 @@ from ominix_runtime.contract import (
     RankInfo,
     stated_profile,
 )
-from ominix_runtime.models import DEFAULT_MODEL_NAME, resolve_model
+from ominix_runtime.models import resolve_model
 from ominix_runtime.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from ominix_runtime.server.logging import configure_logging, set_log_fields
 from ominix_worker import __version__
-from ominix_worker.access import (
-    DEFAULT_ENGINE_IDENTITY,
-    AccessConfigError,
-    EngineAccess,
-    engine_access,
-)
-from ominix_worker.parallel.distributed import DEFAULT_DIST_TIMEOUT_S
+from ominix_worker.access import AccessConfigError, EngineAccess, engine_access
 from ominix_worker.step_loop import StepFailure, StepLoop, StepOutcome, StepRunner
 
 if TYPE_CHECKING:  # these import torch, loaded only once the port is bound
@@ -94,170 +90,22 @@ def stated_kv_groups(
 
 
 def _say(message: str) -> None:
-    """Progress for a human watching a terminal; silent when stderr is not a TTY."""
-    if sys.stderr.isatty():
-        print(f"ominix-worker: {message}", file=sys.stderr, flush=True)
+    """Startup progress (loading, sizing, warming up) as info lines of the log stream."""
+    log.info(message)
 
 
-# ---- arguments ---------------------------------------------------------------------------------------
+# ---- settings ----------------------------------------------------------------------------------------
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends "(default: X)" unless the help text already says what an unset flag means."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None:
-            return action.help
-        return super()._get_help_string(action)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ominix-worker",
-        description="Serve one model on one device to an ominix-runtime engine over gRPC (Worker service).",
-        formatter_class=_HelpFormatter,
-    )
-    p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL_NAME,
-        help="a .gguf file, a Hugging Face folder, dummy:CONFIG_JSON, or the embedded default",
-    )
-    p.add_argument("--device", default="cpu", help="cpu, cuda:N or npu:N")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind")
-    p.add_argument("--port", type=int, default=50071, help="port to bind")
-    p.add_argument(
-        "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPUs), float32, bfloat16, float16"
-    )
-    p.add_argument(
-        "--quantization",
-        default="none",
-        choices=("none", "fp8"),
-        help="fp8: quantize a float checkpoint's projections and experts to FP8 (e4m3, per-channel scales) at "
-        "load; FP8 checkpoints load as FP8 either way",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=("auto", "fp8_e4m3"),
-        help="auto: the run dtype; fp8_e4m3: store K and V in FP8 (half the bytes of bf16 per token)",
-    )
-    p.add_argument(
-        "--kv-cache-memory",
-        default="1GiB",
-        help="CPU only: bytes for the KV cache (e.g. 1073741824, 512MiB, 1GiB)",
-    )
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="GPU only: fraction of device memory for weights, activations and the KV cache",
-    )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (128 is forced on npu)")
-    p.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=None,
-        help="most tokens one step may compute (default: the device profile's, 2048 CPU / 8192 GPU)",
-    )
-    p.add_argument(
-        "--max-running-requests",
-        type=int,
-        default=None,
-        help="most requests one step may hold (default: the device profile's, 64 CPU / 256 GPU)",
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="longest sequence accepted (default: the model's max_position_embeddings)",
-    )
-    p.add_argument(
-        "--worker-id", default=None, help="worker id stated in Describe (default: DEVICE@HOST:PORT)"
-    )
-    p.add_argument(
-        "--attention",
-        default=None,
-        help="attention backend: torch, triton or ascend (default: chosen by the device)",
-    )
-    p.add_argument(
-        "--num-threads",
-        type=int,
-        default=0,
-        help="CPU threads for torch (0: torch's default); lower it when several workers share the cores",
-    )
-    p.add_argument(
-        "--tls-cert",
-        default=None,
-        help="PEM certificate served on the worker port (with --tls-key; unset: plaintext)",
-    )
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    p.add_argument(
-        "--tls-ca",
-        default=None,
-        help="PEM CA bundle: only clients (the engine) with a certificate signed by it may connect (mutual TLS)",
-    )
-    p.add_argument(
-        "--engine-identity",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="with --tls-ca: the subject CN or SAN entry the engine's client certificate must carry to open "
-        f"Run (repeatable; unset: {DEFAULT_ENGINE_IDENTITY!r}, as deploy/tls/make-certs.sh issues it)",
-    )
-    p.add_argument(
-        "--engine-secret-file",
-        default=None,
-        metavar="FILE",
-        help="a file holding the secret the engine must present to open Run (plaintext deployments; the "
-        "engine reads the same file); unset and without --tls-ca, any local process may drive the worker",
-    )
-    p.add_argument(
-        "--tp-size",
-        type=int,
-        default=1,
-        help="ranks in this worker's tensor-parallel group, one process per device",
-    )
-    p.add_argument(
-        "--tp-rank",
-        type=int,
-        default=0,
-        help="this process's rank in the group: 0 serves the engine, the others follow it",
-    )
-    p.add_argument(
-        "--dist-init-addr",
-        default=None,
-        help="HOST:PORT where rank 0 gathers its group (required with --tp-size > 1; ranks may run on other "
-        "hosts that reach it)",
-    )
-    p.add_argument(
-        "--dist-timeout",
-        type=float,
-        default=DEFAULT_DIST_TIMEOUT_S,
-        help="seconds any collective or control message of the group may wait for a peer before the "
-        "group gives up (every rank then exits)",
-    )
-    p.add_argument(
-        "--moe-parallel",
-        default="tensor",
-        choices=("tensor", "expert"),
-        help="how a tensor-parallel group splits mixture-of-experts layers: tensor (every rank holds a slice "
-        "of every expert) or expert (each rank holds num_experts / --tp-size whole experts)",
-    )
-    p.add_argument(
-        "--log-level", default="WARNING", help="Python logging level for the worker's own messages"
-    )
-    return p
-
-
-def server_credentials(args: argparse.Namespace) -> grpc.ServerCredentials | None:
+def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials | None:
     """TLS credentials from --tls-cert/--tls-key, requiring a client certificate when --tls-ca is given."""
-    if not (args.tls_cert or args.tls_key or args.tls_ca):
+    if not (tls.cert or tls.key or tls.ca):
         return None
-    if not (args.tls_cert and args.tls_key):
+    if not (tls.cert and tls.key):
         raise StartupError("--tls-cert and --tls-key go together (and --tls-ca needs both)")
     try:
-        key, cert = Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()
-        ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+        key, cert = Path(tls.key).read_bytes(), Path(tls.cert).read_bytes()
+        ca = Path(tls.ca).read_bytes() if tls.ca else None
     except OSError as exc:
         raise StartupError(f"cannot read a TLS file: {exc}") from None
     return grpc.ssl_server_credentials(
@@ -277,10 +125,12 @@ class WorkerState:
     ready: bool = False
     run_active: bool = False
     run_idle: asyncio.Event = field(default_factory=asyncio.Event)
+    launch_nonce: str = ""  # stated in Health: `launch` knows its own workers by it
 
 
-def join_group(args: argparse.Namespace, device_spec: str) -> RankGroup | None:
+def join_group(settings: RuntimeConfig) -> RankGroup | None:
     """The tensor-parallel group this process belongs to (None without --tp-size > 1); raises StartupError."""
+    args = settings.worker
     if args.tp_size == 1:
         return None
     from ominix_worker.devices import parse_device
@@ -289,17 +139,15 @@ def join_group(args: argparse.Namespace, device_spec: str) -> RankGroup | None:
     _say(f"joining tensor-parallel group {args.dist_init_addr} as rank {args.tp_rank} of {args.tp_size}")
     try:
         group = init_rank_group(
-            args.tp_rank, args.tp_size, args.dist_init_addr, parse_device(device_spec), args.dist_timeout
+            args.tp_rank, args.tp_size, args.dist_init_addr, parse_device(args.device), args.dist_timeout
         )
     except GroupInitError as exc:
         raise StartupError(str(exc)) from None
     # Every rank must run the same collectives in the same order: the same model and shape-deciding flags.
-    shape_flags = tuple(
-        getattr(args, flag)
-        for flag in (
-            "model", "dtype", "block_size", "max_batch_tokens", "max_running_requests", "max_model_len",
-            "kv_cache_memory", "gpu_memory_utilization", "attention", "moe_parallel",
-        )
+    shape_flags = (
+        settings.model.path, args.dtype, args.block_size, args.max_batch_tokens, args.max_running_requests,
+        args.max_model_len, args.kv_cache_memory, args.gpu_memory_utilization, args.attention,
+        args.moe_parallel,
     )  # fmt: skip
     stated = group.gather_to_all(shape_flags)
     if any(flags != stated[0] for flags in stated):
@@ -309,7 +157,7 @@ def join_group(args: argparse.Namespace, device_spec: str) -> RankGroup | None:
 
 
 def load_worker(
-    args: argparse.Namespace, device_spec: str, worker_id: str, group: RankGroup | None = None
+    settings: RuntimeConfig, worker_id: str, group: RankGroup | None = None
 ) -> tuple[ModelRunner, BackendCapability]:
     """Load weights (this rank's shards in a group), size and allocate KV, warm up. Runs in a thread; raises
     StartupError. In a group every rank runs it in lockstep: its forwards meet in collectives."""
@@ -332,9 +180,10 @@ def load_worker(
     from ominix_worker.progress import stage
     from ominix_worker.runner import ModelRunner
 
+    args, debug = settings.worker, settings.debug
     tp = replace(group.tp if group is not None else SINGLE, moe=MoeParallel(args.moe_parallel))
 
-    device = parse_device(device_spec)
+    device = parse_device(args.device)
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
     dtype = resolve_dtype(args.dtype, device)
@@ -342,7 +191,7 @@ def load_worker(
     profile = stated_profile(kind)
     block_size = ASCEND_BLOCK_SIZE if device.type == "npu" else args.block_size
     backend = get_attention_backend(args.attention or device.type, block_size)
-    source = resolve_model(args.model)
+    source = resolve_model(settings.model.path)
 
     _say(f"loading {source.name} ({source.format.value}) onto {device_name(device)} as {dtype_name(dtype)}")
     started = time.perf_counter()
@@ -405,7 +254,8 @@ def load_worker(
     _say("warming up")
     warming = stage("warming up")
     runner.profile_forward(min(16, max_batch_tokens))
-    graphs = runner.capture_decode_graphs()
+    graphs = runner.capture_decode_graphs() if debug.cuda_graphs else False
+    runner.pipeline_decode = debug.pipeline
     warming.close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -517,6 +367,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             ready=self.state.ready,
             num_requests=len(runner.requests) if runner is not None else 0,
             last_step_id=runner.last_step_id if runner is not None else 0,
+            launch_nonce=self.state.launch_nonce,
+            pid=os.getpid(),
         )
 
     async def Run(
@@ -616,26 +468,19 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
-def check_args(args: argparse.Namespace) -> str:
-    """Cheap argument checks before anything is bound or loaded; returns the device's name."""
+def check_args(settings: RuntimeConfig) -> str:
+    """Cheap checks across flags before anything is bound or loaded (each flag's own range is checked when
+    it is read); returns the device's name."""
     from ominix_worker.devices import DeviceError, device_name, parse_device, resolve_dtype
     from ominix_worker.kv_cache import parse_bytes, resolve_kv_cache_dtype
     from ominix_worker.parallel.distributed import parse_init_addr
 
+    args = settings.worker
     try:
         device = parse_device(args.device)
-        resolve_model(args.model)
-        # Cheap argument checks before anything is bound or loaded.
+        resolve_model(settings.model.path)
         resolve_kv_cache_dtype(args.kv_cache_dtype, resolve_dtype(args.dtype, device), device)
         parse_bytes(args.kv_cache_memory)
-        if not 0.0 < args.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
-        if args.block_size < 1:
-            raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
-        for flag in ("max_batch_tokens", "max_running_requests", "max_model_len"):
-            value = getattr(args, flag)
-            if value is not None and value < 1:
-                raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
         if args.tp_size < 1 or not 0 <= args.tp_rank < args.tp_size:
             raise ValueError(f"--tp-rank {args.tp_rank} is not a rank of --tp-size {args.tp_size}")
         if args.tp_size > 1:
@@ -646,19 +491,17 @@ def check_args(args: argparse.Namespace) -> str:
             parse_init_addr(args.dist_init_addr)
             if device.type not in ("cuda", "cpu"):
                 raise ValueError(f"tensor parallelism runs on cuda or cpu devices, not {device.type}")
-        if not args.dist_timeout > 0:
-            raise ValueError(f"--dist-timeout must be > 0, got {args.dist_timeout}")
     except (DeviceError, OminixError, ValueError) as exc:
         raise StartupError(str(exc)) from None
     return device_name(device)
 
 
 def _load_leader(
-    args: argparse.Namespace, worker_id: str
+    settings: RuntimeConfig, worker_id: str
 ) -> tuple[ModelRunner, StepRunner, BackendCapability]:
     """Join the group (if any), load, and wrap the runner so a group leader forwards its steps."""
-    group = join_group(args, args.device)
-    runner, capability = load_worker(args, args.device, worker_id, group)
+    group = join_group(settings)
+    runner, capability = load_worker(settings, worker_id, group)
     if group is None:
         return runner, runner, capability
     from ominix_worker.rank_group import GroupLeader
@@ -666,27 +509,31 @@ def _load_leader(
     return runner, GroupLeader(runner, group), capability
 
 
-def follow(args: argparse.Namespace) -> int:
+def follow(settings: RuntimeConfig) -> int:
     """A rank > 0: no port, no engine; join the group, load this rank's shards and run the leader's steps."""
     import socket as socket_module
 
     from ominix_worker.rank_group import run_follower
 
-    device = check_args(args)
+    args = settings.worker
+    device = check_args(settings)
     worker_id = args.worker_id or f"{device}@{socket_module.gethostname()}#rank{args.tp_rank}"
-    group = join_group(args, args.device)
+    set_log_fields(worker_id=worker_id)
+    group = join_group(settings)
     assert group is not None
-    runner, _ = load_worker(args, args.device, worker_id, group)
+    runner, _ = load_worker(settings, worker_id, group)
     _say(f"rank {args.tp_rank} of {args.tp_size} ready")
     run_follower(runner, group)
 
 
-async def serve(args: argparse.Namespace) -> int:
-    device = check_args(args)
-    address = f"{args.host}:{args.port}"
+async def serve(config: RuntimeConfig) -> int:
+    args = config.worker
+    device = check_args(config)
+    address = config.server.address
     worker_id = args.worker_id or f"{device}@{address}"
+    set_log_fields(worker_id=worker_id)
 
-    state = WorkerState()
+    state = WorkerState(launch_nonce=args.launch_nonce)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ominix-forward")
     server = grpc.aio.server(
         options=[
@@ -696,16 +543,16 @@ async def serve(args: argparse.Namespace) -> int:
         ]
     )
     health_servicer = health.aio.HealthServicer()
-    mutual_tls = bool(args.tls_ca)
+    mutual_tls = bool(config.tls.ca)
     try:
-        access = engine_access(args.engine_identity, args.engine_secret_file, mutual_tls)
+        access = engine_access(list(config.tls.engine_identities), config.tls.engine_secret_file, mutual_tls)
     except AccessConfigError as exc:
         raise StartupError(str(exc)) from None
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(state, executor, access), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((WORKER_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
-    credentials = server_credentials(args)
-    check_port_free(args.host, args.port)
+    credentials = server_credentials(config.tls)
+    check_port_free(config.server.host, config.server.port)
     try:
         if credentials is not None:
             bound = server.add_secure_port(address, credentials)
@@ -726,7 +573,7 @@ async def serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
 
     try:
-        load = loop.run_in_executor(executor, _load_leader, args, worker_id)
+        load = loop.run_in_executor(executor, _load_leader, config, worker_id)
         stop_wait = asyncio.ensure_future(stop.wait())
         done, _ = await asyncio.wait({load, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
         if load not in done:
@@ -736,7 +583,6 @@ async def serve(args: argparse.Namespace) -> int:
         for service in ("", WORKER_SERVICE):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         _say(f"serving {state.capability.model.name} as {worker_id}")
-        log.info("ready: %s", worker_id)
         if access.open_to_anyone:
             log.warning(
                 "no --tls-ca and no engine secret: any process reaching %s may drive this worker", address
@@ -749,21 +595,17 @@ async def serve(args: argparse.Namespace) -> int:
         executor.shutdown(wait=False, cancel_futures=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def run(config: RuntimeConfig) -> int:
+    """Run the worker until SIGINT/SIGTERM; a startup failure is one line on stderr and exit code 1."""
+    configure_logging(config.log.level, config.log.json, component="worker")
     try:
-        if args.tp_rank > 0:
-            return follow(args)
+        if config.worker.tp_rank > 0:
+            return follow(config)
         try:
             import uvloop
         except ImportError:
-            return asyncio.run(serve(args))
-        return uvloop.run(serve(args))
+            return asyncio.run(serve(config))
+        return uvloop.run(serve(config))
     except StartupError as exc:
         print(f"ominix-worker: error: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -773,6 +615,13 @@ def main(argv: list[str] | None = None) -> int:
         log.debug("startup failed", exc_info=True)
         print(f"ominix-worker: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ominix_worker``: the same flags as ``ominix-runtime worker``."""
+    from ominix_runtime.cli import main as cli_main
+
+    return cli_main(["worker", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

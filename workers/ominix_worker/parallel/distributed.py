@@ -17,9 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ominix_runtime.config import DEFAULT_DIST_TIMEOUT_S  # the one definition, in the config tree
 from ominix_worker.parallel.tensor_parallel import TensorParallel
-
-DEFAULT_DIST_TIMEOUT_S = 30.0
 
 
 class GroupInitError(RuntimeError):
