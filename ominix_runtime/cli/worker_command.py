@@ -10,7 +10,8 @@ from ominix_runtime.config import RuntimeConfig
 
 
 def run_worker(config: RuntimeConfig, options: argparse.Namespace) -> int:
-    missing = [m for m in ("torch", "gguf", "ominix_worker") if importlib.util.find_spec(m) is None]
+    # gguf is a base dependency, imported only when a GGUF model loads: a GPU image may run without it.
+    missing = [m for m in ("torch", "ominix_worker") if importlib.util.find_spec(m) is None]
     if missing:
         raise ConfigError(
             f"the worker needs {', '.join(missing)}, which is not installed: pip install 'ominix-runtime[worker]'"
