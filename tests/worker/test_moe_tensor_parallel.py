@@ -169,11 +169,14 @@ def test_a_group_whose_experts_do_not_divide_exits_at_startup_with_the_reason(tm
         tmp_path / "m", arch="qwen3_moe", num_experts=3, num_experts_per_tok=2, moe_intermediate_size=32,
         with_tokenizer=False,
     )  # fmt: skip
-    addr = f"127.0.0.1:{free_rendezvous_port()}"
+    rendezvous, leader_port = free_rendezvous_port(), free_rendezvous_port()
+    while leader_port == rendezvous:  # only rank 0 binds the gRPC port; it must differ from the rendezvous
+        leader_port = free_rendezvous_port()
+    addr = f"127.0.0.1:{rendezvous}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     procs = []
     for rank in (1, 0):
-        argv = [sys.executable, "-m", "ominix_worker", "--model", str(folder), "--port", "0"]
+        argv = [sys.executable, "-m", "ominix_worker", "--model", str(folder), "--port", str(leader_port)]
         argv += ["--tp-size", "2", "--tp-rank", str(rank), "--dist-init-addr", addr, "--dist-timeout", "30"]
         argv += ["--moe-parallel", "expert", "--kv-cache-memory", "8MiB", "--num-threads", "1"]
         procs.append(
