@@ -5,25 +5,21 @@ from __future__ import annotations
 import socket
 from collections.abc import Sequence
 
+from ominix_runtime.bind_probe import probe_bind
 from ominix_runtime.cli.settings import ConfigError
 
 
 def check_port_free(host: str, port: int, flag: str) -> None:
-    """Bind and release ``host:port`` (without SO_REUSEPORT, as the servers bind); ConfigError if taken."""
+    """ConfigError naming ``flag`` when ``host:port`` cannot be bound now."""
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as exc:
+        probe_bind(host, port)
+    except socket.gaierror as exc:
         raise ConfigError(f"cannot resolve host {host!r} for {flag}: {exc.strerror or exc}") from None
-    family, kind, proto, _, sockaddr = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(sockaddr)
-        except OSError as exc:
-            raise ConfigError(
-                f"port {port} on {host} is not available ({exc.strerror or exc}): "
-                f"stop what holds it or pass another {flag}"
-            ) from None
+    except OSError as exc:
+        raise ConfigError(
+            f"port {port} on {host} is not available ({exc.strerror or exc}): "
+            f"stop what holds it or pass another {flag}"
+        ) from None
 
 
 def check_ports_free(ports: Sequence[tuple[str, int, str]]) -> None:

@@ -33,6 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ominix_runtime import wire
+from ominix_runtime.bind_probe import probe_bind
 from ominix_runtime.config import RuntimeConfig, TLSConfig
 from ominix_runtime.contract import (
     AttentionKind,
@@ -454,18 +455,11 @@ def _step_from_pb(step_pb: worker_pb2.DecodeStep) -> DecodeStep:
 def check_port_free(host: str, port: int) -> None:
     """Bind and release the address first: gRPC's own bind failure comes with a multi-line log."""
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as exc:
+        probe_bind(host, port)
+    except socket.gaierror as exc:
         raise StartupError(f"cannot resolve host {host!r}: {exc}") from None
-    family, kind, proto, _, sockaddr = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(sockaddr)
-        except OSError as exc:
-            raise StartupError(
-                f"cannot bind {host}:{port}: {exc.strerror or exc} (is the port taken?)"
-            ) from None
+    except OSError as exc:
+        raise StartupError(f"cannot bind {host}:{port}: {exc.strerror or exc} (is the port taken?)") from None
 
 
 def check_args(settings: RuntimeConfig) -> str:
