@@ -396,3 +396,9 @@ class LlamaForCausalLM(nn.Module):
 
     def post_load(self, device: torch.device) -> None:
         self.rotary.build(device)
+        if device.type == "cpu":
+            # A tied LM head shares its weight with the embedding, which still looks rows up in it.
+            tied = self.lm_head.weight is self.embed_tokens.weight
+            for module in self.modules():
+                if isinstance(module, ParallelModule):
+                    module.pack_for_cpu(keep_dense=tied and module is self.lm_head)

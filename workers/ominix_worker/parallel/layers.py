@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ominix_worker.ops import cpu_gemm
 from ominix_worker.parallel.tensor_parallel import SINGLE, ShardRange, TensorParallel
 from ominix_worker.parallel.weights import TensorWeight, WeightSource
 
@@ -50,8 +51,34 @@ class ParallelModule(nn.Module):
         """Keep this rank's share of the unsharded ``full`` (dummy weights drawn whole, then cut)."""
         self.load_weight(param_name, TensorWeight(full))
 
+    def pack_for_cpu(self, keep_dense: bool) -> None:
+        """Once loaded: reorder a GEMM weight for the CPU (``ops.cpu_gemm``); other layers keep theirs."""
 
-class ColumnParallelLinear(ParallelModule):
+
+class PackableLinear(ParallelModule):
+    """A layer whose forward is one GEMM by ``weight``; on CPU the weight can be packed once for it.
+
+    After ``pack_for_cpu(keep_dense=False)`` the dense weight is released (a meta tensor of the same shape
+    stays as the parameter), so packing costs no memory; the layer takes no more weights after that.
+    """
+
+    weight: nn.Parameter
+    packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self, keep_dense: bool) -> None:
+        if self.packed is not None or not cpu_gemm.can_pack(self.weight):
+            return
+        self.packed = cpu_gemm.pack(self.weight)
+        if not keep_dense:
+            self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)
+
+    def gemm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_gemm.linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
+
+class ColumnParallelLinear(PackableLinear):
     """y = x Wᵀ (+ b) with W's output rows split; ``parts`` are the fused outputs' rows on this rank.
 
     ``full_sizes[i]`` is the output size of fused part i in the checkpoint; ``parts[i]`` the rows of it this
@@ -82,7 +109,7 @@ class ColumnParallelLinear(ParallelModule):
         return cls(in_features, full_sizes, [tp.split(n, "output features") for n in full_sizes], bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.gemm(x, self.bias)
 
     def num_parts(self, param_name: str) -> int:
         return len(self.parts)
@@ -107,7 +134,7 @@ class ColumnParallelLinear(ParallelModule):
         _copy_checked(target, source.read(0, shard.start, shard.size), param_name)
 
 
-class RowParallelLinear(ParallelModule):
+class RowParallelLinear(PackableLinear):
     """y = all_reduce(x_local W_localᵀ) (+ b): W's input columns split, x arrives already split the same way.
 
     With ``reduce=False`` it returns the rank's partial product (no bias), for a caller that adds other
@@ -132,7 +159,7 @@ class RowParallelLinear(ParallelModule):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = self.gemm(x)
         if not self.reduce:
             return out
         out = self.tp.all_reduce(out)
@@ -182,14 +209,14 @@ class VocabParallelEmbedding(ParallelModule):
         return (self.vocab_size, self.weight.shape[1])
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     """Output projection over the split vocabulary; ``logits`` gathers every rank's share."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)
+        local = self.gemm(hidden)
         if self.tp.size == 1:
             return local
         return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]
