@@ -1,7 +1,7 @@
 """Reference paged attention in plain torch: gather each request's context from its block table, then SDPA.
 
-Correct above all: one request at a time, no fused kernels. The CPU path runs this; faster backends are
-tested against it. An FP8 KV cache (e4m3) holds K / k_scale and V / v_scale and is dequantized when read.
+Correct above all, no fused kernels: prompts one request at a time, every decode row of a step in one SDPA
+call. The CPU path runs this; faster backends are tested against it. An FP8 KV cache (e4m3) holds K / k_scale and V / v_scale and is dequantized when read.
 """
 
 from __future__ import annotations
@@ -65,18 +65,16 @@ class TorchReferenceAttention:
     def forward(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        plan = self._plan_for(meta, query.device)
+        plan = self._plan_for(meta, query.device, kv_cache.shape[1])
+        if (
+            plan.decode_tokens is not None
+            and not plan.others
+            and plan.decode_tokens.numel() == query.shape[0]
+        ):
+            return self._decode(query, kv_cache, plan, scale)  # a pure decode step: no row to pick
         out = torch.empty_like(query)
         if plan.decode_tokens is not None:
-            kv = self._gather(kv_cache, plan.decode_blocks, query.dtype).flatten(-4, -3)
-            kv = kv[:, :, : plan.decode_max_len]
-            q = query[plan.decode_tokens].unsqueeze(2)  # (B, heads, 1, head_dim)
-            k = kv[0].transpose(1, 2)  # (B, kv_heads, max_len, head_dim)
-            v = kv[1].transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True
-            )
-            out[plan.decode_tokens] = o.squeeze(2)
+            out[plan.decode_tokens] = self._decode(query[plan.decode_tokens], kv_cache, plan, scale)
         for start, end, num_keys, blocks, mask in plan.others:
             kv = self._gather(kv_cache, blocks, query.dtype).flatten(-4, -3)[:, :num_keys]
             q = query[start:end].transpose(0, 1)  # (heads, q_len, head_dim)
@@ -88,7 +86,31 @@ class TorchReferenceAttention:
             out[start:end] = o.transpose(0, 1)
         return out
 
-    def _plan_for(self, meta: AttentionMetadata, device: torch.device) -> _StepPlan:
+    def _decode(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, scale: float
+    ) -> torch.Tensor:
+        """Every single-token row in one SDPA call over contexts padded to the longest (padding masked).
+
+        K and V of all rows come out of one ``index_select`` of whole blocks (rows of block_size × heads ×
+        dim contiguous values). The query heads that share a KV head are that head's query rows, so SDPA
+        sees (rows, kv_heads, group, head_dim) against (rows, kv_heads, keys, head_dim) with no repeat.
+        """
+        assert plan.decode_gather is not None and plan.decode_mask is not None
+        rows, num_heads, head_dim = query.shape
+        _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+        if _is_fp8(kv_cache):
+            kv = self._gather(kv_cache, plan.decode_blocks, query.dtype)
+        else:
+            flat = kv_cache.view(2 * num_blocks, block_size * num_kv_heads * head_dim)
+            kv = flat.index_select(0, plan.decode_gather).to(query.dtype)
+        kv = kv.view(2, rows, -1, num_kv_heads, head_dim)
+        q = query.reshape(rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        k = kv[0].transpose(1, 2)  # (rows, kv_heads, keys, head_dim)
+        v = kv[1].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scale)
+        return o.reshape(rows, num_heads, head_dim)
+
+    def _plan_for(self, meta: AttentionMetadata, device: torch.device, num_blocks: int) -> _StepPlan:
         """Index tensors and masks of one step, built once and shared by every layer."""
         if self._plan is not None and self._plan_meta is meta:
             return self._plan
@@ -102,13 +124,16 @@ class TorchReferenceAttention:
             decode_rows = []
         plan = _StepPlan()
         if decode_rows:
-            # Every single-token row in one SDPA call: contexts padded to the longest, padding masked.
+            # Every single-token row in one SDPA call: contexts padded to whole blocks, padding masked.
             max_len = max(seq_lens[i] for i in decode_rows)
+            used = -(-max_len // bs)
             lens = torch.tensor([seq_lens[i] for i in decode_rows], device=device)
             plan.decode_tokens = torch.tensor([query_start[i] for i in decode_rows], device=device)
-            plan.decode_blocks = block_tables[torch.tensor(decode_rows, device=device), : -(-max_len // bs)]
-            plan.decode_max_len = max_len
-            positions = torch.arange(max_len, device=device).unsqueeze(0)
+            plan.decode_blocks = block_tables[torch.tensor(decode_rows, device=device), :used]
+            # Rows of the (2 * num_blocks, block) view: every row's K blocks, then the same blocks' V.
+            k_rows = plan.decode_blocks.reshape(-1)
+            plan.decode_gather = torch.cat((k_rows, k_rows + num_blocks))
+            positions = torch.arange(used * bs, device=device).unsqueeze(0)
             plan.decode_mask = (positions < lens.unsqueeze(1))[:, None, None, :]
         single = set(decode_rows)
         for i, seq_len in enumerate(seq_lens):
@@ -146,7 +171,7 @@ def _is_fp8(kv_cache: torch.Tensor) -> bool:
 class _StepPlan:
     decode_tokens: torch.Tensor | None = None  # flat token index of each single-token row
     decode_blocks: torch.Tensor | None = None  # (B, blocks) block table of those rows
-    decode_max_len: int = 0
-    decode_mask: torch.Tensor | None = None  # (B, 1, 1, max_len) valid context positions
+    decode_gather: torch.Tensor | None = None  # (2 * B * blocks,) K then V rows of the flat cache view
+    decode_mask: torch.Tensor | None = None  # (B, 1, 1, blocks * block_size) valid context positions
     # (start, end, number of keys, blocks from the first one read, causal mask) of every other row
     others: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
