@@ -14,8 +14,8 @@ each with the field names `vllm bench serve --save-result` writes (``request_rat
     python bench/online.py model-dir --config bench/configs/llama8b-config.json --out /tmp/m
 
 ``model-dir`` writes a dummy model folder both servers can load: the config and a word-level tokenizer whose
-token ``i`` is the word ``t<i>``, so any token-id sequence decodes to text that encodes back to exactly the same
-ids (`vllm bench serve`'s random prompts are text; their lengths stay exact).
+token ``i`` is the word ``t<i>``, so any sequence of ordinary token ids decodes to text that encodes back to
+exactly the same ids (`vllm bench serve`'s random prompts are text; their lengths stay exact).
 """
 
 from __future__ import annotations
@@ -241,16 +241,19 @@ async def _run_and_save(address: str, args: argparse.Namespace) -> int:
 
 def write_model_dir(config_path: str | Path, out: str | Path) -> Path:
     """``out`` with config.json (copied) and a word-level tokenizer of the config's vocab_size: token ``i`` is
-    the word ``t<i>``; bos and eos (from the config) are special. Text of such words encodes to exactly the
-    ids it was decoded from, so both servers see the same prompt lengths."""
+    the word ``t<i>``, and bos and eos (from the config) are the special tokens ``<|t<i>|>``, which no other
+    word contains. Text of such words encodes to exactly the ids it was decoded from, so both servers see the
+    same prompt lengths."""
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     config = json.loads(Path(config_path).read_text())
     shutil.copyfile(config_path, folder / "config.json")
     vocab_size = int(config["vocab_size"])
-    special = sorted(
-        {int(config[k]) for k in ("bos_token_id", "eos_token_id") if isinstance(config.get(k), int)}
-    )
+    special = {k: int(config[k]) for k in ("bos_token_id", "eos_token_id") if isinstance(config.get(k), int)}
+
+    def word(i: int) -> str:
+        return f"<|t{i}|>" if i in special.values() else f"t{i}"
+
     tokenizer = {
         "version": "1.0",
         "truncation": None,
@@ -258,20 +261,24 @@ def write_model_dir(config_path: str | Path, out: str | Path) -> Path:
         "added_tokens": [
             {
                 "id": i,
-                "content": f"t{i}",
+                "content": word(i),
                 "single_word": False,
                 "lstrip": False,
                 "rstrip": False,
                 "normalized": False,
                 "special": True,
             }
-            for i in special
+            for i in sorted(set(special.values()))
         ],
         "normalizer": None,
         "pre_tokenizer": {"type": "WhitespaceSplit"},
         "post_processor": None,
         "decoder": None,  # no decoder: tokens are joined with single spaces
-        "model": {"type": "WordLevel", "vocab": {f"t{i}": i for i in range(vocab_size)}, "unk_token": "t0"},
+        "model": {
+            "type": "WordLevel",
+            "vocab": {word(i): i for i in range(vocab_size)},
+            "unk_token": word(0),
+        },
     }
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
     tokenizer_config: dict[str, Any] = {
@@ -280,10 +287,10 @@ def write_model_dir(config_path: str | Path, out: str | Path) -> Path:
         "clean_up_tokenization_spaces": False,
         "add_bos_token": False,
     }
-    if isinstance(config.get("bos_token_id"), int):
-        tokenizer_config["bos_token"] = f"t{config['bos_token_id']}"
-    if isinstance(config.get("eos_token_id"), int):
-        tokenizer_config["eos_token"] = f"t{config['eos_token_id']}"
+    if "bos_token_id" in special:
+        tokenizer_config["bos_token"] = word(special["bos_token_id"])
+    if "eos_token_id" in special:
+        tokenizer_config["eos_token"] = word(special["eos_token_id"])
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
     return folder
 
