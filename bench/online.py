@@ -223,6 +223,8 @@ async def run_rates(address: str, args: argparse.Namespace) -> list[dict[str, An
             detailed=args.save_detailed,
         )
         results.append(saved)
+        if args.out_json:  # after every rate: a run cut short still leaves the rates it finished
+            write_json(args.out_json, results)
         print(format_rate_line(saved), flush=True)
         if result.metrics.failed:
             print(f"  first errors: {result.errors()[:3]}", flush=True)
@@ -232,7 +234,7 @@ async def run_rates(address: str, args: argparse.Namespace) -> list[dict[str, An
 async def _run_and_save(address: str, args: argparse.Namespace) -> int:
     results = await run_rates(address, args)
     if args.out_json:
-        print(f"json: {write_json(args.out_json, results)}", flush=True)
+        print(f"json: {args.out_json}", flush=True)
     return 0 if all(r["failed"] == 0 for r in results) else 1
 
 
