@@ -52,10 +52,7 @@ else
 fi
 VLLM_PATH=${VLLM_SITE:-}
 ours_py() { PYTHONPATH="$OURS_PATH" python3 "$@"; }
-vllm_py() {
-  PYTHONPATH="$VLLM_PATH" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-    VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 python3 "$@"
-}
+vllm_py() { PYTHONPATH="$VLLM_PATH" python3 "$@"; }
 free_port() { python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])"; }
 rate_prompts() {
   ours_py bench/online.py num-prompts --rate "$1" --seconds "$SECONDS_PER_RATE" --inf-prompts "$INF_PROMPTS" \
@@ -112,6 +109,8 @@ run_ours() {
 
 run_vllm() {
   local port pid i n rate files
+  # The GPU machine has no network; the FlashInfer sampler stays off as in the peer's recipe.
+  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
   part "vllm: import check"
   if ! vllm_py -c "import vllm, vllm.benchmarks.serve; print('vllm', vllm.__version__)" 2>"$WORK/vllm_import.log"; then
     echo "vllm: cannot import vllm.benchmarks.serve (VLLM_SITE=${VLLM_SITE:-unset}); skipped:"
@@ -120,8 +119,7 @@ run_vllm() {
   fi
   port=$(free_port)
   part "vllm: serve"
-  PYTHONPATH="$VLLM_PATH" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-    VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 setsid timeout 1200 python3 -m vllm.entrypoints.cli.main serve "$MODEL_DIR" \
+  PYTHONPATH="$VLLM_PATH" setsid timeout 1200 python3 -m vllm.entrypoints.cli.main serve "$MODEL_DIR" \
     --load-format dummy --dtype bfloat16 --max-model-len "$MAX_MODEL_LEN" --max-num-seqs "$MAX_NUM_SEQS" \
     --max-num-batched-tokens "$MAX_BATCH_TOKENS" --gpu-memory-utilization "$GPU_MEMORY_UTILIZATION" \
     --host 127.0.0.1 --port "$port" --seed 0 --disable-uvicorn-access-log $VLLM_ARGS >"$WORK/vllm.log" 2>&1 &
