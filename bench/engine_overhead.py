@@ -147,7 +147,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         reader = asyncio.create_task(read())
         yield worker_pb2.WorkerMessage(heartbeat=worker_pb2.Heartbeat(worker_time=time.monotonic()))
         try:
-            first = await outbox.get()
+            while True:  # heartbeats until the first step, as a real worker sends them while idle
+                try:
+                    first = await asyncio.wait_for(outbox.get(), 0.5)
+                    break
+                except asyncio.TimeoutError:
+                    yield worker_pb2.WorkerMessage(
+                        heartbeat=worker_pb2.Heartbeat(worker_time=time.monotonic())
+                    )
             held_until = loop.time() + HOLD_S
             while len(self.seen) < self.batch and loop.time() < held_until:
                 await asyncio.sleep(0.1)
@@ -190,7 +197,9 @@ def worker_view(stats: dict[str, Any]) -> dict[str, float]:
     pairs = [(p, c) for p, c in zip(steps, steps[1:], strict=False) if p[3] and c[3]][2:]
     if not pairs:
         return {}
-    next_ready = [c[0] - p[2] for p, c in pairs]
+    # As the pipelined GPU worker logs it: step N+1's arrival relative to when step N was launched (which is
+    # when N-1 ended on the device); above one step time, the device waited.
+    next_ready = [c[0] - p[1] for p, c in pairs]
     window = pairs[-1][1][2] - pairs[0][1][1]
     busy = len(pairs) * stats["step_s"]
     return {
@@ -217,7 +226,9 @@ async def run_clients(args: argparse.Namespace) -> dict[str, Any]:
             stream=not args.no_stream,
         )
         # Distinct prompts: each starts with its own token id, so no two share a cache block.
-        request.input_ids.ids.extend([10 + i] + [(7 * i + k) % 30000 + 100 for k in range(args.prompt_len - 1)])
+        request.input_ids.ids.extend(
+            [10 + i] + [(7 * i + k) % 30000 + 100 for k in range(args.prompt_len - 1)]
+        )
         tokens = 0
         ends: list[str] = []
         async for event in stub.Generate(request):
@@ -262,8 +273,10 @@ class EngineTimers:
         self.profile_path = ""
 
     def is_steady(self, step: Any) -> bool:  # noqa: ANN401
-        return not step.new_requests and len(step.running_requests) == self.batch and (
-            step.num_scheduled_tokens == self.batch
+        return (
+            not step.new_requests
+            and len(step.running_requests) == self.batch
+            and (step.num_scheduled_tokens == self.batch)
         )
 
     def add(self, phase: str, seconds: float) -> None:
@@ -289,8 +302,20 @@ class EngineTimers:
             self.profile.disable()
         self.current = {}
 
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self.steady:
+            self.gc_pauses.append((info["generation"], time.perf_counter() - self._gc_started))
+
     def install(self) -> None:
+        import gc
+
         from ominix_runtime.backends import grpc_worker
+
+        self.gc_pauses: list[tuple[int, float]] = []
+        self._gc_started = 0.0
+        gc.callbacks.append(self._on_gc)
         from ominix_runtime.engine import core, scheduler
 
         timers = self
@@ -352,6 +377,12 @@ class EngineTimers:
             if values:
                 out[f"{phase}_p50_ms"] = statistics.median(values) * 1e3
                 out[f"{phase}_mean_ms"] = statistics.fmean(values) * 1e3
+        pauses = self.gc_pauses
+        if pauses:
+            out["gc_pauses_per_step"] = len(pauses) / max(1, self.steady_steps)
+            out["gc_ms_per_step"] = sum(p for _, p in pauses) / max(1, self.steady_steps) * 1e3
+            out["gc_max_ms"] = max(p for _, p in pauses) * 1e3
+            out["gc_by_generation"] = {g: sum(1 for q, _ in pauses if q == g) for g in (0, 1, 2)}
         if len(self.cpu_window) == 4 and self.steady_steps:
             cpu0, wall0, cpu1, wall1 = self.cpu_window
             out["cpu_per_step_ms"] = (cpu1 - cpu0) / self.steady_steps * 1e3
@@ -360,7 +391,9 @@ class EngineTimers:
 
 
 async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str, Any]:
+    from ominix_runtime import memory
     from ominix_runtime.config import BackendsConfig, LogConfig, ModelConfig, RuntimeConfig, ServerConfig
+    from ominix_runtime.engine.config import EngineCoreConfig
     from ominix_runtime.server.app import EngineDaemon
 
     here = Path(__file__).resolve().parent
@@ -368,7 +401,9 @@ async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str
     stats_path = Path(args.work_dir) / "fake_worker.json"
     stats_path.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]))
-    model_name = args.model.split("/")[-1].removesuffix(".json") if args.model.startswith("dummy:") else args.model
+    model_name = (
+        args.model.split("/")[-1].removesuffix(".json") if args.model.startswith("dummy:") else args.model
+    )
     worker = subprocess.Popen(
         [sys.executable, str(here / "engine_overhead.py"), "--role", "worker", "--port", str(wport),
          "--step-ms", str(args.step_ms), "--concurrency", str(args.concurrency), "--stats", str(stats_path),
@@ -377,6 +412,9 @@ async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str
     )  # fmt: skip
     config = RuntimeConfig(
         model=ModelConfig(path=args.model),
+        engine=EngineCoreConfig(
+            max_inflight_steps=args.max_inflight_steps or EngineCoreConfig().max_inflight_steps
+        ),
         backends=BackendsConfig(workers=(f"127.0.0.1:{wport}",), ready_timeout=30.0),
         server=ServerConfig(port=eport, metrics_port=0, stats_interval=0, drain_timeout=5.0),
         log=LogConfig(level="warning"),
@@ -384,6 +422,8 @@ async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str
     daemon = EngineDaemon(config)
     try:
         await daemon.start()
+        if not args.no_gc_freeze:
+            memory.freeze_startup_heap()  # as `ominix-runtime serve` does once started
         clients = await asyncio.create_subprocess_exec(
             sys.executable, str(here / "engine_overhead.py"), "--role", "clients",
             "--address", f"127.0.0.1:{eport}", "--concurrency", str(args.concurrency),
@@ -401,7 +441,11 @@ async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str
         with contextlib.suppress(subprocess.TimeoutExpired):
             worker.wait(10)
         worker.kill()
-    result: dict[str, Any] = {"clients": client_report, "engine": timers.report()}
+    result: dict[str, Any] = {
+        "clients": client_report,
+        "engine": timers.report(),
+        "max_inflight_steps": config.engine.max_inflight_steps,
+    }
     if stats_path.exists():
         result["worker"] = worker_view(json.loads(stats_path.read_text()))
     return result
@@ -410,6 +454,7 @@ async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str
 def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
     eng, cli, wrk = result["engine"], result["clients"], result.get("worker", {})
     mode = "instant worker" if args.step_ms == 0 else f"worker step {args.step_ms:g} ms"
+    mode += f", {result['max_inflight_steps']} steps in flight"
     stream = "non-streaming" if args.no_stream else "streaming"
     print(
         f"{args.concurrency} {stream} requests × {args.prompt_len} prompt × {args.output_len} output tokens, {mode}; "
@@ -418,13 +463,22 @@ def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
     print(f"steady decode steps at batch {args.concurrency}: {eng['steady_steps']}")
     for phase in EngineTimers.PHASES:
         if f"{phase}_p50_ms" in eng:
-            print(f"  {phase:<11} p50 {eng[f'{phase}_p50_ms']:7.3f} ms   mean {eng[f'{phase}_mean_ms']:7.3f} ms")
+            print(
+                f"  {phase:<11} p50 {eng[f'{phase}_p50_ms']:7.3f} ms   mean {eng[f'{phase}_mean_ms']:7.3f} ms"
+            )
     if "cpu_per_step_ms" in eng:
-        driver = sum(eng.get(f"{p}_mean_ms", 0.0) for p in ("schedule", "to_pb", "from_pb", "update", "deliver"))
+        driver = sum(
+            eng.get(f"{p}_mean_ms", 0.0) for p in ("schedule", "to_pb", "from_pb", "update", "deliver")
+        )
         print(
             f"  engine process CPU per step {eng['cpu_per_step_ms']:.3f} ms (driver phases {driver:.3f} ms, rest "
             f"{eng['cpu_per_step_ms'] - driver:.3f} ms: client streams, gRPC, event loop); wall per step "
             f"{eng['wall_per_step_ms']:.3f} ms"
+        )
+    if "gc_ms_per_step" in eng:
+        print(
+            f"  garbage collection: {eng['gc_pauses_per_step']:.2f} runs and {eng['gc_ms_per_step']:.3f} ms per step, "
+            f"longest {eng['gc_max_ms']:.2f} ms, runs by generation {eng['gc_by_generation']}"
         )
     if wrk and args.step_ms > 0:
         print(
@@ -439,7 +493,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--step-ms", type=float, default=0.0, help="fake worker step time (0: answer at once)")
+    parser.add_argument(
+        "--step-ms", type=float, default=0.0, help="fake worker step time (0: answer at once)"
+    )
+    parser.add_argument("--max-inflight-steps", type=int, default=0, help="0: the engine's default")
+    parser.add_argument(
+        "--no-gc-freeze", action="store_true", help="leave the collector as the process started"
+    )
     parser.add_argument("--no-stream", action="store_true", help="clients ask for the final event only")
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--profile", default="", help="write a cProfile of the steady steps here (pstats)")

@@ -317,6 +317,14 @@ FLAGS: tuple[Flag, ...] = (
         switch_value=False,
     ),
     Flag(
+        "--max-inflight-steps",
+        "engine",
+        "steps sent to a worker ahead of its results (1: none; 3: the next step is on the worker before the "
+        "one before it has started, so a pipelined GPU worker never waits for the engine)",
+        ("engine.max_inflight_steps",),
+        positive_int,
+    ),
+    Flag(
         "--drain-timeout",
         "engine",
         "seconds live requests may take to finish after SIGINT/SIGTERM",

@@ -359,14 +359,16 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                     matched_stop = match.matched_stop
                     self._engine.finish(rid, FinishReason.STOP, matched_stop)
                 if req.stream:
-                    yield engine_pb2.GenerateEvent(
-                        request_id=rid,
-                        token=engine_pb2.TokenChunk(
-                            token_ids=event.token_ids,
-                            text=match.text,
-                            logprobs=[wire.logprobs_to_pb(lp) for lp in event.logprobs],
-                        ),
-                    )
+                    # Filled in place: nested constructors cost several times more, 256 times a step.
+                    out = engine_pb2.GenerateEvent(request_id=rid)
+                    chunk = out.token
+                    chunk.SetInParent()
+                    chunk.token_ids.extend(event.token_ids)
+                    if match.text:
+                        chunk.text = match.text
+                    if event.logprobs:
+                        chunk.logprobs.extend(wire.logprobs_to_pb(lp) for lp in event.logprobs)
+                    yield out
             elif isinstance(event, Usage):
                 usage = event
             elif isinstance(event, Done):
