@@ -96,13 +96,13 @@ run_overhead() {
       timeout 200 python3 bench/offline.py --address "127.0.0.1:$EPORT" --w1 --warmup-requests 0 --no-progress \
         --no-request-details ${OVERHEAD_ARGS:-"--num-requests 256 --input-len 512 --output-len 160"} \
         >"$out/run$run.txt" 2>&1 || echo "overhead run $run failed: $(tail -3 "$out/run$run.txt")"
-      grep -E "^W1 cold" "$out/run$run.txt" | head -2
+      grep -E "W1 cold \(" "$out/run$run.txt" | head -1
     done
   fi
   stop_service
   rm -f "$OMINIX_PROFILE_GATE"
   export OMINIX_PROFILE_OUT=$saved_out
-  python3 bench/service_summary.py "$out" | grep -E "^(overhead|between decode steps|GPU busy)" \
+  python3 bench/service_summary.py "$out" | grep -E "^(overhead|between decode steps at batch 256|GPU busy)" \
     | tee "$out/summary.txt"
 }
 
