@@ -131,7 +131,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             nonlocal gpu_free
             try:
                 async for step in request_iterator:
-                    arrival = loop.time()
+                    arrival = time.perf_counter()
                     steady = (
                         not step.new_requests
                         and len(step.running_requests) == self.batch
@@ -159,7 +159,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             while len(self.seen) < self.batch and loop.time() < held_until:
                 await asyncio.sleep(0.1)
                 yield worker_pb2.WorkerMessage(heartbeat=worker_pb2.Heartbeat(worker_time=time.monotonic()))
-            gpu_free = loop.time()  # the held steps do not count as device time
+            gpu_free = time.perf_counter()  # the held steps do not count as device time
             if first is None:
                 return
             yield first[1]
@@ -168,7 +168,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 if item is None:
                     break
                 due, message = item
-                wait = due - loop.time()
+                wait = due - time.perf_counter()
                 if wait > 0:
                     await asyncio.sleep(wait)
                 yield message

@@ -101,16 +101,24 @@ class RequestHandle:
         return self._events()
 
     async def _events(self) -> AsyncIterator[WorkerEvent]:
-        while not self._ended:
-            events = await self._inbox.take()
-            if self._coalesce and len(events) > 1:
-                events = _coalesce(events)
+        while events := await self.next_events():
             for event in events:
-                if is_terminal(event):
-                    self._ended = True
                 yield event
-                if self._ended:
-                    return
+
+    async def next_events(self) -> list[WorkerEvent]:
+        """The events that have arrived (waiting for the first), in order, up to the terminal one; [] once
+        the terminal event was taken. A stream front loops over these instead of iterating the handle: one
+        async-generator layer less for every token of every request."""
+        if self._ended:
+            return []
+        events = await self._inbox.take()
+        if self._coalesce and len(events) > 1:
+            events = _coalesce(events)
+        for i, event in enumerate(events):
+            if is_terminal(event):
+                self._ended = True
+                return events[: i + 1]
+        return events
 
     def abort(self) -> None:
         """Abort the request (e.g. the client went away); frees its KV at once."""
