@@ -217,6 +217,7 @@ async def run_clients(args: argparse.Namespace) -> dict[str, Any]:
     channel = grpc.aio.insecure_channel(args.address)
     stub = engine_pb2_grpc.EngineStub(channel)
     counts: list[int] = []
+    messages: list[int] = []  # token messages per request (below the token count when tokens were coalesced)
     terminals: list[str] = []
 
     async def one(i: int) -> None:
@@ -229,15 +230,17 @@ async def run_clients(args: argparse.Namespace) -> dict[str, Any]:
         request.input_ids.ids.extend(
             [10 + i] + [(7 * i + k) % 30000 + 100 for k in range(args.prompt_len - 1)]
         )
-        tokens = 0
+        tokens = chunks = 0
         ends: list[str] = []
         async for event in stub.Generate(request):
             kind = event.WhichOneof("event")
             if kind == "token":
                 tokens += len(event.token.token_ids)
+                chunks += 1
             elif kind in ("done", "error"):
                 ends.append(kind)
         counts.append(tokens)
+        messages.append(chunks)
         terminals.append(",".join(ends))
 
     started = time.perf_counter()
@@ -249,6 +252,7 @@ async def run_clients(args: argparse.Namespace) -> dict[str, Any]:
         "requests": len(counts),
         "all_done_once": all(t == "done" for t in terminals),
         "tokens_per_request": sorted(set(counts)),
+        "token_messages_per_token": sum(messages) / max(1, sum(counts)),
     }
 
 
@@ -458,7 +462,8 @@ def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
     stream = "non-streaming" if args.no_stream else "streaming"
     print(
         f"{args.concurrency} {stream} requests × {args.prompt_len} prompt × {args.output_len} output tokens, {mode}; "
-        f"{cli['wall_s']:.2f} s; every request one Done: {cli['all_done_once']}; tokens/request {cli['tokens_per_request']}"
+        f"{cli['wall_s']:.2f} s; every request one Done: {cli['all_done_once']}; tokens/request {cli['tokens_per_request']}; "
+        f"token messages per token {cli['token_messages_per_token']:.2f}"
     )
     print(f"steady decode steps at batch {args.concurrency}: {eng['steady_steps']}")
     for phase in EngineTimers.PHASES:
