@@ -319,8 +319,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--max-inflight-steps",
         "engine",
-        "steps sent to a worker ahead of its results (1: none; 3: the next step is on the worker before the "
-        "one before it has started, so a pipelined GPU worker never waits for the engine)",
+        "steps sent to a worker ahead of its results (1: none; 3: step N+1 reaches a pipelined GPU worker about "
+        "one device step before it is due, so the device does not wait for the engine)",
         ("engine.max_inflight_steps",),
         positive_int,
     ),
