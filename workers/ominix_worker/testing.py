@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-_ARCHES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "mistral")
+_ARCHES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "mistral", "gpt_oss")
 PAD_TOKEN_ID = 0
 BOS_TOKEN_ID = 1
 EOS_TOKEN_ID = 2
@@ -134,6 +134,7 @@ def write_tiny_hf_model(
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[arch]
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
@@ -143,9 +144,11 @@ def write_tiny_hf_model(
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_proj_bias")):  # gpt-oss's experts name theirs *_proj_bias
                 param.copy_(0.1 * torch.randn_like(param))
-            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+            elif name.endswith("self_attn.sinks"):  # gpt-oss: sinks on the scale of the attention scores
+                param.copy_(torch.randn_like(param))
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "shared_expert_gate.weight")):
                 # Routers start at zero in some classes: random ones make every expert matter.
                 param.copy_(0.5 * torch.randn_like(param))
     model.save_pretrained(str(folder), safe_serialization=True)
