@@ -307,7 +307,10 @@ class ModelRunner:
                     )
             else:
                 try:
-                    diffs = [running.new_kv_block_ids, *running.new_group_kv_block_ids]
+                    # No group diffs at all: nothing appended to groups 1.. (a table left short is caught
+                    # by _check_row when a step needs it).
+                    others = running.new_group_kv_block_ids or [[] for _ in request.block_tables[1:]]
+                    diffs = [running.new_kv_block_ids, *others]
                     self._check_block_ids(diffs)
                     for table, diff in zip(request.block_tables, diffs, strict=True):
                         table.extend(diff)
