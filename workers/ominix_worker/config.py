@@ -23,6 +23,19 @@ _ARCH_CLASS = {
 MOE_ARCHES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")
 
 
+# Hugging Face's ``layer_types`` values.
+SLIDING_ATTENTION = "sliding_attention"
+FULL_ATTENTION = "full_attention"
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionGroup:
+    """Layers that attend alike and so share one KV block table (a KV group of the worker's layout)."""
+
+    window: int  # 0: full attention
+    layers: tuple[int, ...]
+
+
 class ModelConfigError(ValueError):
     """The model's configuration is missing a field or describes an unsupported model."""
 
@@ -46,8 +59,11 @@ class ModelConfig:
     o_proj_bias: bool = False  # Llama with attention_bias (Qwen2 has none on o_proj)
     qk_norm: bool = False  # Qwen3
     max_position_embeddings: int = 2048
-    # Mistral family: every layer attends to the last sliding_window tokens (itself included); 0: full.
+    # Sliding-window layers attend to the last sliding_window tokens (itself included); 0: none. Which layers
+    # do: ``layer_types`` (Hugging Face's per-layer "sliding_attention" / "full_attention"), or every layer
+    # when it is empty (the Mistral family).
     sliding_window: int = 0
+    layer_types: tuple[str, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Explicit head_dim differing from hidden / heads (Qwen3) is supported; partial rotary is not.
@@ -76,9 +92,28 @@ class ModelConfig:
     def max_len_for(self, attends_within_window: bool) -> int:
         """Longest sequence this model runs correctly on a backend that does (or does not) attend within a
         sliding window: full attention equals sliding-window attention only inside the window."""
-        if self.sliding_window and not attends_within_window:
+        windowed = any(self.layer_window(i) for i in range(self.num_layers))
+        if windowed and not attends_within_window:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
+
+    def layer_window(self, layer: int) -> int:
+        """The window layer ``layer`` attends within (0: full attention)."""
+        if not self.sliding_window:
+            return 0
+        if not self.layer_types:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else 0
+
+    def attention_groups(self, attends_within_window: bool) -> tuple[AttentionGroup, ...]:
+        """The layers that share one KV block table: one group per distinct window, the full-attention group
+        first (it bounds a request's context), then windows ascending. A backend that does not attend within
+        windows gets one full-attention group (and ``max_len_for`` caps the context at the window)."""
+        windows = [self.layer_window(i) if attends_within_window else 0 for i in range(self.num_layers)]
+        return tuple(
+            AttentionGroup(w, tuple(i for i, lw in enumerate(windows) if lw == w))
+            for w in sorted(set(windows))
+        )
 
     @property
     def is_moe(self) -> bool:
@@ -143,10 +178,22 @@ def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
 
 
 def _sliding_window(raw: dict[str, Any], model_type: str) -> int:
-    """The window every layer attends within (0: full attention)."""
+    """The window of the sliding-window layers (0: full attention everywhere)."""
     window = raw.get("sliding_window")
     uses_window = model_type in ("mistral", "mixtral") or raw.get("use_sliding_window", False)
     return int(window) if window and uses_window else 0
+
+
+def layer_types_from_hf(raw: dict[str, Any], num_layers: int, window: int) -> tuple[str, ...]:
+    """Per-layer attention kinds as the config states them (``layer_types``); empty: every layer alike."""
+    types = raw.get("layer_types")
+    if not window or not types:
+        return ()
+    if len(types) != num_layers or any(t not in (SLIDING_ATTENTION, FULL_ATTENTION) for t in types):
+        raise ModelConfigError(
+            f"layer_types must list {num_layers} of {SLIDING_ATTENTION!r} / {FULL_ATTENTION!r}"
+        )
+    return tuple(str(t) for t in types)
 
 
 def _moe_from_hf(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
@@ -219,6 +266,7 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         heads = int(raw["num_attention_heads"])
         theta, scaling = _rope_from_hf(raw)
         num_layers = int(raw["num_hidden_layers"])
+        window = _sliding_window(raw, model_type)
         if model_type == "qwen2_moe":  # Qwen2-MoE states its q/k/v bias (default on)
             qkv_bias = bool(raw.get("qkv_bias", True))
         else:
@@ -240,7 +288,8 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
             o_proj_bias=model_type not in ("qwen2", "qwen2_moe") and bool(raw.get("attention_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            sliding_window=_sliding_window(raw, model_type),
+            sliding_window=window,
+            layer_types=layer_types_from_hf(raw, num_layers, window),
             bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
             quantization=dict(raw.get("quantization_config") or {}),

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ominix_worker.attention.base import AttentionBackend
-from ominix_worker.config import ModelConfig
+from ominix_worker.config import AttentionGroup, ModelConfig
 
 _UNITS = {
     "": 1,
@@ -89,16 +89,60 @@ def measure_gpu_kv_budget(
     return int(total * utilization - in_use - peak_activations)
 
 
+def group_block_counts(
+    groups: Sequence[AttentionGroup],
+    uniform_blocks: int,
+    block_size: int,
+    max_running_requests: int,
+    max_batch_tokens: int,
+) -> tuple[int, ...]:
+    """Blocks of each KV group's pool from the memory of ``uniform_blocks`` blocks in every layer.
+
+    Beside a full-attention group, a sliding-window group needs no more than every running request's window
+    (plus the block it straddles and one being filled) and one step's new tokens; the memory its layers save
+    goes to the full-attention group, so long requests fit many more at once than a uniform layout would. A
+    layout without both kinds keeps the uniform count in every group.
+    """
+    has_full = any(not g.window for g in groups)
+    if not has_full or all(not g.window for g in groups):
+        return (uniform_blocks,) * len(groups)
+    layer_blocks = uniform_blocks * sum(len(g.layers) for g in groups)
+    counts: dict[int, int] = {}
+    for i, g in enumerate(groups):
+        if g.window:
+            need = max_running_requests * (-(-g.window // block_size) + 2) + -(
+                -max_batch_tokens // block_size
+            )
+            counts[i] = min(uniform_blocks, need)
+            layer_blocks -= counts[i] * len(g.layers)
+    full_layers = sum(len(g.layers) for g in groups if not g.window)
+    for i, g in enumerate(groups):
+        if not g.window:
+            counts[i] = layer_blocks // full_layers
+    return tuple(counts[i] for i in range(len(groups)))
+
+
 def allocate_kv_cache(
     backend: AttentionBackend,
     config: ModelConfig,
-    num_blocks: int,
+    num_blocks: int | Sequence[int],
     dtype: torch.dtype,
     device: torch.device,
     num_kv_heads: int | None = None,
 ) -> list[torch.Tensor]:
-    """One KV tensor per layer; ``num_kv_heads``: the heads one tensor-parallel rank keeps (default: all)."""
-    if num_blocks <= 0:
+    """One KV tensor per layer; ``num_blocks``: one count for every layer, or one per KV group
+    (``config.attention_groups`` on this backend); ``num_kv_heads``: the heads one tensor-parallel rank keeps
+    (default: all)."""
+    groups = config.attention_groups(backend.supports_sliding_window)
+    counts = (num_blocks,) * len(groups) if isinstance(num_blocks, int) else tuple(num_blocks)
+    if len(counts) != len(groups):
+        raise ValueError(f"{len(counts)} block counts for {len(groups)} KV groups")
+    if min(counts) <= 0:
         raise ValueError("the KV cache budget leaves no room for a single block")
     heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return backend.allocate_kv_cache(config.num_layers, num_blocks, heads, config.head_dim, dtype, device)
+    caches: list[torch.Tensor | None] = [None] * config.num_layers
+    for group, count in zip(groups, counts, strict=True):
+        tensors = backend.allocate_kv_cache(len(group.layers), count, heads, config.head_dim, dtype, device)
+        for layer, tensor in zip(group.layers, tensors, strict=True):
+            caches[layer] = tensor
+    return [c for c in caches if c is not None]
