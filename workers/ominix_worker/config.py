@@ -180,7 +180,7 @@ def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
 def _sliding_window(raw: dict[str, Any], model_type: str) -> int:
     """The window of the sliding-window layers (0: full attention everywhere)."""
     window = raw.get("sliding_window")
-    uses_window = model_type in ("mistral", "mixtral") or raw.get("use_sliding_window", False)
+    uses_window = model_type in ("mistral", "mixtral", "gpt_oss") or raw.get("use_sliding_window", False)
     return int(window) if window and uses_window else 0
 
 
@@ -255,6 +255,13 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
             "MXFP4 gpt-oss checkpoints (the released openai/gpt-oss weights) are not supported: "
             "use a bf16 checkpoint (experts dequantized) or dummy weights"
         )
+    if model_type == "gpt_oss" and not raw.get("layer_types"):
+        # transformers' default for gpt-oss: sliding-window layers first, alternating with full attention.
+        layers = int(raw.get("num_hidden_layers") or 0)
+        raw = {
+            **raw,
+            "layer_types": [SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(layers)],
+        }
     if raw.get("mlp_bias"):
         raise ModelConfigError("mlp_bias=true is not supported")
     if raw.get("hidden_act", "silu") != "silu":
