@@ -339,3 +339,14 @@ def test_what_gpt_oss_cannot_run_is_refused(folder: Path) -> None:
             build_runner(str(folder), num_blocks=4).backend,
             quantization="fp8",
         )
+
+
+def test_tensor_parallelism_is_refused(folder: Path) -> None:
+    from ominix_worker.attention.torch_ref import TorchReferenceAttention
+    from ominix_worker.parallel import TensorParallel
+
+    tp = TensorParallel(rank=0, size=2, group=object())  # type: ignore[arg-type]  # refused before any collective
+    with pytest.raises(ModelLoadError, match="one rank"):
+        load_model(
+            resolve_model(str(folder)), torch.device("cpu"), torch.float32, TorchReferenceAttention(), tp=tp
+        )
