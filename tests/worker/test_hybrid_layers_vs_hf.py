@@ -58,6 +58,34 @@ HYBRID_MODELS: dict[str, tuple[dict[str, object], tuple[int, ...]]] = {
         ),
         (0,),
     ),
+    # Gemma 3: five local layers per global one, tied embeddings, an attention scale apart from head_dim,
+    # linear rope scaling on the global layer only.
+    "gemma3": (
+        dict(
+            arch="gemma3_text",
+            num_layers=6,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=24,
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
+            tie_word_embeddings=True,
+            seed=12,
+        ),
+        (5,),
+    ),
+    # Gemma 3 with final logit soft-capping that bites (logits reach ~2.5), an attention soft-cap in the
+    # config (which Hugging Face's Gemma 3 does not apply, and neither do we) and global layers at 2 and 5.
+    "gemma3_capped": (
+        dict(
+            arch="gemma3_text",
+            num_layers=6,
+            sliding_window=WINDOW,
+            sliding_window_pattern=3,
+            final_logit_softcapping=3.0,
+            attn_logit_softcapping=1.0,
+            seed=13,
+        ),
+        (2, 5),
+    ),
 }
 
 

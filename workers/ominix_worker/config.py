@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")
+SUPPORTED_ARCHES = (
+    "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "gemma3_text", "gemma3", "gpt_oss",
+)  # fmt: skip
 _ARCH_CLASS = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -17,6 +19,7 @@ _ARCH_CLASS = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
 }
 # Mixture-of-experts architectures (``models/moe.py``, ``models/gpt_oss.py``); the others are dense.
@@ -84,6 +87,13 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     # Weight quantization: None (run dtype) or a parsed fp8 description (``ominix_worker.quant.fp8``).
     quantization: dict[str, Any] = field(default_factory=dict)
+    # Gemma 3 (``models/gemma3.py``): the MLP's activation, the attention scale query_pre_attn_scalar ** -0.5
+    # (0: head_dim), tanh soft-capping of the final logits (0: none) and the rope base of the sliding-window
+    # layers (``rope_theta`` and ``rope_scaling`` are the global layers').
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float = 0.0
+    final_logit_softcapping: float = 0.0
+    rope_local_theta: float = 0.0
 
     @property
     def architecture(self) -> str:
@@ -170,17 +180,91 @@ def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     else:
         theta = float(raw.get("rope_theta", 10000.0))
         scaling = dict(raw.get("rope_scaling") or {})
+    return theta, _rope_scaling(scaling)
+
+
+def _rope_scaling(scaling: dict[str, Any]) -> dict[str, Any]:
+    """Scaling parameters under one spelling (``rope_type``); empty for plain rope."""
+    scaling = dict(scaling)
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
     if scaling.get("rope_type", "default") == "default":
-        scaling = {}
-    return theta, scaling
+        return {}
+    return scaling
+
+
+# Hugging Face's Gemma3TextConfig defaults, for fields a config.json may leave out.
+_GEMMA3_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=262_208,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    hidden_activation="gelu_pytorch_tanh",
+    max_position_embeddings=131_072,
+    rms_norm_eps=1e-6,
+    eos_token_id=1,
+    bos_token_id=2,
+    tie_word_embeddings=True,
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+)
+
+
+def _gemma3_text(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 3 text config with its defaults filled in and its per-layer-type rope flattened into
+    ``rope_theta`` / ``rope_scaling`` (global layers) and ``rope_local_base_freq``. A
+    Gemma3ForConditionalGeneration config gives its ``text_config`` (the vision tower is not served)."""
+    if raw.get("model_type") == "gemma3":
+        text = dict(raw.get("text_config") or {})
+        for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+            if raw.get(key) is not None:  # the outer config's ids win (the chat end-of-turn id is there)
+                text[key] = raw[key]
+        raw = text
+    out = {**_GEMMA3_DEFAULTS, **{k: v for k, v in raw.items() if v is not None}}
+    out["model_type"] = "gemma3_text"
+    if out.get("use_bidirectional_attention"):
+        raise ModelConfigError("use_bidirectional_attention=true is not supported (causal attention only)")
+    out["hidden_act"] = out.pop("hidden_activation", None) or out.get("hidden_act") or "gelu_pytorch_tanh"
+    num_layers = int(out["num_hidden_layers"])
+    if not out.get("layer_types"):
+        pattern = int(out.get("sliding_window_pattern") or 6)  # every pattern-th layer is global
+        out["layer_types"] = [
+            SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)
+        ]
+    params = out.pop("rope_parameters", None)
+    if isinstance(params, dict) and (FULL_ATTENTION in params or SLIDING_ATTENTION in params):
+        full = dict(params.get(FULL_ATTENTION) or {})
+        local = dict(params.get(SLIDING_ATTENTION) or {})
+        out["rope_theta"] = float(full.pop("rope_theta", 1_000_000.0))
+        out["rope_scaling"] = _rope_scaling(full)
+        out["rope_local_base_freq"] = float(local.pop("rope_theta", 10_000.0))
+        if _rope_scaling(local):
+            raise ModelConfigError("rope scaling on Gemma 3's sliding-window layers is not supported")
+    else:
+        out.setdefault("rope_theta", 1_000_000.0)
+        out.setdefault("rope_local_base_freq", 10_000.0)
+    return out
+
+
+def _gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields only Gemma 3 sets (raw: ``_gemma3_text``'s output)."""
+    return dict(
+        hidden_act=str(raw["hidden_act"]),
+        query_pre_attn_scalar=float(raw["query_pre_attn_scalar"]),
+        final_logit_softcapping=float(raw.get("final_logit_softcapping") or 0.0),
+        rope_local_theta=float(raw["rope_local_base_freq"]),
+    )
 
 
 def _sliding_window(raw: dict[str, Any], model_type: str) -> int:
     """The window of the sliding-window layers (0: full attention everywhere)."""
     window = raw.get("sliding_window")
-    uses_window = model_type in ("mistral", "mixtral", "gpt_oss") or raw.get("use_sliding_window", False)
+    uses_window = model_type in ("mistral", "mixtral", "gemma3_text", "gpt_oss") or raw.get(
+        "use_sliding_window", False
+    )
     return int(window) if window and uses_window else 0
 
 
@@ -248,6 +332,11 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
             f"unsupported model_type {model_type!r} ({', '.join(archs) or 'no architectures'}); "
             f"supported: {', '.join(SUPPORTED_ARCHES)}"
         )
+    extra: dict[str, Any] = {}
+    if model_type in ("gemma3_text", "gemma3"):
+        raw = _gemma3_text(raw)
+        model_type = "gemma3_text"
+        extra = _gemma3_fields(raw)
     # Refuse what this implementation would silently get wrong.
     quant_method = str((raw.get("quantization_config") or {}).get("quant_method", "")).lower()
     if model_type == "gpt_oss" and quant_method == "mxfp4":
@@ -264,8 +353,9 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         }
     if raw.get("mlp_bias"):
         raise ModelConfigError("mlp_bias=true is not supported")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ModelConfigError(f"hidden_act {raw.get('hidden_act')!r} is not supported (silu only)")
+    act = raw.get("hidden_act", "silu")
+    if act != ("gelu_pytorch_tanh" if model_type == "gemma3_text" else "silu"):
+        raise ModelConfigError(f"hidden_act {act!r} is not supported for {model_type}")
     if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ModelConfigError("partial rotary embeddings are not supported")
     try:
@@ -293,7 +383,7 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_proj_bias=model_type not in ("qwen2", "qwen2_moe") and bool(raw.get("attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             sliding_window=window,
             layer_types=layer_types_from_hf(raw, num_layers, window),
@@ -301,6 +391,7 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
             quantization=dict(raw.get("quantization_config") or {}),
             **_moe_from_hf(raw, model_type, num_layers),
+            **extra,
         )
     except KeyError as exc:
         raise ModelConfigError(f"config.json lacks the field {exc.args[0]!r}") from None

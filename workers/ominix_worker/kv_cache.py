@@ -98,24 +98,31 @@ def group_block_counts(
 ) -> tuple[int, ...]:
     """Blocks of each KV group's pool from the memory of ``uniform_blocks`` blocks in every layer.
 
-    Beside a full-attention group, a sliding-window group needs no more than every running request's window
-    (plus the block it straddles and one being filled) and one step's new tokens; the memory its layers save
-    goes to the full-attention group, so long requests fit many more at once than a uniform layout would. A
-    layout without both kinds keeps the uniform count in every group.
+    Beside a full-attention group a sliding-window group's request never holds more than its window (plus the
+    block it straddles and one being filled), so its layers need far fewer blocks; the memory they save goes
+    to the full-attention group, and long requests fit many more at once than in a uniform layout. A sliding
+    pool holds the smaller of: every running request's window plus one step's tokens (it then never limits
+    concurrency), and the share at which both pools hold equally many requests four windows long (so a
+    large running cap does not keep all the memory in the windows). It always holds one request's window and
+    a full step, so it never bounds a request's length. A layout without both kinds keeps the uniform count.
     """
-    has_full = any(not g.window for g in groups)
-    if not has_full or all(not g.window for g in groups):
+    if all(g.window for g in groups) or not any(g.window for g in groups):
         return (uniform_blocks,) * len(groups)
-    layer_blocks = uniform_blocks * sum(len(g.layers) for g in groups)
-    counts: dict[int, int] = {}
-    for i, g in enumerate(groups):
-        if g.window:
-            need = max_running_requests * (-(-g.window // block_size) + 2) + -(
-                -max_batch_tokens // block_size
-            )
-            counts[i] = min(uniform_blocks, need)
-            layer_blocks -= counts[i] * len(g.layers)
+    num_layers = sum(len(g.layers) for g in groups)
+    window_blocks = {i: -(-g.window // block_size) + 2 for i, g in enumerate(groups) if g.window}
+    # Balance point: the blocks a request four windows long takes in the full groups, per sliding window.
     full_layers = sum(len(g.layers) for g in groups if not g.window)
+    long_request = -(-4 * max(g.window for g in groups) // block_size)
+    weight = full_layers * long_request + sum(len(groups[i].layers) * b for i, b in window_blocks.items())
+    balanced_requests = uniform_blocks * num_layers / weight
+    step_blocks = -(-max_batch_tokens // block_size)
+    counts: dict[int, int] = {}
+    layer_blocks = uniform_blocks * num_layers
+    for i, per_request in window_blocks.items():
+        everyone = max_running_requests * per_request + step_blocks
+        one = -(-(groups[i].window + max_batch_tokens) // block_size) + 2
+        counts[i] = min(uniform_blocks, max(one, min(everyone, int(balanced_requests * per_request))))
+        layer_blocks -= counts[i] * len(groups[i].layers)
     for i, g in enumerate(groups):
         if not g.window:
             counts[i] = layer_blocks // full_layers

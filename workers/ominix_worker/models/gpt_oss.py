@@ -26,7 +26,7 @@ from torch import nn
 
 from ominix_worker.attention.base import AttentionBackend, AttentionMetadata
 from ominix_worker.config import ModelConfig
-from ominix_worker.models.llama import Attention, RotaryEmbedding
+from ominix_worker.models.llama import Attention, DecoderLayer, RotaryEmbedding
 from ominix_worker.models.moe import FusedExperts, MoeForCausalLM, SparseMoeBlock, fused_moe_ops
 from ominix_worker.ops.moe_ref import clamped_swiglu, fused_experts_ref
 from ominix_worker.parallel import SINGLE, TensorParallel, WeightSource, as_weight_source
@@ -154,7 +154,6 @@ _MXFP4_RE = re.compile(r"\.mlp\.experts\.\w+_(blocks|scales)$")
 
 
 class GptOssForCausalLM(MoeForCausalLM):
-    attention_class = SinkAttention
     moe_block_class = GptOssMoeBlock
 
     def __init__(
@@ -169,6 +168,12 @@ class GptOssForCausalLM(MoeForCausalLM):
                 "gpt-oss runs on one rank: its sinks and expert biases are not split by tensor parallelism"
             )
         super().__init__(config, backend, max_positions, tp)
+
+    def build_layer(
+        self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel, layer_index: int
+    ) -> nn.Module:
+        mlp = self.build_mlp(config, layer_index)
+        return DecoderLayer(config, backend, self.rotary, tp, mlp, attention_class=SinkAttention)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | WeightSource]]) -> set[str]:
         loaded: set[str] = set()

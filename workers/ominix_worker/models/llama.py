@@ -293,9 +293,6 @@ _FUSED_SHARDS = {
 
 
 class LlamaForCausalLM(nn.Module):
-    # The attention module of every layer; a family with another attention (gpt-oss's sinks) subclasses it.
-    attention_class: type[Attention] = Attention
-
     def __init__(
         self,
         config: ModelConfig,
@@ -309,8 +306,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, self.rotary, tp, self.build_mlp(config, i), self.attention_class)
-            for i in range(config.num_layers)
+            self.build_layer(config, backend, tp, i) for i in range(config.num_layers)
         )
         # The KV groups of the layout (layers that attend alike share a block table) and each layer's group:
         # the forward takes one AttentionMetadata per group and hands each layer its group's.
@@ -321,6 +317,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def build_layer(
+        self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel, layer_index: int
+    ) -> nn.Module:
+        """Decoder layer ``layer_index``; subclasses with another layer structure (Gemma 3) override it."""
+        return DecoderLayer(config, backend, self.rotary, tp, self.build_mlp(config, layer_index))
 
     def build_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module | None:
         """The MLP of layer ``layer_index``; None: the dense ``MLP``. Subclasses (MoE) override it."""

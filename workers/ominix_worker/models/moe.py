@@ -414,12 +414,7 @@ class MoeForCausalLM(LlamaForCausalLM):
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
-    """The module class that runs ``config``: gpt-oss's, the MoE decoder for other sparse models, else the
-    dense one."""
-    if config.arch == "gpt_oss":
-        from ominix_worker.models.gpt_oss import GptOssForCausalLM  # it builds on this module
-
-        return GptOssForCausalLM
+    """The module class that runs ``config``: the MoE decoder for sparse models, else the dense one."""
     return MoeForCausalLM if config.is_moe else LlamaForCausalLM
 
 
