@@ -1,9 +1,6 @@
 """gpt-oss on CUDA: the whole runner (Triton paged attention with sinks and per-layer windows, the biased
 experts on the fused MoE's grouped GEMMs) against transformers in float32, and CUDA-graph decode steps against
-eager ones on the same layout.
-
-The Triton backend attends within windows (tests/gpu/test_triton_sliding_window.py) but does not yet state
-``supports_sliding_window``; these tests turn it on so that the model runs its real two-group layout.
+eager ones on its two-group layout (full and sliding-window layers).
 """
 
 from __future__ import annotations
@@ -43,10 +40,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _windows_and_no_tf32(monkeypatch: pytest.MonkeyPatch):
-    from ominix_worker.attention.triton_paged import TritonPagedAttention
-
-    monkeypatch.setattr(TritonPagedAttention, "supports_sliding_window", True)
+def _no_tf32():
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     yield

@@ -125,8 +125,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         metas: Sequence[AttentionMetadata],
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        # The scale is rounded to the run dtype first, as the reference does.
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype, device=hidden.device)
+        # The scale rounded to the run dtype first, as the reference does; a host float, so that CUDA-graph
+        # capture sees no host-to-device copy.
+        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype).item()
         for layer, kv_cache, g in zip(self.layers, kv_caches, self.layer_kv_groups, strict=True):
             hidden = layer(hidden, positions, kv_cache, metas[g])
         return self.norm(hidden)
