@@ -4,16 +4,16 @@ align kernel and grouped GEMMs (``ops/fused_moe.py``).
 Per layer over T tokens routed to k experts each: align the T·k assignments by expert, one grouped GEMM for
 gate_up (one row per assignment), then plain torch ops add each assignment's expert bias (a gather by expert
 id) and apply the activation, a second grouped GEMM multiplies by the expert's down projection and the routing
-weight, the routing-weighted down bias is added, and the k rows of each token are summed. Every shape depends
-on T only and nothing reads device values on the host, so CUDA graphs capture it. The bias and activation
-passes are separate launches: a fused epilogue in the grouped GEMM would save them.
+weight, the routing-weighted down bias is added, and the fused MoE's kernel sums the k rows of each token.
+Every shape depends on T only and nothing reads device values on the host, so CUDA graphs capture it. The
+bias and activation passes are separate launches: a fused epilogue in the grouped GEMM would save them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ominix_worker.ops.fused_moe import grouped_gemm, moe_align, pick_config
+from ominix_worker.ops.fused_moe import grouped_gemm, moe_align, moe_sum, pick_config
 from ominix_worker.ops.moe_ref import GateActivation
 
 
@@ -51,9 +51,8 @@ def fused_experts_biased(
         hidden_act, w2, down, sorted_ids, expert_ids, num_post_pad, num_assignments, 1, cfg,
         topk_weights=weights,
     )  # fmt: skip
-    down_bias = b2.index_select(0, flat_ids).float() * weights[:, None]
-    out = down.float() + down_bias
-    return out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    down += (b2.index_select(0, flat_ids).float() * weights[:, None]).to(down.dtype)
+    return moe_sum(down, num_tokens, top_k)
 
 
 __all__ = ["fused_experts_biased"]
