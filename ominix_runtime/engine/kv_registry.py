@@ -254,6 +254,10 @@ class KVRegistry:
     def num_leases(self) -> int:
         return len(self._leases)
 
+    def group_usage(self) -> tuple[tuple[int, int], ...]:
+        """Per group: (leased blocks, blocks of its pool)."""
+        return tuple((p.num_leased, p.num_blocks) for p in self._pools)
+
     def max_request_tokens(self, chunk_tokens: int) -> int:
         """Longest sequence one request could hold with every block, computing ``chunk_tokens`` per step.
 
