@@ -84,3 +84,35 @@ def test_greedy_tokens_through_the_service_match_transformers(gpt_oss_daemon: tu
         (common_pb2.ATTENTION_KIND_FULL, (1, 3), 0),
         (common_pb2.ATTENTION_KIND_SLIDING_WINDOW, (0, 2), WINDOW),
     ]
+
+
+async def _generate_with_usage(address: str, request_id: str, prompt: list[int]) -> tuple[list[int], int]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        request = engine_pb2.GenerateRequest(
+            request_id=request_id,
+            input_ids=engine_pb2.TokenIds(ids=prompt),
+            sampling=common_pb2.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
+        )
+        events = [e async for e in stub.Generate(request, timeout=300)]
+    assert events[-1].WhichOneof("event") == "done", events[-1]
+    (usage,) = [e.usage for e in events if e.HasField("usage")]
+    return [t for e in events if e.HasField("token") for t in e.token.token_ids], usage.cached_tokens
+
+
+def test_a_prefix_hit_past_the_window_gives_transformers_tokens(gpt_oss_daemon: tuple[Daemon, Path]) -> None:
+    """A request sharing a 48-token prefix (four times the window) with a finished one reuses its cached
+    blocks (the sliding group's only within the window) and still produces transformers' greedy tokens."""
+    daemon, folder = gpt_oss_daemon
+    generator = torch.Generator().manual_seed(5)
+    shared = torch.randint(3, 320, (48,), generator=generator).tolist()
+    first = shared + torch.randint(3, 320, (5,), generator=generator).tolist()
+    second = shared + torch.randint(3, 320, (9,), generator=generator).tolist()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    tokens, _ = asyncio.run(_generate_with_usage(daemon.address, "prefix-a", first))
+    assert tokens == hf_greedy(reference, first, NEW_TOKENS)
+    tokens, cached = asyncio.run(_generate_with_usage(daemon.address, "prefix-b", second))
+    assert cached >= 32, cached  # whole 16-token blocks of the shared prefix
+    assert tokens == hf_greedy(reference, second, NEW_TOKENS)
