@@ -13,7 +13,8 @@ One registry per worker group, sized from the worker's BackendCapability (kv_num
 - KV groups (contract.kv_layout): each group of layers has its own block pool, prefix cache and one block
   table per lease; a uniform model has one full-attention group. A sliding-window group frees the blocks
   that slid wholly out of the window (``slide``); their table entries become NULL_BLOCK_ID so positions keep
-  their entry. A prefix hit is the longest prefix that *every* group still holds in full.
+  their entry. A prefix hit is the longest prefix every full group holds whole and every sliding group holds
+  within the window of the next token (its earlier entries come back null).
 - Invariant (``check_integrity``, per group): free + evictable-cached + leased == total, every block's ref
   count equals the number of live leases holding it, and a block is held by two leases only if it is a
   cached (hashed) block shared through the prefix cache.
