@@ -1,8 +1,9 @@
 """The step-level worker group: scheduler + KV registry + one ordered worker stream, and the task driving it.
 
-The loop keeps up to ``max_inflight_steps`` steps in flight (2 = overlap: step N+1 is sent before step N's
-result is back; the scheduler's placeholders make that safe). A cheap registry integrity check runs now and
-then while idle; deadlines are the base class's (the engine core sweeps them).
+The loop keeps up to ``max_inflight_steps`` steps in flight (default 3: step N+1 is sent once step N-2's
+result is back, so a pipelined worker has it before it launches N+1; the scheduler's placeholders make that
+safe). A cheap registry integrity check runs now and then while idle; deadlines are the base class's (the
+engine core sweeps them).
 
 Failure: a broken stream, a missed heartbeat or a step past ``step_timeout`` marks the group unhealthy. Its
 live requests are handed to the engine (``evacuate``), which resumes them on another worker group from
@@ -151,6 +152,21 @@ class StepWorkerGroup(WorkerGroup):
     @property
     def kv_blocks(self) -> tuple[int, int]:
         return self.scheduler.registry.num_leased_blocks, self.scheduler.registry.num_blocks
+
+    def kv_bytes(self) -> tuple[int, int]:
+        """(used, capacity) KV bytes. A stated layout's block holds only its group's layers, so each group's
+        blocks count at their layers' share of ``kv_bytes_per_block`` (every layer's bytes of one block)."""
+        layout = self.capability.kv_groups
+        if not layout:
+            return super().kv_bytes()
+        per_block = self.capability.kv_bytes_per_block
+        num_layers = sum(len(g.layer_indices) for g in layout)
+        used = capacity = 0
+        for group, (leased, blocks) in zip(layout, self.scheduler.registry.group_usage(), strict=True):
+            group_block = per_block * len(group.layer_indices) // num_layers
+            used += leased * group_block
+            capacity += blocks * group_block
+        return used, capacity
 
     @property
     def kv_token_capacity(self) -> int:
