@@ -132,9 +132,15 @@ def apply_truncation(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     """logits float32 (B, V) → sampled ids and, when asked, logprobs. Runs fully batched on the device."""
     raw = logits
-    bad_rows = torch.isnan(raw).any(dim=-1)
     logits = apply_penalties(raw, t)
-    greedy = logits.argmax(dim=-1)
+    if t.all_greedy and logits is raw:
+        # One pass over the vocabulary instead of three: max takes the first maximum, as argmax does, and
+        # propagates NaN.
+        best, greedy = raw.max(dim=-1)
+        bad_rows = torch.isnan(best)
+    else:
+        bad_rows = torch.isnan(raw).any(dim=-1)
+        greedy = logits.argmax(dim=-1)
     if t.all_greedy:
         token_ids = greedy
     else:

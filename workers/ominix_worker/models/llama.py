@@ -152,6 +152,8 @@ class RotaryEmbedding(nn.Module):
         self.config = config
         self.max_positions = max_positions
         self.cos_sin: torch.Tensor | None = None
+        # The last step's positions and their (T, 1, head_dim) cos and signed sin: every layer reuses them.
+        self._looked_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def build(self, device: torch.device) -> None:
         inv_freq, attention_scaling = rope_inv_freq(self.config)
@@ -169,14 +171,27 @@ class RotaryEmbedding(nn.Module):
             ops.rotary_in_place(q, positions, self.cos_sin)
             ops.rotary_in_place(k, positions, self.cos_sin)
             return q, k
-        cos = self.cos_sin[0, positions].unsqueeze(1).to(q.dtype)  # (T, 1, head_dim)
-        sin = self.cos_sin[1, positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return self.rotate(positions, q), self.rotate(positions, k)
 
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x (T, heads, head_dim) rotated out of place: x·cos + rotate_half(x)·sin.
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        rotate_half(x)·sin is computed as roll(x)·[-sin₁, sin₂]; negating the factor instead of the operand
+        gives the same products bit for bit, with one op where the concatenation took four.
+        """
+        cos, signed_sin = self._tables(positions, x.dtype)
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        looked_up = self._looked_up
+        if looked_up is not None and looked_up[0] is positions and looked_up[1].dtype == dtype:
+            return looked_up[1], looked_up[2]
+        assert self.cos_sin is not None, "RotaryEmbedding.build() was not called"
+        cos, sin = self.cos_sin[:, positions].unsqueeze(2).to(dtype)  # (T, 1, head_dim) each
+        half = sin.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        self._looked_up = (positions, cos, signed_sin)
+        return cos, signed_sin
 
 
 class Attention(nn.Module):
@@ -230,7 +245,14 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if not fused_rotary:
+        if ops is None and self.q_norm is None:
+            # Elsewhere than CUDA, the same in one pass over Q and K side by side (the per-op cost dominates
+            # at decode sizes).
+            heads = qkv[:, : self.q_size + self.kv_size].view(
+                num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
+            )
+            q, k = self.rotary.rotate(positions, heads).split([self.num_heads, self.num_kv_heads], dim=1)
+        elif not fused_rotary:
             q, k = self.rotary(positions, q, k)
         self.backend.write_kv(kv_cache, k, v, meta)
         out = self.attend(q, kv_cache, meta)
