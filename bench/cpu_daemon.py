@@ -1,16 +1,19 @@
 """CPU comparison: the daemon serving the embedded SmolLM2-135M-Instruct vs HF transformers ``generate``.
 
-1. Starts ``ominix-runtime launch --devices cpu`` (free ports), sends 8 distinct chat prompts at once
-   (greedy, ignore_eos, exactly ``--output-len`` tokens each) and measures output tok/s over the wall time.
-2. Stops the service, loads the same GGUF with transformers (dequantized, in the dtype the worker reported)
-   and runs ``generate`` on the same 8 chat prompts as one left-padded batch, same number of new tokens,
-   greedy, end-of-sequence disabled.
-3. Prints both and the ratio, table last.
+1. Starts ``ominix-runtime launch --devices cpu`` (free ports) and loads the same GGUF with transformers
+   (dequantized, in the dtype the worker reported) in this process.
+2. Runs ``--trials`` rounds back to back, each one daemon trial then one HF trial: the daemon gets 8 distinct
+   chat prompts at once (greedy, ignore_eos, exactly ``--output-len`` tokens each) and output tok/s is
+   measured over the wall time; HF runs ``generate`` on the same 8 chat prompts as one left-padded batch,
+   same number of new tokens, greedy, end-of-sequence disabled. Each round gives one ratio, so load from
+   other processes that comes and goes hits both sides of a round alike.
+3. Prints every round, both sides' best and median, and the ratio's median and spread, table last.
 
 Threads: both sides use torch's default intra-op thread count (one per core) unless ``--threads N`` is given,
 which sets OMP_NUM_THREADS for the service's processes and ``torch.set_num_threads(N)`` here. The daemon
-runs with ``--no-prefix-caching`` (trials repeat the same prompts; HF has no prefix cache). During the
-daemon run, the engine process and this client share the cores with the worker; the HF run has them alone.
+runs with ``--no-prefix-caching`` (trials repeat the same prompts; HF has no prefix cache). During a daemon
+trial the engine process and this client share the cores with the worker; during an HF trial the service
+is idle (its worker threads sleep: the launcher sets OMP_WAIT_POLICY=PASSIVE for CPU workers).
 
     python bench/cpu_daemon.py            # or: make bench
     python bench/cpu_daemon.py --output-len 64 --out-json /tmp/cpu.json
@@ -23,11 +26,13 @@ import asyncio
 import importlib.util
 import os
 import platform
+import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):
     # Run as a script: import ``bench.*`` from the repository root, and keep this folder off the path
@@ -60,14 +65,22 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass(slots=True)
-class HfOutcome:
+class HfTrial:
     out_tok_s: float
     seconds: float
     output_tokens: int
-    prompt_tokens: int
-    padded_prompt_len: int
-    dtype: str
-    threads: int
+
+
+@dataclass(slots=True)
+class Round:
+    """One daemon trial and the HF trial right after it."""
+
+    daemon: BenchResult
+    hf: HfTrial | None
+
+    @property
+    def ratio(self) -> float | None:
+        return self.daemon.metrics.output_throughput / self.hf.out_tok_s if self.hf else None
 
 
 def chat_requests(num_requests: int, output_len: int) -> list[RequestSpec]:
@@ -77,30 +90,29 @@ def chat_requests(num_requests: int, output_len: int) -> list[RequestSpec]:
     ]
 
 
-async def run_daemon_side(address: str, args: argparse.Namespace) -> tuple[BenchResult, str, str]:
+async def describe_and_warm(address: str) -> tuple[str, str]:
+    """The worker's dtype and device, after one short request (first-step costs stay out of the trials)."""
     backends = await fetch_backends(address)
     dtype = backends.backends[0].dtype if backends.backends else ""
     device = backends.backends[0].device if backends.backends else ""
+    warm = BenchConfig(num_requests=1, output_len=8, label="warm-up", progress=False)
+    warm_result = await run_benchmark(address, warm, chat_requests(1, 8))
+    if warm_result.metrics.failed:
+        raise RuntimeError(f"warm-up request failed: {warm_result.errors()}")
+    return dtype, device
+
+
+async def daemon_trial(address: str, args: argparse.Namespace) -> BenchResult:
     config = BenchConfig(
         num_requests=args.batch,
         output_len=args.output_len,
         label=f"daemon, {args.batch} concurrent chat requests",
         progress=False if args.no_progress else None,
     )
-    warm = BenchConfig(num_requests=1, output_len=8, label="warm-up", progress=False)
-    warm_result = await run_benchmark(address, warm, chat_requests(1, 8))
-    if warm_result.metrics.failed:
-        raise RuntimeError(f"warm-up request failed: {warm_result.errors()}")
-    best: BenchResult | None = None
-    for _ in range(args.trials):
-        result = await run_benchmark(address, config, chat_requests(args.batch, args.output_len))
-        if result.metrics.failed:
-            raise RuntimeError(f"daemon requests failed: {result.errors()[:3]}")
-        print(format_report(result), flush=True)
-        if best is None or result.metrics.output_throughput > best.metrics.output_throughput:
-            best = result
-    assert best is not None
-    return best, dtype, device
+    result = await run_benchmark(address, config, chat_requests(args.batch, args.output_len))
+    if result.metrics.failed:
+        raise RuntimeError(f"daemon requests failed: {result.errors()[:3]}")
+    return result
 
 
 def embedded_gguf() -> tuple[Path, str]:
@@ -110,62 +122,82 @@ def embedded_gguf() -> tuple[Path, str]:
     return Path(list(spec.submodule_search_locations)[0]), EMBEDDED_FILE
 
 
-def run_hf_side(args: argparse.Namespace, dtype_name: str) -> HfOutcome:
-    """transformers ``generate`` at batch ``args.batch`` on the same GGUF and chat prompts."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+class HfPeer:
+    """transformers ``generate`` at batch ``args.batch`` on the same GGUF and chat prompts, loaded once."""
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dtype = getattr(torch, dtype_name, torch.float32) if dtype_name else torch.float32
-    folder, name = embedded_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).eval()
-    texts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        for i in range(args.batch)
-    ]
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    def __init__(self, args: argparse.Namespace, dtype_name: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    def generation(num_tokens: int) -> GenerationConfig:
-        # eos disabled: exactly num_tokens per row, as ignore_eos does on the daemon side
-        return GenerationConfig(
-            max_new_tokens=num_tokens,
-            min_new_tokens=num_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=pad_id,
-        )
+        self._torch = torch
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        self.dtype = getattr(torch, dtype_name, torch.float32) if dtype_name else torch.float32
+        folder, name = embedded_gguf()
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        tokenizer.padding_side = "left"
+        self.model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=self.dtype).eval()
+        texts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            for i in range(args.batch)
+        ]
+        self.batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
-    best_seconds = float("inf")
-    output_tokens = 0
-    with torch.inference_mode():
-        model.generate(**batch, generation_config=generation(4))  # warm-up
-        for _ in range(args.trials):
+        def generation(num_tokens: int) -> GenerationConfig:
+            # eos disabled: exactly num_tokens per row, as ignore_eos does on the daemon side
+            return GenerationConfig(
+                max_new_tokens=num_tokens,
+                min_new_tokens=num_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=pad_id,
+            )
+
+        self._warm = generation(4)
+        self._timed = generation(args.output_len)
+        self.prompt_tokens = int(self.batch.attention_mask.sum())
+        self.padded_prompt_len = int(self.batch.input_ids.shape[1])
+        self.threads = torch.get_num_threads()
+        with torch.inference_mode():
+            self.model.generate(**self.batch, generation_config=self._warm)
+
+    def trial(self) -> HfTrial:
+        with self._torch.inference_mode():
             started = time.perf_counter()
-            out = model.generate(**batch, generation_config=generation(args.output_len))
+            out = self.model.generate(**self.batch, generation_config=self._timed)
             seconds = time.perf_counter() - started
-            output_tokens = int((out.shape[1] - batch.input_ids.shape[1]) * out.shape[0])
-            best_seconds = min(best_seconds, seconds)
-    return HfOutcome(
-        out_tok_s=output_tokens / best_seconds,
-        seconds=best_seconds,
-        output_tokens=output_tokens,
-        prompt_tokens=int(batch.attention_mask.sum()),
-        padded_prompt_len=int(batch.input_ids.shape[1]),
-        dtype=str(dtype).removeprefix("torch."),
-        threads=torch.get_num_threads(),
-    )
+        output_tokens = int((out.shape[1] - self.batch.input_ids.shape[1]) * out.shape[0])
+        return HfTrial(output_tokens / seconds, seconds, output_tokens)
 
 
 def _loads(values: tuple[float, float, float]) -> str:
     return "/".join(f"{v:.2f}" for v in values)
+
+
+def run_rounds(
+    address: str, args: argparse.Namespace, guard: Callable[[Coroutine[Any, Any, Any]], Any]
+) -> tuple[list[Round], HfPeer | None, str, str]:
+    """Warm both sides, then ``args.trials`` rounds of one daemon trial followed by one HF trial."""
+    dtype, device = guard(describe_and_warm(address))
+    peer = None if args.skip_hf else HfPeer(args, args.hf_dtype or dtype)
+    rounds: list[Round] = []
+    for index in range(args.trials):
+        daemon = guard(daemon_trial(address, args))
+        print(format_report(daemon), flush=True)
+        hf = peer.trial() if peer else None
+        rounds.append(Round(daemon, hf))
+        ratio = rounds[-1].ratio
+        print(
+            f"round {index + 1}: daemon {fmt(daemon.metrics.output_throughput)} out tok/s"
+            + (f", HF {fmt(hf.out_tok_s)}, daemon / HF {ratio:.2f}x" if hf and ratio else ""),
+            flush=True,
+        )
+    return rounds, peer, dtype, device
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -174,7 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--batch", type=int, default=8, help="concurrent requests / HF batch size")
     parser.add_argument("--output-len", type=int, default=128, help="new tokens per request")
-    parser.add_argument("--trials", type=int, default=3, help="timed repetitions per side; the best is kept")
+    parser.add_argument(
+        "--trials", type=int, default=3, help="rounds, each one daemon trial then one HF trial"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads on both sides")
     parser.add_argument("--address", default=None, help="use a running CPU engine instead of launching one")
     parser.add_argument("--skip-hf", action="store_true")
@@ -189,24 +223,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, launch_args = parser.parse_known_args(argv)
     if launch_args and args.address:
         parser.error(f"arguments for `launch` given but --address targets a running engine: {launch_args}")
+    if args.trials < 1:
+        parser.error("--trials must be at least 1")
 
     started = time.time()
     load_before = os.getloadavg()
     if args.address:
-        daemon, dtype, device = asyncio.run(run_daemon_side(args.address, args))
+        rounds, peer, dtype, device = run_rounds(args.address, args, asyncio.run)
     else:
         env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
         # Trials repeat the same prompts: without this, later trials would skip prefill (HF has no cache).
         caching = [] if args.prefix_caching else ["--no-prefix-caching"]
         service_args = ["--devices", "cpu", *caching, *launch_args]
         with launch_service(service_args, ready_timeout_s=args.ready_timeout, env=env) as svc:
-            daemon, dtype, device = run_while_alive(run_daemon_side(svc.address, args), svc)
+            rounds, peer, dtype, device = run_rounds(
+                svc.address, args, lambda work: run_while_alive(work, svc)
+            )
         print("service stopped", file=sys.stderr, flush=True)
+    best = max(rounds, key=lambda r: r.daemon.metrics.output_throughput).daemon
     if args.plot:
-        print(f"plot: {write_plot(args.plot, daemon.plot_data())}")
+        print(f"plot: {write_plot(args.plot, best.plot_data())}")
 
-    hf = None if args.skip_hf else run_hf_side(args, args.hf_dtype or dtype)
-    daemon_tok_s = daemon.metrics.output_throughput
+    daemon_rates = [r.daemon.metrics.output_throughput for r in rounds]
+    hf_trials = [r.hf for r in rounds if r.hf is not None]
+    hf_rates = [t.out_tok_s for t in hf_trials]
+    ratios = [r.ratio for r in rounds if r.ratio is not None]
     machine = f"{platform.machine()}, {os.cpu_count()} logical CPUs, {platform.python_implementation()} {platform.python_version()}"
     load = f"load average (1/5/15 min) before {_loads(load_before)}, after {_loads(os.getloadavg())}"
     if args.out_json:
@@ -217,38 +258,66 @@ def main(argv: Sequence[str] | None = None) -> int:
             "batch": args.batch,
             "output_len": args.output_len,
             "threads": args.threads,
-            "daemon": {"device": device, "dtype": dtype, "out_tok_s": daemon_tok_s, **daemon.to_json(False)},
-            "hf": hf,
-            "ratio_daemon_over_hf": daemon_tok_s / hf.out_tok_s if hf else None,
+            "daemon": {
+                "device": device,
+                "dtype": dtype,
+                "out_tok_s": max(daemon_rates),
+                "out_tok_s_rounds": daemon_rates,
+                **best.to_json(False),
+            },
+            "hf": (
+                {
+                    "dtype": str(peer.dtype).removeprefix("torch."),
+                    "threads": peer.threads,
+                    "out_tok_s": max(hf_rates),
+                    "out_tok_s_rounds": hf_rates,
+                    "prompt_tokens": peer.prompt_tokens,
+                    "padded_prompt_len": peer.padded_prompt_len,
+                }
+                if peer and hf_rates
+                else None
+            ),
+            "ratio_daemon_over_hf_rounds": ratios,
+            "ratio_daemon_over_hf_median": statistics.median(ratios) if ratios else None,
         }
         print(f"json: {write_json(args.out_json, payload)}")
 
-    m = daemon.metrics
+    m = best.metrics
     rows = [
         (
             f"ominix-runtime daemon ({device}, {dtype})",
-            fmt(daemon_tok_s),
-            f"{m.total_output_tokens} tokens in {m.duration_s:.2f} s; TTFT p50 {fmt(m.ttft.median_ms)} ms, "
+            fmt(max(daemon_rates)),
+            fmt(statistics.median(daemon_rates)),
+            f"best: {m.total_output_tokens} tokens in {m.duration_s:.2f} s; TTFT p50 {fmt(m.ttft.median_ms)} ms, "
             f"TPOT p50 {fmt(m.tpot.median_ms)} ms; {m.total_input_tokens} prompt tokens",
         )
     ]
-    if hf:
+    if peer and hf_trials:
+        fastest = min(hf_trials, key=lambda t: t.seconds)
         rows.append(
             (
-                f"HF transformers generate ({hf.dtype}, torch threads: {hf.threads})",
-                fmt(hf.out_tok_s),
-                f"{hf.output_tokens} tokens in {hf.seconds:.2f} s; {hf.prompt_tokens} prompt tokens "
-                f"(left-padded to {hf.padded_prompt_len})",
+                f"HF transformers generate ({str(peer.dtype).removeprefix('torch.')}, torch threads: {peer.threads})",
+                fmt(max(hf_rates)),
+                fmt(statistics.median(hf_rates)),
+                f"best: {fastest.output_tokens} tokens in {fastest.seconds:.2f} s; {peer.prompt_tokens} prompt "
+                f"tokens (left-padded to {peer.padded_prompt_len})",
             )
         )
-        rows.append(("daemon / HF", f"{daemon_tok_s / hf.out_tok_s:.2f}x", ""))
+        rows.append(
+            (
+                "daemon / HF, same round",
+                f"{max(ratios):.2f}x",
+                f"{statistics.median(ratios):.2f}x",
+                "rounds: " + ", ".join(f"{r:.2f}x" for r in ratios) + f" (min {min(ratios):.2f}x)",
+            )
+        )
     print()
     print(
         f"SmolLM2-135M-Instruct (embedded GGUF), batch {args.batch}, {args.output_len} new tokens each, greedy, "
-        f"best of {args.trials}; {machine}; threads: {args.threads or 'torch default'}"
+        f"{args.trials} rounds (daemon trial, then HF trial); {machine}; threads: {args.threads or 'torch default'}"
     )
     print(f"{load} (other processes on the machine skew both sides)")
-    print(format_table(rows, ("side", "out tok/s", "detail")))
+    print(format_table(rows, ("side", "best out tok/s", "median", "detail")))
     return 0
 
 
