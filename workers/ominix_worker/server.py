@@ -21,12 +21,13 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, NoReturn, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -64,6 +65,10 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # Well inside the engine's --worker-heartbeat-timeout (default 3 s).
 HEARTBEAT_INTERVAL_S = 0.5
 RUN_HANDOVER_S = 2.0
+# A worker asked to stop (SIGTERM/SIGINT) is gone within this many seconds whatever its threads wait on: a
+# collective or group rendezvous (up to --dist-timeout), a step on the device. Well inside launch's
+# STOP_TIMEOUT_S, after which it would be killed.
+SHUTDOWN_DEADLINE_S = 5.0
 ASCEND_BLOCK_SIZE = 128
 
 
@@ -584,9 +589,34 @@ async def serve(config: RuntimeConfig) -> int:
         await stop_wait
         return 0
     finally:
+        exit_by_deadline(SHUTDOWN_DEADLINE_S)
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=1.0)
         executor.shutdown(wait=False, cancel_futures=True)
+
+
+def exit_by_deadline(seconds: float, code: int = 0) -> None:
+    """End the process ``seconds`` from now if it is still running (a daemon timer, so a clean exit before
+    then is not delayed): interpreter exit joins the forward thread, which may be waiting on a peer."""
+
+    def expire() -> None:
+        print(f"ominix-worker: still stopping after {seconds:.0f}s; exiting now", file=sys.stderr, flush=True)
+        os._exit(code)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+
+
+def leave_group_process(code: int) -> NoReturn:
+    """End a tensor-parallel rank without tearing its process group down: ``destroy_process_group`` (or the
+    communicators' destructors at interpreter exit) blocks forever on NCCL while captured CUDA graphs hold
+    the communicator, and a loading or forward thread may wait in a collective for the whole --dist-timeout.
+    The peers notice the closed connections at their next control message and leave too."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run(config: RuntimeConfig) -> int:
@@ -598,8 +628,12 @@ def run(config: RuntimeConfig) -> int:
         try:
             import uvloop
         except ImportError:
-            return asyncio.run(serve(config))
-        return uvloop.run(serve(config))
+            code = asyncio.run(serve(config))
+        else:
+            code = uvloop.run(serve(config))
+        if config.worker.tp_size > 1:
+            leave_group_process(code)
+        return code
     except StartupError as exc:
         print(f"ominix-worker: error: {exc}", file=sys.stderr, flush=True)
         return 1
