@@ -408,7 +408,11 @@ def run_launch(config: RuntimeConfig, options: argparse.Namespace) -> int:
 
 def _launch(config: RuntimeConfig, ports: Sequence[int], dist_ports: Sequence[int], nonce: str) -> int:
     plans = plan_workers(config, ports, nonce, dist_ports)
-    engine_config = with_paths(config, {"backends.workers": tuple(p.address for p in plans)})
+    # The engine checks the nonce too, each time it (re)connects to a worker: after a restart, the process on a
+    # worker port must still be one this launch started.
+    engine_config = with_paths(
+        config, {"backends.workers": tuple(p.address for p in plans), "backends.launch_nonce": nonce}
+    )
     _, secret_env = child_command(command("serve"), engine_config)
     env = child_environment()
     if "cpu" in config.launch.devices:
