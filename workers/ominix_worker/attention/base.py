@@ -17,6 +17,19 @@ from typing import Protocol
 import torch
 
 
+@dataclass(frozen=True, slots=True)
+class KVScales:
+    """One layer's FP8 KV scales: an FP8 cache holds K / k and V / v in e4m3 and reads back q · k and q · v.
+    From the checkpoint (``self_attn.k_scale`` / ``v_scale``), 1.0 when it has none; ignored by a cache in
+    the run dtype."""
+
+    k: float = 1.0
+    v: float = 1.0
+
+
+UNIT_KV_SCALES = KVScales()
+
+
 @dataclass
 class AttentionMetadata:
     """Built once per step by the runner; shared by every layer."""
@@ -60,13 +73,25 @@ class AttentionBackend(Protocol):
         ...
 
     def write_kv(
-        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata
+        self,
+        kv_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> None:
-        """Store this step's K/V ((T, num_kv_heads, head_dim) each) into their slots."""
+        """Store this step's K/V ((T, num_kv_heads, head_dim) each) into their slots (an FP8 cache divides them
+        by the layer's ``kv_scales``)."""
         ...
 
     def forward(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> torch.Tensor:
-        """query (T, num_heads, head_dim) → output (T, num_heads, head_dim), after write_kv of this layer."""
+        """query (T, num_heads, head_dim) → output (T, num_heads, head_dim), after write_kv of this layer (with
+        the same ``kv_scales``)."""
         ...
