@@ -225,13 +225,13 @@ class FusedExperts(nn.Module):
         if fp8_gemm_supported(x.device, self.w13_block[1], self.w2_block[1]):
             return ops.fused_experts(
                 x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.w13_scale, self.w2_scale,
-                self.w13_block, self.w2_block,
+                self.w13_block, self.w2_block, expert_map=expert_map,
             )  # fmt: skip
         # No FP8 tensor cores (or narrow scale blocks): dequantize the layer for this call (slow, no host sync).
         assert self.w13_scale is not None and self.w2_scale is not None
         w13 = dequantize_fp8(self.w13_weight, self.w13_scale, self.w13_block, x.dtype)
         w2 = dequantize_fp8(self.w2_weight, self.w2_scale, self.w2_block, x.dtype)
-        return ops.fused_experts(x, w13, w2, topk_weights, topk_ids)
+        return ops.fused_experts(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map)
 
     # ---- loading -----------------------------------------------------------------------------------
 
