@@ -40,7 +40,9 @@ CASES = [
     ("llama", "tensor", MoeParallel.TENSOR),
     ("qwen3_moe", "block", MoeParallel.TENSOR),
     ("qwen3_moe", "block", MoeParallel.EXPERT),
+    ("qwen3_moe", "channel", MoeParallel.TENSOR),
     ("qwen3_moe", "channel", MoeParallel.EXPERT),
+    ("qwen3_moe", "tensor", MoeParallel.TENSOR),
 ]
 
 

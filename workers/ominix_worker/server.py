@@ -567,9 +567,15 @@ async def serve(config: RuntimeConfig) -> int:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_stop_signal() -> None:
+        if not stop.is_set():
+            exit_by_deadline(SHUTDOWN_DEADLINE_S)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # non-main thread or Windows
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_stop_signal)
 
     try:
         load = loop.run_in_executor(executor, _load_leader, config, worker_id)
@@ -589,7 +595,6 @@ async def serve(config: RuntimeConfig) -> int:
         await stop_wait
         return 0
     finally:
-        exit_by_deadline(SHUTDOWN_DEADLINE_S)
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=1.0)
         executor.shutdown(wait=False, cancel_futures=True)
