@@ -104,7 +104,7 @@ def test_kill_9_of_a_rank_mid_stream_ends_the_group(tmp_path: Path) -> None:
 def test_sigterm_ends_a_leader_whose_decode_graphs_hold_the_nccl_communicator(tmp_path: Path) -> None:
     """Tearing an NCCL group down under captured graphs blocks forever: the leader of a serving TP=2 group
     (graphs captured, a request served) leaves on SIGTERM at once with 0, without that teardown; its follower
-    notices and leaves with the group-failure code."""
+    notices and leaves too."""
     _needs(2)
     import signal
     import time
@@ -126,6 +126,6 @@ def test_sigterm_ends_a_leader_whose_decode_graphs_hold_the_nccl_communicator(tm
         ranks[0].popen.send_signal(signal.SIGTERM)
         assert ranks[0].popen.wait(timeout=30) == 0, ranks[0].log_tail()
         assert time.monotonic() - signalled < 8.0
-        assert ranks[1].popen.wait(timeout=DIST_TIMEOUT_S + 15) == GROUP_FAILURE_EXIT_CODE, ranks[
-            1
-        ].log_tail()
+        # the control group's broken connection ends it (code 3), or NCCL's watchdog first (abort)
+        code = ranks[1].popen.wait(timeout=DIST_TIMEOUT_S + 15)
+        assert code in (GROUP_FAILURE_EXIT_CODE, -signal.SIGABRT), (code, ranks[1].log_tail())
