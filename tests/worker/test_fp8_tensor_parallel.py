@@ -144,6 +144,8 @@ def test_expert_rows_that_split_a_scale_block_are_refused_naming_the_experts(
     folder = write_fp8_checkpoint(source, tmp_path / "fp8", "block", block=32)
     backend = get_attention_backend("cpu", 16)
     model = resolve_model(str(folder))
-    with pytest.raises(ModelLoadError, match=r"FP8 experts layers\.0\.mlp\.experts: .*\[0, 16\) of 32"):
+    with pytest.raises(
+        ModelLoadError, match=r"FP8 experts layers\.0\.mlp\.experts: .*\[0, 16\) of 32.*--moe-parallel expert"
+    ):
         load_model(model, torch.device("cpu"), torch.float32, backend, tp=tp(0, 2, MoeParallel.TENSOR))
     load_model(model, torch.device("cpu"), torch.float32, backend, tp=tp(0, 2, MoeParallel.EXPERT))

@@ -109,9 +109,12 @@ class FusedExperts(nn.Module):
             return
         rows, full, tp = self.intermediate_range, self.full_intermediate_size, self.tp
         what = f"FP8 experts {name}: tensor-parallel rank {tp.rank} of {tp.size} holds intermediate rows"
-        check_block_aligned(what, rows.start, rows.size, full, self.w13_block[0], 0)
-        check_block_aligned(what, rows.start, rows.size, full, self.w13_block[0], rows.size)  # up rows
-        check_block_aligned(what, rows.start, rows.size, full, self.w2_block[1])
+        remedy = "--moe-parallel expert (whole experts per rank) or a tensor-parallel size that keeps them"
+        check_block_aligned(what, rows.start, rows.size, full, self.w13_block[0], 0, remedy)
+        check_block_aligned(
+            what, rows.start, rows.size, full, self.w13_block[0], rows.size, remedy
+        )  # up rows
+        check_block_aligned(what, rows.start, rows.size, full, self.w2_block[1], None, remedy)
 
     def use_fp8(self, block: tuple[int, int] | None, name: str = "experts") -> None:
         """Empty FP8 weights and unit scales, for an FP8 checkpoint to load into."""

@@ -127,7 +127,13 @@ class Fp8BlockSplitError(ValueError):
 
 
 def check_block_aligned(
-    what: str, start: int, size: int, full: int, block: int, local_offset: int | None = None
+    what: str,
+    start: int,
+    size: int,
+    full: int,
+    block: int,
+    local_offset: int | None = None,
+    remedy: str = "a tensor-parallel size that keeps them, or a per-channel checkpoint",
 ) -> None:
     """Rows (or columns) [start, start + size) of a ``full``-long checkpoint dimension, placed at
     ``local_offset`` of the local tensor, must start on a ``block`` boundary and end on one or at ``full``:
@@ -140,7 +146,7 @@ def check_block_aligned(
         raise Fp8BlockSplitError(
             f"{what} [{start}, {end}) of {full} (local offset {local}), which splits a {block}-wide weight "
             f"scale block: an FP8 block-scaled checkpoint needs shard boundaries on multiples of {block} "
-            "(choose a tensor-parallel size that keeps them, or a per-channel checkpoint)"
+            f"(use {remedy})"
         )
 
 
