@@ -110,10 +110,9 @@ class FusedExperts(nn.Module):
         rows, full, tp = self.intermediate_range, self.full_intermediate_size, self.tp
         what = f"FP8 experts {name}: tensor-parallel rank {tp.rank} of {tp.size} holds intermediate rows"
         remedy = "--moe-parallel expert (whole experts per rank) or a tensor-parallel size that keeps them"
+        # gate rows at local offset 0, up rows after them, down's columns
         check_block_aligned(what, rows.start, rows.size, full, self.w13_block[0], 0, remedy)
-        check_block_aligned(
-            what, rows.start, rows.size, full, self.w13_block[0], rows.size, remedy
-        )  # up rows
+        check_block_aligned(what, rows.start, rows.size, full, self.w13_block[0], rows.size, remedy)
         check_block_aligned(what, rows.start, rows.size, full, self.w2_block[1], None, remedy)
 
     def use_fp8(self, block: tuple[int, int] | None, name: str = "experts") -> None:
@@ -317,8 +316,10 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Plain torch ops on every device: no host sync, so CUDA graphs capture the routing too.
-        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize, self.scoring_func)
+        # No host sync on any device, so CUDA graphs capture the routing too; one kernel on CUDA.
+        ops = fused_moe_ops(x)
+        route = select_experts if ops is None else ops.select_experts
+        topk_weights, topk_ids = route(self.gate(x), self.top_k, self.renormalize, self.scoring_func)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             # The gate is per token and replicated: scaling each rank's partial sum scales their total.
