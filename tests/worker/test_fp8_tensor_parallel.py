@@ -120,7 +120,7 @@ def test_a_group_size_that_splits_a_scale_block_is_refused_naming_the_layer(
         load_model(resolve_model(str(folder)), torch.device("cpu"), torch.float32, backend, tp=tp(1, 2))
     message = str(refused.value)
     assert "FP8 layer layers.0.self_attn.qkv_proj" in message, message
-    assert "rank 1 of 2" in message and "[16, 32) of 32" in message and "32-wide" in message, message
+    assert "rank 1 of 2 holds k_proj rows [16, 32) of 32" in message and "32-wide" in message, message
     # per-channel scales never split: the same model loads at TP=2
     channel = write_fp8_checkpoint(tiny_model_dir("llama"), tmp_path / "fp8c", "channel")
     load_model(resolve_model(str(channel)), torch.device("cpu"), torch.float32, backend, tp=tp(1, 2))

@@ -254,6 +254,10 @@ class Fp8Linear(ParallelModule):
         return F.linear(x, w, bias)
 
 
+# The checkpoint tensors fused into a column-parallel projection, in order (for error messages).
+_FUSED_PART_NAMES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
 class Fp8ColumnParallelLinear(Fp8Linear, ColumnParallelLinear):
     """Column-parallel FP8: each fused part's rows (q, k, v or gate, up) and their scale rows are read for
     this rank's shard."""
@@ -279,8 +283,10 @@ class Fp8ColumnParallelLinear(Fp8Linear, ColumnParallelLinear):
 
     def check_blocks(self, name: str, tp: TensorParallel) -> None:
         bn = 1 if self.per_channel else self.block[0]
+        parts = _FUSED_PART_NAMES.get(name.rsplit(".", 1)[-1], ())
         for index, (shard, full) in enumerate(zip(self.parts, self.full_sizes, strict=True)):
-            what = f"FP8 layer {name}: tensor-parallel rank {tp.rank} of {tp.size} holds rows of fused part {index}"
+            part = parts[index] if index < len(parts) else f"fused part {index}"
+            what = f"FP8 layer {name}: tensor-parallel rank {tp.rank} of {tp.size} holds {part} rows"
             check_block_aligned(what, shard.start, shard.size, full, bn, self.offsets[index])
 
     def load_weight(self, param_name: str, source: WeightSource, part: int | None = None) -> None:
