@@ -13,7 +13,8 @@ One registry per worker group, sized from the worker's BackendCapability (kv_num
 - KV groups (contract.kv_layout): each group of layers has its own block pool, prefix cache and one block
   table per lease; a uniform model has one full-attention group. A sliding-window group frees the blocks
   that slid wholly out of the window (``slide``); their table entries become NULL_BLOCK_ID so positions keep
-  their entry. A prefix hit is the longest prefix that *every* group still holds in full.
+  their entry. A prefix hit is the longest prefix every full group holds whole and every sliding group holds
+  within the window of the next token (its earlier entries come back null).
 - Invariant (``check_integrity``, per group): free + evictable-cached + leased == total, every block's ref
   count equals the number of live leases holding it, and a block is held by two leases only if it is a
   cached (hashed) block shared through the prefix cache.
@@ -256,6 +257,10 @@ class KVRegistry:
     def num_leases(self) -> int:
         return len(self._leases)
 
+    def group_usage(self) -> tuple[tuple[int, int], ...]:
+        """Per group: (leased blocks, blocks of its pool)."""
+        return tuple((p.num_leased, p.num_blocks) for p in self._pools)
+
     def max_request_tokens(self, chunk_tokens: int) -> int:
         """Longest sequence one request could hold with every block, computing ``chunk_tokens`` per step.
 
@@ -293,28 +298,52 @@ class KVRegistry:
         return group.first_needed_position(num_computed_tokens) // self.block_size
 
     def find_prefix(self, token_ids: Sequence[int], record: bool = False) -> PrefixHit:
-        """Longest run of leading blocks every group holds in its cache, capped so the last token is recomputed."""
+        """Longest run of leading blocks every group can serve from its cache, capped so the last token is
+        recomputed. A full group must hold every block of the run; a sliding group only the blocks the next
+        token's window reads (the others come back as NULL_BLOCK_ID), so a window pool far smaller than the
+        prefix still serves it."""
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return PrefixHit()
         bs = self.block_size
-        num_hit = (len(token_ids) - 1) // bs
-        per_group: list[list[int]] = []
-        for pool in self._pools:
-            parent = _ROOT_HASH
-            hit: list[int] = []
-            for i in range(num_hit):
-                key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
-                block_id = pool.lookup(key)
-                if block_id is None:
-                    break
-                hit.append(block_id)
-                parent = hash(key)
-            per_group.append(hit)
-            num_hit = len(hit)
+        keys: list[tuple[int, tuple[int, ...]]] = []
+        parent = _ROOT_HASH
+        for i in range((len(token_ids) - 1) // bs):
+            keys.append((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            parent = hash(keys[-1])
+        found: list[dict[int, int | None]] = [{} for _ in self._pools]
+
+        def lookup(g: int, i: int) -> int | None:
+            if i not in found[g]:
+                found[g][i] = self._pools[g].lookup(keys[i])
+            return found[g][i]
+
+        num_hit = len(keys)
+        for g, pool in enumerate(self._pools):  # full groups: the leading run
+            if not pool.group.is_sliding:
+                num_hit = next((i for i in range(num_hit) if lookup(g, i) is None), num_hit)
+        settled = False
+        while not settled:  # sliding groups: the window of the run's end; a gap ends the run before it
+            settled = True
+            for g, pool in enumerate(self._pools):
+                if not pool.group.is_sliding:
+                    continue
+                first = self._num_slid(pool.group, num_hit * bs)
+                gap = next((i for i in range(num_hit - 1, first - 1, -1) if lookup(g, i) is None), None)
+                if gap is not None:
+                    num_hit, settled = gap, False
+        per_group: list[tuple[int, ...]] = []
+        for g, pool in enumerate(self._pools):
+            first = self._num_slid(pool.group, num_hit * bs)
+            ids = [NULL_BLOCK_ID] * first
+            for i in range(first, num_hit):
+                block_id = lookup(g, i)
+                assert block_id is not None  # every group holds the blocks of the run it was settled on
+                ids.append(block_id)
+            per_group.append(tuple(ids))
         if record:
             self.prefix_query_tokens += len(token_ids)
             self.prefix_hit_tokens += num_hit * bs
-        return PrefixHit(tuple(tuple(h[:num_hit]) for h in per_group), num_hit * bs)
+        return PrefixHit(tuple(per_group), num_hit * bs)
 
     # ---- allocation -----------------------------------------------------------------------------------
 
@@ -347,14 +376,16 @@ class KVRegistry:
                 raise ValueError("prefix hit from another layout")
             groups_prefix = list(prefix.group_block_ids)
         for pool, ids in zip(self._pools, groups_prefix, strict=True):
-            if any(pool.blocks[b].block_hash is None for b in ids):
+            if any(b != NULL_BLOCK_ID and pool.blocks[b].block_hash is None for b in ids):
                 raise ValueError("stale prefix hit: a block was evicted since find_prefix")
         needs: list[int] = []
         for g, pool in enumerate(self._pools):
             have = len(state.lease.block_tables[g]) if state else len(groups_prefix[g])
             need = max(need_total - have, 0)
             # Prefix blocks with ref 0 are in the free queue; taking them shrinks what is available.
-            prefix_from_free = sum(1 for b in groups_prefix[g] if pool.blocks[b].ref_count == 0)
+            prefix_from_free = sum(
+                1 for b in groups_prefix[g] if b != NULL_BLOCK_ID and pool.blocks[b].ref_count == 0
+            )
             if need + prefix_from_free > len(pool.free):
                 return None
             needs.append(need)
@@ -366,7 +397,8 @@ class KVRegistry:
             self._leases[request_id] = state
             for pool, table, ids in zip(self._pools, state.lease.block_tables, groups_prefix, strict=True):
                 for b in ids:
-                    pool.ref(b)
+                    if b != NULL_BLOCK_ID:  # a sliding group's block before the window: not held
+                        pool.ref(b)
                     table.append(b)
             state.lease.num_prefix_hit_tokens = len(groups_prefix[0]) * self.block_size
         added = list(groups_prefix[0])

@@ -32,7 +32,11 @@ UNIT_KV_SCALES = KVScales()
 
 @dataclass
 class AttentionMetadata:
-    """Built once per step by the runner; shared by every layer."""
+    """Built once per step and KV group by the runner; shared by the layers of that group.
+
+    A hybrid layout (e.g. Gemma 3: sliding-window and global layers) has one per KV group: the same query
+    and sequence shape, the group's own block tables, slots and window.
+    """
 
     query_start_loc: torch.Tensor  # int32 (B+1,), cumulative new-token counts
     seq_lens: torch.Tensor  # int32 (B,), context length including this step's tokens
@@ -45,9 +49,9 @@ class AttentionMetadata:
     # the fast path.
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
-    # > 0: a query row at position p attends to keys at positions (p - sliding_window, p] only (Mistral);
-    # set only for a backend that supports_sliding_window. Block table entries before the window may be
-    # stale or -1 (the engine freed them) and must not be read.
+    # > 0: a query row at position p attends to keys at positions (p - sliding_window, p] only (the group's
+    # layers attend within that window); set only for a backend that supports_sliding_window. Block table
+    # entries before the window may be stale or -1 (the engine freed them) and must not be read.
     sliding_window: int = 0
 
     @property
@@ -59,6 +63,7 @@ class AttentionBackend(Protocol):
     name: str
     block_size: int
     supports_sliding_window: bool  # honours AttentionMetadata.sliding_window
+    supports_sinks: bool  # takes forward(..., sinks=)
 
     def allocate_kv_cache(
         self,
@@ -91,7 +96,11 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         kv_scales: KVScales = UNIT_KV_SCALES,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query (T, num_heads, head_dim) → output (T, num_heads, head_dim), after write_kv of this layer (with
-        the same ``kv_scales``)."""
+        the same ``kv_scales``).
+
+        ``sinks`` (num_heads,), a layer's attention sinks (gpt-oss): per head a logit, in the units of the
+        scaled scores, that joins the softmax denominator and contributes no value. None: no sinks."""
         ...

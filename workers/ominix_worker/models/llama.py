@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from types import ModuleType
 
@@ -100,12 +100,50 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled), 1.0
+    if rope_type == "yarn":
+        return yarn_inv_freq(config, inv_freq)
     if rope_type == "freq_factors":  # GGUF rope_freqs tensor: each frequency divided by its factor
         factors = torch.tensor(scaling["factors"], dtype=torch.float32)
         if factors.shape != inv_freq.shape:
             raise ValueError(f"rope_freqs has {factors.numel()} factors, expected {inv_freq.numel()}")
         return inv_freq / factors, 1.0
-    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3, yarn)")
+
+
+def yarn_inv_freq(config: ModelConfig, inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss, as Hugging Face computes it): dimensions that turn fewer than ``beta_slow`` times over
+    the original context are interpolated by ``factor``, those that turn more than ``beta_fast`` times are
+    kept, a linear ramp blends the band between; cos/sin are scaled by the attention factor
+    (0.1 · ln(factor) + 1 unless stated)."""
+    scaling = config.rope_scaling
+    dim = config.head_dim
+    base = config.rope_theta
+    original = float(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else config.max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide it by factor)
+    return inv_freq / factor * (1 - keep) + inv_freq * keep, float(attention_factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -199,8 +237,12 @@ class Attention(nn.Module):
         if not fused_rotary:
             q, k = self.rotary(positions, q, k)
         self.backend.write_kv(kv_cache, k, v, meta, self.kv_scales)
-        out = self.backend.forward(q, kv_cache, meta, self.scale, self.kv_scales)
+        out = self.attend(q, kv_cache, meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The backend's attention of this layer's queries over its cache (subclasses add sinks)."""
+        return self.backend.forward(q, kv_cache, meta, self.scale, kv_scales=self.kv_scales)
 
     def load_kv_scale(self, which: str, source: WeightSource) -> None:
         """One of the layer's FP8 KV scales ("k" or "v"): a scalar, the same on every rank."""
@@ -241,10 +283,11 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         tp: TensorParallel = SINGLE,
         mlp: nn.Module | None = None,
+        attention_class: type[Attention] = Attention,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend, rotary, tp)
+        self.self_attn = attention_class(config, backend, rotary, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp if mlp is not None else MLP(config, tp)
 
@@ -284,13 +327,23 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, self.rotary, tp, self.build_mlp(config, i))
-            for i in range(config.num_layers)
+            self.build_layer(config, backend, tp, i) for i in range(config.num_layers)
         )
+        # The KV groups of the layout (layers that attend alike share a block table) and each layer's group:
+        # the forward takes one AttentionMetadata per group and hands each layer its group's.
+        self.attention_groups = config.attention_groups(backend.supports_sliding_window)
+        group_of = {layer: g for g, group in enumerate(self.attention_groups) for layer in group.layers}
+        self.layer_kv_groups = tuple(group_of[i] for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def build_layer(
+        self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel, layer_index: int
+    ) -> nn.Module:
+        """Decoder layer ``layer_index``; subclasses with another layer structure (Gemma 3) override it."""
+        return DecoderLayer(config, backend, self.rotary, tp, self.build_mlp(config, layer_index))
 
     def build_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module | None:
         """The MLP of layer ``layer_index``; None: the dense ``MLP``. Subclasses (MoE) override it."""
@@ -301,15 +354,19 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        metas: Sequence[AttentionMetadata],
     ) -> torch.Tensor:
-        """Flattened tokens (T,) → final hidden states (T, hidden), normalised."""
+        """Flattened tokens (T,) → final hidden states (T, hidden), normalised.
+
+        ``metas``: one AttentionMetadata per KV group (``attention_groups``); layer i reads
+        ``metas[layer_kv_groups[i]]``, whose block tables and window are its group's.
+        """
         hidden = self.embed_tokens(input_ids)
         ops = cuda_ops(hidden)
         if ops is not None:
-            return self._forward_fused(ops, hidden, positions, kv_caches, meta)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, positions, kv_cache, meta)
+            return self._forward_fused(ops, hidden, positions, kv_caches, metas)
+        for layer, kv_cache, g in zip(self.layers, kv_caches, self.layer_kv_groups, strict=True):
+            hidden = layer(hidden, positions, kv_cache, metas[g])
         return self.norm(hidden)
 
     def _forward_fused(
@@ -318,15 +375,16 @@ class LlamaForCausalLM(nn.Module):
         residual: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        metas: Sequence[AttentionMetadata],
     ) -> torch.Tensor:
         """The same sums as the layers' forward, with each residual add fused into the next RMSNorm."""
         eps = self.config.rms_norm_eps
         layers = list(self.layers)
         norm_weights = [layer.input_layernorm.weight for layer in layers[1:]] + [self.norm.weight]
         hidden = ops.rms_norm(residual, layers[0].input_layernorm.weight, eps)
-        for layer, kv_cache, next_weight in zip(layers, kv_caches, norm_weights, strict=True):
-            attn = layer.self_attn(hidden, positions, kv_cache, meta)
+        groups = self.layer_kv_groups
+        for layer, kv_cache, next_weight, g in zip(layers, kv_caches, norm_weights, groups, strict=True):
+            attn = layer.self_attn(hidden, positions, kv_cache, metas[g])
             hidden = ops.fused_add_rms_norm(attn, residual, layer.post_attention_layernorm.weight, eps)
             hidden = ops.fused_add_rms_norm(layer.mlp(hidden), residual, next_weight, eps)
         return hidden
