@@ -222,6 +222,8 @@ class KVRegistry:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._pools = [_BlockPool(g) for g in self.layout]
+        # Nothing ever slides without a sliding group: the per-step hot path skips the walk.
+        self._slides = any(g.is_sliding for g in self.layout)
         self._leases: dict[str, _LeaseState] = {}
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -361,9 +363,9 @@ class KVRegistry:
         some group lacks blocks; then nothing changed but the slide.
         """
         state = self._leases.get(request_id)
-        if state is not None and num_computed_tokens is not None:
+        if state is not None and num_computed_tokens is not None and self._slides:
             self.slide(request_id, num_computed_tokens)
-        need_total = self.blocks_for_tokens(num_tokens)
+        need_total = -(-num_tokens // self.block_size)
         if state is not None and prefix is None and need_total <= len(state.lease.block_tables[0]):
             return []  # fast path: a running request that needs no new block
         if state is not None and prefix is not None and prefix.kv_block_ids:
@@ -407,7 +409,7 @@ class KVRegistry:
                 if g == 0:
                     added.append(block_id)
         state.lease.num_tokens_reserved = len(state.lease.block_tables[0]) * self.block_size
-        if num_computed_tokens is not None:
+        if num_computed_tokens is not None and self._slides:
             self.slide(request_id, num_computed_tokens)
         return added
 
@@ -439,8 +441,10 @@ class KVRegistry:
         if state is None:
             return
         bs = self.block_size
-        tables = state.lease.block_tables
         num_full = min(num_computed_tokens, len(token_ids)) // bs
+        if num_full <= state.num_hashed_blocks:
+            return  # the common decode step: no block filled up since the last call
+        tables = state.lease.block_tables
         num_full = min(num_full, min(len(t) for t in tables))
         for i in range(state.num_hashed_blocks, num_full):
             block_tokens = tuple(token_ids[i * bs : (i + 1) * bs])
