@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from ominix_worker.config import ModelConfig
 from ominix_worker.models.gemma3 import Gemma3ForCausalLM
+from ominix_worker.models.gpt_oss import GptOssForCausalLM
 from ominix_worker.models.llama import LlamaForCausalLM
 from ominix_worker.models.moe import model_class as llama_family_class
 
 _BY_ARCH: dict[str, type[LlamaForCausalLM]] = {
     "gemma3_text": Gemma3ForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 
