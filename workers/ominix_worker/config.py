@@ -8,7 +8,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral")
+SUPPORTED_ARCHES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "llama_compressed",
+)
 _ARCH_CLASS = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -17,6 +26,7 @@ _ARCH_CLASS = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "llama_compressed": "LlamaCompressedForCausalLM",
 }
 # Mixture-of-experts architectures (``models/moe.py``); the others are dense.
 MOE_ARCHES = ("qwen3_moe", "qwen2_moe", "mixtral")
@@ -62,6 +72,9 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()
     # Weight quantization: None (run dtype) or a parsed fp8 description (``ominix_worker.quant.fp8``).
     quantization: dict[str, Any] = field(default_factory=dict)
+    # Compressed attention (``llama_compressed``, shaped like DeepSeek-V4's layers): per layer, the tokens
+    # summarised by one compressed KV row (0: the layer attends within its sliding window only). Empty: none.
+    compress_ratios: tuple[int, ...] = ()
 
     @property
     def architecture(self) -> str:
@@ -73,6 +86,16 @@ class ModelConfig:
         if self.sliding_window and not attends_within_window:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
+
+    @property
+    def compressed_group_ratios(self) -> tuple[int, ...]:
+        """The distinct compress ratios, ascending: one compressed KV group each, in this order."""
+        return tuple(sorted({r for r in self.compress_ratios if r}))
+
+    @property
+    def num_kv_cache_layers(self) -> int:
+        """KV tensors per block set: one raw per layer, plus one of compressed rows per compressed layer."""
+        return self.num_layers + sum(1 for r in self.compress_ratios if r)
 
     @property
     def is_moe(self) -> bool:
@@ -133,7 +156,9 @@ def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
 def _sliding_window(raw: dict[str, Any], model_type: str) -> int:
     """The window every layer attends within (0: full attention)."""
     window = raw.get("sliding_window")
-    uses_window = model_type in ("mistral", "mixtral") or raw.get("use_sliding_window", False)
+    uses_window = model_type in ("mistral", "mixtral", "llama_compressed") or raw.get(
+        "use_sliding_window", False
+    )
     return int(window) if window and uses_window else 0
 
 
@@ -167,6 +192,20 @@ def _moe_from_hf(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[
         else 0,
         moe_layers=layers,
     )
+
+
+def _compress_ratios(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:
+    """``compress_ratios`` of a ``llama_compressed`` config: one per layer, 0 for a window-only layer."""
+    if model_type != "llama_compressed":
+        return ()
+    ratios = tuple(int(r) for r in raw.get("compress_ratios") or ())
+    window = int(raw.get("sliding_window") or 0)
+    if len(ratios) != num_layers or any(r < 0 for r in ratios):
+        raise ModelConfigError(f"compress_ratios must list one ratio >= 0 per layer ({num_layers})")
+    if window <= 0 or window < max(ratios):
+        # The window holds the raw KV of the chunk being filled until its row is written.
+        raise ModelConfigError(f"sliding_window {window} must be > 0 and at least every compress ratio")
+    return ratios
 
 
 def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
@@ -214,6 +253,7 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
             bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
             quantization=dict(raw.get("quantization_config") or {}),
+            compress_ratios=_compress_ratios(raw, model_type, num_layers),
             **_moe_from_hf(raw, model_type, num_layers),
         )
     except KeyError as exc:

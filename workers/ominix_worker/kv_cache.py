@@ -55,10 +55,11 @@ def resolve_kv_cache_dtype(name: str, run_dtype: torch.dtype, device: torch.devi
 def kv_bytes_per_block(
     config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
 ) -> int:
-    """K and V, all layers, one block; ``num_kv_heads``: the heads one tensor-parallel rank keeps."""
+    """K and V, all layers (and compressed rows), one block; ``num_kv_heads``: the heads one tensor-parallel
+    rank keeps."""
     element = torch.tensor([], dtype=dtype).element_size()
     heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return 2 * config.num_layers * block_size * heads * config.head_dim * element
+    return 2 * config.num_kv_cache_layers * block_size * heads * config.head_dim * element
 
 
 def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:
@@ -97,8 +98,11 @@ def allocate_kv_cache(
     device: torch.device,
     num_kv_heads: int | None = None,
 ) -> list[torch.Tensor]:
-    """One KV tensor per layer; ``num_kv_heads``: the heads one tensor-parallel rank keeps (default: all)."""
+    """One KV tensor per layer, then one of compressed rows per compressed layer (in layer order); every
+    group gets ``num_blocks`` blocks. ``num_kv_heads``: the heads one tensor-parallel rank keeps (default: all)."""
     if num_blocks <= 0:
         raise ValueError("the KV cache budget leaves no room for a single block")
     heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return backend.allocate_kv_cache(config.num_layers, num_blocks, heads, config.head_dim, dtype, device)
+    return backend.allocate_kv_cache(
+        config.num_kv_cache_layers, num_blocks, heads, config.head_dim, dtype, device
+    )

@@ -32,6 +32,7 @@ from ominix_runtime.contract import (
 )
 from ominix_worker.attention.base import AttentionBackend, AttentionMetadata
 from ominix_worker.config import ModelConfig
+from ominix_worker.kv_groups import stated_kv_groups
 from ominix_worker.models.llama import LlamaForCausalLM
 from ominix_worker.parallel import SINGLE, TensorParallel
 from ominix_worker.sampler import SamplerOutput, SamplingTensors, sample
@@ -62,6 +63,8 @@ class CachedRequest:
     kv_block_ids: list[int]
     num_computed_tokens: int
     seed: int  # sampling.seed, or the engine's effective seed
+    # Block tables of KV groups 1..n-1 (kv_block_ids is group 0's); empty for a one-group layout.
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -143,6 +146,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         # Attend within the model's window where the backend can; otherwise max_model_len is capped at it.
         self.sliding_window = config.sliding_window if backend.supports_sliding_window else 0
+        # The stated KV layout (kinds and ratios; sizes do not matter here): tables of groups 1..n-1 arrive
+        # beside group 0's.
+        self.kv_groups = stated_kv_groups(config, self.sliding_window, self.block_size, 1, 0)
         self.vocab_size = config.vocab_size
         self.requests: dict[str, CachedRequest] = {}
         self.last_step_id = 0
@@ -188,12 +194,16 @@ class ModelRunner:
             kv_block_ids=list(new.kv_block_ids),
             num_computed_tokens=new.num_computed_tokens,
             seed=seed,
+            group_block_ids=[list(t) for t in new.group_kv_block_ids],
         )
         tokens = request.prompt_token_ids + request.output_token_ids
         if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab_size):
             bad = next(t for t in tokens if not 0 <= t < self.vocab_size)
             raise RequestError(RuntimeErrorKind.INVALID_ARGUMENT, f"token id {bad} outside the vocabulary")
         self._check_block_ids(request.kv_block_ids)
+        self._check_group_tables(request.group_block_ids)
+        for table in request.group_block_ids:
+            self._check_block_ids(table)
         self.requests[new.request_id] = request
         return request
 
@@ -203,6 +213,13 @@ class ModelRunner:
         low = NULL_BLOCK_ID if self.sliding_window else 0
         if block_ids and (min(block_ids) < low or max(block_ids) >= self.num_blocks):
             raise RequestError(RuntimeErrorKind.INTERNAL, f"KV block id outside [0, {self.num_blocks})")
+
+    def _check_group_tables(self, tables: list[list[int]]) -> None:
+        if len(tables) != max(len(self.kv_groups) - 1, 0):
+            raise RequestError(
+                RuntimeErrorKind.INTERNAL,
+                f"{len(tables) + 1} KV block tables for a layout of {max(len(self.kv_groups), 1)} groups",
+            )
 
     def _check_row(self, request: CachedRequest, num_scheduled: int) -> ScheduledRow:
         start = request.num_computed_tokens
@@ -222,6 +239,12 @@ class ModelRunner:
                 RuntimeErrorKind.INTERNAL,
                 f"{len(request.kv_block_ids)} KV blocks cannot hold {end} tokens (block size {self.block_size})",
             )
+        for group, table in zip(self.kv_groups[1:], request.group_block_ids, strict=True):
+            if len(table) < group.blocks_for_tokens(end):
+                raise RequestError(
+                    RuntimeErrorKind.INTERNAL,
+                    f"{len(table)} blocks of a {group.kind.name.lower()} KV group cannot hold {end} tokens",
+                )
         if self.sliding_window:
             first_read = max(0, start - self.sliding_window + 1) // self.block_size
             if NULL_BLOCK_ID in request.kv_block_ids[first_read : -(-end // self.block_size)]:
@@ -262,6 +285,13 @@ class ModelRunner:
                 try:
                     self._check_block_ids(running.new_kv_block_ids)
                     request.kv_block_ids.extend(running.new_kv_block_ids)
+                    if running.new_group_kv_block_ids:
+                        self._check_group_tables(running.new_group_kv_block_ids)
+                        for table, added in zip(
+                            request.group_block_ids, running.new_group_kv_block_ids, strict=True
+                        ):
+                            self._check_block_ids(added)
+                            table.extend(added)
                 except RequestError as exc:
                     errors[running.request_id] = RequestOutput(
                         running.request_id, error_kind=exc.kind, error_message=str(exc)
@@ -475,6 +505,10 @@ class ModelRunner:
             query_start_loc_cpu=query_start,
             seq_lens_cpu=seq_lens,
             sliding_window=self.sliding_window,
+            group_block_tables_cpu=[
+                [row.request.group_block_ids[g] for row in rows] for g in range(len(self.kv_groups) - 1)
+            ]
+            or None,
         )
         sampling_rows = [row for row in rows if row.samples]
         return StepInputs(
@@ -625,6 +659,7 @@ class ModelRunner:
             0,
             0,
         )
+        request.group_block_ids = [list(request.kv_block_ids) for _ in self.kv_groups[1:]]
         row = ScheduledRow(request, 0, num_tokens, samples=True)
         inputs = self._prepare_inputs([row])
         self._sample(self._forward(inputs), inputs)

@@ -36,10 +36,8 @@ from ominix_runtime import wire
 from ominix_runtime.bind_probe import probe_bind
 from ominix_runtime.config import RuntimeConfig, TLSConfig
 from ominix_runtime.contract import (
-    AttentionKind,
     BackendCapability,
     DecodeStep,
-    KVGroup,
     ModelInfo,
     OminixError,
     RankInfo,
@@ -50,10 +48,10 @@ from ominix_runtime.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from ominix_runtime.server.logging import configure_logging, set_log_fields
 from ominix_worker import __version__
 from ominix_worker.access import AccessConfigError, EngineAccess, engine_access
+from ominix_worker.kv_groups import kv_capacity_tokens, stated_kv_groups
 from ominix_worker.step_loop import StepFailure, StepLoop, StepOutcome, StepRunner
 
 if TYPE_CHECKING:  # these import torch, loaded only once the port is bound
-    from ominix_worker.config import ModelConfig
     from ominix_worker.parallel.distributed import RankGroup
     from ominix_worker.runner import ModelRunner
 
@@ -69,25 +67,6 @@ ASCEND_BLOCK_SIZE = 128
 
 class StartupError(RuntimeError):
     """A reason the worker cannot start; printed as one line."""
-
-
-def stated_kv_groups(
-    config: ModelConfig, window: int, block_size: int, num_blocks: int, bytes_per_block: int
-) -> tuple[KVGroup, ...]:
-    """The KV layout stated to the engine: one sliding-window group when every layer attends within a window
-    shorter than the context, else none (the engine then assumes one full-attention group)."""
-    if not window:
-        return ()
-    return (
-        KVGroup(
-            AttentionKind.SLIDING_WINDOW,
-            tuple(range(config.num_layers)),
-            block_size,
-            num_blocks,
-            bytes_per_token_per_layer=bytes_per_block // (block_size * config.num_layers),
-            sliding_window=window,
-        ),
-    )
 
 
 def _say(message: str) -> None:
@@ -246,8 +225,10 @@ def load_worker(
         raise StartupError(f"the KV budget ({budget} bytes) holds no block of {bytes_per_block} bytes")
     runner.set_kv_caches([])
     runner.set_kv_caches(allocate_kv_cache(backend, config, num_blocks, kv_dtype, device, kv_heads.size))
-    if not window:  # a window keeps a request's blocks bounded; full attention needs them all
-        max_model_len = min(max_model_len, num_blocks * block_size)
+    kv_groups = stated_kv_groups(config, window, block_size, num_blocks, bytes_per_block * tp.size)
+    capacity = kv_capacity_tokens(kv_groups, block_size, num_blocks)
+    if capacity is not None:  # a window alone keeps a request's blocks bounded; other groups grow with it
+        max_model_len = min(max_model_len, capacity)
     runner.max_model_len = max_model_len
     _say(
         f"KV cache: {num_blocks} blocks of {block_size} tokens ({num_blocks * bytes_per_block / 2**20:.0f} MiB)"
@@ -324,7 +305,7 @@ def load_worker(
         kv_cache_dtype="fp8_e4m3" if kv_dtype == torch.float8_e4m3fn else dtype_text,
         supports_fp8_kv=device.type in ("cpu", "cuda"),
         moe_parallel=tp.moe.value if config.is_moe else "",
-        kv_groups=stated_kv_groups(config, window, block_size, num_blocks, bytes_per_block * tp.size),
+        kv_groups=kv_groups,
     )
     return runner, capability
 

@@ -36,6 +36,10 @@ class AttentionMetadata:
     # set only for a backend that supports_sliding_window. Block table entries before the window may be
     # stale or -1 (the engine freed them) and must not be read.
     sliding_window: int = 0
+    # Host block tables of KV groups 1..n-1 (contract.kv_layout), per group one list per request row; None
+    # for a one-group layout. Group 0's table is ``block_tables``. Read by layers that keep KV in several
+    # groups (the compressed-attention reference).
+    group_block_tables_cpu: list[list[list[int]]] | None = None
 
     @property
     def num_requests(self) -> int:
