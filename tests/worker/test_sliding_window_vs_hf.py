@@ -32,8 +32,8 @@ from ominix_runtime.engine.config import SchedulerConfig
 from ominix_runtime.engine.scheduler import Scheduler
 from ominix_runtime.pb import worker_pb2
 from ominix_worker.kv_cache import kv_bytes_per_block
-from ominix_worker.runner import build_runner
 from ominix_worker.kv_groups import stated_kv_groups
+from ominix_worker.runner import build_runner
 from ominix_worker.testing import write_tiny_hf_model
 
 from .test_model_vs_hf import GREEDY, LogitsRecorder, Reference, assert_close, prompt, tokens_by_id
