@@ -149,6 +149,7 @@ def test_the_worker_states_three_groups(runner: ModelRunner) -> None:
     ]
     assert groups[0].sliding_window == 8 and len(runner.kv_caches) == 5  # 3 raw + 2 of rows
     assert groups[0].bytes_per_token_per_layer == 2 * 2 * 16 * 4  # K and V, 2 heads of 16 floats
+    assert config.num_parameters() == sum(p.numel() for p in runner.model.parameters())
 
 
 def test_the_rows_change_the_reference(runner: ModelRunner) -> None:

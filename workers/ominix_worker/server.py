@@ -196,6 +196,10 @@ def load_worker(
     max_model_len = min(args.max_model_len or model_len, model_len)
     window = config.sliding_window if backend.supports_sliding_window else 0
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
+    if config.compress_ratios and kv_dtype != dtype:
+        raise StartupError(
+            "the compressed-attention reference keeps its KV in the run dtype (no --kv-cache-dtype)"
+        )
     kv_heads = tp.kv_heads(config.num_kv_heads, config.num_heads)
     bytes_per_block = kv_bytes_per_block(config, block_size, kv_dtype, kv_heads.size)
     # A small KV for the profile forward; replaced below by the sized one.
