@@ -4,6 +4,7 @@ hypothesis state machine over layouts mixing full, sliding-window and compressed
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -13,6 +14,7 @@ from ominix_runtime.contract import (
     AttentionKind,
     KVGroup,
     ModelInfo,
+    OminixError,
     RequestOutput,
     SamplingParams,
     StepResult,
@@ -194,10 +196,38 @@ def test_admission_counts_the_compressed_footprint() -> None:
     hybrid_peak, hybrid_preemptions = _long_context_peaks(hybrid, num_blocks)
     assert full_peak <= 2 and full_preemptions > 0
     assert hybrid_peak == 16 and hybrid_preemptions == 0
-    # Too small a compressed pool bounds the context: a request that could never fit is refused up front.
+
+
+def test_a_request_beyond_the_compressed_pool_is_refused_up_front() -> None:
     tight = (sliding(64, 16, (0, 1)), compressed(8, 16, (0, 1)))
-    reg = KVRegistry("w", 64, BS, layout=tight)
-    assert reg.max_request_tokens(64) == (8 * BS + 1) * 16 - 1
+    capacity = (8 * BS + 1) * 16 - 1  # 32 rows of 16 tokens plus a partial chunk of 15
+    cap = stated_profile(
+        BackendKind.FAKE,
+        model=ModelInfo("m", 1000, 1 << 20, (0,), num_layers=2),
+        kv_block_size=BS,
+        kv_num_blocks=64,
+        kv_groups=tight,
+        max_batch_tokens=64,
+    )
+    sched = Scheduler(cap, SchedulerConfig())
+    assert sched.registry.max_request_tokens(64) == capacity
+    fits = GenerateRequest("fits", [5] * (capacity - 8), SamplingParams(max_tokens=8, ignore_eos=True))
+    sched.add_request(fits)
+    with pytest.raises(OminixError, match="KV"):
+        sched.add_request(
+            GenerateRequest("too-long", [5] * (capacity - 8), SamplingParams(max_tokens=9, ignore_eos=True))
+        )
+    while sched.has_work():  # the one that fits runs to its end on the 8 compressed blocks
+        step = sched.schedule()
+        assert step is not None
+        outputs = [
+            RequestOutput(e.req.request_id, sampled_token_id=7 if e.expects_sample else None)
+            for e in sched._inflight.get(step.step_id, [])
+        ]
+        sched.update(step, StepResult(step.step_id, outputs))
+        sched.check_integrity()
+    assert sched.counters.finished == 1
+    sched.registry.check_quiescent()
 
 
 _COMMON_TEXT = [(i * 7) % 3 for i in range(30)]
