@@ -11,6 +11,7 @@ blocks, and the engine's scheduler driving the worker under KV pressure (preempt
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,12 +20,14 @@ import torch
 
 from ominix_runtime import wire
 from ominix_runtime.contract import (
+    NULL_BLOCK_ID,
     AttentionKind,
     BackendKind,
     DecodeStep,
     GenerateRequest,
     ModelInfo,
     NewRequestData,
+    RequestOutput,
     RunningRequestData,
     SamplingParams,
     StepResult,
@@ -117,8 +120,11 @@ class Engine:
         return RunningRequestData(rid, added[0], n, added[1:])
 
     def step(
-        self, new: list[NewRequestData] = (), running: list[RunningRequestData] = (), finished: list[str] = ()
-    ) -> tuple[StepResult, dict[str, torch.Tensor]]:  # type: ignore[assignment]
+        self,
+        new: Sequence[NewRequestData] = (),
+        running: Sequence[RunningRequestData] = (),
+        finished: Sequence[str] = (),
+    ) -> tuple[StepResult, dict[str, torch.Tensor]]:
         self.step_id += 1
         step = DecodeStep(self.step_id, list(new), list(running), list(finished))
         sent = wire.step_from_pb(worker_pb2.DecodeStep.FromString(wire.step_to_pb(step).SerializeToString()))
@@ -224,6 +230,12 @@ def test_a_prefix_hit_reuses_compressed_rows(rec: LogitsRecorder) -> None:
         assert_close(logits["second"], reference(rec.runner, eng.tokens["second"][:-1])[-1])
 
 
+def _outputs(runner: ModelRunner, step: DecodeStep) -> list[RequestOutput]:
+    result = runner.execute_step(step)
+    assert result is not None
+    return result.outputs
+
+
 def test_a_table_short_of_a_compressed_row_is_refused(rec: LogitsRecorder) -> None:
     tokens = prompt(47, 20, vocab=512)  # 5 rows of ratio 4 need 2 blocks; only 1 is given
     result = rec.runner.execute_step(
@@ -243,6 +255,17 @@ def test_a_table_short_of_a_compressed_row_is_refused(rec: LogitsRecorder) -> No
     )
     (out,) = result.outputs
     assert out.error_kind is not None and "block tables for a layout of 3 groups" in out.error_message
+    null_row = NewRequestData(
+        "bad3", tokens, GREEDY, list(range(5)), 0, 20, 1, group_kv_block_ids=[[9, NULL_BLOCK_ID], [10]]
+    )
+    (out,) = _outputs(rec.runner, DecodeStep(3, new_requests=[null_row]))
+    assert out.error_kind is not None and "null block in a compressed KV group" in out.error_message
+    # The worker goes on serving after refusing them.
+    good = NewRequestData(
+        "good", tokens, GREEDY, list(range(5)), 0, 20, 1, group_kv_block_ids=[[9, 11], [10]]
+    )
+    (out,) = _outputs(rec.runner, DecodeStep(4, new_requests=[good]))
+    assert out.error_kind is None and out.sampled_token_id is not None
 
 
 def test_config_checks() -> None:

@@ -240,10 +240,15 @@ class ModelRunner:
                 f"{len(request.kv_block_ids)} KV blocks cannot hold {end} tokens (block size {self.block_size})",
             )
         for group, table in zip(self.kv_groups[1:], request.group_block_ids, strict=True):
-            if len(table) < group.blocks_for_tokens(end):
+            need = group.blocks_for_tokens(end)
+            if len(table) < need:
                 raise RequestError(
                     RuntimeErrorKind.INTERNAL,
                     f"{len(table)} blocks of a {group.kind.name.lower()} KV group cannot hold {end} tokens",
+                )
+            if not group.is_sliding and NULL_BLOCK_ID in table[:need]:  # only a window's blocks slide out
+                raise RequestError(
+                    RuntimeErrorKind.INTERNAL, f"a null block in a {group.kind.name.lower()} KV group's table"
                 )
         if self.sliding_window:
             first_read = max(0, start - self.sliding_window + 1) // self.block_size
