@@ -124,8 +124,11 @@ class ModelConfig:
         num_moe = len(self.moe_layers)
         mlps = num_moe * moe_mlp + (self.num_layers - num_moe) * dense_mlp
         per_layer = attn + 2 * self.hidden_size
-        # Compressed layers: a gate vector per KV head and a position bias per chunk offset and head.
-        compress = sum(self.num_kv_heads * (self.head_dim + r) for r in self.compress_ratios if r)
+        # Compressed layers: a gate and a position bias per chunk offset (each per KV head and dimension), and
+        # the row norm.
+        compress = sum(
+            (1 + r) * self.num_kv_heads * self.head_dim + self.head_dim for r in self.compress_ratios if r
+        )
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed
         return self.num_layers * per_layer + compress + mlps + embed + head + self.hidden_size

@@ -5,12 +5,15 @@ layer) and, when its ``compress_ratio`` r is > 0, one compressed KV row per comp
 compressed KV group per distinct ratio). The reference definition, for one layer with window W and ratio r:
 
 - q, k, v are the Llama projections, q and k rotated at their own positions.
-- Chunk c covers positions ``[c * r, (c + 1) * r)``. Its row is a gated pool of the chunk's keys and values:
-  per KV head h, ``g_j = v_j[h] · compress_gate[h] + compress_position_bias[j - c * r, h]``,
-  ``a = softmax_j(g)``, ``K_c[h] = Σ_j a_j k_j[h]`` and ``V_c[h] = Σ_j a_j v_j[h]`` (like DeepSeek-V4's
-  heavily compressed attention: softmax over the chunk of a learned score plus a learned position bias; here
-  the score reads the value, so the raw window alone holds what a row needs). The row is written into the
-  compressed group's paged cache by the step that computes the chunk's last token.
+- Chunk c covers positions ``[c * r, (c + 1) * r)``. Its row is a gated pool of the chunk's keys and values,
+  per channel (KV head and dimension): ``g_j = v_j ⊙ compress_gate + compress_position_bias[j - c * r]``,
+  ``a = softmax_j(g)`` over the chunk, ``K_c = rope(rms_norm(Σ_j a_j ⊙ k̂_j) * compress_norm, c * r)`` with
+  ``k̂_j`` the key before rotation, and ``V_c = Σ_j a_j ⊙ v_j``. Like DeepSeek-V4's heavily compressed
+  attention: a softmax over the chunk of a learned score plus a learned position bias, a norm, and the rotary
+  embedding of the chunk's first position; here the score reads the value and the pool reads the keys and
+  values themselves, so the raw window alone holds what a row needs (the paged layer un-rotates the stored
+  keys). The row is written into the compressed group's paged cache by the step that computes the chunk's
+  last token.
 - A query at position p attends, in one softmax, to the raw keys at positions ``(p - W, p]`` and to the
   rows of the chunks complete at p (``c < (p + 1) // r``), like DeepSeek-V4's sliding window plus compressed
   entries. A partial chunk has no row: its tokens are read raw, which needs ``W >= r`` (checked by the
@@ -45,7 +48,8 @@ class _RowPlan:
     end: int
     raw_slots: torch.Tensor  # (n_raw,) flat slots of the raw keys read, positions [first_raw, seq_len)
     raw_mask: torch.Tensor  # (q_len, n_raw) window and causality
-    chunk_slots: torch.Tensor  # (n_chunks, r) raw slots of the chunks this step completes
+    chunks: torch.Tensor  # (n_chunks,) the chunks this step completes
+    chunk_slots: torch.Tensor  # (n_chunks, r) their raw slots
     row_slots: torch.Tensor  # (n_chunks,) compressed slots their rows go to
     read_row_slots: torch.Tensor  # (n_rows,) compressed slots of every complete row read
     row_mask: torch.Tensor  # (q_len, n_rows) a row is read once its chunk is complete
@@ -97,11 +101,12 @@ class CompressedStepPlanner:
             raw_mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
             raw_slots = torch.tensor([raw_slot(p) for p in range(first_raw, seq_len)], device=device)
             empty = torch.zeros(0, dtype=torch.int64, device=device)
-            chunk_slots, row_slots, read_slots = empty.view(0, max(ratio, 1)), empty, empty
+            chunks, chunk_slots, row_slots, read_slots = empty, empty.view(0, max(ratio, 1)), empty, empty
             row_mask = torch.zeros((end - start, 0), dtype=torch.bool, device=device)
             if ratio:
                 table = row_tables[i]
                 completed = range(first // ratio, seq_len // ratio)  # chunks whose last token is computed now
+                chunks = torch.tensor(list(completed), dtype=torch.int64, device=device)
                 chunk_slots = torch.tensor(
                     [[raw_slot(c * ratio + j) for j in range(ratio)] for c in completed],
                     dtype=torch.int64,
@@ -117,7 +122,9 @@ class CompressedStepPlanner:
                 rows = torch.arange(num_rows, device=device).unsqueeze(0)
                 row_mask = rows < (q_pos + 1) // ratio
             plans.append(
-                _RowPlan(start, end, raw_slots, raw_mask, chunk_slots, row_slots, read_slots, row_mask)
+                _RowPlan(
+                    start, end, raw_slots, raw_mask, chunks, chunk_slots, row_slots, read_slots, row_mask
+                )
             )
         return plans
 
@@ -139,16 +146,33 @@ class CompressedAttention(Attention):
         self.compress_ratio = compress_ratio
         if compress_ratio:
             self.compress_gate = nn.Parameter(torch.empty(self.num_kv_heads, self.head_dim))
-            self.compress_position_bias = nn.Parameter(torch.empty(compress_ratio, self.num_kv_heads))
+            self.compress_position_bias = nn.Parameter(
+                torch.empty(compress_ratio, self.num_kv_heads, self.head_dim)
+            )
+            self.compress_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def compress(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of complete chunks: keys and values (n_chunks, r, kv_heads, head_dim) → (n_chunks, kv_heads,
-        head_dim) each."""
-        scores = (values.float() * self.compress_gate.float()).sum(-1) + self.compress_position_bias.float()
-        weights = scores.softmax(dim=1).unsqueeze(-1)  # over the chunk's tokens, per head
-        return (weights * keys.float()).sum(1).to(keys.dtype), (weights * values.float()).sum(1).to(
-            values.dtype
-        )
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """The rotary embedding of ``positions`` on x (..., heads, head_dim), or (``inverse``) its undoing."""
+        assert self.rotary.cos_sin is not None
+        cos = self.rotary.cos_sin[0, positions].unsqueeze(-2).to(x.dtype)
+        sin = self.rotary.cos_sin[1, positions].unsqueeze(-2).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos - rotated * sin if inverse else x * cos + rotated * sin
+
+    def compress(
+        self, keys: torch.Tensor, values: torch.Tensor, chunks: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of the complete ``chunks``: their stored (rotated) keys and values (n_chunks, r, kv_heads,
+        head_dim) → the rows' keys and values (n_chunks, kv_heads, head_dim)."""
+        r = self.compress_ratio
+        positions = chunks.unsqueeze(1) * r + torch.arange(r, device=chunks.device)
+        keys = self._rotate(keys.float(), positions, inverse=True)
+        scores = values.float() * self.compress_gate.float() + self.compress_position_bias.float()
+        weights = scores.softmax(dim=1)  # over the chunk's tokens, per channel
+        pooled_k = self.compress_norm((weights * keys).sum(1).to(values.dtype))
+        row_k = self._rotate(pooled_k, chunks * r)
+        return row_k, (weights * values.float()).sum(1).to(values.dtype)
 
     def forward(  # type: ignore[override]
         self,
@@ -178,7 +202,9 @@ class CompressedAttention(Attention):
             mask = plan.raw_mask
             if rows is not None:
                 if plan.row_slots.numel():
-                    chunk_k, chunk_v = self.compress(raw[0, plan.chunk_slots], raw[1, plan.chunk_slots])
+                    chunk_k, chunk_v = self.compress(
+                        raw[0, plan.chunk_slots], raw[1, plan.chunk_slots], plan.chunks
+                    )
                     rows[0].index_copy_(0, plan.row_slots, chunk_k.to(rows.dtype))
                     rows[1].index_copy_(0, plan.row_slots, chunk_v.to(rows.dtype))
                 keys = torch.cat((keys, rows[0, plan.read_row_slots].to(q.dtype)))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ominix_worker.models.compressed import LlamaCompressedForCausalLM
+from ominix_worker.models.compressed import CompressedAttention, LlamaCompressedForCausalLM
 
 
 def dense_compressed_attention(
@@ -15,35 +15,47 @@ def dense_compressed_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     window: int,
-    ratio: int,
-    gate: torch.Tensor | None,
-    position_bias: torch.Tensor | None,
     scale: float,
+    rows_k: list[torch.Tensor],
+    rows_v: list[torch.Tensor],
+    ratio: int,
 ) -> torch.Tensor:
-    """q (T, heads, dim), k and v (T, kv_heads, dim) of positions 0..T-1 → attention output (T, heads, dim)."""
+    """q (T, heads, dim), k and v (T, kv_heads, dim) of positions 0..T-1 and the rows of every complete
+    chunk of ``ratio`` tokens ((kv_heads, dim) each; none when ``ratio`` is 0) → attention output (T, heads,
+    dim)."""
     q, k, v = q.double(), k.double(), v.double()
     num_tokens, num_heads, _ = q.shape
     group = num_heads // k.shape[1]
-    rows_k: list[torch.Tensor] = []
-    rows_v: list[torch.Tensor] = []
-    if ratio:
-        assert gate is not None and position_bias is not None
-        for c in range(num_tokens // ratio):
-            chunk_k, chunk_v = k[c * ratio : (c + 1) * ratio], v[c * ratio : (c + 1) * ratio]
-            scores = (chunk_v * gate.double()).sum(-1) + position_bias.double()  # (ratio, kv_heads)
-            weights = torch.softmax(scores, dim=0).unsqueeze(-1)
-            rows_k.append((weights * chunk_k).sum(0))
-            rows_v.append((weights * chunk_v).sum(0))
     out = torch.zeros_like(q)
     for p in range(num_tokens):
         seen = list(range(max(0, p - window + 1), p + 1))
         num_rows = (p + 1) // ratio if ratio else 0  # chunks complete at p
-        keys = torch.cat([k[seen], *(r.unsqueeze(0) for r in rows_k[:num_rows])])
-        values = torch.cat([v[seen], *(r.unsqueeze(0) for r in rows_v[:num_rows])])
+        keys = torch.cat([k[seen], *(r.double().unsqueeze(0) for r in rows_k[:num_rows])])
+        values = torch.cat([v[seen], *(r.double().unsqueeze(0) for r in rows_v[:num_rows])])
         for h in range(num_heads):
             logits = keys[:, h // group] @ q[p, h] * scale
             out[p, h] = torch.softmax(logits, dim=0) @ values[:, h // group]
     return out
+
+
+def _rows(
+    attn: CompressedAttention, k: torch.Tensor, v: torch.Tensor
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The row of every complete chunk, from the keys before rotation: a per-channel softmax over the chunk
+    of ``v ⊙ gate + position bias`` pools k (then RMS-normed and rotated to the chunk's first position) and v."""
+    ratio = attn.compress_ratio
+    rows_k, rows_v = [], []
+    for c in range(k.shape[0] // ratio):
+        chunk_k, chunk_v = k[c * ratio : (c + 1) * ratio].double(), v[c * ratio : (c + 1) * ratio].double()
+        scores = chunk_v * attn.compress_gate.double() + attn.compress_position_bias.double()
+        weights = torch.softmax(scores, dim=0)  # (ratio, kv_heads, dim)
+        pooled = (weights * chunk_k).sum(0)
+        normed = pooled * torch.rsqrt(pooled.pow(2).mean(-1, keepdim=True) + attn.compress_norm.eps)
+        normed = (normed * attn.compress_norm.weight.double()).float().unsqueeze(0)
+        row_k, _ = attn.rotary(torch.tensor([c * ratio]), normed, normed)
+        rows_k.append(row_k[0])
+        rows_v.append((weights * chunk_v).sum(0))
+    return rows_k, rows_v
 
 
 @torch.no_grad()
@@ -60,17 +72,10 @@ def dense_compressed_logits(model: LlamaCompressedForCausalLM, token_ids: list[i
         q = q.reshape(len(token_ids), attn.num_heads, attn.head_dim)
         k = k.reshape(len(token_ids), attn.num_kv_heads, attn.head_dim)
         v = v.reshape(len(token_ids), attn.num_kv_heads, attn.head_dim)
+        rows_k, rows_v = _rows(attn, k, v) if attn.compress_ratio else ([], [])
         q, k = attn.rotary(positions, q, k)
-        ratio = attn.compress_ratio
         out = dense_compressed_attention(
-            q,
-            k,
-            v,
-            config.sliding_window,
-            ratio,
-            attn.compress_gate if ratio else None,
-            attn.compress_position_bias if ratio else None,
-            attn.scale,
+            q, k, v, config.sliding_window, attn.scale, rows_k, rows_v, attn.compress_ratio
         ).to(hidden.dtype)
         hidden = hidden + attn.o_proj(out.reshape(len(token_ids), attn.q_size))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
