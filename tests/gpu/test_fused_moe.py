@@ -22,7 +22,8 @@ if DEVICE is None:
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from ominix_worker.ops.fused_moe import fused_experts, moe_align  # noqa: E402
+from ominix_worker.ops import fused_moe  # noqa: E402
+from ominix_worker.ops.fused_moe import fused_experts, moe_align, moe_sum  # noqa: E402
 from ominix_worker.ops.moe_ref import fused_experts_ref, select_experts  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -87,7 +88,9 @@ def test_fused_experts_match_the_reference(
 
 
 @pytest.mark.parametrize(
-    ("tokens", "experts", "top_k", "block_m"), [(1, 128, 8, 16), (37, 8, 2, 16), (9, 16, 4, 4)]
+    ("tokens", "experts", "top_k", "block_m"),
+    # Below and above PARALLEL_ALIGN_MIN_ASSIGNMENTS (one program vs count / scan / scatter kernels).
+    [(1, 128, 8, 16), (37, 8, 2, 16), (9, 16, 4, 4), (300, 128, 8, 64), (700, 8, 2, 16)],
 )
 def test_align_groups_every_assignment_once_in_its_experts_tiles(
     tokens: int, experts: int, top_k: int, block_m: int
@@ -118,7 +121,7 @@ def test_a_captured_moe_layer_replays_new_routings() -> None:
     x_static = torch.zeros((tokens, hidden), dtype=DTYPE, device="cuda")
 
     def layer() -> torch.Tensor:
-        weights, ids = select_experts(x_static @ router.T, top_k, renormalize=True)
+        weights, ids = fused_moe.select_experts(x_static @ router.T, top_k, renormalize=True)
         return fused_experts(x_static, w13, w2, weights, ids)
 
     x_static.copy_(torch.randn((tokens, hidden), generator=gen).to(DTYPE))
@@ -168,3 +171,36 @@ def test_a_stored_tuning_table_is_used_for_the_nearest_token_count(
         assert _rel(got, ref) < TOLERANCE[DTYPE] * 2
     finally:
         fused_moe._stored_table.cache_clear()
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 128, 8), (37, 8, 2), (5, 60, 4), (300, 128, 1)])
+def test_fused_routing_matches_the_reference(
+    scoring: str, renormalize: bool, tokens: int, experts: int, top_k: int
+) -> None:
+    gen = torch.Generator().manual_seed(tokens * 7 + experts)
+    # float32 logits: bf16 ones tie often enough that torch.topk's order among equals would decide the test.
+    logits = torch.randn((tokens, experts), generator=gen) * 3
+    ref_w, ref_i = select_experts(logits, top_k, renormalize, scoring)
+    got_w, got_i = fused_moe.select_experts(logits.to(DEVICE), top_k, renormalize, scoring)
+    assert got_w.dtype == torch.float32 and got_i.dtype == torch.int32
+    assert got_w.shape == got_i.shape == (tokens, top_k)
+    # Random logits have no ties: the same experts in the same (descending) order.
+    assert torch.equal(got_i.cpu(), ref_i)
+    torch.testing.assert_close(got_w.cpu(), ref_w, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_routing_refuses_an_unknown_scoring_function() -> None:
+    with pytest.raises(ValueError, match="scoring function"):
+        fused_moe.select_experts(torch.zeros((2, 8), device=DEVICE), 2, True, "relu")
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "hidden"), [(1, 8, 2048), (13, 2, 100), (256, 4, 64)])
+def test_moe_sum_adds_each_tokens_rows(tokens: int, top_k: int, hidden: int) -> None:
+    gen = torch.Generator().manual_seed(tokens)
+    rows = torch.randn((tokens * top_k, hidden), generator=gen).to(DTYPE)
+    got = moe_sum(rows.to(DEVICE), tokens, top_k).cpu()
+    ref = rows.double().view(tokens, top_k, hidden).sum(dim=1)
+    assert got.shape == (tokens, hidden) and got.dtype == DTYPE
+    assert _rel(got, ref) < TOLERANCE[DTYPE]

@@ -293,8 +293,10 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Plain torch ops on every device: no host sync, so CUDA graphs capture the routing too.
-        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize, self.scoring_func)
+        # No host sync on any device, so CUDA graphs capture the routing too; one kernel on CUDA.
+        ops = fused_moe_ops(x)
+        route = select_experts if ops is None else ops.select_experts
+        topk_weights, topk_ids = route(self.gate(x), self.top_k, self.renormalize, self.scoring_func)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             # The gate is per token and replicated: scaling each rank's partial sum scales their total.
