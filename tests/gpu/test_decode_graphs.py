@@ -84,13 +84,13 @@ def test_graph_decode_matches_eager(tmp_path: Path, model_config: dict[str, obje
     graphs = runner._graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
     rng = random.Random(7)
-    free_blocks = list(range(runner.num_blocks))
+    free_blocks = list(range(runner.group_num_blocks[0]))
     rng.shuffle(free_blocks)  # non-contiguous block tables
     requests = []
     for i, prompt_len in enumerate((5, 17, 40, 63, 16)):
         blocks = [free_blocks.pop() for _ in range(8)]
         prompt = [rng.randrange(3, 1000) for _ in range(prompt_len)]
-        requests.append(CachedRequest(f"r{i}", prompt, [], SamplingParams(temperature=0.0), blocks, 0, 0))
+        requests.append(CachedRequest(f"r{i}", prompt, [], SamplingParams(temperature=0.0), [blocks], 0, 0))
     with torch.inference_mode():
         _eager_logits(runner, _rows(requests, decode=False))  # prefill writes the prompts' KV
     for step in range(6):
@@ -158,9 +158,9 @@ def test_prefill_graph_matches_eager(tmp_path: Path) -> None:
     graphs = runner._graphs
     assert graphs is not None and sorted(graphs.prefill_graphs) == [16, 32, 64]
     rng = random.Random(11)
-    blocks = rng.sample(range(runner.num_blocks), 12)
+    blocks = rng.sample(range(runner.group_num_blocks[0]), 12)
     prompt = [rng.randrange(3, 1000) for _ in range(40 + 20 + 16 + 2 + 64)]
-    req = CachedRequest("p", prompt, [], SamplingParams(temperature=0.0), blocks, 0, 0)
+    req = CachedRequest("p", prompt, [], SamplingParams(temperature=0.0), [blocks], 0, 0)
     with torch.inference_mode():
         _eager_logits(runner, [ScheduledRow(req, 0, 40, samples=False)])
         start = 40

@@ -186,12 +186,20 @@ class MixedGroupsMachine(RuleBasedStateMachine):
         num_blocks=st.integers(4, 24),
         windows=st.lists(st.sampled_from([1, 3, 4, 8, 13]), min_size=1, max_size=2),
         with_full=st.booleans(),
+        pool_sizes=st.lists(st.integers(2, 24), min_size=2, max_size=2),
+        own_pools=st.booleans(),
     )
-    def setup(self, num_blocks: int, windows: list[int], with_full: bool) -> None:
+    def setup(
+        self, num_blocks: int, windows: list[int], with_full: bool, pool_sizes: list[int], own_pools: bool
+    ) -> None:
+        # own_pools: each sliding group gets a pool of its own size (a worker sizes a window's pool apart
+        # from the full group's), else every group has num_blocks.
+        sizes = pool_sizes if own_pools else [num_blocks] * len(windows)
         layout = [full(num_blocks, (0,))] if with_full else []
-        layout += [sliding(num_blocks, w, (i + 1,)) for i, w in enumerate(windows)]
+        layout += [sliding(n, w, (i + 1,)) for i, (w, n) in enumerate(zip(windows, sizes, strict=False))]
         self.layout = tuple(layout)
-        self.reg = KVRegistry("w", num_blocks, BS, layout=self.layout)
+        self.reg = KVRegistry("w", max(g.num_blocks for g in layout), BS, layout=self.layout)
+        assert [g.num_blocks for g in self.reg.layout] == [g.num_blocks for g in layout]
         self.tokens: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
         self.content: list[dict[int, dict[int, int]]] = [

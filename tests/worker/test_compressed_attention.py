@@ -40,10 +40,10 @@ from ominix_runtime.engine.scheduler import Scheduler
 from ominix_runtime.pb import worker_pb2
 from ominix_worker.config import ModelConfigError, config_from_hf_dict
 from ominix_worker.kv_cache import kv_bytes_per_block
-from ominix_worker.kv_groups import stated_kv_groups
 from ominix_worker.models.compressed import LlamaCompressedForCausalLM
 from ominix_worker.models.compressed_dense import dense_compressed_logits, dense_greedy
 from ominix_worker.runner import ModelRunner, build_runner
+from ominix_worker.server import stated_kv_groups
 
 from .test_model_vs_hf import GREEDY, LogitsRecorder, assert_close, prompt, tokens_by_id
 
@@ -88,8 +88,7 @@ class Engine:
 
     def __init__(self, rec: LogitsRecorder) -> None:
         self.rec = rec
-        config = rec.runner.config
-        self.groups = stated_kv_groups(config, rec.runner.sliding_window, BS, NUM_BLOCKS, 0)
+        self.groups = rec.runner.kv_layout()
         self.registry = KVRegistry("w", NUM_BLOCKS, BS, layout=self.groups)
         self.step_id = 0
         self.sent: dict[str, list[int]] = {}  # table lengths already sent, per group
@@ -145,9 +144,7 @@ class Engine:
 def test_the_worker_states_three_groups(runner: ModelRunner) -> None:
     config = runner.config
     assert config.compress_ratios == (0, 4, 8)
-    groups = stated_kv_groups(
-        config, runner.sliding_window, BS, NUM_BLOCKS, kv_bytes_per_block(config, BS, torch.float32)
-    )
+    groups = stated_kv_groups(runner, kv_bytes_per_block(config, BS, torch.float32))
     assert [(g.kind, g.layer_indices, g.compress_ratio) for g in groups] == [
         (AttentionKind.SLIDING_WINDOW, (0, 1, 2), 0),
         (AttentionKind.COMPRESSED, (1,), 4),
@@ -254,12 +251,14 @@ def test_a_table_short_of_a_compressed_row_is_refused(rec: LogitsRecorder) -> No
         DecodeStep(2, new_requests=[NewRequestData("bad2", tokens, GREEDY, list(range(5)), 0, 20, 1)])
     )
     (out,) = result.outputs
-    assert out.error_kind is not None and "block tables for a layout of 3 groups" in out.error_message
+    assert out.error_kind is not None and "block tables for a layout of 3 KV groups" in out.error_message
     null_row = NewRequestData(
         "bad3", tokens, GREEDY, list(range(5)), 0, 20, 1, group_kv_block_ids=[[9, NULL_BLOCK_ID], [10]]
     )
     (out,) = _outputs(rec.runner, DecodeStep(3, new_requests=[null_row]))
-    assert out.error_kind is not None and "null block in a compressed KV group" in out.error_message
+    assert (
+        out.error_kind is not None and "KV block id outside [0, 64)" in out.error_message
+    )  # only windows slide
     # The worker goes on serving after refusing them.
     good = NewRequestData(
         "good", tokens, GREEDY, list(range(5)), 0, 20, 1, group_kv_block_ids=[[9, 11], [10]]
@@ -288,7 +287,7 @@ def test_the_engine_scheduler_drives_the_worker_on_its_compressed_layout(runner:
     num_blocks = 64
     config = runner.config
     bytes_per_block = kv_bytes_per_block(config, BS, torch.float32)
-    groups = stated_kv_groups(config, runner.sliding_window, BS, num_blocks, bytes_per_block)
+    groups = stated_kv_groups(runner, bytes_per_block)
     # Small compressed pools: the rows, not the window, bound how many requests run at once.
     groups = (groups[0], *(replace(g, num_blocks=8) for g in groups[1:]))
     capability = stated_profile(

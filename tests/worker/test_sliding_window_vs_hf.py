@@ -32,8 +32,8 @@ from ominix_runtime.engine.config import SchedulerConfig
 from ominix_runtime.engine.scheduler import Scheduler
 from ominix_runtime.pb import worker_pb2
 from ominix_worker.kv_cache import kv_bytes_per_block
-from ominix_worker.kv_groups import stated_kv_groups
 from ominix_worker.runner import build_runner
+from ominix_worker.server import stated_kv_groups
 from ominix_worker.testing import write_tiny_hf_model
 
 from .test_model_vs_hf import GREEDY, LogitsRecorder, Reference, assert_close, prompt, tokens_by_id
@@ -52,7 +52,7 @@ def mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def pair(mistral_dir: Path) -> tuple[LogitsRecorder, Reference]:
     runner = build_runner(str(mistral_dir), num_blocks=48, block_size=BS)
-    assert runner.sliding_window == WINDOW
+    assert runner.kv_windows == (WINDOW,)
     assert runner.max_model_len > WINDOW  # no longer capped at the window
     return LogitsRecorder(runner), Reference(mistral_dir)
 
@@ -164,7 +164,7 @@ def test_the_engine_scheduler_drives_the_worker_on_its_sliding_layout(
     runner = build_runner(str(mistral_dir), num_blocks=num_blocks, block_size=BS)
     config = runner.config
     bytes_per_block = kv_bytes_per_block(config, BS, torch.float32)
-    groups = stated_kv_groups(config, runner.sliding_window, BS, num_blocks, bytes_per_block)
+    groups = stated_kv_groups(runner, bytes_per_block)
     assert [g.kind for g in groups] == [AttentionKind.SLIDING_WINDOW] and groups[0].sliding_window == WINDOW
     capability = stated_profile(
         BackendKind.CPU,

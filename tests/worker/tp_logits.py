@@ -36,7 +36,7 @@ def batch_logits(runner: ModelRunner) -> torch.Tensor:
     """Logits of every prompt row of a ragged prefill step, then of a decode row per request (CPU, float32)."""
     requests = [
         CachedRequest(
-            f"r{i}", list(p), [], SamplingParams(temperature=0.0), [3 * i, 3 * i + 1, 3 * i + 2], 0, 0
+            f"r{i}", list(p), [], SamplingParams(temperature=0.0), [[3 * i, 3 * i + 1, 3 * i + 2]], 0, 0
         )
         for i, p in enumerate(PROMPTS)
     ]
@@ -95,7 +95,7 @@ def graph_check(runner: ModelRunner) -> dict[str, object]:
     runner._graphs = saved
     requests = [
         CachedRequest(
-            f"g{i}", list(p), [7], SamplingParams(temperature=0.0), [3 * i, 3 * i + 1, 3 * i + 2], 0, 0
+            f"g{i}", list(p), [7], SamplingParams(temperature=0.0), [[3 * i, 3 * i + 1, 3 * i + 2]], 0, 0
         )
         for i, p in enumerate(PROMPTS)
     ]

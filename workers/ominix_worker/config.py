@@ -9,15 +9,9 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHES = (
-    "llama",
-    "qwen2",
-    "qwen3",
-    "mistral",
-    "qwen3_moe",
-    "qwen2_moe",
-    "mixtral",
+    "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "gemma3_text", "gemma3",
     "llama_compressed",
-)
+)  # fmt: skip
 _ARCH_CLASS = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -26,10 +20,30 @@ _ARCH_CLASS = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "llama_compressed": "LlamaCompressedForCausalLM",
 }
 # Mixture-of-experts architectures (``models/moe.py``); the others are dense.
 MOE_ARCHES = ("qwen3_moe", "qwen2_moe", "mixtral")
+
+
+# Hugging Face's ``layer_types`` values.
+SLIDING_ATTENTION = "sliding_attention"
+FULL_ATTENTION = "full_attention"
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionGroup:
+    """Layers that attend alike and so share one KV block table (a KV group of the worker's layout).
+
+    A raw group keeps one KV row per token (full attention, or a window); a compressed group (``compress_ratio``
+    > 0, DeepSeek-V4-style) keeps one row per complete chunk of that many tokens for layers whose raw KV lives
+    in a raw group as well.
+    """
+
+    window: int  # 0: full attention (or a compressed group)
+    layers: tuple[int, ...]
+    compress_ratio: int = 0  # > 0: a compressed group
 
 
 class ModelConfigError(ValueError):
@@ -55,8 +69,11 @@ class ModelConfig:
     o_proj_bias: bool = False  # Llama with attention_bias (Qwen2 has none on o_proj)
     qk_norm: bool = False  # Qwen3
     max_position_embeddings: int = 2048
-    # Mistral family: every layer attends to the last sliding_window tokens (itself included); 0: full.
+    # Sliding-window layers attend to the last sliding_window tokens (itself included); 0: none. Which layers
+    # do: ``layer_types`` (Hugging Face's per-layer "sliding_attention" / "full_attention"), or every layer
+    # when it is empty (the Mistral family).
     sliding_window: int = 0
+    layer_types: tuple[str, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Explicit head_dim differing from hidden / heads (Qwen3) is supported; partial rotary is not.
@@ -72,6 +89,13 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()
     # Weight quantization: None (run dtype) or a parsed fp8 description (``ominix_worker.quant.fp8``).
     quantization: dict[str, Any] = field(default_factory=dict)
+    # Gemma 3 (``models/gemma3.py``): the MLP's activation, the attention scale query_pre_attn_scalar ** -0.5
+    # (0: head_dim), tanh soft-capping of the final logits (0: none) and the rope base of the sliding-window
+    # layers (``rope_theta`` and ``rope_scaling`` are the global layers').
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float = 0.0
+    final_logit_softcapping: float = 0.0
+    rope_local_theta: float = 0.0
     # Compressed attention (``llama_compressed``, shaped like DeepSeek-V4's layers): per layer, the tokens
     # summarised by one compressed KV row (0: the layer attends within its sliding window only). Empty: none.
     compress_ratios: tuple[int, ...] = ()
@@ -83,9 +107,33 @@ class ModelConfig:
     def max_len_for(self, attends_within_window: bool) -> int:
         """Longest sequence this model runs correctly on a backend that does (or does not) attend within a
         sliding window: full attention equals sliding-window attention only inside the window."""
-        if self.sliding_window and not attends_within_window:
+        windowed = any(self.layer_window(i) for i in range(self.num_layers))
+        if windowed and not attends_within_window:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
+
+    def layer_window(self, layer: int) -> int:
+        """The window layer ``layer`` attends within (0: full attention)."""
+        if not self.sliding_window:
+            return 0
+        if not self.layer_types:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else 0
+
+    def attention_groups(self, attends_within_window: bool) -> tuple[AttentionGroup, ...]:
+        """The layers that share one KV block table: one group per distinct window, the full-attention group
+        first (it bounds a request's context), then windows ascending. A backend that does not attend within
+        windows gets one full-attention group (and ``max_len_for`` caps the context at the window)."""
+        windows = [self.layer_window(i) if attends_within_window else 0 for i in range(self.num_layers)]
+        raw = tuple(
+            AttentionGroup(w, tuple(i for i, lw in enumerate(windows) if lw == w))
+            for w in sorted(set(windows))
+        )
+        # Compressed groups come after every raw group, one per distinct ratio, ascending.
+        return raw + tuple(
+            AttentionGroup(0, tuple(i for i, r in enumerate(self.compress_ratios) if r == ratio), ratio)
+            for ratio in self.compressed_group_ratios
+        )
 
     @property
     def compressed_group_ratios(self) -> tuple[int, ...]:
@@ -151,20 +199,104 @@ def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     else:
         theta = float(raw.get("rope_theta", 10000.0))
         scaling = dict(raw.get("rope_scaling") or {})
+    return theta, _rope_scaling(scaling)
+
+
+def _rope_scaling(scaling: dict[str, Any]) -> dict[str, Any]:
+    """Scaling parameters under one spelling (``rope_type``); empty for plain rope."""
+    scaling = dict(scaling)
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
     if scaling.get("rope_type", "default") == "default":
-        scaling = {}
-    return theta, scaling
+        return {}
+    return scaling
+
+
+# Hugging Face's Gemma3TextConfig defaults, for fields a config.json may leave out.
+_GEMMA3_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=262_208,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    hidden_activation="gelu_pytorch_tanh",
+    max_position_embeddings=131_072,
+    rms_norm_eps=1e-6,
+    eos_token_id=1,
+    bos_token_id=2,
+    tie_word_embeddings=True,
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+)
+
+
+def _gemma3_text(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 3 text config with its defaults filled in and its per-layer-type rope flattened into
+    ``rope_theta`` / ``rope_scaling`` (global layers) and ``rope_local_base_freq``. A
+    Gemma3ForConditionalGeneration config gives its ``text_config`` (the vision tower is not served)."""
+    if raw.get("model_type") == "gemma3":
+        text = dict(raw.get("text_config") or {})
+        for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+            if raw.get(key) is not None:  # the outer config's ids win (the chat end-of-turn id is there)
+                text[key] = raw[key]
+        raw = text
+    out = {**_GEMMA3_DEFAULTS, **{k: v for k, v in raw.items() if v is not None}}
+    out["model_type"] = "gemma3_text"
+    if out.get("use_bidirectional_attention"):
+        raise ModelConfigError("use_bidirectional_attention=true is not supported (causal attention only)")
+    out["hidden_act"] = out.pop("hidden_activation", None) or out.get("hidden_act") or "gelu_pytorch_tanh"
+    num_layers = int(out["num_hidden_layers"])
+    if not out.get("layer_types"):
+        pattern = int(out.get("sliding_window_pattern") or 6)  # every pattern-th layer is global
+        out["layer_types"] = [
+            SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)
+        ]
+    params = out.pop("rope_parameters", None)
+    if isinstance(params, dict) and (FULL_ATTENTION in params or SLIDING_ATTENTION in params):
+        full = dict(params.get(FULL_ATTENTION) or {})
+        local = dict(params.get(SLIDING_ATTENTION) or {})
+        out["rope_theta"] = float(full.pop("rope_theta", 1_000_000.0))
+        out["rope_scaling"] = _rope_scaling(full)
+        out["rope_local_base_freq"] = float(local.pop("rope_theta", 10_000.0))
+        if _rope_scaling(local):
+            raise ModelConfigError("rope scaling on Gemma 3's sliding-window layers is not supported")
+    else:
+        out.setdefault("rope_theta", 1_000_000.0)
+        out.setdefault("rope_local_base_freq", 10_000.0)
+    return out
+
+
+def _gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields only Gemma 3 sets (raw: ``_gemma3_text``'s output)."""
+    return dict(
+        hidden_act=str(raw["hidden_act"]),
+        query_pre_attn_scalar=float(raw["query_pre_attn_scalar"]),
+        final_logit_softcapping=float(raw.get("final_logit_softcapping") or 0.0),
+        rope_local_theta=float(raw["rope_local_base_freq"]),
+    )
 
 
 def _sliding_window(raw: dict[str, Any], model_type: str) -> int:
-    """The window every layer attends within (0: full attention)."""
+    """The window of the sliding-window layers (0: full attention everywhere)."""
     window = raw.get("sliding_window")
-    uses_window = model_type in ("mistral", "mixtral", "llama_compressed") or raw.get(
+    uses_window = model_type in ("mistral", "mixtral", "gemma3_text", "llama_compressed") or raw.get(
         "use_sliding_window", False
     )
     return int(window) if window and uses_window else 0
+
+
+def layer_types_from_hf(raw: dict[str, Any], num_layers: int, window: int) -> tuple[str, ...]:
+    """Per-layer attention kinds as the config states them (``layer_types``); empty: every layer alike."""
+    types = raw.get("layer_types")
+    if not window or not types:
+        return ()
+    if len(types) != num_layers or any(t not in (SLIDING_ATTENTION, FULL_ATTENTION) for t in types):
+        raise ModelConfigError(
+            f"layer_types must list {num_layers} of {SLIDING_ATTENTION!r} / {FULL_ATTENTION!r}"
+        )
+    return tuple(str(t) for t in types)
 
 
 def _moe_from_hf(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
@@ -221,11 +353,17 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
             f"unsupported model_type {model_type!r} ({', '.join(archs) or 'no architectures'}); "
             f"supported: {', '.join(SUPPORTED_ARCHES)}"
         )
+    extra: dict[str, Any] = {}
+    if model_type in ("gemma3_text", "gemma3"):
+        raw = _gemma3_text(raw)
+        model_type = "gemma3_text"
+        extra = _gemma3_fields(raw)
     # Refuse what this implementation would silently get wrong.
     if raw.get("mlp_bias"):
         raise ModelConfigError("mlp_bias=true is not supported")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ModelConfigError(f"hidden_act {raw.get('hidden_act')!r} is not supported (silu only)")
+    act = raw.get("hidden_act", "silu")
+    if act != ("gelu_pytorch_tanh" if model_type == "gemma3_text" else "silu"):
+        raise ModelConfigError(f"hidden_act {act!r} is not supported for {model_type}")
     if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ModelConfigError("partial rotary embeddings are not supported")
     try:
@@ -233,6 +371,7 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         heads = int(raw["num_attention_heads"])
         theta, scaling = _rope_from_hf(raw)
         num_layers = int(raw["num_hidden_layers"])
+        window = _sliding_window(raw, model_type)
         if model_type == "qwen2_moe":  # Qwen2-MoE states its q/k/v bias (default on)
             qkv_bias = bool(raw.get("qkv_bias", True))
         else:
@@ -252,14 +391,16 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_proj_bias=model_type not in ("qwen2", "qwen2_moe") and bool(raw.get("attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            sliding_window=_sliding_window(raw, model_type),
+            sliding_window=window,
+            layer_types=layer_types_from_hf(raw, num_layers, window),
             bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
             quantization=dict(raw.get("quantization_config") or {}),
             compress_ratios=_compress_ratios(raw, model_type, num_layers),
             **_moe_from_hf(raw, model_type, num_layers),
+            **extra,
         )
     except KeyError as exc:
         raise ModelConfigError(f"config.json lacks the field {exc.args[0]!r}") from None

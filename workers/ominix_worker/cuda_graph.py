@@ -8,6 +8,9 @@ B..S-1 are padding: slot -1 (the KV store skips it) and context length 0 (attent
 kernel derives its split ranges from the live context lengths, so a graph captured once is valid for every
 context length (``TritonPagedAttention.decode_splits`` is fixed per size during capture).
 
+A hybrid KV layout (sliding-window and full-attention groups) has one slot row and one block table per KV
+group in the static buffers; each graph's attention metadata is one per group, with the group's window.
+
 Block-table rows are cached per row index: in steady decode the batch order is stable, so a step only writes
 the blocks a request gained since the previous step.
 """
@@ -61,10 +64,11 @@ class DecodeGraphs:
         max_model_len: int,
         batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
         prefill_sizes: Sequence[int] = DEFAULT_PREFILL_SIZES,
-        sliding_window: int = 0,
+        kv_windows: Sequence[int] = (0,),
     ) -> None:
         self.model = model
-        self.sliding_window = sliding_window  # captured into every graph's attention metadata
+        # Per KV group: its window (0: full attention), captured into every graph's attention metadata.
+        self.kv_windows = tuple(kv_windows)
         self.backend = backend
         self.kv_caches = kv_caches
         self.device = device
@@ -75,23 +79,26 @@ class DecodeGraphs:
         self.prefill_sizes = sorted({int(s) for s in prefill_sizes if s > 1})
         # Rows of the static buffers: a decode batch or a prefill chunk.
         n = self.capacity = max([self.max_size, *self.prefill_sizes])
-        # [ids | positions | slots | source rows] and [seq_lens | block_tables], device and pinned host.
-        # A source row >= 0 says the token id is the previous step's sampled id of that row, still on the device.
-        self.dev64 = torch.zeros((4, n), dtype=torch.int64, device=device)
-        self.dev32 = torch.zeros(n + n * self.width, dtype=torch.int32, device=device)
-        self.host64 = torch.zeros((4, n), dtype=torch.int64).pin_memory()
-        self.host32 = torch.zeros(n + n * self.width, dtype=torch.int32).pin_memory()
+        groups = len(self.kv_windows)
+        # [ids | positions | source rows | slots of each KV group] and [seq_lens | block tables (row, group,
+        # column)], device and pinned host. A source row >= 0 says the token id is the previous step's sampled
+        # id of that row, still on the device.
+        self.dev64 = torch.zeros((3 + groups, n), dtype=torch.int64, device=device)
+        self.dev32 = torch.zeros(n + n * groups * self.width, dtype=torch.int32, device=device)
+        self.host64 = torch.zeros((3 + groups, n), dtype=torch.int64).pin_memory()
+        self.host32 = torch.zeros(n + n * groups * self.width, dtype=torch.int32).pin_memory()
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         np64 = self.host64.numpy()
         np32 = self.host32.numpy()
-        self.h_ids, self.h_pos, self.h_slots, self.h_src = np64[0], np64[1], np64[2], np64[3]
+        self.h_ids, self.h_pos, self.h_src = np64[0], np64[1], np64[2]
+        self.h_slots = np64[3:]  # (groups, n)
         # Recorded after each step's host→device copies: the pinned mirrors are rewritten only once they ran
         # (with overlapped steps the host prepares step N+1 while step N may still be queued on the device).
         self.inputs_copied: torch.cuda.Event | None = None
         self.h_seq = np32[:n]
-        self.h_bt = np32[n:].reshape(n, self.width)
+        self.h_bt = np32[n:].reshape(n, groups, self.width)
         self.d_seq = self.dev32[:n]
-        self.d_bt = self.dev32[n:].view(n, self.width)
+        self.d_bt = self.dev32[n:].view(n, groups, self.width)
         self.row_request: list[Any] = [None] * n  # which request's blocks row i holds
         self.row_blocks = [0] * n  # how many of them are written
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -106,16 +113,20 @@ class DecodeGraphs:
 
     # ---- capture ------------------------------------------------------------------------------------
 
-    def _meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.d_seq[:size],
-            block_tables=self.d_bt[:size],
-            slot_mapping=self.dev64[2, :size],
-            max_query_len=1,
-            max_seq_len=CAPTURE_SEQ_LEN,
-            num_decode_only=True,
-            sliding_window=self.sliding_window,
+    def _meta(self, size: int) -> tuple[AttentionMetadata, ...]:
+        """One metadata per KV group: its block tables (strided rows of the static buffer), slots, window."""
+        return tuple(
+            AttentionMetadata(
+                query_start_loc=self.query_start_loc[: size + 1],
+                seq_lens=self.d_seq[:size],
+                block_tables=self.d_bt[:size, g],
+                slot_mapping=self.dev64[3 + g, :size],
+                max_query_len=1,
+                max_seq_len=CAPTURE_SEQ_LEN,
+                num_decode_only=True,
+                sliding_window=window,
+            )
+            for g, window in enumerate(self.kv_windows)
         )
 
     def _forward(self, size: int) -> torch.Tensor:
@@ -123,17 +134,20 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     def _prefill_forward(self, size: int) -> torch.Tensor:
-        meta = AttentionMetadata(
-            query_start_loc=self.d_qsl,
-            seq_lens=self.d_seq[:1],
-            block_tables=self.d_bt[:1],
-            slot_mapping=self.dev64[2, :size],
-            max_query_len=size,
-            max_seq_len=CAPTURE_SEQ_LEN,
-            num_decode_only=False,
-            sliding_window=self.sliding_window,
+        metas = tuple(
+            AttentionMetadata(
+                query_start_loc=self.d_qsl,
+                seq_lens=self.d_seq[:1],
+                block_tables=self.d_bt[:1, g],
+                slot_mapping=self.dev64[3 + g, :size],
+                max_query_len=size,
+                max_seq_len=CAPTURE_SEQ_LEN,
+                num_decode_only=False,
+                sliding_window=window,
+            )
+            for g, window in enumerate(self.kv_windows)
         )
-        hidden = self.model(self.dev64[0, :size], self.dev64[1, :size], self.kv_caches, meta)
+        hidden = self.model(self.dev64[0, :size], self.dev64[1, :size], self.kv_caches, metas)
         return self.model.compute_logits(hidden.index_select(0, self.d_last))
 
     @torch.inference_mode()
@@ -146,7 +160,7 @@ class DecodeGraphs:
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # Padding everywhere: no KV is written and attention reads nothing while capturing.
         self.dev64.zero_()
-        self.dev64[2].fill_(-1)
+        self.dev64[3:].fill_(-1)
         self.dev32.zero_()
         pool = None
         try:
@@ -223,32 +237,31 @@ class DecodeGraphs:
             else:
                 ids[i] = token
                 src[i] = -1
-            blocks = req.kv_block_ids
+            tables = req.block_tables
             pos[i] = p
-            slots[i] = blocks[p // bs] * bs + p % bs
+            for g, blocks in enumerate(tables):
+                slots[g, i] = blocks[p // bs] * bs + p % bs
             seq[i] = row.end
             used = -(-row.end // bs)
-            if row_request[i] is req:
-                have = row_blocks[i]
-                if used > have:
-                    bt[i, have:used] = blocks[have:used]
-                    row_blocks[i] = used
-            else:
-                bt[i, :used] = blocks[:used]
+            # The worker's tables only grow (entries the engine nulled behind a window keep their old ids).
+            have = row_blocks[i] if row_request[i] is req else 0
+            if used > have:
+                for g, blocks in enumerate(tables):
+                    bt[i, g, have:used] = blocks[have:used]
                 row_request[i] = req
                 row_blocks[i] = used
         if size > batch:
             ids[batch:size] = 0
             pos[batch:size] = 0
-            slots[batch:size] = -1
+            slots[:, batch:size] = -1
             seq[batch:size] = 0
         self.dev64.copy_(self.host64, non_blocking=True)
-        count = self.capacity + size * self.width
+        count = self.capacity + size * len(self.kv_windows) * self.width
         self.dev32[:count].copy_(self.host32[:count], non_blocking=True)
         self._record_inputs_copied()
         if num_gathered:
             assert prev_tokens is not None, "a placeholder token without the previous step's ids"
-            d_ids, d_src = self.dev64[0, :batch], self.dev64[3, :batch]
+            d_ids, d_src = self.dev64[0, :batch], self.dev64[2, :batch]
             gathered = prev_tokens.index_select(0, d_src.clamp(min=0))
             d_ids.copy_(torch.where(d_src >= 0, gathered, d_ids))
         self.graphs[size].replay()
@@ -269,24 +282,24 @@ class DecodeGraphs:
         assert size is not None and size in self.prefill_graphs, f"no prefill graph holds {num} tokens"
         req = row.request
         bs = self.block_size
-        blocks = req.kv_block_ids
         positions = range(start, end)
+        used = -(-end // bs)
         self._wait_inputs_copied()
         self.h_ids[:num] = req.token_ids(start, end)
         self.h_pos[:num] = positions
-        self.h_slots[:num] = [blocks[p // bs] * bs + p % bs for p in positions]
+        for g, blocks in enumerate(req.block_tables):
+            self.h_slots[g, :num] = [blocks[p // bs] * bs + p % bs for p in positions]
+            self.h_bt[0, g, :used] = blocks[:used]
         self.h_ids[num:size] = 0
         self.h_pos[num:size] = 0
-        self.h_slots[num:size] = -1
+        self.h_slots[:, num:size] = -1
         self.h_seq[0] = end
-        used = -(-end // bs)
-        self.h_bt[0, :used] = blocks[:used]
         self.row_request[0] = req
         self.row_blocks[0] = used
         self.h_qsl[1] = num
         self.h_last[0] = num - 1
         self.dev64.copy_(self.host64, non_blocking=True)
-        count = self.capacity + self.width
+        count = self.capacity + len(self.kv_windows) * self.width
         self.dev32[:count].copy_(self.host32[:count], non_blocking=True)
         self.d_qsl.copy_(self.h_qsl, non_blocking=True)
         self.d_last.copy_(self.h_last, non_blocking=True)

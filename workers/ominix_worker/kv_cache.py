@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ominix_worker.attention.base import AttentionBackend
-from ominix_worker.config import ModelConfig
+from ominix_worker.config import AttentionGroup, ModelConfig
 
 _UNITS = {
     "": 1,
@@ -90,19 +90,84 @@ def measure_gpu_kv_budget(
     return int(total * utilization - in_use - peak_activations)
 
 
+def group_block_counts(
+    groups: Sequence[AttentionGroup],
+    uniform_blocks: int,
+    block_size: int,
+    max_running_requests: int,
+    max_batch_tokens: int,
+) -> tuple[int, ...]:
+    """Blocks of each KV group's pool from the memory of ``uniform_blocks`` blocks in every layer.
+
+    Beside a full-attention group a sliding-window group's request never holds more than its window (plus the
+    block it straddles and one being filled), so its layers need far fewer blocks; the memory they save goes
+    to the full-attention group, and long requests fit many more at once than in a uniform layout. A sliding
+    pool holds the smaller of: every running request's window plus one step's tokens (it then never limits
+    concurrency), and the share at which both pools hold equally many requests four windows long (so a
+    large running cap does not keep all the memory in the windows). It always holds one request's window and
+    a full step, so it never bounds a request's length. A layout without both kinds keeps the uniform count.
+    """
+    if all(g.window for g in groups) or not any(g.window for g in groups):
+        return (uniform_blocks,) * len(groups)
+    if any(g.compress_ratio for g in groups):  # compressed layouts keep one count (see docs/SCHEDULER.md)
+        return (uniform_blocks,) * len(groups)
+    num_layers = sum(len(g.layers) for g in groups)
+    window_blocks = {i: -(-g.window // block_size) + 2 for i, g in enumerate(groups) if g.window}
+    # Balance point: the blocks a request four windows long takes in the full groups, per sliding window.
+    full_layers = sum(len(g.layers) for g in groups if not g.window)
+    long_request = -(-4 * max(g.window for g in groups) // block_size)
+    weight = full_layers * long_request + sum(len(groups[i].layers) * b for i, b in window_blocks.items())
+    balanced_requests = uniform_blocks * num_layers / weight
+    step_blocks = -(-max_batch_tokens // block_size)
+    counts: dict[int, int] = {}
+    layer_blocks = uniform_blocks * num_layers
+    for i, per_request in window_blocks.items():
+        everyone = max_running_requests * per_request + step_blocks
+        one = -(-(groups[i].window + max_batch_tokens) // block_size) + 2
+        counts[i] = min(uniform_blocks, max(one, min(everyone, int(balanced_requests * per_request))))
+        layer_blocks -= counts[i] * len(groups[i].layers)
+    for i, g in enumerate(groups):
+        if not g.window:
+            counts[i] = layer_blocks // full_layers
+    return tuple(counts[i] for i in range(len(groups)))
+
+
 def allocate_kv_cache(
     backend: AttentionBackend,
     config: ModelConfig,
-    num_blocks: int,
+    num_blocks: int | Sequence[int],
     dtype: torch.dtype,
     device: torch.device,
     num_kv_heads: int | None = None,
 ) -> list[torch.Tensor]:
-    """One KV tensor per layer, then one of compressed rows per compressed layer (in layer order); every
-    group gets ``num_blocks`` blocks. ``num_kv_heads``: the heads one tensor-parallel rank keeps (default: all)."""
-    if num_blocks <= 0:
+    """One KV tensor per layer, then one of compressed rows per layer of each compressed group (in
+    ``kv_tensor_indices`` order); ``num_blocks``: one count for every group, or one per KV group
+    (``config.attention_groups`` on this backend); ``num_kv_heads``: the heads one tensor-parallel rank keeps
+    (default: all)."""
+    groups = config.attention_groups(backend.supports_sliding_window)
+    counts = (num_blocks,) * len(groups) if isinstance(num_blocks, int) else tuple(num_blocks)
+    if len(counts) != len(groups):
+        raise ValueError(f"{len(counts)} block counts for {len(groups)} KV groups")
+    if min(counts) <= 0:
         raise ValueError("the KV cache budget leaves no room for a single block")
     heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return backend.allocate_kv_cache(
-        config.num_kv_cache_layers, num_blocks, heads, config.head_dim, dtype, device
-    )
+    caches: list[torch.Tensor | None] = [None] * config.num_kv_cache_layers
+    for indices, count in zip(kv_tensor_indices(groups, config.num_layers), counts, strict=True):
+        tensors = backend.allocate_kv_cache(len(indices), count, heads, config.head_dim, dtype, device)
+        for index, tensor in zip(indices, tensors, strict=True):
+            caches[index] = tensor
+    return [c for c in caches if c is not None]
+
+
+def kv_tensor_indices(groups: Sequence[AttentionGroup], num_layers: int) -> list[tuple[int, ...]]:
+    """Per KV group, where its layers' tensors sit in the KV list: a raw group's at its layer indices, a
+    compressed group's after every layer's, group after group."""
+    out: list[tuple[int, ...]] = []
+    extra = num_layers
+    for group in groups:
+        if group.compress_ratio:
+            out.append(tuple(range(extra, extra + len(group.layers))))
+            extra += len(group.layers)
+        else:
+            out.append(group.layers)
+    return out

@@ -22,7 +22,7 @@ from ominix_runtime.models import ModelFormat, ModelSource
 from ominix_worker.attention.base import AttentionBackend
 from ominix_worker.config import ModelConfig, ModelConfigError, config_from_gguf_fields, load_hf_config
 from ominix_worker.models.llama import LlamaForCausalLM
-from ominix_worker.models.moe import model_class
+from ominix_worker.models.registry import model_class
 from ominix_worker.parallel import SINGLE, SafetensorsWeight, TensorParallel, WeightSource
 from ominix_worker.progress import track
 from ominix_worker.quant.fp8 import (

@@ -59,17 +59,18 @@ def encode_step(step: DecodeStep) -> bytes:
         [r.request_id for r in running],
         [r.new_kv_block_ids for r in running],
         [r.num_scheduled_tokens for r in running],
+        [r.new_group_kv_block_ids for r in running],  # KV groups 1.. of a hybrid layout
         step.finished_request_ids,
     )
     return pickle.dumps(plain, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def decode_step(payload: bytes) -> DecodeStep:
-    step_id, news, ids, blocks, nums, finished = pickle.loads(payload)
+    step_id, news, ids, blocks, nums, group_blocks, finished = pickle.loads(payload)
     return DecodeStep(
         step_id,
         new_requests=[NewRequestData(*values) for values in news],
-        running_requests=[RunningRequestData(*r) for r in zip(ids, blocks, nums, strict=True)],
+        running_requests=[RunningRequestData(*r) for r in zip(ids, blocks, nums, group_blocks, strict=True)],
         finished_request_ids=finished,
     )
 

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from ominix_runtime.contract import (
     NULL_BLOCK_ID,
+    AttentionKind,
     DecodeStep,
     InvalidArgument,
+    KVGroup,
     NewRequestData,
     RequestOutput,
     RuntimeErrorKind,
@@ -31,8 +33,8 @@ from ominix_runtime.contract import (
     TokenLogprob,
 )
 from ominix_worker.attention.base import AttentionBackend, AttentionMetadata
-from ominix_worker.config import ModelConfig
-from ominix_worker.kv_groups import stated_kv_groups
+from ominix_worker.config import AttentionGroup, ModelConfig
+from ominix_worker.kv_cache import kv_tensor_indices
 from ominix_worker.models.llama import LlamaForCausalLM
 from ominix_worker.parallel import SINGLE, TensorParallel
 from ominix_worker.sampler import SamplerOutput, SamplingTensors, sample
@@ -60,11 +62,16 @@ class CachedRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling: SamplingParams
-    kv_block_ids: list[int]
+    # One block table per KV group (the model's ``attention_groups`` order); a sliding-window group's starts
+    # with NULL_BLOCK_ID entries where the engine freed blocks behind the window.
+    block_tables: list[list[int]]
     num_computed_tokens: int
     seed: int  # sampling.seed, or the engine's effective seed
-    # Block tables of KV groups 1..n-1 (kv_block_ids is group 0's); empty for a one-group layout.
-    group_block_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def kv_block_ids(self) -> list[int]:
+        """Block table of KV group 0."""
+        return self.block_tables[0]
 
     @property
     def num_tokens(self) -> int:
@@ -91,7 +98,7 @@ class ScheduledRow:
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    metas: tuple[AttentionMetadata, ...]  # one per KV group (block tables, slots and window differ)
     logits_indices: torch.Tensor  # rows of the flattened batch whose logits are sampled
     sampling: SamplingTensors | None
     sampling_rows: list[ScheduledRow] = field(default_factory=list)
@@ -142,13 +149,12 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.device = device
         self.block_size = backend.block_size
-        self.num_blocks = int(kv_caches[0].shape[1]) if kv_caches else 0
+        # The KV groups (layers sharing one block table): each layer attends within its group's window where
+        # the backend can; otherwise the model has one full group and max_model_len is capped at the window.
+        self.attention_groups = model.attention_groups
+        self.group_num_blocks: tuple[int, ...] = ()
+        self.set_kv_caches(kv_caches)
         self.max_model_len = max_model_len
-        # Attend within the model's window where the backend can; otherwise max_model_len is capped at it.
-        self.sliding_window = config.sliding_window if backend.supports_sliding_window else 0
-        # The stated KV layout (kinds and ratios; sizes do not matter here): tables of groups 1..n-1 arrive
-        # beside group 0's.
-        self.kv_groups = stated_kv_groups(config, self.sliding_window, self.block_size, 1, 0)
         self.vocab_size = config.vocab_size
         self.requests: dict[str, CachedRequest] = {}
         self.last_step_id = 0
@@ -166,7 +172,34 @@ class ModelRunner:
     def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Swap the KV tensors (after sizing); an empty list frees them first."""
         self.kv_caches = kv_caches
-        self.num_blocks = int(kv_caches[0].shape[1]) if kv_caches else 0
+        # Blocks of each group's pool: the KV tensor of every layer of a group has the same count.
+        first = [indices[0] for indices in kv_tensor_indices(self.attention_groups, self.config.num_layers)]
+        self.group_num_blocks = tuple(int(kv_caches[i].shape[1]) if kv_caches else 0 for i in first)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of KV group 0's pool (every layer's, in a uniform layout)."""
+        return self.group_num_blocks[0] if self.group_num_blocks else 0
+
+    @property
+    def kv_windows(self) -> tuple[int, ...]:
+        """Per KV group: the window its layers attend within (0: full attention)."""
+        return tuple(g.window for g in self.attention_groups)
+
+    def kv_layout(self, bytes_per_token_per_layer: int = 0) -> tuple[KVGroup, ...]:
+        """The KV groups as the contract states them (kind, layers, window, pool size)."""
+        return tuple(
+            KVGroup(
+                _kind(g),
+                g.layers,
+                self.block_size,
+                n,
+                bytes_per_token_per_layer=bytes_per_token_per_layer,
+                sliding_window=g.window,
+                compress_ratio=g.compress_ratio,
+            )
+            for g, n in zip(self.attention_groups, self.group_num_blocks, strict=True)
+        )
 
     def can_overlap(self) -> bool:
         """Overlapped decode needs captured graphs; ``pipeline_decode`` (``OMINIX_PIPELINE=0``) turns it off."""
@@ -191,35 +224,32 @@ class ModelRunner:
             prompt_token_ids=list(new.prompt_token_ids),
             output_token_ids=list(new.output_token_ids),
             sampling=sampling,
-            kv_block_ids=list(new.kv_block_ids),
+            block_tables=[list(new.kv_block_ids), *(list(t) for t in new.group_kv_block_ids)],
             num_computed_tokens=new.num_computed_tokens,
             seed=seed,
-            group_block_ids=[list(t) for t in new.group_kv_block_ids],
         )
         tokens = request.prompt_token_ids + request.output_token_ids
         if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab_size):
             bad = next(t for t in tokens if not 0 <= t < self.vocab_size)
             raise RequestError(RuntimeErrorKind.INVALID_ARGUMENT, f"token id {bad} outside the vocabulary")
-        self._check_block_ids(request.kv_block_ids)
-        self._check_group_tables(request.group_block_ids)
-        for table in request.group_block_ids:
-            self._check_block_ids(table)
+        self._check_block_ids(request.block_tables)
         self.requests[new.request_id] = request
         return request
 
-    def _check_block_ids(self, block_ids: list[int]) -> None:
-        """Checked once when blocks arrive, not every step."""
-        # A sliding window's table holds NULL_BLOCK_ID where the engine freed a block behind the window.
-        low = NULL_BLOCK_ID if self.sliding_window else 0
-        if block_ids and (min(block_ids) < low or max(block_ids) >= self.num_blocks):
-            raise RequestError(RuntimeErrorKind.INTERNAL, f"KV block id outside [0, {self.num_blocks})")
-
-    def _check_group_tables(self, tables: list[list[int]]) -> None:
-        if len(tables) != max(len(self.kv_groups) - 1, 0):
+    def _check_block_ids(self, tables: list[list[int]]) -> None:
+        """Checked once when blocks arrive, not every step: one table (or diff) per KV group, ids in range."""
+        if len(tables) != len(self.attention_groups):
             raise RequestError(
                 RuntimeErrorKind.INTERNAL,
-                f"{len(tables) + 1} KV block tables for a layout of {max(len(self.kv_groups), 1)} groups",
+                f"{len(tables)} block tables for a layout of {len(self.attention_groups)} KV groups",
             )
+        for group, num_blocks, block_ids in zip(
+            self.attention_groups, self.group_num_blocks, tables, strict=True
+        ):
+            # A sliding window's table holds NULL_BLOCK_ID where the engine freed a block behind the window.
+            low = NULL_BLOCK_ID if group.window else 0
+            if block_ids and (min(block_ids) < low or max(block_ids) >= num_blocks):
+                raise RequestError(RuntimeErrorKind.INTERNAL, f"KV block id outside [0, {num_blocks})")
 
     def _check_row(self, request: CachedRequest, num_scheduled: int) -> ScheduledRow:
         start = request.num_computed_tokens
@@ -234,25 +264,16 @@ class ModelRunner:
                 RuntimeErrorKind.KV_CAPACITY_EXCEEDED,
                 f"position {end} exceeds max_model_len {self.max_model_len}",
             )
-        if len(request.kv_block_ids) * self.block_size < end:
-            raise RequestError(
-                RuntimeErrorKind.INTERNAL,
-                f"{len(request.kv_block_ids)} KV blocks cannot hold {end} tokens (block size {self.block_size})",
-            )
-        for group, table in zip(self.kv_groups[1:], request.group_block_ids, strict=True):
-            need = group.blocks_for_tokens(end)
+        bs = self.block_size
+        for group, table in zip(self.attention_groups, request.block_tables, strict=True):
+            need = _blocks_for_tokens(group, end, bs)
             if len(table) < need:
+                kind = "compressed KV group" if group.compress_ratio else f"KV blocks (block size {bs})"
                 raise RequestError(
-                    RuntimeErrorKind.INTERNAL,
-                    f"{len(table)} blocks of a {group.kind.name.lower()} KV group cannot hold {end} tokens",
+                    RuntimeErrorKind.INTERNAL, f"{len(table)} blocks of a {kind} cannot hold {end} tokens"
                 )
-            if not group.is_sliding and NULL_BLOCK_ID in table[:need]:  # only a window's blocks slide out
-                raise RequestError(
-                    RuntimeErrorKind.INTERNAL, f"a null block in a {group.kind.name.lower()} KV group's table"
-                )
-        if self.sliding_window:
-            first_read = max(0, start - self.sliding_window + 1) // self.block_size
-            if NULL_BLOCK_ID in request.kv_block_ids[first_read : -(-end // self.block_size)]:
+            first_read = max(0, start - group.window + 1) // bs if group.window else 0
+            if NULL_BLOCK_ID in table[first_read:need]:
                 raise RequestError(
                     RuntimeErrorKind.INTERNAL,
                     f"a KV block inside the window of positions [{start}, {end}) is null",
@@ -288,15 +309,13 @@ class ModelRunner:
                     )
             else:
                 try:
-                    self._check_block_ids(running.new_kv_block_ids)
-                    request.kv_block_ids.extend(running.new_kv_block_ids)
-                    if running.new_group_kv_block_ids:
-                        self._check_group_tables(running.new_group_kv_block_ids)
-                        for table, added in zip(
-                            request.group_block_ids, running.new_group_kv_block_ids, strict=True
-                        ):
-                            self._check_block_ids(added)
-                            table.extend(added)
+                    # No group diffs at all: nothing appended to groups 1.. (a table left short is caught
+                    # by _check_row when a step needs it).
+                    others = running.new_group_kv_block_ids or [[] for _ in request.block_tables[1:]]
+                    diffs = [running.new_kv_block_ids, *others]
+                    self._check_block_ids(diffs)
+                    for table, diff in zip(request.block_tables, diffs, strict=True):
+                        table.extend(diff)
                 except RequestError as exc:
                     errors[running.request_id] = RequestOutput(
                         running.request_id, error_kind=exc.kind, error_message=str(exc)
@@ -475,51 +494,59 @@ class ModelRunner:
     def _prepare_inputs(self, rows: list[ScheduledRow]) -> StepInputs:
         """Every tensor the forward and the sampler need, built on the host and copied once."""
         bs = self.block_size
+        num_groups = len(self.attention_groups)
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(num_groups)]
         query_start = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         max_blocks = max(-(-row.end // bs) for row in rows)
         if self.device.type == "cuda":
             max_blocks = -(-max_blocks // _BLOCK_TABLE_ALIGN) * _BLOCK_TABLE_ALIGN
-        block_rows: list[list[int]] = []
+        block_rows: list[list[list[int]]] = [[] for _ in range(num_groups)]
         for row in rows:
             req = row.request
             input_ids.extend(req.token_ids(row.start, row.end))
             span = range(row.start, row.end)
             positions.extend(span)
-            blocks = req.kv_block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in span)
+            for g, (group, blocks) in enumerate(zip(self.attention_groups, req.block_tables, strict=True)):
+                used = _blocks_for_tokens(group, row.end, bs)
+                if not group.compress_ratio:  # a compressed group's rows are written by its layers
+                    slots[g].extend(blocks[p // bs] * bs + p % bs for p in span)
+                block_rows[g].append(blocks[:used] + [0] * (max_blocks - used))
             query_start.append(query_start[-1] + row.end - row.start)
             seq_lens.append(row.end)
-            used = -(-row.end // bs)
-            block_rows.append(blocks[:used] + [0] * (max_blocks - used))
             if row.samples:
                 logits_indices.append(query_start[-1] - 1)
         max_query_len = max(row.end - row.start for row in rows)
-        meta = AttentionMetadata(
+        first = AttentionMetadata(
             query_start_loc=self._to_device(torch.tensor(query_start, dtype=torch.int32)),
             seq_lens=self._to_device(torch.tensor(seq_lens, dtype=torch.int32)),
-            block_tables=self._to_device(torch.tensor(block_rows, dtype=torch.int32)),
-            slot_mapping=self._to_device(torch.tensor(slots, dtype=torch.int64)),
+            block_tables=self._to_device(torch.tensor(block_rows[0], dtype=torch.int32)),
+            slot_mapping=self._to_device(torch.tensor(slots[0], dtype=torch.int64)),
             max_query_len=max_query_len,
             max_seq_len=max(seq_lens),
             num_decode_only=max_query_len == 1,
             query_start_loc_cpu=query_start,
             seq_lens_cpu=seq_lens,
-            sliding_window=self.sliding_window,
-            group_block_tables_cpu=[
-                [row.request.group_block_ids[g] for row in rows] for g in range(len(self.kv_groups) - 1)
-            ]
-            or None,
+            sliding_window=self.attention_groups[0].window,
+        )
+        # The other groups share the step's shape and differ in tables, slots and window.
+        metas = (first,) + tuple(
+            replace(
+                first,
+                block_tables=self._to_device(torch.tensor(block_rows[g], dtype=torch.int32)),
+                slot_mapping=self._to_device(torch.tensor(slots[g], dtype=torch.int64)),
+                sliding_window=self.attention_groups[g].window,
+            )
+            for g in range(1, num_groups)
         )
         sampling_rows = [row for row in rows if row.samples]
         return StepInputs(
             input_ids=self._to_device(torch.tensor(input_ids, dtype=torch.int64)),
             positions=self._to_device(torch.tensor(positions, dtype=torch.int64)),
-            meta=meta,
+            metas=metas,
             logits_indices=self._to_device(torch.tensor(logits_indices, dtype=torch.int64)),
             sampling=self._sampling_tensors(sampling_rows) if sampling_rows else None,
             sampling_rows=sampling_rows,
@@ -583,7 +610,7 @@ class ModelRunner:
         return t
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metas)
 
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> SamplerOutput | None:
         if inputs.sampling is None:
@@ -654,17 +681,18 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_forward(self, num_tokens: int) -> None:
         """One forward of ``num_tokens`` prompt tokens in a single request, writing into block 0 onward."""
-        num_tokens = max(1, min(num_tokens, self.max_model_len, self.num_blocks * self.block_size))
+        capacity = min(self.group_num_blocks) * self.block_size
+        num_tokens = max(1, min(num_tokens, self.max_model_len, capacity))
+        blocks = list(range(-(-num_tokens // self.block_size)))
         request = CachedRequest(
             "__profile__",
             [0] * num_tokens,
             [],
             SamplingParams(temperature=0.0),
-            list(range(-(-num_tokens // self.block_size))),
+            [list(blocks) for _ in self.attention_groups],
             0,
             0,
         )
-        request.group_block_ids = [list(request.kv_block_ids) for _ in self.kv_groups[1:]]
         row = ScheduledRow(request, 0, num_tokens, samples=True)
         inputs = self._prepare_inputs([row])
         self._sample(self._forward(inputs), inputs)
@@ -684,12 +712,25 @@ class ModelRunner:
         started = time.perf_counter()
         graphs = DecodeGraphs(
             self.model, self.backend, self.kv_caches, self.device, self.max_model_len,
-            batch_sizes or DEFAULT_BATCH_SIZES, sliding_window=self.sliding_window,
+            batch_sizes or DEFAULT_BATCH_SIZES, kv_windows=self.kv_windows,
         )  # fmt: skip
         graphs.capture()
         self._graphs = graphs
         log.info("captured %d decode graphs in %.1f s", len(graphs.graphs), time.perf_counter() - started)
         return True
+
+
+def _kind(group: AttentionGroup) -> AttentionKind:
+    if group.compress_ratio:
+        return AttentionKind.COMPRESSED
+    return AttentionKind.SLIDING_WINDOW if group.window else AttentionKind.FULL
+
+
+def _blocks_for_tokens(group: AttentionGroup, num_tokens: int, block_size: int) -> int:
+    """Blocks of ``group`` the first ``num_tokens`` tokens occupy: one row per token, or (compressed) one per
+    complete chunk."""
+    rows = num_tokens // group.compress_ratio if group.compress_ratio else num_tokens
+    return -(-rows // block_size)
 
 
 def _overlappable(request: CachedRequest) -> bool:

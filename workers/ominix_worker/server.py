@@ -36,8 +36,10 @@ from ominix_runtime import wire
 from ominix_runtime.bind_probe import probe_bind
 from ominix_runtime.config import RuntimeConfig, TLSConfig
 from ominix_runtime.contract import (
+    AttentionKind,
     BackendCapability,
     DecodeStep,
+    KVGroup,
     ModelInfo,
     OminixError,
     RankInfo,
@@ -48,7 +50,6 @@ from ominix_runtime.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from ominix_runtime.server.logging import configure_logging, set_log_fields
 from ominix_worker import __version__
 from ominix_worker.access import AccessConfigError, EngineAccess, engine_access
-from ominix_worker.kv_groups import kv_capacity_tokens, stated_kv_groups
 from ominix_worker.step_loop import StepFailure, StepLoop, StepOutcome, StepRunner
 
 if TYPE_CHECKING:  # these import torch, loaded only once the port is bound
@@ -67,6 +68,15 @@ ASCEND_BLOCK_SIZE = 128
 
 class StartupError(RuntimeError):
     """A reason the worker cannot start; printed as one line."""
+
+
+def stated_kv_groups(runner: ModelRunner, bytes_per_block: int) -> tuple[KVGroup, ...]:
+    """The KV layout stated to the engine: every group when some layers attend within a window, else none
+    (the engine then assumes one full-attention group). ``bytes_per_block``: K and V of every KV tensor."""
+    layout = runner.kv_layout(bytes_per_block // (runner.block_size * runner.config.num_kv_cache_layers))
+    if all(g.kind == AttentionKind.FULL for g in layout):
+        return ()
+    return layout
 
 
 def _say(message: str) -> None:
@@ -149,6 +159,7 @@ def load_worker(
     from ominix_worker.devices import backend_kind, device_name, dtype_name, parse_device, resolve_dtype
     from ominix_worker.kv_cache import (
         allocate_kv_cache,
+        group_block_counts,
         kv_bytes_per_block,
         measure_gpu_kv_budget,
         num_blocks_for_budget,
@@ -194,7 +205,6 @@ def load_worker(
     max_running = args.max_running_requests or profile.max_running_requests
     model_len = config.max_len_for(backend.supports_sliding_window)
     max_model_len = min(args.max_model_len or model_len, model_len)
-    window = config.sliding_window if backend.supports_sliding_window else 0
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
     if config.compress_ratios and kv_dtype != dtype:
         raise StartupError(
@@ -222,21 +232,34 @@ def load_worker(
             device, args.gpu_memory_utilization, lambda: runner.profile_forward(max_batch_tokens)
         )
     profiling.close()
-    num_blocks = num_blocks_for_budget(budget, bytes_per_block)
+    uniform_blocks = num_blocks_for_budget(budget, bytes_per_block)
     if group is not None:  # one block table for the group: the rank with the least room decides
-        num_blocks = group.min_over_ranks(num_blocks)
-    if num_blocks < 1:
+        uniform_blocks = group.min_over_ranks(uniform_blocks)
+    if uniform_blocks < 1:
         raise StartupError(f"the KV budget ({budget} bytes) holds no block of {bytes_per_block} bytes")
-    runner.set_kv_caches([])
-    runner.set_kv_caches(allocate_kv_cache(backend, config, num_blocks, kv_dtype, device, kv_heads.size))
-    kv_groups = stated_kv_groups(config, window, block_size, num_blocks, bytes_per_block * tp.size)
-    capacity = kv_capacity_tokens(kv_groups, block_size, num_blocks)
-    if capacity is not None:  # a window alone keeps a request's blocks bounded; other groups grow with it
-        max_model_len = min(max_model_len, capacity)
-    runner.max_model_len = max_model_len
-    _say(
-        f"KV cache: {num_blocks} blocks of {block_size} tokens ({num_blocks * bytes_per_block / 2**20:.0f} MiB)"
+    # A pure function of the agreed count, so every rank of a group sizes its groups alike.
+    counts = group_block_counts(
+        runner.attention_groups, uniform_blocks, block_size, max_running, max_batch_tokens
     )
+    runner.set_kv_caches([])
+    runner.set_kv_caches(allocate_kv_cache(backend, config, counts, kv_dtype, device, kv_heads.size))
+    num_blocks = counts[0]  # group 0: the full-attention group when there is one (the largest pool)
+    if not runner.attention_groups[0].window:  # full attention needs every block of a request
+        max_model_len = min(max_model_len, num_blocks * block_size)
+    for kv_group in runner.kv_layout():  # a compressed pool holds a bounded number of rows per request
+        if kv_group.is_compressed:
+            max_model_len = min(max_model_len, kv_group.tokens_for_blocks(kv_group.num_blocks))
+    runner.max_model_len = max_model_len
+    per_layer_block = bytes_per_block // config.num_kv_cache_layers
+    sized = list(zip(runner.attention_groups, counts, strict=True))
+    kv_bytes = sum(n * len(g.layers) * per_layer_block for g, n in sized)
+    pools = ", ".join(
+        f"{n} blocks"
+        + (f" (window {g.window})" if g.window else "")
+        + (f" (a row per {g.compress_ratio} tokens)" if g.compress_ratio else "")
+        for g, n in sized
+    )
+    _say(f"KV cache: {pools} of {block_size} tokens ({kv_bytes / 2**20:.0f} MiB)")
     _say("warming up")
     warming = stage("warming up")
     runner.profile_forward(min(16, max_batch_tokens))
@@ -282,7 +305,7 @@ def load_worker(
         host=socket_module.gethostname(),
         memory_total_bytes=torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else 0,
         weight_bytes=sum(p.numel() * p.element_size() for p in loaded.model.parameters()),
-        kv_cache_bytes=num_blocks * bytes_per_block,
+        kv_cache_bytes=kv_bytes,
         kv_head_start=kv_heads.start,
         kv_num_heads=kv_heads.size,
     )
@@ -309,7 +332,7 @@ def load_worker(
         kv_cache_dtype="fp8_e4m3" if kv_dtype == torch.float8_e4m3fn else dtype_text,
         supports_fp8_kv=device.type in ("cpu", "cuda"),
         moe_parallel=tp.moe.value if config.is_moe else "",
-        kv_groups=kv_groups,
+        kv_groups=stated_kv_groups(runner, bytes_per_block * tp.size),
     )
     return runner, capability
 

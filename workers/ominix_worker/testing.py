@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-_ARCHES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "mistral")
+_ARCHES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "mistral", "gemma3_text")
 PAD_TOKEN_ID = 0
 BOS_TOKEN_ID = 1
 EOS_TOKEN_ID = 2
@@ -134,6 +134,7 @@ def write_tiny_hf_model(
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
@@ -142,7 +143,9 @@ def write_tiny_hf_model(
         # Random norm weights and biases, so that a missing norm or bias shows up in the logits.
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+                # Gemma's norms scale by 1 + weight: the same spread around a unit scale.
+                centre = 0.0 if arch == "gemma3_text" else 1.0
+                param.copy_(centre + 0.1 * torch.randn_like(param))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn_like(param))
             elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):

@@ -19,7 +19,11 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    """Built once per step by the runner; shared by every layer."""
+    """Built once per step and KV group by the runner; shared by the layers of that group.
+
+    A hybrid layout (e.g. Gemma 3: sliding-window and global layers) has one per KV group: the same query
+    and sequence shape, the group's own block tables, slots and window.
+    """
 
     query_start_loc: torch.Tensor  # int32 (B+1,), cumulative new-token counts
     seq_lens: torch.Tensor  # int32 (B,), context length including this step's tokens
@@ -32,14 +36,10 @@ class AttentionMetadata:
     # the fast path.
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
-    # > 0: a query row at position p attends to keys at positions (p - sliding_window, p] only (Mistral);
-    # set only for a backend that supports_sliding_window. Block table entries before the window may be
-    # stale or -1 (the engine freed them) and must not be read.
+    # > 0: a query row at position p attends to keys at positions (p - sliding_window, p] only (the group's
+    # layers attend within that window); set only for a backend that supports_sliding_window. Block table
+    # entries before the window may be stale or -1 (the engine freed them) and must not be read.
     sliding_window: int = 0
-    # Host block tables of KV groups 1..n-1 (contract.kv_layout), per group one list per request row; None
-    # for a one-group layout. Group 0's table is ``block_tables``. Read by layers that keep KV in several
-    # groups (the compressed-attention reference).
-    group_block_tables_cpu: list[list[list[int]]] | None = None
 
     @property
     def num_requests(self) -> int:

@@ -23,8 +23,8 @@ class TorchReferenceAttention:
         # FP8 KV: stored values are K / k_scale and V / v_scale, saturated to the e4m3 range.
         self.k_scale = 1.0
         self.v_scale = 1.0
-        self._plan: _StepPlan | None = None
-        self._plan_meta: AttentionMetadata | None = None
+        # The plans of the step's metadata (one per KV group), newest last.
+        self._plans: list[tuple[AttentionMetadata, _StepPlan]] = []
 
     def allocate_kv_cache(
         self,
@@ -89,9 +89,10 @@ class TorchReferenceAttention:
         return out
 
     def _plan_for(self, meta: AttentionMetadata, device: torch.device) -> _StepPlan:
-        """Index tensors and masks of one step, built once and shared by every layer."""
-        if self._plan is not None and self._plan_meta is meta:
-            return self._plan
+        """Index tensors and masks of one step, built once per KV group and shared by the group's layers."""
+        for known, plan in self._plans:
+            if known is meta:
+                return plan
         query_start = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
         bs = self.block_size
@@ -131,11 +132,12 @@ class TorchReferenceAttention:
                     mask &= k_pos > q_pos - window
             blocks = block_tables[i, first_block : -(-seq_len // bs)]
             plan.others.append((start, end, seq_len - first_key, blocks, mask))
-        self._plan, self._plan_meta = plan, meta
+        self._plans = [*self._plans[-(_MAX_PLANS - 1) :], (meta, plan)]
         return plan
 
 
 _FP8_MAX = 448.0
+_MAX_PLANS = 4  # more than the KV groups of any layout, so a step never rebuilds one
 
 
 def _is_fp8(kv_cache: torch.Tensor) -> bool:

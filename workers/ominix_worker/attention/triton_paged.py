@@ -410,9 +410,9 @@ class TritonPagedAttention:
     """Attention backend for CUDA devices (name "triton-paged"); see the module docstring for the grids."""
 
     name = "triton-paged"
-    # The kernels take a window (AttentionMetadata.sliding_window; tests/gpu/test_triton_sliding_window.py),
-    # but until that test has run on a GPU the worker keeps capping such a model's context at its window.
-    supports_sliding_window = False
+    # The kernels attend within AttentionMetadata.sliding_window (one metadata per KV group, so each layer
+    # gets its group's window; tests/gpu/test_triton_sliding_window.py, tests/gpu/test_hybrid_layers_gpu.py).
+    supports_sliding_window = True
 
     def __init__(self, block_size: int = 16, store_with_index_copy: bool = False) -> None:
         if block_size & (block_size - 1) or not 16 <= block_size <= 128:

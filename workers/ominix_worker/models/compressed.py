@@ -28,6 +28,7 @@ The layer runs on the CPU only (per-request host loops; no CUDA graphs) and with
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ from torch import nn
 
 from ominix_worker.attention.base import AttentionBackend, AttentionMetadata
 from ominix_worker.config import ModelConfig
+from ominix_worker.kv_cache import kv_tensor_indices
 from ominix_worker.models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, RotaryEmbedding
 from ominix_worker.parallel import SINGLE, TensorParallel
 
@@ -58,32 +60,34 @@ class _RowPlan:
 class CompressedStepPlanner:
     """Index tensors of one step per compress ratio, built once and shared by every layer of that ratio."""
 
-    def __init__(self, window: int, block_size: int, ratios: tuple[int, ...]) -> None:
+    def __init__(self, window: int, block_size: int) -> None:
         self.window = window
         self.block_size = block_size
-        self.group_of_ratio = {r: 1 + i for i, r in enumerate(ratios)}  # KV group index of each ratio
         self._meta: AttentionMetadata | None = None
         self._plans: dict[int, list[_RowPlan]] = {}
 
-    def plan(self, meta: AttentionMetadata, ratio: int, device: torch.device) -> list[_RowPlan]:
+    def plan(
+        self, meta: AttentionMetadata, rows_meta: AttentionMetadata | None, ratio: int, device: torch.device
+    ) -> list[_RowPlan]:
+        """``meta``: the raw group's (its tables, the step's shape); ``rows_meta``: the compressed group's."""
         if self._meta is not meta:
             self._meta, self._plans = meta, {}
         plans = self._plans.get(ratio)
         if plans is None:
-            plans = self._plans[ratio] = self._build(meta, ratio, device)
+            plans = self._plans[ratio] = self._build(meta, rows_meta, ratio, device)
         return plans
 
-    def _build(self, meta: AttentionMetadata, ratio: int, device: torch.device) -> list[_RowPlan]:
+    def _build(
+        self, meta: AttentionMetadata, rows_meta: AttentionMetadata | None, ratio: int, device: torch.device
+    ) -> list[_RowPlan]:
         bs, window = self.block_size, self.window
         query_start = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
         raw_tables = meta.block_tables.tolist()
         row_tables: list[list[int]] = []
         if ratio:
-            assert meta.group_block_tables_cpu is not None, (
-                "a compressed layer needs its group's block tables"
-            )
-            row_tables = meta.group_block_tables_cpu[self.group_of_ratio[ratio] - 1]
+            assert rows_meta is not None, "a compressed layer needs its group's block tables"
+            row_tables = rows_meta.block_tables.tolist()
         plans = []
         for i, seq_len in enumerate(seq_lens):
             start, end = query_start[i], query_start[i + 1]
@@ -181,6 +185,7 @@ class CompressedAttention(Attention):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         compressed_cache: torch.Tensor | None = None,
+        rows_meta: AttentionMetadata | None = None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -196,7 +201,7 @@ class CompressedAttention(Attention):
             else None
         )
         out = torch.empty_like(q)
-        for plan in self.planner.plan(meta, self.compress_ratio, q.device):
+        for plan in self.planner.plan(meta, rows_meta, self.compress_ratio, q.device):
             keys = raw[0, plan.raw_slots].to(q.dtype)
             values = raw[1, plan.raw_slots].to(q.dtype)
             mask = plan.raw_mask
@@ -246,16 +251,18 @@ class CompressedDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         compressed_cache: torch.Tensor | None,
+        rows_meta: AttentionMetadata | None,
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), positions, kv_cache, meta, compressed_cache
+            self.input_layernorm(hidden), positions, kv_cache, meta, compressed_cache, rows_meta
         )
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class LlamaCompressedForCausalLM(LlamaForCausalLM):
     """``llama_compressed``: every layer attends within ``sliding_window``; layers with a compress ratio also
-    read compressed rows. KV tensors: one raw per layer, then one of rows per compressed layer (kv_cache.py)."""
+    read compressed rows. KV groups (``config.attention_groups``): the raw window group(s), then one compressed
+    group per ratio; KV tensors: one raw per layer, then one of rows per compressed layer (kv_cache.py)."""
 
     def __init__(
         self,
@@ -266,34 +273,44 @@ class LlamaCompressedForCausalLM(LlamaForCausalLM):
     ) -> None:
         if tp.size > 1:
             raise ValueError("compressed attention runs without tensor parallelism")
+        self._planner: CompressedStepPlanner | None = None
         super().__init__(config, backend, max_positions, tp)
-        planner = CompressedStepPlanner(
-            config.sliding_window, backend.block_size, config.compressed_group_ratios
+        # Per layer: its compressed group and the index of its row tensor in the KV list (-1: window only).
+        self.row_groups = [-1] * config.num_layers
+        self.row_cache_index = [-1] * config.num_layers
+        placement = kv_tensor_indices(self.attention_groups, config.num_layers)
+        for g, (group, indices) in enumerate(zip(self.attention_groups, placement, strict=True)):
+            if group.compress_ratio:
+                for layer, index in zip(group.layers, indices, strict=True):
+                    self.row_groups[layer], self.row_cache_index[layer] = g, index
+
+    def build_layer(
+        self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel, layer_index: int
+    ) -> nn.Module:
+        if self._planner is None:  # one per model: layers of one ratio share a step's index tensors
+            self._planner = CompressedStepPlanner(config.sliding_window, backend.block_size)
+        return CompressedDecoderLayer(
+            config, backend, self.rotary, self._planner, config.compress_ratios[layer_index]
         )
-        self.layers = nn.ModuleList(
-            CompressedDecoderLayer(config, backend, self.rotary, planner, ratio)
-            for ratio in config.compress_ratios
-        )
-        # Index of each layer's compressed-row tensor in the runner's KV list (-1: window only).
-        compressed = [i for i, r in enumerate(config.compress_ratios) if r]
-        self.row_cache_index = [
-            config.num_layers + compressed.index(i) if r else -1 for i, r in enumerate(config.compress_ratios)
-        ]
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        metas: Sequence[AttentionMetadata],
     ) -> torch.Tensor:
         """Flattened tokens (T,) → final hidden states (T, hidden), normalised (no fused CUDA path)."""
         if len(kv_caches) != self.config.num_kv_cache_layers:
             raise ValueError(f"{len(kv_caches)} KV tensors for {self.config.num_kv_cache_layers}")
         hidden = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            index = self.row_cache_index[i]
-            hidden = layer(hidden, positions, kv_caches[i], meta, kv_caches[index] if index >= 0 else None)
+            raw = metas[self.layer_kv_groups[i]]
+            if self.row_groups[i] < 0:
+                hidden = layer(hidden, positions, kv_caches[i], raw, None, None)
+            else:
+                rows = kv_caches[self.row_cache_index[i]]
+                hidden = layer(hidden, positions, kv_caches[i], raw, rows, metas[self.row_groups[i]])
         return self.norm(hidden)
 
 

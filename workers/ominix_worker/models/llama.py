@@ -12,7 +12,7 @@ heads (a replicated KV head when there are fewer KV heads than ranks). With ``SI
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from types import ModuleType
 
 import torch
@@ -263,13 +263,28 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, self.rotary, tp, self.build_mlp(config, i))
-            for i in range(config.num_layers)
+            self.build_layer(config, backend, tp, i) for i in range(config.num_layers)
         )
+        # The KV groups of the layout (layers that attend alike share a block table) and each layer's group:
+        # the forward takes one AttentionMetadata per group and hands each layer its group's.
+        self.attention_groups = config.attention_groups(backend.supports_sliding_window)
+        group_of = {  # a compressed group's layers keep their raw KV in a raw group (models/compressed.py)
+            layer: g
+            for g, group in enumerate(self.attention_groups)
+            if not group.compress_ratio
+            for layer in group.layers
+        }
+        self.layer_kv_groups = tuple(group_of[i] for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def build_layer(
+        self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel, layer_index: int
+    ) -> nn.Module:
+        """Decoder layer ``layer_index``; subclasses with another layer structure (Gemma 3) override it."""
+        return DecoderLayer(config, backend, self.rotary, tp, self.build_mlp(config, layer_index))
 
     def build_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module | None:
         """The MLP of layer ``layer_index``; None: the dense ``MLP``. Subclasses (MoE) override it."""
@@ -280,15 +295,19 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        metas: Sequence[AttentionMetadata],
     ) -> torch.Tensor:
-        """Flattened tokens (T,) → final hidden states (T, hidden), normalised."""
+        """Flattened tokens (T,) → final hidden states (T, hidden), normalised.
+
+        ``metas``: one AttentionMetadata per KV group (``attention_groups``); layer i reads
+        ``metas[layer_kv_groups[i]]``, whose block tables and window are its group's.
+        """
         hidden = self.embed_tokens(input_ids)
         ops = cuda_ops(hidden)
         if ops is not None:
-            return self._forward_fused(ops, hidden, positions, kv_caches, meta)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, positions, kv_cache, meta)
+            return self._forward_fused(ops, hidden, positions, kv_caches, metas)
+        for layer, kv_cache, g in zip(self.layers, kv_caches, self.layer_kv_groups, strict=True):
+            hidden = layer(hidden, positions, kv_cache, metas[g])
         return self.norm(hidden)
 
     def _forward_fused(
@@ -297,15 +316,16 @@ class LlamaForCausalLM(nn.Module):
         residual: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        metas: Sequence[AttentionMetadata],
     ) -> torch.Tensor:
         """The same sums as the layers' forward, with each residual add fused into the next RMSNorm."""
         eps = self.config.rms_norm_eps
         layers = list(self.layers)
         norm_weights = [layer.input_layernorm.weight for layer in layers[1:]] + [self.norm.weight]
         hidden = ops.rms_norm(residual, layers[0].input_layernorm.weight, eps)
-        for layer, kv_cache, next_weight in zip(layers, kv_caches, norm_weights, strict=True):
-            attn = layer.self_attn(hidden, positions, kv_cache, meta)
+        groups = self.layer_kv_groups
+        for layer, kv_cache, next_weight, g in zip(layers, kv_caches, norm_weights, groups, strict=True):
+            attn = layer.self_attn(hidden, positions, kv_cache, metas[g])
             hidden = ops.fused_add_rms_norm(attn, residual, layer.post_attention_layernorm.weight, eps)
             hidden = ops.fused_add_rms_norm(layer.mlp(hidden), residual, next_weight, eps)
         return hidden

@@ -1,0 +1,363 @@
+"""Hybrid KV layouts on the CPU reference path against Hugging Face transformers: models whose layers mix
+sliding-window and full attention, each KV group with its own block table.
+
+Two tiny models: Qwen2 with ``layer_types`` (a full layer, then sliding ones) and Gemma 3 text (five local
+layers per global one, its norms, scaled embedding, local/global rope and, in one variant, logit
+soft-capping). A 12-token window and 8-token blocks: prefill, decode well past the window, chunked prefill,
+a prefix hit whose sliding table starts with null entries while the full table keeps every block, and the
+engine's scheduler driving the worker on the layout the worker states. Each sampled row's logits are
+compared with a full-sequence HF forward, which applies the windows itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from ominix_runtime import wire
+from ominix_runtime.contract import (
+    NULL_BLOCK_ID,
+    AttentionKind,
+    BackendKind,
+    DecodeStep,
+    GenerateRequest,
+    ModelInfo,
+    NewRequestData,
+    RunningRequestData,
+    SamplingParams,
+    Token,
+    stated_profile,
+)
+from ominix_runtime.engine.config import SchedulerConfig
+from ominix_runtime.engine.scheduler import Scheduler
+from ominix_runtime.pb import worker_pb2
+from ominix_worker.kv_cache import kv_bytes_per_block
+from ominix_worker.runner import ModelRunner, build_runner
+from ominix_worker.server import stated_kv_groups
+from ominix_worker.testing import write_tiny_hf_model
+
+from .test_model_vs_hf import GREEDY, LogitsRecorder, assert_close, prompt, tokens_by_id
+
+WINDOW = 12
+BS = 8
+NUM_BLOCKS = 64
+
+# name -> (write_tiny_hf_model kwargs, the layer indices of the full-attention group)
+HYBRID_MODELS: dict[str, tuple[dict[str, object], tuple[int, ...]]] = {
+    "qwen2": (
+        dict(
+            arch="qwen2",
+            num_layers=3,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=1,
+            seed=11,
+        ),
+        (0,),
+    ),
+    # Gemma 3: five local layers per global one, tied embeddings, an attention scale apart from head_dim,
+    # linear rope scaling on the global layer only.
+    "gemma3": (
+        dict(
+            arch="gemma3_text",
+            num_layers=6,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=24,
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
+            tie_word_embeddings=True,
+            seed=12,
+        ),
+        (5,),
+    ),
+    # Gemma 3 with final logit soft-capping that bites (logits reach ~2.5), an attention soft-cap in the
+    # config (which Hugging Face's Gemma 3 does not apply, and neither do we) and global layers at 2 and 5.
+    "gemma3_capped": (
+        dict(
+            arch="gemma3_text",
+            num_layers=6,
+            sliding_window=WINDOW,
+            sliding_window_pattern=3,
+            final_logit_softcapping=3.0,
+            attn_logit_softcapping=1.0,
+            seed=13,
+        ),
+        (2, 5),
+    ),
+}
+
+
+class Reference:
+    def __init__(self, folder: Path) -> None:
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+
+    @torch.no_grad()
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        return self.model(torch.tensor([token_ids])).logits[0].float()
+
+
+@pytest.fixture(scope="module", params=sorted(HYBRID_MODELS))
+def hybrid(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Path, LogitsRecorder, Reference]:
+    kwargs, _ = HYBRID_MODELS[request.param]
+    folder = write_tiny_hf_model(tmp_path_factory.mktemp(f"hybrid_{request.param}"), **kwargs)  # type: ignore[arg-type]
+    runner = build_runner(str(folder), num_blocks=NUM_BLOCKS, block_size=BS)
+    return request.param, folder, LogitsRecorder(runner), Reference(folder)
+
+
+def tables(runner: ModelRunner, full: list[int], sliding: list[int]) -> tuple[list[int], list[list[int]]]:
+    """Group 0's table and the others' (the layout is one full group, then one sliding group)."""
+    assert runner.kv_windows == (0, WINDOW)
+    return full, [sliding]
+
+
+def test_the_layout_has_one_group_per_layer_kind(hybrid: tuple[str, Path, LogitsRecorder, Reference]) -> None:
+    name, _, rec, _ = hybrid
+    runner = rec.runner
+    full_layers = HYBRID_MODELS[name][1]
+    layout = runner.kv_layout()
+    assert [g.kind for g in layout] == [AttentionKind.FULL, AttentionKind.SLIDING_WINDOW]
+    assert layout[0].layer_indices == full_layers and layout[0].sliding_window == 0
+    sliding = tuple(i for i in range(runner.config.num_layers) if i not in full_layers)
+    assert layout[1].layer_indices == sliding and layout[1].sliding_window == WINDOW
+    assert runner.max_model_len > WINDOW
+
+
+def test_the_window_changes_the_reference(hybrid: tuple[str, Path, LogitsRecorder, Reference]) -> None:
+    """The comparisons below are meaningful: beyond the window, windowed logits differ from full attention."""
+    _, folder, _, ref = hybrid
+    full = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    full.config.sliding_window = 10_000
+    tokens = prompt(20, 40)
+    with torch.no_grad():
+        unwindowed = full(torch.tensor([tokens])).logits[0]
+    windowed = ref.logits(tokens)
+    assert_close(windowed[WINDOW - 1], unwindowed[WINDOW - 1])  # inside the window they agree
+    rel = ((windowed[-1] - unwindowed[-1]).abs().max() / windowed[-1].abs().max()).item()
+    assert rel > 1e-2, rel
+
+
+def test_prefill_then_decode_past_the_window(hybrid: tuple[str, Path, LogitsRecorder, Reference]) -> None:
+    _, _, rec, ref = hybrid
+    rec.runner.reset()
+    tokens = prompt(21, 19)
+    # Different block ids per group: a layer reading the other group's table would read zeros or garbage.
+    full, others = tables(rec.runner, [9, 2, 30], [40, 7, 13])
+    result, logits = rec.step(
+        DecodeStep(
+            1,
+            new_requests=[
+                NewRequestData("a", tokens, GREEDY, full, 0, len(tokens), 1, group_kv_block_ids=others)
+            ],
+        )
+    )
+    ours = [logits["a"]]
+    tokens.append(tokens_by_id(result)["a"])
+    for step_id in range(2, 30):  # 20 -> 48 tokens: several blocks and windows later
+        grow = len(tokens) % BS == 0
+        new_full = [31 + len(tokens) // BS] if grow else []
+        new_sliding = [[50 + len(tokens) // BS]] if grow else [[]]
+        result, logits = rec.step(
+            DecodeStep(
+                step_id,
+                running_requests=[RunningRequestData("a", new_full, 1, new_group_kv_block_ids=new_sliding)],
+            )
+        )
+        ours.append(logits["a"])
+        tokens.append(tokens_by_id(result)["a"])
+    reference = ref.logits(tokens[:-1])
+    for i, row in enumerate(ours):
+        assert_close(row, reference[18 + i])
+
+
+def test_chunked_prefill_and_decode_in_one_step(hybrid: tuple[str, Path, LogitsRecorder, Reference]) -> None:
+    _, _, rec, ref = hybrid
+    rec.runner.reset()
+    long = prompt(22, 45)
+    short = prompt(23, 6)
+    rec.step(
+        DecodeStep(
+            1,
+            new_requests=[
+                NewRequestData("long", long, GREEDY, [11, 5], 0, 13, 3, group_kv_block_ids=[[20, 21]]),
+                NewRequestData("short", short, GREEDY, [40], 0, len(short), 4, group_kv_block_ids=[[41]]),
+            ],
+        )
+    )
+    rec.step(
+        DecodeStep(
+            2,
+            running_requests=[
+                RunningRequestData("long", [12, 13], 19, new_group_kv_block_ids=[[22, 23]]),
+                RunningRequestData("short", [], 1),
+            ],
+        )
+    )
+    # 32 tokens computed: the sliding group's next chunk reads from position 32 - 12 + 1 = 21, so its
+    # blocks 20 and 21 (positions 0-15) left the window; the engine freed them and hands block 20 to a new
+    # request that writes it in this very step. The full group keeps every block.
+    other = prompt(24, 9)
+    result, logits = rec.step(
+        DecodeStep(
+            3,
+            new_requests=[
+                NewRequestData(
+                    "other", other, GREEDY, [45, 46], 0, len(other), 5, group_kv_block_ids=[[20, 21]]
+                )
+            ],
+            running_requests=[
+                RunningRequestData("long", [14, 15], 13, new_group_kv_block_ids=[[24, 25]]),
+                RunningRequestData("short", [], 1),
+            ],
+        )
+    )
+    assert_close(logits["long"], ref.logits(long)[-1])
+    assert_close(logits["other"], ref.logits(other)[-1])
+    long.append(tokens_by_id(result)["long"])
+    _, logits = rec.step(DecodeStep(4, running_requests=[RunningRequestData("long", [], 1)]))
+    assert_close(logits["long"], ref.logits(long)[-1])
+
+
+def test_prefix_hit_with_null_entries_in_the_sliding_table(
+    hybrid: tuple[str, Path, LogitsRecorder, Reference],
+) -> None:
+    _, _, rec, ref = hybrid
+    rec.runner.reset()
+    shared = prompt(25, 32)
+    first = shared + prompt(26, 7)
+    rec.step(
+        DecodeStep(
+            1,
+            new_requests=[
+                NewRequestData(
+                    "first",
+                    first,
+                    GREEDY,
+                    [1, 2, 3, 4, 5],
+                    0,
+                    len(first),
+                    4,
+                    group_kv_block_ids=[[6, 7, 8, 9, 10]],
+                )
+            ],
+        )
+    )
+    # The hit covers 32 tokens (4 blocks). The window of position 32 starts at 21: the sliding table's
+    # blocks 0 and 1 (positions 0-15) are null; the full table shares all four.
+    second = shared + prompt(27, 10)
+    result, logits = rec.step(
+        DecodeStep(
+            2,
+            finished_request_ids=["first"],
+            new_requests=[
+                NewRequestData(
+                    "second",
+                    second,
+                    GREEDY,
+                    [1, 2, 3, 4, 20, 21],
+                    32,
+                    len(second) - 32,
+                    5,
+                    group_kv_block_ids=[[NULL_BLOCK_ID, NULL_BLOCK_ID, 8, 9, 30, 31]],
+                )
+            ],
+        )
+    )
+    assert result.num_tokens == len(second) - 32
+    assert_close(logits["second"], ref.logits(second)[-1])
+    second.append(tokens_by_id(result)["second"])
+    _, logits = rec.step(DecodeStep(3, running_requests=[RunningRequestData("second", [], 1)]))
+    assert_close(logits["second"], ref.logits(second)[-1])
+
+
+def test_bad_tables_are_refused_per_request(hybrid: tuple[str, Path, LogitsRecorder, Reference]) -> None:
+    _, _, rec, _ = hybrid
+    rec.runner.reset()
+    tokens = prompt(28, 20)
+    result = rec.runner.execute_step(
+        DecodeStep(
+            1,
+            new_requests=[
+                # A null entry in the full group's table, inside what the step reads.
+                NewRequestData(
+                    "null-full",
+                    tokens,
+                    GREEDY,
+                    [NULL_BLOCK_ID, 3, 4],
+                    16,
+                    4,
+                    6,
+                    group_kv_block_ids=[[5, 6, 7]],
+                ),
+                # No table for the sliding group.
+                NewRequestData("one-table", tokens, GREEDY, [8, 9, 10], 0, 20, 7),
+                NewRequestData(
+                    "fine", tokens, GREEDY, [11, 12, 13], 0, 20, 8, group_kv_block_ids=[[14, 15, 16]]
+                ),
+            ],
+        )
+    )
+    by_id = {o.request_id: o for o in result.outputs}
+    assert by_id["null-full"].error_kind is not None
+    assert by_id["one-table"].error_kind is not None and "2 KV groups" in by_id["one-table"].error_message
+    assert by_id["fine"].error_kind is None and by_id["fine"].sampled_token_id is not None
+
+
+def test_the_engine_scheduler_drives_the_worker_on_its_hybrid_layout(
+    hybrid: tuple[str, Path, LogitsRecorder, Reference],
+) -> None:
+    """The engine's scheduler on the layout the worker states, steps through protobuf, against HF greedy."""
+    _, folder, _, ref = hybrid
+    runner = build_runner(str(folder), num_blocks=40, block_size=BS)
+    config = runner.config
+    bytes_per_block = kv_bytes_per_block(config, BS, torch.float32)
+    groups = stated_kv_groups(runner, bytes_per_block)
+    assert [g.kind for g in groups] == [AttentionKind.FULL, AttentionKind.SLIDING_WINDOW]
+    capability = stated_profile(
+        BackendKind.CPU,
+        worker_id="cpu-test",
+        model=ModelInfo(
+            "tiny-hybrid", config.vocab_size, runner.max_model_len, (2,), num_layers=config.num_layers
+        ),
+        kv_block_size=BS,
+        kv_num_blocks=groups[0].num_blocks,
+        kv_bytes_per_block=bytes_per_block,
+        max_batch_tokens=24,
+        kv_groups=groups,
+    )
+    assert capability.problems() == []
+    scheduler = Scheduler(capability, SchedulerConfig(), seed=1)
+    prompts = {f"r{i}": prompt(30 + i, 30 + 7 * i) for i in range(4)}
+    for rid, tokens in prompts.items():
+        scheduler.add_request(
+            GenerateRequest(rid, tokens, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        )
+    produced: dict[str, list[int]] = {rid: [] for rid in prompts}
+    saw_null = False
+    while scheduler.has_work():
+        step = scheduler.schedule()
+        assert step is not None
+        sent = wire.step_from_pb(worker_pb2.DecodeStep.FromString(wire.step_to_pb(step).SerializeToString()))
+        for event in scheduler.update(step, runner.execute_step(sent)):
+            if isinstance(event, Token):
+                produced[event.request_id].extend(event.token_ids)
+        scheduler.check_integrity()
+        for rid in scheduler.running:
+            lease = scheduler.registry.lease(rid)
+            assert lease is not None and NULL_BLOCK_ID not in lease.block_tables[0]
+            saw_null |= NULL_BLOCK_ID in lease.block_tables[1]
+    scheduler.registry.check_quiescent()
+    assert saw_null
+    for rid, tokens in prompts.items():
+        with torch.no_grad():
+            expected = ref.model.generate(
+                torch.tensor([tokens]), max_new_tokens=16, do_sample=False, min_new_tokens=16
+            )[0, len(tokens) :].tolist()
+        assert produced[rid] == expected, rid
