@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from ominix_worker.config import ModelConfig
-from ominix_worker.models.compressed import LlamaCompressedForCausalLM
 from ominix_worker.models.llama import MLP, LlamaForCausalLM
 from ominix_worker.ops.moe_ref import fused_experts_ref, select_experts
 from ominix_worker.parallel import (
@@ -409,10 +408,7 @@ class MoeForCausalLM(LlamaForCausalLM):
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
-    """The module class that runs ``config``: the MoE decoder for sparse models, the compressed-attention one
-    for ``llama_compressed``, else the dense one."""
-    if config.compress_ratios:
-        return LlamaCompressedForCausalLM
+    """The module class that runs ``config``: the MoE decoder for sparse models, else the dense one."""
     return MoeForCausalLM if config.is_moe else LlamaForCausalLM
 
 
