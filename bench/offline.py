@@ -273,6 +273,11 @@ def add_roofline(args: argparse.Namespace, report: OfflineReport) -> None:
         bandwidth, flops = roofline.measure_copy_bandwidth(), roofline.measure_matmul_rate()
         source = "measured ceilings"
     source += f": {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s"
+    if args.gpus > 1:
+        # A tensor-parallel group reads and computes its shards side by side: the ceilings add up (all-reduce
+        # time is left out, so this stays a floor).
+        bandwidth, flops = bandwidth * args.gpus, flops * args.gpus
+        source += f" per GPU x {args.gpus}"
     if args.model_config and _is_moe(args.model_config):
         # The W1 roofline models dense layers; bench/tune_moe.py reports the MoE decode floor instead.
         print("roofline skipped: mixture-of-experts config (see bench/tune_moe.py)", file=sys.stderr)
@@ -407,6 +412,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--bandwidth", type=float, default=None, help="roofline ceiling, bytes/s (else measured)"
     )
     parser.add_argument("--flops", type=float, default=None, help="roofline ceiling, FLOP/s (else measured)")
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="GPUs serving the model (a TP group): the roofline's ceilings scale",
+    )
     parser.add_argument("--out-json", default=None)
     parser.add_argument("--no-request-details", action="store_true")
     parser.add_argument("--plot-prefix", default=None, help="write PNGs named PREFIX<run>.png")

@@ -47,13 +47,14 @@ rendezvous_port() { python3 -c "from ominix_worker.parallel.distributed import f
 # the list's length); serve drives them all; W1 and batch-1 through bench/offline.py; every process stopped.
 run_service() {
   local name=$1 model=$2 config=$3; shift 3
-  local eport pids=() watches=() workers=() g=0
+  local eport pids=() watches=() workers=() g=0 total=0
   eport=$(free_port)
   for devices in "$@"; do
     local leader dist rank=0 size
     leader=$(free_port); dist=$(rendezvous_port)
     IFS=, read -r -a devs <<<"$devices"
     size=${#devs[@]}
+    total=$((total + size))
     for dev in "${devs[@]}"; do
       local log="$OUT/$name.g$g.r$rank.log" tpflags=""
       [ "$size" -gt 1 ] && tpflags="--tp-size $size --tp-rank $rank --dist-init-addr 127.0.0.1:$dist"
@@ -72,7 +73,7 @@ run_service() {
   if timeout 960 python3 bench/common.py wait-serving "127.0.0.1:$eport" --timeout 900 "${watches[@]}"; then
     echo "$name: SERVING after $((SECONDS - started)) s"
     timeout "$SERVICE_S" python3 bench/offline.py --address "127.0.0.1:$eport" --no-progress --no-request-details \
-      --model-config "$config" --out-json "$OUT/$name.json" $W1_ARGS 2>&1 \
+      --model-config "$config" --gpus "$total" --out-json "$OUT/$name.json" $W1_ARGS 2>&1 \
       | grep -v -E "^(ITL|E2EL|peak|request throughput|total throughput|input tokens)" | tail -30
   else
     echo "$name: never SERVING (see above)"

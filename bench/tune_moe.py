@@ -35,10 +35,17 @@ from ominix_worker.ops.moe_ref import select_experts  # noqa: E402
 TOKEN_COUNTS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096, 8192]
 
 
-def candidates(use_fp8: bool, quick: bool) -> list[dict[str, int]]:
-    """Tile shapes to try; ``quick`` keeps 24 (a few minutes of compiling), the full space has 512."""
-    if quick:
+def candidates(use_fp8: bool, quick: bool, tokens: int) -> list[dict[str, int]]:
+    """Tile shapes to try for ``tokens`` tokens; ``quick`` keeps 16-27 per size class (decode: narrow N tiles
+    so that the few experts' weights spread over every SM; prefill: big tiles, 8 warps, grouped order), the
+    full space has 512."""
+    k_tiles = [64, 128] if use_fp8 else [64, 128, 256]
+    if quick and tokens <= 64:
+        space = ([16], [32, 64, 128], k_tiles, [1], [4], [3, 4, 5])
+    elif quick and tokens <= 512:
         space = ([16, 32, 64], [64, 128], [64, 128], [1], [4], [3, 4])
+    elif quick:
+        space = ([64, 128], [128, 256], [64], [16], [4, 8], [3, 4])
     else:
         space = ([16, 32, 64, 128], [32, 64, 128, 256], [64, 128] if use_fp8 else [32, 64, 128, 256],
                  [1, 16], [4, 8], [3, 4])  # fmt: skip
@@ -108,7 +115,7 @@ def main() -> None:
         routed = routed_tokens(config, tokens, gen)
         default_ms = time_layer(layer, routed, None)
         best_ms, best = default_ms, fused_moe.default_config(tokens, args.fp8)
-        for cfg in candidates(args.fp8, args.quick):
+        for cfg in candidates(args.fp8, args.quick, tokens):
             try:
                 ms = time_layer(layer, routed, cfg)
             except Exception:  # noqa: BLE001 - a shape the compiler or the device refuses is skipped
@@ -123,7 +130,12 @@ def main() -> None:
     name = fused_moe.config_file_name(e, 2 * i, h, "fp8" if args.fp8 else "bf16")
     if args.write:
         fused_moe.CONFIG_DIR.mkdir(exist_ok=True)
-        (fused_moe.CONFIG_DIR / name).write_text(json.dumps(table, indent=1) + "\n")
+        path = fused_moe.CONFIG_DIR / name
+        # Token counts not tuned in this run keep their stored entries.
+        stored = json.loads(path.read_text()) if path.is_file() else {}
+        merged = {**stored, **table}
+        merged = {m: merged[m] for m in sorted(merged, key=int)}
+        path.write_text(json.dumps(merged, indent=1) + "\n")
         fused_moe._stored_table.cache_clear()
         print(f"wrote {fused_moe.CONFIG_DIR / name}")
     report_decode_floor(config, args.fp8, gen)
