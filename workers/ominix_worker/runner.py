@@ -268,9 +268,10 @@ class ModelRunner:
         for group, table in zip(self.attention_groups, request.block_tables, strict=True):
             need = _blocks_for_tokens(group, end, bs)
             if len(table) < need:
-                kind = "compressed KV group" if group.compress_ratio else f"KV blocks (block size {bs})"
+                what = "blocks of a compressed KV group" if group.compress_ratio else "KV blocks"
                 raise RequestError(
-                    RuntimeErrorKind.INTERNAL, f"{len(table)} blocks of a {kind} cannot hold {end} tokens"
+                    RuntimeErrorKind.INTERNAL,
+                    f"{len(table)} {what} cannot hold {end} tokens (block size {bs})",
                 )
             first_read = max(0, start - group.window + 1) // bs if group.window else 0
             if NULL_BLOCK_ID in table[first_read:need]:
