@@ -229,6 +229,21 @@ def health_status(address: str, timeout_s: float = 1.0) -> str:
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
 
+def http_health_status(address: str, timeout_s: float = 1.0, path: str = "/health") -> str:
+    """SERVING when ``GET http://ADDRESS/health`` answers 200 (an OpenAI-compatible server such as
+    `vllm serve`), else UNREACHABLE or "HTTP <code>"."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{address}{path}", timeout=timeout_s) as reply:
+            return "SERVING" if reply.status == 200 else f"HTTP {reply.status}"
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}"
+    except (OSError, ValueError):
+        return "UNREACHABLE"
+
+
 class ServiceFailed(RuntimeError):
     """The launched service exited or never became healthy."""
 
@@ -454,18 +469,21 @@ def _watch_spec(spec: str) -> WatchedProcess:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python3 bench/common.py wait-serving ADDRESS --watch NAME:PID:LOG ...``: wait for health SERVING,
-    exit 1 at once (printing its last log lines) when a watched process has died, 2 on timeout."""
+    """``python3 bench/common.py wait-serving ADDRESS --watch NAME:PID:LOG ...``: wait for health SERVING
+    (grpc.health.v1, or ``GET /health`` = 200 with ``--http``), exit 1 at once (printing its last log lines)
+    when a watched process has died, 2 on timeout."""
     parser = argparse.ArgumentParser(prog="bench/common.py")
     sub = parser.add_subparsers(dest="command", required=True)
     wait = sub.add_parser("wait-serving", help="wait for grpc health SERVING while the given processes live")
     wait.add_argument("address")
     wait.add_argument("--timeout", type=float, default=600.0)
     wait.add_argument("--watch", action="append", default=[], type=_watch_spec, metavar="NAME:PID:LOG")
+    wait.add_argument("--http", action="store_true", help="probe GET http://ADDRESS/health instead of gRPC")
     args = parser.parse_args(argv)
+    probe = http_health_status if args.http else health_status
     try:
         waited = wait_until_ready(
-            lambda: health_status(args.address, timeout_s=1.0), args.watch, args.timeout, args.address
+            lambda: probe(args.address, timeout_s=1.0), args.watch, args.timeout, args.address
         )
     except ServiceDied as exc:
         print(str(exc), file=sys.stderr, flush=True)

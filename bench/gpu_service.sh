@@ -4,6 +4,7 @@
 # steady decode), then HF static generate on the same machine, and a table last. Every stage is bounded.
 #
 #   bash bench/gpu_service.sh                       # on the GPU machine, from the repository root
+#   STAGES="env overhead" bash bench/gpu_service.sh # engine overhead: three runs, GPU busy + next_ready each
 #   DEVICE=cpu MODEL=dummy:/path/tiny.json OFFLINE_ARGS="--num-requests 8 ..." STAGES="service" bash bench/gpu_service.sh
 #
 # Carried wheels (.whl/, when present) go to /tmp/site; results and logs land in ${OUT:-/tmp/ominix_service}.
@@ -20,11 +21,11 @@ OFFLINE_ARGS=${OFFLINE_ARGS:-}
 SERVICE_S=${SERVICE_S:-330}
 export PYTHONUNBUFFERED=1
 export OMINIX_PROFILE_BATCHES=${OMINIX_PROFILE_BATCHES:-256,1}
-export OMINIX_PROFILE_STEPS=${OMINIX_PROFILE_STEPS:-8}
+export OMINIX_PROFILE_STEPS=${OMINIX_PROFILE_STEPS:-32}
 export OMINIX_PROFILE_OUT=$OUT/probe.json
 export OMINIX_PROFILE_GATE=/tmp/ominix_profile_gate
 rm -f "$OMINIX_PROFILE_GATE"
-PROFILE_ARGS=${PROFILE_ARGS:-"--w1 --batch1 --output-len 40 --batch1-trials 1 --warmup-requests 0"}
+PROFILE_ARGS=${PROFILE_ARGS:-"--w1 --batch1 --output-len 64 --batch1-trials 1 --warmup-requests 0"}
 
 if [ -d .whl ] && [ -z "${NO_WHEELS:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -37,37 +38,72 @@ fi
 
 free_port() { python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])"; }
 
-run_service() {
-  local wport eport wpid epid
-  wport=$(free_port); eport=$(free_port)
+# Starts the worker (through step_probe.py) and the engine on free ports; sets WPID, EPID, EPORT. Returns 1,
+# with the last log lines printed, as soon as either process has died, e.g. at import.
+start_service() {
+  local wport
+  wport=$(free_port); EPORT=$(free_port)
   timeout $((SERVICE_S + 60)) python3 bench/step_probe.py --model "$MODEL" --device "$DEVICE" --port "$wport" \
     $WORKER_ARGS >"$OUT/worker.log" 2>&1 &
-  wpid=$!
+  WPID=$!
   timeout $((SERVICE_S + 60)) python3 -m ominix_runtime serve --model "$MODEL" --worker "127.0.0.1:$wport" \
-    --port "$eport" --metrics-port 0 --log-level warning --worker-ready-timeout 600 $SERVE_ARGS \
+    --port "$EPORT" --metrics-port 0 --log-level warning --worker-ready-timeout 600 $SERVE_ARGS \
     >"$OUT/engine.log" 2>&1 &
-  epid=$!
+  EPID=$!
   local started=$SECONDS
-  # Stops at once (exit 1, last log lines printed) when the worker or the engine has died, e.g. at import.
-  if timeout 660 python3 bench/common.py wait-serving "127.0.0.1:$eport" --timeout 600 \
-    --watch "worker:$wpid:$OUT/worker.log" --watch "engine:$epid:$OUT/engine.log"
+  if timeout 660 python3 bench/common.py wait-serving "127.0.0.1:$EPORT" --timeout 600 \
+    --watch "worker:$WPID:$OUT/worker.log" --watch "engine:$EPID:$OUT/engine.log"
   then
     echo "service SERVING after $((SECONDS - started)) s"
-    timeout "$SERVICE_S" python3 bench/offline.py --address "127.0.0.1:$eport" --all --no-progress \
+  else
+    echo "service never SERVING (see above)"
+    return 1
+  fi
+}
+
+stop_service() {
+  kill -TERM "$EPID" 2>/dev/null; sleep 1; kill -TERM "$WPID" 2>/dev/null
+  for _ in $(seq 60); do kill -0 "$WPID" 2>/dev/null || break; sleep 0.5; done
+  kill -KILL "$EPID" "$WPID" 2>/dev/null
+  wait 2>/dev/null
+  tail -5 "$OUT/worker.log"
+}
+
+run_service() {
+  if start_service; then
+    timeout "$SERVICE_S" python3 bench/offline.py --address "127.0.0.1:$EPORT" --all --no-progress \
       --no-request-details --model-config "$CONFIG_JSON" --out-json "$OUT/offline.json" $BW_ARGS $OFFLINE_ARGS \
       2>&1 | grep -v -E "^(ITL|E2EL|peak|request throughput|total throughput|input tokens)" | tail -60
     # Profiler windows (steady decode at batch 256 and 1) in a short untimed run after the timed one.
     touch "$OMINIX_PROFILE_GATE"
-    timeout 120 python3 bench/offline.py --address "127.0.0.1:$eport" --no-progress --no-request-details \
+    timeout 120 python3 bench/offline.py --address "127.0.0.1:$EPORT" --no-progress --no-request-details \
       $PROFILE_ARGS $OFFLINE_ARGS >"$OUT/profile_run.txt" 2>&1 || echo "profile run failed: $(tail -3 "$OUT/profile_run.txt")"
-  else
-    echo "service never SERVING (see above)"
   fi
-  kill -TERM "$epid" 2>/dev/null; sleep 1; kill -TERM "$wpid" 2>/dev/null
-  for _ in $(seq 60); do kill -0 "$wpid" 2>/dev/null || break; sleep 0.5; done
-  kill -KILL "$epid" "$wpid" 2>/dev/null
-  wait 2>/dev/null
-  tail -5 "$OUT/worker.log"
+  stop_service
+}
+
+# Engine overhead at batch 256, three consecutive runs on one service: each run is W1-shaped (OVERHEAD_ARGS:
+# 256 requests x 512 prompt tokens x 160 outputs, untimed) and gets its own profiler window (the gate file's
+# label names the run); the summary prints GPU busy and the median next_ready of each run.
+run_overhead() {
+  local out=$OUT/overhead
+  mkdir -p "$out"
+  local saved_out=$OMINIX_PROFILE_OUT
+  export OMINIX_PROFILE_OUT=$out/probe.json
+  if start_service; then
+    for run in 1 2 3; do
+      echo "run$run" >"$OMINIX_PROFILE_GATE"
+      timeout 200 python3 bench/offline.py --address "127.0.0.1:$EPORT" --w1 --warmup-requests 0 --no-progress \
+        --no-request-details ${OVERHEAD_ARGS:-"--num-requests 256 --input-len 512 --output-len 160"} \
+        >"$out/run$run.txt" 2>&1 || echo "overhead run $run failed: $(tail -3 "$out/run$run.txt")"
+      grep -E "W1 cold \(" "$out/run$run.txt" | head -1
+    done
+  fi
+  stop_service
+  rm -f "$OMINIX_PROFILE_GATE"
+  export OMINIX_PROFILE_OUT=$saved_out
+  python3 bench/service_summary.py "$out" | grep -E "^(overhead|between decode steps at batch 256|GPU busy)" \
+    | tee "$out/summary.txt"
 }
 
 BW_ARGS=""
@@ -86,6 +122,8 @@ for stage in $STAGES; do
       BW_ARGS=$(python3 -c "import json; r=json.load(open('$OUT/roofline.json')); print(f'--bandwidth {r[\"bandwidth\"]} --flops {r[\"flops\"]}')" 2>/dev/null) ;;
     service)
       run_service ;;
+    overhead)
+      run_overhead ;;
     peer)
       timeout ${PEER_S:-240} python3 bench/peer_hf.py --batch 128 --json "$OUT/peer_hf.json" 2>&1 \
         | grep -v -E "it/s\]|Loading" | tail -4 ;;

@@ -45,10 +45,11 @@ def step_breakdown(steps: list[dict[str, Any]], batch: int) -> dict[str, float] 
     return out
 
 
-def gap_parts(probe: dict[str, Any], batch: int) -> dict[str, float] | None:
-    """Medians (ms) over consecutive decode steps of one batch size, from the worker's marks: result →
-    protobuf and step ← protobuf durations, and ``next_ready`` = when the next step had been converted relative
-    to the end of the previous one (negative: it was waiting, so the engine kept up)."""
+def gap_parts(probe: dict[str, Any], batch: int, run: str | None = None) -> dict[str, float] | None:
+    """Medians (ms) over consecutive decode steps of one batch size (of one run label, when given), from the
+    worker's marks: result → protobuf and step ← protobuf durations, and ``next_ready`` = when the next step
+    had been converted relative to when the worker returned from the previous one (a pipelined worker returns
+    once it has launched step N, i.e. when N-1 ended on the device; ≤ 0: step N+1 was already waiting)."""
     marks = probe.get("marks", [])
     result_pb = {m[1]: (m[2], m[3]) for m in marks if m[0] == "result_to_pb"}
     step_pb = {m[1]: (m[2], m[3]) for m in marks if m[0] == "step_from_pb"}
@@ -56,6 +57,8 @@ def gap_parts(probe: dict[str, Any], batch: int) -> dict[str, float] | None:
     parts: dict[str, list[float]] = {k: [] for k in ("result_pb", "step_pb", "next_ready", "gap")}
     for prev, cur in zip(steps, steps[1:], strict=False):
         if not (prev["decode"] and cur["decode"] and prev["batch"] == batch == cur["batch"]):
+            continue
+        if run is not None and not (prev.get("run", "") == run == cur.get("run", "")):
             continue
         r, n = result_pb.get(prev.get("id")), step_pb.get(cur.get("id"))
         if r is None or n is None:
@@ -67,6 +70,27 @@ def gap_parts(probe: dict[str, Any], batch: int) -> dict[str, float] | None:
     if not parts["gap"]:
         return None
     return {k: statistics.median(v) * 1e3 for k, v in parts.items()}
+
+
+def print_overhead_runs(probe: dict[str, Any], runs: list[str]) -> None:
+    """One line per run label and profiled batch size: GPU busy (target >= 97% at batch 256) and the median
+    next_ready of that run's steady decode steps of that size (target <= 0.5 ms)."""
+    windows = probe.get("windows", {})
+    for run in runs:
+        for key, window in sorted(windows.items()):
+            if not key.startswith(f"{run}/decode_batch_"):
+                continue
+            batch = int(key.rsplit("_", 1)[1])
+            g = gap_parts(probe, batch, run)
+            share = window.get("gpu_busy_share")
+            idle = window.get("idle_us_per_step")
+            busy_text = "-" if share is None else f"{share:.1%} over {window.get('num_steps')} steps"
+            idle_text = "-" if idle is None else f"{idle / 1e3:.2f} ms"
+            ready_text = "-" if g is None else f"{g['next_ready']:.2f} ms"
+            print(
+                f"overhead {run} at batch {batch}: GPU busy {busy_text} (idle per step {idle_text}), "
+                f"next_ready median {ready_text}"
+            )
 
 
 def main(argv: list[str]) -> int:
@@ -101,8 +125,11 @@ def main(argv: list[str]) -> int:
     for key, window in sorted(windows.items()):
         if "gpu_busy_share" in window:
             share = window["gpu_busy_share"]
-            target = ">= 95%" if key.endswith("_256") else ""
-            rows.append((f"P3 GPU busy, {key} (profiler)", f"{share:.1%}", target))
+            target = ">= 97%" if key.endswith("_256") else ""
+            steps_text = f"{window.get('num_steps', '?')} steps" + (
+                "" if window.get("complete", True) else ", cut"
+            )
+            rows.append((f"GPU busy, {key} ({steps_text})", f"{share:.1%}", target))
             idle = window.get("idle_us_per_step")
             idle_text = f"{idle / 1e3:.2f}" if idle is not None else "-"
             rows.append(
@@ -122,11 +149,15 @@ def main(argv: list[str]) -> int:
             continue
         parts = ", ".join(f"{k[:-3]} {v:.2f}" for k, v in b.items() if k.endswith("_ms"))
         print(f"worker decode steps at batch {batch} (n={int(b['steps'])}), ms: {parts}")
+    runs = sorted({s.get("run", "") for s in steps} - {""})
     for batch in (256, 1):
-        g = gap_parts(probe, batch)
-        if g is not None:
-            parts = ", ".join(f"{k} {v:.2f}" for k, v in g.items())
-            print(f"between decode steps at batch {batch}, medians in ms: {parts}")
+        for run in [None, *runs]:
+            g = gap_parts(probe, batch, run)
+            if g is not None:
+                parts = ", ".join(f"{k} {v:.2f}" for k, v in g.items())
+                where = f", run {run}" if run else ", all runs"
+                print(f"between decode steps at batch {batch}{where}, medians in ms: {parts}")
+    print_overhead_runs(probe, runs)
     for key, window in sorted(windows.items()):
         top = window.get("top_kernels_us_per_step", [])[:6]
         if top:

@@ -1,13 +1,22 @@
 """Worker entry point with a step probe: where a worker's step time goes, and how busy the GPU is.
 
 Starts ``ominix_worker.server`` with the same flags, after wrapping ``ModelRunner.execute_step`` (and its phases)
-with host timers. Every step is logged (enter/exit time, batch, tokens, phase times); for each batch size in
-``OMINIX_PROFILE_BATCHES`` (e.g. ``256,1``) the first ``OMINIX_PROFILE_STEPS`` pure-decode steps of that size
-after a few warm ones run under ``torch.profiler``: GPU busy = union of kernel and copy intervals over the
-window of those steps as the host saw them, the gap between steps, and the top kernels.
-``OMINIX_PROFILE_OUT`` names the JSON written (rewritten every 64 steps and at exit); with
-``OMINIX_PROFILE_GATE`` set, windows open only once that file exists (opening and closing the profiler stalls
-the worker for seconds, which must stay out of timed runs).
+with host timers. Every step is logged (enter/exit time, batch, tokens, phase times, the run label below).
+
+GPU busy, the definition (bench/RESULTS.md repeats it): for each batch size in ``OMINIX_PROFILE_BATCHES``
+(e.g. ``256,1``), once ``_SKIP_WARM`` pure-decode steps of that size have run, ``torch.profiler`` (device
+activity only: host tracing would slow the host work being measured) runs a schedule of
+``OMINIX_PROFILE_WARMUP`` (4) warm-up steps, traced and discarded so that starting the profiler stays out
+of the window, then ``OMINIX_PROFILE_STEPS`` (32) recorded steps. The window runs from the first device
+activity recorded to the last; GPU busy = the union of every kernel, memcpy and memset interval in it
+divided by its length; idle per step = (window − busy) / recorded steps. A step of another shape inside the
+window ends it early (reported as ``complete: false``).
+
+Runs: with ``OMINIX_PROFILE_GATE`` set, windows open only while that file exists (opening and closing the
+profiler stalls the worker for a moment, which must stay out of timed runs); its content is a run label, and
+each new label arms one window per batch size again, so one service measures several runs back to back
+(``STAGES=overhead bash bench/gpu_service.sh``: three). Windows are keyed ``LABEL/decode_batch_N``.
+``OMINIX_PROFILE_OUT`` names the JSON written (rewritten every 64 steps, after each window and at exit).
 
     OMINIX_PROFILE_BATCHES=256,1 OMINIX_PROFILE_OUT=probe.json python3 bench/step_probe.py --device cuda:0 ...
 
@@ -27,21 +36,47 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-_SKIP_WARM = 4  # pure-decode steps of a size seen before its profile window opens
+_SKIP_WARM = 4  # pure-decode steps of a size seen (in the current run) before its profile window opens
 
 
 class StepProbe:
-    def __init__(self, out: str, batches: list[int], num_steps: int) -> None:
+    def __init__(self, out: str, batches: list[int], num_steps: int, warmup: int = 4) -> None:
         self.out = out
         self.steps: list[dict[str, Any]] = []
-        self.pending = {b: num_steps for b in batches}
+        self.batches = batches
+        self.num_steps = num_steps
+        self.warmup = warmup
+        self.pending = dict.fromkeys(batches, 1)  # windows still to open per batch size, this run
         self.seen: dict[int, int] = {}
         self.windows: dict[str, Any] = {}
-        self.active: tuple[int, Any, list[tuple[float, float]]] | None = None
+        # The open window: batch size, profiler, steps taken since it opened, its key.
+        self.active: tuple[int, Any, list[int], str] | None = None
         self.phase: dict[str, float] = {}
         self.marks: list[tuple[str, int, float, float]] = []
         # Profile only once this file exists (the timed runs stay free of profiler stalls); None: always.
         self.gate = os.environ.get("OMINIX_PROFILE_GATE") or None
+        self.label = ""  # the gate file's content: the run being measured
+        self._gate_stamp: float | None = None
+
+    def _read_gate(self) -> bool:
+        """Whether windows may open; a new label in the gate file re-arms one window per batch size."""
+        if self.gate is None:
+            return True
+        try:
+            stamp = os.stat(self.gate).st_mtime
+        except OSError:
+            return False
+        if stamp != self._gate_stamp:
+            self._gate_stamp = stamp
+            try:
+                label = Path(self.gate).read_text().strip()
+            except OSError:
+                label = ""
+            if label != self.label:
+                self.label = label
+                self.pending = dict.fromkeys(self.batches, 1)
+                self.seen = {}
+        return True
 
     # ---- wrapping ----------------------------------------------------------------------------------
 
@@ -110,9 +145,11 @@ class StepProbe:
         batch = len(step.new_requests) + len(step.running_requests)
         tokens = step.num_scheduled_tokens
         decode = batch > 0 and tokens == batch and not step.new_requests
+        gate = self._read_gate()
         if decode:
             self.seen[batch] = self.seen.get(batch, 0) + 1
-        gate = self.gate is None or os.path.exists(self.gate)
+        if self.active is not None and not (decode and batch == self.active[0]):
+            self._close()  # another shape: the window ends early
         if (
             gate
             and self.active is None
@@ -120,20 +157,15 @@ class StepProbe:
             and self.pending.get(batch, 0) > 0
             and self.seen[batch] > _SKIP_WARM
         ):
+            key = f"{self.label}/decode_batch_{batch}" if self.label else f"decode_batch_{batch}"
             try:
-                self._open(batch)
+                self._open(batch, key)
             except Exception as exc:  # noqa: BLE001 - a probe failure must not stop the worker
                 self.pending[batch] = 0
-                self.windows[f"decode_batch_{batch}"] = {"error": repr(exc)}
+                self.windows[key] = {"error": repr(exc)}
         self.phase = {}
         entered = time.perf_counter()
-        if self.active is not None:
-            import torch
-
-            with torch.profiler.record_function("ominix_step"):
-                result = execute(runner, step)
-        else:
-            result = execute(runner, step)
+        result = execute(runner, step)
         left = time.perf_counter()
         self.steps.append(
             {
@@ -143,13 +175,16 @@ class StepProbe:
                 "batch": batch,
                 "tokens": tokens,
                 "decode": decode,
+                "run": self.label,
+                "profiled": self.active is not None,
             }
             | {k.strip("_"): v for k, v in self.phase.items()}
         )
         if self.active is not None:
-            size = self.active[0]
-            self.pending[size] -= 1
-            if self.pending[size] <= 0 or not (decode and batch == size):
+            _, prof, taken, _ = self.active
+            taken[0] += 1
+            prof.step()
+            if taken[0] >= self.warmup + self.num_steps:
                 self._close()
         if len(self.steps) % 64 == 0:
             self.write()
@@ -157,7 +192,7 @@ class StepProbe:
 
     # ---- profiler windows --------------------------------------------------------------------------
 
-    def _open(self, batch: int) -> None:
+    def _open(self, batch: int, key: str) -> None:
         import torch
 
         # Device activity only on CUDA: host-side tracing would slow the very host work being measured.
@@ -165,24 +200,41 @@ class StepProbe:
             activities = [torch.profiler.ProfilerActivity.CUDA]
         else:
             activities = [torch.profiler.ProfilerActivity.CPU]
-        prof = torch.profiler.profile(activities=activities)
+        taken = [0]
+
+        def ready(prof: Any) -> None:  # noqa: ANN401
+            recorded = max(0, taken[0] - self.warmup)
+            try:
+                summary = summarize(prof, recorded)
+            except Exception as exc:  # noqa: BLE001 - a probe failure must not stop the worker
+                summary = {"error": repr(exc)}
+            summary["complete"] = recorded >= self.num_steps
+            summary["warmup_steps"] = self.warmup
+            self.windows[key] = summary
+
+        prof = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=0, warmup=self.warmup, active=self.num_steps, repeat=1),
+            on_trace_ready=ready,
+        )
         prof.__enter__()
-        self.active = (batch, prof, [])
+        self.active = (batch, prof, taken, key)
 
     def _close(self) -> None:
         import torch
 
         assert self.active is not None
-        batch, prof, _ = self.active
+        batch, prof, taken, key = self.active
         self.active = None
+        self.pending[batch] = 0
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        prof.__exit__(None, None, None)
-        self.pending[batch] = 0
         try:
-            self.windows[f"decode_batch_{batch}"] = summarize(prof)
+            prof.__exit__(None, None, None)  # a window cut short is summarized here
         except Exception as exc:  # noqa: BLE001 - a probe failure must not stop the worker
-            self.windows[f"decode_batch_{batch}"] = {"error": repr(exc)}
+            self.windows[key] = {"error": repr(exc)}
+        if key not in self.windows:
+            self.windows[key] = {"error": f"no recorded step ({taken[0]} steps, {self.warmup} warm-up)"}
         self.write()
 
     def write(self) -> None:
@@ -210,30 +262,26 @@ def _union(intervals: list[tuple[float, float]], low: float, high: float) -> flo
     return total
 
 
-def summarize(prof: Any) -> dict[str, Any]:
-    """GPU busy share of the window spanned by the profiled steps, gaps between them, top kernels."""
-    steps: list[tuple[float, float]] = []
+def summarize(prof: Any, num_steps: int) -> dict[str, Any]:  # noqa: ANN401
+    """GPU busy share of the window spanned by the recorded steps' device activity, and the top kernels.
+
+    The window runs from the first device activity (kernel, memcpy, memset) recorded to the last; busy is the
+    union of those intervals inside it. On a machine without CUDA there is no device activity: the host
+    operators stand in, so the arithmetic can be checked on a CPU.
+    """
     device: list[tuple[float, float, str]] = []
+    host: list[tuple[float, float, str]] = []
     for event in prof.events():
-        start = event.time_range.start
-        end = event.time_range.end
-        if event.name == "ominix_step" and event.device_type.name == "CPU":
-            steps.append((start, end))
-        elif event.device_type.name == "CUDA":
-            device.append((start, end, event.name))
-    steps.sort()
-    if steps:
-        low, high = steps[0][0], steps[-1][1]
-        n = len(steps)
-        gaps = [steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]
-    elif device:
-        # Device-only trace: the window runs from the first kernel of the profiled steps to the last.
-        low, high = min(s for s, _, _ in device), max(e for _, e, _ in device)
-        n = int(os.environ.get("OMINIX_PROFILE_STEPS", "8"))
-        steps = [(low, high)]
-        gaps = []
-    else:
-        return {"error": "no events"}
+        interval = (event.time_range.start, event.time_range.end, event.name)
+        if event.device_type.name == "CUDA":
+            device.append(interval)
+        else:
+            host.append(interval)
+    device = device or host
+    if not device or num_steps <= 0:
+        return {"error": "no events", "num_steps": num_steps}
+    low, high = min(s for s, _, _ in device), max(e for _, e, _ in device)
+    n = num_steps
     wall = high - low
     busy = _union([(s, e) for s, e, _ in device], low, high)
     totals: dict[str, float] = {}
@@ -247,7 +295,6 @@ def summarize(prof: Any) -> dict[str, Any]:
         "gpu_busy_share": busy / wall if wall > 0 else None,
         "step_us_mean": wall / n,
         "idle_us_per_step": (wall - busy) / n,
-        "gap_between_steps_us_mean": sum(gaps) / len(gaps) if gaps else None,
         "num_device_events_per_step": len(device) / n,
         "top_kernels_us_per_step": [(name[:90], t / n) for name, t in top],
     }
@@ -256,7 +303,10 @@ def summarize(prof: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in os.environ.get("OMINIX_PROFILE_BATCHES", "").split(",") if b.strip()]
     probe = StepProbe(
-        os.environ.get("OMINIX_PROFILE_OUT", ""), batches, int(os.environ.get("OMINIX_PROFILE_STEPS", "8"))
+        os.environ.get("OMINIX_PROFILE_OUT", ""),
+        batches,
+        int(os.environ.get("OMINIX_PROFILE_STEPS", "32")),
+        int(os.environ.get("OMINIX_PROFILE_WARMUP", "4")),
     )
     probe.install()
     from ominix_worker.server import main as worker_main

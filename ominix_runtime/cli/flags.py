@@ -317,6 +317,14 @@ FLAGS: tuple[Flag, ...] = (
         switch_value=False,
     ),
     Flag(
+        "--max-inflight-steps",
+        "engine",
+        "steps sent to a worker ahead of its results (1: none; 3: step N+1 reaches a pipelined GPU worker about "
+        "one device step before it is due, so the device does not wait for the engine)",
+        ("engine.max_inflight_steps",),
+        positive_int,
+    ),
+    Flag(
         "--drain-timeout",
         "engine",
         "seconds live requests may take to finish after SIGINT/SIGTERM",

@@ -29,7 +29,10 @@ class SchedulerConfig:
 @dataclass(frozen=True, slots=True)
 class EngineCoreConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
-    max_inflight_steps: int = 2  # 1 disables overlap
+    # Steps sent ahead of their results. A pipelined worker launches step N+1 on the device as soon as step N
+    # is launched, before N-1's ids reach the host; with 3, step N+1 was scheduled from N-2's result, so the
+    # engine has a whole device step to build it. With 2 it would have only the worker's launch time. 1: none.
+    max_inflight_steps: int = 3
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S
     deadline_check_interval: float = 0.05  # seconds between deadline sweeps while idle
     idle_integrity_check_interval: float = 1.0  # registry check_integrity() while idle, at most this often

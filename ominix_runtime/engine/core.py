@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -18,6 +19,7 @@ from ominix_runtime.contract import (
     InvalidArgument,
     OminixError,
     RuntimeErrorKind,
+    Token,
     Usage,
     WorkerEvent,
     is_terminal,
@@ -34,24 +36,89 @@ from ominix_runtime.engine.stats import EngineStats, LoadSnapshot, RunReport, St
 _AFFINITY_LOAD_SLACK = 4
 
 
-class RequestHandle:
-    """Async iterator of one request's WorkerEvents, in order; ends after the terminal event."""
+class EventInbox:
+    """One request's undelivered events. Cheaper than an asyncio.Queue: ``put`` appends and wakes the reader
+    at most once, and the reader takes everything that has arrived in one go."""
 
-    def __init__(self, request_id: str, queue: asyncio.Queue[WorkerEvent], core: EngineCore) -> None:
+    __slots__ = ("_events", "_waiter")
+
+    def __init__(self) -> None:
+        self._events: deque[WorkerEvent] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, event: WorkerEvent) -> None:
+        self._events.append(event)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[WorkerEvent]:
+        """Every event that has arrived, waiting for the first one."""
+        while not self._events:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+
+def _coalesce(events: list[WorkerEvent]) -> list[WorkerEvent]:
+    """Consecutive Token events as one (ids, logprobs and text in order): a reader that fell behind catches up
+    with one message per request instead of one per step."""
+    out: list[WorkerEvent] = []
+    for event in events:
+        last = out[-1] if out else None
+        if isinstance(event, Token) and isinstance(last, Token):
+            out[-1] = Token(
+                last.request_id,
+                last.token_ids + event.token_ids,
+                last.logprobs + event.logprobs,
+                last.text + event.text,
+            )
+        else:
+            out.append(event)
+    return out
+
+
+class RequestHandle:
+    """Async iterator of one request's WorkerEvents, in order; ends after the terminal event.
+
+    With ``coalesce`` (a request without stop strings, so no token is ever cut after a match), tokens that
+    queued up while the reader was busy come as one Token event.
+    """
+
+    def __init__(self, request_id: str, inbox: EventInbox, core: EngineCore, coalesce: bool = False) -> None:
         self.request_id = request_id
-        self._queue = queue
+        self._inbox = inbox
         self._core = core
+        self._coalesce = coalesce
         self._ended = False
 
     def __aiter__(self) -> AsyncIterator[WorkerEvent]:
         return self._events()
 
     async def _events(self) -> AsyncIterator[WorkerEvent]:
-        while not self._ended:
-            event = await self._queue.get()
+        while events := await self.next_events():
+            for event in events:
+                yield event
+
+    async def next_events(self) -> list[WorkerEvent]:
+        """The events that have arrived (waiting for the first), in order, up to the terminal one; [] once
+        the terminal event was taken. A stream front loops over these instead of iterating the handle: one
+        async-generator layer less for every token of every request."""
+        if self._ended:
+            return []
+        events = await self._inbox.take()
+        if self._coalesce and len(events) > 1:
+            events = _coalesce(events)
+        for i, event in enumerate(events):
             if is_terminal(event):
                 self._ended = True
-            yield event
+                return events[: i + 1]
+        return events
 
     def abort(self) -> None:
         """Abort the request (e.g. the client went away); frees its KV at once."""
@@ -60,7 +127,7 @@ class RequestHandle:
 
 @dataclass(slots=True)
 class _LiveRequest:
-    queue: asyncio.Queue[WorkerEvent]
+    inbox: EventInbox
     group: WorkerGroup
 
 
@@ -196,9 +263,9 @@ class EngineCore:
             )
         group = self._route(request)
         group.submit(request)  # raises OminixError on rejection (counted by the group)
-        queue: asyncio.Queue[WorkerEvent] = asyncio.Queue()
-        self._live[request.request_id] = _LiveRequest(queue, group)
-        return RequestHandle(request.request_id, queue, self)
+        inbox = EventInbox()
+        self._live[request.request_id] = _LiveRequest(inbox, group)
+        return RequestHandle(request.request_id, inbox, self, coalesce=not request.sampling.stop)
 
     def _route(self, request: GenerateRequest) -> WorkerGroup:
         if request.model and not any(g.capability.model.name == request.model for g in self._groups):
@@ -296,7 +363,7 @@ class EngineCore:
             live = self._live.get(event.request_id)
             if live is None:
                 continue
-            live.queue.put_nowait(event)
+            live.inbox.put(event)
             if is_terminal(event):
                 del self._live[event.request_id]
         if not self._live:

@@ -57,6 +57,7 @@ class _LeaseState:
     # the last one.
     num_hashed_blocks: list[int] = field(default_factory=list)
     last_hashes: list[int] = field(default_factory=list)
+    next_full_tokens: int = 0  # computed tokens at which some group's next block fills up
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +232,8 @@ class KVRegistry:
         self._pools = [_BlockPool(g) for g in self.layout]
         # Prefix hits are whole blocks of every group.
         self.hit_granularity = math.lcm(*(g.tokens_per_block for g in self.layout))
+        # Nothing ever slides without a sliding group: the per-step hot path skips the walk.
+        self._slides = any(g.is_sliding for g in self.layout)
         self._leases: dict[str, _LeaseState] = {}
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -351,7 +354,7 @@ class KVRegistry:
         some group lacks blocks; then nothing changed but the slide.
         """
         state = self._leases.get(request_id)
-        if state is not None and num_computed_tokens is not None:
+        if state is not None and num_computed_tokens is not None and self._slides:
             self.slide(request_id, num_computed_tokens)
         if state is not None and prefix is None and num_tokens <= state.lease.num_tokens_reserved:
             state.num_tokens = max(state.num_tokens, num_tokens)
@@ -399,7 +402,7 @@ class KVRegistry:
             p.group.tokens_for_blocks(len(t))
             for p, t in zip(self._pools, state.lease.block_tables, strict=True)
         )
-        if num_computed_tokens is not None:
+        if num_computed_tokens is not None and self._slides:
             self.slide(request_id, num_computed_tokens)
         return added
 
@@ -435,6 +438,8 @@ class KVRegistry:
         if state is None:
             return
         known = min(num_computed_tokens, len(token_ids))
+        if known < state.next_full_tokens:
+            return  # the common decode step: no block of any group filled up since the last call
         for g, (pool, table) in enumerate(zip(self._pools, state.lease.block_tables, strict=True)):
             span = pool.group.tokens_per_block
             num_full = min(known // span, len(table))
@@ -444,6 +449,10 @@ class KVRegistry:
                     pool.register(table[i], key)
                 state.last_hashes[g] = hash(key)
             state.num_hashed_blocks[g] = max(state.num_hashed_blocks[g], num_full)
+        state.next_full_tokens = min(
+            (n + 1) * p.group.tokens_per_block
+            for n, p in zip(state.num_hashed_blocks, self._pools, strict=True)
+        )
 
     def free(self, request_id: str) -> list[int]:
         """Release the lease tail-first; returns group 0's block ids (empty when there was none)."""

@@ -272,6 +272,7 @@ class Scheduler:
 
         order = sorted(self.running.values(), key=lambda r: r.order_key)
         kv_blocked = False
+        several_groups = self.registry.num_groups > 1
         for idx, req in enumerate(order):
             if budget <= 0:
                 break
@@ -280,7 +281,7 @@ class Scheduler:
             n = self._num_to_schedule(req, budget)
             if n <= 0:
                 continue
-            table_lengths = self._table_lengths(req)
+            table_lengths = self._table_lengths(req) if several_groups else []
             new_blocks = self._allocate_running(req, n)
             while new_blocks is None:
                 victim = self._pick_victim(order, idx, step_id)
@@ -295,11 +296,8 @@ class Scheduler:
                 new_blocks = self._allocate_running(req, n)
             if new_blocks is None:
                 continue
-            running_requests.append(
-                RunningRequestData(
-                    req.request_id, new_blocks, n, self._appended_group_blocks(req, table_lengths)
-                )
-            )
+            group_blocks = self._appended_group_blocks(req, table_lengths) if several_groups else []
+            running_requests.append(RunningRequestData(req.request_id, new_blocks, n, group_blocks))
             self._commit(req, n, scheduled, plan)
             budget -= n
 

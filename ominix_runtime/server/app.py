@@ -368,6 +368,7 @@ async def serve(config: RuntimeConfig) -> int:
         done, _ = await asyncio.wait({start, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
         if start in done:
             start.result()
+            memory.freeze_startup_heap()  # this process's own heap only: in-process daemons (tests) keep theirs
             await stop_wait
         else:
             start.cancel()

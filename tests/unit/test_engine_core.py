@@ -315,3 +315,27 @@ def test_idle_integrity_checks_are_counted_and_catch_corruption() -> None:
         registry._pools[0].num_leased -= 1
 
     _run([FakeStepBackend()], body, EngineCoreConfig(idle_integrity_check_interval=0.0))
+
+
+def test_a_reader_that_falls_behind_gets_queued_tokens_as_one_event() -> None:
+    """Tokens that pile up while a stream's reader is busy come out as one Token (ids in order, one terminal);
+    a request with stop strings keeps one event per token, so no token is sent past a match."""
+    backend = FakeStepBackend(FakeConfig())
+
+    async def body(core: EngineCore) -> None:
+        plain = core.submit(_req("plain", max_tokens=12))
+        stops = _req("stops", max_tokens=12)
+        stops.sampling.stop = ["never-matched"]
+        with_stops = core.submit(stops)
+        while core.stats().running_requests or core.stats().queued_requests:
+            await asyncio.sleep(0.01)  # both finish before anything reads their streams
+        late = await _collect(plain)
+        _check_stream(late)
+        assert [len(e.token_ids) for e in late if isinstance(e, Token)] == [12]
+        per_token = await _collect(with_stops)
+        _check_stream(per_token)
+        assert [len(e.token_ids) for e in per_token if isinstance(e, Token)] == [1] * 12
+        assert _tokens(late) == _tokens(per_token)  # same prompt, seed and sampling: same tokens
+
+    _run([backend], body)
+    assert not backend.violations

@@ -77,13 +77,13 @@ def _tokens_of_all(run: Run, n: int) -> dict[str, list[int]]:
 
 def test_overlap_gives_the_same_tokens_as_no_overlap() -> None:
     results = []
-    for inflight in (1, 2):
+    for inflight in (1, 2, 3):
         run = make(FakeConfig(max_batch_tokens=40, kv_block_size=4, kv_num_blocks=48))
         for i in range(10):
             run.scheduler.add_request(request(f"r{i}", _prompt(12 + 3 * i, base=i), max_tokens=12, seed=i))
         drive(run, max_inflight=inflight)
         results.append(_tokens_of_all(run, 10))
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2]
     assert all(len(t) == 12 for t in results[0].values())
 
 

@@ -51,7 +51,7 @@ def _run(
     jobs=workload,
     blocks=st.integers(11, 40),
     budget=st.integers(8, 64),
-    inflight=st.sampled_from([1, 2]),
+    inflight=st.sampled_from([1, 2, 3]),
 )
 def test_random_workloads_match_an_unconstrained_run(
     jobs: list[tuple[int, int, int, Priority, bool]], blocks: int, budget: int, inflight: int

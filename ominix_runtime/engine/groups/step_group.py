@@ -1,8 +1,9 @@
 """The step-level worker group: scheduler + KV registry + one ordered worker stream, and the task driving it.
 
-The loop keeps up to ``max_inflight_steps`` steps in flight (2 = overlap: step N+1 is sent before step N's
-result is back; the scheduler's placeholders make that safe). A cheap registry integrity check runs now and
-then while idle; deadlines are the base class's (the engine core sweeps them).
+The loop keeps up to ``max_inflight_steps`` steps in flight (default 3: step N+1 is sent once step N-2's
+result is back, so a pipelined worker has it before it launches N+1; the scheduler's placeholders make that
+safe). A cheap registry integrity check runs now and then while idle; deadlines are the base class's (the
+engine core sweeps them).
 
 Failure: a broken stream, a missed heartbeat or a step past ``step_timeout`` marks the group unhealthy. Its
 live requests are handed to the engine (``evacuate``), which resumes them on another worker group from

@@ -1,0 +1,548 @@
+"""The engine's own cost per decode step, on the CPU: real engine, real gRPC, a fake worker that computes nothing.
+
+Three processes on loopback: a fake step-level worker (``--role worker``: answers each DecodeStep at once, or
+after ``--step-ms`` as a stand-in for the GPU, keeping every request's length so it samples exactly where a
+model would), the engine (this process: ``EngineDaemon`` with the same ``--worker`` setup as ``ominix-runtime
+serve``, wrapped with host timers) and a client process (``--role clients``: ``--concurrency`` streaming
+Generate calls with token-id prompts, greedy, ``ignore_eos``). Only decode steps at the full batch count.
+
+Per step the engine's driver is timed phase by phase: ``schedule`` (Scheduler.schedule), ``to_pb`` (DecodeStep →
+protobuf), ``send`` (the stream write, protobuf → bytes included), ``from_pb`` (the result's protobuf → StepResult),
+``update`` (Scheduler.update) and ``deliver`` (events into the 256 request queues); ``turnaround`` is the
+critical path, from a result's arrival on the engine to the next step's send; ``cpu`` is the whole engine
+process's CPU time per step (every thread), so ``cpu`` − driver phases is what streaming the tokens to the
+clients, gRPC and the event loop cost. With ``--step-ms`` the fake worker also reports what the GPU would see:
+``next_ready`` (when step N+1 arrived relative to the end of step N; ≤ 0 means it was waiting) and busy share.
+
+    python bench/engine_overhead.py                          # 256 streams, instant worker
+    python bench/engine_overhead.py --step-ms 14             # a 14 ms "GPU" step: next_ready, busy
+    python bench/engine_overhead.py --profile engine.prof    # cProfile of the engine process (steady window)
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+import grpc
+import grpc.aio
+
+from bench.common import free_port, percentile
+from ominix_runtime import wire
+from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+MODEL = "dummy:bench/configs/llama8b-config.json"
+VOCAB = 128256
+EOS = 128001
+HOLD_S = 1.5
+
+
+# ---------------------------------------------------------------- the fake worker
+
+
+class FakeWorker(worker_pb2_grpc.WorkerServicer):
+    """Answers steps from their protobuf alone: a row samples once it has computed every token it knows."""
+
+    def __init__(self, model_name: str, step_s: float, batch: int, stats_path: str) -> None:
+        from ominix_runtime.contract import Granularity
+        from ominix_runtime.testing.fake_backend import FakeConfig, fake_capability
+
+        cap = fake_capability(
+            FakeConfig(
+                worker_id="fake-0",
+                model_name=model_name,
+                vocab_size=VOCAB,
+                eos_token_ids=(EOS,),
+                max_model_len=8192,
+                kv_num_blocks=32768,
+                kv_block_size=16,
+                max_batch_tokens=8192,
+                max_running_requests=batch,
+            ),
+            Granularity.STEP,
+        )
+        self.capability = wire.capability_to_pb(cap)
+        self.step_s = step_s
+        self.batch = batch
+        self.stats_path = stats_path
+        # request id -> [tokens known, tokens computed]
+        self.lengths: dict[str, list[int]] = {}
+        self.steps: list[tuple[float, float, float, bool]] = []  # arrival, start, end, steady decode
+        # The first result is held for HOLD_S, so that every client's request is in the engine's queue by
+        # then and decode runs at the full batch, as it does behind a long prefill on a GPU.
+        self.seen: set[str] = set()
+
+    async def Describe(self, request: Any, context: Any) -> Any:  # noqa: ANN401
+        return self.capability
+
+    async def Health(self, request: Any, context: Any) -> Any:  # noqa: ANN401
+        return worker_pb2.HealthResponse(ready=True)
+
+    def _answer(self, step: worker_pb2.DecodeStep) -> worker_pb2.WorkerMessage:
+        lengths = self.lengths
+        for rid in step.finished_request_ids:
+            lengths.pop(rid, None)
+        out = worker_pb2.StepResult(step_id=step.step_id)
+        outputs = out.outputs
+        tokens = 0
+        for new in step.new_requests:
+            self.seen.add(new.request_id)
+            known = len(new.prompt_token_ids) + len(new.output_token_ids)
+            lengths[new.request_id] = [known, new.num_computed_tokens]
+        rows = [(r.request_id, r.num_scheduled_tokens) for r in step.new_requests]
+        rows += [(r.request_id, r.num_scheduled_tokens) for r in step.running_requests]
+        for rid, n in rows:
+            state = lengths.get(rid)
+            if state is None:
+                continue
+            tokens += n
+            state[1] += n
+            if state[1] >= state[0]:
+                state[0] += 1
+                outputs.add(request_id=rid, sampled_token_id=1000 + state[0] % 1000)
+            else:
+                outputs.add(request_id=rid)
+        out.num_tokens = tokens
+        return worker_pb2.WorkerMessage(step_result=out)
+
+    async def Run(self, request_iterator: Any, context: Any) -> AsyncIterator[worker_pb2.WorkerMessage]:  # noqa: ANN401
+        loop = asyncio.get_running_loop()
+        outbox: asyncio.Queue[tuple[float, worker_pb2.WorkerMessage] | None] = asyncio.Queue()
+        gpu_free = 0.0
+
+        async def read() -> None:
+            nonlocal gpu_free
+            try:
+                async for step in request_iterator:
+                    arrival = time.perf_counter()
+                    steady = (
+                        not step.new_requests
+                        and len(step.running_requests) == self.batch
+                        and all(r.num_scheduled_tokens == 1 for r in step.running_requests)
+                    )
+                    start = max(arrival, gpu_free)
+                    gpu_free = start + self.step_s
+                    self.steps.append((arrival, start, gpu_free, steady))
+                    outbox.put_nowait((gpu_free, self._answer(step)))
+            finally:
+                outbox.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        yield worker_pb2.WorkerMessage(heartbeat=worker_pb2.Heartbeat(worker_time=time.monotonic()))
+        try:
+            while True:  # heartbeats until the first step, as a real worker sends them while idle
+                try:
+                    first = await asyncio.wait_for(outbox.get(), 0.5)
+                    break
+                except asyncio.TimeoutError:
+                    yield worker_pb2.WorkerMessage(
+                        heartbeat=worker_pb2.Heartbeat(worker_time=time.monotonic())
+                    )
+            held_until = loop.time() + HOLD_S
+            while len(self.seen) < self.batch and loop.time() < held_until:
+                await asyncio.sleep(0.1)
+                yield worker_pb2.WorkerMessage(heartbeat=worker_pb2.Heartbeat(worker_time=time.monotonic()))
+            gpu_free = time.perf_counter()  # the held steps do not count as device time
+            if first is None:
+                return
+            yield first[1]
+            while True:
+                item = await outbox.get()
+                if item is None:
+                    break
+                due, message = item
+                wait = due - time.perf_counter()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                yield message
+        finally:
+            reader.cancel()
+            self.write_stats()
+
+    def write_stats(self) -> None:
+        if self.stats_path:
+            Path(self.stats_path).write_text(json.dumps({"step_s": self.step_s, "steps": self.steps}))
+
+
+async def serve_fake_worker(args: argparse.Namespace) -> None:
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(
+        FakeWorker(args.model_name, args.step_ms / 1e3, args.concurrency, args.stats), server
+    )
+    server.add_insecure_port(f"127.0.0.1:{args.port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+def worker_view(stats: dict[str, Any]) -> dict[str, float]:
+    """What a GPU would have seen over the steady decode steps (all but the first two)."""
+    steps = [tuple(s) for s in stats["steps"]]
+    pairs = [(p, c) for p, c in zip(steps, steps[1:], strict=False) if p[3] and c[3]][2:]
+    if not pairs:
+        return {}
+    # As the pipelined GPU worker logs it: step N+1's arrival relative to when step N was launched (which is
+    # when N-1 ended on the device); above one step time, the device waited.
+    next_ready = [c[0] - p[1] for p, c in pairs]
+    window = pairs[-1][1][2] - pairs[0][1][1]
+    busy = len(pairs) * stats["step_s"]
+    return {
+        "steps": float(len(pairs)),
+        "next_ready_p50_ms": statistics.median(next_ready) * 1e3,
+        "next_ready_p90_ms": percentile(next_ready, 90) * 1e3,
+        "busy_share": busy / window if window > 0 else float("nan"),
+    }
+
+
+# ---------------------------------------------------------------- the clients
+
+
+async def run_clients(args: argparse.Namespace) -> dict[str, Any]:
+    channel = grpc.aio.insecure_channel(args.address)
+    stub = engine_pb2_grpc.EngineStub(channel)
+    counts: list[int] = []
+    messages: list[int] = []  # token messages per request (below the token count when tokens were coalesced)
+    terminals: list[str] = []
+
+    async def one(i: int) -> None:
+        request = engine_pb2.GenerateRequest(
+            request_id=f"r{i}",
+            sampling=common_pb2.SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True),
+            stream=not args.no_stream,
+        )
+        # Distinct prompts: each starts with its own token id, so no two share a cache block.
+        request.input_ids.ids.extend(
+            [10 + i] + [(7 * i + k) % 30000 + 100 for k in range(args.prompt_len - 1)]
+        )
+        tokens = chunks = 0
+        ends: list[str] = []
+        async for event in stub.Generate(request):
+            kind = event.WhichOneof("event")
+            if kind == "token":
+                tokens += len(event.token.token_ids)
+                chunks += 1
+            elif kind in ("done", "error"):
+                ends.append(kind)
+        counts.append(tokens)
+        messages.append(chunks)
+        terminals.append(",".join(ends))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(args.concurrency)))
+    wall = time.perf_counter() - started
+    await channel.close()
+    return {
+        "wall_s": wall,
+        "requests": len(counts),
+        "all_done_once": all(t == "done" for t in terminals),
+        "tokens_per_request": sorted(set(counts)),
+        "token_messages_per_token": sum(messages) / max(1, sum(counts)),
+    }
+
+
+# ---------------------------------------------------------------- the engine, timed
+
+
+class EngineTimers:
+    """Host timers around the engine's driver phases; only full-batch pure-decode steps count."""
+
+    PHASES = ("schedule", "to_pb", "send", "from_pb", "update", "deliver", "turnaround")
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.samples: dict[str, list[float]] = {p: [] for p in self.PHASES}
+        self.current: dict[str, float] = {}
+        self.arrivals: list[float] = []  # results on the engine not yet taken by the driver
+        self.last_arrival = 0.0  # when the result the driver took last had arrived
+        self.steady = False
+        self.steady_steps = 0
+        self.cpu_window: list[float] = []  # process CPU, wall at the first and the last steady step
+        self.profile: cProfile.Profile | None = None
+        self.profile_path = ""
+
+    def is_steady(self, step: Any) -> bool:  # noqa: ANN401
+        return (
+            not step.new_requests
+            and len(step.running_requests) == self.batch
+            and (step.num_scheduled_tokens == self.batch)
+        )
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.current[phase] = self.current.get(phase, 0.0) + seconds
+
+    def step_sent(self, step: Any, started: float, ended: float) -> None:  # noqa: ANN401
+        steady = self.is_steady(step)
+        if steady and self.steady:
+            # The phases booked since the previous send belong to this step (schedule, its build and send,
+            # and the result/update/deliver that released it).
+            for phase, value in self.current.items():
+                self.samples[phase].append(value)
+            if self.last_arrival:
+                self.samples["turnaround"].append(started - self.last_arrival)
+            self.steady_steps += 1
+            self.cpu_window[2:] = [time.process_time(), ended]
+            if self.profile is not None and self.steady_steps == 3:
+                self.profile.enable()
+        elif steady and not self.steady:
+            self.cpu_window = [time.process_time(), ended]
+        self.steady = steady
+        if not steady and self.profile is not None and self.steady_steps > 3:
+            self.profile.disable()
+        self.current = {}
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self.steady:
+            self.gc_pauses.append((info["generation"], time.perf_counter() - self._gc_started))
+
+    def install(self) -> None:
+        import gc
+
+        from ominix_runtime.backends import grpc_worker
+
+        self.gc_pauses: list[tuple[int, float]] = []
+        self._gc_started = 0.0
+        gc.callbacks.append(self._on_gc)
+        from ominix_runtime.engine import core, scheduler
+
+        timers = self
+
+        def timed(phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+                started = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    timers.add(phase, time.perf_counter() - started)
+
+            return wrapper
+
+        scheduler.Scheduler.schedule = timed("schedule", scheduler.Scheduler.schedule)  # type: ignore[method-assign]
+        scheduler.Scheduler.update = timed("update", scheduler.Scheduler.update)  # type: ignore[method-assign]
+        core.EngineCore._deliver = timed("deliver", core.EngineCore._deliver)  # type: ignore[method-assign]
+        wire.step_to_pb = timed("to_pb", wire.step_to_pb)  # type: ignore[assignment]
+        from_pb = timed("from_pb", wire.step_result_from_pb)
+
+        def taken_from_pb(message: Any) -> Any:  # noqa: ANN401
+            if timers.arrivals:
+                timers.last_arrival = timers.arrivals.pop(0)
+            return from_pb(message)
+
+        wire.step_result_from_pb = taken_from_pb  # type: ignore[assignment]
+
+        send = grpc_worker.GrpcStepStream.send
+
+        async def timed_send(stream: Any, step: Any) -> None:  # noqa: ANN401
+            started = time.perf_counter()
+            try:
+                await send(stream, step)
+            finally:
+                ended = time.perf_counter()
+                timers.add("send", ended - started)
+                timers.step_sent(step, started, ended)
+
+        grpc_worker.GrpcStepStream.send = timed_send  # type: ignore[method-assign]
+
+        read_loop = grpc_worker.GrpcStepStream._read_loop
+
+        async def stamped_read_loop(stream: Any) -> None:  # noqa: ANN401
+            inbox = stream._inbox
+            put = inbox.put_nowait
+
+            def put_stamped(item: Any) -> None:  # noqa: ANN401
+                timers.arrivals.append(time.perf_counter())
+                put(item)
+
+            inbox.put_nowait = put_stamped
+            await read_loop(stream)
+
+        grpc_worker.GrpcStepStream._read_loop = stamped_read_loop  # type: ignore[method-assign]
+
+    def report(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"steady_steps": self.steady_steps}
+        for phase, values in self.samples.items():
+            if values:
+                out[f"{phase}_p50_ms"] = statistics.median(values) * 1e3
+                out[f"{phase}_mean_ms"] = statistics.fmean(values) * 1e3
+        pauses = self.gc_pauses
+        if pauses:
+            out["gc_pauses_per_step"] = len(pauses) / max(1, self.steady_steps)
+            out["gc_ms_per_step"] = sum(p for _, p in pauses) / max(1, self.steady_steps) * 1e3
+            out["gc_max_ms"] = max(p for _, p in pauses) * 1e3
+            out["gc_by_generation"] = {g: sum(1 for q, _ in pauses if q == g) for g in (0, 1, 2)}
+        if len(self.cpu_window) == 4 and self.steady_steps:
+            cpu0, wall0, cpu1, wall1 = self.cpu_window
+            out["cpu_per_step_ms"] = (cpu1 - cpu0) / self.steady_steps * 1e3
+            out["wall_per_step_ms"] = (wall1 - wall0) / self.steady_steps * 1e3
+        return out
+
+
+async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str, Any]:
+    from ominix_runtime import memory
+    from ominix_runtime.config import BackendsConfig, LogConfig, ModelConfig, RuntimeConfig, ServerConfig
+    from ominix_runtime.engine.config import EngineCoreConfig
+    from ominix_runtime.server.app import EngineDaemon
+
+    here = Path(__file__).resolve().parent
+    wport, eport = free_port(), free_port()
+    stats_path = Path(args.work_dir) / "fake_worker.json"
+    stats_path.unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]))
+    model_name = (
+        args.model.split("/")[-1].removesuffix(".json") if args.model.startswith("dummy:") else args.model
+    )
+    worker = subprocess.Popen(
+        [sys.executable, str(here / "engine_overhead.py"), "--role", "worker", "--port", str(wport),
+         "--step-ms", str(args.step_ms), "--concurrency", str(args.concurrency), "--stats", str(stats_path),
+         "--model-name", model_name],
+        env=env,
+    )  # fmt: skip
+    config = RuntimeConfig(
+        model=ModelConfig(path=args.model),
+        engine=EngineCoreConfig(
+            max_inflight_steps=args.max_inflight_steps or EngineCoreConfig().max_inflight_steps
+        ),
+        backends=BackendsConfig(workers=(f"127.0.0.1:{wport}",), ready_timeout=30.0),
+        server=ServerConfig(port=eport, metrics_port=0, stats_interval=0, drain_timeout=5.0),
+        log=LogConfig(level="warning"),
+    )
+    daemon = EngineDaemon(config)
+    try:
+        await daemon.start()
+        if not args.no_gc_freeze:
+            memory.freeze_startup_heap()  # as `ominix-runtime serve` does once started
+        clients = await asyncio.create_subprocess_exec(
+            sys.executable, str(here / "engine_overhead.py"), "--role", "clients",
+            "--address", f"127.0.0.1:{eport}", "--concurrency", str(args.concurrency),
+            "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
+            *(["--no-stream"] if args.no_stream else []),
+            stdout=asyncio.subprocess.PIPE, env=env,
+        )  # fmt: skip
+        out, _ = await clients.communicate()
+        if clients.returncode != 0:
+            raise RuntimeError(f"clients failed (exit {clients.returncode})")
+        client_report = json.loads(out.decode().strip().splitlines()[-1])
+    finally:
+        await daemon.shutdown()
+        worker.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            worker.wait(10)
+        worker.kill()
+    result: dict[str, Any] = {
+        "clients": client_report,
+        "engine": timers.report(),
+        "max_inflight_steps": config.engine.max_inflight_steps,
+    }
+    if stats_path.exists():
+        result["worker"] = worker_view(json.loads(stats_path.read_text()))
+    return result
+
+
+def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    eng, cli, wrk = result["engine"], result["clients"], result.get("worker", {})
+    mode = "instant worker" if args.step_ms == 0 else f"worker step {args.step_ms:g} ms"
+    mode += f", {result['max_inflight_steps']} steps in flight"
+    stream = "non-streaming" if args.no_stream else "streaming"
+    print(
+        f"{args.concurrency} {stream} requests × {args.prompt_len} prompt × {args.output_len} output tokens, {mode}; "
+        f"{cli['wall_s']:.2f} s; every request one Done: {cli['all_done_once']}; tokens/request {cli['tokens_per_request']}; "
+        f"token messages per token {cli['token_messages_per_token']:.2f}"
+    )
+    print(f"steady decode steps at batch {args.concurrency}: {eng['steady_steps']}")
+    for phase in EngineTimers.PHASES:
+        if f"{phase}_p50_ms" in eng:
+            print(
+                f"  {phase:<11} p50 {eng[f'{phase}_p50_ms']:7.3f} ms   mean {eng[f'{phase}_mean_ms']:7.3f} ms"
+            )
+    if "cpu_per_step_ms" in eng:
+        driver = sum(
+            eng.get(f"{p}_mean_ms", 0.0) for p in ("schedule", "to_pb", "from_pb", "update", "deliver")
+        )
+        print(
+            f"  engine process CPU per step {eng['cpu_per_step_ms']:.3f} ms (driver phases {driver:.3f} ms, rest "
+            f"{eng['cpu_per_step_ms'] - driver:.3f} ms: client streams, gRPC, event loop); wall per step "
+            f"{eng['wall_per_step_ms']:.3f} ms"
+        )
+    if "gc_ms_per_step" in eng:
+        print(
+            f"  garbage collection: {eng['gc_pauses_per_step']:.2f} runs and {eng['gc_ms_per_step']:.3f} ms per step, "
+            f"longest {eng['gc_max_ms']:.2f} ms, runs by generation {eng['gc_by_generation']}"
+        )
+    if wrk and args.step_ms > 0:
+        print(
+            f"  as the worker saw it ({wrk['steps']:.0f} steps): next_ready p50 {wrk['next_ready_p50_ms']:.2f} ms, "
+            f"p90 {wrk['next_ready_p90_ms']:.2f} ms; busy {wrk['busy_share']:.1%}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--role", choices=("engine", "worker", "clients"), default="engine")
+    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--step-ms", type=float, default=0.0, help="fake worker step time (0: answer at once)"
+    )
+    parser.add_argument("--max-inflight-steps", type=int, default=0, help="0: the engine's default")
+    parser.add_argument(
+        "--no-gc-freeze", action="store_true", help="leave the collector as the process started"
+    )
+    parser.add_argument("--no-stream", action="store_true", help="clients ask for the final event only")
+    parser.add_argument("--model", default=MODEL)
+    parser.add_argument("--profile", default="", help="write a cProfile of the steady steps here (pstats)")
+    parser.add_argument("--json", default="")
+    parser.add_argument("--work-dir", default="/tmp")
+    # internal: the child processes
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--address", default="")
+    parser.add_argument("--stats", default="")
+    parser.add_argument("--model-name", default="")
+    args = parser.parse_args(argv)
+    try:
+        import uvloop
+    except ImportError:  # plain asyncio then
+        uvloop = None  # type: ignore[assignment]
+    runner: Callable[[Any], Any] = uvloop.run if uvloop is not None else asyncio.run
+    if args.role == "worker":
+        runner(serve_fake_worker(args))
+        return 0
+    if args.role == "clients":
+        print(json.dumps(runner(run_clients(args))))
+        return 0
+    from ominix_runtime.server.logging import configure_logging
+
+    configure_logging("warning", json_output=True)
+    timers = EngineTimers(args.concurrency)
+    timers.install()
+    if args.profile:
+        timers.profile = cProfile.Profile()
+    result = runner(run_engine(args, timers))
+    print_report(args, result)
+    if args.profile and timers.profile is not None:
+        timers.profile.dump_stats(args.profile)
+        pstats.Stats(args.profile).sort_stats("tottime").print_stats(25)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+#!/usr/bin/env bash
+# Online serving, this project beside vLLM, in one GPU-machine call: a dummy model of one shape (default the
+# Llama-3.1-8B shape) with a word-level tokenizer (bench/online.py model-dir), our service (`launch`) driven by
+# bench/online.py, then `vllm serve` driven by `vllm bench serve`, each at the same Poisson request rates with the
+# same prompt and output lengths, one after the other on the whole GPU; a table (and a PNG where matplotlib is
+# installed) last. Every wait stops at once when the process waited on has died, printing its last log lines.
+#
+#   VLLM_SITE=/path/to/unpacked/vllm/wheels bash bench/online_service.sh      # from the repository root
+#   STAGES=ours DEVICE=cpu CONFIG_JSON=tiny/config.json INPUT_LEN=32 OUTPUT_LEN=8 bash bench/online_service.sh
+#
+# VLLM_SITE: a folder on PYTHONPATH for the vLLM processes only (unset: vLLM from python3's own site-packages).
+# Carried wheels (.whl/, when present) go to /tmp/site for our service. The few result files go to $RESULTS
+# (default $OUT, else /tmp/ominix_online): online_ominix.json and online_vllm.json (a list of vllm-bench-style
+# results, one per rate), online_table.md, online.png, logs_tail.txt; logs and raw files to $WORK.
+set -u
+RESULTS=${RESULTS:-${OUT:-/tmp/ominix_online}}
+WORK=${WORK:-/tmp/ominix_online_work}
+mkdir -p "$RESULTS" "$WORK"
+STAGES=${STAGES:-"ours vllm table"}
+DEVICE=${DEVICE:-cuda:0}
+CONFIG_JSON=${CONFIG_JSON:-bench/configs/llama8b-config.json}
+RATES=${RATES:-"4 8 16 32 inf"}
+SECONDS_PER_RATE=${SECONDS_PER_RATE:-15}
+INF_PROMPTS=${INF_PROMPTS:-256}
+MIN_PROMPTS=${MIN_PROMPTS:-16}
+INPUT_LEN=${INPUT_LEN:-1024}
+OUTPUT_LEN=${OUTPUT_LEN:-256}
+WARMUP=${WARMUP:-16}
+SEED=${SEED:-0}
+SLO_TTFT_MS=${SLO_TTFT_MS:-500}
+SLO_TPOT_MS=${SLO_TPOT_MS:-50}
+MAX_MODEL_LEN=${MAX_MODEL_LEN:-2048}
+MAX_NUM_SEQS=${MAX_NUM_SEQS:-256}
+MAX_BATCH_TOKENS=${MAX_BATCH_TOKENS:-8192}
+GPU_MEMORY_UTILIZATION=${GPU_MEMORY_UTILIZATION:-0.9}
+READY_S=${READY_S:-300}          # our service: launch to health SERVING
+VLLM_READY_S=${VLLM_READY_S:-400} # vllm serve: start to GET /health 200
+RATE_S=${RATE_S:-150}            # one rate's run, either system
+OURS_ARGS=${OURS_ARGS:-}
+VLLM_ARGS=${VLLM_ARGS:-}
+export PYTHONUNBUFFERED=1
+T0=$SECONDS
+part() { echo "=== $1 (t=$((SECONDS - T0)) s, $(date -u +%T))"; }
+
+if [ -d .whl ] && [ -z "${NO_WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  ln -sfn "$PWD/workers/ominix_worker" /tmp/site/ominix_worker
+  OURS_PATH=/tmp/site:$PWD
+else
+  OURS_PATH=$PWD:$PWD/workers${PYTHONPATH:+:$PYTHONPATH}
+fi
+VLLM_PATH=${VLLM_SITE:-}
+ours_py() { PYTHONPATH="$OURS_PATH" python3 "$@"; }
+vllm_py() { PYTHONPATH="$VLLM_PATH" python3 "$@"; }
+free_port() { python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])"; }
+rate_prompts() {
+  ours_py bench/online.py num-prompts --rate "$1" --seconds "$SECONDS_PER_RATE" --inf-prompts "$INF_PROMPTS" \
+    --min-prompts "$MIN_PROMPTS"
+}
+
+# Stop what setsid started: SIGTERM to its leader (timeout passes it on, the service stops its own children),
+# SIGKILL to the whole group after 30 s; then wait until no process holds the GPU, so the next system starts on
+# the whole device.
+stop_group() {
+  local pid=$1
+  kill -TERM "$pid" 2>/dev/null
+  for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+  kill -KILL -- "-$pid" 2>/dev/null
+  wait "$pid" 2>/dev/null
+  if command -v nvidia-smi >/dev/null; then
+    for _ in $(seq 30); do
+      [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && break
+      sleep 1
+    done
+  fi
+}
+
+MODEL_DIR=$WORK/model
+part "model folder"
+ours_py bench/online.py model-dir --config "$CONFIG_JSON" --out "$MODEL_DIR" || exit 1
+
+run_ours() {
+  local port wbase pid
+  port=$(free_port); wbase=$(free_port)
+  part "ours: launch"
+  PYTHONPATH="$OURS_PATH" setsid timeout 1200 python3 -m ominix_runtime launch --model "dummy:$MODEL_DIR" \
+    --devices "$DEVICE" --port "$port" --metrics-port 0 --worker-base-port "$wbase" \
+    --max-model-len "$MAX_MODEL_LEN" --max-running-requests "$MAX_NUM_SEQS" --max-batch-tokens "$MAX_BATCH_TOKENS" \
+    --gpu-memory-utilization "$GPU_MEMORY_UTILIZATION" --log-level warning $OURS_ARGS >"$WORK/ominix.log" 2>&1 &
+  pid=$!
+  if timeout $((READY_S + 30)) python3 bench/common.py wait-serving "127.0.0.1:$port" --timeout "$READY_S" \
+    --watch "ominix-runtime launch:$pid:$WORK/ominix.log"; then
+    part "ours: rates $RATES"
+    # Bounded as a whole; a service that dies mid-run fails the open streams, which ends the run.
+    timeout $((RATE_S * $(echo $RATES | wc -w) + 60)) env PYTHONPATH="$OURS_PATH" python3 bench/online.py run \
+      --address "127.0.0.1:$port" --rates "$(echo $RATES | tr ' ' ',')" --seconds "$SECONDS_PER_RATE" \
+      --inf-prompts "$INF_PROMPTS" --min-prompts "$MIN_PROMPTS" --input-len "$INPUT_LEN" \
+      --output-len "$OUTPUT_LEN" --warmup-requests "$WARMUP" --seed "$SEED" --slo-ttft-ms "$SLO_TTFT_MS" \
+      --slo-tpot-ms "$SLO_TPOT_MS" --label ominix --no-progress --out-json "$RESULTS/online_ominix.json" \
+      || echo "ours: the run failed or timed out (exit $?)"
+    kill -0 "$pid" 2>/dev/null || { echo "ours: the service died during the run:"; tail -20 "$WORK/ominix.log"; }
+  else
+    echo "ours: service never SERVING (see above)"
+  fi
+  part "ours: stop"
+  stop_group "$pid"
+}
+
+run_vllm() {
+  local port pid i n rate files
+  # The GPU machine has no network; the FlashInfer sampler stays off as in the peer's recipe.
+  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
+  part "vllm: import check"
+  if ! vllm_py -c "import vllm, vllm.benchmarks.serve; print('vllm', vllm.__version__)" 2>"$WORK/vllm_import.log"; then
+    echo "vllm: cannot import vllm.benchmarks.serve (VLLM_SITE=${VLLM_SITE:-unset}); skipped:"
+    tail -5 "$WORK/vllm_import.log"
+    return
+  fi
+  port=$(free_port)
+  part "vllm: serve"
+  PYTHONPATH="$VLLM_PATH" setsid timeout 1200 python3 -m vllm.entrypoints.cli.main serve "$MODEL_DIR" \
+    --load-format dummy --dtype bfloat16 --max-model-len "$MAX_MODEL_LEN" --max-num-seqs "$MAX_NUM_SEQS" \
+    --max-num-batched-tokens "$MAX_BATCH_TOKENS" --gpu-memory-utilization "$GPU_MEMORY_UTILIZATION" \
+    --host 127.0.0.1 --port "$port" --seed 0 --disable-uvicorn-access-log $VLLM_ARGS >"$WORK/vllm.log" 2>&1 &
+  pid=$!
+  if timeout $((VLLM_READY_S + 30)) python3 bench/common.py wait-serving "127.0.0.1:$port" --http \
+    --timeout "$VLLM_READY_S" --watch "vllm serve:$pid:$WORK/vllm.log"; then
+    local bench=(python3 -m vllm.entrypoints.cli.main bench serve --host 127.0.0.1 --port "$port"
+      --model "$MODEL_DIR" --dataset-name random --random-input-len "$INPUT_LEN" --ignore-eos --temperature 0
+      --disable-tqdm)
+    part "vllm: warm-up ($WARMUP requests at once)"
+    timeout "$RATE_S" env PYTHONPATH="$VLLM_PATH" "${bench[@]}" --random-output-len 16 --num-prompts "$WARMUP" \
+      --request-rate inf --seed $((SEED + 10000)) >"$WORK/vllm_warmup.log" 2>&1 \
+      || { echo "vllm: warm-up failed:"; tail -20 "$WORK/vllm_warmup.log"; }
+    rm -rf "$WORK/vllm_results"; mkdir -p "$WORK/vllm_results"
+    i=0
+    for rate in $RATES; do
+      n=$(rate_prompts "$rate")
+      part "vllm: rate $rate ($n prompts)"
+      timeout "$RATE_S" env PYTHONPATH="$VLLM_PATH" "${bench[@]}" --random-output-len "$OUTPUT_LEN" \
+        --request-rate "$rate" --num-prompts "$n" --seed $((SEED + i)) --label vllm --save-result \
+        --result-dir "$WORK/vllm_results" --result-filename "rate_$i.json" \
+        --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
+        --goodput "ttft:$SLO_TTFT_MS" "tpot:$SLO_TPOT_MS" >"$WORK/vllm_rate_$i.log" 2>&1 \
+        || { echo "vllm: rate $rate failed (exit $?):"; tail -20 "$WORK/vllm_rate_$i.log"; }
+      grep -E "^(Successful|Failed) requests|Request goodput|Output token throughput|(Median|P99) (TTFT|TPOT|ITL)" \
+        "$WORK/vllm_rate_$i.log" | tr -s ' ' | paste -sd ';' -
+      kill -0 "$pid" 2>/dev/null || { echo "vllm: the server died:"; tail -20 "$WORK/vllm.log"; break; }
+      i=$((i + 1))
+    done
+    files=$(ls "$WORK"/vllm_results/rate_*.json 2>/dev/null | grep -v pytorch)
+    if [ -n "$files" ]; then
+      python3 -c "import json, sys; json.dump([json.load(open(f)) for f in sys.argv[2:]], open(sys.argv[1], 'w'), indent=1)" \
+        "$RESULTS/online_vllm.json" $files && echo "vllm: $(echo $files | wc -w) results in $RESULTS/online_vllm.json"
+    fi
+  else
+    echo "vllm: server never healthy (see above)"
+  fi
+  part "vllm: stop"
+  stop_group "$pid"
+}
+
+for stage in $STAGES; do
+  case $stage in
+    ours) run_ours ;;
+    vllm) run_vllm ;;
+    table)
+      part "table"
+      series=()
+      [ -s "$RESULTS/online_ominix.json" ] && series+=(--series "ominix=$RESULTS/online_ominix.json")
+      [ -s "$RESULTS/online_vllm.json" ] && series+=(--series "vllm=$RESULTS/online_vllm.json")
+      if [ ${#series[@]} -gt 0 ]; then
+        png=$(ours_py -c "import matplotlib" 2>/dev/null && echo "--png $RESULTS/online.png")
+        ours_py bench/plot_online.py "${series[@]}" --table "$RESULTS/online_table.md" \
+          --slo-ttft-ms "$SLO_TTFT_MS" --slo-tpot-ms "$SLO_TPOT_MS" $png
+      else
+        echo "no results to tabulate"
+      fi ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
+for log in "$WORK"/ominix.log "$WORK"/vllm.log; do
+  [ -f "$log" ] && { echo "--- last lines of $log"; tail -15 "$log"; }
+done >"$RESULTS/logs_tail.txt"
+part "done"

@@ -1,0 +1,263 @@
+"""Online serving bench: bench/online.py against the real daemon, bench/plot_online.py on synthetic results, and
+bench/online_service.sh stopping at once when the service or `vllm serve` dies at start.
+
+Performance is never asserted: only that every request ended, the counts are exact and the files are whole.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench import online, plot_online  # noqa: E402
+from bench.common import launch_service  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_hidden_layers": 2,
+    "vocab_size": 320,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "torch_dtype": "float32",
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def _tiny_config(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny-config.json"
+    path.write_text(json.dumps(TINY_CONFIG))
+    return path
+
+
+def test_rates_and_prompt_counts() -> None:
+    assert online.parse_rates("4, 8,inf") == [4.0, 8.0, math.inf]
+    with pytest.raises(ValueError):
+        online.parse_rates("4,0")
+    assert online.num_prompts(16.0, 15.0, inf_prompts=256, min_prompts=16) == 240
+    assert online.num_prompts(0.5, 10.0, inf_prompts=256, min_prompts=16) == 16  # at least min_prompts
+    assert online.num_prompts(math.inf, 15.0, inf_prompts=256, min_prompts=16) == 256
+
+
+def test_model_dir_tokenizer_round_trips_token_ids(tmp_path: Path) -> None:
+    """Any id sequence decodes to text that encodes back to exactly those ids, in our tokenizer and HF's."""
+    from ominix_runtime.text.tokenizer import Tokenizer
+
+    folder = online.write_model_dir(_tiny_config(tmp_path), tmp_path / "model")
+    assert json.loads((folder / "config.json").read_text()) == TINY_CONFIG
+    ids = [int(i) for i in __import__("numpy").random.default_rng(0).integers(3, 320, size=200)]
+    ours = Tokenizer.from_hf_folder(folder)
+    assert ours.vocab_size == 320 and ours.bos_token_id == 1 and ours.eos_token_ids == (2,)
+    assert ours.special_token_ids == frozenset({1, 2})
+    text = ours.backend.decode(ids)
+    assert ours.backend.encode(text).ids == ids
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    assert hf.num_special_tokens_to_add() == 0 and sorted(hf.all_special_ids) == [1, 2]
+    assert hf.encode(hf.decode(ids), add_special_tokens=False) == ids
+
+
+def test_online_run_against_launched_service(tmp_path: Path) -> None:
+    """Two rates (Poisson and all at once) against `ominix-runtime launch` on CPU: every request ends, with the
+    exact lengths, and the JSON carries vllm bench serve's field names."""
+    pytest.importorskip("torch")
+    model = online.write_model_dir(_tiny_config(tmp_path), tmp_path / "model")
+    launch_args = ["--model", f"dummy:{model}", "--devices", "cpu", "--kv-cache-memory", "16MiB"]
+    out = tmp_path / "ours.json"
+    argv = [
+        "run",
+        "--rates", "20,inf",
+        "--seconds", "0.3",
+        "--min-prompts", "5",
+        "--inf-prompts", "4",
+        "--input-len", "24",
+        "--output-len", "6",
+        "--warmup-requests", "2",
+        "--slo-ttft-ms", "60000",
+        "--slo-tpot-ms", "60000",
+        "--save-detailed",
+        "--no-progress",
+        "--out-json", str(out),
+    ]  # fmt: skip
+    with launch_service(launch_args, ready_timeout_s=120.0, show_progress=False) as service:
+        assert online.main([*argv, "--address", service.address]) == 0
+    results = json.loads(out.read_text())
+    assert [r["request_rate"] for r in results] == [20.0, "inf"]
+    assert [r["num_prompts"] for r in results] == [6, 4]
+    for result in results:
+        n = result["num_prompts"]
+        assert result["completed"] == n and result["failed"] == 0, result["errors"]
+        assert result["errors"] == [""] * n
+        assert result["input_lens"] == [24] * n and result["output_lens"] == [6] * n
+        assert result["total_output_tokens"] == 6 * n and result["total_input_tokens"] == 24 * n
+        assert result["request_goodput"] == pytest.approx(result["request_throughput"])  # generous SLOs
+        assert result["output_throughput"] == pytest.approx(6 * n / result["duration"])
+        for metric in ("ttft", "tpot", "itl", "e2el"):
+            for stat in ("mean", "median", "std", "p50", "p99"):
+                assert isinstance(result[f"{stat}_{metric}_ms"], float), (stat, metric)
+            assert result[f"p50_{metric}_ms"] == pytest.approx(result[f"median_{metric}_ms"])
+            assert result[f"p99_{metric}_ms"] >= result[f"p50_{metric}_ms"] > 0
+        assert all(len(gaps) == 5 for gaps in result["itls"])  # one token per chunk: 6 tokens, 5 gaps
+        assert result["median_e2el_ms"] >= result["median_ttft_ms"]
+    poisson = results[0]
+    assert max(poisson["start_times"]) > 0  # spread out, not all at once
+    assert results[1]["start_times"] == pytest.approx([0.0] * 4, abs=0.5)
+
+
+def _synthetic(rate: float | str, scale: float, completed: int = 10) -> dict[str, object]:
+    return {
+        "request_rate": rate,
+        "num_prompts": completed,
+        "completed": completed,
+        "failed": 0,
+        "duration": 5.0,
+        "total_input_tokens": 1024 * completed,
+        "total_output_tokens": 256 * completed,
+        "output_throughput": 1000.0 / scale,
+        "request_goodput": 3.0 / scale,
+        "median_ttft_ms": 40.0 * scale,
+        "p99_ttft_ms": 90.0 * scale,
+        "median_tpot_ms": 7.0 * scale,
+        "p99_tpot_ms": 9.0 * scale,
+        "median_itl_ms": 6.5 * scale,
+        "p99_itl_ms": 20.0 * scale,
+    }
+
+
+def test_plot_online_writes_one_png_and_a_ratio_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    ours = tmp_path / "ours.json"  # online.py's form: one list
+    ours.write_text(json.dumps([_synthetic(r, 1.0) for r in (4.0, 8.0, 16.0, 32.0, "inf")]))
+    peer = tmp_path / "vllm"  # vllm bench serve's form: one object per file, in a folder
+    peer.mkdir()
+    for i, rate in enumerate((4.0, 8.0, 16.0, 32.0, "inf")):
+        (peer / f"rate_{i}.json").write_text(json.dumps(_synthetic(rate, 2.0)))
+    png, table = tmp_path / "online.png", tmp_path / "online.md"
+    argv = [
+        "--series",
+        f"ominix={ours}",
+        "--series",
+        f"vllm={peer}",
+        "--png",
+        str(png),
+        "--table",
+        str(table),
+    ]
+    assert plot_online.main(argv) == 0
+    data = png.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 10_000
+    text = table.read_text()
+    assert text == capsys.readouterr().out.split("png: ")[0]
+    ratio_rows = [line for line in text.splitlines() if line.startswith("| ominix/vllm")]
+    assert len(ratio_rows) == 5  # one per rate, inf included
+    assert "0.50x" in ratio_rows[0] and "2.00x" in ratio_rows[0]  # latencies halved, throughput doubled
+    not_a_result = tmp_path / "other.json"
+    not_a_result.write_text("{}")
+    with pytest.raises(ValueError, match="no request_rate"):
+        plot_online.load_results(not_a_result)
+
+
+def _script_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "RESULTS": str(tmp_path / "results"),
+        "WORK": str(tmp_path / "work"),
+        "CONFIG_JSON": str(_tiny_config(tmp_path)),
+        "NO_WHEELS": "1",
+        **extra,
+    }
+
+
+def test_online_service_script_stops_when_our_service_dies_at_start(tmp_path: Path) -> None:
+    env = _script_env(tmp_path, STAGES="ours", DEVICE="bogus:0", READY_S="600")
+    started = time.monotonic()
+    done = subprocess.run(
+        ["bash", "bench/online_service.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    output = done.stdout + done.stderr
+    assert time.monotonic() - started < 120, output  # not the 600 s readiness timeout
+    assert "ours: service never SERVING" in output
+    assert "exited; last lines of" in output and "bogus:0" in output
+
+
+def test_online_service_script_stops_when_vllm_serve_dies_at_start(tmp_path: Path) -> None:
+    """A stand-in `vllm` package on VLLM_SITE whose server exits at once: the /health wait ends at once."""
+    site = tmp_path / "site"
+    for package in ("vllm", "vllm/benchmarks", "vllm/entrypoints", "vllm/entrypoints/cli"):
+        (site / package).mkdir(parents=True)
+        (site / package / "__init__.py").write_text("")
+    (site / "vllm/__init__.py").write_text("__version__ = '0.0-stand-in'\n")
+    (site / "vllm/benchmarks/serve.py").write_text("")
+    (site / "vllm/entrypoints/cli/main.py").write_text(
+        "import sys\nprint('RuntimeError: no CUDA device (stand-in server)')\nsys.exit(3)\n"
+    )
+    env = _script_env(tmp_path, STAGES="vllm", VLLM_SITE=str(site), VLLM_READY_S="600")
+    started = time.monotonic()
+    done = subprocess.run(
+        ["bash", "bench/online_service.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    output = done.stdout + done.stderr
+    assert time.monotonic() - started < 120, output
+    assert "vllm 0.0-stand-in" in output
+    assert "vllm serve exited" in output and "no CUDA device (stand-in server)" in output
+    assert "vllm: server never healthy" in output
+
+
+def test_online_service_script_runs_our_rates_and_tabulates(tmp_path: Path) -> None:
+    """The script's own path on CPU: model folder, launch, two rates, stop, table and PNG."""
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    env = _script_env(
+        tmp_path,
+        STAGES="ours table",
+        DEVICE="cpu",
+        RATES="10 inf",
+        SECONDS_PER_RATE="0.4",
+        MIN_PROMPTS="4",
+        INF_PROMPTS="4",
+        INPUT_LEN="24",
+        OUTPUT_LEN="6",
+        WARMUP="2",
+        MAX_MODEL_LEN="256",
+        MAX_NUM_SEQS="16",
+        MAX_BATCH_TOKENS="512",
+        OURS_ARGS="--kv-cache-memory 16MiB",
+    )
+    done = subprocess.run(
+        ["bash", "bench/online_service.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    output = done.stdout + done.stderr
+    results = tmp_path / "results"
+    saved = json.loads((results / "online_ominix.json").read_text())
+    assert [(r["request_rate"], r["completed"], r["failed"]) for r in saved] == [
+        (10.0, 4, 0),
+        ("inf", 4, 0),
+    ], output
+    assert all(r["total_output_tokens"] == 4 * 6 for r in saved)
+    table = (results / "online_table.md").read_text()
+    assert "| ominix | 10 " in table and "| ominix | inf " in table
+    assert (results / "online.png").read_bytes()[:8] == PNG_MAGIC
+    assert "=== ours: stop" in output and "=== done" in output
