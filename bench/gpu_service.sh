@@ -25,6 +25,8 @@ export OMINIX_PROFILE_STEPS=${OMINIX_PROFILE_STEPS:-32}
 export OMINIX_PROFILE_OUT=$OUT/probe.json
 export OMINIX_PROFILE_GATE=/tmp/ominix_profile_gate
 rm -f "$OMINIX_PROFILE_GATE"
+# Word-split on use: a quoted default inside ${...:-} would reach offline.py as one argument.
+OVERHEAD_ARGS=${OVERHEAD_ARGS:-"--num-requests 256 --input-len 512 --output-len 160"}
 PROFILE_ARGS=${PROFILE_ARGS:-"--w1 --batch1 --output-len 64 --batch1-trials 1 --warmup-requests 0"}
 
 if [ -d .whl ] && [ -z "${NO_WHEELS:-}" ]; then
@@ -94,7 +96,7 @@ run_overhead() {
     for run in 1 2 3; do
       echo "run$run" >"$OMINIX_PROFILE_GATE"
       timeout 200 python3 bench/offline.py --address "127.0.0.1:$EPORT" --w1 --warmup-requests 0 --no-progress \
-        --no-request-details ${OVERHEAD_ARGS:-"--num-requests 256 --input-len 512 --output-len 160"} \
+        --no-request-details $OVERHEAD_ARGS \
         >"$out/run$run.txt" 2>&1 || echo "overhead run $run failed: $(tail -3 "$out/run$run.txt")"
       grep -E "W1 cold \(" "$out/run$run.txt" | head -1
     done

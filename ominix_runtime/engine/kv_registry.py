@@ -16,7 +16,8 @@ One registry per worker group, sized from the worker's BackendCapability (kv_num
   their entry. A compressed group (one row per ``compress_ratio`` tokens) holds blocks only for complete
   chunks: its table covers ``rows // block_size`` rounded up, and a block of it covers
   ``block_size * compress_ratio`` tokens; the trailing partial chunk has no row (its tokens live in the
-  layer's raw group). A prefix hit is the longest prefix that *every* group still holds in full, in whole
+  layer's raw group). A prefix hit is the longest prefix every full or compressed group holds whole and every
+  sliding group holds within the window of the next token (its earlier entries come back null), in whole
   blocks of every group: a multiple of the least common multiple of their tokens per block.
 - Invariant (``check_integrity``, per group): free + evictable-cached + leased == total, every block's ref
   count equals the number of live leases holding it, and a block is held by two leases only if it is a
@@ -267,6 +268,10 @@ class KVRegistry:
     def num_leases(self) -> int:
         return len(self._leases)
 
+    def group_usage(self) -> tuple[tuple[int, int], ...]:
+        """Per group: (leased blocks, blocks of its pool)."""
+        return tuple((p.num_leased, p.num_blocks) for p in self._pools)
+
     def max_request_tokens(self, chunk_tokens: int) -> int:
         """Longest sequence one request could hold with every block, computing ``chunk_tokens`` per step.
 
@@ -308,33 +313,62 @@ class KVRegistry:
         return group.first_needed_position(num_computed_tokens) // self.block_size
 
     def find_prefix(self, token_ids: Sequence[int], record: bool = False) -> PrefixHit:
-        """Longest run of leading blocks every group holds in its cache, capped so the last token is recomputed."""
+        """Longest run of leading blocks every group can serve from its cache, capped so the last token is
+        recomputed. A full group must hold every block of the run; a sliding group only the blocks the next
+        token's window reads (the others come back as NULL_BLOCK_ID), so a window pool far smaller than the
+        prefix still serves it."""
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return PrefixHit()
         step = self.hit_granularity
-        num_hit_tokens = (len(token_ids) - 1) // step * step
-        per_group: list[list[int]] = []
+        limit = (len(token_ids) - 1) // step * step
+        # Each group chains its hashes over the tokens its blocks cover.
+        keys: list[list[tuple[int, tuple[int, ...]]]] = []
         for pool in self._pools:
             span = pool.group.tokens_per_block
+            chain: list[tuple[int, tuple[int, ...]]] = []
             parent = _ROOT_HASH
-            hit: list[int] = []
-            for i in range(num_hit_tokens // span):
-                key = (parent, tuple(token_ids[i * span : (i + 1) * span]))
-                block_id = pool.lookup(key)
-                if block_id is None:
-                    break
-                hit.append(block_id)
-                parent = hash(key)
-            per_group.append(hit)
-            num_hit_tokens = min(num_hit_tokens, len(hit) * span // step * step)
+            for i in range(limit // span):
+                chain.append((parent, tuple(token_ids[i * span : (i + 1) * span])))
+                parent = hash(chain[-1])
+            keys.append(chain)
+        found: list[dict[int, int | None]] = [{} for _ in self._pools]
+
+        def lookup(g: int, i: int) -> int | None:
+            if i not in found[g]:
+                found[g][i] = self._pools[g].lookup(keys[g][i])
+            return found[g][i]
+
+        num_hit = limit  # tokens, a multiple of step
+        for g, pool in enumerate(self._pools):  # full and compressed groups: the leading run
+            if not pool.group.is_sliding:
+                span = pool.group.tokens_per_block
+                missing = next((i for i in range(num_hit // span) if lookup(g, i) is None), None)
+                if missing is not None:
+                    num_hit = missing * span // step * step
+        settled = False
+        while not settled:  # sliding groups: the window of the run's end; a gap ends the run before it
+            settled = True
+            for g, pool in enumerate(self._pools):
+                if not pool.group.is_sliding:
+                    continue
+                first = self._num_slid(pool.group, num_hit)
+                last_block = num_hit // self.block_size - 1
+                gap = next((i for i in range(last_block, first - 1, -1) if lookup(g, i) is None), None)
+                if gap is not None:
+                    num_hit, settled = gap * self.block_size // step * step, False
+        per_group: list[tuple[int, ...]] = []
+        for g, pool in enumerate(self._pools):
+            first = self._num_slid(pool.group, num_hit)
+            ids = [NULL_BLOCK_ID] * first
+            for i in range(first, num_hit // pool.group.tokens_per_block):
+                block_id = lookup(g, i)
+                assert block_id is not None  # every group holds the blocks of the run it was settled on
+                ids.append(block_id)
+            per_group.append(tuple(ids))
         if record:
             self.prefix_query_tokens += len(token_ids)
-            self.prefix_hit_tokens += num_hit_tokens
-        groups = tuple(
-            tuple(h[: num_hit_tokens // p.group.tokens_per_block])
-            for h, p in zip(per_group, self._pools, strict=True)
-        )
-        return PrefixHit(groups, num_hit_tokens)
+            self.prefix_hit_tokens += num_hit
+        return PrefixHit(tuple(per_group), num_hit)
 
     # ---- allocation -----------------------------------------------------------------------------------
 
@@ -367,14 +401,16 @@ class KVRegistry:
                 raise ValueError("prefix hit from another layout")
             groups_prefix = list(prefix.group_block_ids)
         for pool, ids in zip(self._pools, groups_prefix, strict=True):
-            if any(pool.blocks[b].block_hash is None for b in ids):
+            if any(b != NULL_BLOCK_ID and pool.blocks[b].block_hash is None for b in ids):
                 raise ValueError("stale prefix hit: a block was evicted since find_prefix")
         needs: list[int] = []
         for g, pool in enumerate(self._pools):
             have = len(state.lease.block_tables[g]) if state else len(groups_prefix[g])
             need = max(pool.group.blocks_for_tokens(num_tokens) - have, 0)
             # Prefix blocks with ref 0 are in the free queue; taking them shrinks what is available.
-            prefix_from_free = sum(1 for b in groups_prefix[g] if pool.blocks[b].ref_count == 0)
+            prefix_from_free = sum(
+                1 for b in groups_prefix[g] if b != NULL_BLOCK_ID and pool.blocks[b].ref_count == 0
+            )
             if need + prefix_from_free > len(pool.free):
                 return None
             needs.append(need)
@@ -387,7 +423,8 @@ class KVRegistry:
             self._leases[request_id] = state
             for pool, table, ids in zip(self._pools, state.lease.block_tables, groups_prefix, strict=True):
                 for b in ids:
-                    pool.ref(b)
+                    if b != NULL_BLOCK_ID:  # a sliding group's block before the window: not held
+                        pool.ref(b)
                     table.append(b)
             state.lease.num_prefix_hit_tokens = prefix.num_tokens if prefix is not None else 0
         added = list(groups_prefix[0])

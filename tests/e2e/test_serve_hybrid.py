@@ -87,6 +87,9 @@ def test_the_worker_states_a_group_per_layer_kind(gemma_daemon: tuple[Daemon, Pa
     assert sliding.num_blocks == MAX_RUNNING * 3 + MAX_BATCH_TOKENS // 16 == 14
     assert full.num_blocks == UNIFORM_BLOCKS * 6 - 14 * 5 == cap.kv_num_blocks
     assert cap.model.max_model_len >= 64
+    # The load report counts each group's blocks at its layers' bytes: the worker's whole KV memory.
+    (load,) = daemon.stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=5).backends
+    assert load.kv_bytes_capacity == UNIFORM_BLOCKS * BYTES_PER_BLOCK
 
 
 def test_greedy_tokens_through_the_service_match_transformers(gemma_daemon: tuple[Daemon, Path]) -> None:

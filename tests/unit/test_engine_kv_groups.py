@@ -21,7 +21,7 @@ from ominix_runtime.contract import (
 )
 from ominix_runtime.contract.capability import BackendKind
 from ominix_runtime.contract.step import DecodeStep
-from ominix_runtime.engine.kv_registry import IntegrityError, KVRegistry
+from ominix_runtime.engine.kv_registry import IntegrityError, KVRegistry, PrefixHit
 from ominix_runtime.wire import capability_from_pb, capability_to_pb, step_from_pb, step_to_pb
 
 BS = 4
@@ -69,23 +69,48 @@ def test_footprint_counts_only_the_window_of_a_sliding_group() -> None:
     assert full_reg.footprint(2048, num_computed_tokens=2000) == (2048 // BS,)
 
 
-def test_a_prefix_hit_needs_every_group_to_hold_the_blocks() -> None:
+def _to_front(pool_free: dict[int, None], block_ids: list[int]) -> None:
+    """Make these free blocks the next ones handed out (their cached content is evicted then)."""
+    for block_id in block_ids:
+        pool_free.move_to_end(block_id, last=False)  # type: ignore[attr-defined]
+
+
+def test_a_prefix_hit_needs_the_full_groups_run_and_only_the_windows_blocks() -> None:
     reg = KVRegistry("w", 16, BS, layout=(full(16), sliding(16, window=4)))
     tokens = list(range(100, 117))  # 17 tokens: 4 full blocks
     assert reg.allocate("a", len(tokens), num_computed_tokens=0) is not None
+    a_full, a_window = (list(t) for t in reg.lease("a").block_tables)  # type: ignore[union-attr]
     reg.cache_blocks("a", tokens, len(tokens))
     reg.free("a")
     hit = reg.find_prefix(tokens)
-    assert hit.num_tokens == 16 and [len(h) for h in hit.group_block_ids] == [4, 4]
-    # Evict the sliding group's cached blocks only: no group may hit beyond what the sliding group holds.
+    # The window of position 16 reads block 3 only: the sliding group's earlier blocks come back null.
+    assert hit.num_tokens == 16
+    assert hit.group_block_ids == (tuple(a_full[:4]), (NULL_BLOCK_ID,) * 3 + (a_window[3],))
+    # Evict the sliding group's blocks 0 and 1: the window never reads them, the hit stays whole.
     sliding_pool = reg._pools[1]
-    for block_id in list(sliding_pool.free)[-2:]:  # the two least recently freed: blocks 0 and 1 of "a"
-        sliding_pool.free.move_to_end(block_id, last=False)
+    _to_front(sliding_pool.free, a_window[:2])
     assert reg.allocate("p", 2 * BS, num_computed_tokens=0) is not None
-    reg.check_integrity()
+    assert reg.find_prefix(tokens).num_tokens == 16
+    # Evict block 3, inside the window: the run ends before it, where the window (block 2) is still cached.
+    _to_front(sliding_pool.free, [a_window[3]])
+    assert reg.allocate("q", BS, num_computed_tokens=0) is not None
     hit = reg.find_prefix(tokens)
-    assert hit.num_tokens < 16
-    assert all(len(h) == hit.num_tokens // BS for h in hit.group_block_ids)
+    assert hit.num_tokens == 12
+    assert hit.group_block_ids == (tuple(a_full[:3]), (NULL_BLOCK_ID,) * 2 + (a_window[2],))
+    assert reg.allocate("b", len(tokens), hit, num_computed_tokens=12) is not None
+    lease = reg.lease("b")
+    assert lease is not None and lease.block_tables[0][:3] == a_full[:3]
+    assert lease.block_tables[1][:3] == [NULL_BLOCK_ID, NULL_BLOCK_ID, a_window[2]]
+    reg.check_integrity()
+    reg.free("b")
+    # A full group's gap ends the run: block 1 gone leaves at most block 0, whose window (block 0 of the
+    # sliding group) was evicted above, so nothing is left.
+    _to_front(reg._pools[0].free, [a_full[1]])
+    assert reg.allocate("r", BS, num_computed_tokens=0) is not None
+    assert reg.find_prefix(tokens) == PrefixHit(((), ()), 0)
+    for rid in ("p", "q", "r"):
+        reg.free(rid)
+    reg.check_quiescent()
 
 
 def test_slid_blocks_are_cached_before_they_leave_and_shared_hits_are_ref_counted() -> None:
@@ -237,7 +262,13 @@ class MixedGroupsMachine(RuleBasedStateMachine):
             assert hit.num_tokens < len(prompt)
             for g, blocks in enumerate(hit.group_block_ids):
                 assert len(blocks) == hit.num_tokens // BS
+                group = self.layout[g]
+                readable = group.first_needed_position(hit.num_tokens) // BS  # null only before the window
+                assert NULL_BLOCK_ID not in blocks[readable:]
                 for i, b in enumerate(blocks):
+                    if b == NULL_BLOCK_ID:
+                        assert group.is_sliding and i < readable
+                        continue
                     written = self.content[g][b]
                     assert [written.get(j) for j in range(BS)] == prompt[i * BS : (i + 1) * BS]
         self._write(rid, len(prompt))

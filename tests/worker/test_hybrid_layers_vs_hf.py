@@ -11,6 +11,7 @@ compared with a full-sequence HF forward, which applies the windows itself.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -359,5 +360,58 @@ def test_the_engine_scheduler_drives_the_worker_on_its_hybrid_layout(
         with torch.no_grad():
             expected = ref.model.generate(
                 torch.tensor([tokens]), max_new_tokens=16, do_sample=False, min_new_tokens=16
+            )[0, len(tokens) :].tolist()
+        assert produced[rid] == expected, rid
+
+
+def test_a_long_shared_prefix_hits_through_a_window_pool_smaller_than_it(
+    hybrid: tuple[str, Path, LogitsRecorder, Reference],
+) -> None:
+    """A 56-token prefix (7 blocks) is served from the cache although the window pool holds 8 blocks in all
+    and the first request's early window blocks were reused: a hit needs only the blocks its window reads."""
+    _, folder, _, ref = hybrid
+    runner = build_runner(str(folder), num_blocks=40, block_size=BS)
+    config = runner.config
+    bytes_per_block = kv_bytes_per_block(config, BS, torch.float32)
+    full, window = stated_kv_groups(runner, bytes_per_block)
+    window = replace(window, num_blocks=8)  # the engine hands out only 8 of the worker's window blocks
+    capability = stated_profile(
+        BackendKind.CPU,
+        worker_id="cpu-test",
+        model=ModelInfo(
+            "tiny-hybrid", config.vocab_size, runner.max_model_len, (2,), num_layers=config.num_layers
+        ),
+        kv_block_size=BS,
+        kv_num_blocks=full.num_blocks,
+        kv_bytes_per_block=bytes_per_block,
+        max_batch_tokens=16,
+        kv_groups=(full, window),
+    )
+    assert capability.problems() == []
+    scheduler = Scheduler(capability, SchedulerConfig(), seed=1)
+    first = prompt(40, 60)
+    second = first[:56] + prompt(41, 6)
+    produced: dict[str, list[int]] = {}
+    new_requests: dict[str, NewRequestData] = {}
+    for rid, tokens in (("first", first), ("second", second)):
+        scheduler.add_request(
+            GenerateRequest(rid, tokens, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        )
+        while scheduler.has_work():
+            step = scheduler.schedule()
+            assert step is not None
+            new_requests.update({n.request_id: n for n in step.new_requests})
+            for event in scheduler.update(step, runner.execute_step(step)):
+                if isinstance(event, Token):
+                    produced.setdefault(event.request_id, []).extend(event.token_ids)
+            scheduler.check_integrity()
+    scheduler.registry.check_quiescent()
+    hit = new_requests["second"]
+    assert hit.num_computed_tokens == 56
+    assert hit.group_kv_block_ids[0][:5] == [NULL_BLOCK_ID] * 5  # the window of position 56 starts at 45
+    for rid, tokens in (("first", first), ("second", second)):
+        with torch.no_grad():
+            expected = ref.model.generate(
+                torch.tensor([tokens]), max_new_tokens=8, do_sample=False, min_new_tokens=8
             )[0, len(tokens) :].tolist()
         assert produced[rid] == expected, rid

@@ -131,6 +131,15 @@ CASES = {
     "qwen2-kv-replicated-tied": dict(arch="qwen2", vocab_size=320, kv_heads=1, tie_word_embeddings=True),
     # per-head q/k norms
     "qwen3": dict(arch="qwen3", vocab_size=322),
+    # Gemma 3: its own layer structure, an 8-token window on two of three layers (a KV group each kind)
+    "gemma3": dict(
+        arch="gemma3_text",
+        vocab_size=320,
+        num_layers=3,
+        sliding_window=8,
+        sliding_window_pattern=3,
+        tie_word_embeddings=True,
+    ),
 }
 
 

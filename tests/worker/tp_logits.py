@@ -36,7 +36,13 @@ def batch_logits(runner: ModelRunner) -> torch.Tensor:
     """Logits of every prompt row of a ragged prefill step, then of a decode row per request (CPU, float32)."""
     requests = [
         CachedRequest(
-            f"r{i}", list(p), [], SamplingParams(temperature=0.0), [[3 * i, 3 * i + 1, 3 * i + 2]], 0, 0
+            f"r{i}",
+            list(p),
+            [],
+            SamplingParams(temperature=0.0),
+            [[3 * i, 3 * i + 1, 3 * i + 2] for _ in runner.attention_groups],
+            0,
+            0,
         )
         for i, p in enumerate(PROMPTS)
     ]

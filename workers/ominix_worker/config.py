@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHES = (
-    "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "gemma3_text", "gemma3",
+    "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "gemma3_text", "gemma3", "gpt_oss",
     "llama_compressed",
 )  # fmt: skip
 _ARCH_CLASS = {
@@ -21,10 +21,11 @@ _ARCH_CLASS = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "llama_compressed": "LlamaCompressedForCausalLM",
 }
-# Mixture-of-experts architectures (``models/moe.py``); the others are dense.
-MOE_ARCHES = ("qwen3_moe", "qwen2_moe", "mixtral")
+# Mixture-of-experts architectures (``models/moe.py``, ``models/gpt_oss.py``); the others are dense.
+MOE_ARCHES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")
 
 
 # Hugging Face's ``layer_types`` values.
@@ -87,6 +88,11 @@ class ModelConfig:
     scoring_func: str = "softmax"  # router scores: softmax or sigmoid
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a sigmoid-gated shared expert beside the routed
     moe_layers: tuple[int, ...] = ()
+    # gpt-oss: experts with biases and a clamped SwiGLU, (up + 1) · gate · sigmoid(alpha · gate) after clamping
+    # the gate from above and the up projection both ways at ``swiglu_limit``; a router with a bias; a learned
+    # attention sink per query head. ``models/gpt_oss.py`` reads these.
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # Weight quantization: None (run dtype) or a parsed fp8 description (``ominix_worker.quant.fp8``).
     quantization: dict[str, Any] = field(default_factory=dict)
     # Gemma 3 (``models/gemma3.py``): the MLP's activation, the attention scale query_pre_attn_scalar ** -0.5
@@ -159,6 +165,11 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        if self.arch == "gpt_oss":  # attention sinks; expert and router biases
+            attn += self.num_heads
+            moe_bias = self.num_experts * (2 * self.moe_intermediate_size + self.hidden_size + 1)
+        else:
+            moe_bias = 0
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
         if self.o_proj_bias:
@@ -167,6 +178,7 @@ class ModelConfig:
             attn += 2 * self.head_dim
         dense_mlp = 3 * self.hidden_size * self.intermediate_size
         moe_mlp = self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size + self.hidden_size)
+        moe_mlp += moe_bias
         if self.shared_expert_intermediate_size:
             moe_mlp += 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size
         num_moe = len(self.moe_layers)
@@ -281,9 +293,13 @@ def _gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
 def _sliding_window(raw: dict[str, Any], model_type: str) -> int:
     """The window of the sliding-window layers (0: full attention everywhere)."""
     window = raw.get("sliding_window")
-    uses_window = model_type in ("mistral", "mixtral", "gemma3_text", "llama_compressed") or raw.get(
-        "use_sliding_window", False
-    )
+    uses_window = model_type in (
+        "mistral",
+        "mixtral",
+        "gemma3_text",
+        "gpt_oss",
+        "llama_compressed",
+    ) or raw.get("use_sliding_window", False)
     return int(window) if window and uses_window else 0
 
 
@@ -307,6 +323,18 @@ def _moe_from_hf(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[
     top_k = int(raw.get("num_experts_per_tok") or 0)
     if num_experts <= 0 or not 0 < top_k <= num_experts:
         raise ModelConfigError(f"bad MoE shape: {num_experts} experts, top-{top_k}")
+    if model_type == "gpt_oss":
+        # gpt-oss: every layer is sparse, experts as wide as intermediate_size; softmax over the top-k logits
+        # is the softmax over all experts renormalised over the top k.
+        return dict(
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=int(raw["intermediate_size"]),
+            norm_topk_prob=True,
+            moe_layers=tuple(range(num_layers)),
+            swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+        )
     if model_type == "mixtral":
         # Mixtral: every layer is sparse, experts as wide as the dense MLP, top-k always renormalised.
         return dict(
@@ -359,6 +387,19 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         model_type = "gemma3_text"
         extra = _gemma3_fields(raw)
     # Refuse what this implementation would silently get wrong.
+    quant_method = str((raw.get("quantization_config") or {}).get("quant_method", "")).lower()
+    if model_type == "gpt_oss" and quant_method == "mxfp4":
+        raise ModelConfigError(
+            "MXFP4 gpt-oss checkpoints (the released openai/gpt-oss weights) are not supported: "
+            "use a bf16 checkpoint (experts dequantized) or dummy weights"
+        )
+    if model_type == "gpt_oss" and not raw.get("layer_types"):
+        # transformers' default for gpt-oss: sliding-window layers first, alternating with full attention.
+        layers = int(raw.get("num_hidden_layers") or 0)
+        raw = {
+            **raw,
+            "layer_types": [SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(layers)],
+        }
     if raw.get("mlp_bias"):
         raise ModelConfigError("mlp_bias=true is not supported")
     act = raw.get("hidden_act", "silu")

@@ -10,7 +10,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-_ARCHES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "mistral", "gemma3_text")
+_ARCHES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "mistral",
+    "gemma3_text",
+    "gpt_oss",
+)
 PAD_TOKEN_ID = 0
 BOS_TOKEN_ID = 1
 EOS_TOKEN_ID = 2
@@ -135,6 +145,7 @@ def write_tiny_hf_model(
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[arch]
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
@@ -146,9 +157,11 @@ def write_tiny_hf_model(
                 # Gemma's norms scale by 1 + weight: the same spread around a unit scale.
                 centre = 0.0 if arch == "gemma3_text" else 1.0
                 param.copy_(centre + 0.1 * torch.randn_like(param))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_proj_bias")):  # gpt-oss's experts name theirs *_proj_bias
                 param.copy_(0.1 * torch.randn_like(param))
-            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+            elif name.endswith("self_attn.sinks"):  # gpt-oss: sinks on the scale of the attention scores
+                param.copy_(torch.randn_like(param))
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "shared_expert_gate.weight")):
                 # Routers start at zero in some classes: random ones make every expert matter.
                 param.copy_(0.5 * torch.randn_like(param))
     model.save_pretrained(str(folder), safe_serialization=True)

@@ -153,6 +153,21 @@ class StepWorkerGroup(WorkerGroup):
     def kv_blocks(self) -> tuple[int, int]:
         return self.scheduler.registry.num_leased_blocks, self.scheduler.registry.num_blocks
 
+    def kv_bytes(self) -> tuple[int, int]:
+        """(used, capacity) KV bytes. A stated layout's block holds only its group's layers, so each group's
+        blocks count at their layers' share of ``kv_bytes_per_block`` (every layer's bytes of one block)."""
+        layout = self.capability.kv_groups
+        if not layout:
+            return super().kv_bytes()
+        per_block = self.capability.kv_bytes_per_block
+        num_layers = sum(len(g.layer_indices) for g in layout)
+        used = capacity = 0
+        for group, (leased, blocks) in zip(layout, self.scheduler.registry.group_usage(), strict=True):
+            group_block = per_block * len(group.layer_indices) // num_layers
+            used += leased * group_block
+            capacity += blocks * group_block
+        return used, capacity
+
     @property
     def kv_token_capacity(self) -> int:
         return self.scheduler.registry.num_blocks * self.scheduler.registry.block_size

@@ -274,6 +274,7 @@ class AscendPagedAttention:
 
     name = "npu-paged"
     supports_sliding_window = False  # the context is capped at the window instead
+    supports_sinks = False  # the fused NPU ops have no softmax sink term
 
     def __init__(
         self,
@@ -329,8 +330,15 @@ class AscendPagedAttention:
         )
 
     def forward(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:
+            raise ValueError("the Ascend attention backend has no attention sinks")
         inputs = self.prepare(meta)
         num_heads = query.shape[1]
         num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]

@@ -50,6 +50,7 @@ class AttentionBackend(Protocol):
     name: str
     block_size: int
     supports_sliding_window: bool  # honours AttentionMetadata.sliding_window
+    supports_sinks: bool  # takes forward(..., sinks=)
 
     def allocate_kv_cache(
         self,
@@ -70,7 +71,15 @@ class AttentionBackend(Protocol):
         ...
 
     def forward(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query (T, num_heads, head_dim) → output (T, num_heads, head_dim), after write_kv of this layer."""
+        """query (T, num_heads, head_dim) → output (T, num_heads, head_dim), after write_kv of this layer.
+
+        ``sinks`` (num_heads,), a layer's attention sinks (gpt-oss): per head a logit, in the units of the
+        scaled scores, that joins the softmax denominator and contributes no value. None: no sinks."""
         ...

@@ -2,6 +2,8 @@
 
 Correct above all: one request at a time, no fused kernels. The CPU path runs this; faster backends are
 tested against it. An FP8 KV cache (e4m3) holds K / k_scale and V / v_scale and is dequantized when read.
+Attention sinks (gpt-oss: one learned logit per query head that joins the softmax denominator and carries no
+value) take an explicit softmax instead of SDPA, which has no place for them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ominix_worker.attention.base import AttentionMetadata
 class TorchReferenceAttention:
     name = "torch-sdpa"
     supports_sliding_window = True
+    supports_sinks = True
 
     def __init__(self, block_size: int = 16) -> None:
         self.block_size = block_size
@@ -63,7 +66,12 @@ class TorchReferenceAttention:
         return (raw * scales.view(2, *([1] * (raw.dim() - 1)))).to(dtype)
 
     def forward(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         plan = self._plan_for(meta, query.device)
         out = torch.empty_like(query)
@@ -73,18 +81,14 @@ class TorchReferenceAttention:
             q = query[plan.decode_tokens].unsqueeze(2)  # (B, heads, 1, head_dim)
             k = kv[0].transpose(1, 2)  # (B, kv_heads, max_len, head_dim)
             v = kv[1].transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True
-            )
+            o = _attend(q, k, v, plan.decode_mask, scale, sinks)
             out[plan.decode_tokens] = o.squeeze(2)
         for start, end, num_keys, blocks, mask in plan.others:
             kv = self._gather(kv_cache, blocks, query.dtype).flatten(-4, -3)[:, :num_keys]
             q = query[start:end].transpose(0, 1)  # (heads, q_len, head_dim)
             k = kv[0].transpose(0, 1)  # (kv_heads, seq_len, head_dim)
             v = kv[1].transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-            )
+            o = _attend(q, k, v, mask, scale, sinks)
             out[start:end] = o.transpose(0, 1)
         return out
 
@@ -138,6 +142,38 @@ class TorchReferenceAttention:
 
 _FP8_MAX = 448.0
 _MAX_PLANS = 4  # more than the KV groups of any layout, so a step never rebuilds one
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention of q (..., heads, q_len, d) over k, v (..., kv_heads, keys, d); ``mask`` (broadcast to
+    (..., heads, q_len, keys), True = visible) or, when None, causal over a whole prompt (q_len == keys).
+
+    With ``sinks`` (heads,) each head's softmax denominator gains exp(sink): the weights of the real keys
+    then sum to less than one."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+    heads, q_len, head_dim = q.shape[-3:]
+    kv_heads, num_keys = k.shape[-3], k.shape[-2]
+    group = heads // kv_heads
+    # GQA without copying K/V: (..., kv_heads, group * q_len, d) against each KV head.
+    qg = q.float().reshape(*q.shape[:-3], kv_heads, group * q_len, head_dim)
+    scores = (qg @ k.float().transpose(-1, -2) * scale).reshape(*q.shape[:-1], num_keys)
+    if mask is None:
+        mask = torch.ones(q_len, num_keys, dtype=torch.bool, device=q.device).tril(num_keys - q_len)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(heads, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    probs = probs.reshape(*q.shape[:-3], kv_heads, group * q_len, num_keys)
+    return (probs @ v.float()).reshape(q.shape).to(q.dtype)
 
 
 def _is_fp8(kv_cache: torch.Tensor) -> bool:

@@ -19,6 +19,10 @@ a function of host integers only (no device-to-host sync). Softmax runs online i
 FP8 KV (``--kv-cache-dtype fp8_e4m3``): the cache holds e4m3 values of K / k_scale and V / v_scale (one scale
 each per backend, 1.0 unless set); the store kernel quantizes, the attention kernels dequantize each tile to
 the query dtype in registers, so a step reads half the KV bytes of bf16.
+
+Attention sinks (gpt-oss, ``sinks=``): per query head a logit that joins the softmax denominator with no value.
+Each online softmax starts from it (running max = the sink, running sum = 1) instead of from -inf / 0; under
+split-K only split 0 starts from it, so the merge counts it once.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ def _decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    sinks_ptr,
     scale,
     q_stride_t,
     q_stride_h,
@@ -106,6 +111,7 @@ def _decode_kernel(
     IEEE: tl.constexpr,
     KV_FP8: tl.constexpr,
     WINDOWED: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -145,6 +151,12 @@ def _decode_kernel(
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    if HAS_SINKS:
+        # Split 0 starts from the sink: a key of logit ``sink`` (base 2 here) whose value is zero.
+        first = (tl.zeros([BLOCK_G], dtype=tl.int32) + split) == 0
+        sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(first, sink, m_i)
+        l_i = tl.where(first, 1.0, l_i)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
 
     row_stride: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
@@ -254,6 +266,7 @@ def _prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     out_ptr,
+    sinks_ptr,
     scale,
     q_stride_t,
     q_stride_h,
@@ -275,6 +288,7 @@ def _prefill_kernel(
     IEEE: tl.constexpr,
     KV_FP8: tl.constexpr,
     WINDOWED: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     tile = tl.program_id(1)
@@ -304,6 +318,10 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:  # every row starts from the head's sink: a key of that logit whose value is zero
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     row_stride: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
@@ -413,6 +431,7 @@ class TritonPagedAttention:
     # The kernels attend within AttentionMetadata.sliding_window (one metadata per KV group, so each layer
     # gets its group's window; tests/gpu/test_triton_sliding_window.py, tests/gpu/test_hybrid_layers_gpu.py).
     supports_sliding_window = True
+    supports_sinks = True  # tests/gpu/test_triton_sinks.py
 
     def __init__(self, block_size: int = 16, store_with_index_copy: bool = False) -> None:
         if block_size & (block_size - 1) or not 16 <= block_size <= 128:
@@ -475,10 +494,15 @@ class TritonPagedAttention:
         )
 
     def forward(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         out = torch.empty_like(query)
-        self.forward_into(query, kv_cache, meta, scale, out)
+        self.forward_into(query, kv_cache, meta, scale, out, sinks)
         return out
 
     def forward_into(
@@ -488,21 +512,24 @@ class TritonPagedAttention:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """Like ``forward`` but writes a caller-owned ``out`` (a static buffer under CUDA-graph capture)."""
         if query.shape[0] == 0:
             return
+        if sinks is not None and (sinks.shape != (query.shape[1],) or not sinks.is_contiguous()):
+            raise ValueError(f"sinks must be contiguous ({query.shape[1]},), got {tuple(sinks.shape)}")
         if meta.num_decode_only:
-            self._decode(query, kv_cache, meta, scale, out, mixed=False)
+            self._decode(query, kv_cache, meta, scale, out, mixed=False, sinks=sinks)
             return
         # Single-token requests of a mixed step go to the decode kernel (KV read once per KV head); the prefill
         # kernel skips them. Without host query offsets both kernels launch; with them, a step that has no
         # single-token request skips the decode launch (host time is what small prefills wait on).
         starts = meta.query_start_loc_cpu
         if starts is None or any(b - a == 1 for a, b in zip(starts, starts[1:], strict=False)):
-            self._decode(query, kv_cache, meta, scale, out, mixed=True)
+            self._decode(query, kv_cache, meta, scale, out, mixed=True, sinks=sinks)
         if meta.max_query_len > 1:
-            self._prefill(query, kv_cache, meta, scale, out)
+            self._prefill(query, kv_cache, meta, scale, out, sinks)
 
     def _sms(self, device: torch.device) -> int:
         if self._num_sms is None:
@@ -518,6 +545,7 @@ class TritonPagedAttention:
         scale: float,
         out: torch.Tensor,
         mixed: bool,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         num_requests = meta.num_requests
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -552,6 +580,7 @@ class TritonPagedAttention:
             out,
             part_out,
             part_lse,
+            query if sinks is None else sinks,  # any pointer when there are no sinks
             scale,
             query.stride(0),
             query.stride(1),
@@ -576,6 +605,7 @@ class TritonPagedAttention:
             IEEE=ieee,
             KV_FP8=_is_fp8(kv_cache),
             WINDOWED=meta.sliding_window > 0,
+            HAS_SINKS=sinks is not None,
             num_warps=4,
             num_stages=3,
         )
@@ -615,6 +645,7 @@ class TritonPagedAttention:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         num_requests = meta.num_requests
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -629,6 +660,7 @@ class TritonPagedAttention:
             meta.query_start_loc,
             meta.seq_lens,
             out,
+            query if sinks is None else sinks,  # any pointer when there are no sinks
             scale,
             query.stride(0),
             query.stride(1),
@@ -650,6 +682,7 @@ class TritonPagedAttention:
             IEEE=ieee,
             KV_FP8=_is_fp8(kv_cache),
             WINDOWED=meta.sliding_window > 0,
+            HAS_SINKS=sinks is not None,
             num_warps=num_warps,
             num_stages=num_stages,
         )

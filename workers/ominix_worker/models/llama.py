@@ -98,12 +98,50 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled), 1.0
+    if rope_type == "yarn":
+        return yarn_inv_freq(config, inv_freq)
     if rope_type == "freq_factors":  # GGUF rope_freqs tensor: each frequency divided by its factor
         factors = torch.tensor(scaling["factors"], dtype=torch.float32)
         if factors.shape != inv_freq.shape:
             raise ValueError(f"rope_freqs has {factors.numel()} factors, expected {inv_freq.numel()}")
         return inv_freq / factors, 1.0
-    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3, yarn)")
+
+
+def yarn_inv_freq(config: ModelConfig, inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss, as Hugging Face computes it): dimensions that turn fewer than ``beta_slow`` times over
+    the original context are interpolated by ``factor``, those that turn more than ``beta_fast`` times are
+    kept, a linear ramp blends the band between; cos/sin are scaled by the attention factor
+    (0.1 · ln(factor) + 1 unless stated)."""
+    scaling = config.rope_scaling
+    dim = config.head_dim
+    base = config.rope_theta
+    original = float(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else config.max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide it by factor)
+    return inv_freq / factor * (1 - keep) + inv_freq * keep, float(attention_factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -195,8 +233,12 @@ class Attention(nn.Module):
         if not fused_rotary:
             q, k = self.rotary(positions, q, k)
         self.backend.write_kv(kv_cache, k, v, meta)
-        out = self.backend.forward(q, kv_cache, meta, self.scale)
+        out = self.attend(q, kv_cache, meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The backend's attention of this layer's queries over its cache (subclasses add sinks)."""
+        return self.backend.forward(q, kv_cache, meta, self.scale)
 
 
 class MLP(nn.Module):
@@ -225,10 +267,11 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         tp: TensorParallel = SINGLE,
         mlp: nn.Module | None = None,
+        attention_class: type[Attention] = Attention,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend, rotary, tp)
+        self.self_attn = attention_class(config, backend, rotary, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp if mlp is not None else MLP(config, tp)
 

@@ -271,7 +271,10 @@ class SparseMoeBlock(nn.Module):
     """Router + experts (+ Qwen2-MoE's shared expert, scaled by sigmoid(shared_expert_gate(x))).
 
     Under tensor parallelism both the experts and the shared expert give partial sums; one all-reduce
-    completes the layer."""
+    completes the layer. A family with other experts or a biased router subclasses ``build_experts`` and
+    ``router_bias``."""
+
+    router_bias: bool = False  # the router (``gate``) is a linear layer with a bias
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -279,8 +282,8 @@ class SparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.scoring_func = config.scoring_func
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp)
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=self.router_bias)
+        self.experts = self.build_experts(config, tp)
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if config.shared_expert_intermediate_size:
@@ -290,6 +293,9 @@ class SparseMoeBlock(nn.Module):
                 reduce_results=False,
             )
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def build_experts(self, config: ModelConfig, tp: TensorParallel) -> FusedExperts:
+        return FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # No host sync on any device, so CUDA graphs capture the routing too; one kernel on CUDA.
@@ -319,12 +325,14 @@ _SHARED_SHARDS = {"gate_proj": 0, "up_proj": 1}
 
 
 class MoeForCausalLM(LlamaForCausalLM):
-    """A Llama-family decoder whose sparse layers (``config.moe_layers``) use ``SparseMoeBlock``."""
+    """A Llama-family decoder whose sparse layers (``config.moe_layers``) use ``moe_block_class``."""
+
+    moe_block_class: type[SparseMoeBlock] = SparseMoeBlock
 
     def build_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module | None:
         if layer_index not in config.moe_layers:
             return None
-        return SparseMoeBlock(config, self.tp)
+        return self.moe_block_class(config, self.tp)
 
     def _moe_block(self, layer_index: int) -> SparseMoeBlock:
         block = self.layers[layer_index].mlp

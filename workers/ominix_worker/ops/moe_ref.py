@@ -1,6 +1,9 @@
 """Mixture-of-experts in plain torch: routing (softmax or sigmoid top-k, optional renormalisation) and the
-per-expert SiLU-gated MLP with the weighted top-k reduction. The CPU path runs this; the Triton fused kernels
-(``ops/fused_moe.py``) are tested against it.
+per-expert gated MLP with the weighted top-k reduction. The CPU path runs this; the Triton fused kernels
+(``ops/fused_moe.py``, ``ops/biased_moe.py``) are tested against it.
+
+The gate activation is SiLU·up by default; gpt-oss's experts add biases to both projections and use a clamped
+SwiGLU (``clamped_swiglu``).
 
 Expert weights are stacked per layer: ``w13`` (E, 2I, H) holds each expert's gate rows then its up rows,
 ``w2`` (E, H, I) its down projection. Quantized weights arrive with their scales and are dequantized one
@@ -38,6 +41,23 @@ def select_experts(
 
 
 ExpertWeights = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+# [gate | up] rows (N, 2I) → activations (N, I)
+GateActivation = Callable[[torch.Tensor], torch.Tensor]
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up of [gate | up] halves."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation on [gate | up] halves: the gate clamped from above and the up projection
+    on both sides at ``limit``, then (up + 1) · gate · sigmoid(alpha · gate)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def fused_experts_ref(
@@ -46,10 +66,14 @@ def fused_experts_ref(
     num_experts: int,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    activation: GateActivation = silu_and_mul,
+    expert_biases: ExpertWeights | None = None,
 ) -> torch.Tensor:
-    """Σ_k weight[t, k] · down_e(silu(gate_e(x_t)) · up_e(x_t)) with e = ids[t, k], for every token t.
+    """Σ_k weight[t, k] · down_e(act(gate_up_e(x_t))) with e = ids[t, k], for every token t; ``act`` is
+    ``activation`` (silu(gate) · up unless given).
 
-    ``expert_weights(e)`` returns expert e's (w13 (2I, H), w2 (H, I)) in the run dtype. Tokens are grouped by
+    ``expert_weights(e)`` returns expert e's (w13 (2I, H), w2 (H, I)) in the run dtype, ``expert_biases(e)``
+    (when given) its (b13 (2I,), b2 (H,)), added after each projection. Tokens are grouped by
     expert (a stable sort of the flattened assignments), each expert multiplies its rows once, and the
     weighted rows are summed back per token in float32. An id of -1 (an expert another rank holds under
     expert parallelism) contributes nothing.
@@ -72,7 +96,7 @@ def fused_experts_ref(
         rows = slice(start, start + count)
         start += count
         w13, w2 = expert_weights(expert)
-        gate, up = F.linear(x[token_of[rows]], w13).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2)
+        b13, b2 = expert_biases(expert) if expert_biases is not None else (None, None)
+        y = F.linear(activation(F.linear(x[token_of[rows]], w13, b13)), w2, b2)
         out.index_add_(0, token_of[rows], y.float() * weight_of[rows, None])
     return out.to(x.dtype)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# gpt-oss on one GPU, gpt-oss-20b shape with dummy bf16 weights (bench/configs/gpt-oss-20b-config.json):
+#   tests    the gpt-oss GPU tests (Triton attention with sinks and windows vs the torch reference, the biased
+#            experts vs the float64 reference, the tiny model vs transformers, decode graphs vs eager)
+#   w1       W1 (256 x 512 x 256), batch-1 TPOT and shared prefix through engine + worker
+#            (bench/gpu_service.sh's service stage)
+#   long     the long-context workload: 64 requests x 8,192 prompt tokens x 256 out, all at once; the worker's
+#            log states its KV pools (full-attention and 128-token window)
+#
+#   bash bench/gpt_oss_service.sh                              # every stage, from the repository root
+#   GPT_OSS_STAGES="long" bash bench/gpt_oss_service.sh        # one stage
+#
+# Results and logs land in ${OUT:-/tmp/ominix_gpt_oss}/<stage>/. Every stage is bounded by a timeout.
+set -u
+OUT=${OUT:-/tmp/ominix_gpt_oss}
+CONFIG=${CONFIG:-bench/configs/gpt-oss-20b-config.json}
+GPT_OSS_STAGES=${GPT_OSS_STAGES:-"tests w1 long"}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PWD/workers${PYTHONPATH:+:$PYTHONPATH}
+for stage in $GPT_OSS_STAGES; do
+  echo "=== gpt-oss $stage $(date -u +%FT%TZ)"
+  case $stage in
+    tests)
+      timeout ${TESTS_S:-500} python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu/test_triton_sinks.py \
+        tests/gpu/test_biased_moe.py tests/gpu/test_gpt_oss_gpu.py 2>&1 | tail -8 ;;
+    w1)
+      OUT=$OUT/w1 MODEL=dummy:$CONFIG CONFIG_JSON=$CONFIG STAGES="env service" bash bench/gpu_service.sh ;;
+    long)
+      mkdir -p "$OUT/long"
+      timeout ${LONG_S:-900} python3 bench/offline.py --launch --model "dummy:$CONFIG" --devices cuda:0 --w1 \
+        --num-requests 64 --input-len 8192 --output-len 256 --no-progress --no-request-details \
+        --ready-timeout 600 --out-json "$OUT/long/offline.json" 2>&1 | tee "$OUT/long/offline.txt" | tail -40 ;;
+  esac
+done

@@ -1,0 +1,352 @@
+"""gpt-oss on the CPU reference path against Hugging Face transformers' GptOssForCausalLM (float32).
+
+A tiny random gpt-oss: four layers alternating a 12-token sliding window with full attention, attention
+sinks, q/k/v/o biases, YaRN rope, 8 experts top-2 with biases and the clamped SwiGLU. 8-token blocks, each KV
+group (full, sliding) with its own block table: prefill, decode well past the window, chunked prefill beside
+decode rows while a block that slid out of the window is reused, a prefix hit whose sliding table starts with
+null entries, and the engine's scheduler driving the worker on the layout it states. Each sampled row's logits
+are compared with a full-sequence HF forward, which applies the windows and sinks itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from ominix_runtime import wire
+from ominix_runtime.contract import (
+    NULL_BLOCK_ID,
+    AttentionKind,
+    BackendKind,
+    DecodeStep,
+    GenerateRequest,
+    ModelInfo,
+    NewRequestData,
+    RunningRequestData,
+    SamplingParams,
+    Token,
+    stated_profile,
+)
+from ominix_runtime.engine.config import SchedulerConfig
+from ominix_runtime.engine.scheduler import Scheduler
+from ominix_runtime.models import resolve_model
+from ominix_runtime.pb import worker_pb2
+from ominix_worker.attention.ascend import AscendPagedAttention
+from ominix_worker.kv_cache import kv_bytes_per_block
+from ominix_worker.loader import ModelLoadError, load_model
+from ominix_worker.runner import build_runner
+from ominix_worker.server import stated_kv_groups
+from ominix_worker.testing import write_tiny_hf_model
+
+from .test_model_vs_hf import GREEDY, LogitsRecorder, assert_close, prompt, tokens_by_id
+
+WINDOW = 12
+BS = 8
+YARN = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 32,
+    "rope_theta": 150000.0,
+}
+GPT_OSS = dict(
+    arch="gpt_oss",
+    num_layers=4,
+    hidden_size=64,
+    heads=4,
+    kv_heads=2,
+    intermediate_size=48,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=WINDOW,
+    rope_parameters=YARN,
+    seed=21,
+)
+
+
+class Reference:
+    def __init__(self, folder: Path, **overrides: object) -> None:
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, attn_implementation="eager", **overrides
+        ).eval()
+
+    @torch.no_grad()
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        return self.model(torch.tensor([token_ids])).logits[0].float()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_hf_model(tmp_path_factory.mktemp("tiny_gpt_oss"), **GPT_OSS)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def pair(folder: Path) -> tuple[LogitsRecorder, Reference]:
+    runner = build_runner(str(folder), num_blocks=64, block_size=BS)
+    return LogitsRecorder(runner), Reference(folder)
+
+
+def test_the_layout_alternates_sliding_and_full_layers(pair: tuple[LogitsRecorder, Reference]) -> None:
+    rec, _ = pair
+    layout = rec.runner.kv_layout()
+    assert [g.kind for g in layout] == [AttentionKind.FULL, AttentionKind.SLIDING_WINDOW]
+    assert layout[0].layer_indices == (1, 3) and layout[1].layer_indices == (0, 2)
+    assert layout[1].sliding_window == WINDOW and rec.runner.max_model_len > WINDOW
+
+
+def test_windows_and_sinks_change_the_reference(folder: Path, pair: tuple[LogitsRecorder, Reference]) -> None:
+    """The comparisons below are meaningful: past the window, and without sinks, HF's logits differ."""
+    _, ref = pair
+    tokens = prompt(20, 40)
+    windowed = ref.logits(tokens)
+    full = Reference(folder, sliding_window=10_000).logits(tokens)
+    assert ((windowed[-1] - full[-1]).abs().max() / windowed[-1].abs().max()).item() > 1e-2
+    sinkless = Reference(folder)
+    with torch.no_grad():
+        for layer in sinkless.model.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)
+    no_sinks = sinkless.logits(tokens)
+    assert ((windowed[-1] - no_sinks[-1]).abs().max() / windowed[-1].abs().max()).item() > 1e-2
+
+
+def test_prefill_then_decode_past_the_window(pair: tuple[LogitsRecorder, Reference]) -> None:
+    rec, ref = pair
+    rec.runner.reset()
+    tokens = prompt(21, 19)
+    # Different block ids per group: a layer reading the other group's table would read the wrong K/V.
+    result, logits = rec.step(
+        DecodeStep(
+            1,
+            new_requests=[
+                NewRequestData(
+                    "a", tokens, GREEDY, [9, 2, 30], 0, len(tokens), 1, group_kv_block_ids=[[40, 7, 13]]
+                )
+            ],
+        )
+    )
+    ours = [logits["a"]]
+    tokens.append(tokens_by_id(result)["a"])
+    for step_id in range(2, 32):  # 20 -> 50 tokens: several blocks and windows later
+        grow = len(tokens) % BS == 0
+        new_full = [31 + len(tokens) // BS] if grow else []
+        new_sliding = [[50 + len(tokens) // BS]] if grow else [[]]
+        result, logits = rec.step(
+            DecodeStep(
+                step_id,
+                running_requests=[RunningRequestData("a", new_full, 1, new_group_kv_block_ids=new_sliding)],
+            )
+        )
+        ours.append(logits["a"])
+        tokens.append(tokens_by_id(result)["a"])
+    reference = ref.logits(tokens[:-1])
+    for i, row in enumerate(ours):
+        assert_close(row, reference[18 + i])
+
+
+def test_chunked_prefill_beside_decode_while_a_slid_out_block_is_reused(
+    pair: tuple[LogitsRecorder, Reference],
+) -> None:
+    rec, ref = pair
+    rec.runner.reset()
+    long = prompt(22, 45)
+    short = prompt(23, 6)
+    result, logits = rec.step(
+        DecodeStep(
+            1,
+            new_requests=[
+                NewRequestData("long", long, GREEDY, [11, 5], 0, 13, 3, group_kv_block_ids=[[20, 21]]),
+                NewRequestData("short", short, GREEDY, [40], 0, len(short), 4, group_kv_block_ids=[[41]]),
+            ],
+        )
+    )
+    assert set(logits) == {"short"}, "a chunked prefill must not sample"
+    assert_close(logits["short"], ref.logits(short)[-1])
+    short.append(tokens_by_id(result)["short"])
+    result, logits = rec.step(
+        DecodeStep(
+            2,
+            running_requests=[
+                RunningRequestData("long", [12, 13], 19, new_group_kv_block_ids=[[22, 23]]),
+                RunningRequestData("short", [], 1),
+            ],
+        )
+    )
+    assert_close(logits["short"], ref.logits(short)[-1])
+    short.append(tokens_by_id(result)["short"])
+    # 32 tokens computed: the sliding layers' next chunk reads from position 32 - 12 + 1 = 21, so sliding
+    # blocks 20 and 21 (positions 0-15) left the window; the engine freed them and hands them to a new request
+    # that writes them in this very step. The full layers keep every block.
+    other = prompt(24, 9)
+    result, logits = rec.step(
+        DecodeStep(
+            3,
+            new_requests=[
+                NewRequestData(
+                    "other", other, GREEDY, [45, 46], 0, len(other), 5, group_kv_block_ids=[[20, 21]]
+                )
+            ],
+            running_requests=[
+                RunningRequestData("long", [14, 15], 13, new_group_kv_block_ids=[[24, 25]]),
+                RunningRequestData("short", [], 1),
+            ],
+        )
+    )
+    assert_close(logits["long"], ref.logits(long)[-1])
+    assert_close(logits["other"], ref.logits(other)[-1])
+    assert_close(logits["short"], ref.logits(short)[-1])
+    long.append(tokens_by_id(result)["long"])
+    _, logits = rec.step(DecodeStep(4, running_requests=[RunningRequestData("long", [], 1)]))
+    assert_close(logits["long"], ref.logits(long)[-1])
+
+
+def test_prefix_hit_with_null_entries_in_the_sliding_table(pair: tuple[LogitsRecorder, Reference]) -> None:
+    rec, ref = pair
+    rec.runner.reset()
+    shared = prompt(25, 32)
+    first = shared + prompt(26, 7)
+    rec.step(
+        DecodeStep(
+            1,
+            new_requests=[
+                NewRequestData(
+                    "first",
+                    first,
+                    GREEDY,
+                    [1, 2, 3, 4, 5],
+                    0,
+                    len(first),
+                    4,
+                    group_kv_block_ids=[[6, 7, 8, 9, 10]],
+                )
+            ],
+        )
+    )
+    # The hit covers 32 tokens (4 blocks). The window of position 32 starts at 21: the sliding table's first
+    # two entries are null (freed); the full table shares all four.
+    second = shared + prompt(27, 10)
+    result, logits = rec.step(
+        DecodeStep(
+            2,
+            finished_request_ids=["first"],
+            new_requests=[
+                NewRequestData(
+                    "second",
+                    second,
+                    GREEDY,
+                    [1, 2, 3, 4, 20, 21],
+                    32,
+                    len(second) - 32,
+                    5,
+                    group_kv_block_ids=[[NULL_BLOCK_ID, NULL_BLOCK_ID, 8, 9, 30, 31]],
+                )
+            ],
+        )
+    )
+    assert result.num_tokens == len(second) - 32
+    assert_close(logits["second"], ref.logits(second)[-1])
+    second.append(tokens_by_id(result)["second"])
+    _, logits = rec.step(DecodeStep(3, running_requests=[RunningRequestData("second", [], 1)]))
+    assert_close(logits["second"], ref.logits(second)[-1])
+
+
+def test_the_engine_scheduler_drives_the_worker_on_its_layout(
+    folder: Path, pair: tuple[LogitsRecorder, Reference]
+) -> None:
+    """The engine's scheduler on the layout the worker states, steps through protobuf, against HF greedy."""
+    _, ref = pair
+    runner = build_runner(str(folder), num_blocks=40, block_size=BS)
+    config = runner.config
+    bytes_per_block = kv_bytes_per_block(config, BS, torch.float32)
+    groups = stated_kv_groups(runner, bytes_per_block)
+    assert [g.kind for g in groups] == [AttentionKind.FULL, AttentionKind.SLIDING_WINDOW]
+    capability = stated_profile(
+        BackendKind.CPU,
+        worker_id="cpu-test",
+        model=ModelInfo(
+            "tiny-gpt-oss", config.vocab_size, runner.max_model_len, (2,), num_layers=config.num_layers
+        ),
+        kv_block_size=BS,
+        kv_num_blocks=groups[0].num_blocks,
+        kv_bytes_per_block=bytes_per_block,
+        max_batch_tokens=24,
+        kv_groups=groups,
+    )
+    assert capability.problems() == []
+    scheduler = Scheduler(capability, SchedulerConfig(), seed=1)
+    prompts = {f"r{i}": prompt(30 + i, 30 + 7 * i) for i in range(4)}
+    for rid, tokens in prompts.items():
+        scheduler.add_request(
+            GenerateRequest(rid, tokens, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        )
+    produced: dict[str, list[int]] = {rid: [] for rid in prompts}
+    saw_null = False
+    while scheduler.has_work():
+        step = scheduler.schedule()
+        assert step is not None
+        sent = wire.step_from_pb(worker_pb2.DecodeStep.FromString(wire.step_to_pb(step).SerializeToString()))
+        for event in scheduler.update(step, runner.execute_step(sent)):
+            if isinstance(event, Token):
+                produced[event.request_id].extend(event.token_ids)
+        scheduler.check_integrity()
+        for rid in scheduler.running:
+            lease = scheduler.registry.lease(rid)
+            assert lease is not None and NULL_BLOCK_ID not in lease.block_tables[0]
+            saw_null |= NULL_BLOCK_ID in lease.block_tables[1]
+    scheduler.registry.check_quiescent()
+    assert saw_null
+    for rid, tokens in prompts.items():
+        with torch.no_grad():
+            expected = ref.model.generate(
+                torch.tensor([tokens]), max_new_tokens=16, do_sample=False, min_new_tokens=16
+            )[0, len(tokens) :].tolist()
+        assert produced[rid] == expected, rid
+
+
+def test_dummy_weights_of_the_20b_shape_scaled_down(tmp_path: Path, folder: Path) -> None:
+    """dummy:CONFIG builds gpt-oss with random weights (every parameter drawn, finite logits)."""
+    config = (folder / "config.json").read_text()
+    (tmp_path / "config.json").write_text(config)
+    runner = build_runner(f"dummy:{tmp_path / 'config.json'}", num_blocks=16, block_size=BS)
+    result = runner.execute_step(
+        DecodeStep(
+            1,
+            new_requests=[
+                NewRequestData(
+                    "d", prompt(5, 20), GREEDY, [0, 1, 2], 0, 20, 1, group_kv_block_ids=[[0, 1, 2]]
+                )
+            ],
+        )
+    )
+    assert result.outputs[0].error_kind is None and result.outputs[0].sampled_token_id is not None
+    sinks = runner.model.layers[0].self_attn.sinks
+    assert torch.isfinite(sinks).all() and sinks.abs().sum() > 0
+
+
+def test_what_gpt_oss_cannot_run_is_refused(folder: Path) -> None:
+    source = resolve_model(str(folder))
+    with pytest.raises(ModelLoadError, match="no attention sinks"):
+        load_model(source, torch.device("cpu"), torch.float32, AscendPagedAttention(ops=object()))  # type: ignore[arg-type]
+    with pytest.raises(ModelLoadError, match="FP8"):
+        load_model(
+            source,
+            torch.device("cpu"),
+            torch.float32,
+            build_runner(str(folder), num_blocks=4).backend,
+            quantization="fp8",
+        )
+
+
+def test_tensor_parallelism_is_refused(folder: Path) -> None:
+    from ominix_worker.attention.torch_ref import TorchReferenceAttention
+    from ominix_worker.parallel import TensorParallel
+
+    tp = TensorParallel(rank=0, size=2, group=object())  # type: ignore[arg-type]  # refused before any collective
+    with pytest.raises(ModelLoadError, match="one rank"):
+        load_model(
+            resolve_model(str(folder)), torch.device("cpu"), torch.float32, TorchReferenceAttention(), tp=tp
+        )
