@@ -77,8 +77,8 @@ class StartupError(RuntimeError):
 
 def stated_kv_groups(runner: ModelRunner, bytes_per_block: int) -> tuple[KVGroup, ...]:
     """The KV layout stated to the engine: every group when some layers attend within a window, else none
-    (the engine then assumes one full-attention group). ``bytes_per_block``: K and V of every layer."""
-    layout = runner.kv_layout(bytes_per_block // (runner.block_size * runner.config.num_layers))
+    (the engine then assumes one full-attention group). ``bytes_per_block``: K and V of every KV tensor."""
+    layout = runner.kv_layout(bytes_per_block // (runner.block_size * runner.config.num_kv_cache_layers))
     if all(g.kind == AttentionKind.FULL for g in layout):
         return ()
     return layout
@@ -211,6 +211,10 @@ def load_worker(
     model_len = config.max_len_for(backend.supports_sliding_window)
     max_model_len = min(args.max_model_len or model_len, model_len)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
+    if config.compress_ratios and kv_dtype != dtype:
+        raise StartupError(
+            "the compressed-attention reference keeps its KV in the run dtype (no --kv-cache-dtype)"
+        )
     kv_heads = tp.kv_heads(config.num_kv_heads, config.num_heads)
     bytes_per_block = kv_bytes_per_block(config, block_size, kv_dtype, kv_heads.size)
     # A small KV for the profile forward; replaced below by the sized one.
@@ -247,11 +251,19 @@ def load_worker(
     num_blocks = counts[0]  # group 0: the full-attention group when there is one (the largest pool)
     if not runner.attention_groups[0].window:  # full attention needs every block of a request
         max_model_len = min(max_model_len, num_blocks * block_size)
+    for kv_group in runner.kv_layout():  # a compressed pool holds a bounded number of rows per request
+        if kv_group.is_compressed:
+            max_model_len = min(max_model_len, kv_group.tokens_for_blocks(kv_group.num_blocks))
     runner.max_model_len = max_model_len
-    per_layer_block = bytes_per_block // config.num_layers
+    per_layer_block = bytes_per_block // config.num_kv_cache_layers
     sized = list(zip(runner.attention_groups, counts, strict=True))
     kv_bytes = sum(n * len(g.layers) * per_layer_block for g, n in sized)
-    pools = ", ".join(f"{n} blocks" + (f" (window {g.window})" if g.window else "") for g, n in sized)
+    pools = ", ".join(
+        f"{n} blocks"
+        + (f" (window {g.window})" if g.window else "")
+        + (f" (a row per {g.compress_ratio} tokens)" if g.compress_ratio else "")
+        for g, n in sized
+    )
     _say(f"KV cache: {pools} of {block_size} tokens ({kv_bytes / 2**20:.0f} MiB)")
     _say("warming up")
     warming = stage("warming up")

@@ -332,7 +332,12 @@ class LlamaForCausalLM(nn.Module):
         # The KV groups of the layout (layers that attend alike share a block table) and each layer's group:
         # the forward takes one AttentionMetadata per group and hands each layer its group's.
         self.attention_groups = config.attention_groups(backend.supports_sliding_window)
-        group_of = {layer: g for g, group in enumerate(self.attention_groups) for layer in group.layers}
+        group_of = {  # a compressed group's layers keep their raw KV in a raw group (models/compressed.py)
+            layer: g
+            for g, group in enumerate(self.attention_groups)
+            if not group.compress_ratio
+            for layer in group.layers
+        }
         self.layer_kv_groups = tuple(group_of[i] for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
