@@ -2,6 +2,7 @@
 
     python bench/peer_vllm.py --config bench/configs/llama8b-config.json --quantization fp8
     python bench/peer_vllm.py --config bench/configs/qwen3-30b-a3b-config.json --vocab 150000 [--quantization fp8]
+    python bench/peer_vllm.py --config bench/configs/llama70b-config.json --tp 4   # all-reduce fusion off at TP>1
 
 W1: N requests of P random prompt tokens, exactly O forced output tokens each (greedy, no EOS), submitted at once,
 after a 32-request warm-up; timed twice (the second run hits vLLM's prefix cache: same prompts). Then batch-1 TPOT:
@@ -32,6 +33,14 @@ for _key, _value in {
     os.environ.setdefault(_key, _value)
 
 
+def compile_options(args: argparse.Namespace) -> dict[str, object]:
+    """LLM(...) keyword arguments for the all-reduce fusion pass; none when vLLM keeps its default."""
+    fusion = args.allreduce_fusion if args.allreduce_fusion is not None else (False if args.tp > 1 else None)
+    if fusion is None:
+        return {}
+    return {"compilation_config": {"pass_config": {"fuse_allreduce_rms": fusion}}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -46,6 +55,13 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=128000, help="prompt token ids are drawn below this")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    parser.add_argument(
+        "--allreduce-fusion",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's FlashInfer all-reduce + RMSNorm compile pass (default: vLLM's choice at TP=1, off at TP>1: "
+        "with it, CUDA-graph capture failed on lent H100 x4 machines even with the custom all-reduce off)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -74,6 +90,7 @@ def main() -> None:
         gpu_memory_utilization=args.gpu_memory_utilization,
         seed=0,
         disable_custom_all_reduce=args.tp > 1,  # crashed on lent multi-GPU machines (see the peers README)
+        **compile_options(args),
     )
     figures["init_s"] = round(time.perf_counter() - started, 1)
     print(f"vLLM {label} init {figures['init_s']}s", flush=True)
