@@ -6,7 +6,8 @@
 #   handoff   the leader's step hand-off per step (bench/tp_handoff.py, 256-request decode steps)
 #   tp        Llama-3.1-70B shape dummy bf16, one TP=$TP group behind serve: W1 256 x 512 x 256 and batch-1 TPOT
 #   dp        Llama-8B shape: W1 on one TP=1 group, then on two TP=1 groups (cuda:0, cuda:1)
-#   peer      vLLM 0.26.0 with the same tensor_parallel_size on the 70B shape (needs vllm importable)
+#   peer      vLLM 0.26.0 with the same tensor_parallel_size on the 70B shape (bench/peer_vllm.py; needs vllm
+#             importable)
 #
 #   NCCL_NVLS_ENABLE=0 TP=4 bash bench/tp_service.sh          # on a 4-GPU machine, from the repository root
 #   STAGES="tp peer" TP=2 bash bench/tp_service.sh             # TP=2 where the cards hold 70B in two shards
@@ -108,9 +109,11 @@ for stage in $STAGES; do
       run_service dp2 "dummy:$DP_CONFIG" "$DP_CONFIG" "${dp[@]}" ;;
     peer)
       if python3 -c "import vllm" 2>/dev/null; then
-        mkdir -p /tmp/ominix_peer70b && cp "$TP_CONFIG" /tmp/ominix_peer70b/config.json
-        timeout ${PEER_S:-900} python3 "$PEER_DIR/vllm_peer3.py" /tmp/ominix_peer70b "$TP" 256 512 256 2>&1 \
-          | grep -E "^vLLM|init|Error|error" | tail -8 | tee "$OUT/peer.txt"
+        # bench/peer_vllm.py turns off vLLM's custom all-reduce and its all-reduce fusion pass at TP > 1: with
+        # only the first off, vLLM 0.26 TP=4 failed in CUDA-graph capture on an H100 x 4 machine. Full log kept.
+        timeout ${PEER_S:-900} python3 bench/peer_vllm.py --config "$TP_CONFIG" --tp "$TP" \
+          --json "$OUT/peer.json" >"$OUT/peer.log" 2>&1
+        grep -E "^vLLM|Error" "$OUT/peer.log" | tail -8 | tee "$OUT/peer.txt"
       else
         echo "vllm is not importable here: see $PEER_DIR/README.md to carry it"
       fi ;;

@@ -131,6 +131,9 @@ class BackendsConfig:
     heartbeat_timeout: float = DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S
     # A step may take this long, heartbeats or not; None: derived per stream from its measured steps.
     step_timeout: float | None = None
+    # Set by `launch` for its engine: a worker is used, and reconnected after a restart, only while its Health
+    # states this nonce (a foreign process that took a restarted worker's port is never driven).
+    launch_nonce: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -213,10 +213,14 @@ class GrpcWorkerBackend:
         rpc_timeout: float = DEFAULT_RPC_TIMEOUT_S,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
         engine_secret: str | None = None,
+        launch_nonce: str = "",
     ) -> None:
         """``step_timeout`` None: derived from the step times measured on each stream (see GrpcStepStream).
-        ``engine_secret``: sent on Run to workers that require one (plaintext deployments)."""
+        ``engine_secret``: sent on Run to workers that require one (plaintext deployments).
+        ``launch_nonce``: when set, ``describe`` (at start and at every reconnect) first checks that the
+        worker's Health states it."""
         self.address = address
+        self._launch_nonce = launch_nonce
         self._tls = tls
         self._step_timeout = step_timeout
         self._heartbeat_timeout = heartbeat_timeout
@@ -239,11 +243,27 @@ class GrpcWorkerBackend:
         return self._stub
 
     async def describe(self) -> BackendCapability:
+        if self._launch_nonce:
+            await self._check_launch_nonce()
         try:
             pb = await self._get_stub().Describe(worker_pb2.DescribeRequest(), timeout=self._rpc_timeout)
         except grpc.aio.AioRpcError as exc:
             raise _unavailable(self.address, f"Describe failed: {exc.code().name}: {exc.details()}") from exc
         return wire.capability_from_pb(pb)
+
+    async def _check_launch_nonce(self) -> None:
+        """Raise CAPABILITY_MISMATCH when the process on this address is not the one `launch` started there
+        (another launch nonce: e.g. a foreign process took the port while the worker restarted)."""
+        try:
+            resp = await self._get_stub().Health(worker_pb2.HealthRequest(), timeout=self._rpc_timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise _unavailable(self.address, f"Health failed: {exc.code().name}: {exc.details()}") from exc
+        if resp.launch_nonce != self._launch_nonce:
+            raise OminixError(
+                RuntimeErrorKind.CAPABILITY_MISMATCH,
+                f"the process on {self.address} (pid {resp.pid or 'unknown'}) answers with another launch nonce: "
+                "not a worker this launch started",
+            )
 
     async def open(self) -> GrpcStepStream:
         """A Run stream the worker has accepted: a refused or unanswered one raises BACKEND_UNAVAILABLE, so a

@@ -294,6 +294,13 @@ FLAGS: tuple[Flag, ...] = (
         secret=True,
     ),
     Flag(
+        "--worker-launch-nonce",
+        "workers",
+        "set by `launch` for its engine: use (and reconnect to) a worker only while its Health states this "
+        "--launch-nonce",
+        ("backends.launch_nonce",),
+    ),
+    Flag(
         "--worker-ready-timeout",
         "engine",
         "seconds to wait for the workers to report ready",

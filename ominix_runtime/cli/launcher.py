@@ -28,6 +28,8 @@ from ominix_runtime.server.logging import configure_logging, get_logger
 _log = get_logger("ominix.launch")
 MAX_PORT = 65535
 READY_POLL_S = 0.2
+# How long a stopped child (worker or engine) may take to exit after SIGTERM before it is killed.
+STOP_TIMEOUT_S = 15.0
 
 
 class LaunchError(RuntimeError):
@@ -227,7 +229,9 @@ def _start_worker(argv: Sequence[str], env: dict[str, str]) -> tuple[subprocess.
     return proc, output
 
 
-def _stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 15.0) -> None:
+def _stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM each process, then SIGKILL any still running ``timeout`` seconds later (logged: a worker stops
+    by itself well within it, see ``ominix_worker.server.SHUTDOWN_DEADLINE_S``)."""
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -236,8 +240,11 @@ def _stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 1
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            _log.warning("process did not stop after SIGTERM; killing it", pid=proc.pid, timeout_s=timeout)
             proc.kill()
             proc.wait(timeout=5)
+    if procs:
+        _log.info("processes stopped", exit_codes={p.pid: p.returncode for p in procs})
 
 
 def wait_workers_ready(
@@ -401,7 +408,11 @@ def run_launch(config: RuntimeConfig, options: argparse.Namespace) -> int:
 
 def _launch(config: RuntimeConfig, ports: Sequence[int], dist_ports: Sequence[int], nonce: str) -> int:
     plans = plan_workers(config, ports, nonce, dist_ports)
-    engine_config = with_paths(config, {"backends.workers": tuple(p.address for p in plans)})
+    # The engine checks the nonce too, each time it (re)connects to a worker: after a restart, the process on a
+    # worker port must still be one this launch started.
+    engine_config = with_paths(
+        config, {"backends.workers": tuple(p.address for p in plans), "backends.launch_nonce": nonce}
+    )
     _, secret_env = child_command(command("serve"), engine_config)
     env = child_environment()
     if "cpu" in config.launch.devices:

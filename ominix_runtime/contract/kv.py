@@ -13,9 +13,9 @@ class KVLease:
     # group's table keeps NULL_BLOCK_ID where a block slid out of the window, so position p stays in entry
     # p // block_size.
     block_tables: list[list[int]] = field(default_factory=lambda: [[]])
-    num_tokens_reserved: int = (
-        0  # tokens whose KV slots the blocks cover (len(table) * block_size upper bound)
-    )
+    # Most tokens every group's blocks can hold (a full or sliding table: len * block_size; a compressed one:
+    # its rows' complete chunks plus a partial one).
+    num_tokens_reserved: int = 0
     num_prefix_hit_tokens: int = 0  # prompt tokens found in the prefix cache at admission to the worker
 
     @property

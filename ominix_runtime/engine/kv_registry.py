@@ -13,8 +13,12 @@ One registry per worker group, sized from the worker's BackendCapability (kv_num
 - KV groups (contract.kv_layout): each group of layers has its own block pool, prefix cache and one block
   table per lease; a uniform model has one full-attention group. A sliding-window group frees the blocks
   that slid wholly out of the window (``slide``); their table entries become NULL_BLOCK_ID so positions keep
-  their entry. A prefix hit is the longest prefix every full group holds whole and every sliding group holds
-  within the window of the next token (its earlier entries come back null).
+  their entry. A compressed group (one row per ``compress_ratio`` tokens) holds blocks only for complete
+  chunks: its table covers ``rows // block_size`` rounded up, and a block of it covers
+  ``block_size * compress_ratio`` tokens; the trailing partial chunk has no row (its tokens live in the
+  layer's raw group). A prefix hit is the longest prefix every full or compressed group holds whole and every
+  sliding group holds within the window of the next token (its earlier entries come back null), in whole
+  blocks of every group: a multiple of the least common multiple of their tokens per block.
 - Invariant (``check_integrity``, per group): free + evictable-cached + leased == total, every block's ref
   count equals the number of live leases holding it, and a block is held by two leases only if it is a
   cached (hashed) block shared through the prefix cache.
@@ -22,6 +26,7 @@ One registry per worker group, sized from the worker's BackendCapability (kv_num
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -48,8 +53,12 @@ class _Block:
 @dataclass(slots=True)
 class _LeaseState:
     lease: KVLease
-    num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache (or skipped)
-    last_hashes: list[int] = field(default_factory=list)  # per group: hash of the last registered block
+    num_tokens: int = 0  # tokens the tables cover (the most ever allocated)
+    # Per group: leading blocks already registered in the prefix cache (or skipped), and the chained hash of
+    # the last one.
+    num_hashed_blocks: list[int] = field(default_factory=list)
+    last_hashes: list[int] = field(default_factory=list)
+    next_full_tokens: int = 0  # computed tokens at which some group's next block fills up
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,13 +224,15 @@ class KVRegistry:
         for i, group in enumerate(layout):
             if group.block_size != block_size:
                 raise ValueError(f"kv group {i} has block size {group.block_size}, not {block_size}")
-            if group.kind not in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW):
-                raise ValueError(f"kv group {i}: {group.kind.name} attention is not served yet")
+            if group.is_compressed and group.compress_ratio <= 0:
+                raise ValueError(f"kv group {i}: a compressed group needs compress_ratio > 0")
         self.worker_id = worker_id
         self.layout = tuple(replace(g, num_blocks=min(g.num_blocks, num_blocks)) for g in layout)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._pools = [_BlockPool(g) for g in self.layout]
+        # Prefix hits are whole blocks of every group.
+        self.hit_granularity = math.lcm(*(g.tokens_per_block for g in self.layout))
         # Nothing ever slides without a sliding group: the per-step hot path skips the walk.
         self._slides = any(g.is_sliding for g in self.layout)
         self._leases: dict[str, _LeaseState] = {}
@@ -270,7 +281,7 @@ class KVRegistry:
         limits = []
         for pool in self._pools:
             group = pool.group
-            capacity = pool.num_blocks * self.block_size
+            capacity = group.tokens_for_blocks(pool.num_blocks)
             if group.is_sliding and capacity >= group.sliding_window + chunk_tokens + 2 * self.block_size:
                 continue
             limits.append(capacity)
@@ -284,15 +295,19 @@ class KVRegistry:
         return list(self._leases)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks of ``num_tokens`` tokens in a group that keeps a row per token."""
         return -(-num_tokens // self.block_size)
 
     def footprint(self, num_tokens: int, num_computed_tokens: int = 0) -> tuple[int, ...]:
         """Per group: blocks a request holds while computing up to ``num_tokens`` from ``num_computed_tokens``.
 
-        A full group holds every block; a sliding group drops the blocks wholly before its window.
+        A full group holds every block; a sliding group drops the blocks wholly before its window; a
+        compressed group holds the blocks of its complete chunks' rows.
         """
-        total = self.blocks_for_tokens(num_tokens)
-        return tuple(total - self._num_slid(p.group, num_computed_tokens) for p in self._pools)
+        return tuple(
+            p.group.blocks_for_tokens(num_tokens) - self._num_slid(p.group, num_computed_tokens)
+            for p in self._pools
+        )
 
     def _num_slid(self, group: KVGroup, num_computed_tokens: int) -> int:
         return group.first_needed_position(num_computed_tokens) // self.block_size
@@ -304,46 +319,56 @@ class KVRegistry:
         prefix still serves it."""
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return PrefixHit()
-        bs = self.block_size
-        keys: list[tuple[int, tuple[int, ...]]] = []
-        parent = _ROOT_HASH
-        for i in range((len(token_ids) - 1) // bs):
-            keys.append((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
-            parent = hash(keys[-1])
+        step = self.hit_granularity
+        limit = (len(token_ids) - 1) // step * step
+        # Each group chains its hashes over the tokens its blocks cover.
+        keys: list[list[tuple[int, tuple[int, ...]]]] = []
+        for pool in self._pools:
+            span = pool.group.tokens_per_block
+            chain: list[tuple[int, tuple[int, ...]]] = []
+            parent = _ROOT_HASH
+            for i in range(limit // span):
+                chain.append((parent, tuple(token_ids[i * span : (i + 1) * span])))
+                parent = hash(chain[-1])
+            keys.append(chain)
         found: list[dict[int, int | None]] = [{} for _ in self._pools]
 
         def lookup(g: int, i: int) -> int | None:
             if i not in found[g]:
-                found[g][i] = self._pools[g].lookup(keys[i])
+                found[g][i] = self._pools[g].lookup(keys[g][i])
             return found[g][i]
 
-        num_hit = len(keys)
-        for g, pool in enumerate(self._pools):  # full groups: the leading run
+        num_hit = limit  # tokens, a multiple of step
+        for g, pool in enumerate(self._pools):  # full and compressed groups: the leading run
             if not pool.group.is_sliding:
-                num_hit = next((i for i in range(num_hit) if lookup(g, i) is None), num_hit)
+                span = pool.group.tokens_per_block
+                missing = next((i for i in range(num_hit // span) if lookup(g, i) is None), None)
+                if missing is not None:
+                    num_hit = missing * span // step * step
         settled = False
         while not settled:  # sliding groups: the window of the run's end; a gap ends the run before it
             settled = True
             for g, pool in enumerate(self._pools):
                 if not pool.group.is_sliding:
                     continue
-                first = self._num_slid(pool.group, num_hit * bs)
-                gap = next((i for i in range(num_hit - 1, first - 1, -1) if lookup(g, i) is None), None)
+                first = self._num_slid(pool.group, num_hit)
+                last_block = num_hit // self.block_size - 1
+                gap = next((i for i in range(last_block, first - 1, -1) if lookup(g, i) is None), None)
                 if gap is not None:
-                    num_hit, settled = gap, False
+                    num_hit, settled = gap * self.block_size // step * step, False
         per_group: list[tuple[int, ...]] = []
         for g, pool in enumerate(self._pools):
-            first = self._num_slid(pool.group, num_hit * bs)
+            first = self._num_slid(pool.group, num_hit)
             ids = [NULL_BLOCK_ID] * first
-            for i in range(first, num_hit):
+            for i in range(first, num_hit // pool.group.tokens_per_block):
                 block_id = lookup(g, i)
                 assert block_id is not None  # every group holds the blocks of the run it was settled on
                 ids.append(block_id)
             per_group.append(tuple(ids))
         if record:
             self.prefix_query_tokens += len(token_ids)
-            self.prefix_hit_tokens += num_hit * bs
-        return PrefixHit(tuple(per_group), num_hit * bs)
+            self.prefix_hit_tokens += num_hit
+        return PrefixHit(tuple(per_group), num_hit)
 
     # ---- allocation -----------------------------------------------------------------------------------
 
@@ -365,10 +390,10 @@ class KVRegistry:
         state = self._leases.get(request_id)
         if state is not None and num_computed_tokens is not None and self._slides:
             self.slide(request_id, num_computed_tokens)
-        need_total = -(-num_tokens // self.block_size)
-        if state is not None and prefix is None and need_total <= len(state.lease.block_tables[0]):
+        if state is not None and prefix is None and num_tokens <= state.lease.num_tokens_reserved:
+            state.num_tokens = max(state.num_tokens, num_tokens)
             return []  # fast path: a running request that needs no new block
-        if state is not None and prefix is not None and prefix.kv_block_ids:
+        if state is not None and prefix is not None and prefix.num_tokens:
             raise ValueError("a prefix hit can only start a new lease")
         groups_prefix: list[tuple[int, ...]] = [()] * len(self._pools)
         if state is None and prefix is not None and prefix.group_block_ids:
@@ -381,7 +406,7 @@ class KVRegistry:
         needs: list[int] = []
         for g, pool in enumerate(self._pools):
             have = len(state.lease.block_tables[g]) if state else len(groups_prefix[g])
-            need = max(need_total - have, 0)
+            need = max(pool.group.blocks_for_tokens(num_tokens) - have, 0)
             # Prefix blocks with ref 0 are in the free queue; taking them shrinks what is available.
             prefix_from_free = sum(
                 1 for b in groups_prefix[g] if b != NULL_BLOCK_ID and pool.blocks[b].ref_count == 0
@@ -392,6 +417,7 @@ class KVRegistry:
         if state is None:
             state = _LeaseState(
                 KVLease(request_id, self.worker_id, block_tables=[[] for _ in self._pools]),
+                num_hashed_blocks=[0] * len(self._pools),
                 last_hashes=[_ROOT_HASH] * len(self._pools),
             )
             self._leases[request_id] = state
@@ -400,7 +426,7 @@ class KVRegistry:
                     if b != NULL_BLOCK_ID:  # a sliding group's block before the window: not held
                         pool.ref(b)
                     table.append(b)
-            state.lease.num_prefix_hit_tokens = len(groups_prefix[0]) * self.block_size
+            state.lease.num_prefix_hit_tokens = prefix.num_tokens if prefix is not None else 0
         added = list(groups_prefix[0])
         for g, (pool, table) in enumerate(zip(self._pools, state.lease.block_tables, strict=True)):
             for _ in range(needs[g]):
@@ -408,7 +434,11 @@ class KVRegistry:
                 table.append(block_id)
                 if g == 0:
                     added.append(block_id)
-        state.lease.num_tokens_reserved = len(state.lease.block_tables[0]) * self.block_size
+        state.num_tokens = max(state.num_tokens, num_tokens)
+        state.lease.num_tokens_reserved = min(
+            p.group.tokens_for_blocks(len(t))
+            for p, t in zip(self._pools, state.lease.block_tables, strict=True)
+        )
         if num_computed_tokens is not None and self._slides:
             self.slide(request_id, num_computed_tokens)
         return added
@@ -434,26 +464,32 @@ class KVRegistry:
         return freed
 
     def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Register the lease's full blocks whose tokens are known and computed in the prefix cache."""
+        """Register the lease's full blocks whose tokens are known and computed in the prefix cache.
+
+        A block is full once every token it covers is computed (a compressed block: ``block_size`` complete
+        chunks); each group chains its own hashes over the tokens its blocks cover.
+        """
         if not self.enable_prefix_caching:
             return
         state = self._leases.get(request_id)
         if state is None:
             return
-        bs = self.block_size
-        num_full = min(num_computed_tokens, len(token_ids)) // bs
-        if num_full <= state.num_hashed_blocks:
-            return  # the common decode step: no block filled up since the last call
-        tables = state.lease.block_tables
-        num_full = min(num_full, min(len(t) for t in tables))
-        for i in range(state.num_hashed_blocks, num_full):
-            block_tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            for g, (pool, table) in enumerate(zip(self._pools, tables, strict=True)):
-                key = (state.last_hashes[g], block_tokens)
+        known = min(num_computed_tokens, len(token_ids))
+        if known < state.next_full_tokens:
+            return  # the common decode step: no block of any group filled up since the last call
+        for g, (pool, table) in enumerate(zip(self._pools, state.lease.block_tables, strict=True)):
+            span = pool.group.tokens_per_block
+            num_full = min(known // span, len(table))
+            for i in range(state.num_hashed_blocks[g], num_full):
+                key = (state.last_hashes[g], tuple(token_ids[i * span : (i + 1) * span]))
                 if table[i] != NULL_BLOCK_ID:  # a slid-out block is gone; the chain continues
                     pool.register(table[i], key)
                 state.last_hashes[g] = hash(key)
-            state.num_hashed_blocks = i + 1
+            state.num_hashed_blocks[g] = max(state.num_hashed_blocks[g], num_full)
+        state.next_full_tokens = min(
+            (n + 1) * p.group.tokens_per_block
+            for n, p in zip(state.num_hashed_blocks, self._pools, strict=True)
+        )
 
     def free(self, request_id: str) -> list[int]:
         """Release the lease tail-first; returns group 0's block ids (empty when there was none)."""
@@ -486,9 +522,13 @@ class KVRegistry:
                 tables[rid] = state.lease.block_tables[g]
             pool.check(tables, g)
         for rid, state in self._leases.items():
-            lengths = {len(t) for t in state.lease.block_tables}
-            if len(lengths) != 1:
-                raise IntegrityError(f"lease {rid} covers different token counts per group: {lengths}")
+            for g, (pool, table) in enumerate(zip(self._pools, state.lease.block_tables, strict=True)):
+                want = pool.group.blocks_for_tokens(state.num_tokens)
+                if len(table) != want:
+                    raise IntegrityError(
+                        f"lease {rid}: kv group {g} has {len(table)} blocks for {state.num_tokens} tokens, "
+                        f"not {want}"
+                    )
 
     def check_quiescent(self) -> None:
         """O(1) per group check for an idle registry: no lease may be left and every block must be reusable."""

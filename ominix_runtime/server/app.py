@@ -59,6 +59,7 @@ def _build_backends(config: RuntimeConfig) -> list[BackendAdapter]:
             step_timeout=config.backends.step_timeout,
             heartbeat_timeout=config.backends.heartbeat_timeout,
             engine_secret=_read_secret(config.tls.engine_secret_file),
+            launch_nonce=config.backends.launch_nonce,
         )
         for address in config.backends.workers
     ]

@@ -36,11 +36,17 @@ def prompt(i: int, length: int) -> list[int]:
     return [3 + (i * 13 + k * 7) % 250 for k in range(length)]
 
 
-def greedy_reference(model: Path, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+def greedy_reference(
+    model: Path, prompts: list[list[int]], num_tokens: int, device: str = "cpu", dtype: str = "float32"
+) -> list[list[int]]:
     """Greedy tokens of each prompt from an in-process TP=1 runner, one request at a time."""
+    import torch
+
     from ominix_worker.runner import build_runner
 
-    runner = build_runner(str(model), num_blocks=64, block_size=16)
+    runner = build_runner(
+        str(model), device=device, dtype=getattr(torch, dtype), num_blocks=64, block_size=16
+    )
     out = []
     for ids in prompts:
         runner.reset()

@@ -30,7 +30,8 @@ pytest.importorskip("triton")
 from ominix_worker.ops.fp8_gemm import w8a8_block_matmul  # noqa: E402
 from ominix_worker.ops.fused_moe import fused_experts  # noqa: E402
 from ominix_worker.ops.moe_ref import fused_experts_ref, select_experts  # noqa: E402
-from ominix_worker.quant.fp8 import Fp8Linear, dequantize_fp8, quantize_fp8_blocks  # noqa: E402
+from ominix_worker.parallel import ColumnParallelLinear, ShardRange  # noqa: E402
+from ominix_worker.quant.fp8 import Fp8ColumnParallelLinear, dequantize_fp8, quantize_fp8_blocks  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -68,12 +69,12 @@ def test_block_scaled_gemm_vs_bf16(m: int, n: int, k: int) -> None:
 @pytest.mark.parametrize("m", [1, 5, 64, 1000])
 def test_per_channel_fp8_linear_vs_bf16(m: int) -> None:
     gen = torch.Generator().manual_seed(m)
-    linear = torch.nn.Linear(2048, 3072, bias=True)
+    linear = ColumnParallelLinear(2048, [3072], [ShardRange(0, 3072)], bias=True)
     with torch.no_grad():
         linear.weight.copy_(torch.randn((3072, 2048), generator=gen) / 2048**0.5)
         linear.bias.copy_(torch.randn(3072, generator=gen) * 0.1)
     linear = linear.to(torch.bfloat16).cuda()
-    layer = Fp8Linear.from_linear(linear, None)
+    layer = Fp8ColumnParallelLinear.from_linear(linear, None)
     x = torch.randn((m, 2048), generator=gen).to(torch.bfloat16).cuda()
     with torch.no_grad():
         assert _rel(layer(x), linear(x)) < VS_BF16

@@ -25,7 +25,7 @@ if DEVICE is None:
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from ominix_worker.attention.base import AttentionMetadata  # noqa: E402
+from ominix_worker.attention.base import AttentionMetadata, KVScales  # noqa: E402
 from ominix_worker.attention.triton_paged import TritonPagedAttention  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -101,7 +101,6 @@ def test_fp8_kv_attention_error_is_bounded_against_bf16_kv(q_lens: list[int], se
 
 def test_fp8_kv_store_quantizes_with_the_scale() -> None:
     backend = TritonPagedAttention(16)
-    backend.k_scale, backend.v_scale = 4.0, 0.5
     cache = backend.allocate_kv_cache(1, 2, 1, 16, torch.float8_e4m3fn, torch.device(DEVICE))[0]
     key = torch.linspace(-4000, 4000, 16).reshape(1, 1, 16).to(DTYPE).to(DEVICE)
     value = torch.linspace(-1, 1, 16).reshape(1, 1, 16).to(DTYPE).to(DEVICE)
@@ -114,10 +113,52 @@ def test_fp8_kv_store_quantizes_with_the_scale() -> None:
         max_seq_len=1,
         num_decode_only=True,
     )
-    backend.write_kv(cache, key, value, meta)
+    backend.write_kv(cache, key, value, meta, KVScales(4.0, 0.5))
     stored_k = cache[0, 1, 1, 0].float().cpu()
     stored_v = cache[1, 1, 1, 0].float().cpu()
     # K / 4 saturates at ±448 (the e4m3 range); V / 0.5 keeps e4m3 precision (3 mantissa bits).
     assert stored_k.abs().max() == 448.0
     assert torch.allclose(stored_k, (key.float().cpu() / 4).clamp(-448, 448).reshape(16), rtol=0.07)
     assert torch.allclose(stored_v, (value.float().cpu() / 0.5).reshape(16), rtol=0.07, atol=1e-2)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the whole runner on a GPU")
+def test_checkpoint_kv_scales_reach_the_triton_store_and_read(tmp_path: Path) -> None:
+    """A tiny Llama checkpoint with per-layer k_scale / v_scale (0.01-0.05): layer 0's FP8 cache holds its
+    K / k_scale and V / v_scale (the float cache's values, within e4m3 rounding), and the logits stay within
+    10% of a bf16 cache's (the kernels multiply the scales back; a lost scale is off by 20-250x)."""
+    from safetensors.torch import load_file, save_file
+
+    from ominix_runtime.contract import DecodeStep, NewRequestData, SamplingParams
+    from ominix_worker.runner import build_runner
+    from ominix_worker.testing import write_tiny_hf_model
+
+    folder = write_tiny_hf_model(tmp_path / "m", arch="llama", vocab_size=320, with_tokenizer=False)
+    tensors = load_file(str(folder / "model.safetensors"))
+    scales = {0: (0.01, 0.02), 1: (0.05, 0.004)}
+    for layer, (k, v) in scales.items():
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v)
+    save_file(tensors, str(folder / "model.safetensors"))
+    tokens = [(5 * i + 7) % 300 + 3 for i in range(20)]
+
+    def prefill(kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+        runner = build_runner(
+            str(folder), device="cuda", dtype=torch.bfloat16, num_blocks=8, kv_cache_dtype=kv_cache_dtype
+        )
+        rows: list[torch.Tensor] = []
+        compute = runner.model.compute_logits
+        runner.model.compute_logits = lambda h: rows.append(compute(h)) or rows[-1]  # type: ignore[method-assign]  # records the logits
+        new = NewRequestData("a", tokens, SamplingParams(temperature=0.0), [1, 2], 0, len(tokens), 0)
+        runner.execute_step(DecodeStep(1, new_requests=[new]))
+        torch.cuda.synchronize()
+        return runner.kv_caches[0][:, 1:3].float().flatten(1, 2)[:, : len(tokens)].cpu(), torch.cat(
+            rows
+        ).cpu()
+
+    fp8_cache, fp8_logits = prefill("fp8_e4m3")
+    full_cache, full_logits = prefill("auto")
+    k, v = scales[0]
+    torch.testing.assert_close(fp8_cache[0] * k, full_cache[0], rtol=0.07, atol=0.07 * k)
+    torch.testing.assert_close(fp8_cache[1] * v, full_cache[1], rtol=0.07, atol=0.07 * v)
+    assert ((fp8_logits - full_logits).norm() / full_logits.norm()).item() < 0.10

@@ -99,3 +99,33 @@ def test_kill_9_of_a_rank_mid_stream_ends_the_group(tmp_path: Path) -> None:
             assert out.status is None and out.num_terminal == 1, f"{out}\n{engine.logs()}"
             assert out.error is not None and out.error.code == int(RuntimeErrorKind.BACKEND_UNAVAILABLE), out
         assert seconds < STEP_TIMEOUT_S + 15
+
+
+def test_sigterm_ends_a_leader_whose_decode_graphs_hold_the_nccl_communicator(tmp_path: Path) -> None:
+    """Tearing an NCCL group down under captured graphs blocks forever: the leader of a serving TP=2 group
+    (graphs captured, a request served) leaves on SIGTERM at once with 0, without that teardown; its follower
+    notices and leaves too."""
+    _needs(2)
+    import signal
+    import time
+
+    from fault_procs import stream_one
+    from tp_procs import DIST_TIMEOUT_S, GROUP_FAILURE_EXIT_CODE, request, start_tp_engine
+
+    from ominix_runtime.pb import engine_pb2
+    from ominix_worker.testing import write_tiny_hf_model
+
+    model = write_tiny_hf_model(tmp_path / "tiny", arch="llama", vocab_size=320, heads=4, kv_heads=4)
+    worker_args = ("--gpu-memory-utilization", "0.3", "--max-model-len", "1024")
+    devices = ("cuda:0", "cuda:1")
+    with start_tp_engine(str(model), tmp_path, devices=devices, worker_args=worker_args) as (engine, ranks):
+        (backend,) = engine.stub.ListBackends(engine_pb2.ListBackendsRequest(), timeout=5).backends
+        assert backend.supports_graph_capture
+        assert stream_one(engine.stub, request("a", [5, 6, 7], 16), 60).done is not None
+        signalled = time.monotonic()
+        ranks[0].popen.send_signal(signal.SIGTERM)
+        assert ranks[0].popen.wait(timeout=30) == 0, ranks[0].log_tail()
+        assert time.monotonic() - signalled < 8.0
+        # the control group's broken connection ends it (code 3), or NCCL's watchdog first (abort)
+        code = ranks[1].popen.wait(timeout=DIST_TIMEOUT_S + 15)
+        assert code in (GROUP_FAILURE_EXIT_CODE, -signal.SIGABRT), (code, ranks[1].log_tail())

@@ -83,7 +83,8 @@ def test_operator_aliases() -> None:
 
 
 def test_launch_accepts_every_serve_and_worker_flag() -> None:
-    serve = _option_strings("serve") - {"--worker"}
+    # --worker and --worker-launch-nonce: the launcher sets them for its engine (its workers and their nonce).
+    serve = _option_strings("serve") - {"--worker", "--worker-launch-nonce"}
     # Per-worker settings are the launcher's to set (--devices, --worker-base-port, --worker-threads); it
     # starts single-rank workers, so the per-rank tensor-parallel flags are not its to pass on.
     per_process = {"--device", "--num-threads", "--worker-id", "--launch-nonce"}

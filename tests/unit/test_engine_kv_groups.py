@@ -131,8 +131,8 @@ def test_slid_blocks_are_cached_before_they_leave_and_shared_hits_are_ref_counte
 
 
 def test_layout_checks() -> None:
-    with pytest.raises(ValueError, match="not served yet"):
-        KVRegistry("w", 8, BS, layout=(KVGroup(AttentionKind.COMPRESSED, (0,), BS, 8, compress_ratio=4),))
+    with pytest.raises(ValueError, match="compress_ratio > 0"):
+        KVRegistry("w", 8, BS, layout=(KVGroup(AttentionKind.COMPRESSED, (0,), BS, 8),))
     with pytest.raises(ValueError, match="block size"):
         KVRegistry("w", 8, BS, layout=(KVGroup(AttentionKind.FULL, (0,), 8, 8),))
     model = ModelInfo("m", 100, 4096, (0,), num_layers=2)
@@ -156,7 +156,7 @@ def test_layout_checks() -> None:
         kv_num_blocks=8,
         kv_groups=(full(8, (0,)), KVGroup(AttentionKind.COMPRESSED, (1,), BS, 8, compress_ratio=4)),
     )
-    assert any("not served yet" in p for p in compressed.problems())
+    assert any("no full or sliding-window group" in p for p in compressed.problems())
 
 
 def test_integrity_catches_a_null_entry_in_a_full_group() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 SUPPORTED_ARCHES = (
     "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "gemma3_text", "gemma3", "gpt_oss",
+    "llama_compressed",
 )  # fmt: skip
 _ARCH_CLASS = {
     "llama": "LlamaForCausalLM",
@@ -21,6 +22,7 @@ _ARCH_CLASS = {
     "mixtral": "MixtralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "llama_compressed": "LlamaCompressedForCausalLM",
 }
 # Mixture-of-experts architectures (``models/moe.py``, ``models/gpt_oss.py``); the others are dense.
 MOE_ARCHES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")
@@ -33,10 +35,16 @@ FULL_ATTENTION = "full_attention"
 
 @dataclass(frozen=True, slots=True)
 class AttentionGroup:
-    """Layers that attend alike and so share one KV block table (a KV group of the worker's layout)."""
+    """Layers that attend alike and so share one KV block table (a KV group of the worker's layout).
 
-    window: int  # 0: full attention
+    A raw group keeps one KV row per token (full attention, or a window); a compressed group (``compress_ratio``
+    > 0, DeepSeek-V4-style) keeps one row per complete chunk of that many tokens for layers whose raw KV lives
+    in a raw group as well.
+    """
+
+    window: int  # 0: full attention (or a compressed group)
     layers: tuple[int, ...]
+    compress_ratio: int = 0  # > 0: a compressed group
 
 
 class ModelConfigError(ValueError):
@@ -94,6 +102,9 @@ class ModelConfig:
     query_pre_attn_scalar: float = 0.0
     final_logit_softcapping: float = 0.0
     rope_local_theta: float = 0.0
+    # Compressed attention (``llama_compressed``, shaped like DeepSeek-V4's layers): per layer, the tokens
+    # summarised by one compressed KV row (0: the layer attends within its sliding window only). Empty: none.
+    compress_ratios: tuple[int, ...] = ()
 
     @property
     def architecture(self) -> str:
@@ -120,10 +131,25 @@ class ModelConfig:
         first (it bounds a request's context), then windows ascending. A backend that does not attend within
         windows gets one full-attention group (and ``max_len_for`` caps the context at the window)."""
         windows = [self.layer_window(i) if attends_within_window else 0 for i in range(self.num_layers)]
-        return tuple(
+        raw = tuple(
             AttentionGroup(w, tuple(i for i, lw in enumerate(windows) if lw == w))
             for w in sorted(set(windows))
         )
+        # Compressed groups come after every raw group, one per distinct ratio, ascending.
+        return raw + tuple(
+            AttentionGroup(0, tuple(i for i, r in enumerate(self.compress_ratios) if r == ratio), ratio)
+            for ratio in self.compressed_group_ratios
+        )
+
+    @property
+    def compressed_group_ratios(self) -> tuple[int, ...]:
+        """The distinct compress ratios, ascending: one compressed KV group each, in this order."""
+        return tuple(sorted({r for r in self.compress_ratios if r}))
+
+    @property
+    def num_kv_cache_layers(self) -> int:
+        """KV tensors per block set: one raw per layer, plus one of compressed rows per compressed layer."""
+        return self.num_layers + sum(1 for r in self.compress_ratios if r)
 
     @property
     def is_moe(self) -> bool:
@@ -158,9 +184,14 @@ class ModelConfig:
         num_moe = len(self.moe_layers)
         mlps = num_moe * moe_mlp + (self.num_layers - num_moe) * dense_mlp
         per_layer = attn + 2 * self.hidden_size
+        # Compressed layers: a gate and a position bias per chunk offset (each per KV head and dimension), and
+        # the row norm.
+        compress = sum(
+            (1 + r) * self.num_kv_heads * self.head_dim + self.head_dim for r in self.compress_ratios if r
+        )
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed
-        return self.num_layers * per_layer + mlps + embed + head + self.hidden_size
+        return self.num_layers * per_layer + compress + mlps + embed + head + self.hidden_size
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -262,9 +293,13 @@ def _gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
 def _sliding_window(raw: dict[str, Any], model_type: str) -> int:
     """The window of the sliding-window layers (0: full attention everywhere)."""
     window = raw.get("sliding_window")
-    uses_window = model_type in ("mistral", "mixtral", "gemma3_text", "gpt_oss") or raw.get(
-        "use_sliding_window", False
-    )
+    uses_window = model_type in (
+        "mistral",
+        "mixtral",
+        "gemma3_text",
+        "gpt_oss",
+        "llama_compressed",
+    ) or raw.get("use_sliding_window", False)
     return int(window) if window and uses_window else 0
 
 
@@ -322,6 +357,20 @@ def _moe_from_hf(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[
         else 0,
         moe_layers=layers,
     )
+
+
+def _compress_ratios(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:
+    """``compress_ratios`` of a ``llama_compressed`` config: one per layer, 0 for a window-only layer."""
+    if model_type != "llama_compressed":
+        return ()
+    ratios = tuple(int(r) for r in raw.get("compress_ratios") or ())
+    window = int(raw.get("sliding_window") or 0)
+    if len(ratios) != num_layers or any(r < 0 for r in ratios):
+        raise ModelConfigError(f"compress_ratios must list one ratio >= 0 per layer ({num_layers})")
+    if window <= 0 or window < max(ratios):
+        # The window holds the raw KV of the chunk being filled until its row is written.
+        raise ModelConfigError(f"sliding_window {window} must be > 0 and at least every compress ratio")
+    return ratios
 
 
 def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
@@ -390,6 +439,7 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
             bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
             quantization=dict(raw.get("quantization_config") or {}),
+            compress_ratios=_compress_ratios(raw, model_type, num_layers),
             **_moe_from_hf(raw, model_type, num_layers),
             **extra,
         )

@@ -55,10 +55,11 @@ def resolve_kv_cache_dtype(name: str, run_dtype: torch.dtype, device: torch.devi
 def kv_bytes_per_block(
     config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
 ) -> int:
-    """K and V, all layers, one block; ``num_kv_heads``: the heads one tensor-parallel rank keeps."""
+    """K and V, all layers (and compressed rows), one block; ``num_kv_heads``: the heads one tensor-parallel
+    rank keeps."""
     element = torch.tensor([], dtype=dtype).element_size()
     heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return 2 * config.num_layers * block_size * heads * config.head_dim * element
+    return 2 * config.num_kv_cache_layers * block_size * heads * config.head_dim * element
 
 
 def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:
@@ -108,6 +109,8 @@ def group_block_counts(
     """
     if all(g.window for g in groups) or not any(g.window for g in groups):
         return (uniform_blocks,) * len(groups)
+    if any(g.compress_ratio for g in groups):  # compressed layouts keep one count (see docs/SCHEDULER.md)
+        return (uniform_blocks,) * len(groups)
     num_layers = sum(len(g.layers) for g in groups)
     window_blocks = {i: -(-g.window // block_size) + 2 for i, g in enumerate(groups) if g.window}
     # Balance point: the blocks a request four windows long takes in the full groups, per sliding window.
@@ -137,7 +140,8 @@ def allocate_kv_cache(
     device: torch.device,
     num_kv_heads: int | None = None,
 ) -> list[torch.Tensor]:
-    """One KV tensor per layer; ``num_blocks``: one count for every layer, or one per KV group
+    """One KV tensor per layer, then one of compressed rows per layer of each compressed group (in
+    ``kv_tensor_indices`` order); ``num_blocks``: one count for every group, or one per KV group
     (``config.attention_groups`` on this backend); ``num_kv_heads``: the heads one tensor-parallel rank keeps
     (default: all)."""
     groups = config.attention_groups(backend.supports_sliding_window)
@@ -147,9 +151,23 @@ def allocate_kv_cache(
     if min(counts) <= 0:
         raise ValueError("the KV cache budget leaves no room for a single block")
     heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
-    caches: list[torch.Tensor | None] = [None] * config.num_layers
-    for group, count in zip(groups, counts, strict=True):
-        tensors = backend.allocate_kv_cache(len(group.layers), count, heads, config.head_dim, dtype, device)
-        for layer, tensor in zip(group.layers, tensors, strict=True):
-            caches[layer] = tensor
+    caches: list[torch.Tensor | None] = [None] * config.num_kv_cache_layers
+    for indices, count in zip(kv_tensor_indices(groups, config.num_layers), counts, strict=True):
+        tensors = backend.allocate_kv_cache(len(indices), count, heads, config.head_dim, dtype, device)
+        for index, tensor in zip(indices, tensors, strict=True):
+            caches[index] = tensor
     return [c for c in caches if c is not None]
+
+
+def kv_tensor_indices(groups: Sequence[AttentionGroup], num_layers: int) -> list[tuple[int, ...]]:
+    """Per KV group, where its layers' tensors sit in the KV list: a raw group's at its layer indices, a
+    compressed group's after every layer's, group after group."""
+    out: list[tuple[int, ...]] = []
+    extra = num_layers
+    for group in groups:
+        if group.compress_ratio:
+            out.append(tuple(range(extra, extra + len(group.layers))))
+            extra += len(group.layers)
+        else:
+            out.append(group.layers)
+    return out

@@ -296,6 +296,8 @@ def load_model(
     """
     if quantization not in (None, "", "none", "fp8"):
         raise ModelLoadError(f"unknown quantization {quantization!r} (none or fp8)")
+    if device.type != "cpu" and source.format != ModelFormat.GGUF and load_config(source).compress_ratios:
+        raise ModelLoadError(f"{source.name}: the compressed-attention reference runs on the CPU only")
     try:
         if source.format == ModelFormat.GGUF:
             from gguf import GGUFReader

@@ -33,7 +33,8 @@ from ominix_runtime.contract import (
     TokenLogprob,
 )
 from ominix_worker.attention.base import AttentionBackend, AttentionMetadata
-from ominix_worker.config import ModelConfig
+from ominix_worker.config import AttentionGroup, ModelConfig
+from ominix_worker.kv_cache import kv_tensor_indices
 from ominix_worker.models.llama import LlamaForCausalLM
 from ominix_worker.parallel import SINGLE, TensorParallel
 from ominix_worker.sampler import SamplerOutput, SamplingTensors, sample
@@ -172,9 +173,8 @@ class ModelRunner:
         """Swap the KV tensors (after sizing); an empty list frees them first."""
         self.kv_caches = kv_caches
         # Blocks of each group's pool: the KV tensor of every layer of a group has the same count.
-        self.group_num_blocks = tuple(
-            int(kv_caches[g.layers[0]].shape[1]) if kv_caches else 0 for g in self.attention_groups
-        )
+        first = [indices[0] for indices in kv_tensor_indices(self.attention_groups, self.config.num_layers)]
+        self.group_num_blocks = tuple(int(kv_caches[i].shape[1]) if kv_caches else 0 for i in first)
 
     @property
     def num_blocks(self) -> int:
@@ -190,12 +190,13 @@ class ModelRunner:
         """The KV groups as the contract states them (kind, layers, window, pool size)."""
         return tuple(
             KVGroup(
-                AttentionKind.SLIDING_WINDOW if g.window else AttentionKind.FULL,
+                _kind(g),
                 g.layers,
                 self.block_size,
                 n,
                 bytes_per_token_per_layer=bytes_per_token_per_layer,
                 sliding_window=g.window,
+                compress_ratio=g.compress_ratio,
             )
             for g, n in zip(self.attention_groups, self.group_num_blocks, strict=True)
         )
@@ -265,13 +266,15 @@ class ModelRunner:
             )
         bs = self.block_size
         for group, table in zip(self.attention_groups, request.block_tables, strict=True):
-            if len(table) * bs < end:
+            need = _blocks_for_tokens(group, end, bs)
+            if len(table) < need:
+                what = "blocks of a compressed KV group" if group.compress_ratio else "KV blocks"
                 raise RequestError(
                     RuntimeErrorKind.INTERNAL,
-                    f"{len(table)} KV blocks cannot hold {end} tokens (block size {bs})",
+                    f"{len(table)} {what} cannot hold {end} tokens (block size {bs})",
                 )
             first_read = max(0, start - group.window + 1) // bs if group.window else 0
-            if NULL_BLOCK_ID in table[first_read : -(-end // bs)]:
+            if NULL_BLOCK_ID in table[first_read:need]:
                 raise RequestError(
                     RuntimeErrorKind.INTERNAL,
                     f"a KV block inside the window of positions [{start}, {end}) is null",
@@ -508,9 +511,10 @@ class ModelRunner:
             input_ids.extend(req.token_ids(row.start, row.end))
             span = range(row.start, row.end)
             positions.extend(span)
-            used = -(-row.end // bs)
-            for g, blocks in enumerate(req.block_tables):
-                slots[g].extend(blocks[p // bs] * bs + p % bs for p in span)
+            for g, (group, blocks) in enumerate(zip(self.attention_groups, req.block_tables, strict=True)):
+                used = _blocks_for_tokens(group, row.end, bs)
+                if not group.compress_ratio:  # a compressed group's rows are written by its layers
+                    slots[g].extend(blocks[p // bs] * bs + p % bs for p in span)
                 block_rows[g].append(blocks[:used] + [0] * (max_blocks - used))
             query_start.append(query_start[-1] + row.end - row.start)
             seq_lens.append(row.end)
@@ -715,6 +719,19 @@ class ModelRunner:
         self._graphs = graphs
         log.info("captured %d decode graphs in %.1f s", len(graphs.graphs), time.perf_counter() - started)
         return True
+
+
+def _kind(group: AttentionGroup) -> AttentionKind:
+    if group.compress_ratio:
+        return AttentionKind.COMPRESSED
+    return AttentionKind.SLIDING_WINDOW if group.window else AttentionKind.FULL
+
+
+def _blocks_for_tokens(group: AttentionGroup, num_tokens: int, block_size: int) -> int:
+    """Blocks of ``group`` the first ``num_tokens`` tokens occupy: one row per token, or (compressed) one per
+    complete chunk."""
+    rows = num_tokens // group.compress_ratio if group.compress_ratio else num_tokens
+    return -(-rows // block_size)
 
 
 def _overlappable(request: CachedRequest) -> bool:

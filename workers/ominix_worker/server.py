@@ -21,12 +21,13 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, NoReturn, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -63,6 +64,10 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # Well inside the engine's --worker-heartbeat-timeout (default 3 s).
 HEARTBEAT_INTERVAL_S = 0.5
 RUN_HANDOVER_S = 2.0
+# A worker asked to stop (SIGTERM/SIGINT) is gone within this many seconds whatever its threads wait on: a
+# collective or group rendezvous (up to --dist-timeout), a step on the device. Well inside launch's
+# STOP_TIMEOUT_S, after which it would be killed.
+SHUTDOWN_DEADLINE_S = 5.0
 ASCEND_BLOCK_SIZE = 128
 
 
@@ -72,8 +77,8 @@ class StartupError(RuntimeError):
 
 def stated_kv_groups(runner: ModelRunner, bytes_per_block: int) -> tuple[KVGroup, ...]:
     """The KV layout stated to the engine: every group when some layers attend within a window, else none
-    (the engine then assumes one full-attention group). ``bytes_per_block``: K and V of every layer."""
-    layout = runner.kv_layout(bytes_per_block // (runner.block_size * runner.config.num_layers))
+    (the engine then assumes one full-attention group). ``bytes_per_block``: K and V of every KV tensor."""
+    layout = runner.kv_layout(bytes_per_block // (runner.block_size * runner.config.num_kv_cache_layers))
     if all(g.kind == AttentionKind.FULL for g in layout):
         return ()
     return layout
@@ -206,6 +211,10 @@ def load_worker(
     model_len = config.max_len_for(backend.supports_sliding_window)
     max_model_len = min(args.max_model_len or model_len, model_len)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
+    if config.compress_ratios and kv_dtype != dtype:
+        raise StartupError(
+            "the compressed-attention reference keeps its KV in the run dtype (no --kv-cache-dtype)"
+        )
     kv_heads = tp.kv_heads(config.num_kv_heads, config.num_heads)
     bytes_per_block = kv_bytes_per_block(config, block_size, kv_dtype, kv_heads.size)
     # A small KV for the profile forward; replaced below by the sized one.
@@ -242,11 +251,19 @@ def load_worker(
     num_blocks = counts[0]  # group 0: the full-attention group when there is one (the largest pool)
     if not runner.attention_groups[0].window:  # full attention needs every block of a request
         max_model_len = min(max_model_len, num_blocks * block_size)
+    for kv_group in runner.kv_layout():  # a compressed pool holds a bounded number of rows per request
+        if kv_group.is_compressed:
+            max_model_len = min(max_model_len, kv_group.tokens_for_blocks(kv_group.num_blocks))
     runner.max_model_len = max_model_len
-    per_layer_block = bytes_per_block // config.num_layers
+    per_layer_block = bytes_per_block // config.num_kv_cache_layers
     sized = list(zip(runner.attention_groups, counts, strict=True))
     kv_bytes = sum(n * len(g.layers) * per_layer_block for g, n in sized)
-    pools = ", ".join(f"{n} blocks" + (f" (window {g.window})" if g.window else "") for g, n in sized)
+    pools = ", ".join(
+        f"{n} blocks"
+        + (f" (window {g.window})" if g.window else "")
+        + (f" (a row per {g.compress_ratio} tokens)" if g.compress_ratio else "")
+        for g, n in sized
+    )
     _say(f"KV cache: {pools} of {block_size} tokens ({kv_bytes / 2**20:.0f} MiB)")
     _say("warming up")
     warming = stage("warming up")
@@ -558,9 +575,15 @@ async def serve(config: RuntimeConfig) -> int:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_stop_signal() -> None:
+        if not stop.is_set():
+            exit_by_deadline(SHUTDOWN_DEADLINE_S)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # non-main thread or Windows
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_stop_signal)
 
     try:
         load = loop.run_in_executor(executor, _load_leader, config, worker_id)
@@ -585,6 +608,30 @@ async def serve(config: RuntimeConfig) -> int:
         executor.shutdown(wait=False, cancel_futures=True)
 
 
+def exit_by_deadline(seconds: float, code: int = 0) -> None:
+    """End the process ``seconds`` from now if it is still running (a daemon timer, so a clean exit before
+    then is not delayed): interpreter exit joins the forward thread, which may be waiting on a peer."""
+
+    def expire() -> None:
+        print(f"ominix-worker: still stopping after {seconds:.0f}s; exiting now", file=sys.stderr, flush=True)
+        os._exit(code)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+
+
+def leave_group_process(code: int) -> NoReturn:
+    """End a tensor-parallel rank without tearing its process group down: ``destroy_process_group`` (or the
+    communicators' destructors at interpreter exit) blocks forever on NCCL while captured CUDA graphs hold
+    the communicator, and a loading or forward thread may wait in a collective for the whole --dist-timeout.
+    The peers notice the closed connections at their next control message and leave too."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run(config: RuntimeConfig) -> int:
     """Run the worker until SIGINT/SIGTERM; a startup failure is one line on stderr and exit code 1."""
     configure_logging(config.log.level, config.log.json, component="worker")
@@ -594,8 +641,12 @@ def run(config: RuntimeConfig) -> int:
         try:
             import uvloop
         except ImportError:
-            return asyncio.run(serve(config))
-        return uvloop.run(serve(config))
+            code = asyncio.run(serve(config))
+        else:
+            code = uvloop.run(serve(config))
+        if config.worker.tp_size > 1:
+            leave_group_process(code)
+        return code
     except StartupError as exc:
         print(f"ominix-worker: error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -268,6 +268,13 @@ class StepWorkerGroup(WorkerGroup):
                 stream = await asyncio.wait_for(self.backend.open(), self.config.reconnect_rpc_timeout)
             except asyncio.CancelledError:
                 raise
+            except OminixError as exc:
+                if exc.kind is not RuntimeErrorKind.CAPABILITY_MISMATCH:
+                    log_event("debug", "worker_reconnect_failed", worker_id=self.worker_id, error=str(exc))
+                    continue
+                # Not the worker this group served (e.g. another launch nonce): refused, asked again later.
+                log_event("warning", "worker_reconnect_refused", worker_id=self.worker_id, reason=exc.message)
+                continue
             except Exception as exc:  # noqa: BLE001 - still down: try again later
                 log_event("debug", "worker_reconnect_failed", worker_id=self.worker_id, error=str(exc))
                 continue

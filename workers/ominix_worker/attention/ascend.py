@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ominix_worker.attention.base import AttentionMetadata
+from ominix_worker.attention.base import UNIT_KV_SCALES, AttentionMetadata, KVScales
 
 ASCEND_BLOCK_SIZE = 128
 ASCEND_KV_DTYPES = (torch.float16, torch.bfloat16)
@@ -317,7 +317,12 @@ class AscendPagedAttention:
         return inputs
 
     def write_kv(
-        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata
+        self,
+        kv_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_scales: KVScales = UNIT_KV_SCALES,  # no FP8 KV on Ascend: the cache is in the run dtype
     ) -> None:
         inputs = self.prepare(meta)
         n = inputs.num_tokens
@@ -335,6 +340,7 @@ class AscendPagedAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: KVScales = UNIT_KV_SCALES,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if sinks is not None:

@@ -17,6 +17,19 @@ from typing import Protocol
 import torch
 
 
+@dataclass(frozen=True, slots=True)
+class KVScales:
+    """One layer's FP8 KV scales: an FP8 cache holds K / k and V / v in e4m3 and reads back q · k and q · v.
+    From the checkpoint (``self_attn.k_scale`` / ``v_scale``), 1.0 when it has none; ignored by a cache in
+    the run dtype."""
+
+    k: float = 1.0
+    v: float = 1.0
+
+
+UNIT_KV_SCALES = KVScales()
+
+
 @dataclass
 class AttentionMetadata:
     """Built once per step and KV group by the runner; shared by the layers of that group.
@@ -65,9 +78,15 @@ class AttentionBackend(Protocol):
         ...
 
     def write_kv(
-        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata
+        self,
+        kv_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> None:
-        """Store this step's K/V ((T, num_kv_heads, head_dim) each) into their slots."""
+        """Store this step's K/V ((T, num_kv_heads, head_dim) each) into their slots (an FP8 cache divides them
+        by the layer's ``kv_scales``)."""
         ...
 
     def forward(
@@ -76,9 +95,11 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: KVScales = UNIT_KV_SCALES,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query (T, num_heads, head_dim) → output (T, num_heads, head_dim), after write_kv of this layer.
+        """query (T, num_heads, head_dim) → output (T, num_heads, head_dim), after write_kv of this layer (with
+        the same ``kv_scales``).
 
         ``sinks`` (num_heads,), a layer's attention sinks (gpt-oss): per head a logit, in the units of the
         scaled scores, that joins the softmax denominator and contributes no value. None: no sinks."""

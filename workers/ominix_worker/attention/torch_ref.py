@@ -2,9 +2,9 @@
 
 Correct above all, no fused kernels: prompts one request at a time, every decode row of a step in one SDPA
 call. The CPU path runs this; faster backends are tested against it. An FP8 KV cache (e4m3) holds K / k_scale
-and V / v_scale and is dequantized when read. Attention sinks (gpt-oss: one learned logit per query head that
-joins the softmax denominator and carries no value) take an explicit softmax instead of SDPA, which has no
-place for them.
+and V / v_scale (the layer's ``KVScales``) and is dequantized when read. Attention sinks (gpt-oss: one learned
+logit per query head that joins the softmax denominator and carries no value) take an explicit softmax instead
+of SDPA, which has no place for them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ominix_worker.attention.base import AttentionMetadata
+from ominix_worker.attention.base import UNIT_KV_SCALES, AttentionMetadata, KVScales
 
 
 class TorchReferenceAttention:
@@ -24,9 +24,6 @@ class TorchReferenceAttention:
 
     def __init__(self, block_size: int = 16) -> None:
         self.block_size = block_size
-        # FP8 KV: stored values are K / k_scale and V / v_scale, saturated to the e4m3 range.
-        self.k_scale = 1.0
-        self.v_scale = 1.0
         # The plans of the step's metadata (one per KV group), newest last.
         self._plans: list[tuple[AttentionMetadata, _StepPlan]] = []
 
@@ -43,13 +40,18 @@ class TorchReferenceAttention:
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def write_kv(
-        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata
+        self,
+        kv_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> None:
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         if _is_fp8(kv_cache):
             # CPU torch has no fp8 index_copy_: store the bytes.
             cache = kv_cache.view(torch.uint8)
-            for half, x, scale in ((0, key, self.k_scale), (1, value, self.v_scale)):
+            for half, x, scale in ((0, key, kv_scales.k), (1, value, kv_scales.v)):
                 q = (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(kv_cache.dtype).view(torch.uint8)
                 cache[half].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, q)
             return
@@ -58,12 +60,14 @@ class TorchReferenceAttention:
             0, meta.slot_mapping, value.to(kv_cache.dtype)
         )
 
-    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _gather(
+        self, kv_cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype, kv_scales: KVScales
+    ) -> torch.Tensor:
         """K and V of ``blocks`` ((2, ..., blocks, block_size, heads, dim)) in ``dtype``, dequantized if FP8."""
         if not _is_fp8(kv_cache):
             return kv_cache[:, blocks].to(dtype)
         raw = kv_cache.view(torch.uint8)[:, blocks].view(kv_cache.dtype).to(torch.float32)
-        scales = torch.tensor([self.k_scale, self.v_scale], dtype=torch.float32, device=raw.device)
+        scales = torch.tensor([kv_scales.k, kv_scales.v], dtype=torch.float32, device=raw.device)
         return (raw * scales.view(2, *([1] * (raw.dim() - 1)))).to(dtype)
 
     def forward(
@@ -72,6 +76,7 @@ class TorchReferenceAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: KVScales = UNIT_KV_SCALES,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         plan = self._plan_for(meta, query, kv_cache.shape[1])
@@ -80,12 +85,16 @@ class TorchReferenceAttention:
             and not plan.others
             and plan.decode_tokens.numel() == query.shape[0]
         ):
-            return self._decode(query, kv_cache, plan, scale, sinks)  # a pure decode step: no row to pick
+            return self._decode(
+                query, kv_cache, plan, scale, kv_scales, sinks
+            )  # a pure decode step: no row to pick
         out = torch.empty_like(query)
         if plan.decode_tokens is not None:
-            out[plan.decode_tokens] = self._decode(query[plan.decode_tokens], kv_cache, plan, scale, sinks)
+            out[plan.decode_tokens] = self._decode(
+                query[plan.decode_tokens], kv_cache, plan, scale, kv_scales, sinks
+            )
         for start, end, num_keys, blocks, mask in plan.others:
-            kv = self._gather(kv_cache, blocks, query.dtype).flatten(-4, -3)[:, :num_keys]
+            kv = self._gather(kv_cache, blocks, query.dtype, kv_scales).flatten(-4, -3)[:, :num_keys]
             q = query[start:end].transpose(0, 1)  # (heads, q_len, head_dim)
             k = kv[0].transpose(0, 1)  # (kv_heads, seq_len, head_dim)
             v = kv[1].transpose(0, 1)
@@ -99,6 +108,7 @@ class TorchReferenceAttention:
         kv_cache: torch.Tensor,
         plan: _StepPlan,
         scale: float,
+        kv_scales: KVScales,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         """Every single-token row in one attention call over contexts padded to whole blocks (padding masked).
@@ -112,7 +122,7 @@ class TorchReferenceAttention:
         rows, num_heads, head_dim = query.shape
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         if _is_fp8(kv_cache):
-            kv = self._gather(kv_cache, plan.decode_blocks, query.dtype)
+            kv = self._gather(kv_cache, plan.decode_blocks, query.dtype, kv_scales)
         else:
             flat = kv_cache.view(2 * num_blocks, block_size * num_kv_heads * head_dim)
             kv = flat.index_select(0, plan.decode_gather).to(query.dtype)

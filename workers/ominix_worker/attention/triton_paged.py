@@ -17,7 +17,7 @@ keys ``0..position``. Programs whose tile lies past their request's ``q_len`` ex
 a function of host integers only (no device-to-host sync). Softmax runs online in fp32.
 
 FP8 KV (``--kv-cache-dtype fp8_e4m3``): the cache holds e4m3 values of K / k_scale and V / v_scale (one scale
-each per backend, 1.0 unless set); the store kernel quantizes, the attention kernels dequantize each tile to
+each per layer, ``KVScales``: the checkpoint's, else 1.0); the store kernel quantizes, the attention kernels dequantize each tile to
 the query dtype in registers, so a step reads half the KV bytes of bf16.
 
 Attention sinks (gpt-oss, ``sinks=``): per query head a logit that joins the softmax denominator with no value.
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ominix_worker.attention.base import AttentionMetadata
+from ominix_worker.attention.base import UNIT_KV_SCALES, AttentionMetadata, KVScales
 
 # Tokens per split below which splitting a decode context more finely stops paying for the merge.
 _MIN_TOKENS_PER_SPLIT = 64
@@ -443,9 +443,6 @@ class TritonPagedAttention:
         # (BLOCK_M, BLOCK_N, num_warps, num_stages) override for the prefill kernel (tuning); None = defaults.
         self.prefill_config: tuple[int, int, int, int] | None = None
         self._num_sms: int | None = None
-        # FP8 KV: stored values are K / k_scale and V / v_scale (1.0: the raw values, saturated at ±448).
-        self.k_scale = 1.0
-        self.v_scale = 1.0
 
     def allocate_kv_cache(
         self,
@@ -460,7 +457,12 @@ class TritonPagedAttention:
         return [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def write_kv(
-        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata
+        self,
+        kv_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> None:
         num_tokens = key.shape[0]
         if num_tokens == 0:
@@ -485,8 +487,8 @@ class TritonPagedAttention:
             key2.stride(0),
             value2.stride(0),
             kv_cache.stride(0),
-            self.k_scale,
-            self.v_scale,
+            kv_scales.k,
+            kv_scales.v,
             ROW=row,
             BLOCK_ROW=triton.next_power_of_2(row),
             KV_FP8=_is_fp8(kv_cache),
@@ -499,10 +501,11 @@ class TritonPagedAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: KVScales = UNIT_KV_SCALES,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         out = torch.empty_like(query)
-        self.forward_into(query, kv_cache, meta, scale, out, sinks)
+        self.forward_into(query, kv_cache, meta, scale, out, kv_scales, sinks)
         return out
 
     def forward_into(
@@ -512,6 +515,7 @@ class TritonPagedAttention:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        kv_scales: KVScales = UNIT_KV_SCALES,
         sinks: torch.Tensor | None = None,
     ) -> None:
         """Like ``forward`` but writes a caller-owned ``out`` (a static buffer under CUDA-graph capture)."""
@@ -520,16 +524,16 @@ class TritonPagedAttention:
         if sinks is not None and (sinks.shape != (query.shape[1],) or not sinks.is_contiguous()):
             raise ValueError(f"sinks must be contiguous ({query.shape[1]},), got {tuple(sinks.shape)}")
         if meta.num_decode_only:
-            self._decode(query, kv_cache, meta, scale, out, mixed=False, sinks=sinks)
+            self._decode(query, kv_cache, meta, scale, out, kv_scales, mixed=False, sinks=sinks)
             return
         # Single-token requests of a mixed step go to the decode kernel (KV read once per KV head); the prefill
         # kernel skips them. Without host query offsets both kernels launch; with them, a step that has no
         # single-token request skips the decode launch (host time is what small prefills wait on).
         starts = meta.query_start_loc_cpu
         if starts is None or any(b - a == 1 for a, b in zip(starts, starts[1:], strict=False)):
-            self._decode(query, kv_cache, meta, scale, out, mixed=True, sinks=sinks)
+            self._decode(query, kv_cache, meta, scale, out, kv_scales, mixed=True, sinks=sinks)
         if meta.max_query_len > 1:
-            self._prefill(query, kv_cache, meta, scale, out, sinks)
+            self._prefill(query, kv_cache, meta, scale, out, kv_scales, sinks)
 
     def _sms(self, device: torch.device) -> int:
         if self._num_sms is None:
@@ -544,6 +548,7 @@ class TritonPagedAttention:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        kv_scales: KVScales,
         mixed: bool,
         sinks: torch.Tensor | None = None,
     ) -> None:
@@ -589,8 +594,8 @@ class TritonPagedAttention:
             meta.block_tables.stride(0),
             kv_cache.stride(0),
             splits,
-            self.k_scale,
-            self.v_scale,
+            kv_scales.k,
+            kv_scales.v,
             meta.sliding_window,
             NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads,
@@ -645,6 +650,7 @@ class TritonPagedAttention:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        kv_scales: KVScales,
         sinks: torch.Tensor | None = None,
     ) -> None:
         num_requests = meta.num_requests
@@ -668,8 +674,8 @@ class TritonPagedAttention:
             out.stride(1),
             meta.block_tables.stride(0),
             kv_cache.stride(0),
-            self.k_scale,
-            self.v_scale,
+            kv_scales.k,
+            kv_scales.v,
             meta.sliding_window,
             NUM_KV_HEADS=num_kv_heads,
             GROUP=num_heads // num_kv_heads,

@@ -48,7 +48,7 @@ class SinkAttention(Attention):
         self.sinks = nn.Parameter(torch.empty(self.num_heads))
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.backend.forward(q, kv_cache, meta, self.scale, sinks=self.sinks)
+        return self.backend.forward(q, kv_cache, meta, self.scale, kv_scales=self.kv_scales, sinks=self.sinks)
 
 
 class GptOssExperts(FusedExperts):

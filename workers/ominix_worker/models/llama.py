@@ -12,14 +12,16 @@ heads (a replicated KV head when there are fewer KV heads than ranks). With ``SI
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ominix_worker.attention.base import AttentionBackend, AttentionMetadata
+from ominix_worker.attention.base import UNIT_KV_SCALES, AttentionBackend, AttentionMetadata
 from ominix_worker.config import ModelConfig
 from ominix_worker.parallel import (
     SINGLE,
@@ -224,6 +226,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.backend = backend
         self.rotary = rotary
+        # FP8 KV cache scales of this layer (``load_kv_scale``; the checkpoint's k_scale / v_scale).
+        self.kv_scales = UNIT_KV_SCALES
 
     def forward(
         self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -254,13 +258,25 @@ class Attention(nn.Module):
             q, k = self.rotary.rotate(positions, heads).split([self.num_heads, self.num_kv_heads], dim=1)
         elif not fused_rotary:
             q, k = self.rotary(positions, q, k)
-        self.backend.write_kv(kv_cache, k, v, meta)
+        self.backend.write_kv(kv_cache, k, v, meta, self.kv_scales)
         out = self.attend(q, kv_cache, meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The backend's attention of this layer's queries over its cache (subclasses add sinks)."""
-        return self.backend.forward(q, kv_cache, meta, self.scale)
+        return self.backend.forward(q, kv_cache, meta, self.scale, kv_scales=self.kv_scales)
+
+    def load_kv_scale(self, which: str, source: WeightSource) -> None:
+        """One of the layer's FP8 KV scales ("k" or "v"): a scalar, the same on every rank."""
+        tensor = source.read()
+        if tensor.numel() != 1:
+            raise ValueError(
+                f"a {which}_scale of shape {tuple(tensor.shape)}: only one scale per layer is supported"
+            )
+        value = float(tensor.float().reshape(()))
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{which}_scale {value} is not a positive number")
+        self.kv_scales = replace(self.kv_scales, **{which: value})
 
 
 class MLP(nn.Module):
@@ -314,6 +330,11 @@ _FUSED_SHARDS = {
 }
 
 
+# FP8 KV cache scales as FP8 checkpoints ship them: ``self_attn.k_scale`` (also ``self_attn.attn.k_scale``) or,
+# from older exporters, the K/V projections' ``output_scale``.
+_KV_SCALE_RE = re.compile(r"^layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])(?:_scale|_proj\.output_scale)$")
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(
         self,
@@ -333,7 +354,12 @@ class LlamaForCausalLM(nn.Module):
         # The KV groups of the layout (layers that attend alike share a block table) and each layer's group:
         # the forward takes one AttentionMetadata per group and hands each layer its group's.
         self.attention_groups = config.attention_groups(backend.supports_sliding_window)
-        group_of = {layer: g for g, group in enumerate(self.attention_groups) for layer in group.layers}
+        group_of = {  # a compressed group's layers keep their raw KV in a raw group (models/compressed.py)
+            layer: g
+            for g, group in enumerate(self.attention_groups)
+            if not group.compress_ratio
+            for layer in group.layers
+        }
         self.layer_kv_groups = tuple(group_of[i] for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
@@ -409,6 +435,16 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            kv_scale = _KV_SCALE_RE.match(name)
+            if (
+                kv_scale is not None
+            ):  # optional: a cache in the run dtype ignores them, FP8 KV defaults to 1.0
+                layer, which = int(kv_scale.group(1)), kv_scale.group(2)
+                try:
+                    self.layers[layer].self_attn.load_kv_scale(which, as_weight_source(weight))
+                except ValueError as exc:
+                    raise ValueError(f"{hf_name}: {exc}") from None
                 continue
             target_name, shard = name, None
             for hf_part, (fused, index) in _FUSED_SHARDS.items():

@@ -85,6 +85,8 @@ class FusedExperts(nn.Module):
         self.register_buffer("w13_scale", None)  # set by use_fp8 / quantize_fp8
         self.register_buffer("w2_scale", None)
         self.w13_block = self.w2_block = (0, 0)
+        self.per_channel = False
+        self.tp = tp
 
     # ---- FP8 ---------------------------------------------------------------------------------------
 
@@ -94,14 +96,31 @@ class FusedExperts(nn.Module):
 
     def _blocks(self, block: tuple[int, int] | None) -> None:
         # Per-channel (block None): one scale per output row, all columns.
+        self.per_channel = block is None
         self.w13_block = block or (1, self.hidden_size)
         self.w2_block = block or (1, self.intermediate_size)
 
-    def use_fp8(self, block: tuple[int, int] | None) -> None:
+    def check_blocks(self, name: str) -> None:
+        """Block scales are cut with the intermediate dimension (TENSOR): this rank's rows of gate and up and
+        columns of down must start and end on scale block boundaries (Fp8BlockSplitError names the layer)."""
+        from ominix_worker.quant.fp8 import check_block_aligned
+
+        if self.per_channel:
+            return
+        rows, full, tp = self.intermediate_range, self.full_intermediate_size, self.tp
+        what = f"FP8 experts {name}: tensor-parallel rank {tp.rank} of {tp.size} holds intermediate rows"
+        remedy = "--moe-parallel expert (whole experts per rank) or a tensor-parallel size that keeps them"
+        # gate rows at local offset 0, up rows after them, down's columns
+        check_block_aligned(what, rows.start, rows.size, full, self.w13_block[0], 0, remedy)
+        check_block_aligned(what, rows.start, rows.size, full, self.w13_block[0], rows.size, remedy)
+        check_block_aligned(what, rows.start, rows.size, full, self.w2_block[1], None, remedy)
+
+    def use_fp8(self, block: tuple[int, int] | None, name: str = "experts") -> None:
         """Empty FP8 weights and unit scales, for an FP8 checkpoint to load into."""
         from ominix_worker.quant.fp8 import FP8_DTYPE, scale_shape
 
         self._blocks(block)
+        self.check_blocks(name)
         device = self.w13_weight.device
         self.w13_weight = nn.Parameter(
             torch.empty(self.w13_weight.shape, dtype=FP8_DTYPE, device=device), False
@@ -132,21 +151,26 @@ class FusedExperts(nn.Module):
             setattr(self, attr, nn.Parameter(q, requires_grad=False))
             self.register_buffer(scale_attr, scale)
 
-    def load_scale(self, expert: int, part: str, tensor: torch.Tensor) -> str:
-        """Copy one expert projection's checkpoint scale into its rows; returns its load key (FP8 runs on
-        one rank, where global and local expert ids agree)."""
-        from ominix_worker.quant.fp8 import _load_scale_rows
+    def load_scale(self, expert: int, part: str, source: WeightSource) -> str | None:
+        """Read this rank's share of one expert projection's checkpoint scale (the scale rows of its gate/up
+        rows, the scale columns of its down columns) into its slice; returns its load key, None (nothing
+        read) when another rank holds the expert."""
+        from ominix_worker.quant.fp8 import load_column_scales, load_row_scales
 
         if self.w13_scale is None or self.w2_scale is None:
             raise ValueError("a weight scale for experts that are not FP8")
-        size = self.intermediate_size
-        with torch.no_grad():
-            if part == "down":
-                _load_scale_rows(self.w2_scale[expert], tensor.float(), 0, self.hidden_size, self.w2_block)
-                return f"w2_scale#{expert}"
-            shard = 0 if part == "gate" else 1
-            _load_scale_rows(self.w13_scale[expert], tensor.float(), shard * size, size, self.w13_block)
-            return f"w13_scale#{expert}.{shard}"
+        local = self.local_expert(expert)
+        if local is None:
+            return None
+        rows, size = self.intermediate_range, self.intermediate_size
+        if part == "down":
+            block = None if self.per_channel else self.w2_block
+            load_column_scales(self.w2_scale[local], source, rows.start, rows.size, block)
+            return f"w2_scale#{expert}"
+        shard = 0 if part == "gate" else 1
+        bn = self.w13_block[0]
+        load_row_scales(self.w13_scale[local], source, rows.start, rows.size, shard * size, bn)
+        return f"w13_scale#{expert}.{shard}"
 
     # ---- expert parallelism ------------------------------------------------------------------------
 
@@ -203,13 +227,13 @@ class FusedExperts(nn.Module):
         if fp8_gemm_supported(x.device, self.w13_block[1], self.w2_block[1]):
             return ops.fused_experts(
                 x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.w13_scale, self.w2_scale,
-                self.w13_block, self.w2_block,
+                self.w13_block, self.w2_block, expert_map=expert_map,
             )  # fmt: skip
         # No FP8 tensor cores (or narrow scale blocks): dequantize the layer for this call (slow, no host sync).
         assert self.w13_scale is not None and self.w2_scale is not None
         w13 = dequantize_fp8(self.w13_weight, self.w13_scale, self.w13_block, x.dtype)
         w2 = dequantize_fp8(self.w2_weight, self.w2_scale, self.w2_block, x.dtype)
-        return ops.fused_experts(x, w13, w2, topk_weights, topk_ids)
+        return ops.fused_experts(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map)
 
     # ---- loading -----------------------------------------------------------------------------------
 
@@ -363,7 +387,7 @@ class MoeForCausalLM(LlamaForCausalLM):
                     if match.group(4) == "weight":
                         key = experts.load_expert(expert, EXPERT_PARTS[projection], source)
                     else:
-                        key = experts.load_scale(expert, EXPERT_PARTS[projection], source.read())
+                        key = experts.load_scale(expert, EXPERT_PARTS[projection], source)
                 except ValueError as exc:
                     raise ValueError(f"{hf_name}: {exc}") from None
                 if key is not None:

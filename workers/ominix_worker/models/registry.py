@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from ominix_worker.config import ModelConfig
+from ominix_worker.models.compressed import LlamaCompressedForCausalLM
 from ominix_worker.models.gemma3 import Gemma3ForCausalLM
 from ominix_worker.models.gpt_oss import GptOssForCausalLM
 from ominix_worker.models.llama import LlamaForCausalLM
@@ -11,6 +12,7 @@ from ominix_worker.models.moe import model_class as llama_family_class
 
 _BY_ARCH: dict[str, type[LlamaForCausalLM]] = {
     "gemma3_text": Gemma3ForCausalLM,
+    "llama_compressed": LlamaCompressedForCausalLM,
     "gpt_oss": GptOssForCausalLM,
 }
 

@@ -109,7 +109,11 @@ class ColumnParallelLinear(PackableLinear):
         return cls(in_features, full_sizes, [tp.split(n, "output features") for n in full_sizes], bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gemm(x, self.bias)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x Wᵀ (+ bias) with the local weight (quantized layers override it)."""
+        return self.gemm(x, bias)
 
     def num_parts(self, param_name: str) -> int:
         return len(self.parts)
@@ -159,11 +163,15 @@ class RowParallelLinear(PackableLinear):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.gemm(x)
+        out = self.matmul(x, None)
         if not self.reduce:
             return out
         out = self.tp.all_reduce(out)
         return out + self.bias if self.bias is not None else out
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x_local W_localᵀ (+ bias), before any reduction (quantized layers override it)."""
+        return self.gemm(x, bias)
 
     def load_weight(self, param_name: str, source: WeightSource, part: int | None = None) -> None:
         if param_name == "bias":  # added once, after the reduction: every rank holds all of it

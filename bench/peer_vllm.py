@@ -1,0 +1,130 @@
+"""Peer: vLLM offline on dummy weights, the same workload as ``bench/offline.py``'s W1 and batch-1 TPOT.
+
+    python bench/peer_vllm.py --config bench/configs/llama8b-config.json --quantization fp8
+    python bench/peer_vllm.py --config bench/configs/qwen3-30b-a3b-config.json --vocab 150000 [--quantization fp8]
+    python bench/peer_vllm.py --config bench/configs/llama70b-config.json --tp 4   # all-reduce fusion off at TP>1
+
+W1: N requests of P random prompt tokens, exactly O forced output tokens each (greedy, no EOS), submitted at once,
+after a 32-request warm-up; timed twice (the second run hits vLLM's prefix cache: same prompts). Then batch-1 TPOT:
+one P-token prompt, (time of 128 tokens - time of 2 tokens) / 126. ``--quantization fp8`` quantizes the dummy bf16
+weights to FP8 at load (vLLM's online FP8, W8A8 on Hopper), as ``--quantization fp8`` does ours. Needs vllm
+importable (the peers README under shared/peers/vllm says how to carry it to a GPU machine). One line per figure,
+``vLLM ...``; ``--json`` writes them too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+# Offline and quiet, before vllm is imported; FlashInfer's sampler needs a JIT the machines cannot build.
+for _key, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+}.items():
+    os.environ.setdefault(_key, _value)
+
+
+def compile_options(args: argparse.Namespace) -> dict[str, object]:
+    """LLM(...) keyword arguments for the all-reduce fusion pass; none when vLLM keeps its default."""
+    fusion = args.allreduce_fusion if args.allreduce_fusion is not None else (False if args.tp > 1 else None)
+    if fusion is None:
+        return {}
+    return {"compilation_config": {"pass_config": {"fuse_allreduce_rms": fusion}}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--config", required=True, help="a Hugging Face config.json (dummy weights of its shape)"
+    )
+    parser.add_argument("--quantization", default=None, help="vLLM's quantization (e.g. fp8); default bf16")
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=128000, help="prompt token ids are drawn below this")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    parser.add_argument(
+        "--allreduce-fusion",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's FlashInfer all-reduce + RMSNorm compile pass (default: vLLM's choice at TP=1, off at TP>1: "
+        "with it, CUDA-graph capture failed on lent H100 x4 machines even with the custom all-reduce off)",
+    )
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    folder = Path(tempfile.mkdtemp(prefix="peer-vllm-"))
+    shutil.copy(args.config, folder / "config.json")  # vLLM reads a model folder; the weights are dummy
+    label = f"{Path(args.config).stem} {args.quantization or 'bf16'} TP{args.tp}"
+    figures: dict[str, float | str] = {"model": label}
+    gen = torch.Generator().manual_seed(1)
+    prompts = [
+        torch.randint(0, args.vocab, (args.input_len,), generator=gen).tolist()
+        for _ in range(args.num_requests)
+    ]
+    started = time.perf_counter()
+    llm = LLM(
+        model=str(folder),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        quantization=args.quantization,
+        tensor_parallel_size=args.tp,
+        max_model_len=2048,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        seed=0,
+        disable_custom_all_reduce=args.tp > 1,  # crashed on lent multi-GPU machines (see the peers README)
+        **compile_options(args),
+    )
+    figures["init_s"] = round(time.perf_counter() - started, 1)
+    print(f"vLLM {label} init {figures['init_s']}s", flush=True)
+    forced = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
+    warm_gen = torch.Generator().manual_seed(3)
+    warm = [torch.randint(0, args.vocab, (args.input_len,), generator=warm_gen).tolist() for _ in range(32)]
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in warm], forced, use_tqdm=False)
+    for run in ("cold", "again"):
+        t = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], forced, use_tqdm=False)
+        seconds = time.perf_counter() - t
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        figures[f"w1_{run}_out_tok_s"] = round(tokens / seconds, 1)
+        print(
+            f"vLLM {label} W1 {args.num_requests}x{args.input_len}x{args.output_len} {run}: {seconds:.2f}s "
+            f"{tokens / seconds:.0f} out tok/s",
+            flush=True,
+        )
+    long = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True, detokenize=False)
+    short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, detokenize=False)
+    one = [TokensPrompt(prompt_token_ids=prompts[0])]
+    llm.generate(one, long, use_tqdm=False)
+    t = time.perf_counter()
+    llm.generate(one, short, use_tqdm=False)
+    two_s = time.perf_counter() - t
+    t = time.perf_counter()
+    llm.generate(one, long, use_tqdm=False)
+    long_s = time.perf_counter() - t
+    figures["batch1_tpot_ms"] = round((long_s - two_s) / 126 * 1000, 3)
+    print(f"vLLM {label} batch-1 TPOT {figures['batch1_tpot_ms']:.2f} ms", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
