@@ -66,7 +66,7 @@ def test_sinks_match_the_torch_reference(dtype: torch.dtype, case: int, decode_s
     sinks[5] = 40.0
     scale = 1.0 / math.sqrt(head_dim)
     out = torch.full_like(batch.query, float("nan"))
-    backend.forward_into(batch.query, batch.kv_cache, batch.meta, scale, out, sinks)
+    backend.forward_into(batch.query, batch.kv_cache, batch.meta, scale, out, sinks=sinks)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     assert not torch.isnan(out).any(), "a null or poisoned block was read"
