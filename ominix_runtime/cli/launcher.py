@@ -455,8 +455,7 @@ def _launch(config: RuntimeConfig, ports: Sequence[int], dist_ports: Sequence[in
 
         return run_server(engine_config)
     except LaunchError as exc:
-        print(f"ominix-runtime launch: error: {exc}", file=sys.stderr, flush=True)
-        return 1
+        failure = str(exc)
     except KeyboardInterrupt:
         return 130
     finally:
@@ -465,3 +464,6 @@ def _launch(config: RuntimeConfig, ports: Sequence[int], dist_ports: Sequence[in
             supervisor.stop()
         _stop_processes([*engines, *(proc for group in groups for proc in group)])  # kept current by restarts
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Printed after the stop's own log lines: the failure is the last line an operator sees.
+    print(f"ominix-runtime launch: error: {failure}", file=sys.stderr, flush=True)
+    return 1
