@@ -52,7 +52,9 @@ def test_text_prompt_streams_through_sglang(sglang_daemon: str) -> None:
     kinds = [e.WhichOneof("event") for e in events]
     assert kinds[0] == "prefill_done" and kinds[-2:] == ["usage", "done"]
     pieces = [e.token.text for e in events if e.HasField("token")]
-    assert len(pieces) == 6 and all(p.startswith(" w") for p in pieces)
+    # Tokens that queue up while the stream is busy arrive as one chunk (the front coalesces them), so the
+    # six tokens' words may come in fewer pieces.
+    assert all(p.startswith(" w") for p in pieces) and "".join(pieces).count(" w") == 6
     assert events[-1].done.text == "".join(pieces)
     assert events[-1].done.finish_reason == common_pb2.FINISH_REASON_LENGTH
 
