@@ -22,17 +22,11 @@ from ominix_runtime import wire
 from ominix_runtime.contract import (
     NULL_BLOCK_ID,
     AttentionKind,
-    BackendKind,
     DecodeStep,
-    GenerateRequest,
-    ModelInfo,
     NewRequestData,
     RequestOutput,
     RunningRequestData,
-    SamplingParams,
     StepResult,
-    Token,
-    stated_profile,
 )
 from ominix_runtime.engine.config import SchedulerConfig
 from ominix_runtime.engine.kv_registry import KVRegistry, PrefixHit
@@ -45,6 +39,7 @@ from ominix_worker.models.compressed_dense import dense_compressed_logits, dense
 from ominix_worker.runner import ModelRunner, build_runner
 from ominix_worker.server import stated_kv_groups
 
+from .scheduled import capability, serve_greedy, worker_groups
 from .test_model_vs_hf import GREEDY, LogitsRecorder, assert_close, prompt, tokens_by_id
 
 CONFIG = Path(__file__).resolve().parents[2] / "bench" / "configs" / "compressed-tiny-config.json"
@@ -285,47 +280,19 @@ def test_the_engine_scheduler_drives_the_worker_on_its_compressed_layout(runner:
     resumed; every greedy token equals the dense recomputation's."""
     runner.reset()
     num_blocks = 64
-    config = runner.config
-    bytes_per_block = kv_bytes_per_block(config, BS, torch.float32)
-    groups = stated_kv_groups(runner, bytes_per_block)
+    groups = worker_groups(runner)
     # Small compressed pools: the rows, not the window, bound how many requests run at once.
     groups = (groups[0], *(replace(g, num_blocks=8) for g in groups[1:]))
-    capability = stated_profile(
-        BackendKind.CPU,
-        worker_id="cpu-test",
-        model=ModelInfo("tiny-compressed", config.vocab_size, 4096, (2,), num_layers=config.num_layers),
-        kv_block_size=BS,
-        kv_num_blocks=num_blocks,
-        kv_bytes_per_block=bytes_per_block,
-        max_batch_tokens=24,
-        kv_groups=groups,
+    cap = capability(
+        runner, "tiny-compressed", groups, max_batch_tokens=24, num_blocks=num_blocks, max_model_len=4096
     )
-    assert capability.problems() == []
-    scheduler = Scheduler(capability, SchedulerConfig(), seed=1)
+    scheduler = Scheduler(cap, SchedulerConfig(), seed=1)
     shared = prompt(50, 36, vocab=512)
     prompts = {f"r{i}": shared + prompt(51 + i, 10 + 7 * i, vocab=512) for i in range(5)}
-    produced: dict[str, list[int]] = {rid: [] for rid in prompts}
+    produced: dict[str, list[int]] = {}
 
     def serve(rids: list[str]) -> None:
-        for rid in rids:
-            scheduler.add_request(
-                GenerateRequest(
-                    rid, prompts[rid], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-                )
-            )
-        while scheduler.has_work():
-            step = scheduler.schedule()
-            assert step is not None
-            sent = wire.step_from_pb(
-                worker_pb2.DecodeStep.FromString(wire.step_to_pb(step).SerializeToString())
-            )
-            result = runner.execute_step(sent)
-            assert result is not None
-            for event in scheduler.update(step, result):
-                if isinstance(event, Token):
-                    produced[event.request_id].extend(event.token_ids)
-            scheduler.check_integrity()
-        scheduler.registry.check_quiescent()
+        serve_greedy(scheduler, runner, {rid: prompts[rid] for rid in rids}, 16, produced)
 
     serve(["r0"])
     serve(["r4"])  # after r0: its first 32 shared tokens (whole blocks of every group) are a hit

@@ -14,34 +14,24 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
-from ominix_runtime import wire
 from ominix_runtime.contract import (
     NULL_BLOCK_ID,
     AttentionKind,
-    BackendKind,
     DecodeStep,
-    GenerateRequest,
-    ModelInfo,
     NewRequestData,
     RunningRequestData,
-    SamplingParams,
-    Token,
-    stated_profile,
 )
 from ominix_runtime.engine.config import SchedulerConfig
 from ominix_runtime.engine.scheduler import Scheduler
 from ominix_runtime.models import resolve_model
-from ominix_runtime.pb import worker_pb2
 from ominix_worker.attention.ascend import AscendPagedAttention
-from ominix_worker.kv_cache import kv_bytes_per_block
 from ominix_worker.loader import ModelLoadError, load_model
 from ominix_worker.runner import build_runner
-from ominix_worker.server import stated_kv_groups
 from ominix_worker.testing import write_tiny_hf_model
 
-from .test_model_vs_hf import GREEDY, LogitsRecorder, assert_close, prompt, tokens_by_id
+from .scheduled import capability, hf_greedy, serve_greedy, worker_groups
+from .test_model_vs_hf import GREEDY, LogitsRecorder, Reference, assert_close, prompt, tokens_by_id
 
 WINDOW = 12
 BS = 8
@@ -69,15 +59,8 @@ GPT_OSS = dict(
 )
 
 
-class Reference:
-    def __init__(self, folder: Path, **overrides: object) -> None:
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.float32, attn_implementation="eager", **overrides
-        ).eval()
-
-    @torch.no_grad()
-    def logits(self, token_ids: list[int]) -> torch.Tensor:
-        return self.model(torch.tensor([token_ids])).logits[0].float()
+def eager_reference(folder: Path, **overrides: object) -> Reference:
+    return Reference(folder, attn_implementation="eager", **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +71,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def pair(folder: Path) -> tuple[LogitsRecorder, Reference]:
     runner = build_runner(str(folder), num_blocks=64, block_size=BS)
-    return LogitsRecorder(runner), Reference(folder)
+    return LogitsRecorder(runner), eager_reference(folder)
 
 
 def test_the_layout_alternates_sliding_and_full_layers(pair: tuple[LogitsRecorder, Reference]) -> None:
@@ -104,9 +87,9 @@ def test_windows_and_sinks_change_the_reference(folder: Path, pair: tuple[Logits
     _, ref = pair
     tokens = prompt(20, 40)
     windowed = ref.logits(tokens)
-    full = Reference(folder, sliding_window=10_000).logits(tokens)
+    full = eager_reference(folder, sliding_window=10_000).logits(tokens)
     assert ((windowed[-1] - full[-1]).abs().max() / windowed[-1].abs().max()).item() > 1e-2
-    sinkless = Reference(folder)
+    sinkless = eager_reference(folder)
     with torch.no_grad():
         for layer in sinkless.model.model.layers:
             layer.self_attn.sinks.fill_(-1e4)
@@ -260,51 +243,24 @@ def test_the_engine_scheduler_drives_the_worker_on_its_layout(
     """The engine's scheduler on the layout the worker states, steps through protobuf, against HF greedy."""
     _, ref = pair
     runner = build_runner(str(folder), num_blocks=40, block_size=BS)
-    config = runner.config
-    bytes_per_block = kv_bytes_per_block(config, BS, torch.float32)
-    groups = stated_kv_groups(runner, bytes_per_block)
+    groups = worker_groups(runner)
     assert [g.kind for g in groups] == [AttentionKind.FULL, AttentionKind.SLIDING_WINDOW]
-    capability = stated_profile(
-        BackendKind.CPU,
-        worker_id="cpu-test",
-        model=ModelInfo(
-            "tiny-gpt-oss", config.vocab_size, runner.max_model_len, (2,), num_layers=config.num_layers
-        ),
-        kv_block_size=BS,
-        kv_num_blocks=groups[0].num_blocks,
-        kv_bytes_per_block=bytes_per_block,
-        max_batch_tokens=24,
-        kv_groups=groups,
+    scheduler = Scheduler(
+        capability(runner, "tiny-gpt-oss", groups, max_batch_tokens=24), SchedulerConfig(), seed=1
     )
-    assert capability.problems() == []
-    scheduler = Scheduler(capability, SchedulerConfig(), seed=1)
     prompts = {f"r{i}": prompt(30 + i, 30 + 7 * i) for i in range(4)}
-    for rid, tokens in prompts.items():
-        scheduler.add_request(
-            GenerateRequest(rid, tokens, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-        )
-    produced: dict[str, list[int]] = {rid: [] for rid in prompts}
-    saw_null = False
-    while scheduler.has_work():
-        step = scheduler.schedule()
-        assert step is not None
-        sent = wire.step_from_pb(worker_pb2.DecodeStep.FromString(wire.step_to_pb(step).SerializeToString()))
-        for event in scheduler.update(step, runner.execute_step(sent)):
-            if isinstance(event, Token):
-                produced[event.request_id].extend(event.token_ids)
-        scheduler.check_integrity()
+    produced: dict[str, list[int]] = {}
+    saw_null = []
+
+    def watch(_: DecodeStep) -> None:
         for rid in scheduler.running:
             lease = scheduler.registry.lease(rid)
             assert lease is not None and NULL_BLOCK_ID not in lease.block_tables[0]
-            saw_null |= NULL_BLOCK_ID in lease.block_tables[1]
-    scheduler.registry.check_quiescent()
-    assert saw_null
-    for rid, tokens in prompts.items():
-        with torch.no_grad():
-            expected = ref.model.generate(
-                torch.tensor([tokens]), max_new_tokens=16, do_sample=False, min_new_tokens=16
-            )[0, len(tokens) :].tolist()
-        assert produced[rid] == expected, rid
+            saw_null.append(NULL_BLOCK_ID in lease.block_tables[1])
+
+    serve_greedy(scheduler, runner, prompts, 16, produced, each_step=watch)
+    assert any(saw_null)
+    assert produced == hf_greedy(ref.model, prompts.items(), 16)
 
 
 def test_dummy_weights_of_the_20b_shape_scaled_down(tmp_path: Path, folder: Path) -> None:

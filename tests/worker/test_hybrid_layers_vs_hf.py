@@ -18,29 +18,20 @@ import pytest
 import torch
 import transformers
 
-from ominix_runtime import wire
 from ominix_runtime.contract import (
     NULL_BLOCK_ID,
     AttentionKind,
-    BackendKind,
     DecodeStep,
-    GenerateRequest,
-    ModelInfo,
     NewRequestData,
     RunningRequestData,
-    SamplingParams,
-    Token,
-    stated_profile,
 )
 from ominix_runtime.engine.config import SchedulerConfig
 from ominix_runtime.engine.scheduler import Scheduler
-from ominix_runtime.pb import worker_pb2
-from ominix_worker.kv_cache import kv_bytes_per_block
 from ominix_worker.runner import ModelRunner, build_runner
-from ominix_worker.server import stated_kv_groups
 from ominix_worker.testing import write_tiny_hf_model
 
-from .test_model_vs_hf import GREEDY, LogitsRecorder, assert_close, prompt, tokens_by_id
+from .scheduled import capability, hf_greedy, serve_greedy, worker_groups
+from .test_model_vs_hf import GREEDY, LogitsRecorder, Reference, assert_close, prompt, tokens_by_id
 
 WINDOW = 12
 BS = 8
@@ -90,17 +81,6 @@ HYBRID_MODELS: dict[str, tuple[dict[str, object], tuple[int, ...]]] = {
 }
 
 
-class Reference:
-    def __init__(self, folder: Path) -> None:
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.float32, attn_implementation="eager"
-        ).eval()
-
-    @torch.no_grad()
-    def logits(self, token_ids: list[int]) -> torch.Tensor:
-        return self.model(torch.tensor([token_ids])).logits[0].float()
-
-
 @pytest.fixture(scope="module", params=sorted(HYBRID_MODELS))
 def hybrid(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -108,7 +88,7 @@ def hybrid(
     kwargs, _ = HYBRID_MODELS[request.param]
     folder = write_tiny_hf_model(tmp_path_factory.mktemp(f"hybrid_{request.param}"), **kwargs)  # type: ignore[arg-type]
     runner = build_runner(str(folder), num_blocks=NUM_BLOCKS, block_size=BS)
-    return request.param, folder, LogitsRecorder(runner), Reference(folder)
+    return request.param, folder, LogitsRecorder(runner), Reference(folder, attn_implementation="eager")
 
 
 def tables(runner: ModelRunner, full: list[int], sliding: list[int]) -> tuple[list[int], list[list[int]]]:
@@ -317,51 +297,24 @@ def test_the_engine_scheduler_drives_the_worker_on_its_hybrid_layout(
     """The engine's scheduler on the layout the worker states, steps through protobuf, against HF greedy."""
     _, folder, _, ref = hybrid
     runner = build_runner(str(folder), num_blocks=40, block_size=BS)
-    config = runner.config
-    bytes_per_block = kv_bytes_per_block(config, BS, torch.float32)
-    groups = stated_kv_groups(runner, bytes_per_block)
+    groups = worker_groups(runner)
     assert [g.kind for g in groups] == [AttentionKind.FULL, AttentionKind.SLIDING_WINDOW]
-    capability = stated_profile(
-        BackendKind.CPU,
-        worker_id="cpu-test",
-        model=ModelInfo(
-            "tiny-hybrid", config.vocab_size, runner.max_model_len, (2,), num_layers=config.num_layers
-        ),
-        kv_block_size=BS,
-        kv_num_blocks=groups[0].num_blocks,
-        kv_bytes_per_block=bytes_per_block,
-        max_batch_tokens=24,
-        kv_groups=groups,
+    scheduler = Scheduler(
+        capability(runner, "tiny-hybrid", groups, max_batch_tokens=24), SchedulerConfig(), seed=1
     )
-    assert capability.problems() == []
-    scheduler = Scheduler(capability, SchedulerConfig(), seed=1)
     prompts = {f"r{i}": prompt(30 + i, 30 + 7 * i) for i in range(4)}
-    for rid, tokens in prompts.items():
-        scheduler.add_request(
-            GenerateRequest(rid, tokens, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-        )
-    produced: dict[str, list[int]] = {rid: [] for rid in prompts}
-    saw_null = False
-    while scheduler.has_work():
-        step = scheduler.schedule()
-        assert step is not None
-        sent = wire.step_from_pb(worker_pb2.DecodeStep.FromString(wire.step_to_pb(step).SerializeToString()))
-        for event in scheduler.update(step, runner.execute_step(sent)):
-            if isinstance(event, Token):
-                produced[event.request_id].extend(event.token_ids)
-        scheduler.check_integrity()
+    produced: dict[str, list[int]] = {}
+    saw_null = []
+
+    def watch(_: DecodeStep) -> None:
         for rid in scheduler.running:
             lease = scheduler.registry.lease(rid)
             assert lease is not None and NULL_BLOCK_ID not in lease.block_tables[0]
-            saw_null |= NULL_BLOCK_ID in lease.block_tables[1]
-    scheduler.registry.check_quiescent()
-    assert saw_null
-    for rid, tokens in prompts.items():
-        with torch.no_grad():
-            expected = ref.model.generate(
-                torch.tensor([tokens]), max_new_tokens=16, do_sample=False, min_new_tokens=16
-            )[0, len(tokens) :].tolist()
-        assert produced[rid] == expected, rid
+            saw_null.append(NULL_BLOCK_ID in lease.block_tables[1])
+
+    serve_greedy(scheduler, runner, prompts, 16, produced, each_step=watch)
+    assert any(saw_null)
+    assert produced == hf_greedy(ref.model, prompts.items(), 16)
 
 
 def test_a_long_shared_prefix_hits_through_a_window_pool_smaller_than_it(
@@ -371,47 +324,21 @@ def test_a_long_shared_prefix_hits_through_a_window_pool_smaller_than_it(
     and the first request's early window blocks were reused: a hit needs only the blocks its window reads."""
     _, folder, _, ref = hybrid
     runner = build_runner(str(folder), num_blocks=40, block_size=BS)
-    config = runner.config
-    bytes_per_block = kv_bytes_per_block(config, BS, torch.float32)
-    full, window = stated_kv_groups(runner, bytes_per_block)
+    full, window = worker_groups(runner)
     window = replace(window, num_blocks=8)  # the engine hands out only 8 of the worker's window blocks
-    capability = stated_profile(
-        BackendKind.CPU,
-        worker_id="cpu-test",
-        model=ModelInfo(
-            "tiny-hybrid", config.vocab_size, runner.max_model_len, (2,), num_layers=config.num_layers
-        ),
-        kv_block_size=BS,
-        kv_num_blocks=full.num_blocks,
-        kv_bytes_per_block=bytes_per_block,
-        max_batch_tokens=16,
-        kv_groups=(full, window),
-    )
-    assert capability.problems() == []
-    scheduler = Scheduler(capability, SchedulerConfig(), seed=1)
+    cap = capability(runner, "tiny-hybrid", (full, window), max_batch_tokens=16)
+    scheduler = Scheduler(cap, SchedulerConfig(), seed=1)
     first = prompt(40, 60)
     second = first[:56] + prompt(41, 6)
     produced: dict[str, list[int]] = {}
     new_requests: dict[str, NewRequestData] = {}
+
+    def record(step: DecodeStep) -> None:
+        new_requests.update({n.request_id: n for n in step.new_requests})
+
     for rid, tokens in (("first", first), ("second", second)):
-        scheduler.add_request(
-            GenerateRequest(rid, tokens, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-        )
-        while scheduler.has_work():
-            step = scheduler.schedule()
-            assert step is not None
-            new_requests.update({n.request_id: n for n in step.new_requests})
-            for event in scheduler.update(step, runner.execute_step(step)):
-                if isinstance(event, Token):
-                    produced.setdefault(event.request_id, []).extend(event.token_ids)
-            scheduler.check_integrity()
-    scheduler.registry.check_quiescent()
+        serve_greedy(scheduler, runner, {rid: tokens}, 8, produced, each_step=record, via_wire=False)
     hit = new_requests["second"]
     assert hit.num_computed_tokens == 56
     assert hit.group_kv_block_ids[0][:5] == [NULL_BLOCK_ID] * 5  # the window of position 56 starts at 45
-    for rid, tokens in (("first", first), ("second", second)):
-        with torch.no_grad():
-            expected = ref.model.generate(
-                torch.tensor([tokens]), max_new_tokens=8, do_sample=False, min_new_tokens=8
-            )[0, len(tokens) :].tolist()
-        assert produced[rid] == expected, rid
+    assert produced == hf_greedy(ref.model, (("first", first), ("second", second)), 8)

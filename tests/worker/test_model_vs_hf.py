@@ -45,8 +45,13 @@ class LogitsRecorder:
 
 
 class Reference:
-    def __init__(self, folder: Path) -> None:
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    """HF transformers' float32 model of ``folder``; ``overrides`` go to ``from_pretrained`` (e.g. the
+    attention implementation, or config fields)."""
+
+    def __init__(self, folder: Path, **overrides: object) -> None:
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, **overrides
+        ).eval()
 
     @torch.no_grad()
     def logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -14,28 +14,19 @@ import pytest
 import torch
 import transformers
 
-from ominix_runtime import wire
 from ominix_runtime.contract import (
     NULL_BLOCK_ID,
     AttentionKind,
-    BackendKind,
     DecodeStep,
-    GenerateRequest,
-    ModelInfo,
     NewRequestData,
     RunningRequestData,
-    SamplingParams,
-    Token,
-    stated_profile,
 )
 from ominix_runtime.engine.config import SchedulerConfig
 from ominix_runtime.engine.scheduler import Scheduler
-from ominix_runtime.pb import worker_pb2
-from ominix_worker.kv_cache import kv_bytes_per_block
 from ominix_worker.runner import build_runner
-from ominix_worker.server import stated_kv_groups
 from ominix_worker.testing import write_tiny_hf_model
 
+from .scheduled import capability, hf_greedy, serve_greedy, worker_groups
 from .test_model_vs_hf import GREEDY, LogitsRecorder, Reference, assert_close, prompt, tokens_by_id
 
 WINDOW = 12
@@ -162,48 +153,20 @@ def test_the_engine_scheduler_drives_the_worker_on_its_sliding_layout(
     _, ref = pair
     num_blocks = 12
     runner = build_runner(str(mistral_dir), num_blocks=num_blocks, block_size=BS)
-    config = runner.config
-    bytes_per_block = kv_bytes_per_block(config, BS, torch.float32)
-    groups = stated_kv_groups(runner, bytes_per_block)
+    groups = worker_groups(runner)
     assert [g.kind for g in groups] == [AttentionKind.SLIDING_WINDOW] and groups[0].sliding_window == WINDOW
-    capability = stated_profile(
-        BackendKind.CPU,
-        worker_id="cpu-test",
-        model=ModelInfo(
-            "tiny-mistral", config.vocab_size, runner.max_model_len, (2,), num_layers=config.num_layers
-        ),
-        kv_block_size=BS,
-        kv_num_blocks=num_blocks,
-        kv_bytes_per_block=bytes_per_block,
-        max_batch_tokens=32,
-        kv_groups=groups,
-    )
-    assert capability.problems() == []
-    scheduler = Scheduler(capability, SchedulerConfig(), seed=1)
+    cap = capability(runner, "tiny-mistral", groups, max_batch_tokens=32, num_blocks=num_blocks)
+    scheduler = Scheduler(cap, SchedulerConfig(), seed=1)
     prompts = {f"r{i}": prompt(30 + i, 60) for i in range(4)}
-    for rid, tokens in prompts.items():
-        scheduler.add_request(
-            GenerateRequest(rid, tokens, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
-        )
-    produced: dict[str, list[int]] = {rid: [] for rid in prompts}
-    peak_running = saw_null = 0
-    while scheduler.has_work():
-        step = scheduler.schedule()
-        assert step is not None
-        sent = wire.step_from_pb(worker_pb2.DecodeStep.FromString(wire.step_to_pb(step).SerializeToString()))
-        for event in scheduler.update(step, runner.execute_step(sent)):
-            if isinstance(event, Token):
-                produced[event.request_id].extend(event.token_ids)
-        scheduler.check_integrity()
-        peak_running = max(peak_running, scheduler.num_running)
+    produced: dict[str, list[int]] = {}
+    seen = {"peak_running": 0, "null": False}
+
+    def watch(_: DecodeStep) -> None:
+        seen["peak_running"] = max(seen["peak_running"], scheduler.num_running)
         for rid in scheduler.running:
             lease = scheduler.registry.lease(rid)
-            saw_null |= lease is not None and NULL_BLOCK_ID in lease.kv_block_ids
-    scheduler.registry.check_quiescent()
-    assert saw_null and peak_running == 4
-    for rid, tokens in prompts.items():
-        with torch.no_grad():
-            expected = ref.model.generate(
-                torch.tensor([tokens]), max_new_tokens=20, do_sample=False, min_new_tokens=20
-            )[0, len(tokens) :].tolist()
-        assert produced[rid] == expected, rid
+            seen["null"] |= lease is not None and NULL_BLOCK_ID in lease.kv_block_ids
+
+    serve_greedy(scheduler, runner, prompts, 20, produced, each_step=watch)
+    assert seen["null"] and seen["peak_running"] == 4
+    assert produced == hf_greedy(ref.model, prompts.items(), 20)
