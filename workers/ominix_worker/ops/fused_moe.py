@@ -133,6 +133,66 @@ def moe_sum(rows: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
 # ---- align -----------------------------------------------------------------------------------------------
 
 
+# The single-program align walks every assignment itself: ~27 µs per layer at 2,048 assignments (decode batch
+# 256, top-8) and far more for a prefill chunk. Above this many assignments the same three phases run as three
+# kernels: count (many programs, global atomics), scan (one program over the experts) and scatter (many).
+PARALLEL_ALIGN_MIN_ASSIGNMENTS = 512
+
+
+@triton.jit
+def _count_assignments(topk_ids_ptr, counts_ptr, ranks_ptr, offs, num_assignments, CHUNK: tl.constexpr):
+    # Each assignment's rank inside its expert is the counter's value before its own increment. Negative
+    # ids (experts of other ranks) are neither counted nor placed.
+    mask = offs < num_assignments
+    expert = tl.load(topk_ids_ptr + offs, mask=mask, other=0)
+    mask = mask & (expert >= 0)
+    rank = tl.atomic_add(counts_ptr + expert, tl.full((CHUNK,), 1, dtype=tl.int32), mask=mask)
+    tl.store(ranks_ptr + offs, rank, mask=mask)
+
+
+@triton.jit
+def _scan_experts(
+    counts_ptr,
+    expert_ids_ptr,
+    num_post_pad_ptr,
+    max_blocks,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    # Pads each expert's count to BLOCK_M, stores the padded total, turns the counts into each expert's start
+    # and writes every tile's expert.
+    offs_e = tl.arange(0, BLOCK_E)
+    e_mask = offs_e < NUM_EXPERTS
+    counts = tl.load(counts_ptr + offs_e, mask=e_mask, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    tl.store(num_post_pad_ptr, total)
+    tl.debug_barrier()
+    tl.store(counts_ptr + offs_e, ends - padded, mask=e_mask)
+    # Tile b belongs to the expert whose padded range holds row b * BLOCK_M: the number of experts ending
+    # at or before that row. Tiles past the total get -1.
+    for start in range(0, max_blocks, CHUNK):
+        blocks = start + tl.arange(0, CHUNK)
+        row = blocks * BLOCK_M
+        before = (ends[None, :] <= row[:, None]) & e_mask[None, :]
+        expert = tl.sum(before.to(tl.int32), 1)
+        expert = tl.where(row < total, expert, -1)
+        tl.store(expert_ids_ptr + blocks, expert, mask=blocks < max_blocks)
+
+
+@triton.jit
+def _place_assignments(topk_ids_ptr, sorted_ids_ptr, starts_ptr, ranks_ptr, offs, num_assignments):
+    mask = offs < num_assignments
+    expert = tl.load(topk_ids_ptr + offs, mask=mask, other=0)
+    mask = mask & (expert >= 0)
+    rank = tl.load(ranks_ptr + offs, mask=mask, other=0)
+    base = tl.load(starts_ptr + expert, mask=mask, other=0)
+    tl.store(sorted_ids_ptr + base + rank, offs, mask=mask)
+
+
 @triton.jit
 def _moe_align_kernel(
     topk_ids_ptr,
@@ -150,56 +210,25 @@ def _moe_align_kernel(
     CHUNK: tl.constexpr,
 ):
     offs_e = tl.arange(0, BLOCK_E)
-    e_mask = offs_e < NUM_EXPERTS
-    tl.store(scratch_ptr + offs_e, tl.zeros((BLOCK_E,), dtype=tl.int32), mask=e_mask)
+    tl.store(scratch_ptr + offs_e, tl.zeros((BLOCK_E,), dtype=tl.int32), mask=offs_e < NUM_EXPERTS)
     for start in range(0, max_padded, CHUNK):
         offs = start + tl.arange(0, CHUNK)
         fill = tl.full((CHUNK,), 0, dtype=tl.int32) + num_assignments
         tl.store(sorted_ids_ptr + offs, fill, mask=offs < max_padded)
     tl.debug_barrier()
-    # Each assignment's rank inside its expert is the counter's value before its own increment. Negative
-    # ids (experts of other ranks) are neither counted nor placed.
     for start in range(0, num_assignments, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        mask = offs < num_assignments
-        expert = tl.load(topk_ids_ptr + offs, mask=mask, other=0)
-        mask = mask & (expert >= 0)
-        ones = tl.full((CHUNK,), 1, dtype=tl.int32)
-        rank = tl.atomic_add(scratch_ptr + expert, ones, mask=mask)
-        tl.store(ranks_ptr + offs, rank, mask=mask)
+        _count_assignments(
+            topk_ids_ptr, scratch_ptr, ranks_ptr, start + tl.arange(0, CHUNK), num_assignments, CHUNK
+        )
     tl.debug_barrier()
-    counts = tl.load(scratch_ptr + offs_e, mask=e_mask, other=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    starts = ends - padded
-    total = tl.sum(padded, 0)
-    tl.store(num_post_pad_ptr, total)
-    tl.debug_barrier()
-    tl.store(scratch_ptr + offs_e, starts, mask=e_mask)
-    # Tile b belongs to the expert whose padded range holds row b * BLOCK_M: the number of experts ending
-    # at or before that row. Tiles past the total get -1.
-    for start in range(0, max_blocks, CHUNK):
-        blocks = start + tl.arange(0, CHUNK)
-        row = blocks * BLOCK_M
-        before = (ends[None, :] <= row[:, None]) & e_mask[None, :]
-        expert = tl.sum(before.to(tl.int32), 1)
-        expert = tl.where(row < total, expert, -1)
-        tl.store(expert_ids_ptr + blocks, expert, mask=blocks < max_blocks)
+    _scan_experts(
+        scratch_ptr, expert_ids_ptr, num_post_pad_ptr, max_blocks, NUM_EXPERTS, BLOCK_E, BLOCK_M, CHUNK
+    )
     tl.debug_barrier()
     for start in range(0, num_assignments, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        mask = offs < num_assignments
-        expert = tl.load(topk_ids_ptr + offs, mask=mask, other=0)
-        mask = mask & (expert >= 0)
-        rank = tl.load(ranks_ptr + offs, mask=mask, other=0)
-        base = tl.load(scratch_ptr + expert, mask=mask, other=0)
-        tl.store(sorted_ids_ptr + base + rank, offs, mask=mask)
-
-
-# The single-program align walks every assignment itself: ~27 µs per layer at 2,048 assignments (decode batch
-# 256, top-8) and far more for a prefill chunk. Above this many assignments three kernels split the work: count
-# (many programs, global atomics), scan (one program over the experts) and scatter (many programs).
-PARALLEL_ALIGN_MIN_ASSIGNMENTS = 512
+        _place_assignments(
+            topk_ids_ptr, sorted_ids_ptr, scratch_ptr, ranks_ptr, start + tl.arange(0, CHUNK), num_assignments
+        )
 
 
 @triton.jit
@@ -209,11 +238,7 @@ def _align_count_kernel(
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     fill = tl.full((CHUNK,), 0, dtype=tl.int32) + num_assignments
     tl.store(sorted_ids_ptr + offs, fill, mask=offs < max_padded)
-    mask = offs < num_assignments
-    expert = tl.load(topk_ids_ptr + offs, mask=mask, other=0)
-    mask = mask & (expert >= 0)
-    rank = tl.atomic_add(counts_ptr + expert, tl.full((CHUNK,), 1, dtype=tl.int32), mask=mask)
-    tl.store(ranks_ptr + offs, rank, mask=mask)
+    _count_assignments(topk_ids_ptr, counts_ptr, ranks_ptr, offs, num_assignments, CHUNK)
 
 
 @triton.jit
@@ -227,22 +252,9 @@ def _align_scan_kernel(
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    offs_e = tl.arange(0, BLOCK_E)
-    e_mask = offs_e < NUM_EXPERTS
-    counts = tl.load(counts_ptr + offs_e, mask=e_mask, other=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    total = tl.sum(padded, 0)
-    tl.store(num_post_pad_ptr, total)
-    tl.debug_barrier()
-    tl.store(counts_ptr + offs_e, ends - padded, mask=e_mask)  # the counts become each expert's start
-    for start in range(0, max_blocks, CHUNK):
-        blocks = start + tl.arange(0, CHUNK)
-        row = blocks * BLOCK_M
-        before = (ends[None, :] <= row[:, None]) & e_mask[None, :]
-        expert = tl.sum(before.to(tl.int32), 1)
-        expert = tl.where(row < total, expert, -1)
-        tl.store(expert_ids_ptr + blocks, expert, mask=blocks < max_blocks)
+    _scan_experts(
+        counts_ptr, expert_ids_ptr, num_post_pad_ptr, max_blocks, NUM_EXPERTS, BLOCK_E, BLOCK_M, CHUNK
+    )
 
 
 @triton.jit
@@ -250,12 +262,7 @@ def _align_scatter_kernel(
     topk_ids_ptr, sorted_ids_ptr, starts_ptr, ranks_ptr, num_assignments, CHUNK: tl.constexpr
 ):
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    mask = offs < num_assignments
-    expert = tl.load(topk_ids_ptr + offs, mask=mask, other=0)
-    mask = mask & (expert >= 0)
-    rank = tl.load(ranks_ptr + offs, mask=mask, other=0)
-    base = tl.load(starts_ptr + expert, mask=mask, other=0)
-    tl.store(sorted_ids_ptr + base + rank, offs, mask=mask)
+    _place_assignments(topk_ids_ptr, sorted_ids_ptr, starts_ptr, ranks_ptr, offs, num_assignments)
 
 
 def max_padded_slots(num_assignments: int, num_experts: int, block_m: int) -> int:
