@@ -6,6 +6,8 @@
 #            (bench/gpu_service.sh's service stage)
 #   long     the long-context workload: 64 requests x 8,192 prompt tokens x 256 out, all at once; the worker's
 #            log states its KV pools (full-attention and 128-token window)
+#   peer-w1, peer-long
+#            vLLM on the same workloads (bench/peer_vllm.py), on the same machine once ours has stopped
 #
 #   bash bench/gpt_oss_service.sh                              # every stage, from the repository root
 #   GPT_OSS_STAGES="long" bash bench/gpt_oss_service.sh        # one stage
@@ -14,10 +16,23 @@
 set -u
 OUT=${OUT:-/tmp/ominix_gpt_oss}
 CONFIG=${CONFIG:-bench/configs/gpt-oss-20b-config.json}
-GPT_OSS_STAGES=${GPT_OSS_STAGES:-"tests w1 long"}
+GPT_OSS_STAGES=${GPT_OSS_STAGES:-"tests w1 long peer-w1 peer-long"}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD:$PWD/workers${PYTHONPATH:+:$PYTHONPATH}
+# vLLM once ours has stopped: output folder, then bench/peer_vllm.py's own flags.
+peer() {
+  local out=$1
+  shift
+  mkdir -p "$out"
+  if python3 -c "import vllm" 2>/dev/null; then
+    timeout ${PEER_S:-600} python3 bench/peer_vllm.py --config "$CONFIG" --vocab 199000 --json "$out/peer_vllm.json" \
+      "$@" >"$out/peer_vllm.log" 2>&1
+    grep -E "^vLLM|Error" "$out/peer_vllm.log" | tail -8 | tee "$out/peer_vllm.txt"
+  else
+    echo "vllm is not importable here: see shared/peers/vllm/README.md to carry it"
+  fi
+}
 for stage in $GPT_OSS_STAGES; do
   echo "=== gpt-oss $stage $(date -u +%FT%TZ)"
   case $stage in
@@ -31,5 +46,10 @@ for stage in $GPT_OSS_STAGES; do
       timeout ${LONG_S:-900} python3 bench/offline.py --launch --model "dummy:$CONFIG" --devices cuda:0 --w1 \
         --num-requests 64 --input-len 8192 --output-len 256 --no-progress --no-request-details \
         --ready-timeout 600 --out-json "$OUT/long/offline.json" 2>&1 | tee "$OUT/long/offline.txt" | tail -40 ;;
+    peer-w1)
+      peer "$OUT/w1" ;;
+    peer-long)
+      peer "$OUT/long" --num-requests 64 --input-len 8192 --output-len 256 --max-model-len 8448 --no-again \
+        --no-batch1 ;;
   esac
 done

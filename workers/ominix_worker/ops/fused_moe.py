@@ -338,6 +338,7 @@ def _grouped_gemm_kernel(
     A_ROWS_PER_TOKEN: tl.constexpr,  # k when A holds one row per token (gate_up), 1 when one per assignment
     MUL_ROUTING_WEIGHT: tl.constexpr,
     USE_FP8: tl.constexpr,
+    IEEE: tl.constexpr,  # float32 operands multiplied in full float32 rather than TF32
     GROUP_N: tl.constexpr,  # weight scale block (rows, columns) when USE_FP8
     GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -387,6 +388,8 @@ def _grouped_gemm_kernel(
                 other=0.0,
             )
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        elif IEEE:
+            acc += tl.dot(a, b, input_precision="ieee")
         else:
             acc += tl.dot(a, b)
         a_ptrs += BLOCK_K
@@ -498,11 +501,13 @@ def grouped_gemm(
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     grid = (expert_ids.numel() * triton.cdiv(n, block_n),)
     bs = b_scale if b_scale is not None else b
+    # float32 follows torch's TF32 switch, so float32 references compare against full-precision products.
+    ieee = a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     _grouped_gemm_kernel[grid](
         a, b, out, a_scale, bs, topk_weights if topk_weights is not None else out, sorted_ids, expert_ids,
         num_post_pad, n, k, num_assignments, a.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
         a_scale.stride(0), bs.stride(0), bs.stride(1), bs.stride(2) if bs.dim() == 3 else 0,
-        A_ROWS_PER_TOKEN=a_rows_per_token, MUL_ROUTING_WEIGHT=topk_weights is not None, USE_FP8=use_fp8,
+        A_ROWS_PER_TOKEN=a_rows_per_token, MUL_ROUTING_WEIGHT=topk_weights is not None, USE_FP8=use_fp8, IEEE=ieee,
         GROUP_N=scale_block[0], GROUP_K=scale_block[1], BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
         num_stages=config["num_stages"],
