@@ -36,7 +36,7 @@ TOKEN_COUNTS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4
 
 
 def candidates(use_fp8: bool, quick: bool, tokens: int) -> list[dict[str, int]]:
-    """Tile shapes to try for ``tokens`` tokens; ``quick`` keeps 16-27 per size class (decode: narrow N tiles
+    """Tile shapes to try for ``tokens`` tokens; ``quick`` keeps 24-32 per size class (decode: narrow N tiles
     so that the few experts' weights spread over every SM; prefill: big tiles, 8 warps, grouped order), the
     full space has 512."""
     k_tiles = [64, 128] if use_fp8 else [64, 128, 256]
@@ -45,7 +45,7 @@ def candidates(use_fp8: bool, quick: bool, tokens: int) -> list[dict[str, int]]:
     elif quick and tokens <= 512:
         space = ([16, 32, 64], [64, 128], [64, 128], [1], [4], [3, 4])
     elif quick:
-        space = ([64, 128], [128, 256], [64], [16], [4, 8], [3, 4])
+        space = ([64, 128], [128, 256], [64, 128], [16], [4, 8], [3, 4])
     else:
         space = ([16, 32, 64, 128], [32, 64, 128, 256], [64, 128] if use_fp8 else [32, 64, 128, 256],
                  [1, 16], [4, 8], [3, 4])  # fmt: skip
