@@ -123,3 +123,15 @@ def test_a_captured_block_replays_new_routings() -> None:
             x_static.copy_(torch.randn((16, 256), generator=gen).to(DTYPE))
             graph.replay()
             assert _rel(out_static, _expected(block, x_static)) < TOLERANCE[DTYPE], f"replay {trial}"
+
+
+@pytest.mark.parametrize(("rows", "inter"), [(1, 32), (37, 48), (5, 2880)])
+def test_clamped_swiglu_kernel_matches_torch(rows: int, inter: int) -> None:
+    from ominix_worker.ops.biased_moe import clamped_swiglu_cuda
+
+    gen = torch.Generator().manual_seed(rows + inter)
+    gate_up = (torch.randn((rows, 2 * inter), generator=gen) * 6.0).to(DTYPE)  # both clamps engage
+    ref = clamped_swiglu(gate_up.double(), 1.702, 7.0)
+    got = clamped_swiglu_cuda(gate_up.to(DEVICE), 1.702, 7.0)
+    assert got.shape == (rows, inter) and got.dtype == DTYPE
+    assert _rel(got, ref) < TOLERANCE[DTYPE]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from functools import partial
 
 import torch
 from torch import nn
@@ -70,11 +71,11 @@ class GptOssExperts(FusedExperts):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if fused_moe_ops(x) is not None:
-            from ominix_worker.ops.biased_moe import fused_experts_biased
+            from ominix_worker.ops.biased_moe import clamped_swiglu_cuda, fused_experts_biased
 
             return fused_experts_biased(
                 x, self.w13_weight, self.w2_weight, self.w13_bias, self.w2_bias, topk_weights, topk_ids,
-                self.activation,
+                partial(clamped_swiglu_cuda, alpha=self.alpha, limit=self.limit),
             )  # fmt: skip
         return fused_experts_ref(
             x,

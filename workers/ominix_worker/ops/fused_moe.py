@@ -320,6 +320,7 @@ def _grouped_gemm_kernel(
     a_scale_ptr,
     b_scale_ptr,
     topk_weights_ptr,
+    bias_ptr,
     sorted_ids_ptr,
     expert_ids_ptr,
     num_post_pad_ptr,
@@ -335,8 +336,10 @@ def _grouped_gemm_kernel(
     stride_bse,
     stride_bsn,
     stride_bsk,
+    stride_bias,
     A_ROWS_PER_TOKEN: tl.constexpr,  # k when A holds one row per token (gate_up), 1 when one per assignment
     MUL_ROUTING_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,  # adds the expert's bias row before the routing weight: w · (x Wᵀ + b)
     USE_FP8: tl.constexpr,
     IEEE: tl.constexpr,  # float32 operands multiplied in full float32 rather than TF32
     GROUP_N: tl.constexpr,  # weight scale block (rows, columns) when USE_FP8
@@ -394,6 +397,9 @@ def _grouped_gemm_kernel(
             acc += tl.dot(a, b)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert * stride_bias + offs_n, mask=n_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     if MUL_ROUTING_WEIGHT:
         weight = tl.load(topk_weights_ptr + assignment, mask=row_mask, other=0.0)
         acc = acc * weight[:, None]
@@ -491,8 +497,10 @@ def grouped_gemm(
     topk_weights: torch.Tensor | None = None,
     b_scale: torch.Tensor | None = None,
     scale_block: tuple[int, int] = (128, 128),
+    bias: torch.Tensor | None = None,
 ) -> None:
-    """out[assignment] = a[assignment // a_rows_per_token] @ b[expert]ᵀ (× routing weight), for every tile."""
+    """out[assignment] = (a[assignment // a_rows_per_token] @ b[expert]ᵀ + bias[expert]) (× routing weight),
+    for every tile; ``bias`` (E, N) is optional."""
     n, k = b.shape[1], b.shape[2]
     use_fp8 = b_scale is not None
     a_scale = a
@@ -504,10 +512,12 @@ def grouped_gemm(
     # float32 follows torch's TF32 switch, so float32 references compare against full-precision products.
     ieee = a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     _grouped_gemm_kernel[grid](
-        a, b, out, a_scale, bs, topk_weights if topk_weights is not None else out, sorted_ids, expert_ids,
-        num_post_pad, n, k, num_assignments, a.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
-        a_scale.stride(0), bs.stride(0), bs.stride(1), bs.stride(2) if bs.dim() == 3 else 0,
-        A_ROWS_PER_TOKEN=a_rows_per_token, MUL_ROUTING_WEIGHT=topk_weights is not None, USE_FP8=use_fp8, IEEE=ieee,
+        a, b, out, a_scale, bs, topk_weights if topk_weights is not None else out,
+        bias if bias is not None else out, sorted_ids, expert_ids, num_post_pad, n, k, num_assignments,
+        a.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0), a_scale.stride(0), bs.stride(0),
+        bs.stride(1), bs.stride(2) if bs.dim() == 3 else 0, bias.stride(0) if bias is not None else 0,
+        A_ROWS_PER_TOKEN=a_rows_per_token, MUL_ROUTING_WEIGHT=topk_weights is not None,
+        HAS_BIAS=bias is not None, USE_FP8=use_fp8, IEEE=ieee,
         GROUP_N=scale_block[0], GROUP_K=scale_block[1], BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
         num_stages=config["num_stages"],
