@@ -88,8 +88,12 @@ def test_fp8_tp2_logits_match_tp1(name: str, granularity: str, moe: str, fp8_dir
     single_error = float((single - exact).abs().max())
     sharded_error = float((sharded - exact).abs().max())
     assert sharded_error <= 2 * single_error + 1e-2, (sharded_error, single_error)
-    agree = float((sharded.argmax(-1) == single.argmax(-1)).float().mean())
-    assert agree >= 0.9, agree
+    # The tiny random models' logits have near ties that FP8 rounding breaks either way, so TP=2 must pick
+    # the exact model's top token about as often as TP=1 does, rather than TP=1's own picks.
+    exact_top = exact.argmax(-1)
+    single_agree = float((single.argmax(-1) == exact_top).float().mean())
+    sharded_agree = float((sharded.argmax(-1) == exact_top).float().mean())
+    assert sharded_agree >= single_agree - 0.1, (sharded_agree, single_agree)
 
 
 @pytest.mark.parametrize(("name", "moe"), [("llama", "tensor"), ("qwen3_moe", "expert")])

@@ -51,6 +51,13 @@ def parse_device(spec: str) -> torch.device:
     return torch.device("npu", index)
 
 
+def make_current(device: torch.device) -> None:
+    """Make a CUDA ``device`` this process's current one: Triton kernels launch, and CUDA graphs capture, on the
+    current device whatever device their tensors are on (a worker on cuda:1 left at cuda:0 fails at warm-up)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def backend_kind(device: torch.device) -> BackendKind:
     return {"cpu": BackendKind.CPU, "cuda": BackendKind.CUDA, "npu": BackendKind.ASCEND}[device.type]
 

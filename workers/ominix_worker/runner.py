@@ -774,10 +774,12 @@ def build_runner(
     With ``tp`` (a joined group), this rank's shards of the model and its KV heads."""
     from ominix_runtime.models import resolve_model
     from ominix_worker.attention import get_attention_backend
+    from ominix_worker.devices import make_current
     from ominix_worker.kv_cache import allocate_kv_cache, resolve_kv_cache_dtype
     from ominix_worker.loader import load_model
 
     device = torch.device(device)
+    make_current(device)
     backend = get_attention_backend(attention or device.type, block_size)
     source = resolve_model(model_path)
     loaded = load_model(

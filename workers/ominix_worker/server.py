@@ -161,7 +161,14 @@ def load_worker(
     import torch
 
     from ominix_worker.attention import get_attention_backend
-    from ominix_worker.devices import backend_kind, device_name, dtype_name, parse_device, resolve_dtype
+    from ominix_worker.devices import (
+        backend_kind,
+        device_name,
+        dtype_name,
+        make_current,
+        parse_device,
+        resolve_dtype,
+    )
     from ominix_worker.kv_cache import (
         allocate_kv_cache,
         group_block_counts,
@@ -180,6 +187,7 @@ def load_worker(
     tp = replace(group.tp if group is not None else SINGLE, moe=MoeParallel(args.moe_parallel))
 
     device = parse_device(args.device)
+    make_current(device)
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
     dtype = resolve_dtype(args.dtype, device)
