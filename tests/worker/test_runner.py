@@ -14,7 +14,7 @@ from ominix_runtime.contract import (
     RuntimeErrorKind,
     SamplingParams,
 )
-from ominix_worker.runner import ModelRunner, build_runner
+from ominix_worker.runner import ModelRunner, build_runner, warm_up_token_counts
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +124,15 @@ def test_logprobs_in_outputs(runner: ModelRunner) -> None:
     assert out.logprobs is not None and len(out.logprobs.top) == 3
     assert out.logprobs.sampled.token_id == out.sampled_token_id == out.logprobs.top[0].token_id
     assert out.logprobs.top[0].logprob >= out.logprobs.top[1].logprob >= out.logprobs.top[2].logprob
+
+
+def test_warm_up_covers_every_power_of_two_prefill_size_on_cuda() -> None:
+    # The fused-MoE tables are keyed by powers of two; each key's tiles compile at the first step near it.
+    assert warm_up_token_counts(8192, cuda=True) == [16, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    assert warm_up_token_counts(3000, cuda=True) == [16, 64, 128, 256, 512, 1024, 2048, 3000]
+    assert warm_up_token_counts(8192, cuda=False) == [16]
+    assert warm_up_token_counts(8, cuda=False) == [8]
+
+
+def test_warm_up_runs_its_forwards(runner: ModelRunner) -> None:
+    assert runner.warm_up(64) == [16]

@@ -698,18 +698,25 @@ class ModelRunner:
         inputs = self._prepare_inputs([row])
         self._sample(self._forward(inputs), inputs)
 
+    def warm_up(self, max_tokens: int) -> list[int]:
+        """Eager forwards before the first request; returns their token counts. CUDA: 16, 64, then every power
+        of two up to ``max_tokens`` and ``max_tokens`` itself, so that the Triton kernels of prefill steps,
+        and the fused-MoE tile shapes (which change with the token count), compile here rather than stall a
+        step of a running batch for a second or more. Other devices: one 16-token forward."""
+        counts = warm_up_token_counts(max_tokens, cuda=self.device.type == "cuda")
+        for num_tokens in counts:
+            self.profile_forward(num_tokens)
+        return counts
+
     def capture_decode_graphs(self, batch_sizes: list[int] | None = None) -> bool:
         """CUDA: capture pure-decode steps for ``batch_sizes`` (default: 1 to 256); other devices capture nothing.
-
-        Eager shapes are warmed up first, so the Triton kernels of prefill and mixed steps are compiled before
-        the first request. (The server skips this call under ``OMINIX_CUDA_GRAPHS=0``.)
+        (The server warms up eager shapes first, ``warm_up``, and skips this call under
+        ``OMINIX_CUDA_GRAPHS=0``.)
         """
         if self.device.type != "cuda" or not self.kv_caches:
             return False
         from ominix_worker.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphs
 
-        for num_tokens in (16, 64, 512):
-            self.profile_forward(num_tokens)
         started = time.perf_counter()
         graphs = DecodeGraphs(
             self.model, self.backend, self.kv_caches, self.device, self.max_model_len,
@@ -755,6 +762,15 @@ def _plain_greedy(request: CachedRequest) -> bool:
         and not p.presence_penalty
         and len(request.output_token_ids) >= p.min_tokens
     )
+
+
+def warm_up_token_counts(max_tokens: int, cuda: bool) -> list[int]:
+    """``ModelRunner.warm_up``'s forwards: on CUDA 16, 64, the powers of two from 128 below ``max_tokens``, and
+    ``max_tokens``; elsewhere one forward of at most 16 tokens."""
+    if not cuda:
+        return [min(16, max_tokens)]
+    counts = {16, 64, max_tokens} | {1 << p for p in range(7, max_tokens.bit_length())}
+    return sorted(n for n in counts if n <= max_tokens)
 
 
 def build_runner(

@@ -275,7 +275,7 @@ def load_worker(
     _say(f"KV cache: {pools} of {block_size} tokens ({kv_bytes / 2**20:.0f} MiB)")
     _say("warming up")
     warming = stage("warming up")
-    runner.profile_forward(min(16, max_batch_tokens))
+    runner.warm_up(max_batch_tokens)
     graphs = runner.capture_decode_graphs() if debug.cuda_graphs else False
     runner.pipeline_decode = debug.pipeline
     warming.close()
