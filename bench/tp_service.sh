@@ -5,7 +5,9 @@
 #   nccl      NCCL all-reduce bus bandwidth and the all-reduce time of one decode step of the model shape
 #   handoff   the leader's step hand-off per step (bench/tp_handoff.py, 256-request decode steps)
 #   tp        Llama-3.1-70B shape dummy bf16, one TP=$TP group behind serve: W1 256 x 512 x 256 and batch-1 TPOT
-#   dp        Llama-8B shape: W1 on one TP=1 group, then on two TP=1 groups (cuda:0, cuda:1)
+#   dp        Llama-8B shape: W1 on one TP=1 group, then on two TP=1 groups (cuda:0, cuda:1) with the same 256
+#             requests and with 256 per group (DP_LOAD_ARGS): split over two groups each GPU decodes at half
+#             the batch, which costs nearly as much per step, so scaling is measured at the one-group load per group
 #   peer      vLLM 0.26.0 with the same tensor_parallel_size on the 70B shape (bench/peer_vllm.py; needs vllm
 #             importable)
 #
@@ -25,6 +27,7 @@ TP=${TP:-4}
 gpus() { seq -s, -f "cuda:%g" 0 $(($1 - 1)); }
 TP_DEVICES=${TP_DEVICES:-$(gpus "$TP")}
 DP_DEVICES=${DP_DEVICES:-"cuda:0 cuda:1"}
+RUN_ARGS=""  # extra bench/offline.py flags of one run_service call (after W1_ARGS: the last value wins)
 STAGES=${STAGES:-"env tests nccl handoff tp dp peer"}
 TP_CONFIG=${TP_CONFIG:-bench/configs/llama70b-config.json}
 DP_CONFIG=${DP_CONFIG:-bench/configs/llama8b-config.json}
@@ -74,7 +77,7 @@ run_service() {
   if timeout 960 python3 bench/common.py wait-serving "127.0.0.1:$eport" --timeout 900 "${watches[@]}"; then
     echo "$name: SERVING after $((SECONDS - started)) s"
     timeout "$SERVICE_S" python3 bench/offline.py --address "127.0.0.1:$eport" --no-progress --no-request-details \
-      --model-config "$config" --gpus "$total" --out-json "$OUT/$name.json" $W1_ARGS 2>&1 \
+      --model-config "$config" --gpus "$total" --out-json "$OUT/$name.json" $W1_ARGS $RUN_ARGS 2>&1 \
       | grep -v -E "^(ITL|E2EL|peak|request throughput|total throughput|input tokens)" | tail -30
   else
     echo "$name: never SERVING (see above)"
@@ -106,7 +109,10 @@ for stage in $STAGES; do
     dp)
       read -r -a dp <<<"$DP_DEVICES"
       run_service dp1 "dummy:$DP_CONFIG" "$DP_CONFIG" "${dp[0]}"
-      run_service dp2 "dummy:$DP_CONFIG" "$DP_CONFIG" "${dp[@]}" ;;
+      run_service dp2 "dummy:$DP_CONFIG" "$DP_CONFIG" "${dp[@]}"
+      RUN_ARGS=${DP_LOAD_ARGS:-"--num-requests $((256 * ${#dp[@]}))"}
+      run_service dp2load "dummy:$DP_CONFIG" "$DP_CONFIG" "${dp[@]}"
+      RUN_ARGS="" ;;
     peer)
       if python3 -c "import vllm" 2>/dev/null; then
         # bench/peer_vllm.py turns off vLLM's custom all-reduce and its all-reduce fusion pass at TP > 1: with
@@ -134,10 +140,13 @@ rows = [
     (f"70B TP={tp} batch-1 TPOT ms", fig(f"tp{tp}", "batch1_tpot_ms")),
     ("8B one TP=1 group W1 out tok/s", fig("dp1", "w1_cold_out_tok_s")),
     ("8B two TP=1 groups W1 out tok/s", fig("dp2", "w1_cold_out_tok_s")),
+    ("8B two TP=1 groups, W1 load per group, out tok/s", fig("dp2load", "w1_cold_out_tok_s")),
 ]
-one, two = rows[2][1], rows[3][1]
+one, two, loaded = rows[2][1], rows[3][1], rows[4][1]
 if one and two:
-    rows.append(("DP scaling (two groups / one)", two / one))
+    rows.append(("DP scaling, same requests (two groups / one)", two / one))
+if one and loaded:
+    rows.append(("DP scaling, W1 load per group (two / one)", loaded / one))
 try:
     nccl = json.loads((out / "nccl.json").read_text())
     big = max(nccl["all_reduce"], key=lambda r: r["bytes"])
@@ -147,7 +156,7 @@ try:
 except (OSError, ValueError, KeyError):
     pass
 for name, value in rows:
-    print(f"{name:<44} {'-' if value is None else f'{value:,.2f}'}")
+    print(f"{name:<50} {'-' if value is None else f'{value:,.2f}'}")
 peer = out / "peer.txt"
 if peer.exists():
     print(peer.read_text().strip())
