@@ -82,6 +82,24 @@ def test_tp_decode_graphs_capture_the_collectives(size: int, model_dir: Path, tm
     assert all(len(tokens) == 12 for tokens in result["pipelined"].values())
 
 
+def test_a_tp1_worker_on_the_second_gpu_serves(tmp_path: Path) -> None:
+    """Data parallelism's second group: a worker without TP flags on cuda:1 must make it the current device,
+    or Triton launches (and graph captures) go to cuda:0 and its warm-up fails."""
+    _needs(2)
+    from fault_procs import stream_one
+    from tp_procs import seeded, start_tp_engine
+
+    from ominix_worker.testing import write_tiny_hf_model
+
+    model = write_tiny_hf_model(tmp_path / "tiny", arch="llama", vocab_size=320, heads=4, kv_heads=4)
+    worker_args = ("--gpu-memory-utilization", "0.3", "--max-model-len", "1024")
+    with start_tp_engine(str(model), tmp_path, devices=["cuda:1"], worker_args=worker_args) as (engine, _):
+        outs = [stream_one(engine.stub, seeded(i, 24), 120) for i in range(3)]
+    for out in outs:
+        assert out.status is None and out.num_terminal == 1, f"{out}\n{engine.logs()}"
+        assert out.done is not None and len(out.tokens) == 24, out
+
+
 def test_kill_9_of_a_rank_mid_stream_ends_the_group(tmp_path: Path) -> None:
     _needs(2)
     from tp_procs import STEP_TIMEOUT_S, kill_a_rank_mid_stream, seeded, start_tp_engine
