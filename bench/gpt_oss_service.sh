@@ -19,15 +19,24 @@ CONFIG=${CONFIG:-bench/configs/gpt-oss-20b-config.json}
 GPT_OSS_STAGES=${GPT_OSS_STAGES:-"tests w1 long peer-w1 peer-long"}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD:$PWD/workers${PYTHONPATH:+:$PYTHONPATH}
-# vLLM once ours has stopped: output folder, then bench/peer_vllm.py's own flags.
+# Carried wheels (.whl/, when present: a newer grpcio and the health/reflection services) go first on the path,
+# as gpu_service.sh does for the w1 stage, so the long stage's client imports the same grpc.
+if [ -d .whl ] && [ -z "${NO_WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD:$PWD/workers
+else
+  export PYTHONPATH=$PWD:$PWD/workers${PYTHONPATH:+:$PYTHONPATH}
+fi
+# vLLM once ours has stopped (on the machine's own packages, not the carried wheels): output folder, then
+# bench/peer_vllm.py's own flags.
 peer() {
   local out=$1
   shift
   mkdir -p "$out"
   if python3 -c "import vllm" 2>/dev/null; then
-    timeout ${PEER_S:-600} python3 bench/peer_vllm.py --config "$CONFIG" --vocab 199000 --json "$out/peer_vllm.json" \
-      "$@" >"$out/peer_vllm.log" 2>&1
+    PYTHONPATH=$PWD timeout ${PEER_S:-600} python3 bench/peer_vllm.py --config "$CONFIG" --vocab 199000 \
+      --json "$out/peer_vllm.json" "$@" >"$out/peer_vllm.log" 2>&1
     grep -E "^vLLM|Error" "$out/peer_vllm.log" | tail -8 | tee "$out/peer_vllm.txt"
   else
     echo "vllm is not importable here: see shared/peers/vllm/README.md to carry it"
