@@ -285,10 +285,9 @@ def load_worker(
     # per-step garbage (outputs, messages) is collected without walking the model's objects.
     gc.collect()
     gc.freeze()
-    if device.type == "cuda":
-        # The forward thread and the event loop (protobuf, gRPC) share the GIL; a shorter switch interval
-        # keeps the forward thread from waiting up to 5 ms to prepare the next step.
-        sys.setswitchinterval(0.0005)
+    # The forward thread and the event loop (protobuf, gRPC) share the GIL; a shorter switch interval keeps
+    # the forward thread from waiting up to 5 ms between its kernels (CPU: between its torch ops).
+    sys.setswitchinterval(0.0005)
 
     dtype_text = dtype_name(dtype)
     supported = (
