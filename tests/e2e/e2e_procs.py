@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ominix_runtime.backends.grpc_worker import GrpcWorkerBackend
 from ominix_runtime.contract import DecodeStep, NewRequestData, RunningRequestData, SamplingParams
-from ominix_runtime.pb import engine_pb2_grpc
+from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
 
 CLI = [sys.executable, "-m", "ominix_runtime"]
 STARTUP_TIMEOUT_S = 150.0
@@ -261,3 +262,24 @@ async def worker_greedy_reference(
         return out
     finally:
         await backend.close()
+
+
+async def generate_greedy(
+    address: str, prompts: list[list[int]], new_tokens: int, prefix: str
+) -> list[list[int]]:
+    """Stream every prompt at once through the engine (greedy, exactly ``new_tokens``, request ids
+    ``prefix-i``); each stream must end with ``done``. Returns the tokens per prompt."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+
+        async def one(i: int, prompt: list[int]) -> list[int]:
+            request = engine_pb2.GenerateRequest(
+                request_id=f"{prefix}-{i}",
+                input_ids=engine_pb2.TokenIds(ids=prompt),
+                sampling=common_pb2.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True),
+            )
+            events = [e async for e in stub.Generate(request, timeout=300)]
+            assert events[-1].WhichOneof("event") == "done", events[-1]
+            return [t for e in events if e.HasField("token") for t in e.token.token_ids]
+
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))

@@ -13,7 +13,7 @@ import grpc.aio
 import pytest
 import torch
 import transformers
-from e2e_procs import Daemon, run_server
+from e2e_procs import Daemon, generate_greedy, run_server
 
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
 
@@ -48,30 +48,13 @@ def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], n: int) ->
     return out[0, len(prompt) :].tolist()
 
 
-async def _generate_all(address: str, prompts: list[list[int]]) -> list[list[int]]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = engine_pb2_grpc.EngineStub(channel)
-
-        async def one(i: int, prompt: list[int]) -> list[int]:
-            request = engine_pb2.GenerateRequest(
-                request_id=f"gpt-oss-{i}",
-                input_ids=engine_pb2.TokenIds(ids=prompt),
-                sampling=common_pb2.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
-            )
-            events = [e async for e in stub.Generate(request, timeout=300)]
-            assert events[-1].WhichOneof("event") == "done", events[-1]
-            return [t for e in events if e.HasField("token") for t in e.token.token_ids]
-
-        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
-
-
 def test_greedy_tokens_through_the_service_match_transformers(gpt_oss_daemon: tuple[Daemon, Path]) -> None:
     daemon, folder = gpt_oss_daemon
     generator = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(3, 320, (n,), generator=generator).tolist() for n in (3, 9, 17, 33, 5, 21, 28, 12)
     ]
-    ours = asyncio.run(_generate_all(daemon.address, prompts))
+    ours = asyncio.run(generate_greedy(daemon.address, prompts, NEW_TOKENS, "gpt-oss"))
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager"
     ).eval()

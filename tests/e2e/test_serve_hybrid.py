@@ -9,13 +9,12 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc.aio
 import pytest
 import torch
 import transformers
-from e2e_procs import Daemon, run_server
+from e2e_procs import Daemon, generate_greedy, run_server
 
-from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
+from ominix_runtime.pb import common_pb2, engine_pb2
 
 NEW_TOKENS = 20
 WINDOW = 12
@@ -57,23 +56,6 @@ def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], n: int) ->
     return out[0, len(prompt) :].tolist()
 
 
-async def _generate_all(address: str, prompts: list[list[int]]) -> list[list[int]]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = engine_pb2_grpc.EngineStub(channel)
-
-        async def one(i: int, prompt: list[int]) -> list[int]:
-            request = engine_pb2.GenerateRequest(
-                request_id=f"gemma-{i}",
-                input_ids=engine_pb2.TokenIds(ids=prompt),
-                sampling=common_pb2.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
-            )
-            events = [e async for e in stub.Generate(request, timeout=300)]
-            assert events[-1].WhichOneof("event") == "done", events[-1]
-            return [t for e in events if e.HasField("token") for t in e.token.token_ids]
-
-        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
-
-
 def test_the_worker_states_a_group_per_layer_kind(gemma_daemon: tuple[Daemon, Path]) -> None:
     daemon, _ = gemma_daemon
     (cap,) = daemon.stub.ListBackends(engine_pb2.ListBackendsRequest(), timeout=5).backends
@@ -96,7 +78,7 @@ def test_greedy_tokens_through_the_service_match_transformers(gemma_daemon: tupl
     daemon, folder = gemma_daemon
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 320, (n,), generator=generator).tolist() for n in (5, 13, 30, 41, 9, 22)]
-    ours = asyncio.run(_generate_all(daemon.address, prompts))
+    ours = asyncio.run(generate_greedy(daemon.address, prompts, NEW_TOKENS, "gemma"))
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for prompt, tokens in zip(prompts, ours, strict=True):
         assert tokens == hf_greedy(reference, prompt, NEW_TOKENS)

@@ -11,13 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import grpc.aio
 import pytest
 import torch
 import transformers
-from e2e_procs import Daemon, run_server
+from e2e_procs import Daemon, generate_greedy, run_server
 
-from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
+from ominix_runtime.pb import engine_pb2
 
 if TYPE_CHECKING:
     from ominix_worker.runner import ModelRunner
@@ -60,30 +59,13 @@ def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], n: int) ->
     return tokens[len(prompt) :]
 
 
-async def _generate_all(address: str, prompts: list[list[int]]) -> list[list[int]]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = engine_pb2_grpc.EngineStub(channel)
-
-        async def one(i: int, prompt: list[int]) -> list[int]:
-            request = engine_pb2.GenerateRequest(
-                request_id=f"moe-{i}",
-                input_ids=engine_pb2.TokenIds(ids=prompt),
-                sampling=common_pb2.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
-            )
-            events = [e async for e in stub.Generate(request, timeout=300)]
-            assert events[-1].WhichOneof("event") == "done", events[-1]
-            return [t for e in events if e.HasField("token") for t in e.token.token_ids]
-
-        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
-
-
 def test_greedy_tokens_through_the_service_match_transformers(moe_daemon: tuple[Daemon, Path]) -> None:
     daemon, folder = moe_daemon
     generator = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(3, 320, (n,), generator=generator).tolist() for n in (3, 9, 17, 33, 5, 21, 28, 12)
     ]
-    ours = asyncio.run(_generate_all(daemon.address, prompts))
+    ours = asyncio.run(generate_greedy(daemon.address, prompts, NEW_TOKENS, "moe"))
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for prompt, tokens in zip(prompts, ours, strict=True):
         assert tokens == hf_greedy(reference, prompt, NEW_TOKENS)
@@ -120,7 +102,7 @@ def test_fp8_weights_and_kv_through_the_service(tmp_path_factory: pytest.TempPat
     with run_server(
         str(folder), logs, num_workers=1, kv_cache_memory="96KiB", extra_worker_args=fp8_args
     ) as d:
-        ours = asyncio.run(_generate_all(d.address, prompts))
+        ours = asyncio.run(generate_greedy(d.address, prompts, NEW_TOKENS, "moe"))
         (cap,) = d.stub.ListBackends(engine_pb2.ListBackendsRequest(), timeout=5).backends
     assert (cap.weight_dtype, cap.kv_cache_dtype, cap.dtype) == ("float8_e4m3fn", "fp8_e4m3", "float32")
     assert cap.supports_fp8_kv and cap.model.num_experts == 16 and cap.model.num_experts_per_tok == 4

@@ -16,22 +16,23 @@ import pytest
 import torch
 
 from ominix_runtime.contract import (
-    NULL_BLOCK_ID,
     AttentionKind,
     DecodeStep,
     NewRequestData,
     RunningRequestData,
 )
-from ominix_runtime.engine.config import SchedulerConfig
-from ominix_runtime.engine.scheduler import Scheduler
 from ominix_runtime.models import resolve_model
 from ominix_worker.attention.ascend import AscendPagedAttention
 from ominix_worker.loader import ModelLoadError, load_model
 from ominix_worker.runner import build_runner
 from ominix_worker.testing import write_tiny_hf_model
 
-from .scheduled import capability, hf_greedy, serve_greedy, worker_groups
 from .test_model_vs_hf import GREEDY, LogitsRecorder, Reference, assert_close, prompt, tokens_by_id
+from .window_scenarios import (
+    decode_past_the_window,
+    prefix_hit_with_null_sliding_entries,
+    scheduler_serves_the_layout,
+)
 
 WINDOW = 12
 BS = 8
@@ -99,36 +100,7 @@ def test_windows_and_sinks_change_the_reference(folder: Path, pair: tuple[Logits
 
 def test_prefill_then_decode_past_the_window(pair: tuple[LogitsRecorder, Reference]) -> None:
     rec, ref = pair
-    rec.runner.reset()
-    tokens = prompt(21, 19)
-    # Different block ids per group: a layer reading the other group's table would read the wrong K/V.
-    result, logits = rec.step(
-        DecodeStep(
-            1,
-            new_requests=[
-                NewRequestData(
-                    "a", tokens, GREEDY, [9, 2, 30], 0, len(tokens), 1, group_kv_block_ids=[[40, 7, 13]]
-                )
-            ],
-        )
-    )
-    ours = [logits["a"]]
-    tokens.append(tokens_by_id(result)["a"])
-    for step_id in range(2, 32):  # 20 -> 50 tokens: several blocks and windows later
-        grow = len(tokens) % BS == 0
-        new_full = [31 + len(tokens) // BS] if grow else []
-        new_sliding = [[50 + len(tokens) // BS]] if grow else [[]]
-        result, logits = rec.step(
-            DecodeStep(
-                step_id,
-                running_requests=[RunningRequestData("a", new_full, 1, new_group_kv_block_ids=new_sliding)],
-            )
-        )
-        ours.append(logits["a"])
-        tokens.append(tokens_by_id(result)["a"])
-    reference = ref.logits(tokens[:-1])
-    for i, row in enumerate(ours):
-        assert_close(row, reference[18 + i])
+    decode_past_the_window(rec, ref, [9, 2, 30], [[40, 7, 13]], last_step=31)  # 20 -> 50 tokens
 
 
 def test_chunked_prefill_beside_decode_while_a_slid_out_block_is_reused(
@@ -188,79 +160,15 @@ def test_chunked_prefill_beside_decode_while_a_slid_out_block_is_reused(
 
 
 def test_prefix_hit_with_null_entries_in_the_sliding_table(pair: tuple[LogitsRecorder, Reference]) -> None:
-    rec, ref = pair
-    rec.runner.reset()
-    shared = prompt(25, 32)
-    first = shared + prompt(26, 7)
-    rec.step(
-        DecodeStep(
-            1,
-            new_requests=[
-                NewRequestData(
-                    "first",
-                    first,
-                    GREEDY,
-                    [1, 2, 3, 4, 5],
-                    0,
-                    len(first),
-                    4,
-                    group_kv_block_ids=[[6, 7, 8, 9, 10]],
-                )
-            ],
-        )
-    )
-    # The hit covers 32 tokens (4 blocks). The window of position 32 starts at 21: the sliding table's first
-    # two entries are null (freed); the full table shares all four.
-    second = shared + prompt(27, 10)
-    result, logits = rec.step(
-        DecodeStep(
-            2,
-            finished_request_ids=["first"],
-            new_requests=[
-                NewRequestData(
-                    "second",
-                    second,
-                    GREEDY,
-                    [1, 2, 3, 4, 20, 21],
-                    32,
-                    len(second) - 32,
-                    5,
-                    group_kv_block_ids=[[NULL_BLOCK_ID, NULL_BLOCK_ID, 8, 9, 30, 31]],
-                )
-            ],
-        )
-    )
-    assert result.num_tokens == len(second) - 32
-    assert_close(logits["second"], ref.logits(second)[-1])
-    second.append(tokens_by_id(result)["second"])
-    _, logits = rec.step(DecodeStep(3, running_requests=[RunningRequestData("second", [], 1)]))
-    assert_close(logits["second"], ref.logits(second)[-1])
+    prefix_hit_with_null_sliding_entries(*pair)
 
 
 def test_the_engine_scheduler_drives_the_worker_on_its_layout(
     folder: Path, pair: tuple[LogitsRecorder, Reference]
 ) -> None:
-    """The engine's scheduler on the layout the worker states, steps through protobuf, against HF greedy."""
-    _, ref = pair
-    runner = build_runner(str(folder), num_blocks=40, block_size=BS)
-    groups = worker_groups(runner)
-    assert [g.kind for g in groups] == [AttentionKind.FULL, AttentionKind.SLIDING_WINDOW]
-    scheduler = Scheduler(
-        capability(runner, "tiny-gpt-oss", groups, max_batch_tokens=24), SchedulerConfig(), seed=1
+    scheduler_serves_the_layout(
+        build_runner(str(folder), num_blocks=40, block_size=BS), "tiny-gpt-oss", pair[1]
     )
-    prompts = {f"r{i}": prompt(30 + i, 30 + 7 * i) for i in range(4)}
-    produced: dict[str, list[int]] = {}
-    saw_null = []
-
-    def watch(_: DecodeStep) -> None:
-        for rid in scheduler.running:
-            lease = scheduler.registry.lease(rid)
-            assert lease is not None and NULL_BLOCK_ID not in lease.block_tables[0]
-            saw_null.append(NULL_BLOCK_ID in lease.block_tables[1])
-
-    serve_greedy(scheduler, runner, prompts, 16, produced, each_step=watch)
-    assert any(saw_null)
-    assert produced == hf_greedy(ref.model, prompts.items(), 16)
 
 
 def test_dummy_weights_of_the_20b_shape_scaled_down(tmp_path: Path, folder: Path) -> None:

@@ -32,6 +32,11 @@ from ominix_worker.testing import write_tiny_hf_model
 
 from .scheduled import capability, hf_greedy, serve_greedy, worker_groups
 from .test_model_vs_hf import GREEDY, LogitsRecorder, Reference, assert_close, prompt, tokens_by_id
+from .window_scenarios import (
+    decode_past_the_window,
+    prefix_hit_with_null_sliding_entries,
+    scheduler_serves_the_layout,
+)
 
 WINDOW = 12
 BS = 8
@@ -127,35 +132,8 @@ def test_the_window_changes_the_reference(hybrid: tuple[str, Path, LogitsRecorde
 
 def test_prefill_then_decode_past_the_window(hybrid: tuple[str, Path, LogitsRecorder, Reference]) -> None:
     _, _, rec, ref = hybrid
-    rec.runner.reset()
-    tokens = prompt(21, 19)
-    # Different block ids per group: a layer reading the other group's table would read zeros or garbage.
     full, others = tables(rec.runner, [9, 2, 30], [40, 7, 13])
-    result, logits = rec.step(
-        DecodeStep(
-            1,
-            new_requests=[
-                NewRequestData("a", tokens, GREEDY, full, 0, len(tokens), 1, group_kv_block_ids=others)
-            ],
-        )
-    )
-    ours = [logits["a"]]
-    tokens.append(tokens_by_id(result)["a"])
-    for step_id in range(2, 30):  # 20 -> 48 tokens: several blocks and windows later
-        grow = len(tokens) % BS == 0
-        new_full = [31 + len(tokens) // BS] if grow else []
-        new_sliding = [[50 + len(tokens) // BS]] if grow else [[]]
-        result, logits = rec.step(
-            DecodeStep(
-                step_id,
-                running_requests=[RunningRequestData("a", new_full, 1, new_group_kv_block_ids=new_sliding)],
-            )
-        )
-        ours.append(logits["a"])
-        tokens.append(tokens_by_id(result)["a"])
-    reference = ref.logits(tokens[:-1])
-    for i, row in enumerate(ours):
-        assert_close(row, reference[18 + i])
+    decode_past_the_window(rec, ref, full, others, last_step=29)  # 20 -> 48 tokens
 
 
 def test_chunked_prefill_and_decode_in_one_step(hybrid: tuple[str, Path, LogitsRecorder, Reference]) -> None:
@@ -210,52 +188,7 @@ def test_prefix_hit_with_null_entries_in_the_sliding_table(
     hybrid: tuple[str, Path, LogitsRecorder, Reference],
 ) -> None:
     _, _, rec, ref = hybrid
-    rec.runner.reset()
-    shared = prompt(25, 32)
-    first = shared + prompt(26, 7)
-    rec.step(
-        DecodeStep(
-            1,
-            new_requests=[
-                NewRequestData(
-                    "first",
-                    first,
-                    GREEDY,
-                    [1, 2, 3, 4, 5],
-                    0,
-                    len(first),
-                    4,
-                    group_kv_block_ids=[[6, 7, 8, 9, 10]],
-                )
-            ],
-        )
-    )
-    # The hit covers 32 tokens (4 blocks). The window of position 32 starts at 21: the sliding table's
-    # blocks 0 and 1 (positions 0-15) are null; the full table shares all four.
-    second = shared + prompt(27, 10)
-    result, logits = rec.step(
-        DecodeStep(
-            2,
-            finished_request_ids=["first"],
-            new_requests=[
-                NewRequestData(
-                    "second",
-                    second,
-                    GREEDY,
-                    [1, 2, 3, 4, 20, 21],
-                    32,
-                    len(second) - 32,
-                    5,
-                    group_kv_block_ids=[[NULL_BLOCK_ID, NULL_BLOCK_ID, 8, 9, 30, 31]],
-                )
-            ],
-        )
-    )
-    assert result.num_tokens == len(second) - 32
-    assert_close(logits["second"], ref.logits(second)[-1])
-    second.append(tokens_by_id(result)["second"])
-    _, logits = rec.step(DecodeStep(3, running_requests=[RunningRequestData("second", [], 1)]))
-    assert_close(logits["second"], ref.logits(second)[-1])
+    prefix_hit_with_null_sliding_entries(rec, ref)
 
 
 def test_bad_tables_are_refused_per_request(hybrid: tuple[str, Path, LogitsRecorder, Reference]) -> None:
@@ -294,27 +227,8 @@ def test_bad_tables_are_refused_per_request(hybrid: tuple[str, Path, LogitsRecor
 def test_the_engine_scheduler_drives_the_worker_on_its_hybrid_layout(
     hybrid: tuple[str, Path, LogitsRecorder, Reference],
 ) -> None:
-    """The engine's scheduler on the layout the worker states, steps through protobuf, against HF greedy."""
     _, folder, _, ref = hybrid
-    runner = build_runner(str(folder), num_blocks=40, block_size=BS)
-    groups = worker_groups(runner)
-    assert [g.kind for g in groups] == [AttentionKind.FULL, AttentionKind.SLIDING_WINDOW]
-    scheduler = Scheduler(
-        capability(runner, "tiny-hybrid", groups, max_batch_tokens=24), SchedulerConfig(), seed=1
-    )
-    prompts = {f"r{i}": prompt(30 + i, 30 + 7 * i) for i in range(4)}
-    produced: dict[str, list[int]] = {}
-    saw_null = []
-
-    def watch(_: DecodeStep) -> None:
-        for rid in scheduler.running:
-            lease = scheduler.registry.lease(rid)
-            assert lease is not None and NULL_BLOCK_ID not in lease.block_tables[0]
-            saw_null.append(NULL_BLOCK_ID in lease.block_tables[1])
-
-    serve_greedy(scheduler, runner, prompts, 16, produced, each_step=watch)
-    assert any(saw_null)
-    assert produced == hf_greedy(ref.model, prompts.items(), 16)
+    scheduler_serves_the_layout(build_runner(str(folder), num_blocks=40, block_size=BS), "tiny-hybrid", ref)
 
 
 def test_a_long_shared_prefix_hits_through_a_window_pool_smaller_than_it(
