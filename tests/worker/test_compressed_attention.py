@@ -302,3 +302,20 @@ def test_the_engine_scheduler_drives_the_worker_on_its_compressed_layout(runner:
     model = model_of(runner)
     for rid, tokens in prompts.items():
         assert produced[rid] == dense_greedy(model, tokens, 16), rid
+
+
+def test_tensor_parallelism_is_refused() -> None:
+    from ominix_runtime.models import resolve_model
+    from ominix_worker.attention.torch_ref import TorchReferenceAttention
+    from ominix_worker.loader import ModelLoadError, load_model
+    from ominix_worker.parallel import TensorParallel
+
+    tp = TensorParallel(rank=0, size=2, group=object())  # type: ignore[arg-type]  # refused before any collective
+    with pytest.raises(ModelLoadError, match="without tensor parallelism"):
+        load_model(
+            resolve_model(f"dummy:{CONFIG}"),
+            torch.device("cpu"),
+            torch.float32,
+            TorchReferenceAttention(),
+            tp=tp,
+        )

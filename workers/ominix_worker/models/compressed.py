@@ -264,6 +264,8 @@ class LlamaCompressedForCausalLM(LlamaForCausalLM):
     read compressed rows. KV groups (``config.attention_groups``): the raw window group(s), then one compressed
     group per ratio; KV tensors: one raw per layer, then one of rows per compressed layer (kv_cache.py)."""
 
+    single_rank_reason = "compressed attention runs without tensor parallelism"
+
     def __init__(
         self,
         config: ModelConfig,
@@ -271,8 +273,6 @@ class LlamaCompressedForCausalLM(LlamaForCausalLM):
         max_positions: int | None = None,
         tp: TensorParallel = SINGLE,
     ) -> None:
-        if tp.size > 1:
-            raise ValueError("compressed attention runs without tensor parallelism")
         self._planner: CompressedStepPlanner | None = None
         super().__init__(config, backend, max_positions, tp)
         # Per layer: its compressed group and the index of its row tensor in the KV list (-1: window only).

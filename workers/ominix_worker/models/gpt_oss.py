@@ -156,19 +156,9 @@ _MXFP4_RE = re.compile(r"\.mlp\.experts\.\w+_(blocks|scales)$")
 
 class GptOssForCausalLM(MoeForCausalLM):
     moe_block_class = GptOssMoeBlock
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        backend: AttentionBackend,
-        max_positions: int | None = None,
-        tp: TensorParallel = SINGLE,
-    ) -> None:
-        if tp.size > 1:
-            raise ValueError(
-                "gpt-oss runs on one rank: its sinks and expert biases are not split by tensor parallelism"
-            )
-        super().__init__(config, backend, max_positions, tp)
+    single_rank_reason = (
+        "gpt-oss runs on one rank: its sinks and expert biases are not split by tensor parallelism"
+    )
 
     def build_layer(
         self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel, layer_index: int

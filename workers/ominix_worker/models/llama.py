@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from types import ModuleType
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -336,6 +337,9 @@ _KV_SCALE_RE = re.compile(r"^layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])(?:_scal
 
 
 class LlamaForCausalLM(nn.Module):
+    # Why an architecture cannot be split by tensor parallelism (None: it can); a subclass states it.
+    single_rank_reason: ClassVar[str | None] = None
+
     def __init__(
         self,
         config: ModelConfig,
@@ -343,6 +347,8 @@ class LlamaForCausalLM(nn.Module):
         max_positions: int | None = None,
         tp: TensorParallel = SINGLE,
     ) -> None:
+        if tp.size > 1 and self.single_rank_reason is not None:
+            raise ValueError(self.single_rank_reason)
         super().__init__()
         self.config = config
         self.tp = tp
