@@ -323,27 +323,22 @@ def _moe_from_hf(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[
     top_k = int(raw.get("num_experts_per_tok") or 0)
     if num_experts <= 0 or not 0 < top_k <= num_experts:
         raise ModelConfigError(f"bad MoE shape: {num_experts} experts, top-{top_k}")
-    if model_type == "gpt_oss":
-        # gpt-oss: every layer is sparse, experts as wide as intermediate_size; softmax over the top-k logits
-        # is the softmax over all experts renormalised over the top k.
-        return dict(
-            num_experts=num_experts,
-            num_experts_per_tok=top_k,
-            moe_intermediate_size=int(raw["intermediate_size"]),
-            norm_topk_prob=True,
-            moe_layers=tuple(range(num_layers)),
-            swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
-            swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
-        )
-    if model_type == "mixtral":
-        # Mixtral: every layer is sparse, experts as wide as the dense MLP, top-k always renormalised.
-        return dict(
+    if model_type in ("gpt_oss", "mixtral"):
+        # Every layer is sparse, experts as wide as intermediate_size, top-k always renormalised (gpt-oss: its
+        # softmax over the top-k logits is the softmax over all experts renormalised over the top k).
+        fields: dict[str, Any] = dict(
             num_experts=num_experts,
             num_experts_per_tok=top_k,
             moe_intermediate_size=int(raw["intermediate_size"]),
             norm_topk_prob=True,
             moe_layers=tuple(range(num_layers)),
         )
+        if model_type == "gpt_oss":
+            fields.update(
+                swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+                swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+            )
+        return fields
     step = int(raw.get("decoder_sparse_step") or 1)
     dense_only = {int(i) for i in raw.get("mlp_only_layers") or ()}
     layers = tuple(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
