@@ -19,15 +19,8 @@ CONFIG=${CONFIG:-bench/configs/gpt-oss-20b-config.json}
 GPT_OSS_STAGES=${GPT_OSS_STAGES:-"tests w1 long peer-w1 peer-long"}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-# Carried wheels (.whl/, when present: a newer grpcio and the health/reflection services) go first on the path,
-# as gpu_service.sh does for the w1 stage, so the long stage's client imports the same grpc.
-if [ -d .whl ] && [ -z "${NO_WHEELS:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site:$PWD:$PWD/workers
-else
-  export PYTHONPATH=$PWD:$PWD/workers${PYTHONPATH:+:$PYTHONPATH}
-fi
+. bench/carried_wheels.sh  # also for the long stage's client (grpc_health)
+export PYTHONPATH=$OURS_PATH
 # vLLM once ours has stopped (on the machine's own packages, not the carried wheels): output folder, then
 # bench/peer_vllm.py's own flags.
 peer() {

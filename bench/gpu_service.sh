@@ -29,14 +29,8 @@ rm -f "$OMINIX_PROFILE_GATE"
 OVERHEAD_ARGS=${OVERHEAD_ARGS:-"--num-requests 256 --input-len 512 --output-len 160"}
 PROFILE_ARGS=${PROFILE_ARGS:-"--w1 --batch1 --output-len 64 --batch1-trials 1 --warmup-requests 0"}
 
-if [ -d .whl ] && [ -z "${NO_WHEELS:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-  ln -sfn "$PWD/workers/ominix_worker" /tmp/site/ominix_worker
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD:$PWD/workers${PYTHONPATH:+:$PYTHONPATH}
-fi
+. bench/carried_wheels.sh
+export PYTHONPATH=$OURS_PATH
 
 free_port() { python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])"; }
 

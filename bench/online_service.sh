@@ -42,14 +42,7 @@ export PYTHONUNBUFFERED=1
 T0=$SECONDS
 part() { echo "=== $1 (t=$((SECONDS - T0)) s, $(date -u +%T))"; }
 
-if [ -d .whl ] && [ -z "${NO_WHEELS:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-  ln -sfn "$PWD/workers/ominix_worker" /tmp/site/ominix_worker
-  OURS_PATH=/tmp/site:$PWD
-else
-  OURS_PATH=$PWD:$PWD/workers${PYTHONPATH:+:$PYTHONPATH}
-fi
+. bench/carried_wheels.sh
 VLLM_PATH=${VLLM_SITE:-}
 ours_py() { PYTHONPATH="$OURS_PATH" python3 "$@"; }
 vllm_py() { PYTHONPATH="$VLLM_PATH" python3 "$@"; }

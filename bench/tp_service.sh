@@ -35,13 +35,8 @@ WORKER_ARGS=${WORKER_ARGS:-"--max-model-len 2048"}
 SERVICE_S=${SERVICE_S:-420}
 W1_ARGS=${W1_ARGS:-"--w1 --batch1 --num-requests 256 --input-len 512 --output-len 256 --batch1-trials 3"}
 PEER_DIR=${PEER_DIR:-../shared/peers/vllm}
-if [ -d .whl ] && [ -z "${NO_WHEELS:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site:$PWD:$PWD/workers
-else
-  export PYTHONPATH=$PWD:$PWD/workers${PYTHONPATH:+:$PYTHONPATH}
-fi
+. bench/carried_wheels.sh
+export PYTHONPATH=$OURS_PATH
 
 free_port() { python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])"; }
 # Below the ephemeral range: a rank retrying to reach its leader could otherwise connect to itself there.
