@@ -70,3 +70,25 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
         return cache[name]
 
     return get
+
+
+@pytest.fixture
+def safetensors_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Elements read from safetensors files per tensor name while the test runs (a loader that reads only a
+    rank's slices shows it here)."""
+    import torch
+
+    import ominix_worker.parallel.weights as weights
+
+    read_elements: dict[str, int] = {}
+    original = weights.SafetensorsWeight.read
+
+    def counting_read(
+        self: weights.SafetensorsWeight, dim: int = 0, start: int = 0, length: int | None = None
+    ) -> torch.Tensor:
+        out = original(self, dim, start, length)
+        read_elements[self.name] = read_elements.get(self.name, 0) + out.numel()
+        return out
+
+    monkeypatch.setattr(weights.SafetensorsWeight, "read", counting_read)
+    return read_elements

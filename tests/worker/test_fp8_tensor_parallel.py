@@ -72,26 +72,14 @@ def test_each_rank_reads_only_its_fp8_slices_and_their_scales(
     moe: MoeParallel,
     tiny_model_dir: Callable[[str], Path],
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    safetensors_reads: dict[str, int],
 ) -> None:
     """Rank 1 of 2 on a block-scaled Qwen3-MoE checkpoint: half of every projection and of its scale, and
     of every expert's weights and scales (TENSOR) or experts 8..15 whole and 0..7 unread (EXPERT)."""
     from safetensors import safe_open
 
-    import ominix_worker.parallel.weights as weights
-
     folder = write_fp8_checkpoint(tiny_model_dir("qwen3_moe"), tmp_path / "fp8", "block", block=BLOCK)
-    read_elements: dict[str, int] = {}
-    original = weights.SafetensorsWeight.read
-
-    def counting_read(
-        self: weights.SafetensorsWeight, dim: int = 0, start: int = 0, length: int | None = None
-    ) -> torch.Tensor:
-        out = original(self, dim, start, length)
-        read_elements[self.name] = read_elements.get(self.name, 0) + out.numel()
-        return out
-
-    monkeypatch.setattr(weights.SafetensorsWeight, "read", counting_read)
+    read_elements = safetensors_reads
     load_runner(str(folder), "cpu", torch.float32, tp(1, 2, moe))
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
         full = {name: int(torch.tensor(f.get_slice(name).get_shape()).prod()) for name in f.keys()}  # noqa: SIM118

@@ -92,24 +92,12 @@ def test_tp2_dummy_weights_are_the_tp1_model(
 
 @pytest.mark.parametrize("moe", list(MoeParallel))
 def test_each_rank_reads_only_its_experts_or_their_slices(
-    moe: MoeParallel, tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+    moe: MoeParallel, tiny_model_dir: Callable[[str], Path], safetensors_reads: dict[str, int]
 ) -> None:
     """Rank 1 of 2: under TENSOR half of every expert tensor; under EXPERT experts 4..7 whole, 0..3 unread."""
     from safetensors import safe_open
 
-    import ominix_worker.parallel.weights as weights
-
-    read_elements: dict[str, int] = {}
-    original = weights.SafetensorsWeight.read
-
-    def counting_read(
-        self: weights.SafetensorsWeight, dim: int = 0, start: int = 0, length: int | None = None
-    ) -> torch.Tensor:
-        out = original(self, dim, start, length)
-        read_elements[self.name] = read_elements.get(self.name, 0) + out.numel()
-        return out
-
-    monkeypatch.setattr(weights.SafetensorsWeight, "read", counting_read)
+    read_elements = safetensors_reads
     folder = tiny_model_dir("qwen2_moe")  # 8 experts
     runner = load_runner(str(folder), "cpu", torch.float32, tp(1, 2, moe))
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
