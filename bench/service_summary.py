@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,24 @@ def _load(path: Path) -> dict[str, Any]:
 
 def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _gpu_name() -> str:
+    """The first GPU's name from nvidia-smi (MoE runs have no roofline file naming it), else "?"."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    return done.stdout.splitlines()[0].strip() if done.stdout.strip() else "?"
+
+
+def slowest_steps(steps: list[dict[str, Any]], count: int = 3) -> str:
+    """The longest worker steps (a Triton compile mid-run shows up here as a step of a second or more)."""
+    timed = sorted(steps, key=lambda s: s["exit"] - s["enter"], reverse=True)[:count]
+    return "; ".join(
+        f"{(s['exit'] - s['enter']) * 1e3:.0f} ms ({s['tokens']} tokens, batch {s['batch']})" for s in timed
+    )
 
 
 def step_breakdown(steps: list[dict[str, Any]], batch: int) -> dict[str, float] | None:
@@ -100,7 +119,7 @@ def main(argv: list[str]) -> int:
     peer = _load(folder / "peer_hf.json")
     roof = _load(folder / "roofline.json")
     probe = _load(folder / "probe.json")
-    card = roof.get("device") or peer.get("device") or "?"
+    card = roof.get("device") or peer.get("device") or _gpu_name()
     print(f"card: {card}; model {offline.get('model', '?')} on {offline.get('device', '?')}")
     if roof:
         print(f"ceilings: {roof['bandwidth'] / 1e12:.2f} TB/s copy, {roof['flops'] / 1e12:.0f} TFLOP/s bf16")
@@ -158,6 +177,8 @@ def main(argv: list[str]) -> int:
                 where = f", run {run}" if run else ", all runs"
                 print(f"between decode steps at batch {batch}{where}, medians in ms: {parts}")
     print_overhead_runs(probe, runs)
+    if steps:
+        print(f"slowest worker steps: {slowest_steps(steps)}")
     for key, window in sorted(windows.items()):
         top = window.get("top_kernels_us_per_step", [])[:6]
         if top:

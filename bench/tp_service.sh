@@ -29,6 +29,7 @@ TP_DEVICES=${TP_DEVICES:-$(gpus "$TP")}
 DP_DEVICES=${DP_DEVICES:-"cuda:0 cuda:1"}
 RUN_ARGS=""  # extra bench/offline.py flags of one run_service call (after W1_ARGS: the last value wins)
 STAGES=${STAGES:-"env tests nccl handoff tp dp peer"}
+DP_RUNS=${DP_RUNS:-"dp1 dp2 dp2load"}  # which runs of the dp stage
 TP_CONFIG=${TP_CONFIG:-bench/configs/llama70b-config.json}
 DP_CONFIG=${DP_CONFIG:-bench/configs/llama8b-config.json}
 WORKER_ARGS=${WORKER_ARGS:-"--max-model-len 2048"}
@@ -103,11 +104,13 @@ for stage in $STAGES; do
       run_service "tp$TP" "dummy:$TP_CONFIG" "$TP_CONFIG" "$TP_DEVICES" ;;
     dp)
       read -r -a dp <<<"$DP_DEVICES"
-      run_service dp1 "dummy:$DP_CONFIG" "$DP_CONFIG" "${dp[0]}"
-      run_service dp2 "dummy:$DP_CONFIG" "$DP_CONFIG" "${dp[@]}"
-      RUN_ARGS=${DP_LOAD_ARGS:-"--num-requests $((256 * ${#dp[@]}))"}
-      run_service dp2load "dummy:$DP_CONFIG" "$DP_CONFIG" "${dp[@]}"
-      RUN_ARGS="" ;;
+      case " $DP_RUNS " in *" dp1 "*) run_service dp1 "dummy:$DP_CONFIG" "$DP_CONFIG" "${dp[0]}" ;; esac
+      case " $DP_RUNS " in *" dp2 "*) run_service dp2 "dummy:$DP_CONFIG" "$DP_CONFIG" "${dp[@]}" ;; esac
+      case " $DP_RUNS " in *" dp2load "*)
+        RUN_ARGS=${DP_LOAD_ARGS:-"--num-requests $((256 * ${#dp[@]}))"}
+        run_service dp2load "dummy:$DP_CONFIG" "$DP_CONFIG" "${dp[@]}"
+        RUN_ARGS="" ;;
+      esac ;;
     peer)
       if python3 -c "import vllm" 2>/dev/null; then
         # bench/peer_vllm.py turns off vLLM's custom all-reduce and its all-reduce fusion pass at TP > 1: with

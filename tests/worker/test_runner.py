@@ -136,3 +136,14 @@ def test_warm_up_covers_every_power_of_two_prefill_size_on_cuda() -> None:
 
 def test_warm_up_runs_its_forwards(runner: ModelRunner) -> None:
     assert runner.warm_up(64) == [16]
+
+
+def test_a_mixed_warm_up_step_leaves_generation_unchanged(runner: ModelRunner) -> None:
+    # The warm-up step writes KV into blocks that real requests reuse; it must leave no state behind.
+    request = NewRequestData("w", list(range(3, 40)), SamplingParams(temperature=0.0), [0, 1, 2], 0, 37, 0)
+    before = generate(runner, [request], 6)
+    runner.reset()
+    assert runner.mixed_forward(5, 40, 21)
+    assert runner.mixed_forward(1, 300, 21)
+    assert not runner.mixed_forward(1, 10_000, 10_000)  # more than the cache holds: nothing runs
+    assert generate(runner, [request], 6) == before

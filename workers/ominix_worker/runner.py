@@ -698,14 +698,59 @@ class ModelRunner:
         inputs = self._prepare_inputs([row])
         self._sample(self._forward(inputs), inputs)
 
+    def mixed_forward(self, decode_rows: int, context: int, prefill_tokens: int) -> bool:
+        """One eager step of ``decode_rows`` single-token rows over ``context`` cached tokens beside one
+        ``prefill_tokens`` prompt row, as continuous batching mixes them; the decode rows share their blocks.
+        Returns False (nothing run) when the cache cannot hold it."""
+        bs = self.block_size
+        context = max(1, min(context, self.max_model_len - 1))
+        decode_blocks = -(-(context + 1) // bs)
+        prefill_tokens = max(2, min(prefill_tokens, self.max_model_len))
+        prefill_blocks = -(-prefill_tokens // bs)
+        if decode_blocks + prefill_blocks > min(self.group_num_blocks):
+            return False
+        greedy = SamplingParams(temperature=0.0)
+        shared = list(range(decode_blocks))
+        rows = [
+            ScheduledRow(
+                CachedRequest(
+                    f"__warm_up_{i}__",
+                    [0] * (context + 1),
+                    [],
+                    greedy,
+                    [list(shared) for _ in self.attention_groups],
+                    context,
+                    0,
+                ),
+                context,
+                context + 1,
+                samples=True,
+            )  # fmt: skip
+            for i in range(decode_rows)
+        ]
+        own = list(range(decode_blocks, decode_blocks + prefill_blocks))
+        prompt = CachedRequest("__warm_up_prompt__", [0] * prefill_tokens, [], greedy,
+                               [list(own) for _ in self.attention_groups], 0, 0)  # fmt: skip
+        rows.append(ScheduledRow(prompt, 0, prefill_tokens, samples=True))
+        inputs = self._prepare_inputs(rows)
+        self._sample(self._forward(inputs), inputs)
+        return True
+
     def warm_up(self, max_tokens: int) -> list[int]:
         """Eager forwards before the first request; returns their token counts. CUDA: 16, 64, then every power
         of two up to ``max_tokens`` and ``max_tokens`` itself, so that the Triton kernels of prefill steps,
         and the fused-MoE tile shapes (which change with the token count), compile here rather than stall a
-        step of a running batch for a second or more. Other devices: one 16-token forward."""
+        step of a running batch for a second or more; then two mixed steps (decode rows beside a prompt, short
+        contexts and one long enough to split), whose attention kernels are variants of their own. Other
+        devices: one forward of at most 16 tokens."""
         counts = warm_up_token_counts(max_tokens, cuda=self.device.type == "cuda")
         for num_tokens in counts:
             self.profile_forward(num_tokens)
+        if self.device.type == "cuda":
+            prompt = min(100, max_tokens - 16)
+            if prompt >= 2:
+                self.mixed_forward(15, 2 * self.block_size + 1, prompt)
+                self.mixed_forward(1, 4096, prompt)
         return counts
 
     def capture_decode_graphs(self, batch_sizes: list[int] | None = None) -> bool:

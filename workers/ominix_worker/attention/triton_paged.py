@@ -76,7 +76,10 @@ def _store_kv_kernel(
     tl.store(dst + kv_half_stride, v.to(kv_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# Arguments that change from step to step are not specialised on (Triton compiles a variant per value that is
+# 1 or a multiple of 16): a block-table width or split count seen first mid-run would stall that step for the
+# compile.
+@triton.jit(do_not_specialize=["bt_stride", "num_splits"])
 def _decode_kernel(
     q_ptr,
     kv_ptr,
@@ -211,7 +214,7 @@ def _decode_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -258,7 +261,7 @@ def _merge_splits_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bt_stride"])
 def _prefill_kernel(
     q_ptr,
     kv_ptr,
@@ -626,7 +629,7 @@ class TritonPagedAttention:
                 NUM_HEADS=num_heads,
                 HEAD_DIM=head_dim,
                 BLOCK_D=block_d,
-                BLOCK_S=max(2, triton.next_power_of_2(splits)),
+                BLOCK_S=_MAX_SPLITS,  # one variant for every split count (masked to num_splits)
                 MIXED=mixed,
                 num_warps=4,
             )

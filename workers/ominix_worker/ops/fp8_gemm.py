@@ -15,7 +15,7 @@ import triton.language as tl
 from ominix_worker.ops.fused_moe import FP8_DTYPE, FP8_MAX, quant_fp8_per_token_group
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # M is the step's token count: no variant per value
 def _w8a8_block_kernel(
     a_ptr,
     b_ptr,

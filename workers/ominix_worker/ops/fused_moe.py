@@ -18,6 +18,8 @@ assignments out, so no tile computes them and their rows of the weighted sum sta
 scales, see ``ominix_worker.quant.fp8``) run W8A8: activations are quantized per token and 128-column group on
 the fly and the tile accumulates ``dot(a, b) · a_scale · b_scale`` per K block.
 
+Prefill-sized bf16 batches on Hopper take torch's grouped GEMM instead (``ops.grouped_mm_moe``).
+
 Tile shapes come from a tuned table per (E, N, K, dtype, device) when one is stored in ``moe_configs/`` (written
 by ``bench/tune_moe.py``), otherwise from a size heuristic.
 """
@@ -34,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ominix_worker.ops.fused import silu_and_mul
+from ominix_worker.ops.grouped_mm_moe import experts_grouped_mm, use_grouped_mm
 
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
 FP8_DTYPE = torch.float8_e4m3fn
@@ -193,7 +196,9 @@ def _place_assignments(topk_ids_ptr, sorted_ids_ptr, starts_ptr, ranks_ptr, offs
     tl.store(sorted_ids_ptr + base + rank, offs, mask=mask)
 
 
-@triton.jit
+# Kernels take the step's assignment counts unspecialised (Triton compiles a variant per value that is 1 or a
+# multiple of 16): a count seen first mid-run would stall that step for the compile.
+@triton.jit(do_not_specialize=["num_assignments", "max_padded", "max_blocks"])
 def _moe_align_kernel(
     topk_ids_ptr,
     sorted_ids_ptr,
@@ -231,7 +236,7 @@ def _moe_align_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_assignments", "max_padded"])
 def _align_count_kernel(
     topk_ids_ptr, sorted_ids_ptr, counts_ptr, ranks_ptr, num_assignments, max_padded, CHUNK: tl.constexpr
 ):
@@ -241,7 +246,7 @@ def _align_count_kernel(
     _count_assignments(topk_ids_ptr, counts_ptr, ranks_ptr, offs, num_assignments, CHUNK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])
 def _align_scan_kernel(
     counts_ptr,
     expert_ids_ptr,
@@ -257,7 +262,7 @@ def _align_scan_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_assignments"])
 def _align_scatter_kernel(
     topk_ids_ptr, sorted_ids_ptr, starts_ptr, ranks_ptr, num_assignments, CHUNK: tl.constexpr
 ):
@@ -312,7 +317,7 @@ def moe_align(
 # ---- grouped GEMM ----------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_assignments"])
 def _grouped_gemm_kernel(
     a_ptr,
     b_ptr,
@@ -553,6 +558,8 @@ def fused_experts(
     if num_tokens == 0:
         return torch.zeros_like(x)
     use_fp8 = w13_scale is not None
+    if not use_fp8 and expert_map is None and config is None and use_grouped_mm(x, w13):
+        return experts_grouped_mm(x, w13, w2, topk_weights, topk_ids, silu_and_mul)
     cfg = dict(config or pick_config(num_experts, two_i, hidden, num_tokens, use_fp8))
     if use_fp8:  # a K tile never straddles two weight scale blocks
         while cfg["BLOCK_K"] > 32 and (w13_block[1] % cfg["BLOCK_K"] or w2_block[1] % cfg["BLOCK_K"]):
