@@ -311,3 +311,15 @@ def test_torch_dequantizers_equal_the_gguf_package() -> None:
         got = ours(raw, values.shape)
         assert torch.equal(got, want), qtype.name
         assert (got - torch.from_numpy(values)).abs().max() < 0.5  # and it is a dequantization at all
+
+
+def test_make_current_switches_only_to_an_indexed_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A bare "cuda" is the current device already; torch refuses set_device without an index.
+    from ominix_worker import devices
+
+    switched: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", switched.append)
+    devices.make_current(torch.device("cuda"))
+    devices.make_current(torch.device("cpu"))
+    devices.make_current(torch.device("cuda:1"))
+    assert switched == [torch.device("cuda:1")]

@@ -53,8 +53,9 @@ def parse_device(spec: str) -> torch.device:
 
 def make_current(device: torch.device) -> None:
     """Make a CUDA ``device`` this process's current one: Triton kernels launch, and CUDA graphs capture, on the
-    current device whatever device their tensors are on (a worker on cuda:1 left at cuda:0 fails at warm-up)."""
-    if device.type == "cuda":
+    current device whatever device their tensors are on (a worker on cuda:1 left at cuda:0 fails at warm-up).
+    A bare ``cuda`` names the current device already: nothing to change."""
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
 
 

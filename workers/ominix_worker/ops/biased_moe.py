@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from ominix_worker.ops.fused_moe import grouped_gemm, moe_align, moe_sum, pick_config
-from ominix_worker.ops.grouped_mm_moe import experts_grouped_mm, use_grouped_mm
 from ominix_worker.ops.moe_ref import GateActivation
 
 
@@ -67,8 +66,6 @@ def fused_experts_biased(
     top_k = topk_ids.shape[1]
     if num_tokens == 0:
         return torch.zeros_like(x)
-    if config is None and use_grouped_mm(x, w13):
-        return experts_grouped_mm(x, w13, w2, topk_weights, topk_ids, activation, b13, b2)
     cfg = dict(config or pick_config(num_experts, two_i, hidden, num_tokens, False))
     sorted_ids, expert_ids, num_post_pad = moe_align(topk_ids, num_experts, cfg["BLOCK_M"])
     num_assignments = num_tokens * top_k

@@ -18,8 +18,6 @@ assignments out, so no tile computes them and their rows of the weighted sum sta
 scales, see ``ominix_worker.quant.fp8``) run W8A8: activations are quantized per token and 128-column group on
 the fly and the tile accumulates ``dot(a, b) · a_scale · b_scale`` per K block.
 
-Prefill-sized bf16 batches on Hopper take torch's grouped GEMM instead (``ops.grouped_mm_moe``).
-
 Tile shapes come from a tuned table per (E, N, K, dtype, device) when one is stored in ``moe_configs/`` (written
 by ``bench/tune_moe.py``), otherwise from a size heuristic.
 """
@@ -36,7 +34,6 @@ import triton
 import triton.language as tl
 
 from ominix_worker.ops.fused import silu_and_mul
-from ominix_worker.ops.grouped_mm_moe import experts_grouped_mm, use_grouped_mm
 
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
 FP8_DTYPE = torch.float8_e4m3fn
@@ -558,8 +555,6 @@ def fused_experts(
     if num_tokens == 0:
         return torch.zeros_like(x)
     use_fp8 = w13_scale is not None
-    if not use_fp8 and expert_map is None and config is None and use_grouped_mm(x, w13):
-        return experts_grouped_mm(x, w13, w2, topk_weights, topk_ids, silu_and_mul)
     cfg = dict(config or pick_config(num_experts, two_i, hidden, num_tokens, use_fp8))
     if use_fp8:  # a K tile never straddles two weight scale blocks
         while cfg["BLOCK_K"] > 32 and (w13_block[1] % cfg["BLOCK_K"] or w2_block[1] % cfg["BLOCK_K"]):
