@@ -74,6 +74,9 @@ def _select_experts_kernel(
         best = tl.max(scores, 0)
         # Lowest index among equal scores, so the choice is deterministic.
         index = tl.min(tl.where(scores == best, offs, BLOCK_E), 0)
+        # NaN scores match nothing: the index would point past the experts, and align would count it out of
+        # bounds. Any valid expert will do (the weight is NaN already); slot j's is the cheapest.
+        index = tl.where(index < num_experts, index, j)
         top_w = tl.where(slots == j, best, top_w)
         top_i = tl.where(slots == j, index, top_i)
         scores = tl.where(offs == index, -2.0, scores)
