@@ -95,7 +95,8 @@ def _gemma_like_run(layout: str) -> tuple[Run, int]:
 
     ``uniform``: one full-attention group of 160 blocks. ``hybrid``: five 128-token-window layers and one
     global layer, pools as the worker sizes them for 8 running requests and 256-token steps
-    (``ominix_worker.kv_cache.group_block_counts``: 96 window blocks; 160 × 6 - 96 × 5 = 480 global ones).
+    (``ominix_worker.kv_cache.group_block_counts`` without its window cache room: 96 window blocks; 160 × 6 - 96 ×
+    5 = 480 global ones).
     Returns the run and the peak number of running requests.
     """
     full_blocks = 480 if layout == "hybrid" else 160
@@ -146,3 +147,54 @@ def test_a_hybrid_layout_admits_many_more_long_requests_than_a_uniform_one() -> 
     assert hybrid.scheduler.counters.preemptions * 4 < uniform.scheduler.counters.preemptions
     for i in range(NUM_REQUESTS):  # the fake worker's tokens do not depend on the layout
         assert hybrid.tokens(f"r{i}") == uniform.tokens(f"r{i}")
+
+
+def _prompts_again(window_cache_windows: int, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """8 requests of 96 prompt tokens decode 96 more (the prompt's window slides out of a 32-token window),
+    then the same prompts come again; pools as the worker sizes them (one global layer, one window layer,
+    uniform memory of 400 blocks each) with ``window_cache_windows`` cached windows per running request (window
+    pool: 8 × 4 + 8 = 40 blocks for the running windows, plus 8 × 4 × 2 = 64 with four cached windows).
+    Returns the prompt tokens each second request found cached."""
+    from ominix_worker import kv_cache
+    from ominix_worker.config import AttentionGroup
+
+    monkeypatch.setattr(kv_cache, "WINDOW_CACHE_WINDOWS", window_cache_windows)
+    full_blocks, window_blocks = kv_cache.group_block_counts(
+        (AttentionGroup(0, (1,)), AttentionGroup(32, (0,))), 400, 16, 8, 128
+    )
+    fake = FakeConfig(
+        kv_num_blocks=full_blocks, kv_block_size=16, max_batch_tokens=128, max_running_requests=8
+    )
+    run = make(fake, SchedulerConfig())
+    groups = (
+        KVGroup(AttentionKind.FULL, (1,), 16, full_blocks),
+        KVGroup(AttentionKind.SLIDING_WINDOW, (0,), 16, window_blocks, sliding_window=32),
+    )
+    capability = replace(
+        run.backend.capability(), model=replace(run.backend.capability().model, num_layers=2)
+    )
+    run.scheduler = Scheduler(replace(capability, kv_groups=groups), SchedulerConfig(), seed=7)
+    prompts = [[(i * 31 + j) % 997 + 3 for j in range(96)] for i in range(8)]
+    for i, prompt in enumerate(prompts):
+        run.scheduler.add_request(request(f"a{i}", prompt, 96))
+    drive(run)
+    for i, prompt in enumerate(prompts):
+        run.scheduler.add_request(request(f"b{i}", prompt, 4))
+    drive(run)
+    for i in range(8):
+        assert finished_ok(run, f"a{i}") and finished_ok(run, f"b{i}")
+        assert run.tokens(f"b{i}") == run.tokens(f"a{i}")[:4]  # a hit computes what a miss would
+    run.scheduler.registry.check_quiescent()
+    firsts = {n.request_id: n for s in run.steps for n in s.new_requests if n.request_id.startswith("b")}
+    return [firsts[f"b{i}"].num_computed_tokens for i in range(8)]
+
+
+def test_window_cache_room_lets_a_prompt_sent_again_hit_the_prefix_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A window pool sized for the running windows alone reuses every slid-out block while decoding goes on: the
+    # second pass finds the global layer's prefix but not the window before it, so nothing is a hit.
+    assert _prompts_again(0, monkeypatch) == [0] * 8
+    # Four cached windows per running request keep each prompt's last window: every prompt hits (all but the
+    # last block, which the request recomputes to sample its first token).
+    assert _prompts_again(4, monkeypatch) == [80] * 8

@@ -167,18 +167,29 @@ def test_a_multimodal_checkpoint_loads_its_language_model(tmp_path: Path) -> Non
 
 def test_hybrid_pools_give_the_window_what_it_needs_and_the_rest_to_the_global_layers() -> None:
     full, local = AttentionGroup(0, (5,)), AttentionGroup(12, (0, 1, 2, 3, 4))
-    # Every running window fits (4 × (1 + 2) + 2 = 14 blocks); 24 × 6 - 14 × 5 = 74 for the global layer.
-    assert group_block_counts((full, local), 24, 16, 4, 32) == (74, 14)
-    # A large running cap: the four-window balance point bounds the window pool instead.
+    # Every running window fits (4 × (1 + 2) + 2 = 14 blocks), plus room to keep slid-out blocks cached
+    # (4 windows per running request, 16 blocks, capped at a tenth of the memory: 24 × 6 / 10 / 5 = 2);
+    # 24 × 6 - 16 × 5 = 64 for the global layer.
+    assert group_block_counts((full, local), 24, 16, 4, 32) == (64, 16)
+    # A large running cap: the four-window balance point bounds the window pool instead (plus the cache room
+    # at its tenth of the memory: 2500 × 62 / 10 / 52 = 298 blocks).
     gemma_27b = (AttentionGroup(0, tuple(range(10))), AttentionGroup(1024, tuple(range(10, 62))))
     counts = group_block_counts(gemma_27b, 2500, 16, 256, 8192)
-    assert counts[1] < 256 * 66 and counts[0] > 2.5 * 2500
+    assert counts[1] < 256 * 66 and counts[0] > 2 * 2500
     assert counts[0] * 10 + counts[1] * 52 <= 2500 * 62
+    # gpt-oss-20b on an H100 (12 window layers of 128 tokens, 12 full; 256 running, 8,192-token steps): every
+    # running window (256 × 10 + 512 = 3,072) and four more cached windows per request (8,192), within the
+    # tenth of the memory (39,000 × 24 / 10 / 12 = 7,800).
+    gpt_oss = (AttentionGroup(0, tuple(range(1, 24, 2))), AttentionGroup(128, tuple(range(0, 24, 2))))
+    assert group_block_counts(gpt_oss, 39_000, 16, 256, 8192)[1] == 3_072 + 7_800
     # Never less than one window and a full step: a request's length is not bounded by the window pool.
     # (Five global layers and one with a 64-token window: the balance point alone would leave the window
-    # 30 × 6 / (5 × 16 + 6) × 6 = 12 blocks.)
+    # 30 × 6 / (5 × 16 + 6) × 6 = 12 blocks; one window and a step is 22, the cache room adds 18, and no
+    # group gets more than the uniform count.)
     mostly_global = (AttentionGroup(0, (1, 2, 3, 4, 5)), AttentionGroup(64, (0,)))
-    assert group_block_counts(mostly_global, 30, 16, 4, 256)[1] == -(-(64 + 256) // 16) + 2 == 22
+    assert group_block_counts(mostly_global, 30, 16, 4, 256)[1] == 30
+    # With memory to spare: every running window (4 × 6 + 16 = 40) and four cached windows per request (64).
+    assert group_block_counts(mostly_global, 300, 16, 4, 256)[1] == 40 + 4 * 4 * 4
     # Uniform layouts (all full, all windowed) keep the uniform count.
     assert group_block_counts((full,), 24, 16, 4, 32) == (24,)
     assert group_block_counts((local, AttentionGroup(4, (5,))), 24, 16, 4, 32) == (24, 24)

@@ -90,6 +90,12 @@ def measure_gpu_kv_budget(
     return int(total * utilization - in_use - peak_activations)
 
 
+# Room for blocks that slid out of a window to stay cached for prefix hits: this many windows per running
+# request, taking at most this share of the whole KV memory from the full-attention layers.
+WINDOW_CACHE_WINDOWS = 4
+WINDOW_CACHE_SHARE = 0.1
+
+
 def group_block_counts(
     groups: Sequence[AttentionGroup],
     uniform_blocks: int,
@@ -105,7 +111,11 @@ def group_block_counts(
     pool holds the smaller of: every running request's window plus one step's tokens (it then never limits
     concurrency), and the share at which both pools hold equally many requests four windows long (so a
     large running cap does not keep all the memory in the windows). It always holds one request's window and
-    a full step, so it never bounds a request's length. A layout without both kinds keeps the uniform count.
+    a full step, so it never bounds a request's length. On top, room to keep blocks cached after they slide out
+    (``WINDOW_CACHE_WINDOWS`` windows per running request, at most ``WINDOW_CACHE_SHARE`` of the KV memory):
+    a prefix hit needs, in a sliding group, the window before the hit point, and a pool sized for the running
+    windows alone reuses a slid-out block within a few steps — a prompt sent again later found nothing cached
+    there. A layout without both kinds keeps the uniform count.
     """
     if all(g.window for g in groups) or not any(g.window for g in groups):
         return (uniform_blocks,) * len(groups)
@@ -124,7 +134,10 @@ def group_block_counts(
     for i, per_request in window_blocks.items():
         everyone = max_running_requests * per_request + step_blocks
         one = -(-(groups[i].window + max_batch_tokens) // block_size) + 2
-        counts[i] = min(uniform_blocks, max(one, min(everyone, int(balanced_requests * per_request))))
+        base = min(uniform_blocks, max(one, min(everyone, int(balanced_requests * per_request))))
+        cache_room = max_running_requests * WINDOW_CACHE_WINDOWS * -(-groups[i].window // block_size)
+        share = int(WINDOW_CACHE_SHARE * uniform_blocks * num_layers / len(groups[i].layers))
+        counts[i] = min(uniform_blocks, base + min(cache_room, share))
         layer_blocks -= counts[i] * len(groups[i].layers)
     for i, g in enumerate(groups):
         if not g.window:
