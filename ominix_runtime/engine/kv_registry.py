@@ -59,6 +59,11 @@ class _LeaseState:
     num_hashed_blocks: list[int] = field(default_factory=list)
     last_hashes: list[int] = field(default_factory=list)
     next_full_tokens: int = 0  # computed tokens at which some group's next block fills up
+    # Per group: blocks before this index leave a sliding window to the front of the free queue (reused first,
+    # still hittable until then). They lie before the window a hit on all the lease's first known tokens
+    # reads, so they serve only hits on a shorter prefix; the window of that full hit and everything after it
+    # (outputs, a multi-turn follow-up's prefix) wait their turn at the back.
+    cold_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,14 +109,14 @@ class _BlockPool:
             self.num_leased += 1
         block.ref_count += 1
 
-    def unref(self, block_id: int) -> None:
+    def unref(self, block_id: int, reuse_first: bool = False) -> None:
         block = self.blocks[block_id]
         block.ref_count -= 1
         if block.ref_count == 0:
             self.num_leased -= 1
             self.free[block_id] = None
-            if block.block_hash is None:
-                self.free.move_to_end(block_id, last=False)  # no content worth keeping: reuse first
+            if block.block_hash is None or reuse_first:  # no content worth keeping (or the least worth it)
+                self.free.move_to_end(block_id, last=False)
 
     def lookup(self, key: tuple[int, tuple[int, ...]]) -> int | None:
         block_id = self.cache.get(hash(key))
@@ -378,6 +383,7 @@ class KVRegistry:
         num_tokens: int,
         prefix: PrefixHit | None = None,
         num_computed_tokens: int | None = None,
+        num_known_tokens: int | None = None,
     ) -> list[int] | None:
         """Grow ``request_id``'s lease to cover ``num_tokens`` tokens in every group; all or nothing.
 
@@ -385,7 +391,8 @@ class KVRegistry:
         ``num_computed_tokens`` (tokens already computed before this step), sliding groups first release the
         blocks their window has left (``slide``). Returns group 0's block ids appended to the lease (prefix
         blocks included on the first call; the other groups' are in ``lease.block_tables``), or None when
-        some group lacks blocks; then nothing changed but the slide.
+        some group lacks blocks; then nothing changed but the slide. ``num_known_tokens`` (first call: the
+        request's tokens so far) sets which blocks leave a window to be reused first (``_LeaseState``).
         """
         state = self._leases.get(request_id)
         if state is not None and num_computed_tokens is not None and self._slides:
@@ -419,6 +426,7 @@ class KVRegistry:
                 KVLease(request_id, self.worker_id, block_tables=[[] for _ in self._pools]),
                 num_hashed_blocks=[0] * len(self._pools),
                 last_hashes=[_ROOT_HASH] * len(self._pools),
+                cold_blocks=[self._cold_blocks(p.group, num_known_tokens or 0) for p in self._pools],
             )
             self._leases[request_id] = state
             for pool, table, ids in zip(self._pools, state.lease.block_tables, groups_prefix, strict=True):
@@ -443,6 +451,13 @@ class KVRegistry:
             self.slide(request_id, num_computed_tokens)
         return added
 
+    def _cold_blocks(self, group: KVGroup, num_known_tokens: int) -> int:
+        """Blocks of a sliding group wholly before the window that a hit on ``num_known_tokens`` reads."""
+        if not group.is_sliding or num_known_tokens < 2:
+            return 0
+        hit = (num_known_tokens - 1) // self.hit_granularity * self.hit_granularity
+        return self._num_slid(group, hit)
+
     def slide(self, request_id: str, num_computed_tokens: int) -> int:
         """Release, in every sliding group, the blocks wholly before the window of the next token.
 
@@ -453,12 +468,12 @@ class KVRegistry:
         if state is None:
             return 0
         freed = 0
-        for pool, table in zip(self._pools, state.lease.block_tables, strict=True):
+        for pool, table, cold in zip(self._pools, state.lease.block_tables, state.cold_blocks, strict=True):
             upto = min(self._num_slid(pool.group, num_computed_tokens), len(table))
             for i in range(upto - 1, -1, -1):  # newest first: stop at the already-null run
                 if table[i] == NULL_BLOCK_ID:
                     break
-                pool.unref(table[i])
+                pool.unref(table[i], reuse_first=i < cold)
                 table[i] = NULL_BLOCK_ID
                 freed += 1
         return freed

@@ -386,8 +386,9 @@ class Scheduler:
             blocks = None
             if n == remaining or self.chunked_prefill:
                 blocks = self.registry.allocate(
-                    req.request_id, hit.num_tokens + n, hit, num_computed_tokens=hit.num_tokens
-                )
+                    req.request_id, hit.num_tokens + n, hit, num_computed_tokens=hit.num_tokens,
+                    num_known_tokens=len(req.all_token_ids),
+                )  # fmt: skip
             if blocks is None:
                 if req.num_times_bypassed >= self.config.max_bypass_steps:
                     break  # anti-starvation: nothing behind it is admitted until it fits

@@ -149,16 +149,22 @@ def test_a_hybrid_layout_admits_many_more_long_requests_than_a_uniform_one() -> 
         assert hybrid.tokens(f"r{i}") == uniform.tokens(f"r{i}")
 
 
-def _prompts_again(window_cache_windows: int, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """8 requests of 96 prompt tokens decode 96 more (the prompt's window slides out of a 32-token window),
+def _prompts_again(
+    prompt_len: int, window_cache_windows: int, cold_first: bool, monkeypatch: pytest.MonkeyPatch
+) -> list[int]:
+    """8 requests of ``prompt_len`` tokens decode 96 more (the prompt's window slides out of a 32-token window),
     then the same prompts come again; pools as the worker sizes them (one global layer, one window layer,
     uniform memory of 400 blocks each) with ``window_cache_windows`` cached windows per running request (window
     pool: 8 × 4 + 8 = 40 blocks for the running windows, plus 8 × 4 × 2 = 64 with four cached windows).
+    ``cold_first=False`` sends every slid-out block to the back of the free queue (plain LRU).
     Returns the prompt tokens each second request found cached."""
+    from ominix_runtime.engine.kv_registry import KVRegistry
     from ominix_worker import kv_cache
     from ominix_worker.config import AttentionGroup
 
     monkeypatch.setattr(kv_cache, "WINDOW_CACHE_WINDOWS", window_cache_windows)
+    if not cold_first:
+        monkeypatch.setattr(KVRegistry, "_cold_blocks", lambda self, group, num_known_tokens: 0)
     full_blocks, window_blocks = kv_cache.group_block_counts(
         (AttentionGroup(0, (1,)), AttentionGroup(32, (0,))), 400, 16, 8, 128
     )
@@ -174,7 +180,7 @@ def _prompts_again(window_cache_windows: int, monkeypatch: pytest.MonkeyPatch) -
         run.backend.capability(), model=replace(run.backend.capability().model, num_layers=2)
     )
     run.scheduler = Scheduler(replace(capability, kv_groups=groups), SchedulerConfig(), seed=7)
-    prompts = [[(i * 31 + j) % 997 + 3 for j in range(96)] for i in range(8)]
+    prompts = [[(i * 31 + j) % 997 + 3 for j in range(prompt_len)] for i in range(8)]
     for i, prompt in enumerate(prompts):
         run.scheduler.add_request(request(f"a{i}", prompt, 96))
     drive(run)
@@ -192,9 +198,19 @@ def _prompts_again(window_cache_windows: int, monkeypatch: pytest.MonkeyPatch) -
 def test_window_cache_room_lets_a_prompt_sent_again_hit_the_prefix_cache(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # A window pool sized for the running windows alone reuses every slid-out block while decoding goes on: the
-    # second pass finds the global layer's prefix but not the window before it, so nothing is a hit.
-    assert _prompts_again(0, monkeypatch) == [0] * 8
+    # A window pool sized for the running windows alone reuses every slid-out block while decoding goes on:
+    # the second pass finds the global layer's prefix but not the window before it, so nothing is a hit.
+    assert _prompts_again(96, 0, True, monkeypatch) == [0] * 8
     # Four cached windows per running request keep each prompt's last window: every prompt hits (all but the
     # last block, which the request recomputes to sample its first token).
-    assert _prompts_again(4, monkeypatch) == [80] * 8
+    assert _prompts_again(96, 4, True, monkeypatch) == [80] * 8
+
+
+def test_blocks_before_the_prompts_last_window_are_reused_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Long prompts: prefill slides most of each prompt out of the window. In plain LRU order those blocks
+    # sit ahead of the prompts' last windows, decoding reuses them first, and every miss of the second pass
+    # evicts the window the next prompt needs: no hit at all. Sent to the front instead, they go first and
+    # every prompt's last window is still cached.
+    with monkeypatch.context() as plain:
+        assert _prompts_again(256, 4, False, plain) == [0] * 8
+    assert _prompts_again(256, 4, True, monkeypatch) == [240] * 8
