@@ -335,14 +335,24 @@ class StepWorkerGroup(WorkerGroup):
                         f"worker {self.worker_id} sent no result within {self.config.step_timeout:g} s",
                     )
                 result, recv = recv.result(), None
-                self._on_result(result, loop.time())
+                events = self._on_result(result, loop.time())
+                # Results that came in while this loop was busy (the engine is behind its worker): applied
+                # before any is delivered, so each request's tokens of those steps reach its stream together
+                # and go out as one message. That is what lets a loaded engine catch up with its workers
+                # rather than slowing their every step (one stream message per token is most of the cost).
+                try:
+                    while self._inflight and (more := stream.recv_nowait()) is not None:
+                        events += self._on_result(more, loop.time())
+                finally:  # a failing stream still delivers what was applied (a resumed request goes on from it)
+                    self._emit(events)
         finally:
             if recv is not None:
                 recv.cancel()
                 with contextlib.suppress(BaseException):  # its failure, if any, was already reported
                     await recv
 
-    def _on_result(self, result: StepResult, now: float) -> None:
+    def _on_result(self, result: StepResult, now: float) -> list[WorkerEvent]:
+        """Apply a step's result; returns its events for the caller to deliver."""
         step, sent_at = self._inflight.popleft()
         if result.step_id != step.step_id:
             raise OminixError(
@@ -350,11 +360,11 @@ class StepWorkerGroup(WorkerGroup):
                 f"worker {self.worker_id} answered step {result.step_id} while step {step.step_id} was due",
             )
         events = self.scheduler.update(step, result)
-        self._emit(events)
         # With two steps in flight a step starts on the worker when the previous one ends, not when sent.
         started = max(sent_at, self._last_result_at)
         self._last_result_at = now
         self._record_step(step, result.compute_seconds, now - started, events)
+        return events
 
     def _record_step(
         self, step: DecodeStep, compute_seconds: float, duration: float, events: list[WorkerEvent]
