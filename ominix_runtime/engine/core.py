@@ -51,11 +51,13 @@ class ReaderWaker:
     sends them as one message). Outside a running loop (no driver then) a reader is woken at once.
     """
 
-    __slots__ = ("_ready", "_scheduled")
+    __slots__ = ("_ready", "_scheduled_on")
 
     def __init__(self) -> None:
         self._ready: deque[EventInbox] = deque()
-        self._scheduled = False
+        # The loop a wake-up turn is pending on; None when none is. Compared, not just set: a turn pending on
+        # a loop that has since ended never runs.
+        self._scheduled_on: asyncio.AbstractEventLoop | None = None
 
     def schedule(self, inbox: EventInbox) -> None:
         try:
@@ -64,8 +66,8 @@ class ReaderWaker:
             inbox.wake()
             return
         self._ready.append(inbox)
-        if not self._scheduled:
-            self._scheduled = True
+        if self._scheduled_on is not loop:
+            self._scheduled_on = loop
             loop.call_soon(self._wake_slice)
 
     def _wake_slice(self) -> None:
@@ -75,7 +77,7 @@ class ReaderWaker:
         if ready:
             asyncio.get_running_loop().call_soon(self._wake_slice)
         else:
-            self._scheduled = False
+            self._scheduled_on = None
 
 
 class EventInbox:

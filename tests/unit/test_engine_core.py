@@ -395,3 +395,30 @@ def test_reader_waker_wakes_in_slices_in_order_and_each_reader_once() -> None:
         assert all(len(events) == 1 for events in taken[1:])
 
     asyncio.run(main())
+
+
+def test_reader_waker_still_wakes_after_the_loop_it_was_pending_on_ended() -> None:
+    """A wake-up turn left pending when its event loop stopped does not block readers on the next loop."""
+    from ominix_runtime.engine.core import EventInbox, ReaderWaker
+
+    waker = ReaderWaker()
+    old = asyncio.new_event_loop()
+    try:
+        inbox = EventInbox(waker)
+        reader = old.create_task(inbox.take())
+        old.run_until_complete(asyncio.sleep(0))  # the reader waits
+        old.call_soon(inbox.put, Token("a", [1], []))  # schedules the wake-up turn for the next iteration...
+        old.call_soon(old.stop)  # ...which never comes
+        old.run_forever()
+        reader.cancel()
+    finally:
+        old.close()
+
+    async def read_on_a_new_loop() -> list[WorkerEvent]:
+        fresh = EventInbox(waker)
+        task = asyncio.ensure_future(fresh.take())
+        await asyncio.sleep(0)
+        fresh.put(Token("b", [2], []))
+        return await asyncio.wait_for(task, TIMEOUT)
+
+    assert [e.token_ids for e in asyncio.run(read_on_a_new_loop()) if isinstance(e, Token)] == [[2]]
