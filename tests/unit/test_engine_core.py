@@ -422,3 +422,31 @@ def test_reader_waker_still_wakes_after_the_loop_it_was_pending_on_ended() -> No
         return await asyncio.wait_for(task, TIMEOUT)
 
     assert [e.token_ids for e in asyncio.run(read_on_a_new_loop()) if isinstance(e, Token)] == [[2]]
+
+
+def test_results_taken_together_share_the_time_they_ran_in_their_step_reports() -> None:
+    """Three results taken at once ran one after another on the worker: each step report gets a third of the
+    time since the first could start, so the decode-rate estimate is not inflated by steps of no time."""
+    from ominix_runtime.contract import DecodeStep, RunningRequestData
+    from ominix_runtime.engine.groups.step_group import _Applied
+
+    reports: list[StepReport] = []
+
+    async def body(core: EngineCore) -> None:
+        core.add_step_listener(lambda _wid, report: reports.append(report))
+        group = core.groups[0]
+        assert isinstance(group, StepWorkerGroup)
+        group._last_result_at = 10.0
+        rows = [RunningRequestData(f"r{i}", [], 1) for i in range(4)]
+        applied = [
+            _Applied(
+                DecodeStep(i, running_requests=rows), 9.0, 0.0, [Token(f"r{j}", [5], []) for j in range(4)]
+            )
+            for i in (1, 2, 3)
+        ]
+        group._record_steps(applied, now=10.6)
+        assert [r.duration for r in reports] == pytest.approx([0.2, 0.2, 0.2])
+        assert group.decode_tokens_per_second == pytest.approx(4 / 0.2)
+        assert list(group.recent_step_durations)[-3:] == pytest.approx([0.2, 0.2, 0.2])
+
+    _run([FakeStepBackend()], body)
