@@ -14,7 +14,16 @@ process's CPU time per step (every thread), so ``cpu`` − driver phases is what
 clients, gRPC and the event loop cost. With ``--step-ms`` the fake worker also reports what the GPU would see:
 ``next_ready`` (when step N+1 arrived relative to the end of step N; ≤ 0 means it was waiting) and busy share.
 
+With ``--groups N`` there are N fake workers (TP=1 groups, as ``serve --worker A --worker B``), each with
+``--concurrency`` streams, and the steady window is while every group decodes at its full batch. The clients are
+bench/offline.py's W1 client by default (``--client w1``: bench/serve.py's run_benchmark, plain asyncio, four
+channels) in ``--client-procs`` processes. Besides the per-step phases it reports, between 10% and 90% of all
+tokens received: the tokens/s the clients saw and each process's CPU per token (engine, clients, workers,
+from /proc), which tells an engine-bound run from a client-bound one.
+
     python bench/engine_overhead.py                          # 256 streams, instant worker
+    python bench/engine_overhead.py --groups 2               # two groups of 256 streams: engine or client?
+    python bench/engine_overhead.py --groups 2 --client-procs 2
     python bench/engine_overhead.py --step-ms 14             # a 14 ms "GPU" step: next_ready, busy
     python bench/engine_overhead.py --profile engine.prof    # cProfile of the engine process (steady window)
 
@@ -28,13 +37,16 @@ import asyncio
 import contextlib
 import cProfile
 import json
+import math
 import os
 import pstats
 import statistics
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +64,8 @@ MODEL = "dummy:bench/configs/llama8b-config.json"
 VOCAB = 128256
 EOS = 128001
 HOLD_S = 1.5
+CPU_SAMPLE_S = 0.02
+WINDOW = (0.1, 0.9)  # tokens/s and CPU per token between these shares of all tokens received
 
 
 # ---------------------------------------------------------------- the fake worker
@@ -60,13 +74,13 @@ HOLD_S = 1.5
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
     """Answers steps from their protobuf alone: a row samples once it has computed every token it knows."""
 
-    def __init__(self, model_name: str, step_s: float, batch: int, stats_path: str) -> None:
+    def __init__(self, model_name: str, step_s: float, batch: int, stats_path: str, worker_id: str) -> None:
         from ominix_runtime.contract import Granularity
         from ominix_runtime.testing.fake_backend import FakeConfig, fake_capability
 
         cap = fake_capability(
             FakeConfig(
-                worker_id="fake-0",
+                worker_id=worker_id,
                 model_name=model_name,
                 vocab_size=VOCAB,
                 eos_token_ids=(EOS,),
@@ -184,7 +198,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 async def serve_fake_worker(args: argparse.Namespace) -> None:
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServicer_to_server(
-        FakeWorker(args.model_name, args.step_ms / 1e3, args.concurrency, args.stats), server
+        FakeWorker(args.model_name, args.step_ms / 1e3, args.concurrency, args.stats, args.worker_id), server
     )
     server.add_insecure_port(f"127.0.0.1:{args.port}")
     await server.start()
@@ -213,12 +227,41 @@ def worker_view(stats: dict[str, Any]) -> dict[str, float]:
 # ---------------------------------------------------------------- the clients
 
 
-async def run_clients(args: argparse.Namespace) -> dict[str, Any]:
+def prompt_of(i: int, prompt_len: int) -> list[int]:
+    """Request i's prompt: it starts with its own token id, so no two share a cache block."""
+    return [10 + i] + [(7 * i + k) % 30000 + 100 for k in range(prompt_len - 1)]
+
+
+def client_report(
+    counts: list[int], chunks: list[int], terminals: list[str], times: list[float], sizes: list[int],
+    tpots: list[float], wall: float,
+) -> dict[str, Any]:  # fmt: skip
+    """What one client process hands back: per request counts, and every token chunk's arrival (perf_counter,
+    which is the same clock in every process of the machine) so that several processes can be merged."""
+    return {
+        "wall_s": wall,
+        "requests": len(counts),
+        "all_done_once": all(t == "done" for t in terminals),
+        "tokens_per_request": sorted(set(counts)),
+        "tokens": sum(counts),
+        "token_messages": sum(chunks),
+        "chunk_times": times,
+        "chunk_tokens": sizes,
+        "tpot_s": tpots,
+    }
+
+
+async def run_lean_clients(args: argparse.Namespace) -> dict[str, Any]:
+    """The leanest stream consumer: one channel, per event only what is needed to check the run."""
     channel = grpc.aio.insecure_channel(args.address)
     stub = engine_pb2_grpc.EngineStub(channel)
     counts: list[int] = []
     messages: list[int] = []  # token messages per request (below the token count when tokens were coalesced)
     terminals: list[str] = []
+    times: list[float] = []
+    sizes: list[int] = []
+    tpots: list[float] = []
+    clock = time.perf_counter
 
     async def one(i: int) -> None:
         request = engine_pb2.GenerateRequest(
@@ -226,55 +269,113 @@ async def run_clients(args: argparse.Namespace) -> dict[str, Any]:
             sampling=common_pb2.SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True),
             stream=not args.no_stream,
         )
-        # Distinct prompts: each starts with its own token id, so no two share a cache block.
-        request.input_ids.ids.extend(
-            [10 + i] + [(7 * i + k) % 30000 + 100 for k in range(args.prompt_len - 1)]
-        )
+        request.input_ids.ids.extend(prompt_of(i, args.prompt_len))
         tokens = chunks = 0
+        first = last = 0.0
         ends: list[str] = []
         async for event in stub.Generate(request):
             kind = event.WhichOneof("event")
             if kind == "token":
-                tokens += len(event.token.token_ids)
+                n = len(event.token.token_ids)
+                last = clock()
+                first = first or last
+                times.append(last)
+                sizes.append(n)
+                tokens += n
                 chunks += 1
             elif kind in ("done", "error"):
                 ends.append(kind)
         counts.append(tokens)
         messages.append(chunks)
         terminals.append(",".join(ends))
+        if tokens > 1:
+            tpots.append((last - first) / (tokens - 1))
 
-    started = time.perf_counter()
-    await asyncio.gather(*(one(i) for i in range(args.concurrency)))
-    wall = time.perf_counter() - started
+    started = clock()
+    await asyncio.gather(*(one(args.first_request + i) for i in range(args.concurrency)))
+    wall = clock() - started
     await channel.close()
-    return {
-        "wall_s": wall,
-        "requests": len(counts),
-        "all_done_once": all(t == "done" for t in terminals),
-        "tokens_per_request": sorted(set(counts)),
-        "token_messages_per_token": sum(messages) / max(1, sum(counts)),
-    }
+    return client_report(counts, messages, terminals, times, sizes, tpots, wall)
+
+
+async def run_w1_clients(args: argparse.Namespace) -> dict[str, Any]:
+    """bench/offline.py's W1 client (bench/serve.py's run_benchmark, its channels and per-event work)."""
+    from bench.serve import BenchConfig, RequestSpec, run_benchmark
+
+    config = BenchConfig(
+        num_requests=args.concurrency,
+        input_len=args.prompt_len,
+        output_len=args.output_len,
+        num_channels=args.num_channels,
+        progress=False,
+    )
+    specs = [
+        RequestSpec(max_tokens=args.output_len, prompt_ids=prompt_of(args.first_request + i, args.prompt_len))
+        for i in range(args.concurrency)
+    ]
+    result = await run_benchmark(args.address, config, specs)
+    origin = result.started_perf
+    times = [origin + t for r in result.requests for t in r.chunk_times]
+    sizes = [n for r in result.requests for n in r.chunk_tokens]
+    tpots = [t for r in result.requests if (t := r.tpot_s) is not None]
+    return client_report(
+        [sum(r.chunk_tokens) for r in result.requests],
+        [len(r.chunk_tokens) for r in result.requests],
+        ["done" if r.success else r.error for r in result.requests],
+        times, sizes, tpots, result.metrics.duration_s,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------- the engine, timed
 
 
+@dataclass(slots=True)
+class DriverState:
+    """One worker group's driver task: the phases booked since its last send, and whether it is steady."""
+
+    current: dict[str, float] = field(default_factory=dict)
+    last_arrival: float = 0.0  # when the result the driver took last had arrived
+    steady: bool = False
+
+
 class EngineTimers:
-    """Host timers around the engine's driver phases; only full-batch pure-decode steps count."""
+    """Host timers around the engine's driver phases; only full-batch pure-decode steps count, and with several
+    worker groups only while every group decodes at its full batch (the window)."""
 
     PHASES = ("schedule", "to_pb", "send", "from_pb", "update", "deliver", "turnaround")
 
-    def __init__(self, batch: int) -> None:
+    def __init__(self, batch: int, groups: int = 1) -> None:
         self.batch = batch
+        self.groups = groups
         self.samples: dict[str, list[float]] = {p: [] for p in self.PHASES}
-        self.current: dict[str, float] = {}
-        self.arrivals: list[float] = []  # results on the engine not yet taken by the driver
-        self.last_arrival = 0.0  # when the result the driver took last had arrived
-        self.steady = False
-        self.steady_steps = 0
-        self.cpu_window: list[float] = []  # process CPU, wall at the first and the last steady step
+        # Phases are booked to the group of the task that ran them: its driver task, or the task reading its
+        # results. Keyed by id() of the group's step stream.
+        self.drivers: dict[int, DriverState] = {}
+        self.task_stream: weakref.WeakKeyDictionary[asyncio.Task[Any], int] = weakref.WeakKeyDictionary()
+        self.unbound = DriverState()
+        self.arrivals: dict[int, list[float]] = {}  # id(stream) -> its results not yet taken by the driver
+        self.window_open = False
+        self.window_closed = False
+        self.steady_steps = 0  # steps sent inside the window, every group together
+        self.cpu_window: list[float] = []  # process CPU, wall at the window's start and at its last step
         self.profile: cProfile.Profile | None = None
         self.profile_path = ""
+
+    def driver(self) -> DriverState:
+        """The state of the group whose driver (or result reader) task is running; a throwaway one for a task
+        that has not sent or read on a stream yet."""
+        stream = self.task_stream.get(asyncio.current_task())  # type: ignore[arg-type]
+        return self.drivers.get(stream, self.unbound) if stream is not None else self.unbound
+
+    def bind(self, stream: Any) -> DriverState:  # noqa: ANN401
+        """The running task works for this stream's group (its driver sends, a task of its own reads)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self.task_stream[task] = id(stream)
+        state = self.drivers.get(id(stream))
+        if state is None:
+            state = self.drivers[id(stream)] = DriverState()
+        return state
 
     def is_steady(self, step: Any) -> bool:  # noqa: ANN401
         return (
@@ -284,32 +385,39 @@ class EngineTimers:
         )
 
     def add(self, phase: str, seconds: float) -> None:
-        self.current[phase] = self.current.get(phase, 0.0) + seconds
+        current = self.driver().current
+        current[phase] = current.get(phase, 0.0) + seconds
 
-    def step_sent(self, step: Any, started: float, ended: float) -> None:  # noqa: ANN401
+    def step_sent(self, state: DriverState, step: Any, started: float, ended: float) -> None:  # noqa: ANN401
         steady = self.is_steady(step)
-        if steady and self.steady:
-            # The phases booked since the previous send belong to this step (schedule, its build and send,
-            # and the result/update/deliver that released it).
-            for phase, value in self.current.items():
+        if steady and state.steady and self.window_open:
+            # The phases booked since this driver's previous send belong to this step (schedule, its build and
+            # send, and the result/update/deliver that released it).
+            for phase, value in state.current.items():
                 self.samples[phase].append(value)
-            if self.last_arrival:
-                self.samples["turnaround"].append(started - self.last_arrival)
+            if state.last_arrival:
+                self.samples["turnaround"].append(started - state.last_arrival)
             self.steady_steps += 1
             self.cpu_window[2:] = [time.process_time(), ended]
-            if self.profile is not None and self.steady_steps == 3:
+            if self.profile is not None and self.steady_steps == 3 * self.groups:
                 self.profile.enable()
-        elif steady and not self.steady:
+        state.steady = steady
+        state.current = {}
+        drivers = self.drivers.values()
+        every = len(drivers) == self.groups and all(d.steady for d in drivers)
+        if every and not self.window_open and not self.window_closed:
+            self.window_open = True
             self.cpu_window = [time.process_time(), ended]
-        self.steady = steady
-        if not steady and self.profile is not None and self.steady_steps > 3:
-            self.profile.disable()
-        self.current = {}
+        elif not every and self.window_open:
+            self.window_open = False
+            self.window_closed = True
+            if self.profile is not None:
+                self.profile.disable()
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._gc_started = time.perf_counter()
-        elif self.steady:
+        elif self.window_open:
             self.gc_pauses.append((info["generation"], time.perf_counter() - self._gc_started))
 
     def install(self) -> None:
@@ -341,8 +449,10 @@ class EngineTimers:
         from_pb = timed("from_pb", wire.step_result_from_pb)
 
         def taken_from_pb(message: Any) -> Any:  # noqa: ANN401
-            if timers.arrivals:
-                timers.last_arrival = timers.arrivals.pop(0)
+            state = timers.driver()
+            arrivals = timers.arrivals.get(timers.task_stream.get(asyncio.current_task(), 0))  # type: ignore[arg-type]
+            if arrivals:
+                state.last_arrival = arrivals.pop(0)
             return from_pb(message)
 
         wire.step_result_from_pb = taken_from_pb  # type: ignore[assignment]
@@ -350,30 +460,40 @@ class EngineTimers:
         send = grpc_worker.GrpcStepStream.send
 
         async def timed_send(stream: Any, step: Any) -> None:  # noqa: ANN401
+            state = timers.bind(stream)
             started = time.perf_counter()
             try:
                 await send(stream, step)
             finally:
                 ended = time.perf_counter()
                 timers.add("send", ended - started)
-                timers.step_sent(step, started, ended)
+                timers.step_sent(state, step, started, ended)
 
-        grpc_worker.GrpcStepStream.send = timed_send  # type: ignore[method-assign]
+        grpc_worker.GrpcStepStream.send = timed_send  # type: ignore[method-assign,assignment]
+
+        recv = grpc_worker.GrpcStepStream.recv
+
+        async def bound_recv(stream: Any) -> Any:  # noqa: ANN401
+            timers.bind(stream)
+            return await recv(stream)
+
+        grpc_worker.GrpcStepStream.recv = bound_recv  # type: ignore[method-assign,assignment]
 
         read_loop = grpc_worker.GrpcStepStream._read_loop
 
         async def stamped_read_loop(stream: Any) -> None:  # noqa: ANN401
             inbox = stream._inbox
             put = inbox.put_nowait
+            arrivals = timers.arrivals.setdefault(id(stream), [])
 
             def put_stamped(item: Any) -> None:  # noqa: ANN401
-                timers.arrivals.append(time.perf_counter())
+                arrivals.append(time.perf_counter())
                 put(item)
 
             inbox.put_nowait = put_stamped
             await read_loop(stream)
 
-        grpc_worker.GrpcStepStream._read_loop = stamped_read_loop  # type: ignore[method-assign]
+        grpc_worker.GrpcStepStream._read_loop = stamped_read_loop  # type: ignore[method-assign,assignment]
 
     def report(self) -> dict[str, Any]:
         out: dict[str, Any] = {"steady_steps": self.steady_steps}
@@ -394,6 +514,155 @@ class EngineTimers:
         return out
 
 
+# ---------------------------------------------------------------- CPU of every process, tokens/s
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads) from /proc; clock-tick resolution."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name: field 3 (state) onwards
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def sample_cpu(pids: dict[str, list[int]], out: list[tuple[float, dict[str, float]]]) -> None:
+    """Every CPU_SAMPLE_S: (perf_counter, CPU seconds so far per role); runs until cancelled."""
+    last: dict[int, float] = {}
+    while True:
+        row = {"engine": time.process_time()}
+        for role, group in pids.items():
+            total = 0.0
+            for pid in group:
+                with contextlib.suppress(OSError, ValueError, IndexError):  # exited: its last reading stands
+                    last[pid] = proc_cpu_s(pid)
+                total += last.get(pid, 0.0)
+            row[role] = total
+        out.append((time.perf_counter(), row))
+        await asyncio.sleep(CPU_SAMPLE_S)
+
+
+def _at(samples: list[tuple[float, dict[str, float]]], role: str, t: float) -> float:
+    """A role's CPU seconds at time t, linear between the samples around it."""
+    before = [s for s in samples if s[0] <= t]
+    after = [s for s in samples if s[0] >= t]
+    if not before or not after:
+        return math.nan
+    (t0, r0), (t1, r1) = before[-1], after[0]
+    if t1 == t0:
+        return r0[role]
+    return r0[role] + (r1[role] - r0[role]) * (t - t0) / (t1 - t0)
+
+
+def throughput_window(
+    reports: list[dict[str, Any]], samples: list[tuple[float, dict[str, float]]]
+) -> dict[str, float]:
+    """Tokens/s at the clients between WINDOW[0] and WINDOW[1] of all tokens received (start and tail left
+    out: the held first step, prefill, the last requests draining), and each role's CPU in that window."""
+    chunks = sorted((t, n) for r in reports for t, n in zip(r["chunk_times"], r["chunk_tokens"], strict=True))
+    total = sum(n for _, n in chunks)
+    if not chunks or total == 0:
+        return {}
+    edges: list[tuple[float, int]] = []
+    seen = 0
+    for t, n in chunks:
+        seen += n
+        if len(edges) < len(WINDOW) and seen >= WINDOW[len(edges)] * total:
+            edges.append((t, seen))
+    (t0, n0), (t1, n1) = edges
+    tokens, wall = n1 - n0, t1 - t0
+    out = {
+        "window_s": wall,
+        "window_tokens": float(tokens),
+        "out_tok_s": tokens / wall if wall > 0 else math.nan,
+    }
+    for role in samples[0][1] if samples else ():
+        cpu = _at(samples, role, t1) - _at(samples, role, t0)
+        out[f"{role}_cpu_us_per_token"] = cpu / tokens * 1e6
+        out[f"{role}_cores"] = cpu / wall if wall > 0 else math.nan
+    tpots = sorted(t for r in reports for t in r["tpot_s"])
+    if tpots:
+        out["tpot_p50_ms"] = statistics.median(tpots) * 1e3
+    return out
+
+
+def merge_clients(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    tokens = sum(r["tokens"] for r in reports)
+    return {
+        "processes": len(reports),
+        "wall_s": max(r["wall_s"] for r in reports),
+        "requests": sum(r["requests"] for r in reports),
+        "all_done_once": all(r["all_done_once"] for r in reports),
+        "tokens_per_request": sorted({n for r in reports for n in r["tokens_per_request"]}),
+        "token_messages_per_token": sum(r["token_messages"] for r in reports) / max(1, tokens),
+    }
+
+
+# ---------------------------------------------------------------- the engine, run
+
+
+def spawn_clients(
+    args: argparse.Namespace, address: str, env: dict[str, str]
+) -> list[subprocess.Popen[bytes]]:
+    """``--client-procs`` client processes, the requests split evenly. Started before the engine's gRPC runs
+    (forking a process with gRPC threads can fail); each, once imported, waits for a go on stdin (``go``), so
+    that all start together (a late one would miss the held first step)."""
+    here = Path(__file__).resolve().parent
+    total = args.concurrency * args.groups
+    procs = []
+    first = 0
+    for k in range(args.client_procs):
+        count = total // args.client_procs + (1 if k < total % args.client_procs else 0)
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(here / "engine_overhead.py"),
+                    "--role",
+                    "clients",
+                    "--client",
+                    args.client,
+                    "--address",
+                    address,
+                    "--concurrency",
+                    str(count),
+                    "--first-request",
+                    str(first),
+                    "--prompt-len",
+                    str(args.prompt_len),
+                    "--output-len",
+                    str(args.output_len),
+                    "--num-channels",
+                    str(args.num_channels),
+                    *(["--no-stream"] if args.no_stream else []),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+            )  # fmt: skip
+        )
+        first += count
+    return procs
+
+
+def go(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if line.strip() != b"ready":
+            raise RuntimeError(f"a client process did not start (exit {proc.poll()}): {line!r}")
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+
+
+def collect(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+    out, _ = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"clients failed (exit {proc.returncode})")
+    report: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+    return report
+
+
 async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str, Any]:
     from ominix_runtime import memory
     from ominix_runtime.config import BackendsConfig, LogConfig, ModelConfig, RuntimeConfig, ServerConfig
@@ -401,57 +670,85 @@ async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str
     from ominix_runtime.server.app import EngineDaemon
 
     here = Path(__file__).resolve().parent
-    wport, eport = free_port(), free_port()
-    stats_path = Path(args.work_dir) / "fake_worker.json"
-    stats_path.unlink(missing_ok=True)
+    wports, eport = [free_port() for _ in range(args.groups)], free_port()
+    stats_paths = [Path(args.work_dir) / f"fake_worker{g}.json" for g in range(args.groups)]
+    for path in stats_paths:
+        path.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]))
     model_name = (
         args.model.split("/")[-1].removesuffix(".json") if args.model.startswith("dummy:") else args.model
     )
-    worker = subprocess.Popen(
-        [sys.executable, str(here / "engine_overhead.py"), "--role", "worker", "--port", str(wport),
-         "--step-ms", str(args.step_ms), "--concurrency", str(args.concurrency), "--stats", str(stats_path),
-         "--model-name", model_name],
-        env=env,
-    )  # fmt: skip
+    workers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(here / "engine_overhead.py"),
+                "--role",
+                "worker",
+                "--port",
+                str(wport),
+                "--step-ms",
+                str(args.step_ms),
+                "--concurrency",
+                str(args.concurrency),
+                "--stats",
+                str(path),
+                "--model-name",
+                model_name,
+                "--worker-id",
+                f"fake-{g}",
+            ],
+            env=env,
+        )  # fmt: skip
+        for g, (wport, path) in enumerate(zip(wports, stats_paths, strict=True))
+    ]
     config = RuntimeConfig(
         model=ModelConfig(path=args.model),
         engine=EngineCoreConfig(
             max_inflight_steps=args.max_inflight_steps or EngineCoreConfig().max_inflight_steps
         ),
-        backends=BackendsConfig(workers=(f"127.0.0.1:{wport}",), ready_timeout=30.0),
+        backends=BackendsConfig(workers=tuple(f"127.0.0.1:{p}" for p in wports), ready_timeout=30.0),
         server=ServerConfig(port=eport, metrics_port=0, stats_interval=0, drain_timeout=5.0),
         log=LogConfig(level="warning"),
     )
+    clients = spawn_clients(args, f"127.0.0.1:{eport}", env)
     daemon = EngineDaemon(config)
+    samples: list[tuple[float, dict[str, float]]] = []
+    sampler: asyncio.Task[None] | None = None
     try:
         await daemon.start()
         if not args.no_gc_freeze:
             memory.freeze_startup_heap()  # as `ominix-runtime serve` does once started
-        clients = await asyncio.create_subprocess_exec(
-            sys.executable, str(here / "engine_overhead.py"), "--role", "clients",
-            "--address", f"127.0.0.1:{eport}", "--concurrency", str(args.concurrency),
-            "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
-            *(["--no-stream"] if args.no_stream else []),
-            stdout=asyncio.subprocess.PIPE, env=env,
-        )  # fmt: skip
-        out, _ = await clients.communicate()
-        if clients.returncode != 0:
-            raise RuntimeError(f"clients failed (exit {clients.returncode})")
-        client_report = json.loads(out.decode().strip().splitlines()[-1])
+        await asyncio.to_thread(go, clients)
+        pids = {"clients": [c.pid for c in clients], "workers": [w.pid for w in workers]}
+        sampler = asyncio.create_task(sample_cpu(pids, samples))
+        reports = await asyncio.gather(*(asyncio.to_thread(collect, c) for c in clients))
     finally:
+        for c in clients:
+            if c.poll() is None:
+                c.kill()
+        if sampler is not None:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
         await daemon.shutdown()
-        worker.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            worker.wait(10)
-        worker.kill()
+        for worker in workers:
+            worker.terminate()
+        for worker in workers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.wait(10)
+            worker.kill()
     result: dict[str, Any] = {
-        "clients": client_report,
+        "groups": args.groups,
+        "clients": merge_clients(reports),
+        "window": throughput_window(reports, samples),
         "engine": timers.report(),
         "max_inflight_steps": config.engine.max_inflight_steps,
     }
-    if stats_path.exists():
-        result["worker"] = worker_view(json.loads(stats_path.read_text()))
+    views = [worker_view(json.loads(p.read_text())) for p in stats_paths if p.exists()]
+    if views:
+        result["worker"] = views[0]
+        result["workers"] = views
     return result
 
 
@@ -460,12 +757,27 @@ def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
     mode = "instant worker" if args.step_ms == 0 else f"worker step {args.step_ms:g} ms"
     mode += f", {result['max_inflight_steps']} steps in flight"
     stream = "non-streaming" if args.no_stream else "streaming"
+    groups = f"{args.groups} groups × " if args.groups > 1 else ""
     print(
-        f"{args.concurrency} {stream} requests × {args.prompt_len} prompt × {args.output_len} output tokens, {mode}; "
-        f"{cli['wall_s']:.2f} s; every request one Done: {cli['all_done_once']}; tokens/request {cli['tokens_per_request']}; "
-        f"token messages per token {cli['token_messages_per_token']:.2f}"
+        f"{groups}{args.concurrency} {stream} requests × {args.prompt_len} prompt × {args.output_len} output tokens, "
+        f"{mode}; {args.client} client in {cli['processes']} process(es); {cli['wall_s']:.2f} s; every request "
+        f"one Done: {cli['all_done_once']}; tokens/request {cli['tokens_per_request']}; token messages per token "
+        f"{cli['token_messages_per_token']:.2f}"
     )
-    print(f"steady decode steps at batch {args.concurrency}: {eng['steady_steps']}")
+    win = result.get("window", {})
+    if "out_tok_s" in win:
+        shares = "; ".join(
+            f"{role} {win[f'{role}_cpu_us_per_token']:.1f} µs/token ({win[f'{role}_cores']:.2f} cores)"
+            for role in ("engine", "clients", "workers")
+            if f"{role}_cores" in win
+        )
+        lo, hi = WINDOW
+        print(
+            f"tokens {lo:.0%}–{hi:.0%} received: {win['out_tok_s']:,.0f} out tok/s over {win['window_s']:.2f} s, "
+            f"TPOT p50 {win.get('tpot_p50_ms', math.nan):.2f} ms; CPU: {shares}"
+        )
+    per_group = f" in each of {args.groups} groups, counted together" if args.groups > 1 else ""
+    print(f"steady decode steps at batch {args.concurrency}{per_group}: {eng['steady_steps']}")
     for phase in EngineTimers.PHASES:
         if f"{phase}_p50_ms" in eng:
             print(
@@ -505,7 +817,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-gc-freeze", action="store_true", help="leave the collector as the process started"
     )
-    parser.add_argument("--no-stream", action="store_true", help="clients ask for the final event only")
+    parser.add_argument(
+        "--no-stream", action="store_true", help="clients ask for the final event only (lean)"
+    )
+    parser.add_argument(
+        "--groups",
+        type=int,
+        default=1,
+        help="fake worker processes (TP=1 groups), --concurrency streams each",
+    )
+    parser.add_argument("--client-procs", type=int, default=1, help="client processes splitting the streams")
+    parser.add_argument(
+        "--client", choices=("w1", "lean"), default="w1",
+        help="w1: bench/offline.py's client (bench/serve.py, plain asyncio, --num-channels); lean: minimal, uvloop",
+    )  # fmt: skip
+    parser.add_argument(
+        "--num-channels", type=int, default=4, help="gRPC connections per client process (w1)"
+    )
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--profile", default="", help="write a cProfile of the steady steps here (pstats)")
     parser.add_argument("--json", default="")
@@ -515,7 +843,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", default="")
     parser.add_argument("--stats", default="")
     parser.add_argument("--model-name", default="")
+    parser.add_argument("--worker-id", default="fake-0")
+    parser.add_argument("--first-request", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.no_stream:
+        args.client = "lean"
     try:
         import uvloop
     except ImportError:  # plain asyncio then
@@ -525,12 +857,18 @@ def main(argv: list[str] | None = None) -> int:
         runner(serve_fake_worker(args))
         return 0
     if args.role == "clients":
-        print(json.dumps(runner(run_clients(args))))
+        print("ready", flush=True)
+        sys.stdin.readline()  # the go: every client process starts together
+        if args.client == "w1":
+            report = asyncio.run(run_w1_clients(args))  # as bench/offline.py runs it
+        else:
+            report = runner(run_lean_clients(args))
+        print(json.dumps(report))
         return 0
     from ominix_runtime.server.logging import configure_logging
 
     configure_logging("warning", json_output=True)
-    timers = EngineTimers(args.concurrency)
+    timers = EngineTimers(args.concurrency, args.groups)
     timers.install()
     if args.profile:
         timers.profile = cProfile.Profile()

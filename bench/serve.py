@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import multiprocessing
 import sys
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):
     # Run as a script: import ``bench.*`` from the repository root, and keep this folder off the path
@@ -74,7 +76,10 @@ class BenchConfig:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     slo_e2el_ms: float | None = None
-    num_channels: int = 1  # gRPC connections to spread the streams over
+    num_channels: int = 1  # gRPC connections to spread the streams over (in each client process)
+    # Client processes sharing the requests (round robin; each with its own channels): one Python process
+    # reading hundreds of streams runs out of CPU near 15-20k tokens/s. Needs an infinite rate, no limit.
+    client_procs: int = 1
     request_timeout_s: float = 3600.0
     timeline_bin_s: float | None = None  # None: about 60 bins over the run
     progress: bool | None = None  # None: a progress bar only when stderr is a TTY
@@ -414,6 +419,7 @@ class BenchResult:
     requests: list[RequestResult]
     started_at_unix: float
     load_samples: list[LoadSample] = field(default_factory=list)
+    started_perf: float = 0.0  # time.perf_counter() at the start: the request times are relative to it
 
     def errors(self) -> list[str]:
         return [f"{r.request_id}: {r.error}" for r in self.requests if not r.success]
@@ -495,11 +501,18 @@ class _Progress:
 
 
 async def run_benchmark(
-    address: str, config: BenchConfig, requests: Sequence[RequestSpec] | None = None
+    address: str,
+    config: BenchConfig,
+    requests: Sequence[RequestSpec] | None = None,
+    *,
+    before_start: Callable[[], Awaitable[None]] | None = None,
 ) -> BenchResult:
-    """Send ``requests`` (random ones built from ``config`` when None) and measure them."""
+    """Send ``requests`` (random ones built from ``config`` when None) and measure them. ``before_start`` is
+    awaited once the channels are ready, right before the clock starts (client processes start together)."""
     if requests is None:
         requests = build_random_requests(config, await fetch_model_facts(address))
+    if config.client_procs > 1 and len(requests) > 1:
+        return await _run_split(address, config, requests)
     delays = arrival_delays(len(requests), config.request_rate, config.burstiness, config.seed)
     options = ClientOptions(
         channel_options=(
@@ -529,6 +542,8 @@ async def run_benchmark(
     try:
         for client in clients:
             await client.wait_ready(30.0)
+        if before_start is not None:
+            await before_start()
         started_at_unix = time.time()
         start = time.perf_counter()
         if config.load_sample_s > 0:
@@ -547,6 +562,18 @@ async def run_benchmark(
         progress.close()
         for client in clients:
             await client.close()
+    return _result(config, address, results, duration, started_at_unix, load_samples, start)
+
+
+def _result(
+    config: BenchConfig,
+    address: str,
+    results: list[RequestResult],
+    duration: float,
+    started_at_unix: float,
+    load_samples: list[LoadSample],
+    start: float,
+) -> BenchResult:
     bin_s = config.timeline_bin_s or _nice_bin(duration)
     timeline = throughput_timeline(results, duration, bin_s)
     metrics = compute_metrics(
@@ -557,7 +584,90 @@ async def run_benchmark(
         slo_e2el_ms=config.slo_e2el_ms,
         timeline=timeline,
     )
-    return BenchResult(config, address, metrics, timeline, results, started_at_unix, load_samples)
+    return BenchResult(config, address, metrics, timeline, results, started_at_unix, load_samples, start)
+
+
+# ---------------------------------------------------------------- several client processes
+
+
+def _client_process(
+    k: int,
+    address: str,
+    config: BenchConfig,
+    requests: list[RequestSpec],
+    ready: Any,  # noqa: ANN401 - multiprocessing queues and event
+    go: Any,  # noqa: ANN401
+    out: Any,  # noqa: ANN401
+) -> None:
+    """One client process of a split run: ready once its channels are, then waits for the common go."""
+
+    async def gate() -> None:
+        ready.put(k)
+        await asyncio.to_thread(go.wait)
+
+    try:
+        result = asyncio.run(run_benchmark(address, config, requests, before_start=gate))
+        out.put((k, result, ""))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
+        ready.put(k)  # never leave the parent waiting for a process that failed before it was ready
+        out.put((k, None, repr(exc)))
+
+
+async def _run_split(address: str, config: BenchConfig, requests: Sequence[RequestSpec]) -> BenchResult:
+    """``config.client_procs`` processes, request i in process i % procs, all started at one go; their
+    per-request timings are put on one clock (perf_counter is the machine's monotonic clock, the same in
+    every process) and measured as one run."""
+    if not math.isinf(config.request_rate) or config.max_concurrency:
+        raise ValueError("several client processes need an infinite request rate and no concurrency limit")
+    procs = min(config.client_procs, len(requests))
+    slices = [list(range(k, len(requests), procs)) for k in range(procs)]
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process with gRPC threads
+    ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    children = []
+    for k, indexes in enumerate(slices):
+        child_config = replace(
+            config, client_procs=1, progress=False, load_sample_s=config.load_sample_s if k == 0 else 0.0
+        )
+        child = ctx.Process(
+            target=_client_process,
+            args=(k, address, child_config, [requests[i] for i in indexes], ready, go, out),
+            daemon=True,
+        )
+        child.start()
+        children.append(child)
+    try:
+        for _ in children:
+            await asyncio.to_thread(ready.get, True, 120.0)
+        go.set()
+        parts: dict[int, BenchResult] = {}
+        for _ in children:
+            k, part, error = await asyncio.to_thread(out.get, True, config.request_timeout_s + 120.0)
+            if part is None:
+                raise RuntimeError(f"client process {k} failed: {error}")
+            parts[k] = part
+    finally:
+        for child in children:
+            child.join(10.0)
+            if child.is_alive():
+                child.kill()
+    origin = min(p.started_perf for p in parts.values())
+    results: list[RequestResult | None] = [None] * len(requests)
+    samples: list[LoadSample] = []
+    for k, part in parts.items():
+        shift = part.started_perf - origin
+        for i, r in zip(slices[k], part.requests, strict=True):
+            r.index = i
+            r.send_time += shift
+            r.end_time += shift
+            if r.first_token_time is not None:
+                r.first_token_time += shift
+            r.chunk_times = [t + shift for t in r.chunk_times]
+            results[i] = r
+        samples += [replace(s, time_s=s.time_s + shift) for s in part.load_samples]
+    duration = max(p.started_perf + p.metrics.duration_s for p in parts.values()) - origin
+    started_at_unix = min(p.started_at_unix for p in parts.values())
+    merged = [r for r in results if r is not None]
+    return _result(config, address, merged, duration, started_at_unix, samples, origin)
 
 
 def _nice_bin(duration_s: float) -> float:
@@ -623,6 +733,12 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-tpot-ms", type=float, default=None)
     parser.add_argument("--slo-e2el-ms", type=float, default=None)
     parser.add_argument("--num-channels", type=int, default=1)
+    parser.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="client processes sharing the requests (infinite rate only)",
+    )
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -645,6 +761,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         slo_tpot_ms=args.slo_tpot_ms,
         slo_e2el_ms=args.slo_e2el_ms,
         num_channels=args.num_channels,
+        client_procs=args.client_procs,
         progress=False if args.no_progress else None,
     )
 

@@ -169,14 +169,24 @@ class GrpcStepStream:
                 if late > _LOOP_STALL_S:
                     self._last_heard += late
                 continue  # re-check: a message may have arrived meanwhile
-            if isinstance(item, OminixError):
-                self._broken = item
-                raise item
-            if item.WhichOneof("kind") == "fatal_error":
-                self._broken = _unavailable(self._address, f"fatal error: {item.fatal_error.message}")
-                raise self._broken
-            self._on_result()
-            return wire.step_result_from_pb(item.step_result)
+            return self._take(item)
+
+    def recv_nowait(self) -> StepResult | None:
+        if self._broken is not None:
+            raise self._broken
+        if self._inbox.empty():
+            return None
+        return self._take(self._inbox.get_nowait())
+
+    def _take(self, item: Any) -> StepResult:  # noqa: ANN401 - a WorkerMessage or the stream's failure
+        if isinstance(item, OminixError):
+            self._broken = item
+            raise item
+        if item.WhichOneof("kind") == "fatal_error":
+            self._broken = _unavailable(self._address, f"fatal error: {item.fatal_error.message}")
+            raise self._broken
+        self._on_result()
+        return wire.step_result_from_pb(item.step_result)
 
     def _on_result(self) -> None:
         now = self._loop.time()

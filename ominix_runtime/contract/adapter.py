@@ -26,6 +26,10 @@ class StepStream(Protocol):
         """Next result; raises OminixError(BACKEND_UNAVAILABLE) when the backend is gone or hung."""
         ...
 
+    def recv_nowait(self) -> StepResult | None:
+        """The next result if it is already here, else None (never waits); raises as ``recv`` does."""
+        ...
+
     async def close(self) -> None: ...
 
 

@@ -36,18 +36,75 @@ from ominix_runtime.engine.stats import EngineStats, LoadSnapshot, RunReport, St
 _AFFINITY_LOAD_SLACK = 4
 
 
-class EventInbox:
-    """One request's undelivered events. Cheaper than an asyncio.Queue: ``put`` appends and wakes the reader
-    at most once, and the reader takes everything that has arrived in one go."""
+# Readers woken per turn of the event loop (ReaderWaker): small, so that a driver's next turn (taking a
+# worker's result, sending the next step) never waits behind the stream writes of a whole step.
+_WAKE_SLICE = 8
 
-    __slots__ = ("_events", "_waiter")
+
+class ReaderWaker:
+    """Wakes the readers of request inboxes ``_WAKE_SLICE`` at a time, one slice per turn of the event loop.
+
+    Waking every reader of a step at once queued hundreds of stream writes ahead of the drivers' next turns:
+    each worker result then waited behind the streaming of the step before it, and with a loaded loop the
+    streaming set the step time. Sliced, a driver waits a slice per turn at most; readers still woken in
+    arrival order, and one not yet woken when its request's next token arrives takes both (RequestHandle
+    sends them as one message). Outside a running loop (no driver then) a reader is woken at once.
+    """
+
+    __slots__ = ("_ready", "_scheduled_on")
 
     def __init__(self) -> None:
+        self._ready: deque[EventInbox] = deque()
+        # The loop a wake-up turn is pending on; None when none is. Compared, not just set: a turn pending on
+        # a loop that has since ended never runs.
+        self._scheduled_on: asyncio.AbstractEventLoop | None = None
+
+    def schedule(self, inbox: EventInbox) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            inbox.wake()
+            return
+        self._ready.append(inbox)
+        if self._scheduled_on is not loop:
+            self._scheduled_on = loop
+            loop.call_soon(self._wake_slice)
+
+    def _wake_slice(self) -> None:
+        ready = self._ready
+        for _ in range(min(_WAKE_SLICE, len(ready))):
+            ready.popleft().wake()
+        if ready:
+            asyncio.get_running_loop().call_soon(self._wake_slice)
+        else:
+            self._scheduled_on = None
+
+
+class EventInbox:
+    """One request's undelivered events. Cheaper than an asyncio.Queue: ``put`` appends and wakes the reader
+    at most once (through ``waker`` when given, else at once), and the reader takes everything that has
+    arrived in one go."""
+
+    __slots__ = ("_events", "_waiter", "_waker", "_wake_pending")
+
+    def __init__(self, waker: ReaderWaker | None = None) -> None:
         self._events: deque[WorkerEvent] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._waker = waker
+        self._wake_pending = False
 
     def put(self, event: WorkerEvent) -> None:
         self._events.append(event)
+        if self._waiter is None or self._wake_pending:
+            return
+        if self._waker is None:
+            self.wake()
+        else:
+            self._wake_pending = True
+            self._waker.schedule(self)
+
+    def wake(self) -> None:
+        self._wake_pending = False
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -175,6 +232,7 @@ class EngineCore:
         self._all_done = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
         self._draining: set[str] = set()  # worker ids that take no new requests (Drain)
+        self._waker = ReaderWaker()
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 
@@ -263,7 +321,7 @@ class EngineCore:
             )
         group = self._route(request)
         group.submit(request)  # raises OminixError on rejection (counted by the group)
-        inbox = EventInbox()
+        inbox = EventInbox(self._waker)
         self._live[request.request_id] = _LiveRequest(inbox, group)
         return RequestHandle(request.request_id, inbox, self, coalesce=not request.sampling.stop)
 

@@ -395,6 +395,20 @@ class FakeStepStream:
             await asyncio.Event().wait()  # never set: the engine's step timeout must catch this
         if c.step_latency:
             await asyncio.sleep(c.step_latency)
+        return self._answer(step)
+
+    def recv_nowait(self) -> StepResult | None:
+        """A step answers at once only without latency or a hang (those go through recv)."""
+        c = self._backend.config
+        if self._broken:
+            raise OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, "fake worker crashed")
+        if not self._pending or c.step_latency or c.hang_at_step == self._pending[0].step_id:
+            return None
+        if c.die_after_steps is not None and self._num_answered >= c.die_after_steps:
+            return None  # recv reports the death
+        return self._answer(self._pending.popleft())
+
+    def _answer(self, step: DecodeStep) -> StepResult:
         if self._broken:
             raise OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, "fake worker crashed")
         try:

@@ -208,6 +208,25 @@ def test_run_benchmark_against_streaming_server(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_run_benchmark_split_over_client_processes_merges_every_request() -> None:
+    """Three client processes share the requests: one result, every request once, in the original order and
+    on one clock (the run's duration covers every request)."""
+    config = BenchConfig(num_requests=10, input_len=12, output_len=5, client_procs=3, progress=False)
+    result, engine = asyncio.run(_serve_and_bench(config))
+    metrics = result.metrics
+    assert metrics.completed == 10 and metrics.failed == 0, result.errors()
+    assert metrics.total_output_tokens == 10 * 5 and metrics.total_input_tokens == 10 * 12
+    assert [r.index for r in result.requests] == list(range(10))
+    assert len({r.request_id for r in result.requests}) == 10
+    assert {r.request_id for r in engine.received} == {r.request_id for r in result.requests}
+    assert all(0.0 <= r.send_time <= r.first_token_time <= r.end_time for r in result.requests)  # type: ignore[operator]
+    assert max(r.end_time for r in result.requests) <= metrics.duration_s
+    assert sum(result.timeline.output_tokens_per_s) * result.timeline.bin_s == pytest.approx(50)
+    assert metrics.itl.count == 10 * 2  # 5 tokens in chunks of 2, 2, 1: two gaps each
+    with pytest.raises(ValueError, match="infinite request rate"):
+        asyncio.run(_serve_and_bench(BenchConfig(num_requests=4, request_rate=10.0, client_procs=2)))
+
+
 def test_run_benchmark_against_launched_service(tmp_path: Path) -> None:
     """bench/serve.py against the real daemon (`ominix-runtime launch`, tiny random model, CPU worker)."""
     pytest.importorskip("torch")

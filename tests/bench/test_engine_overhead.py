@@ -17,20 +17,32 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("step_ms", [0.0, 5.0])
-def test_engine_overhead_bench_reports_every_phase(tmp_path: Path, step_ms: float) -> None:
+@pytest.mark.parametrize(
+    ("step_ms", "groups", "client_procs", "client"),
+    [(0.0, 1, 1, "lean"), (5.0, 1, 1, "w1"), (0.0, 2, 2, "w1")],
+)
+def test_engine_overhead_bench_reports_every_phase(
+    tmp_path: Path, step_ms: float, groups: int, client_procs: int, client: str
+) -> None:
     out = tmp_path / "overhead.json"
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "engine_overhead.py"), "--concurrency", "8", "--prompt-len", "8",
-         "--output-len", "24", "--step-ms", str(step_ms), "--work-dir", str(tmp_path), "--json", str(out)],
+         "--output-len", "24", "--step-ms", str(step_ms), "--groups", str(groups), "--client-procs",
+         str(client_procs), "--client", client, "--work-dir", str(tmp_path), "--json", str(out)],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    clients, engine = result["clients"], result["engine"]
-    assert clients["requests"] == 8 and clients["all_done_once"] and clients["tokens_per_request"] == [24]
+    clients, engine, window = result["clients"], result["engine"], result["window"]
+    assert clients["requests"] == 8 * groups and clients["processes"] == client_procs
+    assert clients["all_done_once"] and clients["tokens_per_request"] == [24]
     assert result["max_inflight_steps"] == 3
-    assert engine["steady_steps"] >= 10  # 24 tokens a request, all 8 decoding together after their prefill
+    # 24 tokens a request, all 8 of each group decoding together after their prefill
+    assert engine["steady_steps"] >= 10 * groups
+    assert window["out_tok_s"] > 0.0 and window["window_tokens"] > 0.0
+    for role in ("engine", "clients", "workers"):
+        assert window[f"{role}_cpu_us_per_token"] >= 0.0, role
+    assert "out tok/s" in done.stdout
     for phase in ("schedule", "to_pb", "send", "from_pb", "update", "deliver", "turnaround"):
         assert engine[f"{phase}_p50_ms"] >= 0.0, phase
     assert engine["cpu_per_step_ms"] > 0.0 and engine["wall_per_step_ms"] > 0.0

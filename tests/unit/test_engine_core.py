@@ -339,3 +339,114 @@ def test_a_reader_that_falls_behind_gets_queued_tokens_as_one_event() -> None:
 
     _run([backend], body)
     assert not backend.violations
+
+
+def test_results_already_back_are_applied_together_and_reach_the_stream_as_one_event() -> None:
+    """A result that is already there when the driver takes one (the engine is behind its worker) is applied
+    before anything is delivered: a reader waiting on its stream gets the tokens of those steps as one Token,
+    the same tokens as a request read step by step, one terminal event, every step reported."""
+    backend = FakeStepBackend(FakeConfig())  # answers every step at once: results are always back in a row
+    steps: list[StepReport] = []
+
+    async def body(core: EngineCore) -> None:
+        core.add_step_listener(lambda _wid, report: steps.append(report))
+        plain = core.submit(_req("plain", max_tokens=12))
+        stops = _req("stops", max_tokens=12)
+        stops.sampling.stop = ["never-matched"]  # a request with stop strings keeps one event per token
+        events, per_token = await asyncio.gather(_collect(plain), _collect(core.submit(stops)))
+        for stream in (events, per_token):
+            _check_stream(stream)
+        sizes = [len(e.token_ids) for e in events if isinstance(e, Token)]
+        assert sum(sizes) == 12 and len(sizes) < 12 and max(sizes) > 1
+        assert [len(e.token_ids) for e in per_token if isinstance(e, Token)] == [1] * 12
+        assert _tokens(events) == _tokens(per_token)
+
+    core = _run([backend], body, EngineCoreConfig(max_inflight_steps=3))
+    assert not backend.violations
+    assert sum(r.num_sampled_tokens for r in steps) == 24
+    assert core.stats().running_requests == 0
+
+
+def test_reader_waker_wakes_in_slices_in_order_and_each_reader_once() -> None:
+    """More waiting readers than a slice: all are woken, first come first, across several loop turns; tokens
+    put twice before their reader was woken are taken together, with a single wake-up."""
+    from ominix_runtime.engine.core import _WAKE_SLICE, EventInbox, ReaderWaker
+
+    async def main() -> None:
+        waker = ReaderWaker()
+        inboxes = [EventInbox(waker) for _ in range(_WAKE_SLICE * 2 + 3)]
+        woken: list[int] = []
+
+        async def read(i: int) -> list[WorkerEvent]:
+            events = await inboxes[i].take()
+            woken.append(i)
+            return events
+
+        readers = [asyncio.create_task(read(i)) for i in range(len(inboxes))]
+        await asyncio.sleep(0)  # every reader waits
+        for i, inbox in enumerate(inboxes):
+            inbox.put(Token(f"r{i}", [i], []))
+        inboxes[0].put(Token("r0", [99], []))
+        await asyncio.sleep(0)  # one loop turn: the first slice only
+        assert len(woken) <= _WAKE_SLICE
+        taken = await asyncio.gather(*readers)
+        assert woken == list(range(len(inboxes)))
+        assert [t.token_ids for t in taken[0] if isinstance(t, Token)] == [[0], [99]]
+        assert all(len(events) == 1 for events in taken[1:])
+
+    asyncio.run(main())
+
+
+def test_reader_waker_still_wakes_after_the_loop_it_was_pending_on_ended() -> None:
+    """A wake-up turn left pending when its event loop stopped does not block readers on the next loop."""
+    from ominix_runtime.engine.core import EventInbox, ReaderWaker
+
+    waker = ReaderWaker()
+    old = asyncio.new_event_loop()
+    try:
+        inbox = EventInbox(waker)
+        reader = old.create_task(inbox.take())
+        old.run_until_complete(asyncio.sleep(0))  # the reader waits
+        old.call_soon(inbox.put, Token("a", [1], []))  # schedules the wake-up turn for the next iteration...
+        old.call_soon(old.stop)  # ...which never comes
+        old.run_forever()
+        reader.cancel()
+    finally:
+        old.close()
+
+    async def read_on_a_new_loop() -> list[WorkerEvent]:
+        fresh = EventInbox(waker)
+        task = asyncio.ensure_future(fresh.take())
+        await asyncio.sleep(0)
+        fresh.put(Token("b", [2], []))
+        return await asyncio.wait_for(task, TIMEOUT)
+
+    assert [e.token_ids for e in asyncio.run(read_on_a_new_loop()) if isinstance(e, Token)] == [[2]]
+
+
+def test_results_taken_together_share_the_time_they_ran_in_their_step_reports() -> None:
+    """Three results taken at once ran one after another on the worker: each step report gets a third of the
+    time since the first could start, so the decode-rate estimate is not inflated by steps of no time."""
+    from ominix_runtime.contract import DecodeStep, RunningRequestData
+    from ominix_runtime.engine.groups.step_group import _Applied
+
+    reports: list[StepReport] = []
+
+    async def body(core: EngineCore) -> None:
+        core.add_step_listener(lambda _wid, report: reports.append(report))
+        group = core.groups[0]
+        assert isinstance(group, StepWorkerGroup)
+        group._last_result_at = 10.0
+        rows = [RunningRequestData(f"r{i}", [], 1) for i in range(4)]
+        applied = [
+            _Applied(
+                DecodeStep(i, running_requests=rows), 9.0, 0.0, [Token(f"r{j}", [5], []) for j in range(4)]
+            )
+            for i in (1, 2, 3)
+        ]
+        group._record_steps(applied, now=10.6)
+        assert [r.duration for r in reports] == pytest.approx([0.2, 0.2, 0.2])
+        assert group.decode_tokens_per_second == pytest.approx(4 / 0.2)
+        assert list(group.recent_step_durations)[-3:] == pytest.approx([0.2, 0.2, 0.2])
+
+    _run([FakeStepBackend()], body)

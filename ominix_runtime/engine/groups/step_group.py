@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
+from dataclasses import dataclass
 from typing import Literal
 
 from ominix_runtime.contract import (
@@ -47,6 +48,16 @@ from ominix_runtime.engine.stats import StepReport
 
 # Above this many blocks the idle-time check is the O(1) quiescence check only (a full walk would stall).
 _FULL_CHECK_MAX_BLOCKS = 16384
+
+
+@dataclass(slots=True)
+class _Applied:
+    """A step whose result the scheduler has taken: what its step report and delivery need."""
+
+    step: DecodeStep
+    sent_at: float
+    compute_seconds: float
+    events: list[WorkerEvent]
 
 
 class StepWorkerGroup(WorkerGroup):
@@ -335,26 +346,43 @@ class StepWorkerGroup(WorkerGroup):
                         f"worker {self.worker_id} sent no result within {self.config.step_timeout:g} s",
                     )
                 result, recv = recv.result(), None
-                self._on_result(result, loop.time())
+                now = loop.time()
+                applied = [self._apply(result)]
+                # Results that came in while this loop was busy (the engine is behind its worker): applied
+                # before any is delivered, so each request's tokens of those steps reach its stream together
+                # and go out as one message. That is what lets a loaded engine catch up with its workers
+                # rather than slowing their every step (one stream message per token is most of the cost).
+                try:
+                    while self._inflight and (more := stream.recv_nowait()) is not None:
+                        applied.append(self._apply(more))
+                finally:  # a failing stream still delivers what was applied (a resumed request goes on from it)
+                    self._emit([e for a in applied for e in a.events])
+                self._record_steps(applied, now)
         finally:
             if recv is not None:
                 recv.cancel()
                 with contextlib.suppress(BaseException):  # its failure, if any, was already reported
                     await recv
 
-    def _on_result(self, result: StepResult, now: float) -> None:
+    def _apply(self, result: StepResult) -> _Applied:
+        """Apply a step's result to the scheduler; its events are the caller's to deliver."""
         step, sent_at = self._inflight.popleft()
         if result.step_id != step.step_id:
             raise OminixError(
                 RuntimeErrorKind.INTERNAL,
                 f"worker {self.worker_id} answered step {result.step_id} while step {step.step_id} was due",
             )
-        events = self.scheduler.update(step, result)
-        self._emit(events)
-        # With two steps in flight a step starts on the worker when the previous one ends, not when sent.
-        started = max(sent_at, self._last_result_at)
+        return _Applied(step, sent_at, result.compute_seconds, self.scheduler.update(step, result))
+
+    def _record_steps(self, applied: list[_Applied], now: float) -> None:
+        """Step reports of results taken together at ``now``: they ran one after another on the worker, from
+        when the first could start (sent, and the step before it done) until now, so each gets an equal share
+        of that time (a result taken without waiting would otherwise count as a step of no time at all)."""
+        started = max(applied[0].sent_at, self._last_result_at)
         self._last_result_at = now
-        self._record_step(step, result.compute_seconds, now - started, events)
+        duration = (now - started) / len(applied)
+        for a in applied:
+            self._record_step(a.step, a.compute_seconds, duration, a.events)
 
     def _record_step(
         self, step: DecodeStep, compute_seconds: float, duration: float, events: list[WorkerEvent]
