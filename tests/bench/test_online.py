@@ -117,7 +117,9 @@ def test_online_run_against_launched_service(tmp_path: Path) -> None:
                 assert isinstance(result[f"{stat}_{metric}_ms"], float), (stat, metric)
             assert result[f"p50_{metric}_ms"] == pytest.approx(result[f"median_{metric}_ms"])
             assert result[f"p99_{metric}_ms"] >= result[f"p50_{metric}_ms"] > 0
-        assert all(len(gaps) == 5 for gaps in result["itls"])  # one token per chunk: 6 tokens, 5 gaps
+        # 6 tokens: 5 gaps when each comes as its own chunk; fewer when the engine, behind its worker, sends
+        # the tokens of steps it applied together as one chunk.
+        assert all(len(gaps) <= 5 for gaps in result["itls"])
         assert result["median_e2el_ms"] >= result["median_ttft_ms"]
     poisson = results[0]
     assert max(poisson["start_times"]) > 0  # spread out, not all at once
