@@ -80,7 +80,9 @@ def configure_logging(
     structlog.configure(
         processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write per line (message and newline together): processes sharing one stderr (launch's workers)
+        # would otherwise interleave a line's text and its newline with another process's line.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
     handler = logging.StreamHandler(sys.stderr)

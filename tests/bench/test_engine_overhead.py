@@ -27,7 +27,7 @@ def test_engine_overhead_bench_reports_every_phase(
     out = tmp_path / "overhead.json"
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "engine_overhead.py"), "--concurrency", "8", "--prompt-len", "8",
-         "--output-len", "24", "--step-ms", str(step_ms), "--groups", str(groups), "--client-procs",
+         "--output-len", "64", "--step-ms", str(step_ms), "--groups", str(groups), "--client-procs",
          str(client_procs), "--client", client, "--work-dir", str(tmp_path), "--json", str(out)],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
@@ -35,10 +35,12 @@ def test_engine_overhead_bench_reports_every_phase(
     result = json.loads(out.read_text())
     clients, engine, window = result["clients"], result["engine"], result["window"]
     assert clients["requests"] == 8 * groups and clients["processes"] == client_procs
-    assert clients["all_done_once"] and clients["tokens_per_request"] == [24]
+    assert clients["all_done_once"] and clients["tokens_per_request"] == [64]
     assert result["max_inflight_steps"] == 3
-    # 24 tokens a request, all 8 of each group decoding together after their prefill
-    assert engine["steady_steps"] >= 10 * groups
+    # 64 tokens a request, all 8 of each group decoding together after their prefill. Some of the steps fall
+    # in the window the clients' tokens set (10% to 90% received): how many depends on how far the engine,
+    # sending the tokens of results it applied together as one message, runs ahead of its clients.
+    assert engine["steady_steps"] >= 3 * groups
     assert window["out_tok_s"] > 0.0 and window["window_tokens"] > 0.0
     for role in ("engine", "clients", "workers"):
         assert window[f"{role}_cpu_us_per_token"] >= 0.0, role
