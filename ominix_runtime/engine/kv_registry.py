@@ -325,7 +325,7 @@ class KVRegistry:
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return PrefixHit()
         step = self.hit_granularity
-        limit = (len(token_ids) - 1) // step * step
+        limit = self._hit_limit(len(token_ids))
         # Each group chains its hashes over the tokens its blocks cover.
         keys: list[list[tuple[int, tuple[int, ...]]]] = []
         for pool in self._pools:
@@ -455,8 +455,12 @@ class KVRegistry:
         """Blocks of a sliding group wholly before the window that a hit on ``num_known_tokens`` reads."""
         if not group.is_sliding or num_known_tokens < 2:
             return 0
-        hit = (num_known_tokens - 1) // self.hit_granularity * self.hit_granularity
-        return self._num_slid(group, hit)
+        return self._num_slid(group, self._hit_limit(num_known_tokens))
+
+    def _hit_limit(self, num_tokens: int) -> int:
+        """The longest hit a sequence of ``num_tokens`` can get: whole hit granules, its last token left to
+        recompute (its logits are needed)."""
+        return (num_tokens - 1) // self.hit_granularity * self.hit_granularity
 
     def slide(self, request_id: str, num_computed_tokens: int) -> int:
         """Release, in every sliding group, the blocks wholly before the window of the next token.

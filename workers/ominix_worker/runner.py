@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -679,24 +680,27 @@ class ModelRunner:
 
     # ---- warm-up and device seams ------------------------------------------------------------------
 
+    def _scratch_row(
+        self, request_id: str, num_tokens: int, blocks: Sequence[int], start: int
+    ) -> ScheduledRow:
+        """A row of a request that exists only for one warm-up or profiling forward: ``num_tokens`` zero
+        tokens, the first ``start`` of them already in ``blocks`` (every KV group's table), the rest computed."""
+        greedy = SamplingParams(temperature=0.0)
+        tables = [list(blocks) for _ in self.attention_groups]
+        request = CachedRequest(request_id, [0] * num_tokens, [], greedy, tables, start, 0)
+        return ScheduledRow(request, start, num_tokens, samples=True)
+
     @torch.inference_mode()
+    def _run_scratch(self, rows: list[ScheduledRow]) -> None:
+        inputs = self._prepare_inputs(rows)
+        self._sample(self._forward(inputs), inputs)
+
     def profile_forward(self, num_tokens: int) -> None:
         """One forward of ``num_tokens`` prompt tokens in a single request, writing into block 0 onward."""
         capacity = min(self.group_num_blocks) * self.block_size
         num_tokens = max(1, min(num_tokens, self.max_model_len, capacity))
-        blocks = list(range(-(-num_tokens // self.block_size)))
-        request = CachedRequest(
-            "__profile__",
-            [0] * num_tokens,
-            [],
-            SamplingParams(temperature=0.0),
-            [list(blocks) for _ in self.attention_groups],
-            0,
-            0,
-        )
-        row = ScheduledRow(request, 0, num_tokens, samples=True)
-        inputs = self._prepare_inputs([row])
-        self._sample(self._forward(inputs), inputs)
+        blocks = range(-(-num_tokens // self.block_size))
+        self._run_scratch([self._scratch_row("__profile__", num_tokens, blocks, 0)])
 
     def mixed_forward(self, decode_rows: int, context: int, prefill_tokens: int) -> bool:
         """One eager step of ``decode_rows`` single-token rows over ``context`` cached tokens beside one
@@ -709,31 +713,13 @@ class ModelRunner:
         prefill_blocks = -(-prefill_tokens // bs)
         if decode_blocks + prefill_blocks > min(self.group_num_blocks):
             return False
-        greedy = SamplingParams(temperature=0.0)
-        shared = list(range(decode_blocks))
+        shared = range(decode_blocks)
         rows = [
-            ScheduledRow(
-                CachedRequest(
-                    f"__warm_up_{i}__",
-                    [0] * (context + 1),
-                    [],
-                    greedy,
-                    [list(shared) for _ in self.attention_groups],
-                    context,
-                    0,
-                ),
-                context,
-                context + 1,
-                samples=True,
-            )  # fmt: skip
-            for i in range(decode_rows)
+            self._scratch_row(f"__warm_up_{i}__", context + 1, shared, context) for i in range(decode_rows)
         ]
-        own = list(range(decode_blocks, decode_blocks + prefill_blocks))
-        prompt = CachedRequest("__warm_up_prompt__", [0] * prefill_tokens, [], greedy,
-                               [list(own) for _ in self.attention_groups], 0, 0)  # fmt: skip
-        rows.append(ScheduledRow(prompt, 0, prefill_tokens, samples=True))
-        inputs = self._prepare_inputs(rows)
-        self._sample(self._forward(inputs), inputs)
+        own = range(decode_blocks, decode_blocks + prefill_blocks)
+        rows.append(self._scratch_row("__warm_up_prompt__", prefill_tokens, own, 0))
+        self._run_scratch(rows)
         return True
 
     def warm_up(self, max_tokens: int) -> list[int]:
