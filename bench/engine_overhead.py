@@ -666,7 +666,14 @@ def collect(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
 
 async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str, Any]:
     from ominix_runtime import memory
-    from ominix_runtime.config import BackendsConfig, LogConfig, ModelConfig, RuntimeConfig, ServerConfig
+    from ominix_runtime.config import (
+        BackendsConfig,
+        FrontConfig,
+        LogConfig,
+        ModelConfig,
+        RuntimeConfig,
+        ServerConfig,
+    )
     from ominix_runtime.engine.config import EngineCoreConfig
     from ominix_runtime.server.app import EngineDaemon
 
@@ -710,6 +717,7 @@ async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str
         ),
         backends=BackendsConfig(workers=tuple(f"127.0.0.1:{p}" for p in wports), ready_timeout=30.0),
         server=ServerConfig(port=eport, metrics_port=0, stats_interval=0, drain_timeout=5.0),
+        front=FrontConfig(procs=args.front_procs),
         log=LogConfig(level="warning"),
     )
     clients = spawn_clients(args, f"127.0.0.1:{eport}", env)
@@ -722,6 +730,8 @@ async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str
             memory.freeze_startup_heap()  # as `ominix-runtime serve` does once started
         await asyncio.to_thread(go, clients)
         pids = {"clients": [c.pid for c in clients], "workers": [w.pid for w in workers]}
+        if args.front_procs:
+            pids["fronts"] = daemon.front_pids()
         sampler = asyncio.create_task(sample_cpu(pids, samples))
         reports = await asyncio.gather(*(asyncio.to_thread(collect, c) for c in clients))
     finally:
@@ -769,7 +779,7 @@ def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
     if "out_tok_s" in win:
         shares = "; ".join(
             f"{role} {win[f'{role}_cpu_us_per_token']:.1f} µs/token ({win[f'{role}_cores']:.2f} cores)"
-            for role in ("engine", "clients", "workers")
+            for role in ("engine", "fronts", "clients", "workers")
             if f"{role}_cores" in win
         )
         lo, hi = WINDOW
@@ -828,6 +838,9 @@ def main(argv: list[str] | None = None) -> int:
         help="fake worker processes (TP=1 groups), --concurrency streams each",
     )
     parser.add_argument("--client-procs", type=int, default=1, help="client processes splitting the streams")
+    parser.add_argument(
+        "--front-procs", type=int, default=0, help="the engine's front processes (serve --front-procs)"
+    )
     parser.add_argument(
         "--client", choices=("w1", "lean"), default="w1",
         help="w1: bench/offline.py's client (bench/serve.py, plain asyncio, --num-channels); lean: minimal, uvloop",

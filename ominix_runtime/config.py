@@ -88,6 +88,9 @@ class FrontConfig:
     allow_special_tokens_in_chat: bool = False
     tokenizer_threads: int = 2  # threads that tokenize and render chat templates off the event loop
     max_pending_tokenizations: int = 64  # more waiting prompts are refused (RESOURCE_EXHAUSTED)
+    # Processes that serve the clients' streams on the engine port (server/front_hub.py); 0: the engine
+    # process serves them itself.
+    procs: int = 0
 
 
 @dataclass(frozen=True, slots=True)

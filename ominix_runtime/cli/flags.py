@@ -415,6 +415,15 @@ FLAGS: tuple[Flag, ...] = (
         ("front.max_pending_tokenizations",),
         positive_int,
     ),
+    Flag(
+        "--front-procs",
+        "server",
+        "processes that serve the clients' streams on the engine port (SO_REUSEPORT), so writing tokens to "
+        "clients does not load the engine's event loop; worth it behind several worker groups; 0: the "
+        "engine process serves them itself",
+        ("front.procs",),
+        non_negative_int,
+    ),
     # engine access: which engine may drive a worker
     Flag(
         "--engine-secret-file",

@@ -40,3 +40,4 @@ class GenerateRequest:
     prompt_text: str | None = None  # kept for request-level backends that take text
     chat_messages: tuple[ChatMessage, ...] = ()  # the chat turns, until the front edge renders them
     traceparent: str = ""  # W3C trace context to carry to the backend ("" when not traced)
+    owner: str = ""  # digest of the creating caller's API key ("" without keys): Abort from another key fails

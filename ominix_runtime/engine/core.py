@@ -8,6 +8,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from ominix_runtime.contract import (
     BackendAdapter,
@@ -80,6 +81,19 @@ class ReaderWaker:
             self._scheduled_on = None
 
 
+class EventSink(Protocol):
+    """Where the engine puts one request's events: an EventInbox its reader takes them from, or a front
+    process's link (server/front_hub.py), which batches the events of every request of that front."""
+
+    def put(self, event: WorkerEvent) -> None: ...
+
+
+class RequestAborter(Protocol):
+    """What a RequestHandle aborts its request through (the EngineCore, or a front's link to it)."""
+
+    def abort(self, request_id: str) -> bool: ...
+
+
 class EventInbox:
     """One request's undelivered events. Cheaper than an asyncio.Queue: ``put`` appends and wakes the reader
     at most once (through ``waker`` when given, else at once), and the reader takes everything that has
@@ -147,12 +161,27 @@ class RequestHandle:
     queued up while the reader was busy come as one Token event.
     """
 
-    def __init__(self, request_id: str, inbox: EventInbox, core: EngineCore, coalesce: bool = False) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        inbox: EventInbox,
+        core: RequestAborter,
+        coalesce: bool = False,
+        admission: asyncio.Future[None] | None = None,
+    ) -> None:
         self.request_id = request_id
         self._inbox = inbox
         self._core = core
         self._coalesce = coalesce
         self._ended = False
+        self._admission = admission
+
+    async def admitted(self) -> None:
+        """Return once the engine has taken the request; raise its OminixError when it refused it. At once
+        for a handle of an in-process engine (submit raised already); a front process waits for the
+        engine process's answer."""
+        if self._admission is not None:
+            await self._admission
 
     def __aiter__(self) -> AsyncIterator[WorkerEvent]:
         return self._events()
@@ -184,7 +213,7 @@ class RequestHandle:
 
 @dataclass(slots=True)
 class _LiveRequest:
-    inbox: EventInbox
+    inbox: EventSink
     group: WorkerGroup
 
 
@@ -304,8 +333,9 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------------------------
 
-    def submit(self, request: GenerateRequest) -> RequestHandle:
-        """Validate and route ``request``; raise OminixError when it is rejected."""
+    def submit(self, request: GenerateRequest, sink: EventSink | None = None) -> RequestHandle:
+        """Validate and route ``request``; raise OminixError when it is rejected. Its events go to ``sink``
+        when given (a front process's link; the handle then only aborts), else to the handle."""
         if not self._accepting:
             self._rejected += 1
             state = "shutting down" if self._started else "not started"
@@ -322,7 +352,7 @@ class EngineCore:
         group = self._route(request)
         group.submit(request)  # raises OminixError on rejection (counted by the group)
         inbox = EventInbox(self._waker)
-        self._live[request.request_id] = _LiveRequest(inbox, group)
+        self._live[request.request_id] = _LiveRequest(sink or inbox, group)
         return RequestHandle(request.request_id, inbox, self, coalesce=not request.sampling.stop)
 
     def _route(self, request: GenerateRequest) -> WorkerGroup:

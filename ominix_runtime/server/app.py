@@ -24,8 +24,9 @@ from ominix_runtime.engine.negotiation import ServingTerms
 from ominix_runtime.engine.stats import RunReport
 from ominix_runtime.models import ModelFormat, ModelSource, resolve_model
 from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
-from ominix_runtime.server.engine_service import EngineService
+from ominix_runtime.server.engine_service import EngineService, EngineServiceBase
 from ominix_runtime.server.front_guard import FrontGuard
+from ominix_runtime.server.front_hub import FrontHub
 from ominix_runtime.server.logging import configure_logging, get_logger
 from ominix_runtime.server.metrics import EngineMetrics
 from ominix_runtime.server.stats_line import StatsLine
@@ -120,6 +121,7 @@ class EngineDaemon:
         self._tasks: list[asyncio.Task[None]] = []
         self.v0_front: V0Front | None = None
         self._stats_line: StatsLine | None = None
+        self._hub: FrontHub | None = None
 
     async def start(self) -> None:
         config = self.config
@@ -150,36 +152,20 @@ class EngineDaemon:
 
         # Every service is registered before the server starts; Generate answers UNAVAILABLE and health
         # says NOT_SERVING until the engine is ready.
-        options = dict(CHANNEL_OPTIONS)
-        options["grpc.max_receive_message_length"] = config.server.max_message_bytes
-        server = grpc.aio.server(
-            options=list(options.items()), interceptors=[FrontGuard(config.front.api_keys)]
-        )
-        self._server = server
-        engine_pb2_grpc.add_EngineServicer_to_server(service, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((ENGINE_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
-        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
-        try:
-            if config.tls.enabled:
-                assert config.tls.key and config.tls.cert
-                key_and_cert = (Path(config.tls.key).read_bytes(), Path(config.tls.cert).read_bytes())
-                credentials = grpc.ssl_server_credentials([key_and_cert])
-                self.bound_port = server.add_secure_port(config.server.address, credentials)
-            else:
-                self.bound_port = server.add_insecure_port(config.server.address)
-        except RuntimeError as exc:
-            raise OminixError(
-                RuntimeErrorKind.BACKEND_UNAVAILABLE,
-                f"cannot bind {config.server.address} (port taken?): {exc}",
-            ) from exc
+        server = self._server = build_grpc_front(config, service, self.health)
+        await set_health(self.health, serving=False)
+        if config.front.procs:
+            # Front processes serve the public port; this server only answers the calls they forward.
+            self._hub = FrontHub(config, engine, service)
+            server.add_insecure_port(self._hub.engine_address)
+        else:
+            self.bound_port = bind_grpc_front(server, config)
         await server.start()
 
         # The tokenizer (a GGUF metadata parse for the embedded model) loads while the workers get ready.
         tokenizer_loading = (
-            asyncio.create_task(asyncio.to_thread(_load_tokenizer, source))
-            if source and _has_tokenizer(source)
+            asyncio.create_task(asyncio.to_thread(load_tokenizer, source))
+            if source and has_tokenizer(source)
             else None
         )
         try:
@@ -204,8 +190,10 @@ class EngineDaemon:
             self.v0_front = V0Front(service, engine, config.v0.token, served)
             await self.v0_front.start(config.v0.host, config.v0.port)
         self._wire_observability(engine, service.model_name)
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        if self._hub is not None:
+            await self._hub.start()
+            self.bound_port = self._hub.port
+        await set_health(self.health, serving=True)
         self._tasks.append(asyncio.get_running_loop().create_task(self._follow_health(engine)))
         if config.server.stats_interval > 0:
             self._tasks.append(asyncio.get_running_loop().create_task(self._log_stats(engine)))
@@ -220,6 +208,10 @@ class EngineDaemon:
             example=_grpcurl_hint(address, config.tls.enabled),
             v0_front=f"http://{config.v0.host}:{self.v0_front.port}" if self.v0_front is not None else None,
         )
+
+    def front_pids(self) -> list[int]:
+        """The process ids of the front processes (``--front-procs``) now running."""
+        return self._hub.pids() if self._hub is not None else []
 
     def _wire_observability(self, engine: EngineCore, model_name: str) -> None:
         metrics = self.metrics
@@ -273,13 +265,7 @@ class EngineDaemon:
             ready = engine.ready
             if ready != serving and not self.stop_requested.is_set():
                 serving = ready
-                status = (
-                    health_pb2.HealthCheckResponse.SERVING
-                    if ready
-                    else health_pb2.HealthCheckResponse.NOT_SERVING
-                )
-                for service in ("", ENGINE_SERVICE):
-                    await self.health.set(service, status)
+                await set_health(self.health, serving=ready)
                 _log.warning("health changed", serving=ready)
 
     async def _refresh_metrics(self, engine: EngineCore) -> None:
@@ -314,6 +300,8 @@ class EngineDaemon:
         _log.info("shutting down", drain_timeout=drain)
         with contextlib.suppress(Exception):
             await self.health.enter_graceful_shutdown()
+        if self._hub is not None:
+            self._hub.announce_stopping()
         if self._engine is not None:
             try:
                 await self._drain_engine(self._engine, drain)
@@ -323,6 +311,8 @@ class EngineDaemon:
         if self._service is not None:
             # The terminal events of the requests just ended are still on their way to the clients.
             await self._service.wait_idle(SHUTDOWN_FLUSH_S)
+        if self._hub is not None:  # after the drain: the fronts have every terminal event to send
+            await self._hub.stop()
         if self.v0_front is not None:  # after the drain, so live v0 streams got their terminal records
             await self.v0_front.stop()
         if self._service is not None:
@@ -390,11 +380,47 @@ def _read_secret(path: str | None) -> str | None:
     return Path(path).read_text(encoding="utf-8").strip() or None
 
 
-def _load_tokenizer(source: ModelSource) -> Tokenizer:
+def build_grpc_front(
+    config: RuntimeConfig, service: EngineServiceBase, health_servicer: health.aio.HealthServicer
+) -> grpc.aio.Server:
+    """The gRPC server clients call: the Engine service behind the API-key guard, health and reflection."""
+    options = dict(CHANNEL_OPTIONS)
+    options["grpc.max_receive_message_length"] = config.server.max_message_bytes
+    server = grpc.aio.server(options=list(options.items()), interceptors=[FrontGuard(config.front.api_keys)])
+    engine_pb2_grpc.add_EngineServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((ENGINE_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+    return server
+
+
+def bind_grpc_front(server: grpc.aio.Server, config: RuntimeConfig) -> int:
+    """Bind the public address (TLS when configured); the port bound. Several processes may bind one port
+    (gRPC sets SO_REUSEPORT): the front processes of ``--front-procs`` do."""
+    try:
+        if config.tls.enabled:
+            assert config.tls.key and config.tls.cert
+            key_and_cert = (Path(config.tls.key).read_bytes(), Path(config.tls.cert).read_bytes())
+            credentials = grpc.ssl_server_credentials([key_and_cert])
+            return server.add_secure_port(config.server.address, credentials)
+        return server.add_insecure_port(config.server.address)
+    except RuntimeError as exc:
+        raise OminixError(
+            RuntimeErrorKind.BACKEND_UNAVAILABLE,
+            f"cannot bind {config.server.address} (port taken?): {exc}",
+        ) from exc
+
+
+async def set_health(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for service in ("", ENGINE_SERVICE):
+        await health_servicer.set(service, status)
+
+
+def load_tokenizer(source: ModelSource) -> Tokenizer:
     return Tokenizer.from_source(source).prepare()
 
 
-def _has_tokenizer(source: ModelSource) -> bool:
+def has_tokenizer(source: ModelSource) -> bool:
     """A dummy (random-weight) model may come without tokenizer files: then clients send input_ids."""
     if source.format != ModelFormat.DUMMY:
         return True

@@ -7,6 +7,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import grpc
 import grpc.aio
@@ -15,6 +16,7 @@ from google.protobuf import json_format
 from ominix_runtime import memory, wire
 from ominix_runtime.config import FrontConfig
 from ominix_runtime.contract import (
+    BackendCapability,
     ChatMessage,
     Done,
     Error,
@@ -73,12 +75,29 @@ _ListBackendsContext = grpc.aio.ServicerContext[
 ]
 
 
-class EngineService(engine_pb2_grpc.EngineServicer):
-    """Resolves prompts, admits requests into the engine core and streams their events back."""
+class EngineAccess(Protocol):
+    """What the Generate path needs of the engine: the EngineCore in its own process, or a front process's
+    link to it (server/front_process.py)."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    def capabilities(self) -> list[BackendCapability]: ...
+
+    def submit(self, request: GenerateRequest) -> RequestHandle: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def finish(self, request_id: str, reason: FinishReason, matched_stop: str) -> bool: ...
+
+
+class EngineServiceBase(engine_pb2_grpc.EngineServicer):
+    """Resolves prompts, admits requests into the engine and streams their events back. Subclasses answer
+    the admin RPCs: EngineService from the engine core in this process, FrontService by forwarding them."""
 
     def __init__(
         self,
-        engine: EngineCore,
+        engine: EngineAccess,
         tokenizer: Tokenizer | None,
         model_name: str,
         metrics: EngineMetrics | None = None,
@@ -215,7 +234,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 "the engine is not serving (starting, shutting down, or no worker is up)",
             )
         if request_id in self._live:
-            raise _AlreadyLive(f"request_id '{request_id}' is already live")
+            raise AlreadyLive(f"request_id '{request_id}' is already live")
         # Before any await, so a concurrent duplicate sees it.
         self._live.add(request_id)
         self._owners[request_id] = caller
@@ -239,8 +258,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         except BaseException:
             self._forget(request_id)
             raise
+        gen_request.owner = caller
         try:
             handle = self._engine.submit(gen_request)
+            await handle.admitted()
         except OminixError as exc:
             self._forget(request_id)
             self._reject(exc.message, exc.kind.name.lower(), counted_by_engine=True, span=span)
@@ -439,12 +460,59 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         except OminixError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
         found = rid in self._live
-        if self.front.api_keys and (not found or self._owners.get(rid) != caller_of(context)):
+        if not found:
+            return await self._abort_elsewhere(request, context)
+        if self.front.api_keys and self._owners.get(rid) != caller_of(context):
             # With API keys a request belongs to the key that created it; to any other key it does not
             # exist (the same answer as an unknown id, so ids of others cannot be probed).
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no live request '{rid}' of this API key")
-        found = found and self._engine.abort(rid)
-        return engine_pb2.AbortResponse(found=found)
+        return engine_pb2.AbortResponse(found=self._engine.abort(rid))
+
+    async def _abort_elsewhere(
+        self, request: engine_pb2.AbortRequest, context: _AbortContext
+    ) -> engine_pb2.AbortResponse:
+        """Abort of a request this service does not stream (another front's, or unknown)."""
+        if self.front.api_keys:
+            # With API keys a request belongs to the key that created it; to any other key it does not
+            # exist (the same answer as an unknown id, so ids of others cannot be probed).
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no live request '{request.request_id}' of this API key"
+            )
+        return engine_pb2.AbortResponse(found=False)
+
+
+class EngineService(EngineServiceBase):
+    """The Engine service of the process that runs the engine core: the admin RPCs answer from it, and the
+    requests of front processes (server/front_hub.py) are tracked here too, so Abort, GetStats and the
+    drain at shutdown see every live request."""
+
+    def __init__(
+        self,
+        engine: EngineCore,
+        tokenizer: Tokenizer | None,
+        model_name: str,
+        metrics: EngineMetrics | None = None,
+        front: FrontConfig | None = None,
+        tracer: RequestTracer | None = None,
+        served_names: Sequence[str] = (),
+    ) -> None:
+        super().__init__(engine, tokenizer, model_name, metrics, front, tracer, served_names)
+        self._core = engine
+
+    def track(self, request_id: str, owner: str) -> None:
+        """A front process's request the engine admitted: live until ``forget``."""
+        self._live.add(request_id)
+        self._owners[request_id] = owner
+
+    def forget(self, request_id: str) -> None:
+        self._forget(request_id)
+
+    def is_live(self, request_id: str) -> bool:
+        return request_id in self._live
+
+    def count_refusal(self, message: str, reason: str, counted_by_engine: bool) -> None:
+        """A refusal at a front process (or by the engine, of a front's request): GetStats and metrics."""
+        self._reject(message, reason, counted_by_engine)
 
     async def GetLoad(
         self, request: engine_pb2.GetLoadRequest, context: _GetLoadContext
@@ -457,7 +525,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     def backend_loads(self, worker_ids: set[str] | None = None) -> list[engine_pb2.BackendLoad]:
         """GetLoad's per-backend entries (optionally only ``worker_ids``)."""
         out = []
-        for load in self._engine.load():
+        for load in self._core.load():
             if worker_ids is not None and load.worker_id not in worker_ids:
                 continue
             aliases = tuple(sorted(self.served_names)) if self.model_name in load.model_ids else ()
@@ -478,7 +546,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self, request: engine_pb2.DrainRequest, context: _DrainContext, draining: bool
     ) -> engine_pb2.DrainResponse:
         try:
-            changed = self._engine.drain(request.worker_id, draining=draining)
+            changed = self._core.drain(request.worker_id, draining=draining)
         except OminixError as exc:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, exc.message, trailing_metadata=error_metadata(exc.kind)
@@ -488,7 +556,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     async def GetStats(
         self, request: engine_pb2.GetStatsRequest, context: _GetStatsContext
     ) -> engine_pb2.GetStatsResponse:
-        stats = self._engine.stats()
+        stats = self._core.stats()
         return engine_pb2.GetStatsResponse(
             requests_accepted=stats.accepted,
             requests_finished=stats.finished,
@@ -509,7 +577,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self, request: engine_pb2.ListBackendsRequest, context: _ListBackendsContext
     ) -> engine_pb2.ListBackendsResponse:
         return engine_pb2.ListBackendsResponse(
-            backends=[wire.capability_to_pb(c) for c in self._engine.capabilities()]
+            backends=[wire.capability_to_pb(c) for c in self._core.capabilities()]
         )
 
 
@@ -533,14 +601,14 @@ class _NotServing(OminixError):
     """The engine is starting, stopping or has no backend up."""
 
 
-class _AlreadyLive(InvalidArgument):
+class AlreadyLive(InvalidArgument):
     """The request id is in use by a live request."""
 
 
 _STATUS_OF_REFUSAL: dict[type[OminixError], grpc.StatusCode] = {
     _NotFound: grpc.StatusCode.NOT_FOUND,
     _NotServing: grpc.StatusCode.UNAVAILABLE,
-    _AlreadyLive: grpc.StatusCode.ALREADY_EXISTS,
+    AlreadyLive: grpc.StatusCode.ALREADY_EXISTS,
 }
 
 
@@ -559,7 +627,10 @@ def error_metadata(kind: RuntimeErrorKind, tokens_sent: bool = False) -> tuple[t
 
 __all__ = [
     "ERROR_KIND_METADATA_KEY",
+    "AlreadyLive",
+    "EngineAccess",
     "EngineService",
+    "EngineServiceBase",
     "RETRYABLE_METADATA_KEY",
     "STATUS_OF_ERROR",
     "error_metadata",

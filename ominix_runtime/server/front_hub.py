@@ -1,0 +1,259 @@
+"""The engine process's side of ``--front-procs N``: starts the front processes and serves their links.
+
+With one process, the engine's event loop also writes every client's stream: one gRPC message per request per
+step, which costs more CPU than scheduling the step. Behind several worker groups that loop becomes the
+limit. Front processes take the client streams (each binds the public port with SO_REUSEPORT, so the kernel
+spreads connections over them); this process keeps the engine core and sends each front one frame per turn
+of its loop with the events of all that front's requests.
+
+Here a front's request is admitted into the EngineCore with a sink that queues its events for that front's
+link, and tracked by the EngineService of this process, so Abort (forwarded by any front), GetStats and the
+drain at shutdown see it. A front that dies has its requests aborted (their KV freed) and is started again on
+the same port unless the engine is stopping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ominix_runtime.config import RuntimeConfig
+from ominix_runtime.contract import (
+    BackendCapability,
+    GenerateRequest,
+    OminixError,
+    RuntimeErrorKind,
+    WorkerEvent,
+    is_terminal,
+)
+from ominix_runtime.engine.core import EngineCore
+from ominix_runtime.server import front_link as link
+from ominix_runtime.server.engine_service import EngineService
+from ominix_runtime.server.logging import get_logger
+
+READINESS_POLL_S = 0.25
+FRONT_START_TIMEOUT_S = 120.0  # a front loads the tokenizer before it binds
+FRONT_STOP_TIMEOUT_S = 10.0
+
+_log = get_logger("ominix.front_hub")
+
+
+@dataclass(frozen=True, slots=True)
+class FrontSpec:
+    """What a front process is started with (pickled on its stdin)."""
+
+    config: RuntimeConfig  # server.host/port: the address to bind (the port the first front bound)
+    index: int
+    link_path: str
+
+
+class _FrontLink:
+    """One connected front: its frame writer, its live requests and the events queued for it this turn."""
+
+    def __init__(self, writer: asyncio.StreamWriter, service: EngineService) -> None:
+        self.frames = link.FrameWriter(writer)
+        self.live: set[str] = set()
+        self._service = service
+        self._events: list[WorkerEvent] = []
+        self._flush_pending = False
+        self.index = -1
+
+    def put(self, event: WorkerEvent) -> None:
+        self._events.append(event)
+        if is_terminal(event):
+            self.live.discard(event.request_id)
+            self._service.forget(event.request_id)
+        if not self._flush_pending:
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        events, self._events = self._events, []
+        self.frames.send(link.Events(events))
+
+
+class FrontHub:
+    """Starts ``config.front.procs`` front processes, serves their links and restarts one that dies."""
+
+    def __init__(self, config: RuntimeConfig, engine: EngineCore, service: EngineService) -> None:
+        self._config = config
+        self._engine = engine
+        self._service = service
+        self._dir = Path(tempfile.mkdtemp(prefix="ominix-fronts-"))  # mode 0700: this user only
+        self.link_path = str(self._dir / "link.sock")
+        # The engine process's own gRPC server listens here (admin calls the fronts forward).
+        self.engine_address = f"unix:{self._dir / 'engine.sock'}"
+        self.port = 0
+        self._server: asyncio.AbstractServer | None = None
+        self._links: set[_FrontLink] = set()
+        self._procs: dict[int, asyncio.subprocess.Process] = {}
+        self._bound: dict[int, asyncio.Future[int]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+        self._readiness: tuple[bool, tuple[BackendCapability, ...]] | None = None
+
+    async def start(self) -> None:
+        """Listen for links, start the fronts (the first one picks the port), follow the engine's readiness."""
+        self._server = await asyncio.start_unix_server(self._serve_link, self.link_path)
+        os.chmod(self.link_path, 0o600)
+        self.port = await self._start_front(0, self._config.server.port)
+        await asyncio.gather(*(self._start_front(i, self.port) for i in range(1, self._config.front.procs)))
+        self._tasks.append(asyncio.get_running_loop().create_task(self._follow_readiness()))
+        _log.info("front processes serving", fronts=self._config.front.procs, port=self.port)
+
+    async def _start_front(self, index: int, port: int) -> int:
+        config = replace(self._config, server=replace(self._config.server, port=port))
+        spec = FrontSpec(config, index, self.link_path)
+        bound: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._bound[index] = bound
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "ominix_runtime.server.front_process", stdin=asyncio.subprocess.PIPE
+        )
+        self._procs[index] = proc
+        assert proc.stdin is not None
+        proc.stdin.write(pickle.dumps(spec))
+        await proc.stdin.drain()
+        proc.stdin.close()
+        exited = asyncio.ensure_future(proc.wait())
+        done, _ = await asyncio.wait(
+            {bound, exited}, timeout=FRONT_START_TIMEOUT_S, return_when="FIRST_COMPLETED"
+        )
+        if bound not in done:
+            exited.cancel()
+            if proc.returncode is None:
+                proc.kill()
+            why = f"exited with status {proc.returncode}" if exited in done else "did not bind in time"
+            raise OminixError(
+                RuntimeErrorKind.BACKEND_UNAVAILABLE,
+                f"front process {index} {why} (port {port})",
+            )
+        self._tasks.append(asyncio.get_running_loop().create_task(self._watch(index, proc, exited)))
+        return bound.result()
+
+    async def _watch(self, index: int, proc: asyncio.subprocess.Process, exited: asyncio.Future[int]) -> None:
+        status = await exited
+        if self._stopping:
+            return
+        _log.warning("front process exited; starting it again", front=index, status=status)
+        try:
+            await self._start_front(index, self.port)
+        except OminixError as exc:
+            _log.error("front process did not start again", front=index, error=exc.message)
+
+    async def _serve_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        front = _FrontLink(writer, self._service)
+        self._links.add(front)
+        engine = self._engine
+        front.frames.send(
+            link.Hello(
+                self._service.model_name,
+                self.engine_address,
+                engine.ready,
+                tuple(engine.capabilities()),
+            )
+        )
+        try:
+            while (messages := await link.read_frame(reader)) is not None:
+                for message in messages:
+                    self._on_message(front, message)
+        except Exception as exc:  # noqa: BLE001 - a bad link ends that link only
+            _log.warning("front link failed", front=front.index, error=repr(exc))
+        finally:
+            self._links.discard(front)
+            for rid in list(front.live):  # the clients are gone with their front: free the KV now
+                self._engine.abort(rid)
+                self._service.forget(rid)
+            front.live.clear()
+            front.frames.close()
+
+    def _on_message(self, front: _FrontLink, message: object) -> None:
+        engine = self._engine
+        match message:
+            case link.Submit(request):
+                self._submit(front, request)
+            case link.AbortRequest(rid):
+                if rid in front.live:
+                    engine.abort(rid)
+            case link.FinishRequest(rid, reason, matched_stop):
+                if rid in front.live:
+                    engine.finish(rid, reason, matched_stop)
+            case link.FrontRefusal(text, reason):
+                self._service.count_refusal(text, reason, counted_by_engine=False)
+            case link.Bound(index, port):
+                front.index = index
+                bound = self._bound.get(index)
+                if bound is not None and not bound.done():
+                    bound.set_result(port)
+            case _:
+                raise ValueError(f"unexpected front link message {type(message).__name__}")
+
+    def _submit(self, front: _FrontLink, request: GenerateRequest) -> None:
+        rid = request.request_id
+        if self._service.is_live(rid):
+            text = f"request_id '{rid}' is already live"
+            self._service.count_refusal(text, "invalid_argument", counted_by_engine=False)
+            front.frames.send(link.Refused(rid, RuntimeErrorKind.INVALID_ARGUMENT, text, duplicate=True))
+            return
+        try:
+            self._engine.submit(request, sink=front)
+        except OminixError as exc:
+            self._service.count_refusal(exc.message, exc.kind.name.lower(), counted_by_engine=True)
+            front.frames.send(link.Refused(rid, exc.kind, exc.message, duplicate=False))
+            return
+        front.live.add(rid)
+        self._service.track(rid, request.owner)
+        front.frames.send(link.Admitted(rid))
+
+    async def _follow_readiness(self) -> None:
+        while True:
+            state = (self._engine.ready, tuple(self._engine.capabilities()))
+            if state != self._readiness and not self._stopping:
+                self._readiness = state
+                self.broadcast(link.Readiness(state[0], state[1]))
+            await asyncio.sleep(READINESS_POLL_S)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs.values() if p.returncode is None]
+
+    def announce_stopping(self) -> None:
+        """The engine takes no new requests: the fronts' health says NOT_SERVING from now on."""
+        self._stopping = True
+        self._readiness = (False, tuple(self._engine.capabilities()))
+        self.broadcast(link.Readiness(*self._readiness))
+
+    def broadcast(self, message: object) -> None:
+        for front in self._links:
+            front.frames.send(message)
+
+    async def stop(self) -> None:
+        """Tell every front to finish its streams and exit; kill the ones that do not within the timeout."""
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        self.broadcast(link.StopServing())
+        procs = [p for p in self._procs.values() if p.returncode is None]
+        if procs:
+            _, pending = await asyncio.wait(
+                [asyncio.ensure_future(p.wait()) for p in procs], timeout=FRONT_STOP_TIMEOUT_S
+            )
+            for p in procs:
+                if p.returncode is None:
+                    _log.warning("front process did not stop; killing it", pid=p.pid)
+                    with contextlib.suppress(ProcessLookupError):
+                        p.kill()
+            for waiting in pending:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(waiting, 5.0)
+        if self._server is not None:
+            self._server.close()
+        for front in list(self._links):
+            front.frames.close()
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,330 @@
+"""A front process of ``--front-procs``: serves clients' Engine calls on the engine port; the engine runs in
+the process that started it (server/front_hub.py).
+
+Generate runs the same path as in the engine process (EngineServiceBase: validation, tokenization,
+detokenization, stop strings), over ``EngineLink``, which stands for the engine core: submit, abort and
+finish go over the link, the requests' events come back in one frame per engine loop turn. Admin calls
+(GetLoad, GetStats, ListBackends, Drain, Undrain, Abort of a request another front streams) are forwarded
+over gRPC to the engine process with the caller's metadata, so its API-key check answers them.
+
+The process exits when the engine process says stop, when its link closes (the engine process is gone: the
+open streams end with UNAVAILABLE errors) or on SIGTERM. SIGINT is ignored: Ctrl-C reaches the whole process
+group and the engine process leads the shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pickle
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health
+
+from ominix_runtime.contract import (
+    BackendCapability,
+    Error,
+    FinishReason,
+    GenerateRequest,
+    OminixError,
+    RuntimeErrorKind,
+    Usage,
+    is_terminal,
+)
+from ominix_runtime.engine.core import EventInbox, ReaderWaker, RequestHandle
+from ominix_runtime.models import resolve_model
+from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
+from ominix_runtime.server import front_link as link
+from ominix_runtime.server.app import (
+    HEALTH_REFRESH_INTERVAL_S,
+    SHUTDOWN_FLUSH_S,
+    bind_grpc_front,
+    build_grpc_front,
+    has_tokenizer,
+    load_tokenizer,
+    set_health,
+)
+from ominix_runtime.server.engine_service import AlreadyLive, EngineServiceBase
+from ominix_runtime.server.front_hub import FrontSpec
+from ominix_runtime.server.logging import configure_logging, get_logger
+from ominix_runtime.server.tracing import RequestSpan
+
+FORWARD_TIMEOUT_S = 30.0
+# Client metadata an admin call keeps when forwarded: the API key and the trace context.
+_FORWARDED_METADATA = frozenset({"authorization", "traceparent", "tracestate"})
+
+_log = get_logger("ominix.front")
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Context = grpc.aio.ServicerContext
+
+
+class EngineLink:
+    """The engine core as a front process sees it (server/engine_service.py's EngineAccess)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hello: link.Hello) -> None:
+        self._reader = reader
+        self.frames = link.FrameWriter(writer)
+        self.model_name = hello.model_name
+        self.engine_address = hello.engine_address
+        self._ready = hello.ready
+        self._capabilities = hello.capabilities
+        self._inboxes: dict[str, EventInbox] = {}
+        self._admissions: dict[str, asyncio.Future[None]] = {}
+        self._waker = ReaderWaker()
+        self.closed = False
+        self.stop_requested = asyncio.Event()
+
+    @classmethod
+    async def connect(cls, path: str) -> tuple[EngineLink, list[object]]:
+        """Connect and read the engine's Hello; also the rest of its first frame."""
+        reader, writer = await asyncio.open_unix_connection(path)
+        messages = await link.read_frame(reader)
+        if not messages or not isinstance(messages[0], link.Hello):
+            raise OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, "the engine process sent no Hello")
+        return cls(reader, writer, messages[0]), messages[1:]
+
+    # ---- EngineAccess -----------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and not self.closed and not self.stop_requested.is_set()
+
+    def capabilities(self) -> list[BackendCapability]:
+        return list(self._capabilities)
+
+    def submit(self, request: GenerateRequest) -> RequestHandle:
+        rid = request.request_id
+        if self.closed:
+            raise OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, "the engine process is gone")
+        inbox = EventInbox(self._waker)
+        admission: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._inboxes[rid] = inbox
+        self._admissions[rid] = admission
+        self.frames.send(link.Submit(request))
+        return RequestHandle(rid, inbox, self, coalesce=not request.sampling.stop, admission=admission)
+
+    def abort(self, request_id: str) -> bool:
+        if request_id not in self._inboxes:
+            return False
+        self.frames.send(link.AbortRequest(request_id))
+        return True
+
+    def finish(self, request_id: str, reason: FinishReason, matched_stop: str) -> bool:
+        if request_id not in self._inboxes:
+            return False
+        self.frames.send(link.FinishRequest(request_id, reason, matched_stop))
+        return True
+
+    # ---- the engine's messages --------------------------------------------------------------------------
+
+    async def run(self, first: list[object]) -> None:
+        """Apply the engine's messages until it closes the link; then end every open request."""
+        try:
+            self._apply(first)
+            while (messages := await link.read_frame(self._reader)) is not None:
+                self._apply(messages)
+        finally:
+            self.closed = True
+            self._end_all("the engine process is gone")
+
+    def _apply(self, messages: list[object]) -> None:
+        for message in messages:
+            match message:
+                case link.Events(events):
+                    inboxes = self._inboxes
+                    for event in events:
+                        inbox = inboxes.get(event.request_id)
+                        if inbox is None:
+                            continue
+                        inbox.put(event)
+                        if is_terminal(event):
+                            del inboxes[event.request_id]
+                case link.Admitted(rid):
+                    admission = self._admissions.pop(rid, None)
+                    if admission is not None and not admission.done():
+                        admission.set_result(None)
+                case link.Refused(rid, kind, text, duplicate):
+                    self._inboxes.pop(rid, None)
+                    admission = self._admissions.pop(rid, None)
+                    if admission is not None and not admission.done():
+                        admission.set_exception(AlreadyLive(text) if duplicate else OminixError(kind, text))
+                case link.Readiness(ready, capabilities):
+                    self._ready, self._capabilities = ready, capabilities
+                case link.StopServing():
+                    self.stop_requested.set()
+                case _:
+                    raise ValueError(f"unexpected front link message {type(message).__name__}")
+
+    def _end_all(self, why: str) -> None:
+        for admission in self._admissions.values():
+            if not admission.done():
+                admission.set_exception(OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, why))
+        self._admissions.clear()
+        for rid, inbox in self._inboxes.items():
+            inbox.put(Usage(rid, 0, 0))
+            inbox.put(Error(rid, RuntimeErrorKind.BACKEND_UNAVAILABLE, why))
+        self._inboxes.clear()
+
+    def refused(self, message: str, reason: str) -> None:
+        self.frames.send(link.FrontRefusal(message, reason))
+
+
+class FrontService(EngineServiceBase):
+    """The Engine service of a front process: Generate over the link, admin calls forwarded."""
+
+    def __init__(self, engine: EngineLink, spec: FrontSpec) -> None:
+        config = spec.config
+        super().__init__(
+            engine,
+            None,
+            engine.model_name,
+            None,
+            config.front,
+            served_names=config.model.served_model_names,
+        )
+        self._link = engine
+        self._channel = grpc.aio.insecure_channel(engine.engine_address)
+        self._engine_stub = engine_pb2_grpc.EngineStub(self._channel)
+
+    def _reject(
+        self, message: str, reason: str, counted_by_engine: bool, span: RequestSpan | None = None
+    ) -> None:
+        super()._reject(message, reason, counted_by_engine, span)
+        if not counted_by_engine:  # the engine process counts what it refused itself
+            self._link.refused(message, reason)
+
+    async def _forward(
+        self,
+        call: Callable[..., Awaitable[Resp]],
+        request: Req,
+        context: Context[Req, Resp],
+    ) -> Resp:
+        metadata = tuple(
+            (key, value)
+            for key, value in context.invocation_metadata() or ()
+            if key.lower() in _FORWARDED_METADATA
+        )
+        try:
+            return await call(request, metadata=metadata, timeout=FORWARD_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(
+                exc.code(), exc.details() or "", trailing_metadata=exc.trailing_metadata() or ()
+            )
+            raise  # not reached: abort raises
+
+    async def _abort_elsewhere(
+        self,
+        request: engine_pb2.AbortRequest,
+        context: Context[engine_pb2.AbortRequest, engine_pb2.AbortResponse],
+    ) -> engine_pb2.AbortResponse:
+        return await self._forward(self._engine_stub.Abort, request, context)
+
+    async def GetLoad(
+        self,
+        request: engine_pb2.GetLoadRequest,
+        context: Context[engine_pb2.GetLoadRequest, engine_pb2.GetLoadResponse],
+    ) -> engine_pb2.GetLoadResponse:
+        return await self._forward(self._engine_stub.GetLoad, request, context)
+
+    async def GetStats(
+        self,
+        request: engine_pb2.GetStatsRequest,
+        context: Context[engine_pb2.GetStatsRequest, engine_pb2.GetStatsResponse],
+    ) -> engine_pb2.GetStatsResponse:
+        return await self._forward(self._engine_stub.GetStats, request, context)
+
+    async def ListBackends(
+        self,
+        request: engine_pb2.ListBackendsRequest,
+        context: Context[engine_pb2.ListBackendsRequest, engine_pb2.ListBackendsResponse],
+    ) -> engine_pb2.ListBackendsResponse:
+        return await self._forward(self._engine_stub.ListBackends, request, context)
+
+    async def Drain(
+        self,
+        request: engine_pb2.DrainRequest,
+        context: Context[engine_pb2.DrainRequest, engine_pb2.DrainResponse],
+    ) -> engine_pb2.DrainResponse:
+        return await self._forward(self._engine_stub.Drain, request, context)
+
+    async def Undrain(
+        self,
+        request: engine_pb2.DrainRequest,
+        context: Context[engine_pb2.DrainRequest, engine_pb2.DrainResponse],
+    ) -> engine_pb2.DrainResponse:
+        return await self._forward(self._engine_stub.Undrain, request, context)
+
+    async def aclose(self) -> None:
+        self.close()
+        await self._channel.close()
+
+
+async def serve_front(spec: FrontSpec) -> int:
+    config = spec.config
+    engine, first = await EngineLink.connect(spec.link_path)
+    reading = asyncio.create_task(engine.run(first), name="ominix-front-link")
+    service = FrontService(engine, spec)
+    source = resolve_model(config.model.path) if config.model.path or config.backends.workers else None
+    if source is not None and has_tokenizer(source):
+        service.tokenizer = await asyncio.to_thread(load_tokenizer, source)
+    health_servicer = health.aio.HealthServicer()
+    server = build_grpc_front(config, service, health_servicer)
+    await set_health(health_servicer, serving=False)
+    port = bind_grpc_front(server, config)
+    await server.start()
+    engine.frames.send(link.Bound(spec.index, port))
+    terminated = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError):
+        loop.add_signal_handler(signal.SIGTERM, terminated.set)
+    _log.info("front serving", front=spec.index, port=port)
+    serving = False
+    stop_waits = [
+        asyncio.ensure_future(engine.stop_requested.wait()),
+        asyncio.ensure_future(terminated.wait()),
+        reading,
+    ]
+    while not any(w.done() for w in stop_waits):
+        if engine.ready != serving:
+            serving = engine.ready
+            await set_health(health_servicer, serving=serving)
+        await asyncio.wait(stop_waits, timeout=HEALTH_REFRESH_INTERVAL_S, return_when="FIRST_COMPLETED")
+    await set_health(health_servicer, serving=False)
+    # The engine ended every request before it said stop (or the link is gone and they ended with an
+    # error): their last events are still on their way to the clients.
+    await service.wait_idle(SHUTDOWN_FLUSH_S)
+    with contextlib.suppress(Exception):
+        await server.stop(grace=SHUTDOWN_FLUSH_S)
+    await service.aclose()
+    engine.frames.close()
+    for waiting in stop_waits:
+        waiting.cancel()
+    with contextlib.suppress(BaseException):
+        await reading
+    return 0
+
+
+def main() -> int:
+    spec = pickle.load(sys.stdin.buffer)
+    if not isinstance(spec, FrontSpec):
+        print("ominix-runtime front: expects a FrontSpec on stdin", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    config = spec.config
+    configure_logging(config.log.level, config.log.json, component="front", front=spec.index)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(serve_front(spec))
+    return uvloop.run(serve_front(spec))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
