@@ -406,6 +406,16 @@ def run_launch(config: RuntimeConfig, options: argparse.Namespace) -> int:
             shutil.rmtree(secret_dir, ignore_errors=True)
 
 
+def default_front_procs(config: RuntimeConfig, num_groups: int) -> int:
+    """Front processes when ``--front-procs`` is unset: one per group when several GPU groups serve.
+
+    Several GPU groups stream more tokens than one event loop can both schedule and write to the clients
+    (bench/RESULTS.md, data parallel); CPU workers produce too few to need it and share the cores anyway.
+    """
+    on_gpus = any(d.startswith("cuda") for d in config.launch.devices)
+    return num_groups if on_gpus and num_groups > 1 else 0
+
+
 def _launch(config: RuntimeConfig, ports: Sequence[int], dist_ports: Sequence[int], nonce: str) -> int:
     plans = plan_workers(config, ports, nonce, dist_ports)
     # The engine checks the nonce too, each time it (re)connects to a worker: after a restart, the process on a
@@ -413,6 +423,8 @@ def _launch(config: RuntimeConfig, ports: Sequence[int], dist_ports: Sequence[in
     engine_config = with_paths(
         config, {"backends.workers": tuple(p.address for p in plans), "backends.launch_nonce": nonce}
     )
+    if config.front.procs is None:
+        engine_config = with_paths(engine_config, {"front.procs": default_front_procs(config, len(plans))})
     _, secret_env = child_command(command("serve"), engine_config)
     env = child_environment()
     if "cpu" in config.launch.devices:

@@ -131,12 +131,9 @@ class EngineDaemon:
                 RuntimeErrorKind.INVALID_ARGUMENT,
                 f"--max-message-bytes must be at least {MIN_MESSAGE_BYTES}, got {config.server.max_message_bytes}",
             )
-        source = None
-        model_name = ""
         backends = config.backends
-        if config.model.path or backends.workers or not backends.sglang_urls:  # SGLang alone: no local model
-            source = resolve_model(config.model.path)
-            model_name = source.name
+        source = model_source(config)
+        model_name = source.name if source is not None else ""
         self._backends = list(self._given_backends) if self._given_backends else _build_backends(config)
         engine = self._engine = EngineCore(self._backends, config.engine)
         service = EngineService(
@@ -154,7 +151,7 @@ class EngineDaemon:
         # says NOT_SERVING until the engine is ready.
         server = self._server = build_grpc_front(config, service, self.health)
         await set_health(self.health, serving=False)
-        if config.front.procs:
+        if front_procs(config):
             # Front processes serve the public port; this server only answers the calls they forward.
             self._hub = FrontHub(config, engine, service)
             server.add_insecure_port(self._hub.engine_address)
@@ -414,6 +411,19 @@ async def set_health(health_servicer: health.aio.HealthServicer, serving: bool) 
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for service in ("", ENGINE_SERVICE):
         await health_servicer.set(service, status)
+
+
+def front_procs(config: RuntimeConfig) -> int:
+    """How many front processes serve the clients (``--front-procs``; unset: none)."""
+    return config.front.procs or 0
+
+
+def model_source(config: RuntimeConfig) -> ModelSource | None:
+    """The model this engine serves itself (its tokenizer, its name); None for SGLang backends alone."""
+    backends = config.backends
+    if config.model.path or backends.workers or not backends.sglang_urls:
+        return resolve_model(config.model.path)
+    return None
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer:

@@ -41,6 +41,8 @@ from ominix_runtime.server.logging import get_logger
 READINESS_POLL_S = 0.25
 FRONT_START_TIMEOUT_S = 120.0  # a front loads the tokenizer before it binds
 FRONT_STOP_TIMEOUT_S = 10.0
+RESTART_DELAY_S = 0.5  # doubling up to MAX_RESTART_DELAY_S while a front fails to start again
+MAX_RESTART_DELAY_S = 10.0
 
 _log = get_logger("ominix.front_hub")
 
@@ -81,7 +83,7 @@ class _FrontLink:
 
 
 class FrontHub:
-    """Starts ``config.front.procs`` front processes, serves their links and restarts one that dies."""
+    """Starts ``config.front.procs`` (at least one) front processes, serves their links and restarts one that dies."""
 
     def __init__(self, config: RuntimeConfig, engine: EngineCore, service: EngineService) -> None:
         self._config = config
@@ -94,7 +96,8 @@ class FrontHub:
         self.port = 0
         self._server: asyncio.AbstractServer | None = None
         self._links: set[_FrontLink] = set()
-        self._procs: dict[int, asyncio.subprocess.Process] = {}
+        self._procs: dict[int, asyncio.subprocess.Process] = {}  # fronts that bound the port
+        self._starting: set[asyncio.subprocess.Process] = set()
         self._bound: dict[int, asyncio.Future[int]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -105,48 +108,71 @@ class FrontHub:
         self._server = await asyncio.start_unix_server(self._serve_link, self.link_path)
         os.chmod(self.link_path, 0o600)
         self.port = await self._start_front(0, self._config.server.port)
-        await asyncio.gather(*(self._start_front(i, self.port) for i in range(1, self._config.front.procs)))
+        count = self._config.front.procs or 1
+        await asyncio.gather(*(self._start_front(i, self.port) for i in range(1, count)))
         self._tasks.append(asyncio.get_running_loop().create_task(self._follow_readiness()))
-        _log.info("front processes serving", fronts=self._config.front.procs, port=self.port)
+        _log.info("front processes serving", fronts=count, port=self.port)
 
     async def _start_front(self, index: int, port: int) -> int:
+        """Start front ``index`` and wait until it listens on ``port`` (0: any); the port it bound. From then
+        on a task keeps it running: started again (with backoff) whenever it exits, until ``stop``."""
+        proc, exited, bound_port = await self._spawn(index, port)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._keep(index, proc, exited)))
+        return bound_port
+
+    async def _spawn(
+        self, index: int, port: int
+    ) -> tuple[asyncio.subprocess.Process, asyncio.Future[int], int]:
+        if self._stopping:
+            raise OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, "the engine is stopping")
         config = replace(self._config, server=replace(self._config.server, port=port))
-        spec = FrontSpec(config, index, self.link_path)
         bound: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._bound[index] = bound
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "ominix_runtime.server.front_process", stdin=asyncio.subprocess.PIPE
         )
-        self._procs[index] = proc
-        assert proc.stdin is not None
-        proc.stdin.write(pickle.dumps(spec))
-        await proc.stdin.drain()
-        proc.stdin.close()
-        exited = asyncio.ensure_future(proc.wait())
-        done, _ = await asyncio.wait(
-            {bound, exited}, timeout=FRONT_START_TIMEOUT_S, return_when="FIRST_COMPLETED"
-        )
+        self._starting.add(proc)
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(pickle.dumps(FrontSpec(config, index, self.link_path)))
+            await proc.stdin.drain()
+            proc.stdin.close()
+            exited = asyncio.ensure_future(proc.wait())
+            done, _ = await asyncio.wait(
+                {bound, exited}, timeout=FRONT_START_TIMEOUT_S, return_when="FIRST_COMPLETED"
+            )
+        finally:
+            self._starting.discard(proc)
         if bound not in done:
             exited.cancel()
             if proc.returncode is None:
                 proc.kill()
             why = f"exited with status {proc.returncode}" if exited in done else "did not bind in time"
             raise OminixError(
-                RuntimeErrorKind.BACKEND_UNAVAILABLE,
-                f"front process {index} {why} (port {port})",
+                RuntimeErrorKind.BACKEND_UNAVAILABLE, f"front process {index} {why} (port {port})"
             )
-        self._tasks.append(asyncio.get_running_loop().create_task(self._watch(index, proc, exited)))
-        return bound.result()
+        self._procs[index] = proc
+        return proc, exited, bound.result()
 
-    async def _watch(self, index: int, proc: asyncio.subprocess.Process, exited: asyncio.Future[int]) -> None:
-        status = await exited
-        if self._stopping:
-            return
-        _log.warning("front process exited; starting it again", front=index, status=status)
-        try:
-            await self._start_front(index, self.port)
-        except OminixError as exc:
-            _log.error("front process did not start again", front=index, error=exc.message)
+    async def _keep(self, index: int, proc: asyncio.subprocess.Process, exited: asyncio.Future[int]) -> None:
+        while True:
+            status = await exited
+            if self._stopping:
+                return
+            _log.warning("front process exited; starting it again", front=index, status=status)
+            delay = RESTART_DELAY_S
+            while True:
+                try:
+                    proc, exited, _ = await self._spawn(index, self.port)
+                    break
+                except OminixError as exc:
+                    if self._stopping:
+                        return
+                    _log.error(
+                        "front process did not start again", front=index, error=exc.message, retry_s=delay
+                    )
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, MAX_RESTART_DELAY_S)
 
     async def _serve_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         front = _FrontLink(writer, self._service)
@@ -160,6 +186,9 @@ class FrontHub:
                 tuple(engine.capabilities()),
             )
         )
+        if self._stopping:  # a front that started while the engine began to stop
+            front.frames.send(link.Readiness(False, tuple(engine.capabilities())))
+            front.frames.send(link.StopServing())
         try:
             while (messages := await link.read_frame(reader)) is not None:
                 for message in messages:
@@ -239,7 +268,7 @@ class FrontHub:
         for task in self._tasks:
             task.cancel()
         self.broadcast(link.StopServing())
-        procs = [p for p in self._procs.values() if p.returncode is None]
+        procs = [p for p in [*self._procs.values(), *self._starting] if p.returncode is None]
         if procs:
             _, pending = await asyncio.wait(
                 [asyncio.ensure_future(p.wait()) for p in procs], timeout=FRONT_STOP_TIMEOUT_S

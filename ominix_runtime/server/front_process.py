@@ -37,7 +37,6 @@ from ominix_runtime.contract import (
     is_terminal,
 )
 from ominix_runtime.engine.core import EventInbox, ReaderWaker, RequestHandle
-from ominix_runtime.models import resolve_model
 from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
 from ominix_runtime.server import front_link as link
 from ominix_runtime.server.app import (
@@ -47,6 +46,7 @@ from ominix_runtime.server.app import (
     build_grpc_front,
     has_tokenizer,
     load_tokenizer,
+    model_source,
     set_health,
 )
 from ominix_runtime.server.engine_service import AlreadyLive, EngineServiceBase
@@ -271,7 +271,7 @@ async def serve_front(spec: FrontSpec) -> int:
     engine, first = await EngineLink.connect(spec.link_path)
     reading = asyncio.create_task(engine.run(first), name="ominix-front-link")
     service = FrontService(engine, spec)
-    source = resolve_model(config.model.path) if config.model.path or config.backends.workers else None
+    source = model_source(config)
     if source is not None and has_tokenizer(source):
         service.tokenizer = await asyncio.to_thread(load_tokenizer, source)
     health_servicer = health.aio.HealthServicer()
@@ -296,6 +296,11 @@ async def serve_front(spec: FrontSpec) -> int:
             serving = engine.ready
             await set_health(health_servicer, serving=serving)
         await asyncio.wait(stop_waits, timeout=HEALTH_REFRESH_INTERVAL_S, return_when="FIRST_COMPLETED")
+    if reading.done():
+        error = None if reading.cancelled() else reading.exception()
+        _log.warning("engine link closed", front=spec.index, error=repr(error) if error else None)
+    elif terminated.is_set():
+        _log.info("SIGTERM: stopping", front=spec.index)
     await set_health(health_servicer, serving=False)
     # The engine ended every request before it said stop (or the link is gone and they ended with an
     # error): their last events are still on their way to the clients.

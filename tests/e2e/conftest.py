@@ -28,11 +28,13 @@ def _model_and_tokenizer(kind: str, tiny_model_dir: Path) -> tuple[str, Tokenize
     return "", Tokenizer.from_gguf(embedded_model_path())
 
 
-@pytest.fixture(scope="module", params=["tiny", "smollm2"])
+# "tiny-fronts": the tiny model again, its clients served by two front processes (--front-procs 2).
+@pytest.fixture(scope="module", params=["tiny", "smollm2", "tiny-fronts"])
 def daemon(
     request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Daemon]:
-    model, tokenizer = _model_and_tokenizer(request.param, tiny_model_dir)
+    kind = request.param.removesuffix("-fronts")
+    model, tokenizer = _model_and_tokenizer(kind, tiny_model_dir)
     prompts = [tokenizer.encode(t) for t in REFERENCE_TEXTS]
     logs = tmp_path_factory.mktemp(f"logs-{request.param}")
     with run_server(
@@ -40,8 +42,9 @@ def daemon(
         logs,
         reference_prompts=prompts,
         reference_tokens=REFERENCE_TOKENS,
-        kv_cache_memory="16MiB" if request.param == "tiny" else "96MiB",
+        kv_cache_memory="16MiB" if kind == "tiny" else "96MiB",
+        extra_serve_args=["--front-procs", "2"] if request.param.endswith("-fronts") else [],
     ) as running:
         running.tokenizer = tokenizer
-        running.kind = request.param
+        running.kind = kind
         yield running

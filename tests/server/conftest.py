@@ -1,4 +1,5 @@
-"""Fixtures: one fake-backed engine daemon per module (see server_harness.py)."""
+"""Fixtures: one fake-backed engine daemon per module (see server_harness.py), serving its clients itself and
+again through two front processes (``--front-procs 2``): the front API must not tell the two apart."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ from collections.abc import Iterator
 import pytest
 from server_harness import SMOLLM2_VOCAB, RunningDaemon, start_daemon, stop_daemon
 
+from ominix_runtime.config import FrontConfig
 from ominix_runtime.server.logging import configure_logging
 from ominix_runtime.testing.fake_backend import FakeConfig
 
 
-@pytest.fixture(scope="module")
-def fake_daemon() -> Iterator[RunningDaemon]:
+@pytest.fixture(scope="module", params=[0, 2], ids=["in-process", "front-procs"])
+def fake_daemon(request: pytest.FixtureRequest) -> Iterator[RunningDaemon]:
     configure_logging("warning", json_output=True)
     running, thread = start_daemon(
         FakeConfig(
@@ -21,7 +23,8 @@ def fake_daemon() -> Iterator[RunningDaemon]:
             max_model_len=2048,
             kv_num_blocks=64,
             step_latency=0.002,
-        )
+        ),
+        front=FrontConfig(procs=request.param),
     )
     try:
         yield running

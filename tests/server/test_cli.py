@@ -13,7 +13,7 @@ import pytest
 from ominix_runtime.cli import main
 from ominix_runtime.cli.commands import COMMANDS, command
 from ominix_runtime.cli.flags import FLAGS
-from ominix_runtime.cli.launcher import plan_workers
+from ominix_runtime.cli.launcher import default_front_procs, device_groups, plan_workers
 from ominix_runtime.cli.settings import (
     ConfigError,
     build_parser,
@@ -141,6 +141,24 @@ def test_launch_groups_devices_for_tensor_parallelism() -> None:
     odd, _ = resolve(LAUNCH, ["--devices", "cpu,cpu,cpu", "--tensor-parallel-size", "2"], env={})
     with pytest.raises(ConfigError, match="do not split into groups of --tensor-parallel-size 2"):
         plan_workers(odd, [41000], "n")
+
+
+def test_launch_gives_several_gpu_groups_a_front_process_each_unless_told() -> None:
+    def fronts(argv: list[str]) -> int | None:
+        config, _ = resolve(LAUNCH, argv, env={})
+        if config.front.procs is not None:
+            return config.front.procs
+        return default_front_procs(config, len(device_groups(config)))
+
+    assert fronts(["--devices", "cuda:0,cuda:1"]) == 2
+    assert fronts(["--devices", "cuda:0,cuda:1,cuda:2,cuda:3", "--tensor-parallel-size", "2"]) == 2
+    assert fronts(["--devices", "cuda:0,cuda:1", "--tensor-parallel-size", "2"]) == 0  # one group
+    assert fronts(["--devices", "cpu,cpu"]) == 0
+    assert fronts(["--devices", "cuda:0,cuda:1", "--front-procs", "3"]) == 3
+    assert fronts(["--devices", "cuda:0,cuda:1", "--front-procs", "0"]) == 0
+    serve, _ = resolve(SERVE, ["--front-procs", "2"], env={})
+    words, _ = child_command(SERVE, serve)
+    assert resolve(SERVE, words[1:], env={})[0].front.procs == 2
 
 
 def test_engine_child_gets_every_serve_setting() -> None:

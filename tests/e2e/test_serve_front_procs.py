@@ -1,0 +1,77 @@
+"""``serve --front-procs 2`` as processes: the fronts are the engine's children, serve the port, and never
+outlive it, whether it stops on SIGTERM or is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from e2e_procs import run_server
+
+from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _wait_gone(pids: list[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(_gone(p) for p in pids):
+        assert time.monotonic() < deadline, (
+            f"front processes still running: {[p for p in pids if not _gone(p)]}"
+        )
+        time.sleep(0.1)
+
+
+def _generate_once(stub: engine_pb2_grpc.EngineStub) -> None:
+    request = engine_pb2.GenerateRequest(
+        request_id=f"tree-{time.monotonic_ns()}",
+        input_ids=engine_pb2.TokenIds(ids=[5, 6, 7]),
+        sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+    )
+    events = list(stub.Generate(request, timeout=60))
+    assert events[-1].HasField("done")
+
+
+def test_fronts_serve_and_stop_with_the_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with run_server(
+        str(tiny_model_dir),
+        tmp_path,
+        num_workers=1,
+        kv_cache_memory="16MiB",
+        extra_serve_args=["--front-procs", "2"],
+    ) as daemon:
+        fronts = _children(daemon.engine.popen.pid)
+        assert len(fronts) == 2, fronts
+        _generate_once(daemon.stub)
+    # run_server stopped the engine with SIGTERM: its fronts went with it.
+    _wait_gone(fronts, 20)
+
+
+def test_fronts_exit_when_the_engine_is_killed(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with run_server(
+        str(tiny_model_dir),
+        tmp_path,
+        num_workers=1,
+        kv_cache_memory="16MiB",
+        extra_serve_args=["--front-procs", "2"],
+    ) as daemon:
+        fronts = _children(daemon.engine.popen.pid)
+        assert len(fronts) == 2, fronts
+        _generate_once(daemon.stub)
+        os.kill(daemon.engine.popen.pid, signal.SIGKILL)
+        daemon.engine.popen.wait(10)
+        # Orphaned, each front sees its link to the engine close and exits.
+        _wait_gone(fronts, 20)
