@@ -261,10 +261,17 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         gen_request.owner = caller
         try:
             handle = self._engine.submit(gen_request)
-            await handle.admitted()
+            await handle.admitted()  # at once in the engine's process; a front process waits for its answer
         except OminixError as exc:
             self._forget(request_id)
             self._reject(exc.message, exc.kind.name.lower(), counted_by_engine=True, span=span)
+            raise
+        except asyncio.CancelledError:
+            # The client went away while a front process waited for the engine's answer: the engine may
+            # have admitted the request already, so abort it.
+            self._forget(request_id)
+            handle.abort()
+            span.end("cancelled")
             raise
         except BaseException:
             self._forget(request_id)

@@ -49,7 +49,8 @@ _log = get_logger("ominix.front_hub")
 
 @dataclass(frozen=True, slots=True)
 class FrontSpec:
-    """What a front process is started with (pickled on its stdin)."""
+    """What a front process is started with (pickled into a file of the hub's directory, named on its
+    command line)."""
 
     config: RuntimeConfig  # server.host/port: the address to bind (the port the first front bound)
     index: int
@@ -128,15 +129,17 @@ class FrontHub:
         config = replace(self._config, server=replace(self._config.server, port=port))
         bound: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._bound[index] = bound
+        spec_path = self._dir / f"front{index}.spec"  # in the hub's directory: this user only
+        spec_path.write_bytes(pickle.dumps(FrontSpec(config, index, self.link_path)))
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "ominix_runtime.server.front_process", stdin=asyncio.subprocess.PIPE
+            sys.executable,
+            "-m",
+            "ominix_runtime.server.front_process",
+            str(spec_path),
+            stdin=asyncio.subprocess.DEVNULL,
         )
         self._starting.add(proc)
         try:
-            assert proc.stdin is not None
-            proc.stdin.write(pickle.dumps(FrontSpec(config, index, self.link_path)))
-            await proc.stdin.drain()
-            proc.stdin.close()
             exited = asyncio.ensure_future(proc.wait())
             done, _ = await asyncio.wait(
                 {bound, exited}, timeout=FRONT_START_TIMEOUT_S, return_when="FIRST_COMPLETED"

@@ -317,9 +317,13 @@ async def serve_front(spec: FrontSpec) -> int:
 
 
 def main() -> int:
-    spec = pickle.load(sys.stdin.buffer)
+    if len(sys.argv) != 2:
+        print("ominix-runtime front: started by the engine process (serve --front-procs)", file=sys.stderr)
+        return 2
+    with open(sys.argv[1], "rb") as f:
+        spec = pickle.load(f)
     if not isinstance(spec, FrontSpec):
-        print("ominix-runtime front: expects a FrontSpec on stdin", file=sys.stderr)
+        print("ominix-runtime front: the spec file holds no FrontSpec", file=sys.stderr)
         return 2
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = spec.config
