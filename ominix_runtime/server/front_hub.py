@@ -19,8 +19,10 @@ import contextlib
 import os
 import pickle
 import shutil
+import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -55,6 +57,25 @@ class FrontSpec:
     config: RuntimeConfig  # server.host/port: the address to bind (the port the first front bound)
     index: int
     link_path: str
+
+
+def _exit_of(proc: subprocess.Popen[bytes]) -> asyncio.Future[int]:
+    """A future of ``proc``'s exit status, waited for on a thread of its own (not the loop's executor, which a
+    few fronts would fill)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[int] = loop.create_future()
+
+    def settle(status: int) -> None:
+        if not done.done():
+            done.set_result(status)
+
+    def wait() -> None:
+        status = proc.wait()
+        with contextlib.suppress(RuntimeError):  # the loop closed first
+            loop.call_soon_threadsafe(settle, status)
+
+    threading.Thread(target=wait, name=f"ominix-front-wait-{proc.pid}", daemon=True).start()
+    return done
 
 
 class _FrontLink:
@@ -97,8 +118,8 @@ class FrontHub:
         self.port = 0
         self._server: asyncio.AbstractServer | None = None
         self._links: set[_FrontLink] = set()
-        self._procs: dict[int, asyncio.subprocess.Process] = {}  # fronts that bound the port
-        self._starting: set[asyncio.subprocess.Process] = set()
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}  # fronts that bound the port
+        self._starting: set[subprocess.Popen[bytes]] = set()
         self._bound: dict[int, asyncio.Future[int]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -121,9 +142,7 @@ class FrontHub:
         self._tasks.append(asyncio.get_running_loop().create_task(self._keep(index, proc, exited)))
         return bound_port
 
-    async def _spawn(
-        self, index: int, port: int
-    ) -> tuple[asyncio.subprocess.Process, asyncio.Future[int], int]:
+    async def _spawn(self, index: int, port: int) -> tuple[subprocess.Popen[bytes], asyncio.Future[int], int]:
         if self._stopping:
             raise OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, "the engine is stopping")
         config = replace(self._config, server=replace(self._config.server, port=port))
@@ -131,16 +150,18 @@ class FrontHub:
         self._bound[index] = bound
         spec_path = self._dir / f"front{index}.spec"  # in the hub's directory: this user only
         spec_path.write_bytes(pickle.dumps(FrontSpec(config, index, self.link_path)))
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "ominix_runtime.server.front_process",
-            str(spec_path),
-            stdin=asyncio.subprocess.DEVNULL,
+        # posix_spawn, not fork: this process runs gRPC threads, and gRPC's fork handlers in a forked child
+        # can abort it before the exec (seen: "Check failed: next_worker->state == KICKED" under uvloop,
+        # whose subprocesses fork). subprocess uses posix_spawn with close_fds=False; nothing leaks, since
+        # Python and gRPC open every descriptor close-on-exec.
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ominix_runtime.server.front_process", str(spec_path)],
+            stdin=subprocess.DEVNULL,
+            close_fds=False,
         )
         self._starting.add(proc)
         try:
-            exited = asyncio.ensure_future(proc.wait())
+            exited = _exit_of(proc)
             done, _ = await asyncio.wait(
                 {bound, exited}, timeout=FRONT_START_TIMEOUT_S, return_when="FIRST_COMPLETED"
             )
@@ -157,7 +178,7 @@ class FrontHub:
         self._procs[index] = proc
         return proc, exited, bound.result()
 
-    async def _keep(self, index: int, proc: asyncio.subprocess.Process, exited: asyncio.Future[int]) -> None:
+    async def _keep(self, index: int, proc: subprocess.Popen[bytes], exited: asyncio.Future[int]) -> None:
         while True:
             status = await exited
             if self._stopping:
@@ -273,9 +294,7 @@ class FrontHub:
         self.broadcast(link.StopServing())
         procs = [p for p in [*self._procs.values(), *self._starting] if p.returncode is None]
         if procs:
-            _, pending = await asyncio.wait(
-                [asyncio.ensure_future(p.wait()) for p in procs], timeout=FRONT_STOP_TIMEOUT_S
-            )
+            _, pending = await asyncio.wait([_exit_of(p) for p in procs], timeout=FRONT_STOP_TIMEOUT_S)
             for p in procs:
                 if p.returncode is None:
                     _log.warning("front process did not stop; killing it", pid=p.pid)
