@@ -33,7 +33,8 @@ DP_RUNS=${DP_RUNS:-"dp1 dp2 dp2load"}  # which runs of the dp stage
 TP_CONFIG=${TP_CONFIG:-bench/configs/llama70b-config.json}
 DP_CONFIG=${DP_CONFIG:-bench/configs/llama8b-config.json}
 WORKER_ARGS=${WORKER_ARGS:-"--max-model-len 2048"}
-SERVE_ARGS=${SERVE_ARGS:-""}  # extra `ominix-runtime serve` flags (e.g. --front-procs 2)
+SERVE_ARGS=${SERVE_ARGS:-""}  # extra `ominix-runtime serve` flags
+# Front processes per run: as `launch` on GPUs, one per group unless FRONT_PROCS says otherwise.
 SERVICE_S=${SERVICE_S:-420}
 W1_ARGS=${W1_ARGS:-"--w1 --batch1 --num-requests 256 --input-len 512 --output-len 256 --batch1-trials 3"}
 PEER_DIR=${PEER_DIR:-../shared/peers/vllm}
@@ -68,7 +69,8 @@ run_service() {
     g=$((g + 1))
   done
   timeout $((SERVICE_S + 600)) python3 -m ominix_runtime serve --model "$model" "${workers[@]}" --port "$eport" \
-    --metrics-port 0 --log-level warning --worker-ready-timeout 900 $SERVE_ARGS >"$OUT/$name.engine.log" 2>&1 &
+    --metrics-port 0 --log-level warning --worker-ready-timeout 900 --front-procs "${FRONT_PROCS:-$g}" $SERVE_ARGS \
+    >"$OUT/$name.engine.log" 2>&1 &
   pids+=($!); watches+=(--watch "engine:$!:$OUT/$name.engine.log")
   local started=$SECONDS
   if timeout 960 python3 bench/common.py wait-serving "127.0.0.1:$eport" --timeout 900 "${watches[@]}"; then

@@ -89,8 +89,8 @@ class FrontConfig:
     tokenizer_threads: int = 2  # threads that tokenize and render chat templates off the event loop
     max_pending_tokenizations: int = 64  # more waiting prompts are refused (RESOURCE_EXHAUSTED)
     # Processes that serve the clients' streams on the engine port (server/front_hub.py); 0: the engine
-    # process serves them itself. None: `launch` picks one per GPU worker group when there are several,
-    # `serve` takes 0.
+    # process serves them itself. None: `launch` starts one per GPU worker group (none on CPUs), `serve`
+    # takes 0.
     procs: int | None = None
 
 

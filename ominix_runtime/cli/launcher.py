@@ -407,13 +407,15 @@ def run_launch(config: RuntimeConfig, options: argparse.Namespace) -> int:
 
 
 def default_front_procs(config: RuntimeConfig, num_groups: int) -> int:
-    """Front processes when ``--front-procs`` is unset: one per group when several GPU groups serve.
+    """Front processes when ``--front-procs`` is unset: one per group on GPUs, none on CPUs.
 
     Several GPU groups stream more tokens than one event loop can both schedule and write to the clients
-    (bench/RESULTS.md, data parallel); CPU workers produce too few to need it and share the cores anyway.
+    (bench/RESULTS.md, data parallel); with one group the engine's loop still gets its next step out sooner
+    when the client streams are elsewhere (bench/engine_overhead.py). CPU workers produce too few tokens to
+    need it and share the cores anyway.
     """
     on_gpus = any(d.startswith("cuda") for d in config.launch.devices)
-    return num_groups if on_gpus and num_groups > 1 else 0
+    return num_groups if on_gpus else 0
 
 
 def _launch(config: RuntimeConfig, ports: Sequence[int], dist_ports: Sequence[int], nonce: str) -> int:

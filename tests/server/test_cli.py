@@ -143,7 +143,7 @@ def test_launch_groups_devices_for_tensor_parallelism() -> None:
         plan_workers(odd, [41000], "n")
 
 
-def test_launch_gives_several_gpu_groups_a_front_process_each_unless_told() -> None:
+def test_launch_gives_gpu_groups_a_front_process_each_unless_told() -> None:
     def fronts(argv: list[str]) -> int | None:
         config, _ = resolve(LAUNCH, argv, env={})
         if config.front.procs is not None:
@@ -152,7 +152,7 @@ def test_launch_gives_several_gpu_groups_a_front_process_each_unless_told() -> N
 
     assert fronts(["--devices", "cuda:0,cuda:1"]) == 2
     assert fronts(["--devices", "cuda:0,cuda:1,cuda:2,cuda:3", "--tensor-parallel-size", "2"]) == 2
-    assert fronts(["--devices", "cuda:0,cuda:1", "--tensor-parallel-size", "2"]) == 0  # one group
+    assert fronts(["--devices", "cuda:0,cuda:1", "--tensor-parallel-size", "2"]) == 1  # one group
     assert fronts(["--devices", "cpu,cpu"]) == 0
     assert fronts(["--devices", "cuda:0,cuda:1", "--front-procs", "3"]) == 3
     assert fronts(["--devices", "cuda:0,cuda:1", "--front-procs", "0"]) == 0
