@@ -153,7 +153,7 @@ class EngineDaemon:
         await set_health(self.health, serving=False)
         if front_procs(config):
             # Front processes serve the public port; this server only answers the calls they forward.
-            self._hub = FrontHub(config, engine, service)
+            self._hub = FrontHub(config, engine, service, self.metrics)
             server.add_insecure_port(self._hub.engine_address)
         else:
             self.bound_port = bind_grpc_front(server, config)

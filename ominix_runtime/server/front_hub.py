@@ -39,6 +39,7 @@ from ominix_runtime.engine.core import EngineCore
 from ominix_runtime.server import front_link as link
 from ominix_runtime.server.engine_service import EngineService
 from ominix_runtime.server.logging import get_logger
+from ominix_runtime.server.metrics import EngineMetrics
 
 READINESS_POLL_S = 0.25
 FRONT_START_TIMEOUT_S = 120.0  # a front loads the tokenizer before it binds
@@ -107,8 +108,15 @@ class _FrontLink:
 class FrontHub:
     """Starts ``config.front.procs`` (at least one) front processes, serves their links and restarts one that dies."""
 
-    def __init__(self, config: RuntimeConfig, engine: EngineCore, service: EngineService) -> None:
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        engine: EngineCore,
+        service: EngineService,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
         self._config = config
+        self._metrics = metrics
         self._engine = engine
         self._service = service
         self._dir = Path(tempfile.mkdtemp(prefix="ominix-fronts-"))  # mode 0700: this user only
@@ -176,7 +184,12 @@ class FrontHub:
                 RuntimeErrorKind.BACKEND_UNAVAILABLE, f"front process {index} {why} (port {port})"
             )
         self._procs[index] = proc
+        self._count_serving()
         return proc, exited, bound.result()
+
+    def _count_serving(self) -> None:
+        if self._metrics is not None:
+            self._metrics.front_processes.set(len(self.pids()))
 
     async def _keep(self, index: int, proc: subprocess.Popen[bytes], exited: asyncio.Future[int]) -> None:
         while True:
@@ -184,6 +197,9 @@ class FrontHub:
             if self._stopping:
                 return
             _log.warning("front process exited; starting it again", front=index, status=status)
+            self._count_serving()
+            if self._metrics is not None:
+                self._metrics.front_restarts.inc()
             delay = RESTART_DELAY_S
             while True:
                 try:

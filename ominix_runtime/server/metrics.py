@@ -88,6 +88,16 @@ class EngineMetrics:
             ["model_name", "reason"],
             registry=r,
         )
+        self.front_processes = Gauge(
+            "ominix_front_processes",
+            "Front processes serving the clients' streams on the engine port (--front-procs).",
+            registry=r,
+        )
+        self.front_restarts = Counter(
+            "ominix_front_restarts",
+            "Front processes started again after one exited (its clients' streams broke).",
+            registry=r,
+        )
 
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(name, doc, ["model_name"], buckets=buckets, registry=r)

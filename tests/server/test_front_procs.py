@@ -12,10 +12,12 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from server_harness import SMOLLM2_VOCAB, RunningDaemon, start_daemon, stop_daemon
 
 from ominix_runtime.config import FrontConfig
@@ -124,6 +126,12 @@ def _wait_fronts(daemon: RunningDaemon, old: set[int], timeout: float = 60.0) ->
         time.sleep(0.1)
 
 
+def _scrape(daemon: RunningDaemon) -> dict[str, float]:
+    with urllib.request.urlopen(daemon.metrics_url, timeout=5) as resp:
+        text = resp.read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -211,6 +219,9 @@ def test_a_front_killed_mid_stream_frees_its_requests_and_comes_back(fronts: Run
     _wait_idle(fronts)  # the dead front's requests were aborted: no KV left behind
     pids = _wait_fronts(fronts, {old[0]})
     assert old[1] in pids
+    metrics = _scrape(fronts)
+    assert metrics["ominix_front_restarts_total"] >= 1
+    assert metrics["ominix_front_processes"] == 2
     events = list(fronts.stub.Generate(_request("after-kill", 6), metadata=_auth(KEYS[0]), timeout=30))
     assert events[-1].HasField("done")
 

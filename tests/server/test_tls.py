@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_harness import SMOLLM2_VOCAB, start_daemon, stop_daemon
 
-from ominix_runtime.config import TLSConfig
+from ominix_runtime.config import FrontConfig, TLSConfig
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
 from ominix_runtime.testing.fake_backend import FakeConfig
 
@@ -29,10 +29,13 @@ def _self_signed(folder: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-def test_front_api_over_tls(tmp_path: Path) -> None:
+@pytest.mark.parametrize("front_procs", [0, 1], ids=["in-process", "front-process"])
+def test_front_api_over_tls(tmp_path: Path, front_procs: int) -> None:
     cert, key = _self_signed(tmp_path)
     running, thread = start_daemon(
-        FakeConfig(vocab_size=SMOLLM2_VOCAB), tls=TLSConfig(cert=str(cert), key=str(key))
+        FakeConfig(vocab_size=SMOLLM2_VOCAB),
+        tls=TLSConfig(cert=str(cert), key=str(key)),
+        front=FrontConfig(procs=front_procs),
     )
     try:
         credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
