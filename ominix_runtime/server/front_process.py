@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import pickle
 import signal
 import sys
@@ -322,6 +323,8 @@ def main() -> int:
         return 2
     with open(sys.argv[1], "rb") as f:
         spec = pickle.load(f)
+    with contextlib.suppress(OSError):  # it may hold API keys: gone once read
+        os.unlink(sys.argv[1])
     if not isinstance(spec, FrontSpec):
         print("ominix-runtime front: the spec file holds no FrontSpec", file=sys.stderr)
         return 2
