@@ -151,7 +151,7 @@ class EngineDaemon:
         # says NOT_SERVING until the engine is ready.
         server = self._server = build_grpc_front(config, service, self.health)
         await set_health(self.health, serving=False)
-        if front_procs(config):
+        if config.front.procs:
             # Front processes serve the public port; this server only answers the calls they forward.
             self._hub = FrontHub(config, engine, service, self.metrics)
             server.add_insecure_port(self._hub.engine_address)
@@ -411,11 +411,6 @@ async def set_health(health_servicer: health.aio.HealthServicer, serving: bool) 
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for service in ("", ENGINE_SERVICE):
         await health_servicer.set(service, status)
-
-
-def front_procs(config: RuntimeConfig) -> int:
-    """How many front processes serve the clients (``--front-procs``; unset: none)."""
-    return config.front.procs or 0
 
 
 def model_source(config: RuntimeConfig) -> ModelSource | None:

@@ -80,29 +80,19 @@ def _exit_of(proc: subprocess.Popen[bytes]) -> asyncio.Future[int]:
 
 
 class _FrontLink:
-    """One connected front: its frame writer, its live requests and the events queued for it this turn."""
+    """One connected front: its frame writer and its live requests; the EventSink of those requests."""
 
     def __init__(self, writer: asyncio.StreamWriter, service: EngineService) -> None:
         self.frames = link.FrameWriter(writer)
         self.live: set[str] = set()
         self._service = service
-        self._events: list[WorkerEvent] = []
-        self._flush_pending = False
         self.index = -1
 
     def put(self, event: WorkerEvent) -> None:
-        self._events.append(event)
+        self.frames.send_event(event)
         if is_terminal(event):
             self.live.discard(event.request_id)
             self._service.forget(event.request_id)
-        if not self._flush_pending:
-            self._flush_pending = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_pending = False
-        events, self._events = self._events, []
-        self.frames.send(link.Events(events))
 
 
 class FrontHub:

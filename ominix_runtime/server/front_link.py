@@ -158,6 +158,14 @@ class FrameWriter:
             self._flush_pending = True
             asyncio.get_running_loop().call_soon(self._flush)
 
+    def send_event(self, event: WorkerEvent) -> None:
+        """Queue ``event``: the events of one turn go in one Events message, in order with the others."""
+        last = self._queued[-1] if self._queued else None
+        if isinstance(last, Events):
+            last.events.append(event)
+        else:
+            self.send(Events([event]))
+
     def _flush(self) -> None:
         self._flush_pending = False
         messages, self._queued = self._queued, []

@@ -3,12 +3,14 @@ outlive it, whether it stops on SIGTERM or is killed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from e2e_procs import run_server
+from e2e_procs import Daemon, run_server
 
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
 
@@ -45,10 +47,12 @@ def _generate_once(stub: engine_pb2_grpc.EngineStub) -> None:
     assert events[-1].HasField("done")
 
 
-def test_fronts_serve_and_stop_with_the_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _serving_with_two_fronts(model_dir: Path, log_dir: Path) -> Iterator[tuple[Daemon, list[int]]]:
+    """The tiny model behind ``serve --front-procs 2`` with one CPU worker, after one request went through."""
     with run_server(
-        str(tiny_model_dir),
-        tmp_path,
+        str(model_dir),
+        log_dir,
         num_workers=1,
         kv_cache_memory="16MiB",
         extra_serve_args=["--front-procs", "2"],
@@ -56,21 +60,18 @@ def test_fronts_serve_and_stop_with_the_engine(tiny_model_dir: Path, tmp_path: P
         fronts = _children(daemon.engine.popen.pid)
         assert len(fronts) == 2, fronts
         _generate_once(daemon.stub)
+        yield daemon, fronts
+
+
+def test_fronts_serve_and_stop_with_the_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with _serving_with_two_fronts(tiny_model_dir, tmp_path) as (_, fronts):
+        pass  # two fronts served a request (checked on the way in)
     # run_server stopped the engine with SIGTERM: its fronts went with it.
     _wait_gone(fronts, 20)
 
 
 def test_fronts_exit_when_the_engine_is_killed(tiny_model_dir: Path, tmp_path: Path) -> None:
-    with run_server(
-        str(tiny_model_dir),
-        tmp_path,
-        num_workers=1,
-        kv_cache_memory="16MiB",
-        extra_serve_args=["--front-procs", "2"],
-    ) as daemon:
-        fronts = _children(daemon.engine.popen.pid)
-        assert len(fronts) == 2, fronts
-        _generate_once(daemon.stub)
+    with _serving_with_two_fronts(tiny_model_dir, tmp_path) as (daemon, fronts):
         os.kill(daemon.engine.popen.pid, signal.SIGKILL)
         daemon.engine.popen.wait(10)
         # Orphaned, each front sees its link to the engine close and exits.
