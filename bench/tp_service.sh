@@ -4,10 +4,7 @@
 #   tests     tests/gpu/test_tensor_parallel_gpu.py (TP=2/4 logits vs TP=1 in bf16, graphs, kill -9 of a rank)
 #   nccl      NCCL all-reduce bus bandwidth and the all-reduce time of one decode step of the model shape
 #   handoff   the leader's step hand-off per step (bench/tp_handoff.py, 256-request decode steps)
-#   overlap   row-parallel GEMM + all-reduce per decoder layer at prefill sizes: serial against row chunks whose
-#             all-reduces overlap the next chunk's GEMM (bench/tp_overlap.py)
 #   tp        Llama-3.1-70B shape dummy bf16, one TP=$TP group behind serve: W1 256 x 512 x 256 and batch-1 TPOT
-#   tpserial  the same with --tp-reduce-chunks 1 (one all-reduce after each row-parallel GEMM)
 #   dp        Llama-8B shape: W1 on one TP=1 group, then on two TP=1 groups (cuda:0, cuda:1) with the same 256
 #             requests and with 256 per group (DP_LOAD_ARGS): split over two groups each GPU decodes at half
 #             the batch, which costs nearly as much per step, so scaling is measured at the one-group load per group
@@ -102,18 +99,12 @@ for stage in $STAGES; do
         tests/gpu/test_moe_tensor_parallel_gpu.py 2>&1 | tail -8 ;;
     nccl)
       timeout 300 python3 bench/nccl_bus.py --size "$TP" --json "$OUT/nccl.json" 2>&1 | grep -v Warning | tail -3 ;;
-    overlap)
-      timeout 300 python3 bench/tp_overlap.py --size "$TP" --tokens 2048 4096 8192 --json "$OUT/overlap.json" 2>&1 \
-        | grep -v Warning | tail -3 ;;
     handoff)
       for args in "--running 256" "--running 1" "--running 0 --new 8 --prompt-len 512"; do
         timeout 120 python3 bench/tp_handoff.py --size "$TP" $args --steps 300 --interval-ms 10 2>&1 | grep '^{'
       done | tee "$OUT/handoff.jsonl" ;;
     tp)
       run_service "tp$TP" "dummy:$TP_CONFIG" "$TP_CONFIG" "$TP_DEVICES" ;;
-    tpserial)
-      WORKER_ARGS="$WORKER_ARGS --tp-reduce-chunks 1" run_service "tp${TP}serial" "dummy:$TP_CONFIG" "$TP_CONFIG" \
-        "$TP_DEVICES" ;;
     dp)
       read -r -a dp <<<"$DP_DEVICES"
       case " $DP_RUNS " in *" dp1 "*) run_service dp1 "dummy:$DP_CONFIG" "$DP_CONFIG" "${dp[0]}" ;; esac
@@ -148,12 +139,11 @@ def fig(name, key):
 rows = [
     (f"70B TP={tp} W1 out tok/s", fig(f"tp{tp}", "w1_cold_out_tok_s")),
     (f"70B TP={tp} batch-1 TPOT ms", fig(f"tp{tp}", "batch1_tpot_ms")),
-    (f"70B TP={tp} W1, --tp-reduce-chunks 1, out tok/s", fig(f"tp{tp}serial", "w1_cold_out_tok_s")),
     ("8B one TP=1 group W1 out tok/s", fig("dp1", "w1_cold_out_tok_s")),
     ("8B two TP=1 groups W1 out tok/s", fig("dp2", "w1_cold_out_tok_s")),
     ("8B two TP=1 groups, W1 load per group, out tok/s", fig("dp2load", "w1_cold_out_tok_s")),
 ]
-one, two, loaded = rows[3][1], rows[4][1], rows[5][1]
+one, two, loaded = rows[2][1], rows[3][1], rows[4][1]
 if one and two:
     rows.append(("DP scaling, same requests (two groups / one)", two / one))
 if one and loaded:

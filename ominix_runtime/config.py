@@ -164,7 +164,6 @@ class WorkerConfig:
     dist_init_addr: str | None = None  # HOST:PORT where rank 0 gathers its group
     dist_timeout: float = DEFAULT_DIST_TIMEOUT_S
     moe_parallel: str = "tensor"  # how a group splits MoE layers: tensor (slices) or expert (whole experts)
-    tp_reduce_chunks: int = 4  # row chunks whose all-reduces overlap the next chunk's GEMM in prefill steps
 
 
 @dataclass(frozen=True, slots=True)

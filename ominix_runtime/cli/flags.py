@@ -574,14 +574,6 @@ FLAGS: tuple[Flag, ...] = (
         ("worker.moe_parallel",),
         lowercase_choice(("tensor", "expert")),
     ),
-    Flag(
-        "--tp-reduce-chunks",
-        "worker",
-        "in eager steps of 2,048 tokens or more, compute each row-parallel layer in this many row chunks and "
-        "start a chunk's all-reduce while the next chunk's GEMM runs (1: one all-reduce after the GEMM)",
-        ("worker.tp_reduce_chunks",),
-        positive_int,
-    ),
     # launch
     Flag(
         "--devices",

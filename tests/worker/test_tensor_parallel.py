@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +30,9 @@ def run_group(
     dtype: str = "float32",
     check: str = "logits",
     moe_parallel: str = "tensor",
-    overlap_chunks: int = 0,
 ) -> Any:
     """Start ``size`` rank processes of tp_logits.py (``check``: logits or graphs; ``moe_parallel``: how MoE
-    layers split; ``overlap_chunks``: reduce row-parallel outputs in chunks at any size, on CUDA) and return
-    rank 0's result."""
+    layers split) and return rank 0's result."""
     from ominix_worker.parallel.distributed import free_rendezvous_port
 
     addr = f"127.0.0.1:{free_rendezvous_port()}"
@@ -66,8 +63,6 @@ def run_group(
             check,
             "--moe-parallel",
             moe_parallel,
-            "--overlap-chunks",
-            str(overlap_chunks),
         ]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     try:
@@ -99,15 +94,6 @@ def test_even_splits_and_padded_vocabulary() -> None:
         tp(0, 3).split(64)
     # 321 rows over 2 ranks: 161 each, the last rank's final row is padding
     assert [tp(r, 2).padded_split(321) for r in range(2)] == [ShardRange(0, 161), ShardRange(161, 161)]
-
-
-def test_row_chunks_cover_the_rows_once_cut_at_gemm_tiles() -> None:
-    group = replace(tp(0, 2), overlap_chunks=4)
-    assert group.row_chunks(8192) == [(0, 2048), (2048, 4096), (4096, 6144), (6144, 8192)]
-    # 3000 rows: 750 per chunk rounded up to 768, the last chunk takes the rest
-    assert group.row_chunks(3000) == [(0, 768), (768, 1536), (1536, 2304), (2304, 3000)]
-    assert group.row_chunks(46) == [(0, 12), (12, 24), (24, 36), (36, 46)]
-    assert replace(group, overlap_chunks=1).row_chunks(46) == [(0, 46)]
 
 
 def test_kv_heads_split_or_replicate_so_every_query_head_meets_its_kv_head() -> None:

@@ -140,9 +140,6 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--check", choices=("logits", "graphs"), default="logits")
     parser.add_argument("--moe-parallel", choices=[m.value for m in MoeParallel], default="tensor")
-    parser.add_argument(
-        "--overlap-chunks", type=int, default=0, help="reduce every row-parallel output in this many chunks"
-    )
     args = parser.parse_args()
     from ominix_worker.parallel.distributed import init_rank_group
 
@@ -150,8 +147,6 @@ def main() -> None:
     device = torch.device(args.device)
     group = init_rank_group(args.rank, args.size, args.addr, device, timeout_s=60)
     tp = replace(group.tp, moe=MoeParallel(args.moe_parallel))
-    if args.overlap_chunks:
-        tp = replace(tp, overlap_chunks=args.overlap_chunks, overlap_min_tokens=1)
     runner = load_runner(args.model, args.device, getattr(torch, args.dtype), tp)
     result = batch_logits(runner) if args.check == "logits" else graph_check(runner)
     if args.rank == 0:

@@ -142,7 +142,7 @@ def join_group(settings: RuntimeConfig) -> RankGroup | None:
     shape_flags = (
         settings.model.path, args.dtype, args.block_size, args.max_batch_tokens, args.max_running_requests,
         args.max_model_len, args.kv_cache_memory, args.gpu_memory_utilization, args.attention,
-        args.moe_parallel, args.tp_reduce_chunks,
+        args.moe_parallel,
     )  # fmt: skip
     stated = group.gather_to_all(shape_flags)
     if any(flags != stated[0] for flags in stated):
@@ -184,11 +184,7 @@ def load_worker(
     from ominix_worker.runner import ModelRunner
 
     args, debug = settings.worker, settings.debug
-    tp = replace(
-        group.tp if group is not None else SINGLE,
-        moe=MoeParallel(args.moe_parallel),
-        overlap_chunks=args.tp_reduce_chunks,
-    )
+    tp = replace(group.tp if group is not None else SINGLE, moe=MoeParallel(args.moe_parallel))
 
     device = parse_device(args.device)
     make_current(device)

@@ -163,33 +163,15 @@ class RowParallelLinear(PackableLinear):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.reduce and self.tp.overlaps(x):
-            out = self._reduced_in_chunks(x)
-        else:
-            out = self.matmul(x, None)
-            if not self.reduce:
-                return out
-            out = self.tp.all_reduce(out)
+        out = self.matmul(x, None)
+        if not self.reduce:
+            return out
+        out = self.tp.all_reduce(out)
         return out + self.bias if self.bias is not None else out
-
-    def _reduced_in_chunks(self, x: torch.Tensor) -> torch.Tensor:
-        """The reduced product, each row chunk's all-reduce started as soon as its GEMM is queued."""
-        out = torch.empty(x.shape[0], self.weight.shape[0], dtype=x.dtype, device=x.device)
-        works = []
-        for start, end in self.tp.row_chunks(x.shape[0]):
-            self.matmul_into(x[start:end], out[start:end])
-            works.append(self.tp.all_reduce_async(out[start:end]))
-        for work in works:
-            work.wait()  # the compute stream waits for NCCL's; the host does not block
-        return out
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x_local W_localᵀ (+ bias), before any reduction (quantized layers override it)."""
         return self.gemm(x, bias)
-
-    def matmul_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """``matmul(x, None)`` written into the contiguous rows ``out`` (quantized layers override it)."""
-        torch.mm(x, self.weight.t(), out=out)
 
     def load_weight(self, param_name: str, source: WeightSource, part: int | None = None) -> None:
         if param_name == "bias":  # added once, after the reduction: every rank holds all of it

@@ -2,12 +2,8 @@
 
 A ``TensorParallel`` of size 1 (``SINGLE``) makes every sharded layer behave as the plain one: full
 weights, no collective. Of size N, it holds the torch.distributed process group the layers reduce and
-gather over (NCCL on CUDA, gloo on CPU); all collectives are ordered after the kernels before them on the
-current stream, so they are captured in CUDA graphs with the kernels around them.
-
-Eager steps of many tokens (prefill chunks) reduce row-parallel outputs in row chunks (``overlaps``): the
-all-reduce of chunk i runs on NCCL's stream while the GEMM of chunk i + 1 runs on the compute stream, which
-hides most of the communication that a single all-reduce after the whole GEMM leaves exposed.
+gather over (NCCL on CUDA, gloo on CPU); all collectives run on the current stream, so they are captured in
+CUDA graphs with the kernels around them.
 """
 
 from __future__ import annotations
@@ -48,10 +44,6 @@ class TensorParallel:
     size: int = 1
     group: dist.ProcessGroup | None = None
     moe: MoeParallel = MoeParallel.TENSOR
-    # Row-parallel outputs of at least ``overlap_min_tokens`` rows, outside graph capture, are computed and
-    # reduced in ``overlap_chunks`` row chunks (1: one GEMM, then one all-reduce).
-    overlap_chunks: int = 4
-    overlap_min_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -112,30 +104,6 @@ class TensorParallel:
         if self.size > 1:
             dist.all_reduce(x, group=self.group)
         return x
-
-    def all_reduce_async(self, x: torch.Tensor) -> dist.Work:
-        """Start summing ``x`` in place over the group; the caller waits on the returned work."""
-        work = dist.all_reduce(x, group=self.group, async_op=True)
-        assert work is not None
-        return work
-
-    def overlaps(self, x: torch.Tensor) -> bool:
-        """Whether a row-parallel layer reduces ``x``'s output in chunks overlapped with its GEMM."""
-        return (
-            self.size > 1
-            and self.overlap_chunks > 1
-            and x.is_cuda
-            and x.shape[0] >= self.overlap_min_tokens
-            and not torch.cuda.is_current_stream_capturing()
-        )
-
-    def row_chunks(self, rows: int) -> list[tuple[int, int]]:
-        """[start, end) row ranges for ``overlap_chunks`` chunks, cut at multiples of 128 (GEMM tiles) once
-        chunks are that large."""
-        step = -(-rows // self.overlap_chunks)
-        if step > 128:
-            step = -(-step // 128) * 128
-        return [(start, min(start + step, rows)) for start in range(0, rows, step)]
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Each rank's (..., n) → (..., size * n) in rank order; the identity for one rank."""

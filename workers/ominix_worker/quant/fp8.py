@@ -305,9 +305,6 @@ class Fp8RowParallelLinear(Fp8Linear, RowParallelLinear):
     """Row-parallel FP8: this rank's input columns of the weight and, for block scales, their scale columns;
     per-channel and per-tensor scales (per output row) are read whole."""
 
-    def matmul_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(self.matmul(x, None))
-
     @classmethod
     def like(
         cls, layer: RowParallelLinear, block: tuple[int, int] | None, device: torch.device
