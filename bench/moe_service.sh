@@ -16,7 +16,9 @@
 #   MOE_STAGES="kernels" bash bench/moe_service.sh             # one stage
 #   MOE_STAGES="llama8b-fp8 peer-llama8b-fp8" bash bench/moe_service.sh   # Llama-3.1-8B FP8 beside vLLM fp8
 #
-# Results and logs land in ${OUT:-/tmp/ominix_moe}/<stage>/. Every stage is bounded by a timeout.
+# MOE_WORKER_ARGS: extra worker flags of every stage of ours (e.g. "--max-batch-tokens 16384" with the same
+# SERVE_ARGS, the budget vLLM's offline engine takes on these cards). Results and logs land in
+# ${OUT:-/tmp/ominix_moe}/<stage>/. Every stage is bounded by a timeout.
 set -u
 OUT=${OUT:-/tmp/ominix_moe}
 CONFIG=${CONFIG:-bench/configs/qwen3-30b-a3b-config.json}
@@ -51,17 +53,17 @@ for stage in $MOE_STAGES; do
       timeout ${TUNE_S:-280} python3 bench/tune_moe.py --config "$CONFIG" --quick --write --fp8 2>&1 \
         | tee "$OUT/kernels/fp8.txt" ;;
     bf16)
-      OUT=$OUT/bf16 MODEL=dummy:$CONFIG CONFIG_JSON=$CONFIG STAGES="env service" bash bench/gpu_service.sh ;;
+      OUT=$OUT/bf16 MODEL=dummy:$CONFIG CONFIG_JSON=$CONFIG WORKER_ARGS="${MOE_WORKER_ARGS:-}" STAGES="env service" bash bench/gpu_service.sh ;;
     fp8)
-      OUT=$OUT/fp8 MODEL=dummy:$CONFIG CONFIG_JSON=$CONFIG WORKER_ARGS="--quantization fp8" STAGES="service" \
+      OUT=$OUT/fp8 MODEL=dummy:$CONFIG CONFIG_JSON=$CONFIG WORKER_ARGS="--quantization fp8 ${MOE_WORKER_ARGS:-}" STAGES="service" \
         bash bench/gpu_service.sh ;;
     peer-bf16)
       peer "$CONFIG" "$OUT/bf16" --vocab 150000 ;;
     peer-fp8)
       peer "$CONFIG" "$OUT/fp8" --vocab 150000 --quantization fp8 ;;
     llama8b-fp8)
-      OUT=$OUT/llama8b-fp8 MODEL=dummy:$LLAMA8B CONFIG_JSON=$LLAMA8B WORKER_ARGS="--quantization fp8" \
-        STAGES="service" bash bench/gpu_service.sh ;;
+      OUT=$OUT/llama8b-fp8 MODEL=dummy:$LLAMA8B CONFIG_JSON=$LLAMA8B \
+        WORKER_ARGS="--quantization fp8 ${MOE_WORKER_ARGS:-}" STAGES="service" bash bench/gpu_service.sh ;;
     peer-llama8b-fp8)
       peer "$LLAMA8B" "$OUT/llama8b-fp8" --quantization fp8 ;;
     *)

@@ -1,0 +1,115 @@
+"""Per-channel FP8 linears of one decoder layer on this GPU, by token count: device time of the layer's four
+projections (CUDA-graph replays, as decode steps run them) for bf16 weights, the torch-op activation
+quantization of 2026-11-26 (eight kernels per linear) with ``torch._scaled_mm``, and this tree's
+``per_channel_direct`` and ``per_channel_swapped`` (one quantization kernel; operands swapped). Prints one JSON
+line; ``*_step_ms`` multiply one layer by the number of layers.
+
+    python bench/fp8_linear.py --hidden 4096 --ffn 14336 --heads 32 --kv-heads 8 --layers 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "workers"))
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from ominix_worker.ops.fp8_gemm import per_channel_direct, per_channel_swapped  # noqa: E402
+from ominix_worker.quant.fp8 import FP8_MAX, quantize_fp8_blocks  # noqa: E402
+
+
+def torch_ops_quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The per-channel path before the quantization kernel: per-token scales from torch ops."""
+    x_scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-10) / FP8_MAX
+    q = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(weight.dtype)
+    return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1), out_dtype=x.dtype)
+
+
+def graph_ms(fn: Callable[[], object], reps: int = 8, replays: int = 20) -> float:
+    """Device time of one ``fn()``: ``reps`` calls captured in one graph, replayed ``replays`` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (replays * reps)
+
+
+@torch.inference_mode()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--ffn", type=int, default=14336)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 256, 512])
+    args = p.parse_args()
+    h, hd = args.hidden, args.hidden // args.heads
+    shapes = {  # name: (N, K)
+        "qkv": ((args.heads + 2 * args.kv_heads) * hd, h),
+        "o": (h, args.heads * hd),
+        "gate_up": (2 * args.ffn, h),
+        "down": (h, args.ffn),
+    }
+    weights = {}
+    for name, (n, k) in shapes.items():
+        w = torch.randn((n, k), device="cuda", dtype=torch.bfloat16) / k**0.5
+        q, s = quantize_fp8_blocks(w, (1, k))
+        weights[name] = (w, q, s)
+    variants: dict[str, Callable[[torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor]] = {
+        "bf16": lambda x, ws: F.linear(x, ws[0]),
+        "fp8_torch_ops": lambda x, ws: torch_ops_quantized(x, ws[1], ws[2]),
+        "fp8_direct": lambda x, ws: per_channel_direct(x, ws[1], ws[2]),
+        "fp8_swapped": lambda x, ws: per_channel_swapped(x, ws[1], ws[2]),
+    }
+    rows = []
+    for m in args.tokens:
+        inputs = {
+            name: torch.randn((m, k), device="cuda", dtype=torch.bfloat16) for name, (_, k) in shapes.items()
+        }
+        row: dict[str, object] = {"tokens": m}
+        for label, fn in variants.items():
+
+            def layer(fn: Callable[..., torch.Tensor] = fn, inputs: dict[str, torch.Tensor] = inputs) -> None:
+                for name in shapes:
+                    fn(inputs[name], weights[name])
+
+            row[f"{label}_step_ms"] = round(graph_ms(layer) * args.layers, 3)
+        rows.append(row)
+    weight_bytes = sum(n * k for n, k in shapes.values()) * args.layers
+    print(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(),
+                "fp8_weight_gb_per_step": round(weight_bytes / 1e9, 3),
+                "rows": rows,
+            }
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
