@@ -1,8 +1,8 @@
 """Per-channel FP8 linears of one decoder layer on this GPU, by token count: device time of the layer's four
 projections (CUDA-graph replays, as decode steps run them) for bf16 weights, the torch-op activation
 quantization of 2026-11-26 (eight kernels per linear) with ``torch._scaled_mm``, and this tree's
-``per_channel_direct`` and ``per_channel_swapped`` (one quantization kernel; operands swapped). Prints one JSON
-line; ``*_step_ms`` multiply one layer by the number of layers.
+``per_channel_direct`` (one quantization kernel). Prints one JSON line; ``*_step_ms`` multiply one layer by the
+number of layers.
 
     python bench/fp8_linear.py --hidden 4096 --ffn 14336 --heads 32 --kv-heads 8 --layers 32
 """
@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from ominix_worker.ops.fp8_gemm import per_channel_direct, per_channel_swapped  # noqa: E402
+from ominix_worker.ops.fp8_gemm import per_channel_direct  # noqa: E402
 from ominix_worker.quant.fp8 import FP8_MAX, quantize_fp8_blocks  # noqa: E402
 
 
@@ -82,7 +82,6 @@ def main() -> None:
         "bf16": lambda x, ws: F.linear(x, ws[0]),
         "fp8_torch_ops": lambda x, ws: torch_ops_quantized(x, ws[1], ws[2]),
         "fp8_direct": lambda x, ws: per_channel_direct(x, ws[1], ws[2]),
-        "fp8_swapped": lambda x, ws: per_channel_swapped(x, ws[1], ws[2]),
     }
     rows = []
     for m in args.tokens:

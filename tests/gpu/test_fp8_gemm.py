@@ -27,7 +27,7 @@ if DEVICE is None:
     pytest.skip("needs an FP8 GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from ominix_worker.ops.fp8_gemm import SWAP_AB_MAX_TOKENS, quant_fp8_per_token, w8a8_block_matmul  # noqa: E402
+from ominix_worker.ops.fp8_gemm import quant_fp8_per_token, w8a8_block_matmul  # noqa: E402
 from ominix_worker.ops.fused_moe import fused_experts  # noqa: E402
 from ominix_worker.ops.moe_ref import fused_experts_ref, select_experts  # noqa: E402
 from ominix_worker.parallel import ColumnParallelLinear, ShardRange  # noqa: E402
@@ -65,24 +65,22 @@ def test_block_scaled_gemm_vs_bf16(m: int, n: int, k: int) -> None:
     assert _rel(got, x.double() @ w.double().T) < VS_BF16
 
 
-@pytest.mark.parametrize(("m", "rows"), [(1, 16), (7, 7), (37, 48)])
-def test_per_token_quantization_in_one_kernel(m: int, rows: int) -> None:
+@pytest.mark.parametrize("m", [1, 7, 37])
+def test_per_token_quantization_in_one_kernel(m: int) -> None:
     """Scales are max|x| / 448 per row (as the torch formula computes them); q · scale reproduces x within e4m3
-    rounding; padding rows are zeros."""
+    rounding."""
     gen = torch.Generator().manual_seed(m)
     x = (torch.randn((m, 1500), generator=gen) * torch.rand((m, 1), generator=gen) * 10).to(DTYPE).to(DEVICE)
-    q, scale = quant_fp8_per_token(x, rows)
-    assert q.shape == (rows, 1500) and scale.shape == (rows, 1)
+    q, scale = quant_fp8_per_token(x)
+    assert q.shape == (m, 1500) and scale.shape == (m, 1)
     expected = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / 448.0
-    torch.testing.assert_close(scale[:m], expected, rtol=1e-6, atol=0)
-    assert _rel(q[:m].float() * scale[:m], x.float()) < 0.04 * _SLACK
-    assert not q[m:].float().any()
+    torch.testing.assert_close(scale, expected, rtol=1e-6, atol=0)
+    assert _rel(q.float() * scale, x.float()) < 0.04 * _SLACK
 
 
 @pytest.mark.skipif(not FP8_GPU, reason="torch._scaled_mm needs an FP8 GPU")
-@pytest.mark.parametrize("m", [1, 5, 16, 17, SWAP_AB_MAX_TOKENS, SWAP_AB_MAX_TOKENS + 1, 1000])
+@pytest.mark.parametrize("m", [1, 5, 64, 1000])
 def test_per_channel_fp8_linear_vs_bf16(m: int) -> None:
-    """Both forms of the per-channel GEMM: operands swapped up to SWAP_AB_MAX_TOKENS tokens, direct above."""
     gen = torch.Generator().manual_seed(m)
     linear = ColumnParallelLinear(2048, [3072], [ShardRange(0, 3072)], bias=True)
     with torch.no_grad():

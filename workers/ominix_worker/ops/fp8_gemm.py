@@ -1,9 +1,8 @@
 """W8A8 FP8 GEMMs for ``Fp8Linear`` on GPUs with FP8 tensor cores (compute capability 8.9+).
 
 - Per-channel weight scales (block (1, K)): activations are quantized per token in one kernel and
-  ``torch._scaled_mm`` runs with row-wise scales (cuBLASLt), output in the activation dtype. Below
-  ``SWAP_AB_MAX_TOKENS`` tokens it computes (W xᵀ)ᵀ: cuBLASLt tiles the first operand's rows by 64-128, so with
-  the few rows of a decode step most of each tile would be padding, while the weight's N rows fill them.
+  ``torch._scaled_mm`` runs with row-wise scales (cuBLASLt), output in the activation dtype. Computing (W xᵀ)ᵀ
+  instead for decode-sized batches was slower at every token count from 1 to 512 on an H100 (bench/RESULTS.md).
 - Block scales (e.g. (128, 128)): activations are quantized per token and K-group of the weight's block width,
   and a Triton tile accumulates ``dot(a, b) · a_scale · b_scale`` per K block in float32.
 """
@@ -85,41 +84,34 @@ def w8a8_block_matmul(
     return out
 
 
-# Token counts up to which the per-channel GEMM runs with its operands swapped (see the module docstring).
-SWAP_AB_MAX_TOKENS = 64
-
-
 @triton.jit
 def _quant_fp8_row_kernel(
-    x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr
 ):
-    """Row ``program_id``: scale = max|x| / FP8_MAX, q = x / scale in e4m3; rows past M are zeros."""
+    """Row ``program_id``: scale = max|x| / FP8_MAX, q = x / scale in e4m3 (two passes over the row)."""
     row = tl.program_id(0).to(tl.int64)
-    live = row < M
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + offs, mask=(offs < K) & live, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
     scale = tl.maximum(tl.max(amax, 0), 1e-10) / FP8_MAX
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + offs, mask=(offs < K) & live, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
         q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
     tl.store(s_ptr + row, scale)
 
 
-def quant_fp8_per_token(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) → e4m3 values (rows, K) and float32 scales (rows, 1), x ≈ q · scale per row, in one launch;
-    ``rows`` ≥ M pads with zero rows (for GEMM shapes that need a multiple of 16)."""
+def quant_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) → e4m3 values (M, K) and float32 scales (M, 1), x ≈ q · scale per row, in one launch."""
     m, k = x.shape
-    rows = m if rows is None else rows
-    q = torch.empty((rows, k), dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    if rows:
-        _quant_fp8_row_kernel[(rows,)](
-            x, q, s, m, k, x.stride(0), q.stride(0), FP8_MAX=FP8_MAX, BLOCK=1024, num_warps=4
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        _quant_fp8_row_kernel[(m,)](
+            x, q, s, k, x.stride(0), q.stride(0), FP8_MAX=FP8_MAX, BLOCK=1024, num_warps=4
         )
     return q, s
 
@@ -128,17 +120,6 @@ def per_channel_direct(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     """x (M, K) @ (weight (N, K) e4m3 · per-row scale (N, 1))ᵀ as x_q Wᵀ."""
     q, x_scale = quant_fp8_per_token(x)
     return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1), out_dtype=x.dtype)
-
-
-def per_channel_swapped(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The same product as (W x_qᵀ)ᵀ; the token side becomes the GEMM's N, which cuBLASLt needs in multiples of
-    16 (zero rows pad it)."""
-    m = x.shape[0]
-    q, x_scale = quant_fp8_per_token(x, -(-m // 16) * 16)
-    out_t = torch._scaled_mm(
-        weight, q.t(), scale_a=scale.reshape(-1, 1), scale_b=x_scale.reshape(1, -1), out_dtype=x.dtype
-    )
-    return out_t[:, :m].t().contiguous()
 
 
 def fp8_linear(
@@ -154,8 +135,7 @@ def fp8_linear(
     if x2.shape[0] == 0:
         out = x2.new_empty((0, weight.shape[0]))
     elif block[0] == 1 and block[1] >= weight.shape[1]:
-        small = x2.shape[0] <= SWAP_AB_MAX_TOKENS
-        out = (per_channel_swapped if small else per_channel_direct)(x2.contiguous(), weight, scale)
+        out = per_channel_direct(x2.contiguous(), weight, scale)
     else:
         out = w8a8_block_matmul(x2.contiguous(), weight, scale, block)
     if bias is not None:
