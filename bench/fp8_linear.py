@@ -1,5 +1,5 @@
 """Per-channel FP8 linears of one decoder layer on this GPU, by token count: device time of the layer's four
-projections (CUDA-graph replays, as decode steps run them) for bf16 weights, the torch-op activation
+projections (one CUDA graph replayed, as decode steps run them) for bf16 weights, the torch-op activation
 quantization of 2026-11-26 (eight kernels per linear) with ``torch._scaled_mm``, and this tree's
 ``per_channel_direct`` (one quantization kernel). Prints one JSON line; ``*_step_ms`` multiply one layer by the
 number of layers.
@@ -17,10 +17,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workers"))
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from moe_profile import graph_time_us  # noqa: E402
 
 from ominix_worker.ops.fp8_gemm import per_channel_direct  # noqa: E402
 from ominix_worker.quant.fp8 import FP8_MAX, quantize_fp8_blocks  # noqa: E402
@@ -31,29 +32,6 @@ def torch_ops_quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     x_scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-10) / FP8_MAX
     q = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(weight.dtype)
     return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1), out_dtype=x.dtype)
-
-
-def graph_ms(fn: Callable[[], object], reps: int = 8, replays: int = 20) -> float:
-    """Device time of one ``fn()``: ``reps`` calls captured in one graph, replayed ``replays`` times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (replays * reps)
 
 
 @torch.inference_mode()
@@ -95,7 +73,7 @@ def main() -> None:
                 for name in shapes:
                     fn(inputs[name], weights[name])
 
-            row[f"{label}_step_ms"] = round(graph_ms(layer) * args.layers, 3)
+            row[f"{label}_step_ms"] = round(graph_time_us(layer) / 1e3 * args.layers, 3)
         rows.append(row)
     weight_bytes = sum(n * k for n, k in shapes.values()) * args.layers
     print(
