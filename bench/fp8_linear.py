@@ -1,8 +1,8 @@
 """Per-channel FP8 linears of one decoder layer on this GPU, by token count: device time of the layer's four
-projections (one CUDA graph replayed, as decode steps run them) for bf16 weights, the torch-op activation
-quantization of 2026-11-26 (eight kernels per linear) with ``torch._scaled_mm``, and this tree's
-``per_channel_direct`` (one quantization kernel). Prints one JSON line; ``*_step_ms`` multiply one layer by the
-number of layers.
+projections (one CUDA graph replayed, as decode steps run them) with bf16 weights, with FP8 weights and the
+torch-op activation quantization of 2026-11-26 (eight kernels per linear), and with FP8 weights through
+``w8a8_per_channel_matmul`` (one quantization kernel). Prints one JSON line; ``*_step_ms`` multiply one layer
+by the number of layers.
 
     python bench/fp8_linear.py --hidden 4096 --ffn 14336 --heads 32 --kv-heads 8 --layers 32
 """
@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from moe_profile import graph_time_us  # noqa: E402
 
-from ominix_worker.ops.fp8_gemm import per_channel_direct  # noqa: E402
+from ominix_worker.ops.fp8_gemm import w8a8_per_channel_matmul  # noqa: E402
 from ominix_worker.quant.fp8 import FP8_MAX, quantize_fp8_blocks  # noqa: E402
 
 
@@ -59,7 +59,7 @@ def main() -> None:
     variants: dict[str, Callable[[torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor]] = {
         "bf16": lambda x, ws: F.linear(x, ws[0]),
         "fp8_torch_ops": lambda x, ws: torch_ops_quantized(x, ws[1], ws[2]),
-        "fp8_direct": lambda x, ws: per_channel_direct(x, ws[1], ws[2]),
+        "fp8_one_quant_kernel": lambda x, ws: w8a8_per_channel_matmul(x, ws[1], ws[2]),
     }
     rows = []
     for m in args.tokens:

@@ -116,7 +116,7 @@ def quant_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def per_channel_direct(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def w8a8_per_channel_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x (M, K) @ (weight (N, K) e4m3 · per-row scale (N, 1))ᵀ as x_q Wᵀ."""
     q, x_scale = quant_fp8_per_token(x)
     return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1), out_dtype=x.dtype)
@@ -135,7 +135,7 @@ def fp8_linear(
     if x2.shape[0] == 0:
         out = x2.new_empty((0, weight.shape[0]))
     elif block[0] == 1 and block[1] >= weight.shape[1]:
-        out = per_channel_direct(x2.contiguous(), weight, scale)
+        out = w8a8_per_channel_matmul(x2.contiguous(), weight, scale)
     else:
         out = w8a8_block_matmul(x2.contiguous(), weight, scale, block)
     if bias is not None:
