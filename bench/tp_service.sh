@@ -34,7 +34,7 @@ TP_CONFIG=${TP_CONFIG:-bench/configs/llama70b-config.json}
 DP_CONFIG=${DP_CONFIG:-bench/configs/llama8b-config.json}
 WORKER_ARGS=${WORKER_ARGS:-"--max-model-len 2048"}
 SERVE_ARGS=${SERVE_ARGS:-""}  # extra `ominix-runtime serve` flags
-# Front processes per run: as `launch` on GPUs, one per group unless FRONT_PROCS says otherwise.
+FRONT_PROCS=${FRONT_PROCS:-}  # front processes per run; unset: one per group, as `launch` on GPUs
 SERVICE_S=${SERVICE_S:-420}
 W1_ARGS=${W1_ARGS:-"--w1 --batch1 --num-requests 256 --input-len 512 --output-len 256 --batch1-trials 3"}
 PEER_DIR=${PEER_DIR:-../shared/peers/vllm}

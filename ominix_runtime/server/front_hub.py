@@ -136,11 +136,13 @@ class FrontHub:
     async def _start_front(self, index: int, port: int) -> int:
         """Start front ``index`` and wait until it listens on ``port`` (0: any); the port it bound. From then
         on a task keeps it running: started again (with backoff) whenever it exits, until ``stop``."""
-        proc, exited, bound_port = await self._spawn(index, port)
-        self._tasks.append(asyncio.get_running_loop().create_task(self._keep(index, proc, exited)))
+        exited, bound_port = await self._spawn(index, port)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._keep(index, exited)))
         return bound_port
 
-    async def _spawn(self, index: int, port: int) -> tuple[subprocess.Popen[bytes], asyncio.Future[int], int]:
+    async def _spawn(self, index: int, port: int) -> tuple[asyncio.Future[int], int]:
+        """Start front ``index`` and wait until it listens on ``port``: the future of its exit status, and the
+        port it bound."""
         if self._stopping:
             raise OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, "the engine is stopping")
         config = replace(self._config, server=replace(self._config.server, port=port))
@@ -175,13 +177,13 @@ class FrontHub:
             )
         self._procs[index] = proc
         self._count_serving()
-        return proc, exited, bound.result()
+        return exited, bound.result()
 
     def _count_serving(self) -> None:
         if self._metrics is not None:
             self._metrics.front_processes.set(len(self.pids()))
 
-    async def _keep(self, index: int, proc: subprocess.Popen[bytes], exited: asyncio.Future[int]) -> None:
+    async def _keep(self, index: int, exited: asyncio.Future[int]) -> None:
         while True:
             status = await exited
             if self._stopping:
@@ -190,19 +192,24 @@ class FrontHub:
             self._count_serving()
             if self._metrics is not None:
                 self._metrics.front_restarts.inc()
-            delay = RESTART_DELAY_S
-            while True:
-                try:
-                    proc, exited, _ = await self._spawn(index, self.port)
-                    break
-                except OminixError as exc:
-                    if self._stopping:
-                        return
-                    _log.error(
-                        "front process did not start again", front=index, error=exc.message, retry_s=delay
-                    )
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, MAX_RESTART_DELAY_S)
+            restarted = await self._respawn(index)
+            if restarted is None:
+                return
+            exited = restarted
+
+    async def _respawn(self, index: int) -> asyncio.Future[int] | None:
+        """Front ``index`` started again on the hub's port, retried with backoff; None once the hub stops."""
+        delay = RESTART_DELAY_S
+        while True:
+            try:
+                exited, _ = await self._spawn(index, self.port)
+                return exited
+            except OminixError as exc:
+                if self._stopping:
+                    return None
+                _log.error("front process did not start again", front=index, error=exc.message, retry_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, MAX_RESTART_DELAY_S)
 
     async def _serve_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         front = _FrontLink(writer, self._service)
