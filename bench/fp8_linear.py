@@ -1,10 +1,13 @@
 """Per-channel FP8 linears of one decoder layer on this GPU, by token count: device time of the layer's four
 projections (one CUDA graph replayed, as decode steps run them) with bf16 weights, with FP8 weights and the
-torch-op activation quantization of 2026-11-26 (eight kernels per linear), and with FP8 weights through
-``w8a8_per_channel_matmul`` (one quantization kernel). Prints one JSON line; ``*_step_ms`` multiply one layer
-by the number of layers.
+torch-op activation quantization of 2026-11-26 (eight kernels per linear), with FP8 weights through
+``w8a8_per_channel_matmul`` (one quantization kernel), and up to ``SMALL_M`` tokens through the weight-only
+kernel ``w8a16_small_m_matmul``. Prints one JSON line; ``*_step_ms`` multiply one layer by the number of layers.
+``--sweep`` times the weight-only kernel's tiles per projection instead (over enough weight copies to miss L2),
+with the bandwidth each reaches.
 
     python bench/fp8_linear.py --hidden 4096 --ffn 14336 --heads 32 --kv-heads 8 --layers 32
+    python bench/fp8_linear.py --sweep --tokens 1 16
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
 from moe_profile import graph_time_us  # noqa: E402
 
-from ominix_worker.ops.fp8_gemm import w8a8_per_channel_matmul  # noqa: E402
+from ominix_worker.ops.fp8_gemm import SMALL_M, w8a8_per_channel_matmul, w8a16_small_m_matmul  # noqa: E402
 from ominix_worker.quant.fp8 import FP8_MAX, quantize_fp8_blocks  # noqa: E402
 
 
@@ -32,6 +36,49 @@ def torch_ops_quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     x_scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-10) / FP8_MAX
     q = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(weight.dtype)
     return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1), out_dtype=x.dtype)
+
+
+def sweep(shapes: dict[str, tuple[int, int]], tokens: list[int]) -> list[dict[str, object]]:
+    """Per projection and token count: µs and GB/s of the weight-only kernel per (block_n, block_k, split_k,
+    stages, warps), the kernel's own choice first (block_k and split_k "auto")."""
+    grid = [(32, 0, 0, 3, 4)] + [
+        (bn, bk, sk, st, wp)
+        for bn in (32, 64)
+        for bk in (256, 512)
+        for sk in (1, 2, 4)
+        for st in (3, 4)
+        for wp in (4, 8)
+    ]
+    rows: list[dict[str, object]] = []
+    for name, (n, k) in shapes.items():
+        copies = max(1, -(-(256 << 20) // (n * k)))  # more than L2 holds, as a step's layers are
+        weights = [
+            quantize_fp8_blocks(torch.randn((n, k), device="cuda") / k**0.5, (1, k)) for _ in range(copies)
+        ]
+        for m in tokens:
+            x = torch.randn((m, k), device="cuda", dtype=torch.bfloat16)
+            for bn, bk, sk, st, wp in grid:
+
+                def run(
+                    config: tuple[int, ...] = (bn, bk, sk, st, wp),
+                    x: torch.Tensor = x,
+                    weights: list[tuple[torch.Tensor, torch.Tensor]] = weights,
+                ) -> None:
+                    for q, scale in weights:
+                        w8a16_small_m_matmul(
+                            x, q, scale, (1, x.shape[1]), block_n=config[0], block_k=config[1],
+                            split_k=config[2], num_stages=config[3], num_warps=config[4],
+                        )  # fmt: skip
+
+                try:
+                    us = graph_time_us(run, replays=20) / copies
+                except triton.runtime.errors.OutOfResources:  # the tile and its stages exceed shared memory
+                    continue
+                rows.append(
+                    {"proj": name, "tokens": m, "block_n": bn, "block_k": bk or "auto", "split_k": sk or "auto",
+                     "stages": st, "warps": wp, "us": round(us, 2), "gb_s": round(n * k / us / 1e3, 1)}
+                )  # fmt: skip
+    return rows
 
 
 @torch.inference_mode()
@@ -43,6 +90,7 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 256, 512])
+    p.add_argument("--sweep", action="store_true", help="time the weight-only kernel's tiles per projection")
     args = p.parse_args()
     h, hd = args.hidden, args.hidden // args.heads
     shapes = {  # name: (N, K)
@@ -51,6 +99,12 @@ def main() -> None:
         "gate_up": (2 * args.ffn, h),
         "down": (h, args.ffn),
     }
+    if args.sweep:
+        print(
+            json.dumps({"device": torch.cuda.get_device_name(), "sweep": sweep(shapes, args.tokens)}),
+            flush=True,
+        )
+        return
     weights = {}
     for name, (n, k) in shapes.items():
         w = torch.randn((n, k), device="cuda", dtype=torch.bfloat16) / k**0.5
@@ -60,6 +114,7 @@ def main() -> None:
         "bf16": lambda x, ws: F.linear(x, ws[0]),
         "fp8_torch_ops": lambda x, ws: torch_ops_quantized(x, ws[1], ws[2]),
         "fp8_one_quant_kernel": lambda x, ws: w8a8_per_channel_matmul(x, ws[1], ws[2]),
+        "fp8_weight_only": lambda x, ws: w8a16_small_m_matmul(x, ws[1], ws[2], (1, x.shape[1])),
     }
     rows = []
     for m in args.tokens:
@@ -68,6 +123,8 @@ def main() -> None:
         }
         row: dict[str, object] = {"tokens": m}
         for label, fn in variants.items():
+            if label == "fp8_weight_only" and m > SMALL_M:
+                continue
 
             def layer(fn: Callable[..., torch.Tensor] = fn, inputs: dict[str, torch.Tensor] = inputs) -> None:
                 for name in shapes:

@@ -27,7 +27,13 @@ if DEVICE is None:
     pytest.skip("needs an FP8 GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from ominix_worker.ops.fp8_gemm import quant_fp8_per_token, w8a8_block_matmul  # noqa: E402
+from ominix_worker.ops.fp8_gemm import (  # noqa: E402
+    SMALL_M,
+    fp8_linear,
+    quant_fp8_per_token,
+    w8a8_block_matmul,
+    w8a16_small_m_matmul,
+)
 from ominix_worker.ops.fused_moe import fused_experts  # noqa: E402
 from ominix_worker.ops.moe_ref import fused_experts_ref, select_experts  # noqa: E402
 from ominix_worker.parallel import ColumnParallelLinear, ShardRange  # noqa: E402
@@ -65,6 +71,59 @@ def test_block_scaled_gemm_vs_bf16(m: int, n: int, k: int) -> None:
     assert _rel(got, x.double() @ w.double().T) < VS_BF16
 
 
+# e4m3 widens to bf16 exactly, so the weight-only kernel differs from x @ dequantized W only by the output's
+# rounding to the activation dtype and the float32 sum order.
+WEIGHT_ONLY_VS_DEQUANTIZED = 1e-5 if INTERPRET else 0.01
+
+
+@pytest.mark.parametrize("block", [None, (128, 128)])
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(1, 200, 384), (SMALL_M, 96, 256)] + ([] if INTERPRET else [(5, 4096, 14336)])
+)
+def test_small_batch_weight_only_gemm(block: tuple[int, int] | None, m: int, n: int, k: int) -> None:
+    """Decode-sized batches: the e4m3 weight widened in registers, activations unquantized; N and K not
+    multiples of the tile (200 columns, a 384-wide K over 256-wide tiles)."""
+    gen = torch.Generator().manual_seed(m * n)
+    w = torch.randn((n, k), generator=gen) / k**0.5
+    x = torch.randn((m, k), generator=gen).to(DTYPE)
+    b = block or (1, k)
+    q, scale = quantize_fp8_blocks(w, b)
+    exact = x.double() @ dequantize_fp8(q, scale, b, torch.float64).T
+    got = w8a16_small_m_matmul(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), b)
+    assert got.shape == (m, n) and got.dtype == DTYPE
+    assert _rel(got, exact) < WEIGHT_ONLY_VS_DEQUANTIZED
+    # fp8_linear takes this path up to SMALL_M tokens, for either scaling.
+    via_linear = fp8_linear(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), b, None)
+    torch.testing.assert_close(via_linear, got, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("block", [None, (128, 128)])
+@pytest.mark.parametrize("split_k", [1, 2, 3, 4])
+def test_small_batch_gemm_split_k(block: tuple[int, int] | None, split_k: int) -> None:
+    """K in slices: the last program of each column tile adds the partial sums, and leaves the tile's arrival
+    counter at zero, so the next call (here: three, on new inputs) starts clean. K = 1,408 is 11 blocks of 128:
+    the slices are uneven and the last is short."""
+    n, k = 72, 1408
+    gen = torch.Generator().manual_seed(split_k)
+    b = block or (1, k)
+    q, scale = quantize_fp8_blocks(torch.randn((n, k), generator=gen) / k**0.5, b)
+    dequantized = dequantize_fp8(q, scale, b, torch.float64)
+    for m in (1, 9, SMALL_M):
+        x = torch.randn((m, k), generator=gen).to(DTYPE)
+        got = w8a16_small_m_matmul(
+            x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), b, block_n=32, block_k=128, split_k=split_k
+        )
+        assert _rel(got, x.double() @ dequantized.T) < WEIGHT_ONLY_VS_DEQUANTIZED
+
+
+def test_small_batch_gemm_refuses_large_batches() -> None:
+    q, scale = quantize_fp8_blocks(torch.randn((64, 128)), (1, 128))
+    with pytest.raises(ValueError, match="at most"):
+        w8a16_small_m_matmul(
+            torch.randn((SMALL_M + 1, 128)).to(DEVICE), q.to(DEVICE), scale.to(DEVICE), (1, 128)
+        )
+
+
 @pytest.mark.parametrize("m", [1, 7, 37])
 def test_per_token_quantization_in_one_kernel(m: int) -> None:
     """Scales are max|x| / 448 per row (as the torch formula computes them); q · scale reproduces x within e4m3
@@ -79,7 +138,7 @@ def test_per_token_quantization_in_one_kernel(m: int) -> None:
 
 
 @pytest.mark.skipif(not FP8_GPU, reason="torch._scaled_mm needs an FP8 GPU")
-@pytest.mark.parametrize("m", [1, 5, 64, 1000])
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 64, 1000])
 def test_per_channel_fp8_linear_vs_bf16(m: int) -> None:
     gen = torch.Generator().manual_seed(m)
     linear = ColumnParallelLinear(2048, [3072], [ShardRange(0, 3072)], bias=True)
