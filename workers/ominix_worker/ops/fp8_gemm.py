@@ -130,8 +130,8 @@ def w8a8_per_channel_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.
 
 # Above this many tokens the FP8 tensor-core GEMMs win: the weight-only kernel's bf16 dots become the bound.
 SMALL_M = 16
-# Output columns per program of the weight-only kernel: the fastest width for every Llama-8B projection at 1 and
-# 16 tokens on an H100 (bench/fp8_linear.py --sweep).
+# Output columns per program of the weight-only kernel, with 256-column K blocks: the fastest tile for every
+# Llama-8B projection at 1 and 16 tokens on an H100 (bench/fp8_linear.py --sweep, bench/RESULTS.md).
 _SMALL_M_BLOCK_N = 32
 
 
@@ -249,7 +249,7 @@ def w8a16_small_m_matmul(
         raise ValueError(f"{m} tokens: the weight-only FP8 GEMM takes at most {SMALL_M}")
     per_channel = block[0] == 1 and block[1] >= k
     if not block_k:
-        block_k = 512 if per_channel else min(512, block[1])
+        block_k = 256 if per_channel else min(256, block[1])
     if not per_channel and block[1] % block_k:
         raise ValueError(f"scale blocks of {block[1]} columns do not split into {block_k}-column tiles")
     tiles = triton.cdiv(n, block_n)
