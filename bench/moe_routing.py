@@ -1,0 +1,150 @@
+"""How many distinct experts a dummy-weight MoE model routes a batch of tokens to, per layer: vLLM's or ours.
+
+A decode step of an MoE model reads the weights of every expert its batch hits, so two engines compare only when
+their dummy models spread tokens over the experts alike. vLLM's dummy loader draws every floating parameter
+uniform in ±1e-3 (norm weights included); ours draws N(0, 0.02) matrices and unit norms. ``--engine vllm`` runs
+vLLM eagerly in this process (no CUDA graphs, no compile: forward hooks fire) and records the routers of its
+decode batches; ``--engine ours`` runs our runner on one prompt of ``--num-requests`` tokens (one prefill: a
+batch of that many tokens). Prints the distinct experts hit by each layer's top-k, next to what uniform random
+routing would hit. ``--quantization fp8`` as in bench/peer_vllm.py.
+
+    python bench/moe_routing.py --engine vllm --config bench/configs/qwen3-30b-a3b-config.json --vocab 150000
+    python bench/moe_routing.py --engine ours --config bench/configs/qwen3-30b-a3b-config.json --vocab 150000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for _key, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the model lives in this process: hooks can record it
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # LLM.apply_model passes a function to the worker
+}.items():
+    os.environ.setdefault(_key, _value)
+
+Record = tuple[str, int, int]  # (layer, tokens, distinct experts)
+
+
+def expected_distinct(experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts hit by ``tokens`` independent uniform top-k draws."""
+    return experts * (1 - (1 - top_k / experts) ** tokens)
+
+
+def hook_routers(model: torch.nn.Module, top_k: int, into: list[Record]) -> int:
+    """Records every ``*.mlp.gate`` call's distinct top-k experts; returns how many routers were hooked."""
+    hooked = 0
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+
+            def record(_m: torch.nn.Module, _in: object, out: object, name: str = name) -> None:
+                logits = out[0] if isinstance(out, tuple) else out
+                assert isinstance(logits, torch.Tensor)
+                ids = torch.topk(logits.float(), top_k, dim=-1).indices
+                into.append((name, int(logits.shape[0]), int(torch.unique(ids).numel())))
+
+            module.register_forward_hook(record)
+            hooked += 1
+    return hooked
+
+
+def record_ours(args: argparse.Namespace, top_k: int) -> list[Record]:
+    sys.path.insert(0, str(ROOT / "workers"))
+    sys.path.insert(0, str(ROOT))
+    from ominix_runtime.contract import DecodeStep, NewRequestData, SamplingParams
+    from ominix_worker.runner import build_runner
+
+    tokens = args.num_requests
+    blocks = list(range(1, tokens // 16 + 2))
+    runner = build_runner(
+        f"dummy:{args.config}", device="cuda", dtype=torch.bfloat16, num_blocks=len(blocks) + 1,
+        quantization=args.quantization,
+    )  # fmt: skip
+    recorded: list[Record] = []
+    print(f"routers hooked: {hook_routers(runner.model, top_k, recorded)}", flush=True)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, args.vocab, (tokens,), generator=gen).tolist()
+    greedy = SamplingParams(temperature=0.0)
+    runner.execute_step(
+        DecodeStep(1, new_requests=[NewRequestData("a", prompt, greedy, blocks, 0, tokens, 0)])
+    )
+    return recorded
+
+
+def record_vllm(args: argparse.Namespace, top_k: int) -> list[Record]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    folder = Path(tempfile.mkdtemp(prefix="moe-routing-"))
+    shutil.copy(args.config, folder / "config.json")
+    llm = LLM(
+        model=str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+        quantization=args.quantization, max_model_len=2048, gpu_memory_utilization=0.90, seed=0,
+        enforce_eager=True,
+    )  # fmt: skip
+    recorded: list[Record] = []
+    print(
+        f"routers hooked: {llm.apply_model(lambda model: hook_routers(model, top_k, recorded))}", flush=True
+    )
+    gen = torch.Generator().manual_seed(1)
+    prompts = [
+        torch.randint(0, args.vocab, (args.input_len,), generator=gen).tolist()
+        for _ in range(args.num_requests)
+    ]
+    forced = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
+    llm.generate([TokensPrompt(prompt_token_ids=q) for q in prompts], forced, use_tqdm=False)
+    return recorded
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", choices=("vllm", "ours"), required=True)
+    p.add_argument("--config", required=True)
+    p.add_argument("--quantization", default=None)
+    p.add_argument(
+        "--num-requests", type=int, default=256, help="the batch: decode rows (vllm), tokens (ours)"
+    )
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=128000)
+    args = p.parse_args()
+    config = json.loads(Path(args.config).read_text())
+    experts, top_k = int(config["num_experts"]), int(config["num_experts_per_tok"])
+    recorded = (record_vllm if args.engine == "vllm" else record_ours)(args, top_k)
+    batch = [r for r in recorded if r[1] == args.num_requests]
+    if not batch:
+        sizes = sorted({r[1] for r in recorded})
+        raise SystemExit(f"no batch of {args.num_requests} tokens was recorded (batch sizes: {sizes[:20]})")
+    distinct = [r[2] for r in batch]
+    print(
+        json.dumps(
+            {
+                "engine": args.engine,
+                "quantization": args.quantization or "bf16",
+                "batch": args.num_requests,
+                "layer_calls": len(batch),
+                "distinct_experts_median": statistics.median(distinct),
+                "distinct_experts_min": min(distinct),
+                "distinct_experts_per_layer": distinct[: len({r[0] for r in batch})],
+                "uniform_routing_expects": round(expected_distinct(experts, top_k, args.num_requests), 1),
+            }
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
