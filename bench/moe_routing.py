@@ -4,9 +4,9 @@ A decode step of an MoE model reads the weights of every expert its batch hits, 
 their dummy models spread tokens over the experts alike. vLLM's dummy loader draws every floating parameter
 uniform in ±1e-3 (norm weights included); ours draws N(0, 0.02) matrices and unit norms. ``--engine vllm`` runs
 vLLM eagerly in this process (no CUDA graphs, no compile: forward hooks fire) and records the routers of its
-decode batches; ``--engine ours`` runs our runner on one prompt of ``--num-requests`` tokens (one prefill: a
-batch of that many tokens). Prints the distinct experts hit by each layer's top-k, next to what uniform random
-routing would hit. ``--quantization fp8`` as in bench/peer_vllm.py.
+decode batches; ``--engine ours`` prefills ``--num-requests`` prompts in one step of our runner, then
+runs one decode step. Both count the decode batch only. Prints the distinct experts hit by each layer's
+top-k, next to what uniform random routing would hit. ``--quantization fp8`` as in bench/peer_vllm.py.
 
     python bench/moe_routing.py --engine vllm --config bench/configs/qwen3-30b-a3b-config.json --vocab 150000
     python bench/moe_routing.py --engine ours --config bench/configs/qwen3-30b-a3b-config.json --vocab 150000
@@ -44,8 +44,9 @@ def expected_distinct(experts: int, top_k: int, tokens: int) -> float:
     return experts * (1 - (1 - top_k / experts) ** tokens)
 
 
-def hook_routers(model: torch.nn.Module, top_k: int, into: list[Record]) -> int:
-    """Records every ``*.mlp.gate`` call's distinct top-k experts; returns how many routers were hooked."""
+def hook_routers(model: torch.nn.Module, top_k: int, log: str) -> int:
+    """Appends every ``*.mlp.gate`` call's (layer, rows, distinct top-k experts) to the file ``log`` as a JSON
+    line (a file, because vLLM may run the hook on a pickled copy of this function); returns the routers hooked."""
     hooked = 0
     for name, module in model.named_modules():
         if name.endswith("mlp.gate"):
@@ -54,37 +55,51 @@ def hook_routers(model: torch.nn.Module, top_k: int, into: list[Record]) -> int:
                 logits = out[0] if isinstance(out, tuple) else out
                 assert isinstance(logits, torch.Tensor)
                 ids = torch.topk(logits.float(), top_k, dim=-1).indices
-                into.append((name, int(logits.shape[0]), int(torch.unique(ids).numel())))
+                with open(log, "a") as f:
+                    f.write(json.dumps([name, int(logits.shape[0]), int(torch.unique(ids).numel())]) + "\n")
 
             module.register_forward_hook(record)
             hooked += 1
     return hooked
 
 
-def record_ours(args: argparse.Namespace, top_k: int) -> list[Record]:
+def read_log(log: str) -> list[Record]:
+    return [tuple(json.loads(line)) for line in Path(log).read_text().splitlines()]  # type: ignore[misc]
+
+
+def record_ours(args: argparse.Namespace, top_k: int, log: str) -> None:
+    """Prefills ``--num-requests`` prompts in one step, then runs one decode step of that many rows."""
     sys.path.insert(0, str(ROOT / "workers"))
     sys.path.insert(0, str(ROOT))
-    from ominix_runtime.contract import DecodeStep, NewRequestData, SamplingParams
+    from ominix_runtime.contract import DecodeStep, NewRequestData, RunningRequestData, SamplingParams
     from ominix_worker.runner import build_runner
 
-    tokens = args.num_requests
-    blocks = list(range(1, tokens // 16 + 2))
+    per_request = args.input_len // 16 + 1  # the prompt and the decoded token
     runner = build_runner(
-        f"dummy:{args.config}", device="cuda", dtype=torch.bfloat16, num_blocks=len(blocks) + 1,
-        quantization=args.quantization,
+        f"dummy:{args.config}", device="cuda", dtype=torch.bfloat16,
+        num_blocks=args.num_requests * per_request + 1, quantization=args.quantization,
     )  # fmt: skip
-    recorded: list[Record] = []
-    print(f"routers hooked: {hook_routers(runner.model, top_k, recorded)}", flush=True)
+    print(f"routers hooked: {hook_routers(runner.model, top_k, log)}", flush=True)
     gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, args.vocab, (tokens,), generator=gen).tolist()
     greedy = SamplingParams(temperature=0.0)
-    runner.execute_step(
-        DecodeStep(1, new_requests=[NewRequestData("a", prompt, greedy, blocks, 0, tokens, 0)])
-    )
-    return recorded
+    new = [
+        NewRequestData(
+            f"r{i}",
+            torch.randint(0, args.vocab, (args.input_len,), generator=gen).tolist(),
+            greedy,
+            list(range(1 + i * per_request, 1 + (i + 1) * per_request)),
+            0,
+            args.input_len,
+            i,
+        )  # fmt: skip
+        for i in range(args.num_requests)
+    ]
+    runner.execute_step(DecodeStep(1, new_requests=new))
+    running = [RunningRequestData(r.request_id, [], 1) for r in new]
+    runner.execute_step(DecodeStep(2, running_requests=running))
 
 
-def record_vllm(args: argparse.Namespace, top_k: int) -> list[Record]:
+def record_vllm(args: argparse.Namespace, top_k: int, log: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -95,10 +110,7 @@ def record_vllm(args: argparse.Namespace, top_k: int) -> list[Record]:
         quantization=args.quantization, max_model_len=2048, gpu_memory_utilization=0.90, seed=0,
         enforce_eager=True,
     )  # fmt: skip
-    recorded: list[Record] = []
-    print(
-        f"routers hooked: {llm.apply_model(lambda model: hook_routers(model, top_k, recorded))}", flush=True
-    )
+    print(f"routers hooked: {llm.apply_model(lambda model: hook_routers(model, top_k, log))}", flush=True)
     gen = torch.Generator().manual_seed(1)
     prompts = [
         torch.randint(0, args.vocab, (args.input_len,), generator=gen).tolist()
@@ -106,7 +118,6 @@ def record_vllm(args: argparse.Namespace, top_k: int) -> list[Record]:
     ]
     forced = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=q) for q in prompts], forced, use_tqdm=False)
-    return recorded
 
 
 def main() -> None:
@@ -114,16 +125,16 @@ def main() -> None:
     p.add_argument("--engine", choices=("vllm", "ours"), required=True)
     p.add_argument("--config", required=True)
     p.add_argument("--quantization", default=None)
-    p.add_argument(
-        "--num-requests", type=int, default=256, help="the batch: decode rows (vllm), tokens (ours)"
-    )
+    p.add_argument("--num-requests", type=int, default=256, help="the decode batch")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=4)
     p.add_argument("--vocab", type=int, default=128000)
     args = p.parse_args()
     config = json.loads(Path(args.config).read_text())
     experts, top_k = int(config["num_experts"]), int(config["num_experts_per_tok"])
-    recorded = (record_vllm if args.engine == "vllm" else record_ours)(args, top_k)
+    log = tempfile.mktemp(prefix="moe-routing-", suffix=".jsonl")
+    (record_vllm if args.engine == "vllm" else record_ours)(args, top_k, log)
+    recorded = read_log(log)
     batch = [r for r in recorded if r[1] == args.num_requests]
     if not batch:
         sizes = sorted({r[1] for r in recorded})

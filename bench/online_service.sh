@@ -82,7 +82,8 @@ run_ours() {
     --max-model-len "$MAX_MODEL_LEN" --max-running-requests "$MAX_NUM_SEQS" --max-batch-tokens "$MAX_BATCH_TOKENS" \
     --gpu-memory-utilization "$GPU_MEMORY_UTILIZATION" --log-level warning $OURS_ARGS >"$WORK/ominix.log" 2>&1 &
   pid=$!
-  if timeout $((READY_S + 30)) python3 bench/common.py wait-serving "127.0.0.1:$port" --timeout "$READY_S" \
+  if timeout $((READY_S + 30)) env PYTHONPATH="$OURS_PATH" python3 bench/common.py wait-serving "127.0.0.1:$port" \
+    --timeout "$READY_S" \
     --watch "ominix-runtime launch:$pid:$WORK/ominix.log"; then
     part "ours: rates $RATES"
     # Bounded as a whole; a service that dies mid-run fails the open streams, which ends the run.

@@ -1,0 +1,88 @@
+"""Peer diagnostic: vLLM's kernels on a W1-shaped batch (dummy weights), by total device time, with the KV cache
+dtype vLLM chose. Runs vLLM in this process (as it serves: CUDA graphs and compile on) under torch.profiler for one
+``generate`` of N prompts × P tokens × O outputs after a warm-up, and prints the top kernels as JSON.
+
+    python bench/peer_vllm_profile.py --config bench/configs/qwen3-30b-a3b-config.json --vocab 150000 --quantization fp8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+for _key, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: the profiler sees its kernels
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+}.items():
+    os.environ.setdefault(_key, _value)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True)
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=128000)
+    p.add_argument("--top", type=int, default=15)
+    args = p.parse_args()
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    folder = Path(tempfile.mkdtemp(prefix="peer-vllm-profile-"))
+    shutil.copy(args.config, folder / "config.json")
+    llm = LLM(
+        model=str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+        quantization=args.quantization, max_model_len=2048, gpu_memory_utilization=0.90, seed=0,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+
+    def prompts(n: int) -> list[TokensPrompt]:
+        return [
+            TokensPrompt(
+                prompt_token_ids=torch.randint(0, args.vocab, (args.input_len,), generator=gen).tolist()
+            )
+            for _ in range(n)
+        ]
+
+    forced = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
+    llm.generate(prompts(32), forced, use_tqdm=False)
+    batch = prompts(args.num_requests)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        llm.generate(batch, forced, use_tqdm=False)
+        seconds = time.perf_counter() - started
+    rows = sorted(
+        (e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total
+    )
+    cache = llm.llm_engine.vllm_config.cache_config
+    print(
+        json.dumps(
+            {
+                "peer": "vLLM",
+                "quantization": args.quantization or "bf16",
+                "kv_cache_dtype": str(cache.cache_dtype),
+                "gpu_blocks": getattr(cache, "num_gpu_blocks", None),
+                "generate_s": round(seconds, 3),
+                "kernels_ms": [
+                    [e.key[:90], round(e.device_time_total / 1e3, 2), e.count] for e in rows[: args.top]
+                ],
+            }
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
