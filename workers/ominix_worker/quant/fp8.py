@@ -16,7 +16,8 @@ must start and end on them: ``prepare_fp8_model`` refuses any other shape at sta
 
 Which GEMM runs (``Fp8Linear.forward``): on GPUs with FP8 tensor cores (compute capability 8.9+, Hopper) a
 W8A8 GEMM: ``torch._scaled_mm`` for per-channel weights (activations quantized per token), the Triton block
-kernel (``ops/fp8_gemm.py``) for block scales (activations quantized per token and 128-column group);
+kernel (``ops/fp8_gemm.py``) for block scales (activations quantized per token and 128-column group); steps of
+at most 16 tokens take the weight-only kernel there instead (e4m3 widened in registers, activations unquantized);
 elsewhere, the CPU included, the weight is dequantized to the run dtype for each call (the reference path).
 """
 
