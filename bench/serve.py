@@ -472,13 +472,17 @@ class BenchResult:
 
 
 def arrival_delays(num_requests: int, rate: float, burstiness: float, seed: int) -> list[float]:
-    """Gaps before each request: 0 for an infinite rate, else gamma(shape=burstiness, mean=1/rate)."""
+    """Gaps before each request: 0 for an infinite rate, else gamma(shape=burstiness, mean=1/rate) draws scaled
+    so that the last request arrives at exactly num_requests / rate, as `vllm bench serve` schedules them: runs
+    at one rate then span the same time whatever the draws, so out tok/s and goodput compare across systems."""
     if math.isinf(rate):
         return [0.0] * num_requests
     if rate <= 0 or burstiness <= 0:
         raise ValueError("request rate and burstiness must be positive")
     rng = np.random.default_rng(seed + 1)
-    return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=num_requests).tolist()
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=num_requests)
+    total = float(gaps.sum())
+    return (gaps * (num_requests / rate / total)).tolist() if total > 0 else gaps.tolist()
 
 
 class _Progress:

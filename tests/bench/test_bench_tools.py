@@ -123,7 +123,10 @@ def test_arrival_delays() -> None:
     assert arrival_delays(4, math.inf, 1.0, 0) == [0.0] * 4
     delays = arrival_delays(2000, rate=50.0, burstiness=0.5, seed=0)
     assert all(d >= 0 for d in delays)
-    assert sum(delays) / len(delays) == pytest.approx(1 / 50.0, rel=0.15)
+    # The draws are scaled so the last request arrives at exactly N / rate (as `vllm bench serve` does).
+    assert sum(delays) == pytest.approx(2000 / 50.0, rel=1e-9)
+    assert sum(arrival_delays(60, rate=4.0, burstiness=1.0, seed=7)) == pytest.approx(15.0, rel=1e-9)
+    assert len(set(delays)) > 1000  # still random gaps, not a fixed interval
     with pytest.raises(ValueError):
         arrival_delays(3, 0.0, 1.0, 0)
 
