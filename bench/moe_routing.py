@@ -75,8 +75,9 @@ def record_ours(args: argparse.Namespace, top_k: int, log: str) -> None:
     from ominix_worker.runner import build_runner
 
     per_request = args.input_len // 16 + 1  # the prompt and the decoded token
+    on_cpu = args.device == "cpu"
     runner = build_runner(
-        f"dummy:{args.config}", device="cuda", dtype=torch.bfloat16,
+        f"dummy:{args.config}", device=args.device, dtype=torch.float32 if on_cpu else torch.bfloat16,
         num_blocks=args.num_requests * per_request + 1, quantization=args.quantization,
     )  # fmt: skip
     print(f"routers hooked: {hook_routers(runner.model, top_k, log)}", flush=True)
@@ -129,6 +130,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=4)
     p.add_argument("--vocab", type=int, default=128000)
+    p.add_argument("--device", default="cuda", help="ours only: cuda, or cpu (float32) for a small config")
     args = p.parse_args()
     config = json.loads(Path(args.config).read_text())
     experts, top_k = int(config["num_experts"]), int(config["num_experts_per_tok"])

@@ -128,7 +128,8 @@ def w8a8_per_channel_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.
     return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1), out_dtype=x.dtype)
 
 
-# Above this many tokens the FP8 tensor-core GEMMs win: the weight-only kernel's bf16 dots become the bound.
+# Steps of up to one 16-row MMA tile take the weight-only kernel; larger ones the tensor-core FP8 GEMMs. At 16
+# tokens the weight-only kernel was 20% faster per Llama-8B step on an H100; above 16 the two were not compared.
 SMALL_M = 16
 # Output columns per program of the weight-only kernel, with 256-column K blocks: the fastest tile for every
 # Llama-8B projection at 1 and 16 tokens on an H100 (bench/fp8_linear.py --sweep, bench/RESULTS.md).
@@ -209,7 +210,8 @@ def _w8a16_small_m_kernel(
 
 class _SplitKScratch:
     """Per device: float32 partial sums and one arrival counter per column tile (zero between calls), grown on
-    demand. Kernels on one stream run one after another, so every call shares them. A CUDA graph holds the
+    demand. The worker runs its forward passes on one stream, whose kernels run one after another, so every call
+    shares them. A CUDA graph holds the
     addresses it captured, so a replaced buffer is kept, never freed, and none may be replaced during capture."""
 
     def __init__(self) -> None:
