@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO))  # bench/ as a namespace package: its modules must not shadow installed ones
 
-from moe_routing import expected_distinct  # noqa: E402
+from bench.moe_routing import expected_distinct  # noqa: E402
 
 
 def test_expected_distinct_experts_of_uniform_routing() -> None:
