@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -26,15 +25,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-for _key, _value in {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the model lives in this process: hooks can record it
-    "VLLM_USE_FLASHINFER_SAMPLER": "0",
-    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # LLM.apply_model passes a function to the worker
-}.items():
-    os.environ.setdefault(_key, _value)
 
 Record = tuple[str, int, int]  # (layer, tokens, distinct experts)
 
@@ -101,6 +91,12 @@ def record_ours(args: argparse.Namespace, top_k: int, log: str) -> None:
 
 
 def record_vllm(args: argparse.Namespace, top_k: int, log: str) -> None:
+    from peer_vllm import use_offline_env  # this folder, as a script's sys.path[0]
+
+    use_offline_env(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the model lives in this process: hooks can record it
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # LLM.apply_model passes a function to the worker
+    )
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

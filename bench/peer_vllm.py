@@ -23,15 +23,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Offline and quiet, before vllm is imported; FlashInfer's sampler needs a JIT the machines cannot build.
-for _key, _value in {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "VLLM_USE_FLASHINFER_SAMPLER": "0",
-}.items():
-    os.environ.setdefault(_key, _value)
+
+def use_offline_env(**extra: str) -> None:
+    """vLLM offline and quiet, set before vllm is imported (values already in the environment win); FlashInfer's
+    sampler needs a JIT the machines cannot build. ``extra``: more variables for one script."""
+    defaults = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    }
+    for key, value in {**defaults, **extra}.items():
+        os.environ.setdefault(key, value)
+
+
+use_offline_env()
 
 
 def compile_options(args: argparse.Namespace) -> dict[str, object]:

@@ -9,19 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
-for _key, _value in {
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: the profiler sees its kernels
-    "VLLM_USE_FLASHINFER_SAMPLER": "0",
-}.items():
-    os.environ.setdefault(_key, _value)
+from peer_vllm import use_offline_env  # this folder, as the script's sys.path[0]
+
+# The engine core in this process: the profiler sees its kernels.
+use_offline_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
 
 
 def main() -> None:

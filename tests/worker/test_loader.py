@@ -15,7 +15,7 @@ from ominix_runtime.contract import DecodeStep, NewRequestData, SamplingParams
 from ominix_runtime.models import resolve_model
 from ominix_worker.attention import TorchReferenceAttention, get_attention_backend
 from ominix_worker.config import ModelConfigError, config_from_hf_dict, load_hf_config
-from ominix_worker.devices import DeviceError, parse_device, resolve_dtype
+from ominix_worker.devices import DeviceError, parse_device, resolve_dtype, sm_count
 from ominix_worker.kv_cache import kv_bytes_per_block, parse_bytes
 from ominix_worker.loader import ModelLoadError, load_model, unpermute_llama_cpp_rows
 from ominix_worker.models.llama import rope_inv_freq
@@ -311,6 +311,12 @@ def test_torch_dequantizers_equal_the_gguf_package() -> None:
         got = ours(raw, values.shape)
         assert torch.equal(got, want), qtype.name
         assert (got - torch.from_numpy(values)).abs().max() < 0.5  # and it is a dequantization at all
+
+
+def test_sm_count_off_the_gpu_is_the_callers_stand_in() -> None:
+    """Off a CUDA device (Triton's CPU interpreter) grids are sized for the count the caller names."""
+    assert sm_count(torch.device("cpu")) == 1
+    assert sm_count(torch.device("cpu"), off_gpu=132) == 132
 
 
 def test_make_current_switches_only_to_an_indexed_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:

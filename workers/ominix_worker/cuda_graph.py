@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from ominix_worker.attention.base import AttentionMetadata
+from ominix_worker.devices import sm_count
 from ominix_worker.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,7 @@ class DecodeGraphs:
 
         saved_splits = getattr(self.backend, "decode_splits", None)
         num_kv_heads = int(self.kv_caches[0].shape[3])
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        sms = sm_count(self.device)
         # Padding everywhere: no KV is written and attention reads nothing while capturing.
         self.dev64.zero_()
         self.dev64[3:].fill_(-1)

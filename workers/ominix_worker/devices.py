@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -61,6 +62,15 @@ def make_current(device: torch.device) -> None:
 
 def backend_kind(device: torch.device) -> BackendKind:
     return {"cpu": BackendKind.CPU, "cuda": BackendKind.CUDA, "npu": BackendKind.ASCEND}[device.type]
+
+
+@functools.cache
+def sm_count(device: torch.device, off_gpu: int = 1) -> int:
+    """Streaming multiprocessors of a CUDA device; ``off_gpu`` elsewhere (Triton's CPU interpreter), where a
+    kernel's grid is sized as if for that many."""
+    return (
+        torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else off_gpu
+    )
 
 
 def device_name(device: torch.device) -> str:

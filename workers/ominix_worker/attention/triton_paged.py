@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ominix_worker.attention.base import UNIT_KV_SCALES, AttentionMetadata, KVScales
+from ominix_worker.devices import sm_count
 
 # Tokens per split below which splitting a decode context more finely stops paying for the merge.
 _MIN_TOKENS_PER_SPLIT = 64
@@ -445,7 +446,6 @@ class TritonPagedAttention:
         self.decode_splits: int | None = None
         # (BLOCK_M, BLOCK_N, num_warps, num_stages) override for the prefill kernel (tuning); None = defaults.
         self.prefill_config: tuple[int, int, int, int] | None = None
-        self._num_sms: int | None = None
 
     def allocate_kv_cache(
         self,
@@ -538,12 +538,6 @@ class TritonPagedAttention:
         if meta.max_query_len > 1:
             self._prefill(query, kv_cache, meta, scale, out, kv_scales, sinks)
 
-    def _sms(self, device: torch.device) -> int:
-        if self._num_sms is None:
-            cuda = device.type == "cuda"
-            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 132
-        return self._num_sms
-
     def _decode(
         self,
         query: torch.Tensor,
@@ -564,7 +558,7 @@ class TritonPagedAttention:
             capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
             min_tokens = _MIN_TOKENS_PER_SPLIT if capturing else _EAGER_MIN_TOKENS_PER_SPLIT
             splits = decode_num_splits(
-                num_requests, num_kv_heads, meta.max_seq_len, self._sms(query.device), min_tokens
+                num_requests, num_kv_heads, meta.max_seq_len, sm_count(query.device, off_gpu=132), min_tokens
             )
         block_d = triton.next_power_of_2(head_dim)
         ieee = query.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32

@@ -1,4 +1,5 @@
-"""W8A8 FP8 GEMMs for ``Fp8Linear`` on GPUs with FP8 tensor cores (compute capability 8.9+).
+"""FP8 GEMMs for ``Fp8Linear`` on GPUs with FP8 tensor cores (compute capability 8.9+): W8A8, and W8A16 for
+decode-sized batches.
 
 - Per-channel weight scales (block (1, K)): activations are quantized per token in one kernel and
   ``torch._scaled_mm`` runs with row-wise scales (cuBLASLt), output in the activation dtype. Computing (W xᵀ)ᵀ
@@ -13,12 +14,11 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from ominix_worker.devices import sm_count
 from ominix_worker.ops.fused_moe import FP8_DTYPE, FP8_MAX, quant_fp8_per_token_group
 
 
@@ -267,15 +267,10 @@ def w8a16_small_m_matmul(
     return out
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def _split_k_for(tiles: int, k_blocks: int, device: torch.device) -> int:
     """Slices of K so that the programs fill every SM at least twice (each slice keeps 4+ K blocks)."""
     split = 1
-    while tiles * split < 2 * _sm_count(device) and k_blocks // (2 * split) >= 4:
+    while tiles * split < 2 * sm_count(device) and k_blocks // (2 * split) >= 4:
         split *= 2
     return split
 
