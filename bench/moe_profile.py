@@ -7,6 +7,10 @@ weights, so no layer finds its experts in L2) in one CUDA graph and times replay
 time without Python launch cost, which an eager timing at small batch mostly measures. It prints the time per
 layer and per decode step (all MoE layers) beside the bandwidth floor of the routed experts' weights, and, with
 ``--kernels``, a torch.profiler table of the kernels of one eager layer (device durations only).
+
+FP8 rows also time both GEMM kinds (W8A8, W8A16) over the picked tile shape. ``--peer-vllm`` times vLLM's Triton
+``fused_experts`` on the same routing, with the experts as vLLM's ``quantization="fp8"`` holds them (one scale
+per expert; activations quantized per tensor), in the same graph-replay way.
 """
 
 from __future__ import annotations
@@ -29,10 +33,53 @@ from ominix_worker.ops.moe_ref import select_experts  # noqa: E402
 LAYERS = 4
 
 
-def moe_layer(config: ModelConfig, layer: Layer, router: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def moe_layer(
+    config: ModelConfig, layer: Layer, router: torch.Tensor, x: torch.Tensor, weight_only: int | None = None
+) -> torch.Tensor:
+    """Router + ``fused_experts`` as the worker runs them; ``weight_only`` forces FP8 W8A16 (1) or W8A8 (0)
+    over the picked tile shape."""
     w13, w2, scales = layer
     weights, ids = select_experts(x @ router.t(), config.num_experts_per_tok, renormalize=True)
-    return fused_moe.fused_experts(x, w13, w2, weights, ids, **scales)
+    cfg = None
+    if weight_only is not None:
+        cfg = fused_moe.pick_config(w13.shape[0], w13.shape[1], w13.shape[2], x.shape[0], True)
+        cfg["WEIGHT_ONLY"] = weight_only
+    return fused_moe.fused_experts(x, w13, w2, weights, ids, config=cfg, **scales)
+
+
+def vllm_layers(layers: list[Layer]) -> list[Layer]:
+    """The same experts as vLLM's online ``quantization="fp8"`` holds them: e4m3 with one scale per expert and
+    projection (its activations are quantized per tensor at run time); bf16 layers as they are."""
+    out: list[Layer] = []
+    for w13, w2, scales in layers:
+        if not scales:
+            out.append((w13, w2, {}))
+            continue
+        from ominix_worker.quant.fp8 import dequantize_fp8
+
+        per_tensor = []
+        for q, s, block in (
+            (w13, scales["w13_scale"], scales["w13_block"]),
+            (w2, scales["w2_scale"], scales["w2_block"]),
+        ):
+            full = dequantize_fp8(q, s, block, torch.float32)
+            scale = full.abs().amax(dim=(1, 2)).clamp(min=1e-12) / 448.0
+            per_tensor.append(((full / scale[:, None, None]).to(torch.float8_e4m3fn), scale))
+        out.append(
+            (per_tensor[0][0], per_tensor[1][0], {"w1_scale": per_tensor[0][1], "w2_scale": per_tensor[1][1]})
+        )
+    return out
+
+
+def vllm_moe_layer(config: ModelConfig, layer: Layer, router: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """vLLM 0.26's Triton ``fused_experts`` (W8A8 per tensor for FP8) after our router, on the same inputs."""
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts as vllm_fused_experts
+
+    w13, w2, scales = layer
+    weights, ids = select_experts(x @ router.t(), config.num_experts_per_tok, renormalize=True)
+    quant = fp8_w8a8_moe_quant_config(**scales) if scales else None
+    return vllm_fused_experts(x, w13, w2, weights.float(), ids.to(torch.int32), quant_config=quant)
 
 
 def graph_time_us(fn, replays: int = 200) -> float:
@@ -84,6 +131,12 @@ def main() -> None:
     )
     parser.add_argument("--config", default="bench/configs/qwen3-30b-a3b-config.json")
     parser.add_argument("--fp8", action="store_true")
+    parser.add_argument("--per-channel", action="store_true", help="FP8 with one scale per output row")
+    parser.add_argument(
+        "--peer-vllm",
+        action="store_true",
+        help="also time vLLM's fused_experts on the same layers (vllm installed)",
+    )
     parser.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     parser.add_argument(
         "--kernels", type=int, nargs="*", default=[], help="token counts to profile by kernel"
@@ -92,7 +145,8 @@ def main() -> None:
     config = load_hf_config(args.config)
     h, i = config.hidden_size, config.moe_intermediate_size
     gen = torch.Generator().manual_seed(0)
-    layers = [expert_weights(config, args.fp8, gen) for _ in range(LAYERS)]
+    layers = [expert_weights(config, args.fp8, gen, args.per_channel) for _ in range(LAYERS)]
+    peer_layers = vllm_layers(layers) if args.peer_vllm else []
     routers = [(torch.randn((config.num_experts, h), generator=gen) / h**0.5).to(torch.bfloat16).cuda()
                for _ in range(LAYERS)]  # fmt: skip
     bandwidth = measure_copy_bandwidth()
@@ -100,7 +154,11 @@ def main() -> None:
     moe_layers = len(config.moe_layers)
     print(f"{'fp8' if args.fp8 else 'bf16'} E={config.num_experts} top{config.num_experts_per_tok} H={h} I={i}, "
           f"{moe_layers} MoE layers, copy bandwidth {bandwidth / 1e12:.2f} TB/s")  # fmt: skip
-    print("tokens  distinct/layer  graph us/layer  step ms  floor ms  floor/graph")
+    print(
+        "tokens  distinct/layer  graph us/layer  step ms  floor ms  floor/graph"
+        + ("  W8A8 us  W8A16 us" if args.fp8 else "")
+        + ("  vLLM us/layer" if peer_layers else "")
+    )
     for tokens in args.tokens:
         xs = [torch.randn((tokens, h), generator=gen).to(torch.bfloat16).cuda() for _ in range(LAYERS)]
 
@@ -109,6 +167,15 @@ def main() -> None:
                 moe_layer(config, layer, router, x)
 
         per_layer = graph_time_us(run) / LAYERS
+        modes = ""
+        if args.fp8:  # both FP8 GEMM kinds over the same tile shape, whichever the default picks
+
+            def run_mode(weight_only: int, xs: list[torch.Tensor] = xs) -> None:
+                for layer, router, x in zip(layers, routers, xs, strict=True):
+                    moe_layer(config, layer, router, x, weight_only)
+
+            w8a8, w8a16 = (graph_time_us(lambda w=w: run_mode(w)) / LAYERS for w in (0, 1))
+            modes = f"  {w8a8:8.1f}  {w8a16:9.1f}"
         distinct = (
             sum(
                 int(torch.unique(select_experts(x @ r.t(), config.num_experts_per_tok, True)[1]).numel())
@@ -118,8 +185,16 @@ def main() -> None:
         )
         floor_ms = distinct * 3 * h * i * element * moe_layers / bandwidth * 1e3
         step_ms = per_layer * moe_layers / 1e3
+        peer = ""
+        if peer_layers:
+
+            def run_peer(xs: list[torch.Tensor] = xs) -> None:
+                for layer, router, x in zip(peer_layers, routers, xs, strict=True):
+                    vllm_moe_layer(config, layer, router, x)
+
+            peer = f"  {graph_time_us(run_peer) / LAYERS:14.1f}"
         print(f"{tokens:6d}  {distinct:14.1f}  {per_layer:14.1f}  {step_ms:7.3f}  {floor_ms:8.3f}  "
-              f"{floor_ms / step_ms:11.2f}", flush=True)  # fmt: skip
+              f"{floor_ms / step_ms:11.2f}{modes}{peer}", flush=True)  # fmt: skip
     for tokens in args.kernels:
         x = torch.randn((tokens, h), generator=gen).to(torch.bfloat16).cuda()
         print(f"\nkernels of one eager layer at {tokens} tokens (device µs per call, launches)")

@@ -19,6 +19,7 @@ import itertools
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from triton.testing import do_bench_cudagraph
@@ -36,7 +37,7 @@ TOKEN_COUNTS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4
 
 
 def candidates(use_fp8: bool, quick: bool, tokens: int) -> list[dict[str, int]]:
-    """Tile shapes to try for ``tokens`` tokens; ``quick`` keeps 24-32 per size class (decode: narrow N tiles
+    """Tile shapes to try for ``tokens`` tokens (FP8: each as W8A8 and W8A16); ``quick`` keeps 24-32 per size class (decode: narrow N tiles
     so that the few experts' weights spread over every SM; prefill: big tiles, 8 warps, grouped order), the
     full space has 512."""
     k_tiles = [64, 128] if use_fp8 else [64, 128, 256]
@@ -49,18 +50,23 @@ def candidates(use_fp8: bool, quick: bool, tokens: int) -> list[dict[str, int]]:
     else:
         space = ([16, 32, 64, 128], [32, 64, 128, 256], [64, 128] if use_fp8 else [32, 64, 128, 256],
                  [1, 16], [4, 8], [3, 4])  # fmt: skip
-    return [
+    shapes = [
         dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=w, num_stages=st)
         for bm, bn, bk, gm, w, st in itertools.product(*space)
     ]
+    # FP8: each shape as W8A8 and as W8A16 (fused_moe.WEIGHT_ONLY_ROWS_PER_EXPERT is only the untuned default).
+    return [{**shape, "WEIGHT_ONLY": w} for shape in shapes for w in (0, 1)] if use_fp8 else shapes
 
 
-Layer = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+Layer = tuple[torch.Tensor, torch.Tensor, dict[str, Any]]
 Routed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def expert_weights(config: ModelConfig, use_fp8: bool, gen: torch.Generator) -> Layer:
-    """One layer's stacked experts (random, bf16 or FP8 with 128 × 128 block scales) on the GPU."""
+def expert_weights(
+    config: ModelConfig, use_fp8: bool, gen: torch.Generator, per_channel: bool = False
+) -> Layer:
+    """One layer's stacked experts (random, bf16 or FP8) on the GPU, with ``fused_experts``' scale arguments:
+    128 × 128 block scales (as FP8 checkpoints ship), or one scale per output row (``--quantization fp8``)."""
     e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
     w13 = (torch.randn((e, 2 * i, h), generator=gen) / h**0.5).to(torch.bfloat16).cuda()
     w2 = (torch.randn((e, h, i), generator=gen) / i**0.5).to(torch.bfloat16).cuda()
@@ -68,9 +74,10 @@ def expert_weights(config: ModelConfig, use_fp8: bool, gen: torch.Generator) -> 
         return w13, w2, {}
     from ominix_worker.quant.fp8 import quantize_fp8_blocks
 
-    q13, s13 = quantize_fp8_blocks(w13, (128, 128))
-    q2, s2 = quantize_fp8_blocks(w2, (128, 128))
-    return q13, q2, {"w13_scale": s13, "w2_scale": s2}
+    b13, b2 = ((1, h), (1, i)) if per_channel else ((128, 128), (128, 128))
+    q13, s13 = quantize_fp8_blocks(w13, b13)
+    q2, s2 = quantize_fp8_blocks(w2, b2)
+    return q13, q2, {"w13_scale": s13, "w2_scale": s2, "w13_block": b13, "w2_block": b2}
 
 
 def routed_tokens(config, tokens: int, gen: torch.Generator) -> Routed:
@@ -99,6 +106,7 @@ def main() -> None:
     )
     parser.add_argument("--config", default="bench/configs/qwen3-30b-a3b-config.json")
     parser.add_argument("--fp8", action="store_true", help="tune the W8A8 block-scaled path")
+    parser.add_argument("--per-channel", action="store_true", help="FP8 with one scale per output row")
     parser.add_argument("--quick", action="store_true", help="fewer candidates and token counts")
     parser.add_argument("--write", action="store_true", help="store the table under moe_configs/")
     parser.add_argument("--tokens", type=int, nargs="*", default=None, help="token counts to tune")
@@ -110,7 +118,7 @@ def main() -> None:
     tokens_list = args.tokens or ([1, 8, 32, 128, 512, 2048, 8192] if args.quick else TOKEN_COUNTS)
     gen = torch.Generator().manual_seed(0)
     table: dict[str, dict[str, int]] = {}
-    layer = expert_weights(config, args.fp8, gen)
+    layer = expert_weights(config, args.fp8, gen, args.per_channel)
     for tokens in tokens_list:
         routed = routed_tokens(config, tokens, gen)
         default_ms = time_layer(layer, routed, None)
