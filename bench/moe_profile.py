@@ -8,7 +8,7 @@ time without Python launch cost, which an eager timing at small batch mostly mea
 layer and per decode step (all MoE layers) beside the bandwidth floor of the routed experts' weights, and, with
 ``--kernels``, a torch.profiler table of the kernels of one eager layer (device durations only).
 
-FP8 rows also time both GEMM kinds (W8A8, W8A16) over the picked tile shape. ``--peer-vllm`` times vLLM's Triton
+``--peer-vllm`` times vLLM's Triton
 ``fused_experts`` on the same routing, with the experts as vLLM's ``quantization="fp8"`` holds them (one scale
 per expert; activations quantized per tensor), in the same graph-replay way.
 """
@@ -33,18 +33,10 @@ from ominix_worker.ops.moe_ref import select_experts  # noqa: E402
 LAYERS = 4
 
 
-def moe_layer(
-    config: ModelConfig, layer: Layer, router: torch.Tensor, x: torch.Tensor, weight_only: int | None = None
-) -> torch.Tensor:
-    """Router + ``fused_experts`` as the worker runs them; ``weight_only`` forces FP8 W8A16 (1) or W8A8 (0)
-    over the picked tile shape."""
+def moe_layer(config: ModelConfig, layer: Layer, router: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     w13, w2, scales = layer
     weights, ids = select_experts(x @ router.t(), config.num_experts_per_tok, renormalize=True)
-    cfg = None
-    if weight_only is not None:
-        cfg = fused_moe.pick_config(w13.shape[0], w13.shape[1], w13.shape[2], x.shape[0], True)
-        cfg["WEIGHT_ONLY"] = weight_only
-    return fused_moe.fused_experts(x, w13, w2, weights, ids, config=cfg, **scales)
+    return fused_moe.fused_experts(x, w13, w2, weights, ids, **scales)
 
 
 def vllm_layers(layers: list[Layer]) -> list[Layer]:
@@ -156,7 +148,6 @@ def main() -> None:
           f"{moe_layers} MoE layers, copy bandwidth {bandwidth / 1e12:.2f} TB/s")  # fmt: skip
     print(
         "tokens  distinct/layer  graph us/layer  step ms  floor ms  floor/graph"
-        + ("  W8A8 us  W8A16 us" if args.fp8 else "")
         + ("  vLLM us/layer" if peer_layers else "")
     )
     for tokens in args.tokens:
@@ -167,15 +158,6 @@ def main() -> None:
                 moe_layer(config, layer, router, x)
 
         per_layer = graph_time_us(run) / LAYERS
-        modes = ""
-        if args.fp8:  # both FP8 GEMM kinds over the same tile shape, whichever the default picks
-
-            def run_mode(weight_only: int, xs: list[torch.Tensor] = xs) -> None:
-                for layer, router, x in zip(layers, routers, xs, strict=True):
-                    moe_layer(config, layer, router, x, weight_only)
-
-            w8a8, w8a16 = (graph_time_us(lambda w=w: run_mode(w)) / LAYERS for w in (0, 1))
-            modes = f"  {w8a8:8.1f}  {w8a16:9.1f}"
         distinct = (
             sum(
                 int(torch.unique(select_experts(x @ r.t(), config.num_experts_per_tok, True)[1]).numel())
@@ -194,7 +176,7 @@ def main() -> None:
 
             peer = f"  {graph_time_us(run_peer) / LAYERS:14.1f}"
         print(f"{tokens:6d}  {distinct:14.1f}  {per_layer:14.1f}  {step_ms:7.3f}  {floor_ms:8.3f}  "
-              f"{floor_ms / step_ms:11.2f}{modes}{peer}", flush=True)  # fmt: skip
+              f"{floor_ms / step_ms:11.2f}{peer}", flush=True)  # fmt: skip
     for tokens in args.kernels:
         x = torch.randn((tokens, h), generator=gen).to(torch.bfloat16).cuda()
         print(f"\nkernels of one eager layer at {tokens} tokens (device µs per call, launches)")

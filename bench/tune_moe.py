@@ -37,25 +37,23 @@ TOKEN_COUNTS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4
 
 
 def candidates(use_fp8: bool, quick: bool, tokens: int) -> list[dict[str, int]]:
-    """Tile shapes to try for ``tokens`` tokens (FP8: each as W8A8 and W8A16); ``quick`` keeps 24-32 per size class (decode: narrow N tiles
+    """Tile shapes to try for ``tokens`` tokens; ``quick`` keeps 18-48 per size class (decode: narrow N tiles
     so that the few experts' weights spread over every SM; prefill: big tiles, 8 warps, grouped order), the
     full space has 512."""
     k_tiles = [64, 128] if use_fp8 else [64, 128, 256]
     if quick and tokens <= 64:
         space = ([16], [32, 64, 128], k_tiles, [1], [4], [3, 4, 5])
     elif quick and tokens <= 512:
-        space = ([16, 32, 64], [64, 128], [64, 128], [1], [4], [3, 4])
+        space = ([16, 32, 64], [64, 128], [64, 128], [1], [4, 8], [3, 4])
     elif quick:
         space = ([64, 128], [128, 256], [64, 128], [16], [4, 8], [3, 4])
     else:
         space = ([16, 32, 64, 128], [32, 64, 128, 256], [64, 128] if use_fp8 else [32, 64, 128, 256],
                  [1, 16], [4, 8], [3, 4])  # fmt: skip
-    shapes = [
+    return [
         dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=w, num_stages=st)
         for bm, bn, bk, gm, w, st in itertools.product(*space)
     ]
-    # FP8: each shape as W8A8 and as W8A16 (fused_moe.WEIGHT_ONLY_ROWS_PER_EXPERT is only the untuned default).
-    return [{**shape, "WEIGHT_ONLY": w} for shape in shapes for w in (0, 1)] if use_fp8 else shapes
 
 
 Layer = tuple[torch.Tensor, torch.Tensor, dict[str, Any]]

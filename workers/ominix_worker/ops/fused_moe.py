@@ -36,10 +36,6 @@ import triton.language as tl
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
-# FP8 experts run W8A16 (weights widened in registers, activations unquantized) while the routed rows per expert
-# average at most this many, unless the tuned entry says otherwise: such GEMMs are bound by reading the weights,
-# and W8A16 saves the two activation quantization kernels per layer.
-WEIGHT_ONLY_ROWS_PER_EXPERT = 64
 
 
 # ---- routing ---------------------------------------------------------------------------------------------
@@ -320,16 +316,16 @@ def moe_align(
 
 
 @triton.jit
-def _scaled_dot(a, b, a_s, b_s, USE_FP8: tl.constexpr, FP8_ACTS: tl.constexpr, IEEE: tl.constexpr):
-    """One K block's product: FP8 × FP8 on FP8 tensor cores (W8A8), or FP8 weights widened to the activations'
-    dtype in registers (W8A16), scaled by their block scales; plain ``dot`` otherwise."""
+def _block_dot(a, b, a_s, b_s, USE_FP8: tl.constexpr, IEEE: tl.constexpr):
+    """One K block's product: e4m3 × e4m3 scaled by the activation rows' and the weight columns' block scales
+    (W8A8), or a plain ``dot``."""
     if USE_FP8:
-        if FP8_ACTS:
-            return tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-        return tl.dot(a, b.to(a.dtype)) * b_s[None, :]
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
+        product = tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    elif IEEE:
+        product = tl.dot(a, b, input_precision="ieee")
+    else:
+        product = tl.dot(a, b)
+    return product
 
 
 @triton.jit(do_not_specialize=["num_assignments"])
@@ -360,8 +356,7 @@ def _grouped_gemm_kernel(
     A_ROWS_PER_TOKEN: tl.constexpr,  # k when A holds one row per token (gate_up), 1 when one per assignment
     MUL_ROUTING_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,  # adds the expert's bias row before the routing weight: w · (x Wᵀ + b)
-    USE_FP8: tl.constexpr,  # e4m3 weights with block scales
-    FP8_ACTS: tl.constexpr,  # with USE_FP8: A is e4m3 with per-row group scales (W8A8), else bf16 (W8A16)
+    USE_FP8: tl.constexpr,  # e4m3 A and B with per-row group and per-block scales (W8A8)
     SILU_MUL: tl.constexpr,  # B is [gate; up] (2N rows): C = silu(A gateᵀ) · (A upᵀ), N columns
     IEEE: tl.constexpr,  # float32 operands multiplied in full float32 rather than TF32
     GROUP_N: tl.constexpr,  # weight scale block (rows, columns) when USE_FP8
@@ -411,17 +406,16 @@ def _grouped_gemm_kernel(
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if USE_FP8:
-            if FP8_ACTS:
-                a_s = tl.load(a_scale_ptr + a_row * stride_asm + k0 // BLOCK_K, mask=row_mask, other=0.0)
+            a_s = tl.load(a_scale_ptr + a_row * stride_asm + k0 // BLOCK_K, mask=row_mask, other=0.0)
             b_s = tl.load(b_scale_ptrs + (k0 // GROUP_K) * stride_bsk, mask=n_mask, other=0.0)
-        acc += _scaled_dot(a, b, a_s, b_s, USE_FP8, FP8_ACTS, IEEE)
+        acc += _block_dot(a, b, a_s, b_s, USE_FP8, IEEE)
         if SILU_MUL:
             b_up = tl.load(b_ptrs + up_offset, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             if USE_FP8:
                 b_s_up = tl.load(
                     b_scale_ptrs + up_scale_offset + (k0 // GROUP_K) * stride_bsk, mask=n_mask, other=0.0
                 )
-            acc_up += _scaled_dot(a, b_up, a_s, b_s_up, USE_FP8, FP8_ACTS, IEEE)
+            acc_up += _block_dot(a, b_up, a_s, b_s_up, USE_FP8, IEEE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
     if HAS_BIAS:
@@ -531,15 +525,13 @@ def grouped_gemm(
 ) -> None:
     """out[assignment] = (a[assignment // a_rows_per_token] @ b[expert]ᵀ + bias[expert]) (× routing weight),
     for every tile; ``bias`` (E, N) is optional. ``silu_mul``: ``b`` is [gate; up] (E, 2N, K) and out gets
-    silu(a gateᵀ) · (a upᵀ), N columns. FP8 ``b`` runs W8A16 (``a`` stays in its dtype) when the config's
-    ``WEIGHT_ONLY`` is set, else W8A8 (``a`` quantized per row and K tile)."""
+    silu(a gateᵀ) · (a upᵀ), N columns. FP8 ``b`` runs W8A8: ``a`` is quantized per row and K tile."""
     if silu_mul and bias is not None:
         raise ValueError("silu_mul takes no bias")
     n, k = b.shape[1] // (2 if silu_mul else 1), b.shape[2]
     use_fp8 = b_scale is not None
-    fp8_acts = use_fp8 and not config.get("WEIGHT_ONLY", 0)
     a_scale = a
-    if fp8_acts:
+    if use_fp8:
         a, a_scale = quant_fp8_per_token_group(a, config["BLOCK_K"])
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     grid = (expert_ids.numel() * triton.cdiv(n, block_n),)
@@ -552,7 +544,7 @@ def grouped_gemm(
         a.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0), a_scale.stride(0), bs.stride(0),
         bs.stride(1), bs.stride(2) if bs.dim() == 3 else 0, bias.stride(0) if bias is not None else 0,
         A_ROWS_PER_TOKEN=a_rows_per_token, MUL_ROUTING_WEIGHT=topk_weights is not None,
-        HAS_BIAS=bias is not None, USE_FP8=use_fp8, FP8_ACTS=fp8_acts, SILU_MUL=silu_mul, IEEE=ieee,
+        HAS_BIAS=bias is not None, USE_FP8=use_fp8, SILU_MUL=silu_mul, IEEE=ieee,
         GROUP_N=scale_block[0], GROUP_K=scale_block[1], BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
         num_stages=config["num_stages"],
@@ -592,8 +584,6 @@ def fused_experts(
     if use_fp8:  # a K tile never straddles two weight scale blocks
         while cfg["BLOCK_K"] > 32 and (w13_block[1] % cfg["BLOCK_K"] or w2_block[1] % cfg["BLOCK_K"]):
             cfg["BLOCK_K"] //= 2
-    if use_fp8 and "WEIGHT_ONLY" not in cfg:
-        cfg["WEIGHT_ONLY"] = int(num_tokens * top_k <= WEIGHT_ONLY_ROWS_PER_EXPERT * num_experts)
     if expert_map is not None:
         topk_ids = expert_map[topk_ids.long()]
     sorted_ids, expert_ids, num_post_pad = moe_align(topk_ids, num_experts, cfg["BLOCK_M"])
