@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ominix_worker.ops.fused import silu_and_mul
+
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -315,19 +317,6 @@ def moe_align(
 # ---- grouped GEMM ----------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _block_dot(a, b, a_s, b_s, USE_FP8: tl.constexpr, IEEE: tl.constexpr):
-    """One K block's product: e4m3 × e4m3 scaled by the activation rows' and the weight columns' block scales
-    (W8A8), or a plain ``dot``."""
-    if USE_FP8:
-        product = tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-    elif IEEE:
-        product = tl.dot(a, b, input_precision="ieee")
-    else:
-        product = tl.dot(a, b)
-    return product
-
-
 @triton.jit(do_not_specialize=["num_assignments"])
 def _grouped_gemm_kernel(
     a_ptr,
@@ -356,8 +345,7 @@ def _grouped_gemm_kernel(
     A_ROWS_PER_TOKEN: tl.constexpr,  # k when A holds one row per token (gate_up), 1 when one per assignment
     MUL_ROUTING_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,  # adds the expert's bias row before the routing weight: w · (x Wᵀ + b)
-    USE_FP8: tl.constexpr,  # e4m3 A and B with per-row group and per-block scales (W8A8)
-    SILU_MUL: tl.constexpr,  # B is [gate; up] (2N rows): C = silu(A gateᵀ) · (A upᵀ), N columns
+    USE_FP8: tl.constexpr,
     IEEE: tl.constexpr,  # float32 operands multiplied in full float32 rather than TF32
     GROUP_N: tl.constexpr,  # weight scale block (rows, columns) when USE_FP8
     GROUP_K: tl.constexpr,
@@ -392,37 +380,31 @@ def _grouped_gemm_kernel(
     b_ptrs = (
         b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
     )
-    b_scale_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn
-    # The up half of [gate; up] sits N rows below the gate rows (and its scales N // GROUP_N scale rows below).
-    up_offset = N * stride_bn
-    up_scale_offset = (offs_n + N) // GROUP_N * stride_bsn - (offs_n // GROUP_N) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    a_s = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    b_s = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    b_s_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if USE_FP8:
             a_s = tl.load(a_scale_ptr + a_row * stride_asm + k0 // BLOCK_K, mask=row_mask, other=0.0)
-            b_s = tl.load(b_scale_ptrs + (k0 // GROUP_K) * stride_bsk, mask=n_mask, other=0.0)
-        acc += _block_dot(a, b, a_s, b_s, USE_FP8, IEEE)
-        if SILU_MUL:
-            b_up = tl.load(b_ptrs + up_offset, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if USE_FP8:
-                b_s_up = tl.load(
-                    b_scale_ptrs + up_scale_offset + (k0 // GROUP_K) * stride_bsk, mask=n_mask, other=0.0
-                )
-            acc_up += _block_dot(a, b_up, a_s, b_s_up, USE_FP8, IEEE)
+            b_s = tl.load(
+                b_scale_ptr
+                + expert * stride_bse
+                + (offs_n // GROUP_N) * stride_bsn
+                + (k0 // GROUP_K) * stride_bsk,
+                mask=n_mask,
+                other=0.0,
+            )
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        elif IEEE:
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
     if HAS_BIAS:
         bias = tl.load(bias_ptr + expert * stride_bias + offs_n, mask=n_mask, other=0.0)
         acc += bias.to(tl.float32)[None, :]
-    if SILU_MUL:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_ROUTING_WEIGHT:
         weight = tl.load(topk_weights_ptr + assignment, mask=row_mask, other=0.0)
         acc = acc * weight[:, None]
@@ -521,14 +503,10 @@ def grouped_gemm(
     b_scale: torch.Tensor | None = None,
     scale_block: tuple[int, int] = (128, 128),
     bias: torch.Tensor | None = None,
-    silu_mul: bool = False,
 ) -> None:
     """out[assignment] = (a[assignment // a_rows_per_token] @ b[expert]ᵀ + bias[expert]) (× routing weight),
-    for every tile; ``bias`` (E, N) is optional. ``silu_mul``: ``b`` is [gate; up] (E, 2N, K) and out gets
-    silu(a gateᵀ) · (a upᵀ), N columns. FP8 ``b`` runs W8A8: ``a`` is quantized per row and K tile."""
-    if silu_mul and bias is not None:
-        raise ValueError("silu_mul takes no bias")
-    n, k = b.shape[1] // (2 if silu_mul else 1), b.shape[2]
+    for every tile; ``bias`` (E, N) is optional."""
+    n, k = b.shape[1], b.shape[2]
     use_fp8 = b_scale is not None
     a_scale = a
     if use_fp8:
@@ -544,7 +522,7 @@ def grouped_gemm(
         a.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0), a_scale.stride(0), bs.stride(0),
         bs.stride(1), bs.stride(2) if bs.dim() == 3 else 0, bias.stride(0) if bias is not None else 0,
         A_ROWS_PER_TOKEN=a_rows_per_token, MUL_ROUTING_WEIGHT=topk_weights is not None,
-        HAS_BIAS=bias is not None, USE_FP8=use_fp8, SILU_MUL=silu_mul, IEEE=ieee,
+        HAS_BIAS=bias is not None, USE_FP8=use_fp8, IEEE=ieee,
         GROUP_N=scale_block[0], GROUP_K=scale_block[1], BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
         num_stages=config["num_stages"],
@@ -588,13 +566,13 @@ def fused_experts(
         topk_ids = expert_map[topk_ids.long()]
     sorted_ids, expert_ids, num_post_pad = moe_align(topk_ids, num_experts, cfg["BLOCK_M"])
     num_assignments = num_tokens * top_k
-    # gate_up GEMM with SiLU·mul in its epilogue: one (T·k, I) activation, no (T·k, 2I) round trip.
-    # Rows of skipped assignments hold whatever was there (never written); the down GEMM never reads them.
-    hidden_act = torch.empty((num_assignments, two_i // 2), dtype=x.dtype, device=x.device)
+    gate_up = torch.empty((num_assignments, two_i), dtype=x.dtype, device=x.device)
     grouped_gemm(
-        x, w13, hidden_act, sorted_ids, expert_ids, num_post_pad, num_assignments, top_k, cfg,
-        b_scale=w13_scale, scale_block=w13_block, silu_mul=True,
+        x, w13, gate_up, sorted_ids, expert_ids, num_post_pad, num_assignments, top_k, cfg,
+        b_scale=w13_scale, scale_block=w13_block,
     )  # fmt: skip
+    # Rows of skipped assignments hold whatever gate_up held (never written); the down GEMM never reads them.
+    hidden_act = silu_and_mul(gate_up)
     # Rows of skipped assignments (another rank's experts) are never written: they must read as zero.
     alloc = torch.zeros if expert_map is not None else torch.empty
     down = alloc((num_assignments, hidden), dtype=x.dtype, device=x.device)
