@@ -34,7 +34,7 @@ from ominix_worker.ops.fp8_gemm import (  # noqa: E402
     w8a8_block_matmul,
     w8a16_small_m_matmul,
 )
-from ominix_worker.ops.fused_moe import fused_experts  # noqa: E402
+from ominix_worker.ops.fused_moe import fused_experts, quant_fp8_per_token_group  # noqa: E402
 from ominix_worker.ops.moe_ref import fused_experts_ref, select_experts  # noqa: E402
 from ominix_worker.parallel import ColumnParallelLinear, ShardRange  # noqa: E402
 from ominix_worker.quant.fp8 import Fp8ColumnParallelLinear, dequantize_fp8, quantize_fp8_blocks  # noqa: E402
@@ -135,6 +135,22 @@ def test_per_token_quantization_in_one_kernel(m: int) -> None:
     expected = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / 448.0
     torch.testing.assert_close(scale, expected, rtol=1e-6, atol=0)
     assert _rel(q.float() * scale, x.float()) < 0.04 * _SLACK
+
+
+@pytest.mark.parametrize(("k", "group"), [(768, 768), (768, 4096), (1500, 128), (96, 32)])
+def test_group_quantization_of_any_width(k: int, group: int) -> None:
+    """The grouped activation quantization of the fused MoE: groups of any width (a whole row when group >= K,
+    as per-channel experts take), scales max|x| / 448 per group."""
+    gen = torch.Generator().manual_seed(k + group)
+    x = (torch.randn((5, k), generator=gen) * torch.rand((5, 1), generator=gen) * 10).to(DTYPE).to(DEVICE)
+    q, scale = quant_fp8_per_token_group(x, group)
+    width = min(group, k)
+    assert q.shape == (5, k) and scale.shape == (5, -(-k // width))
+    padded = torch.nn.functional.pad(x.float(), (0, scale.shape[1] * width - k)).view(5, -1, width)
+    expected = padded.abs().amax(dim=-1).clamp(min=1e-10) / 448.0
+    torch.testing.assert_close(scale, expected, rtol=1e-6, atol=0)
+    per_column = scale.repeat_interleave(width, dim=1)[:, :k]
+    assert _rel(q.float() * per_column, x.float()) < 0.04 * _SLACK
 
 
 @pytest.mark.skipif(not FP8_GPU, reason="torch._scaled_mm needs an FP8 GPU")
