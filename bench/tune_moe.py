@@ -103,8 +103,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", default="bench/configs/qwen3-30b-a3b-config.json")
-    parser.add_argument("--fp8", action="store_true", help="tune the W8A8 block-scaled path")
-    parser.add_argument("--per-channel", action="store_true", help="FP8 with one scale per output row")
+    parser.add_argument("--fp8", action="store_true", help="tune the W8A8 path (128 x 128 block scales)")
+    parser.add_argument("--per-channel", action="store_true", help="FP8 with one scale per weight row instead")
     parser.add_argument("--quick", action="store_true", help="fewer candidates and token counts")
     parser.add_argument("--write", action="store_true", help="store the table under moe_configs/")
     parser.add_argument("--tokens", type=int, nargs="*", default=None, help="token counts to tune")
