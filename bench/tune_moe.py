@@ -104,7 +104,9 @@ def main() -> None:
     )
     parser.add_argument("--config", default="bench/configs/qwen3-30b-a3b-config.json")
     parser.add_argument("--fp8", action="store_true", help="tune the W8A8 path (128 x 128 block scales)")
-    parser.add_argument("--per-channel", action="store_true", help="FP8 with one scale per weight row instead")
+    parser.add_argument(
+        "--per-channel", action="store_true", help="FP8 with one scale per weight row instead"
+    )
     parser.add_argument("--quick", action="store_true", help="fewer candidates and token counts")
     parser.add_argument("--write", action="store_true", help="store the table under moe_configs/")
     parser.add_argument("--tokens", type=int, nargs="*", default=None, help="token counts to tune")
