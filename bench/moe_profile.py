@@ -8,9 +8,10 @@ time without Python launch cost, which an eager timing at small batch mostly mea
 layer and per decode step (all MoE layers) beside the bandwidth floor of the routed experts' weights, and, with
 ``--kernels``, a torch.profiler table of the kernels of one eager layer (device durations only).
 
-``--peer-vllm`` times vLLM's Triton
-``fused_experts`` on the same routing, with the experts as vLLM's ``quantization="fp8"`` holds them (one scale
-per expert; activations quantized per tensor), in the same graph-replay way.
+``--fp8 --per-channel`` holds the FP8 experts with one scale per weight row (as ``--quantization fp8`` loads
+them) instead of 128 × 128 blocks. ``--peer-vllm`` times vLLM's Triton ``fused_experts`` on the same routing, with
+the experts as vLLM's ``quantization="fp8"`` holds them (one scale per expert; activations quantized per tensor),
+in the same graph-replay way.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def vllm_layers(layers: list[Layer]) -> list[Layer]:
             (w2, scales["w2_scale"], scales["w2_block"]),
         ):
             full = dequantize_fp8(q, s, block, torch.float32)
-            scale = full.abs().amax(dim=(1, 2)).clamp(min=1e-12) / 448.0
-            per_tensor.append(((full / scale[:, None, None]).to(torch.float8_e4m3fn), scale))
+            scale = full.abs().amax(dim=(1, 2)).clamp(min=1e-12) / fused_moe.FP8_MAX
+            per_tensor.append(((full / scale[:, None, None]).to(fused_moe.FP8_DTYPE), scale))
         out.append(
             (per_tensor[0][0], per_tensor[1][0], {"w1_scale": per_tensor[0][1], "w2_scale": per_tensor[1][1]})
         )
