@@ -115,6 +115,7 @@ def record_vllm(args: argparse.Namespace, top_k: int, log: str) -> None:
     ]
     forced = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=q) for q in prompts], forced, use_tqdm=False)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def main() -> None:
@@ -130,9 +131,10 @@ def main() -> None:
     args = p.parse_args()
     config = json.loads(Path(args.config).read_text())
     experts, top_k = int(config["num_experts"]), int(config["num_experts_per_tok"])
-    log = tempfile.mktemp(prefix="moe-routing-", suffix=".jsonl")
-    (record_vllm if args.engine == "vllm" else record_ours)(args, top_k, log)
-    recorded = read_log(log)
+    with tempfile.TemporaryDirectory(prefix="moe-routing-") as work:
+        log = str(Path(work) / "routers.jsonl")
+        (record_vllm if args.engine == "vllm" else record_ours)(args, top_k, log)
+        recorded = read_log(log)
     batch = [r for r in recorded if r[1] == args.num_requests]
     if not batch:
         sizes = sorted({r[1] for r in recorded})

@@ -27,14 +27,12 @@ if DEVICE is None:
     pytest.skip("needs an FP8 GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from ominix_worker.ops.fp8_gemm import (  # noqa: E402
-    SMALL_M,
-    fp8_linear,
+from ominix_worker.ops.fp8_gemm import SMALL_M, fp8_linear, w8a8_block_matmul, w8a16_small_m_matmul  # noqa: E402
+from ominix_worker.ops.fused_moe import (  # noqa: E402
+    fused_experts,
     quant_fp8_per_token,
-    w8a8_block_matmul,
-    w8a16_small_m_matmul,
+    quant_fp8_per_token_group,
 )
-from ominix_worker.ops.fused_moe import fused_experts, quant_fp8_per_token_group  # noqa: E402
 from ominix_worker.ops.moe_ref import fused_experts_ref, select_experts  # noqa: E402
 from ominix_worker.parallel import ColumnParallelLinear, ShardRange  # noqa: E402
 from ominix_worker.quant.fp8 import Fp8ColumnParallelLinear, dequantize_fp8, quantize_fp8_blocks  # noqa: E402
@@ -139,8 +137,8 @@ def test_per_token_quantization_in_one_kernel(m: int) -> None:
 
 @pytest.mark.parametrize(("k", "group"), [(768, 768), (768, 4096), (1500, 128), (96, 32)])
 def test_group_quantization_of_any_width(k: int, group: int) -> None:
-    """The grouped activation quantization of the fused MoE: groups of any width (a whole row when group >= K,
-    as per-channel experts take), scales max|x| / 448 per group."""
+    """The grouped activation quantization of the FP8 GEMMs: power-of-two groups, or a whole row of any width when
+    group >= K (as per-channel experts take); scales max|x| / 448 per group."""
     gen = torch.Generator().manual_seed(k + group)
     x = (torch.randn((5, k), generator=gen) * torch.rand((5, 1), generator=gen) * 10).to(DTYPE).to(DEVICE)
     q, scale = quant_fp8_per_token_group(x, group)

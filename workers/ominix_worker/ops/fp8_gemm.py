@@ -19,7 +19,11 @@ import triton
 import triton.language as tl
 
 from ominix_worker.devices import sm_count
-from ominix_worker.ops.fused_moe import FP8_DTYPE, FP8_MAX, quant_fp8_per_token_group
+from ominix_worker.ops.fused_moe import (
+    per_row_scales,
+    quant_fp8_per_token,
+    quant_fp8_per_token_group,
+)
 
 
 @triton.jit(do_not_specialize=["M"])  # M is the step's token count: no variant per value
@@ -88,38 +92,6 @@ def w8a8_block_matmul(
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_m <= 64 else 8, num_stages=3,
     )  # fmt: skip
     return out
-
-
-@triton.jit
-def _quant_fp8_row_kernel(
-    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr
-):
-    """Row ``program_id``: scale = max|x| / FP8_MAX, q = x / scale in e4m3 (two passes over the row)."""
-    row = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0), 1e-10) / FP8_MAX
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
-        q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
-        tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
-    tl.store(s_ptr + row, scale)
-
-
-def quant_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) → e4m3 values (M, K) and float32 scales (M, 1), x ≈ q · scale per row, in one launch."""
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    if m:
-        _quant_fp8_row_kernel[(m,)](
-            x, q, s, k, x.stride(0), q.stride(0), FP8_MAX=FP8_MAX, BLOCK=1024, num_warps=4
-        )
-    return q, s
 
 
 def w8a8_per_channel_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -211,8 +183,8 @@ def _w8a16_small_m_kernel(
 class _SplitKScratch:
     """Per device: float32 partial sums and one arrival counter per column tile (zero between calls), grown on
     demand. The worker runs its forward passes on one stream, whose kernels run one after another, so every call
-    shares them. A CUDA graph holds the
-    addresses it captured, so a replaced buffer is kept, never freed, and none may be replaced during capture."""
+    shares them. A CUDA graph holds the addresses it captured, so a replaced buffer is kept, never freed, and none
+    may be replaced during capture."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -249,7 +221,7 @@ def w8a16_small_m_matmul(
     n = weight.shape[0]
     if m > SMALL_M:
         raise ValueError(f"{m} tokens: the weight-only FP8 GEMM takes at most {SMALL_M}")
-    per_channel = block[0] == 1 and block[1] >= k
+    per_channel = per_row_scales(block, k)
     if not block_k:
         block_k = 256 if per_channel else min(256, block[1])
     if not per_channel and block[1] % block_k:
@@ -289,7 +261,7 @@ def fp8_linear(
         out = x2.new_empty((0, weight.shape[0]))
     elif x2.shape[0] <= SMALL_M:
         out = w8a16_small_m_matmul(x2.contiguous(), weight, scale, block)
-    elif block[0] == 1 and block[1] >= weight.shape[1]:
+    elif per_row_scales(block, weight.shape[1]):
         out = w8a8_per_channel_matmul(x2.contiguous(), weight, scale)
     else:
         out = w8a8_block_matmul(x2.contiguous(), weight, scale, block)

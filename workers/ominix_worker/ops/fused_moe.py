@@ -384,6 +384,9 @@ def _grouped_gemm_kernel(
     b_ptrs = (
         b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
     )
+    b_scale_ptrs = (
+        b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn
+    )  # this tile's scale rows
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
@@ -393,14 +396,7 @@ def _grouped_gemm_kernel(
             acc = tl.dot(a, b, acc)
         elif USE_FP8:
             a_s = tl.load(a_scale_ptr + a_row * stride_asm + k0 // BLOCK_K, mask=row_mask, other=0.0)
-            b_s = tl.load(
-                b_scale_ptr
-                + expert * stride_bse
-                + (offs_n // GROUP_N) * stride_bsn
-                + (k0 // GROUP_K) * stride_bsk,
-                mask=n_mask,
-                other=0.0,
-            )
+            b_s = tl.load(b_scale_ptrs + (k0 // GROUP_K) * stride_bsk, mask=n_mask, other=0.0)
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         elif IEEE:
             acc += tl.dot(a, b, input_precision="ieee")
@@ -410,9 +406,7 @@ def _grouped_gemm_kernel(
         b_ptrs += BLOCK_K * stride_bk
     if ROW_SCALES:  # the scales are constant along K: the loop accumulated raw products in place
         a_s = tl.load(a_scale_ptr + a_row * stride_asm, mask=row_mask, other=0.0)
-        b_s = tl.load(
-            b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn, mask=n_mask, other=0.0
-        )
+        b_s = tl.load(b_scale_ptrs, mask=n_mask, other=0.0)
         acc = acc * a_s[:, None] * b_s[None, :]
     if HAS_BIAS:
         bias = tl.load(bias_ptr + expert * stride_bias + offs_n, mask=n_mask, other=0.0)
@@ -427,23 +421,20 @@ def _grouped_gemm_kernel(
 # ---- FP8 activations -------------------------------------------------------------------------------------
 
 
+def per_row_scales(block: tuple[int, int], k: int) -> bool:
+    """Whether weight scale blocks ``block`` (rows, columns) give each weight row one scale over all of its ``k``
+    columns: per-channel, per-tensor stored per channel, or a tensor-parallel shard of either."""
+    return block[0] == 1 and block[1] >= k
+
+
 @triton.jit
 def _quant_fp8_group_kernel(
-    x_ptr,
-    q_ptr,
-    s_ptr,
-    stride_x,
-    stride_q,
-    K,
-    GROUP: tl.constexpr,
-    BLOCK: tl.constexpr,
-    FP8_MAX: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, stride_x, stride_q, K, GROUP: tl.constexpr, FP8_MAX: tl.constexpr
 ):
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
-    lanes = tl.arange(0, BLOCK)  # BLOCK: GROUP rounded up to a power of two
-    offs = group * GROUP + lanes
-    mask = (lanes < GROUP) & (offs < K)
+    offs = group * GROUP + tl.arange(0, GROUP)
+    mask = offs < K
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-10) / FP8_MAX
     q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
@@ -452,18 +443,49 @@ def _quant_fp8_group_kernel(
 
 
 def quant_fp8_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) → e4m3 values (M, K) and float32 scales (M, ceil(K / group)): x ≈ q · scale per group
-    (``group`` ≥ K: one scale per row)."""
+    """(M, K) → e4m3 values (M, K) and float32 scales (M, ceil(K / group)): x ≈ q · scale per group of a
+    power-of-two width; ``group`` ≥ K is one scale per row (``quant_fp8_per_token``, any K)."""
     m, k = x.shape
-    group = min(group, k)
+    if group >= k:
+        return quant_fp8_per_token(x)
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     s = torch.empty((m, triton.cdiv(k, group)), dtype=torch.float32, device=x.device)
     if m:
-        block = triton.next_power_of_2(group)
         _quant_fp8_group_kernel[(m, triton.cdiv(k, group))](
-            x, q, s, x.stride(0), q.stride(0), k, GROUP=group, BLOCK=block, FP8_MAX=FP8_MAX,
-            num_warps=1 if block <= 256 else 4,
-        )  # fmt: skip
+            x, q, s, x.stride(0), q.stride(0), k, GROUP=group, FP8_MAX=FP8_MAX, num_warps=1
+        )
+    return q, s
+
+
+@triton.jit
+def _quant_fp8_row_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Row ``program_id``: scale = max|x| / FP8_MAX, q = x / scale in e4m3 (two passes over the row)."""
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, 0), 1e-10) / FP8_MAX
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+        q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+    tl.store(s_ptr + row, scale)
+
+
+def quant_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) → e4m3 values (M, K) and float32 scales (M, 1), x ≈ q · scale per row, in one launch."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        _quant_fp8_row_kernel[(m,)](
+            x, q, s, k, x.stride(0), q.stride(0), FP8_MAX=FP8_MAX, BLOCK=1024, num_warps=4
+        )
     return q, s
 
 
@@ -535,10 +557,10 @@ def grouped_gemm(
     use_fp8 = b_scale is not None
     # Weight scales that span whole rows (per-channel) pair with one activation scale per row: the tile then
     # accumulates raw products in place and scales once, as an unscaled GEMM does.
-    row_scales = use_fp8 and scale_block[1] >= k
+    row_scales = use_fp8 and per_row_scales(scale_block, k)
     a_scale = a
     if use_fp8:
-        a, a_scale = quant_fp8_per_token_group(a, k if row_scales else config["BLOCK_K"])
+        a, a_scale = quant_fp8_per_token(a) if row_scales else quant_fp8_per_token_group(a, config["BLOCK_K"])
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     grid = (expert_ids.numel() * triton.cdiv(n, block_n),)
     bs = b_scale if b_scale is not None else b
