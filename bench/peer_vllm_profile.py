@@ -2,7 +2,12 @@
 dtype vLLM chose. Runs vLLM in this process (as it serves: CUDA graphs and compile on) under torch.profiler for one
 ``generate`` of N prompts × P tokens × O outputs after a warm-up, and prints the top kernels as JSON.
 
+``--again`` runs the batch once unprofiled first, so the profiled run finds its prompts in the prefix cache and is
+nearly all decode at batch N (W1 again); ``kernels_per_step_ms`` then reads as one decode step. ``--eager`` turns
+vLLM's CUDA graphs off, for a profile that cannot miss a kernel replayed inside a graph.
+
     python bench/peer_vllm_profile.py --config bench/configs/qwen3-30b-a3b-config.json --vocab 150000 --quantization fp8
+    python bench/peer_vllm_profile.py --config ... --quantization fp8 --again --eager --output-len 32
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--vocab", type=int, default=128000)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--again", action="store_true", help="profile the batch's second run (prompts cached)")
+    p.add_argument("--eager", action="store_true", help="enforce_eager: no CUDA graphs, no compile")
     args = p.parse_args()
 
     import torch
@@ -41,6 +48,7 @@ def main() -> None:
     llm = LLM(
         model=str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
         quantization=args.quantization, max_model_len=2048, gpu_memory_utilization=0.90, seed=0,
+        enforce_eager=args.eager,
     )  # fmt: skip
     gen = torch.Generator().manual_seed(1)
 
@@ -55,6 +63,8 @@ def main() -> None:
     forced = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
     llm.generate(prompts(32), forced, use_tqdm=False)
     batch = prompts(args.num_requests)
+    if args.again:
+        llm.generate(batch, forced, use_tqdm=False)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         started = time.perf_counter()
         llm.generate(batch, forced, use_tqdm=False)
@@ -63,6 +73,7 @@ def main() -> None:
         (e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total
     )
     cache = llm.llm_engine.vllm_config.cache_config
+    total_ms = sum(e.device_time_total for e in rows) / 1e3
     print(
         json.dumps(
             {
@@ -70,7 +81,11 @@ def main() -> None:
                 "quantization": args.quantization or "bf16",
                 "kv_cache_dtype": str(cache.cache_dtype),
                 "gpu_blocks": getattr(cache, "num_gpu_blocks", None),
+                "again": args.again,
+                "eager": args.eager,
                 "generate_s": round(seconds, 3),
+                "kernels_total_ms": round(total_ms, 1),
+                "kernels_per_step_ms": round(total_ms / args.output_len, 2),
                 "kernels_ms": [
                     [e.key[:90], round(e.device_time_total / 1e3, 2), e.count] for e in rows[: args.top]
                 ],
