@@ -29,7 +29,7 @@ peer() {
   mkdir -p "$out"
   if python3 -c "import vllm" 2>/dev/null; then
     PYTHONPATH=$PWD timeout ${PEER_S:-600} python3 bench/peer_vllm.py --config "$CONFIG" --vocab 199000 \
-      --json "$out/peer_vllm.json" "$@" >"$out/peer_vllm.log" 2>&1
+      --json "$out/peer_vllm.json" --unit-norms "$@" >"$out/peer_vllm.log" 2>&1
     grep -E "^vLLM|Error" "$out/peer_vllm.log" | tail -8 | tee "$out/peer_vllm.txt"
   else
     echo "vllm is not importable here: see shared/peers/vllm/README.md to carry it"

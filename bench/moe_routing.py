@@ -8,6 +8,11 @@ decode batches; ``--engine ours`` prefills ``--num-requests`` prompts in one ste
 runs one decode step. Both count the decode batch only. Prints the distinct experts hit by each layer's
 top-k, next to what uniform random routing would hit. ``--quantization fp8`` as in bench/peer_vllm.py.
 
+Two views in vLLM: ``router`` takes the top-k of each ``mlp.gate``'s logits (as ours routes); ``kernel`` counts
+the top-k ids vLLM's Triton experts are handed (its own routing kernel: softmax, then top-k). They differ when
+that kernel sees ties: with ±1e-3 weights the softmax of a layer's logits can round to one value in float32,
+and ties go to the lowest expert ids. The kernel view is what a decode step reads.
+
     python bench/moe_routing.py --engine vllm --config bench/configs/qwen3-30b-a3b-config.json --vocab 150000
     python bench/moe_routing.py --engine ours --config bench/configs/qwen3-30b-a3b-config.json --vocab 150000
 """
@@ -27,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 Record = tuple[str, int, int]  # (layer, tokens, distinct experts)
+KERNEL = "vllm-triton-experts"  # the layer name of records taken at vLLM's expert kernels
 
 
 def expected_distinct(experts: int, top_k: int, tokens: int) -> float:
@@ -90,16 +96,30 @@ def record_ours(args: argparse.Namespace, top_k: int, log: str) -> None:
     runner.execute_step(DecodeStep(2, running_requests=running))
 
 
-def record_vllm(args: argparse.Namespace, top_k: int, log: str) -> None:
-    from peer_vllm import use_offline_env  # this folder, as a script's sys.path[0]
+def count_kernel_routing(log: str) -> None:
+    """Wraps the expert assignment of vLLM's Triton experts (it is given the top-k ids the MoE kernels run on)
+    so each call appends (KERNEL, rows, distinct experts) to ``log``."""
+    from vllm.model_executor.layers.fused_moe.experts import triton_moe
 
-    use_offline_env(
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the model lives in this process: hooks can record it
-        VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # LLM.apply_model passes a function to the worker
-    )
+    assign = triton_moe._prepare_expert_assignment
+
+    def counted(topk_ids: torch.Tensor, *rest: object, **named: object) -> object:
+        with open(log, "a") as f:
+            f.write(json.dumps([KERNEL, int(topk_ids.shape[0]), int(torch.unique(topk_ids).numel())]) + "\n")
+        return assign(topk_ids, *rest, **named)
+
+    triton_moe._prepare_expert_assignment = counted
+
+
+def record_vllm(args: argparse.Namespace, top_k: int, log: str) -> None:
+    from peer_vllm import set_unit_norms, use_offline_env  # this folder, as a script's sys.path[0]
+
+    # The model lives in this process: hooks can record it.
+    use_offline_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    count_kernel_routing(log)
     folder = Path(tempfile.mkdtemp(prefix="moe-routing-"))
     shutil.copy(args.config, folder / "config.json")
     llm = LLM(
@@ -107,6 +127,8 @@ def record_vllm(args: argparse.Namespace, top_k: int, log: str) -> None:
         quantization=args.quantization, max_model_len=2048, gpu_memory_utilization=0.90, seed=0,
         enforce_eager=True,
     )  # fmt: skip
+    if args.unit_norms:
+        print(f"unit norms: {sum(llm.apply_model(set_unit_norms))}", flush=True)
     print(f"routers hooked: {llm.apply_model(lambda model: hook_routers(model, top_k, log))}", flush=True)
     gen = torch.Generator().manual_seed(1)
     prompts = [
@@ -127,6 +149,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=4)
     p.add_argument("--vocab", type=int, default=128000)
+    p.add_argument("--unit-norms", action="store_true", help="vllm only: bench/peer_vllm.py's --unit-norms")
     p.add_argument("--device", default="cuda", help="ours only: cuda, or cpu (float32) for a small config")
     args = p.parse_args()
     config = json.loads(Path(args.config).read_text())
@@ -135,26 +158,34 @@ def main() -> None:
         log = str(Path(work) / "routers.jsonl")
         (record_vllm if args.engine == "vllm" else record_ours)(args, top_k, log)
         recorded = read_log(log)
-    batch = [r for r in recorded if r[1] == args.num_requests]
-    if not batch:
-        sizes = sorted({r[1] for r in recorded})
-        raise SystemExit(f"no batch of {args.num_requests} tokens was recorded (batch sizes: {sizes[:20]})")
-    distinct = [r[2] for r in batch]
-    print(
-        json.dumps(
-            {
-                "engine": args.engine,
-                "quantization": args.quantization or "bf16",
-                "batch": args.num_requests,
-                "layer_calls": len(batch),
-                "distinct_experts_median": statistics.median(distinct),
-                "distinct_experts_min": min(distinct),
-                "distinct_experts_per_layer": distinct[: len({r[0] for r in batch})],
-                "uniform_routing_expects": round(expected_distinct(experts, top_k, args.num_requests), 1),
-            }
-        ),
-        flush=True,
-    )
+    views = {
+        "router": [r for r in recorded if r[0] != KERNEL],
+        "kernel": [r for r in recorded if r[0] == KERNEL],
+    }
+    report: dict[str, object] = {
+        "engine": args.engine,
+        "quantization": args.quantization or "bf16",
+        "batch": args.num_requests,
+        "uniform_routing_expects": round(expected_distinct(experts, top_k, args.num_requests), 1),
+    }
+    for view, records in views.items():
+        batch = [r for r in records if r[1] == args.num_requests]
+        if not records:
+            continue
+        if not batch:
+            sizes = sorted({r[1] for r in records})
+            raise SystemExit(
+                f"{view}: no batch of {args.num_requests} tokens was recorded (sizes: {sizes[:20]})"
+            )
+        distinct = [r[2] for r in batch]
+        report[view] = {
+            "layer_calls": len(batch),
+            "distinct_experts_median": statistics.median(distinct),
+            "distinct_experts_min": min(distinct),
+            "distinct_experts_max": max(distinct),
+            "distinct_experts_first_calls": distinct[:48],
+        }
+    print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":

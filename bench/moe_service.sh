@@ -8,7 +8,11 @@
 #   fp8      the same with --quantization fp8 (per-channel FP8 weights, W8A8)
 #   peer-bf16, peer-fp8
 #            vLLM beside bf16 / fp8 (bench/peer_vllm.py: W1 cold and again, batch-1 TPOT; `quantization="fp8"` for
-#            peer-fp8), on the same machine right after ours; needs vllm importable (shared/peers/vllm/README.md)
+#            peer-fp8), on the same machine right after ours; needs vllm importable (shared/peers/vllm/README.md).
+#            Its dummy model gets unit RMSNorm weights (--unit-norms): with vLLM's ±1e-3 norms every decode token
+#            routes to the same few experts, a lighter step than real weights (or ours) give
+#   peer-fp8-stock
+#            peer-fp8 on vLLM's dummy weights as they load (that few-expert routing)
 #   llama8b-fp8, peer-llama8b-fp8
 #            the same pair for the Llama-3.1-8B shape (bench/configs/llama8b-config.json) with FP8 weights
 #
@@ -58,9 +62,11 @@ for stage in $MOE_STAGES; do
       OUT=$OUT/fp8 MODEL=dummy:$CONFIG CONFIG_JSON=$CONFIG WORKER_ARGS="--quantization fp8 ${MOE_WORKER_ARGS:-}" STAGES="service" \
         bash bench/gpu_service.sh ;;
     peer-bf16)
-      peer "$CONFIG" "$OUT/bf16" --vocab 150000 ;;
+      peer "$CONFIG" "$OUT/bf16" --vocab 150000 --unit-norms ;;
     peer-fp8)
-      peer "$CONFIG" "$OUT/fp8" --vocab 150000 --quantization fp8 ;;
+      peer "$CONFIG" "$OUT/fp8" --vocab 150000 --quantization fp8 --unit-norms ;;
+    peer-fp8-stock)
+      peer "$CONFIG" "$OUT/fp8-stock" --vocab 150000 --quantization fp8 ;;
     llama8b-fp8)
       OUT=$OUT/llama8b-fp8 MODEL=dummy:$LLAMA8B CONFIG_JSON=$LLAMA8B \
         WORKER_ARGS="--quantization fp8 ${MOE_WORKER_ARGS:-}" STAGES="service" bash bench/gpu_service.sh ;;

@@ -10,6 +10,12 @@ one P-token prompt, (time of 128 tokens - time of 2 tokens) / 126. ``--quantizat
 weights to FP8 at load (vLLM's online FP8, W8A8 on Hopper), as ``--quantization fp8`` does ours. Needs vllm
 importable (the peers README under shared/peers/vllm says how to carry it to a GPU machine). One line per figure,
 ``vLLM ...``; ``--json`` writes them too.
+
+``--unit-norms`` sets every RMSNorm weight of vLLM's dummy model to 1 after loading (ours draws unit norms). vLLM's
+dummy loader draws them uniform in ±1e-3 like every other parameter; an MoE router then sees near-equal logits,
+its softmax rounds them to ties, and every token of a decode batch goes to the same lowest-numbered experts, so a
+decode step reads a few experts' weights where a real checkpoint (and ours) reads nearly all of them
+(bench/moe_routing.py counts both). The MoE benches pass it; dense models are unaffected either way.
 """
 
 from __future__ import annotations
@@ -33,12 +39,24 @@ def use_offline_env(**extra: str) -> None:
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "VLLM_USE_FLASHINFER_SAMPLER": "0",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # LLM.apply_model sends a function to the engine process
     }
     for key, value in {**defaults, **extra}.items():
         os.environ.setdefault(key, value)
 
 
 use_offline_env()
+
+
+def set_unit_norms(model: Any) -> int:
+    """Fills every RMSNorm weight (a parameter named ``*norm.weight``) of a loaded vLLM model with 1; returns how
+    many. In place, so CUDA graphs captured over these parameters stay valid."""
+    filled = 0
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+            filled += 1
+    return filled
 
 
 def compile_options(args: argparse.Namespace) -> dict[str, object]:
@@ -78,6 +96,11 @@ def main() -> None:
         help="vLLM's FlashInfer all-reduce + RMSNorm compile pass (default: vLLM's choice at TP=1, off at TP>1: "
         "with it, CUDA-graph capture failed on lent H100 x4 machines even with the custom all-reduce off)",
     )
+    parser.add_argument(
+        "--unit-norms",
+        action="store_true",
+        help="RMSNorm weights of the dummy model set to 1 (MoE: routing spread as with real weights)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.input_len + args.output_len > args.max_model_len:
@@ -110,6 +133,10 @@ def main() -> None:
         disable_custom_all_reduce=args.tp > 1,  # crashed on lent multi-GPU machines (see the peers README)
         **compile_options(args),
     )
+    if args.unit_norms:
+        filled = sum(llm.apply_model(set_unit_norms))
+        figures["unit_norms"] = filled
+        print(f"vLLM {label} unit norms: {filled} RMSNorm weights set to 1", flush=True)
     figures["init_s"] = round(time.perf_counter() - started, 1)
     print(f"vLLM {label} init {figures['init_s']}s", flush=True)
     forced = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)

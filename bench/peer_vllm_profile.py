@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from peer_vllm import use_offline_env  # this folder, as the script's sys.path[0]
+from peer_vllm import set_unit_norms, use_offline_env  # this folder, as the script's sys.path[0]
 
 # The engine core in this process: the profiler sees its kernels.
 use_offline_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--again", action="store_true", help="profile the batch's second run (prompts cached)")
     p.add_argument("--eager", action="store_true", help="enforce_eager: no CUDA graphs, no compile")
+    p.add_argument("--unit-norms", action="store_true", help="bench/peer_vllm.py's --unit-norms")
     args = p.parse_args()
 
     import torch
@@ -50,6 +51,8 @@ def main() -> None:
         quantization=args.quantization, max_model_len=2048, gpu_memory_utilization=0.90, seed=0,
         enforce_eager=args.eager,
     )  # fmt: skip
+    if args.unit_norms:
+        llm.apply_model(set_unit_norms)
     gen = torch.Generator().manual_seed(1)
 
     def prompts(n: int) -> list[TokensPrompt]:
@@ -83,6 +86,7 @@ def main() -> None:
                 "gpu_blocks": getattr(cache, "num_gpu_blocks", None),
                 "again": args.again,
                 "eager": args.eager,
+                "unit_norms": args.unit_norms,
                 "generate_s": round(seconds, 3),
                 "kernels_total_ms": round(total_ms, 1),
                 "kernels_per_step_ms": round(total_ms / args.output_len, 2),
