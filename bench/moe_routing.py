@@ -8,10 +8,11 @@ decode batches; ``--engine ours`` prefills ``--num-requests`` prompts in one ste
 runs one decode step. Both count the decode batch only. Prints the distinct experts hit by each layer's
 top-k, next to what uniform random routing would hit. ``--quantization fp8`` as in bench/peer_vllm.py.
 
-Two views in vLLM: ``router`` takes the top-k of each ``mlp.gate``'s logits (as ours routes); ``kernel`` counts
-the top-k ids vLLM's Triton experts are handed (its own routing kernel: softmax, then top-k). They differ when
-that kernel sees ties: with ±1e-3 weights the softmax of a layer's logits can round to one value in float32,
-and ties go to the lowest expert ids. The kernel view is what a decode step reads.
+Two views in vLLM: ``router`` takes the top-k of each ``mlp.gate``'s logits (as ours routes); ``kernel`` counts the
+top-k ids vLLM's Triton experts are handed (from its own top-k gating kernel). On vLLM's stock dummy weights (±1e-3
+norms: logits of order 1e-5, by estimate) the router view spreads over all experts while the kernel view is the same
+8 ids for every token; ``--unit-norms`` (bench/peer_vllm.py's) spreads both. The kernel view is what a decode step
+reads.
 
     python bench/moe_routing.py --engine vllm --config bench/configs/qwen3-30b-a3b-config.json --vocab 150000
     python bench/moe_routing.py --engine ours --config bench/configs/qwen3-30b-a3b-config.json --vocab 150000
