@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
 import tempfile
@@ -113,32 +112,23 @@ def count_kernel_routing(log: str) -> None:
 
 
 def record_vllm(args: argparse.Namespace, top_k: int, log: str) -> None:
-    from peer_vllm import set_unit_norms, use_offline_env  # this folder, as a script's sys.path[0]
+    from peer_vllm import dummy_llm, use_offline_env  # this folder, as a script's sys.path[0]
 
     # The model lives in this process: hooks can record it.
     use_offline_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     count_kernel_routing(log)
-    folder = Path(tempfile.mkdtemp(prefix="moe-routing-"))
-    shutil.copy(args.config, folder / "config.json")
-    llm = LLM(
-        model=str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-        quantization=args.quantization, max_model_len=2048, gpu_memory_utilization=0.90, seed=0,
-        enforce_eager=True,
-    )  # fmt: skip
-    if args.unit_norms:
-        print(f"unit norms: {sum(llm.apply_model(set_unit_norms))}", flush=True)
-    print(f"routers hooked: {llm.apply_model(lambda model: hook_routers(model, top_k, log))}", flush=True)
     gen = torch.Generator().manual_seed(1)
     prompts = [
         torch.randint(0, args.vocab, (args.input_len,), generator=gen).tolist()
         for _ in range(args.num_requests)
     ]
     forced = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
-    llm.generate([TokensPrompt(prompt_token_ids=q) for q in prompts], forced, use_tqdm=False)
-    shutil.rmtree(folder, ignore_errors=True)
+    with dummy_llm(args.config, args.quantization, args.unit_norms, enforce_eager=True) as llm:
+        print(f"routers hooked: {llm.apply_model(lambda model: hook_routers(model, top_k, log))}", flush=True)
+        llm.generate([TokensPrompt(prompt_token_ids=q) for q in prompts], forced, use_tqdm=False)
 
 
 def main() -> None:

@@ -26,6 +26,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,28 @@ def set_unit_norms(model: Any) -> int:
             param.data.fill_(1.0)
             filled += 1
     return filled
+
+
+@contextmanager
+def dummy_llm(config: str, quantization: str | None, unit_norms: bool, **options: Any) -> Iterator[Any]:
+    """vLLM's ``LLM`` on dummy bf16 weights of ``config``'s shape, from a temporary model folder that lives as long
+    as the block; ``unit_norms``: ``set_unit_norms`` on the loaded model. ``options``: more ``LLM`` keywords
+    (max_model_len 2048 and gpu_memory_utilization 0.90 unless given)."""
+    from vllm import LLM
+
+    with tempfile.TemporaryDirectory(prefix="peer-vllm-") as folder:
+        shutil.copy(config, Path(folder) / "config.json")  # vLLM reads a model folder; the weights are dummy
+        llm = LLM(
+            model=folder, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+            quantization=quantization, seed=0,
+            **{"max_model_len": 2048, "gpu_memory_utilization": 0.90, **options},
+        )  # fmt: skip
+        if unit_norms:
+            print(
+                f"vLLM unit norms: {sum(llm.apply_model(set_unit_norms))} RMSNorm weights set to 1",
+                flush=True,
+            )
+        yield llm
 
 
 def compile_options(args: argparse.Namespace) -> dict[str, object]:
@@ -107,59 +131,53 @@ def main() -> None:
         parser.error(f"--max-model-len {args.max_model_len} < input-len + output-len")
 
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    folder = Path(tempfile.mkdtemp(prefix="peer-vllm-"))
-    shutil.copy(args.config, folder / "config.json")  # vLLM reads a model folder; the weights are dummy
     label = f"{Path(args.config).stem} {args.quantization or 'bf16'} TP{args.tp}"
-    figures: dict[str, float | str] = {"model": label}
+    figures: dict[str, float | str | bool] = {"model": label, "unit_norms": args.unit_norms}
     gen = torch.Generator().manual_seed(1)
     prompts = [
         torch.randint(0, args.vocab, (args.input_len,), generator=gen).tolist()
         for _ in range(args.num_requests)
     ]
     started = time.perf_counter()
-    llm = LLM(
-        model=str(folder),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        quantization=args.quantization,
+    with dummy_llm(
+        args.config,
+        args.quantization,
+        args.unit_norms,
         tensor_parallel_size=args.tp,
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        seed=0,
         disable_custom_all_reduce=args.tp > 1,  # crashed on lent multi-GPU machines (see the peers README)
         **compile_options(args),
-    )
-    if args.unit_norms:
-        filled = sum(llm.apply_model(set_unit_norms))
-        figures["unit_norms"] = filled
-        print(f"vLLM {label} unit norms: {filled} RMSNorm weights set to 1", flush=True)
-    figures["init_s"] = round(time.perf_counter() - started, 1)
-    print(f"vLLM {label} init {figures['init_s']}s", flush=True)
-    forced = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
-    warm_gen = torch.Generator().manual_seed(3)
-    warm = [torch.randint(0, args.vocab, (args.input_len,), generator=warm_gen).tolist() for _ in range(32)]
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in warm], forced, use_tqdm=False)
-    for run in ("cold", "again") if args.again else ("cold",):
-        t = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], forced, use_tqdm=False)
-        seconds = time.perf_counter() - t
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        figures[f"w1_{run}_out_tok_s"] = round(tokens / seconds, 1)
-        print(
-            f"vLLM {label} W1 {args.num_requests}x{args.input_len}x{args.output_len} {run}: {seconds:.2f}s "
-            f"{tokens / seconds:.0f} out tok/s",
-            flush=True,
+    ) as llm:
+        figures["init_s"] = round(time.perf_counter() - started, 1)
+        print(f"vLLM {label} init {figures['init_s']}s", flush=True)
+        forced = SamplingParams(
+            temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False
         )
-    if args.batch1:
-        figures["batch1_tpot_ms"] = batch1_tpot_ms(llm, prompts[0])
-        print(f"vLLM {label} batch-1 TPOT {figures['batch1_tpot_ms']:.2f} ms", flush=True)
+        warm_gen = torch.Generator().manual_seed(3)
+        warm = [
+            torch.randint(0, args.vocab, (args.input_len,), generator=warm_gen).tolist() for _ in range(32)
+        ]
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in warm], forced, use_tqdm=False)
+        for run in ("cold", "again") if args.again else ("cold",):
+            t = time.perf_counter()
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], forced, use_tqdm=False)
+            seconds = time.perf_counter() - t
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            figures[f"w1_{run}_out_tok_s"] = round(tokens / seconds, 1)
+            print(
+                f"vLLM {label} W1 {args.num_requests}x{args.input_len}x{args.output_len} {run}: {seconds:.2f}s "
+                f"{tokens / seconds:.0f} out tok/s",
+                flush=True,
+            )
+        if args.batch1:
+            figures["batch1_tpot_ms"] = batch1_tpot_ms(llm, prompts[0])
+            print(f"vLLM {label} batch-1 TPOT {figures['batch1_tpot_ms']:.2f} ms", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def batch1_tpot_ms(llm: Any, prompt: list[int]) -> float:

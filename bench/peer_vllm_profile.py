@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
-from peer_vllm import set_unit_norms, use_offline_env  # this folder, as the script's sys.path[0]
+from peer_vllm import dummy_llm, use_offline_env  # this folder, as the script's sys.path[0]
 
 # The engine core in this process: the profiler sees its kernels.
 use_offline_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
@@ -41,18 +38,9 @@ def main() -> None:
 
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    folder = Path(tempfile.mkdtemp(prefix="peer-vllm-profile-"))
-    shutil.copy(args.config, folder / "config.json")
-    llm = LLM(
-        model=str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-        quantization=args.quantization, max_model_len=2048, gpu_memory_utilization=0.90, seed=0,
-        enforce_eager=args.eager,
-    )  # fmt: skip
-    if args.unit_norms:
-        llm.apply_model(set_unit_norms)
     gen = torch.Generator().manual_seed(1)
 
     def prompts(n: int) -> list[TokensPrompt]:
@@ -64,18 +52,19 @@ def main() -> None:
         ]
 
     forced = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
-    llm.generate(prompts(32), forced, use_tqdm=False)
-    batch = prompts(args.num_requests)
-    if args.again:
-        llm.generate(batch, forced, use_tqdm=False)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        started = time.perf_counter()
-        llm.generate(batch, forced, use_tqdm=False)
-        seconds = time.perf_counter() - started
+    with dummy_llm(args.config, args.quantization, args.unit_norms, enforce_eager=args.eager) as llm:
+        llm.generate(prompts(32), forced, use_tqdm=False)
+        batch = prompts(args.num_requests)
+        if args.again:
+            llm.generate(batch, forced, use_tqdm=False)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            started = time.perf_counter()
+            llm.generate(batch, forced, use_tqdm=False)
+            seconds = time.perf_counter() - started
+        cache = llm.llm_engine.vllm_config.cache_config
     rows = sorted(
         (e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total
     )
-    cache = llm.llm_engine.vllm_config.cache_config
     total_ms = sum(e.device_time_total for e in rows) / 1e3
     print(
         json.dumps(
