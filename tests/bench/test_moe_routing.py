@@ -1,14 +1,18 @@
 """bench/moe_routing.py on our runner, on the CPU with a small Qwen3-MoE config: every router is hooked and the
-decode batch's distinct experts are counted per layer, within what the config allows."""
+decode batch's distinct experts are counted per layer, within what the config allows. The scripts that drive vLLM
+(moe_routing.py --engine vllm, peer_vllm.py) run against a stand-in for vLLM's offline API (tests/bench/fake_vllm):
+their plumbing, the kernel-side count, unit norms and the temporary model folder."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+STAND_IN = Path(__file__).resolve().parent / "fake_vllm"
 sys.path.insert(0, str(REPO))  # bench/ as a namespace package: its modules must not shadow installed ones
 
 from bench.moe_routing import expected_distinct  # noqa: E402
@@ -36,8 +40,72 @@ def test_counts_the_decode_batch_of_our_runner(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert "routers hooked: 3" in done.stdout
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["engine"] == "ours" and result["batch"] == 6 and result["layer_calls"] == 3
-    assert len(result["distinct_experts_per_layer"]) == 3
+    assert result["engine"] == "ours" and result["batch"] == 6
+    assert "kernel" not in result  # ours: the router's top-k is what the experts run on
+    router = result["router"]
+    assert router["layer_calls"] == 3 and len(router["distinct_experts_first_calls"]) == 3
     # Six rows of four experts each hit between 4 and 16 of the 16.
-    assert all(4 <= d <= 16 for d in result["distinct_experts_per_layer"])
+    assert all(4 <= d <= 16 for d in router["distinct_experts_first_calls"])
+    assert (
+        4
+        <= router["distinct_experts_min"]
+        <= router["distinct_experts_median"]
+        <= router["distinct_experts_max"]
+    )
     assert result["uniform_routing_expects"] == round(expected_distinct(16, 4, 6), 1)
+
+
+def run_with_stand_in(script: str, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Runs a bench script with the stand-in importable as ``vllm`` and a private TMPDIR."""
+    work = tmp_path / "tmp"
+    work.mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STAND_IN), str(REPO), str(REPO / "workers")])}
+    env["TMPDIR"] = str(work)
+    return subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), *args],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=env,
+    )  # fmt: skip
+
+
+def small_moe_config(tmp_path: Path) -> Path:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"num_experts": 8, "num_experts_per_tok": 2}))  # the stand-in's shape
+    return path
+
+
+def test_counts_vllm_router_and_kernel_views_with_unit_norms(tmp_path: Path) -> None:
+    config = small_moe_config(tmp_path)
+    done = run_with_stand_in(
+        "moe_routing.py",
+        ["--engine", "vllm", "--config", str(config), "--vocab", "100", "--num-requests", "5", "--input-len", "4",
+         "--output-len", "3", "--unit-norms"],
+        tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "vLLM unit norms: 2 RMSNorm weights set to 1" in done.stdout
+    assert "routers hooked: [2]" in done.stdout
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    # Three decode steps of two layers: every router call and every expert assignment was counted.
+    for view in ("router", "kernel"):
+        assert result[view]["layer_calls"] == 6, result
+        assert all(2 <= d <= 8 for d in result[view]["distinct_experts_first_calls"])
+    assert list((tmp_path / "tmp").iterdir()) == []  # the model folder and the log are gone
+
+
+def test_peer_vllm_figures_and_its_model_folder(tmp_path: Path) -> None:
+    config = small_moe_config(tmp_path)
+    out = tmp_path / "peer.json"
+    done = run_with_stand_in(
+        "peer_vllm.py",
+        ["--config", str(config), "--vocab", "100", "--num-requests", "3", "--input-len", "4", "--output-len", "5",
+         "--unit-norms", "--json", str(out)],
+        tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert figures["unit_norms"] is True and figures["model"] == "config bf16 TP1"
+    assert {"init_s", "w1_cold_out_tok_s", "w1_again_out_tok_s", "batch1_tpot_ms"} <= set(figures)
+    assert figures["w1_cold_out_tok_s"] > 0 and figures["w1_again_out_tok_s"] > 0
+    assert "vLLM unit norms: 2 RMSNorm weights set to 1" in done.stdout
+    # The stand-in refuses to generate once its folder is gone, so the folder lived through the runs; now it is gone.
+    assert list((tmp_path / "tmp").iterdir()) == []
