@@ -22,12 +22,15 @@ SERVICE_S=${SERVICE_S:-330}
 export PYTHONUNBUFFERED=1
 export OMINIX_PROFILE_BATCHES=${OMINIX_PROFILE_BATCHES:-256,1}
 export OMINIX_PROFILE_STEPS=${OMINIX_PROFILE_STEPS:-32}
+# Also one window over prefill steps (>= this many tokens, starting requests): the profile run's W1 takes prompts
+# of another seed, so its cold half prefills for real.
+export OMINIX_PROFILE_PREFILL_TOKENS=${OMINIX_PROFILE_PREFILL_TOKENS:-4096}
 export OMINIX_PROFILE_OUT=$OUT/probe.json
 export OMINIX_PROFILE_GATE=/tmp/ominix_profile_gate
 rm -f "$OMINIX_PROFILE_GATE"
 # Word-split on use: a quoted default inside ${...:-} would reach offline.py as one argument.
 OVERHEAD_ARGS=${OVERHEAD_ARGS:-"--num-requests 256 --input-len 512 --output-len 160"}
-PROFILE_ARGS=${PROFILE_ARGS:-"--w1 --batch1 --output-len 64 --batch1-trials 1 --warmup-requests 0"}
+PROFILE_ARGS=${PROFILE_ARGS:-"--w1 --batch1 --output-len 64 --batch1-trials 1 --warmup-requests 0 --seed 17"}
 
 . bench/carried_wheels.sh
 export PYTHONPATH=$OURS_PATH
@@ -70,7 +73,7 @@ run_service() {
     timeout "$SERVICE_S" python3 bench/offline.py --address "127.0.0.1:$EPORT" --all --no-progress \
       --no-request-details --model-config "$CONFIG_JSON" --out-json "$OUT/offline.json" $BW_ARGS $OFFLINE_ARGS \
       2>&1 | grep -v -E "^(ITL|E2EL|peak|request throughput|total throughput|input tokens)" | tail -60
-    # Profiler windows (steady decode at batch 256 and 1) in a short untimed run after the timed one.
+    # Profiler windows (steady decode at batch 256 and 1, prefill) in a short untimed run after the timed one.
     touch "$OMINIX_PROFILE_GATE"
     timeout 120 python3 bench/offline.py --address "127.0.0.1:$EPORT" --no-progress --no-request-details \
       $PROFILE_ARGS $OFFLINE_ARGS >"$OUT/profile_run.txt" 2>&1 || echo "profile run failed: $(tail -3 "$OUT/profile_run.txt")"

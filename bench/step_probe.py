@@ -18,6 +18,11 @@ each new label arms one window per batch size again, so one service measures sev
 (``STAGES=overhead bash bench/gpu_service.sh``: three). Windows are keyed ``LABEL/decode_batch_N``.
 ``OMINIX_PROFILE_OUT`` names the JSON written (rewritten every 64 steps, after each window and at exit).
 
+Prefill: with ``OMINIX_PROFILE_PREFILL_TOKENS=N`` a step that starts requests and schedules at least N tokens (a
+prompt chunk, decode rows riding along) is of the shape ``prefill_N+``; one window per run records
+``OMINIX_PROFILE_PREFILL_STEPS`` (4) such steps after one traced warm-up step, keyed ``LABEL/prefill_N+``: where a
+cold run's prefill time goes. The run needs prompts the prefix cache does not hold.
+
     OMINIX_PROFILE_BATCHES=256,1 OMINIX_PROFILE_OUT=probe.json python3 bench/step_probe.py --device cuda:0 ...
 
 Nothing here changes what a step computes.
@@ -37,20 +42,34 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 _SKIP_WARM = 4  # pure-decode steps of a size seen (in the current run) before its profile window opens
+_PREFILL_WARMUP = 1  # traced, discarded prefill steps before a prefill window records
 
 
 class StepProbe:
-    def __init__(self, out: str, batches: list[int], num_steps: int, warmup: int = 4) -> None:
+    def __init__(
+        self,
+        out: str,
+        batches: list[int],
+        num_steps: int,
+        warmup: int = 4,
+        prefill_tokens: int = 0,
+        prefill_steps: int = 4,
+    ) -> None:
         self.out = out
         self.steps: list[dict[str, Any]] = []
-        self.batches = batches
         self.num_steps = num_steps
         self.warmup = warmup
-        self.pending = dict.fromkeys(batches, 1)  # windows still to open per batch size, this run
-        self.seen: dict[int, int] = {}
+        self.prefill_tokens = prefill_tokens
+        self.prefill_steps = prefill_steps
+        # The shapes profiled: ``decode_batch_N`` per batch size, and ``prefill_N+`` when asked.
+        self.shapes = [f"decode_batch_{b}" for b in batches]
+        if prefill_tokens > 0:
+            self.shapes.append(self._prefill_shape())
+        self.pending = dict.fromkeys(self.shapes, 1)  # windows still to open per shape, this run
+        self.seen: dict[str, int] = {}
         self.windows: dict[str, Any] = {}
-        # The open window: batch size, profiler, steps taken since it opened, its key.
-        self.active: tuple[int, Any, list[int], str] | None = None
+        # The open window: its shape, profiler, steps taken since it opened, key, warm-up and recorded steps.
+        self.active: tuple[str, Any, list[int], str, int, int] | None = None
         self.phase: dict[str, float] = {}
         self.marks: list[tuple[str, int, float, float]] = []
         # Profile only once this file exists (the timed runs stay free of profiler stalls); None: always.
@@ -59,7 +78,7 @@ class StepProbe:
         self._gate_stamp: float | None = None
 
     def _read_gate(self) -> bool:
-        """Whether windows may open; a new label in the gate file re-arms one window per batch size."""
+        """Whether windows may open; a new label in the gate file re-arms one window per shape."""
         if self.gate is None:
             return True
         try:
@@ -74,7 +93,7 @@ class StepProbe:
                 label = ""
             if label != self.label:
                 self.label = label
-                self.pending = dict.fromkeys(self.batches, 1)
+                self.pending = dict.fromkeys(self.shapes, 1)
                 self.seen = {}
         return True
 
@@ -141,27 +160,41 @@ class StepProbe:
 
         return wrapper
 
+    def _prefill_shape(self) -> str:
+        return f"prefill_{self.prefill_tokens}+"
+
+    def shape_of(self, batch: int, tokens: int, decode: bool, starts_requests: bool) -> str | None:
+        """The profiled shape a step belongs to, or None."""
+        if decode:
+            return f"decode_batch_{batch}"
+        if self.prefill_tokens > 0 and starts_requests and tokens >= self.prefill_tokens:
+            return self._prefill_shape()
+        return None
+
     def run_step(self, runner: Any, step: Any, execute: Any) -> Any:
         batch = len(step.new_requests) + len(step.running_requests)
         tokens = step.num_scheduled_tokens
         decode = batch > 0 and tokens == batch and not step.new_requests
+        shape = self.shape_of(batch, tokens, decode, bool(step.new_requests))
         gate = self._read_gate()
-        if decode:
-            self.seen[batch] = self.seen.get(batch, 0) + 1
-        if self.active is not None and not (decode and batch == self.active[0]):
+        if shape is not None:
+            self.seen[shape] = self.seen.get(shape, 0) + 1
+        if self.active is not None and shape != self.active[0]:
             self._close()  # another shape: the window ends early
+        skip = _SKIP_WARM if decode else 0
         if (
             gate
             and self.active is None
-            and decode
-            and self.pending.get(batch, 0) > 0
-            and self.seen[batch] > _SKIP_WARM
+            and shape is not None
+            and self.pending.get(shape, 0) > 0
+            and self.seen[shape] > skip
         ):
-            key = f"{self.label}/decode_batch_{batch}" if self.label else f"decode_batch_{batch}"
+            key = f"{self.label}/{shape}" if self.label else shape
+            windows = (self.warmup, self.num_steps) if decode else (_PREFILL_WARMUP, self.prefill_steps)
             try:
-                self._open(batch, key)
+                self._open(shape, key, *windows)
             except Exception as exc:  # noqa: BLE001 - a probe failure must not stop the worker
-                self.pending[batch] = 0
+                self.pending[shape] = 0
                 self.windows[key] = {"error": repr(exc)}
         self.phase = {}
         entered = time.perf_counter()
@@ -181,10 +214,10 @@ class StepProbe:
             | {k.strip("_"): v for k, v in self.phase.items()}
         )
         if self.active is not None:
-            _, prof, taken, _ = self.active
+            _, prof, taken, _, warmup, recorded = self.active
             taken[0] += 1
             prof.step()
-            if taken[0] >= self.warmup + self.num_steps:
+            if taken[0] >= warmup + recorded:
                 self._close()
         if len(self.steps) % 64 == 0:
             self.write()
@@ -192,7 +225,7 @@ class StepProbe:
 
     # ---- profiler windows --------------------------------------------------------------------------
 
-    def _open(self, batch: int, key: str) -> None:
+    def _open(self, shape: str, key: str, warmup: int, num_steps: int) -> None:
         import torch
 
         # Device activity only on CUDA: host-side tracing would slow the very host work being measured.
@@ -203,30 +236,30 @@ class StepProbe:
         taken = [0]
 
         def ready(prof: Any) -> None:  # noqa: ANN401
-            recorded = max(0, taken[0] - self.warmup)
+            recorded = max(0, taken[0] - warmup)
             try:
                 summary = summarize(prof, recorded)
             except Exception as exc:  # noqa: BLE001 - a probe failure must not stop the worker
                 summary = {"error": repr(exc)}
-            summary["complete"] = recorded >= self.num_steps
-            summary["warmup_steps"] = self.warmup
+            summary["complete"] = recorded >= num_steps
+            summary["warmup_steps"] = warmup
             self.windows[key] = summary
 
         prof = torch.profiler.profile(
             activities=activities,
-            schedule=torch.profiler.schedule(wait=0, warmup=self.warmup, active=self.num_steps, repeat=1),
+            schedule=torch.profiler.schedule(wait=0, warmup=warmup, active=num_steps, repeat=1),
             on_trace_ready=ready,
         )
         prof.__enter__()
-        self.active = (batch, prof, taken, key)
+        self.active = (shape, prof, taken, key, warmup, num_steps)
 
     def _close(self) -> None:
         import torch
 
         assert self.active is not None
-        batch, prof, taken, key = self.active
+        shape, prof, taken, key, warmup, _ = self.active
         self.active = None
-        self.pending[batch] = 0
+        self.pending[shape] = 0
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         try:
@@ -234,7 +267,7 @@ class StepProbe:
         except Exception as exc:  # noqa: BLE001 - a probe failure must not stop the worker
             self.windows[key] = {"error": repr(exc)}
         if key not in self.windows:
-            self.windows[key] = {"error": f"no recorded step ({taken[0]} steps, {self.warmup} warm-up)"}
+            self.windows[key] = {"error": f"no recorded step ({taken[0]} steps, {warmup} warm-up)"}
         self.write()
 
     def write(self) -> None:
@@ -307,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         batches,
         int(os.environ.get("OMINIX_PROFILE_STEPS", "32")),
         int(os.environ.get("OMINIX_PROFILE_WARMUP", "4")),
+        prefill_tokens=int(os.environ.get("OMINIX_PROFILE_PREFILL_TOKENS", "0")),
+        prefill_steps=int(os.environ.get("OMINIX_PROFILE_PREFILL_STEPS", "4")),
     )
     probe.install()
     from ominix_worker.server import main as worker_main

@@ -1,0 +1,70 @@
+"""bench/step_probe.py's profiler windows on a CPU: which steps open a window of which shape, how many are
+recorded, and that a step of another shape cuts the open window short (host operators stand in for kernels)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # bench/ as a namespace package: its modules must not shadow installed ones
+
+from bench.step_probe import _PREFILL_WARMUP, _SKIP_WARM, StepProbe  # noqa: E402
+
+
+def step(step_id: int, new: int, running: int, tokens: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        step_id=step_id, new_requests=[object()] * new, running_requests=[object()] * running,
+        num_scheduled_tokens=tokens,
+    )  # fmt: skip
+
+
+def work(_runner: Any, s: SimpleNamespace) -> int:
+    torch.ones(s.num_scheduled_tokens, 8).sum()  # a host operator for the window to record
+    return int(s.step_id)
+
+
+def run(probe: StepProbe, steps: list[SimpleNamespace]) -> list[int]:
+    return [probe.run_step(None, s, work) for s in steps]
+
+
+def test_prefill_and_decode_windows(tmp_path: Path) -> None:
+    probe = StepProbe(
+        str(tmp_path / "probe.json"), [4], num_steps=3, warmup=1, prefill_tokens=64, prefill_steps=2
+    )
+    prefill = [step(i, 2, 1, 100) for i in range(_PREFILL_WARMUP + 2)]  # starts requests, >= 64 tokens
+    small = [step(10, 1, 0, 10)]  # starts a request below the threshold: no shape
+    decode = [step(20 + i, 0, 4, 4) for i in range(_SKIP_WARM + 1 + 3)]
+    assert run(probe, prefill + small + decode) == [s.step_id for s in prefill + small + decode]
+    windows = probe.windows
+    assert set(windows) == {"prefill_64+", "decode_batch_4"}
+    assert windows["prefill_64+"]["num_steps"] == 2 and windows["prefill_64+"]["complete"]
+    assert windows["prefill_64+"]["warmup_steps"] == _PREFILL_WARMUP
+    assert windows["decode_batch_4"]["num_steps"] == 3 and windows["decode_batch_4"]["complete"]
+    assert windows["decode_batch_4"]["top_kernels_us_per_step"]
+    # One window per shape per run: more prefill steps open nothing new.
+    run(probe, [step(40 + i, 2, 0, 100) for i in range(4)])
+    assert set(windows) == {"prefill_64+", "decode_batch_4"}
+    logged = probe.steps
+    assert sum(s["profiled"] for s in logged) == (_PREFILL_WARMUP + 2) + (1 + 3)
+
+
+def test_another_shape_cuts_a_window_short(tmp_path: Path) -> None:
+    probe = StepProbe(
+        str(tmp_path / "probe.json"), [], num_steps=3, warmup=1, prefill_tokens=64, prefill_steps=4
+    )
+    run(probe, [step(i, 2, 0, 100) for i in range(_PREFILL_WARMUP + 2)] + [step(9, 0, 2, 2)])
+    window = probe.windows["prefill_64+"]
+    assert window["complete"] is False and window["num_steps"] == 2
+
+
+def test_no_prefill_shape_unless_asked(tmp_path: Path) -> None:
+    probe = StepProbe(str(tmp_path / "probe.json"), [2], num_steps=2, warmup=1)
+    assert probe.shape_of(batch=3, tokens=5000, decode=False, starts_requests=True) is None
+    assert probe.shape_of(batch=2, tokens=2, decode=True, starts_requests=False) == "decode_batch_2"
+    run(probe, [step(i, 2, 0, 5000) for i in range(4)])
+    assert probe.windows == {}
