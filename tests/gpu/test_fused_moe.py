@@ -173,6 +173,35 @@ def test_a_stored_tuning_table_is_used_for_the_nearest_token_count(
         fused_moe._stored_table.cache_clear()
 
 
+def test_a_card_without_a_table_takes_its_sm_twins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from ominix_worker.ops import fused_moe
+
+    monkeypatch.setattr(fused_moe, "CONFIG_DIR", tmp_path)
+    fused_moe._stored_table.cache_clear()
+    h100 = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    h200 = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4)
+    try:
+        name = fused_moe.config_file_name(8, 64, 64, "bf16", "NVIDIA_H100_80GB_HBM3")
+        (tmp_path / name).write_text(json.dumps({"16": h100}))
+        assert fused_moe.stored_table(8, 64, 64, "bf16", "NVIDIA_H200") == {16: h100}
+        assert fused_moe.stored_table(8, 64, 64, "fp8", "NVIDIA_H200") is None  # another dtype: no table
+        assert fused_moe.stored_table(8, 64, 64, "bf16", "NVIDIA_A100-SXM4-80GB") is None  # no twin listed
+        # A card's own table comes first.
+        own = fused_moe.config_file_name(8, 64, 64, "bf16", "NVIDIA_H200")
+        (tmp_path / own).write_text(json.dumps({"16": h200}))
+        fused_moe._stored_table.cache_clear()  # tables are read once; this one is new
+        assert fused_moe.stored_table(8, 64, 64, "bf16", "NVIDIA_H200") == {16: h200}
+        assert fused_moe.stored_table(8, 64, 64, "bf16", "NVIDIA_H100_80GB_HBM3") == {16: h100}
+        # Twins go both ways.
+        assert all(
+            card in fused_moe.SM_TWINS[twin] for card, twins in fused_moe.SM_TWINS.items() for twin in twins
+        )
+    finally:
+        fused_moe._stored_table.cache_clear()
+
+
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 128, 8), (37, 8, 2), (5, 60, 4), (300, 128, 1)])

@@ -524,9 +524,31 @@ def default_config(num_tokens: int, use_fp8: bool) -> dict[str, int]:
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
+# Cards built from the same streaming multiprocessors (132 sm_90 SMs, the same shared memory and clocks within a
+# few percent) with other memory: a table tuned on one is the best guess on the other, where the untuned
+# defaults are far off at prefill sizes (64 × 128 tiles where the tuned tables take 128 × 256).
+SM_TWINS: dict[str, tuple[str, ...]] = {
+    "NVIDIA_H200": ("NVIDIA_H100_80GB_HBM3",),
+    "NVIDIA_H100_80GB_HBM3": ("NVIDIA_H200",),
+}
+
+
+def stored_table(
+    num_experts: int, n: int, k: int, dtype: str, device: str | None = None
+) -> dict[int, dict[str, int]] | None:
+    """The tuned table of this shape for ``device`` (this card by default), else for one of its SM twins."""
+    name = device or _device_name()
+    for candidate in (name, *SM_TWINS.get(name, ())):
+        table = _stored_table(config_file_name(num_experts, n, k, dtype, candidate))
+        if table:
+            return table
+    return None
+
+
 def pick_config(num_experts: int, n: int, k: int, num_tokens: int, use_fp8: bool) -> dict[str, int]:
-    """The tuned entry for the nearest stored token count, else ``default_config``."""
-    table = _stored_table(config_file_name(num_experts, n, k, "fp8" if use_fp8 else "bf16"))
+    """The tuned entry for the nearest stored token count (this card's table, else a twin's), else
+    ``default_config``."""
+    table = stored_table(num_experts, n, k, "fp8" if use_fp8 else "bf16")
     if not table:
         return default_config(num_tokens, use_fp8)
     nearest = min(table, key=lambda m: abs(m - num_tokens))
