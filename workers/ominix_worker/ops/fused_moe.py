@@ -22,7 +22,8 @@ raw products in place and scales once at the end (on an H200 one Qwen3-30B-A3B l
 245 to 225 µs, at 1,024 from 356 to 288).
 
 Tile shapes come from a tuned table per (E, N, K, dtype, device) when one is stored in ``moe_configs/`` (written
-by ``bench/tune_moe.py``), otherwise from a size heuristic.
+by ``bench/tune_moe.py``), else from the table of a card with the same SMs (``SM_TWINS``), otherwise from a size
+heuristic.
 """
 
 from __future__ import annotations
