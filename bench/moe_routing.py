@@ -138,7 +138,12 @@ def main() -> None:
     p.add_argument("--quantization", default=None)
     p.add_argument("--num-requests", type=int, default=256, help="the decode batch")
     p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=4)
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=16,
+        help="vllm only: decode steps (at 4, vLLM's 256-row batches still carried prefill chunks)",
+    )
     p.add_argument("--vocab", type=int, default=128000)
     p.add_argument("--unit-norms", action="store_true", help="vllm only: bench/peer_vllm.py's --unit-norms")
     p.add_argument("--device", default="cuda", help="ours only: cuda, or cpu (float32) for a small config")
