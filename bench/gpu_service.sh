@@ -87,8 +87,9 @@ run_service() {
 run_overhead() {
   local out=$OUT/overhead
   mkdir -p "$out"
-  local saved_out=$OMINIX_PROFILE_OUT
+  local saved_out=$OMINIX_PROFILE_OUT saved_prefill=$OMINIX_PROFILE_PREFILL_TOKENS
   export OMINIX_PROFILE_OUT=$out/probe.json
+  export OMINIX_PROFILE_PREFILL_TOKENS=0  # decode windows only: no profiler stop between prefill and decode
   if start_service; then
     for run in 1 2 3; do
       echo "run$run" >"$OMINIX_PROFILE_GATE"
@@ -100,7 +101,7 @@ run_overhead() {
   fi
   stop_service
   rm -f "$OMINIX_PROFILE_GATE"
-  export OMINIX_PROFILE_OUT=$saved_out
+  export OMINIX_PROFILE_OUT=$saved_out OMINIX_PROFILE_PREFILL_TOKENS=$saved_prefill
   python3 bench/service_summary.py "$out" | grep -E "^(overhead|between decode steps at batch 256|GPU busy)" \
     | tee "$out/summary.txt"
 }
