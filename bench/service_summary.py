@@ -15,6 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+PREFILL_TOKENS = (
+    4096  # a step starting requests with this many tokens counts as prefill (gpu_service.sh's window)
+)
+
 
 def _load(path: Path) -> dict[str, Any]:
     try:
@@ -43,6 +47,20 @@ def slowest_steps(steps: list[dict[str, Any]], count: int = 3) -> str:
     return "; ".join(
         f"{(s['exit'] - s['enter']) * 1e3:.0f} ms ({s['tokens']} tokens, batch {s['batch']})" for s in timed
     )
+
+
+def prefill_rate(steps: list[dict[str, Any]], min_tokens: int) -> dict[str, float] | None:
+    """Steps that start requests with at least ``min_tokens`` tokens (a cold run's prefill, decode rows riding
+    along): how many, the median worker time, and tokens per second over all of them."""
+    rows = [s for s in steps if not s["decode"] and s["tokens"] >= min_tokens]
+    if not rows:
+        return None
+    seconds = [s["exit"] - s["enter"] for s in rows]
+    return {
+        "steps": float(len(rows)),
+        "median_ms": statistics.median(seconds) * 1e3,
+        "tokens_per_s": sum(s["tokens"] for s in rows) / sum(seconds) if sum(seconds) > 0 else 0.0,
+    }
 
 
 def step_breakdown(steps: list[dict[str, Any]], batch: int) -> dict[str, float] | None:
@@ -177,6 +195,12 @@ def main(argv: list[str]) -> int:
                 where = f", run {run}" if run else ", all runs"
                 print(f"between decode steps at batch {batch}{where}, medians in ms: {parts}")
     print_overhead_runs(probe, runs)
+    prefill = prefill_rate(steps, PREFILL_TOKENS)
+    if prefill is not None:
+        print(
+            f"worker prefill steps (>= {PREFILL_TOKENS} tokens, n={int(prefill['steps'])}): median "
+            f"{prefill['median_ms']:.1f} ms, {prefill['tokens_per_s']:,.0f} tokens/s"
+        )
     if steps:
         print(f"slowest worker steps: {slowest_steps(steps)}")
     for key, window in sorted(windows.items()):

@@ -1,5 +1,6 @@
 """bench/step_probe.py's profiler windows on a CPU: which steps open a window of which shape, how many are
-recorded, and that a step of another shape cuts the open window short (host operators stand in for kernels)."""
+recorded, and that a step of another shape cuts the open window short (host operators stand in for kernels);
+and bench/service_summary.py's prefill rate over a step log."""
 
 from __future__ import annotations
 
@@ -68,3 +69,23 @@ def test_no_prefill_shape_unless_asked(tmp_path: Path) -> None:
     assert probe.shape_of(batch=2, tokens=2, decode=True, starts_requests=False) == "decode_batch_2"
     run(probe, [step(i, 2, 0, 5000) for i in range(4)])
     assert probe.windows == {}
+
+
+def test_prefill_rate_of_a_step_log() -> None:
+    from bench.service_summary import prefill_rate
+
+    def logged(enter: float, seconds: float, tokens: int, decode: bool) -> dict[str, Any]:
+        return {"enter": enter, "exit": enter + seconds, "tokens": tokens, "decode": decode, "batch": 4}
+
+    steps = [
+        logged(0.0, 0.2, 8192, False),
+        logged(0.3, 0.3, 8192, False),
+        logged(0.7, 0.1, 1000, False),  # below the threshold
+        logged(0.9, 0.01, 4, True),  # decode
+    ]
+    rate = prefill_rate(steps, 4096)
+    assert rate is not None
+    assert rate["steps"] == 2
+    assert abs(rate["median_ms"] - 250.0) < 1e-6
+    assert abs(rate["tokens_per_s"] - 16384 / 0.5) < 1e-6
+    assert prefill_rate(steps[2:], 4096) is None
