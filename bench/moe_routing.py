@@ -10,8 +10,8 @@ top-k, next to what uniform random routing would hit. ``--quantization fp8`` as 
 
 Two views in vLLM: ``router`` takes the top-k of each ``mlp.gate``'s logits (as ours routes); ``kernel`` counts the
 top-k ids vLLM's Triton experts are handed (from its own top-k gating kernel). On vLLM's stock dummy weights (±1e-3
-norms: logits of order 1e-5, by estimate) the router view spreads over all experts while the kernel view is the same
-8 ids for every token; ``--unit-norms`` (bench/peer_vllm.py's) spreads both. The kernel view is what a decode step
+norms) the router view spread over all experts while the kernel view was the same 8 ids for every token
+(Qwen3-30B-A3B, FP8); ``--unit-norms`` (bench/peer_vllm.py's) spreads both. The kernel view is what a decode step
 reads.
 
     python bench/moe_routing.py --engine vllm --config bench/configs/qwen3-30b-a3b-config.json --vocab 150000

@@ -12,10 +12,10 @@ importable (the peers README under shared/peers/vllm says how to carry it to a G
 ``vLLM ...``; ``--json`` writes them too.
 
 ``--unit-norms`` sets every RMSNorm weight of vLLM's dummy model to 1 after loading (ours draws unit norms). vLLM's
-dummy loader draws them uniform in ±1e-3 like every other parameter; an MoE router's logits are then of order 1e-5
-(estimated from the weight ranges) and vLLM's top-k gating kernel hands the same 8 expert ids to every token
-(bench/moe_routing.py, kernel view), so a decode step reads 8 experts per layer where a real checkpoint, and ours,
-read nearly all of them. The MoE benches pass it; a dense model's work does not depend on it.
+dummy loader draws them uniform in ±1e-3 like every other parameter; with those, vLLM's top-k gating kernel handed
+the same 8 expert ids to every token of a Qwen3-30B-A3B decode batch (bench/moe_routing.py, kernel view; why was not
+pinned down), so a decode step read 8 experts per layer where a real checkpoint, and ours, read nearly all of them.
+The MoE benches pass it; a dense model's work does not depend on it.
 """
 
 from __future__ import annotations
