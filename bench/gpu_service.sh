@@ -22,7 +22,7 @@ SERVICE_S=${SERVICE_S:-330}
 export PYTHONUNBUFFERED=1
 export OMINIX_PROFILE_BATCHES=${OMINIX_PROFILE_BATCHES:-256,1}
 export OMINIX_PROFILE_STEPS=${OMINIX_PROFILE_STEPS:-32}
-# Also one window over prefill steps (>= this many tokens, starting requests): the profile run's W1 takes prompts
+# Also one window over prefill steps (>= this many tokens, not pure decode): the profile run's W1 takes prompts
 # of another seed, so its cold half prefills for real.
 export OMINIX_PROFILE_PREFILL_TOKENS=${OMINIX_PROFILE_PREFILL_TOKENS:-4096}
 export OMINIX_PROFILE_OUT=$OUT/probe.json

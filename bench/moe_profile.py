@@ -43,13 +43,13 @@ def moe_layer(config: ModelConfig, layer: Layer, router: torch.Tensor, x: torch.
 def vllm_layers(layers: list[Layer]) -> list[Layer]:
     """The same experts as vLLM's online ``quantization="fp8"`` holds them: e4m3 with one scale per expert and
     projection (its activations are quantized per tensor at run time); bf16 layers as they are."""
+    from ominix_worker.quant.fp8 import dequantize_fp8
+
     out: list[Layer] = []
     for w13, w2, scales in layers:
         if not scales:
             out.append((w13, w2, {}))
             continue
-        from ominix_worker.quant.fp8 import dequantize_fp8
-
         per_tensor = []
         for q, s, block in (
             (w13, scales["w13_scale"], scales["w13_block"]),

@@ -15,9 +15,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-PREFILL_TOKENS = (
-    4096  # a step starting requests with this many tokens counts as prefill (gpu_service.sh's window)
-)
+if __package__ in (None, ""):
+    sys.path[0] = str(
+        Path(__file__).resolve().parent.parent
+    )  # run as a script: bench.* from the repository root
+
+from bench.step_probe import is_prefill  # noqa: E402
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -50,9 +53,9 @@ def slowest_steps(steps: list[dict[str, Any]], count: int = 3) -> str:
 
 
 def prefill_rate(steps: list[dict[str, Any]], min_tokens: int) -> dict[str, float] | None:
-    """Steps that start requests with at least ``min_tokens`` tokens (a cold run's prefill, decode rows riding
-    along): how many, the median worker time, and tokens per second over all of them."""
-    rows = [s for s in steps if not s["decode"] and s["tokens"] >= min_tokens]
+    """The prefill steps of a step log (``step_probe.is_prefill``: not pure decode, ``min_tokens`` or more): how
+    many, the median worker time, and tokens per second over all of them."""
+    rows = [s for s in steps if is_prefill(s["decode"], s["tokens"], min_tokens)]
     if not rows:
         return None
     seconds = [s["exit"] - s["enter"] for s in rows]
@@ -195,10 +198,11 @@ def main(argv: list[str]) -> int:
                 where = f", run {run}" if run else ", all runs"
                 print(f"between decode steps at batch {batch}{where}, medians in ms: {parts}")
     print_overhead_runs(probe, runs)
-    prefill = prefill_rate(steps, PREFILL_TOKENS)
+    threshold = int(probe.get("prefill_tokens") or 0)  # the probe's prefill window threshold; 0: off
+    prefill = prefill_rate(steps, threshold)
     if prefill is not None:
         print(
-            f"worker prefill steps (>= {PREFILL_TOKENS} tokens, n={int(prefill['steps'])}): median "
+            f"worker prefill steps (>= {threshold} tokens, n={int(prefill['steps'])}): median "
             f"{prefill['median_ms']:.1f} ms, {prefill['tokens_per_s']:,.0f} tokens/s"
         )
     if steps:

@@ -18,8 +18,8 @@ each new label arms one window per batch size again, so one service measures sev
 (``STAGES=overhead bash bench/gpu_service.sh``: three). Windows are keyed ``LABEL/decode_batch_N``.
 ``OMINIX_PROFILE_OUT`` names the JSON written (rewritten every 64 steps, after each window and at exit).
 
-Prefill: with ``OMINIX_PROFILE_PREFILL_TOKENS=N`` a step that starts requests and schedules at least N tokens (a
-prompt chunk, decode rows riding along) is of the shape ``prefill_N+``; one window per run records
+Prefill: with ``OMINIX_PROFILE_PREFILL_TOKENS=N`` a step that is not pure decode and schedules at least N tokens
+(prompt chunks, decode rows riding along: ``is_prefill``) is of the shape ``prefill_N+``; one window per run records
 ``OMINIX_PROFILE_PREFILL_STEPS`` (4) such steps after one traced warm-up step, keyed ``LABEL/prefill_N+``: where a
 cold run's prefill time goes. The run needs prompts the prefix cache does not hold.
 
@@ -43,6 +43,11 @@ if __package__ in (None, ""):
 
 _SKIP_WARM = 4  # pure-decode steps of a size seen (in the current run) before its profile window opens
 _PREFILL_WARMUP = 1  # traced, discarded prefill steps before a prefill window records
+
+
+def is_prefill(decode: bool, tokens: int, min_tokens: int) -> bool:
+    """A step counted as prefill: not pure decode, at least ``min_tokens`` tokens (0: none is)."""
+    return min_tokens > 0 and not decode and tokens >= min_tokens
 
 
 class StepProbe:
@@ -163,19 +168,17 @@ class StepProbe:
     def _prefill_shape(self) -> str:
         return f"prefill_{self.prefill_tokens}+"
 
-    def shape_of(self, batch: int, tokens: int, decode: bool, starts_requests: bool) -> str | None:
+    def shape_of(self, batch: int, tokens: int, decode: bool) -> str | None:
         """The profiled shape a step belongs to, or None."""
         if decode:
             return f"decode_batch_{batch}"
-        if self.prefill_tokens > 0 and starts_requests and tokens >= self.prefill_tokens:
-            return self._prefill_shape()
-        return None
+        return self._prefill_shape() if is_prefill(decode, tokens, self.prefill_tokens) else None
 
     def run_step(self, runner: Any, step: Any, execute: Any) -> Any:
         batch = len(step.new_requests) + len(step.running_requests)
         tokens = step.num_scheduled_tokens
         decode = batch > 0 and tokens == batch and not step.new_requests
-        shape = self.shape_of(batch, tokens, decode, bool(step.new_requests))
+        shape = self.shape_of(batch, tokens, decode)
         gate = self._read_gate()
         if shape is not None:
             self.seen[shape] = self.seen.get(shape, 0) + 1
@@ -273,7 +276,12 @@ class StepProbe:
     def write(self) -> None:
         if not self.out:
             return
-        payload = {"windows": self.windows, "steps": self.steps, "marks": self.marks}
+        payload = {
+            "windows": self.windows,
+            "steps": self.steps,
+            "marks": self.marks,
+            "prefill_tokens": self.prefill_tokens,
+        }
         Path(self.out).write_text(json.dumps(payload))
 
 

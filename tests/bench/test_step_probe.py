@@ -4,6 +4,7 @@ and bench/service_summary.py's prefill rate over a step log."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,8 +38,8 @@ def test_prefill_and_decode_windows(tmp_path: Path) -> None:
     probe = StepProbe(
         str(tmp_path / "probe.json"), [4], num_steps=3, warmup=1, prefill_tokens=64, prefill_steps=2
     )
-    prefill = [step(i, 2, 1, 100) for i in range(_PREFILL_WARMUP + 2)]  # starts requests, >= 64 tokens
-    small = [step(10, 1, 0, 10)]  # starts a request below the threshold: no shape
+    prefill = [step(i, 2, 1, 100) for i in range(_PREFILL_WARMUP + 2)]  # not pure decode, >= 64 tokens
+    small = [step(10, 1, 0, 10)]  # a prompt below the threshold: no shape
     decode = [step(20 + i, 0, 4, 4) for i in range(_SKIP_WARM + 1 + 3)]
     assert run(probe, prefill + small + decode) == [s.step_id for s in prefill + small + decode]
     windows = probe.windows
@@ -50,6 +51,8 @@ def test_prefill_and_decode_windows(tmp_path: Path) -> None:
     # One window per shape per run: more prefill steps open nothing new.
     run(probe, [step(40 + i, 2, 0, 100) for i in range(4)])
     assert set(windows) == {"prefill_64+", "decode_batch_4"}
+    probe.write()
+    assert json.loads((tmp_path / "probe.json").read_text())["prefill_tokens"] == 64  # for service_summary
     logged = probe.steps
     assert sum(s["profiled"] for s in logged) == (_PREFILL_WARMUP + 2) + (1 + 3)
 
@@ -65,8 +68,8 @@ def test_another_shape_cuts_a_window_short(tmp_path: Path) -> None:
 
 def test_no_prefill_shape_unless_asked(tmp_path: Path) -> None:
     probe = StepProbe(str(tmp_path / "probe.json"), [2], num_steps=2, warmup=1)
-    assert probe.shape_of(batch=3, tokens=5000, decode=False, starts_requests=True) is None
-    assert probe.shape_of(batch=2, tokens=2, decode=True, starts_requests=False) == "decode_batch_2"
+    assert probe.shape_of(batch=3, tokens=5000, decode=False) is None
+    assert probe.shape_of(batch=2, tokens=2, decode=True) == "decode_batch_2"
     run(probe, [step(i, 2, 0, 5000) for i in range(4)])
     assert probe.windows == {}
 
@@ -89,3 +92,4 @@ def test_prefill_rate_of_a_step_log() -> None:
     assert abs(rate["median_ms"] - 250.0) < 1e-6
     assert abs(rate["tokens_per_s"] - 16384 / 0.5) < 1e-6
     assert prefill_rate(steps[2:], 4096) is None
+    assert prefill_rate(steps, 0) is None  # no threshold: the probe had no prefill window
