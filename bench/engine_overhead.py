@@ -5,7 +5,8 @@ after ``--step-ms`` as a stand-in for the GPU, keeping every request's length so
 model would), the engine (this process: ``EngineDaemon`` with the same ``--worker`` setup as ``ominix-runtime
 serve``, wrapped with host timers) and a client process (``--role clients``: ``--concurrency`` streaming
 Generate calls with token-id prompts, greedy, ``ignore_eos``). Only pure decode steps at half the per-group
-concurrency or more count (in the steady window every stream decodes).
+concurrency or more count, in the steady window: it opens once every stream's request has started, and a step
+that is not one of those ends it.
 
 Per step the engine's driver is timed phase by phase: ``schedule`` (Scheduler.schedule), ``to_pb`` (DecodeStep →
 protobuf), ``send`` (the stream write, protobuf → bytes included), ``from_pb`` (the result's protobuf → StepResult),
@@ -358,6 +359,9 @@ class EngineTimers:
         self.arrivals: dict[int, list[float]] = {}  # id(stream) -> its results not yet taken by the driver
         self.window_open = False
         self.window_closed = False
+        # Requests the engine has started, every group together: the window opens only once all of them run,
+        # so a late arrival's prefill step cannot close it after a few steps (a step with a new request ends it).
+        self.admitted = 0
         self.steady_steps = 0  # steps sent inside the window, every group together
         self.cpu_window: list[float] = []  # process CPU, wall at the window's start and at its last step
         self.profile: cProfile.Profile | None = None
@@ -390,6 +394,7 @@ class EngineTimers:
         current[phase] = current.get(phase, 0.0) + seconds
 
     def step_sent(self, state: DriverState, step: Any, started: float, ended: float) -> None:  # noqa: ANN401
+        self.admitted += len(step.new_requests)
         steady = self.is_steady(step)
         if steady and state.steady and self.window_open:
             # The phases booked since this driver's previous send belong to this step (schedule, its build and
@@ -405,7 +410,11 @@ class EngineTimers:
         state.steady = steady
         state.current = {}
         drivers = self.drivers.values()
-        every = len(drivers) == self.groups and all(d.steady for d in drivers)
+        every = (
+            len(drivers) == self.groups
+            and all(d.steady for d in drivers)
+            and self.admitted >= self.batch * self.groups
+        )
         if every and not self.window_open and not self.window_closed:
             self.window_open = True
             self.cpu_window = [time.process_time(), ended]
