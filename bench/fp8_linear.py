@@ -27,7 +27,12 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from moe_profile import graph_time_us  # noqa: E402
 
-from ominix_worker.ops.fp8_gemm import SMALL_M, w8a8_per_channel_matmul, w8a16_small_m_matmul  # noqa: E402
+from ominix_worker.ops.fp8_gemm import (  # noqa: E402
+    GEMV_M,
+    SMALL_M,
+    w8a8_per_channel_matmul,
+    w8a16_small_m_matmul,
+)
 from ominix_worker.quant.fp8 import FP8_MAX, quantize_fp8_blocks  # noqa: E402
 
 
@@ -40,13 +45,21 @@ def torch_ops_quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
 
 def sweep(shapes: dict[str, tuple[int, int]], tokens: list[int]) -> list[dict[str, object]]:
     """Per projection and token count: µs and GB/s of the weight-only kernel per (block_n, block_k, split_k,
-    stages, warps), the kernel's own choice first (block_k and split_k "auto")."""
-    grid = [(32, 0, 0, 3, 4)] + [
-        (bn, bk, sk, st, wp)
+    stages, warps, dot), the kernel's own choice first (block_k and split_k "auto"). ``dot``: the 16-row
+    tensor-core tile, or the float32 sums on the CUDA cores (at most ``GEMV_M`` tokens)."""
+    grid = [(32, 0, 0, 3, 4, None)] + [
+        (bn, bk, sk, st, wp, True)
         for bn in (32, 64)
         for bk in (256, 512)
         for sk in (1, 2, 4)
         for st in (3, 4)
+        for wp in (4, 8)
+    ]
+    gemv_grid = [
+        (bn, bk, sk, 3, wp, False)
+        for bn in (16, 32, 64)
+        for bk in (256, 512)
+        for sk in (0, 1, 2, 4)
         for wp in (4, 8)
     ]
     rows: list[dict[str, object]] = []
@@ -57,17 +70,18 @@ def sweep(shapes: dict[str, tuple[int, int]], tokens: list[int]) -> list[dict[st
         ]
         for m in tokens:
             x = torch.randn((m, k), device="cuda", dtype=torch.bfloat16)
-            for bn, bk, sk, st, wp in grid:
+            for bn, bk, sk, st, wp, dot in grid + (gemv_grid if m <= GEMV_M else []):
 
                 def run(
                     config: tuple[int, ...] = (bn, bk, sk, st, wp),
+                    dot: bool | None = dot,
                     x: torch.Tensor = x,
                     weights: list[tuple[torch.Tensor, torch.Tensor]] = weights,
                 ) -> None:
                     for q, scale in weights:
                         w8a16_small_m_matmul(
                             x, q, scale, (1, x.shape[1]), block_n=config[0], block_k=config[1],
-                            split_k=config[2], num_stages=config[3], num_warps=config[4],
+                            split_k=config[2], num_stages=config[3], num_warps=config[4], use_dot=dot,
                         )  # fmt: skip
 
                 try:
@@ -76,7 +90,8 @@ def sweep(shapes: dict[str, tuple[int, int]], tokens: list[int]) -> list[dict[st
                     continue
                 rows.append(
                     {"proj": name, "tokens": m, "block_n": bn, "block_k": bk or "auto", "split_k": sk or "auto",
-                     "stages": st, "warps": wp, "us": round(us, 2), "gb_s": round(n * k / us / 1e3, 1)}
+                     "stages": st, "warps": wp, "dot": "auto" if dot is None else dot, "us": round(us, 2),
+                     "gb_s": round(n * k / us / 1e3, 1)}
                 )  # fmt: skip
     return rows
 
@@ -115,6 +130,9 @@ def main() -> None:
         "fp8_torch_ops": lambda x, ws: torch_ops_quantized(x, ws[1], ws[2]),
         "fp8_one_quant_kernel": lambda x, ws: w8a8_per_channel_matmul(x, ws[1], ws[2]),
         "fp8_weight_only": lambda x, ws: w8a16_small_m_matmul(x, ws[1], ws[2], (1, x.shape[1])),
+        "fp8_weight_only_dot": lambda x, ws: w8a16_small_m_matmul(
+            x, ws[1], ws[2], (1, x.shape[1]), use_dot=True
+        ),
     }
     rows = []
     for m in args.tokens:
@@ -123,7 +141,7 @@ def main() -> None:
         }
         row: dict[str, object] = {"tokens": m}
         for label, fn in variants.items():
-            if label == "fp8_weight_only" and m > SMALL_M:
+            if label.startswith("fp8_weight_only") and m > SMALL_M:
                 continue
 
             def layer(fn: Callable[..., torch.Tensor] = fn, inputs: dict[str, torch.Tensor] = inputs) -> None:

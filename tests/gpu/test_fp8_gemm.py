@@ -76,11 +76,13 @@ WEIGHT_ONLY_VS_DEQUANTIZED = 1e-5 if INTERPRET else 0.01
 
 @pytest.mark.parametrize("block", [None, (128, 128)])
 @pytest.mark.parametrize(
-    ("m", "n", "k"), [(1, 200, 384), (SMALL_M, 96, 256)] + ([] if INTERPRET else [(5, 4096, 14336)])
+    ("m", "n", "k"),
+    [(1, 200, 384), (3, 200, 384), (SMALL_M, 96, 256)] + ([] if INTERPRET else [(5, 4096, 14336)]),
 )
 def test_small_batch_weight_only_gemm(block: tuple[int, int] | None, m: int, n: int, k: int) -> None:
     """Decode-sized batches: the e4m3 weight widened in registers, activations unquantized; N and K not
-    multiples of the tile (200 columns, a 384-wide K over 256-wide tiles)."""
+    multiples of the tile (200 columns, a 384-wide K over 256- and 512-wide tiles). 1 token is summed on the
+    CUDA cores, more on the tensor cores unless told otherwise; 3 tokens fill 3 of a 4-row CUDA-core tile."""
     gen = torch.Generator().manual_seed(m * n)
     w = torch.randn((n, k), generator=gen) / k**0.5
     x = torch.randn((m, k), generator=gen).to(DTYPE)
@@ -93,6 +95,10 @@ def test_small_batch_weight_only_gemm(block: tuple[int, int] | None, m: int, n: 
     # fp8_linear takes this path up to SMALL_M tokens, for either scaling.
     via_linear = fp8_linear(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), b, None)
     torch.testing.assert_close(via_linear, got, rtol=0, atol=0)
+    # Either way of summing gives the same product, whichever the token count picked.
+    for use_dot in (True, False):
+        other = w8a16_small_m_matmul(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), b, use_dot=use_dot)
+        assert _rel(other, exact) < WEIGHT_ONLY_VS_DEQUANTIZED
 
 
 @pytest.mark.parametrize("block", [None, (128, 128)])
@@ -106,12 +112,14 @@ def test_small_batch_gemm_split_k(block: tuple[int, int] | None, split_k: int) -
     b = block or (1, k)
     q, scale = quantize_fp8_blocks(torch.randn((n, k), generator=gen) / k**0.5, b)
     dequantized = dequantize_fp8(q, scale, b, torch.float64)
-    for m in (1, 9, SMALL_M):
+    for m in (1, 3, 9, SMALL_M):
         x = torch.randn((m, k), generator=gen).to(DTYPE)
-        got = w8a16_small_m_matmul(
-            x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), b, block_n=32, block_k=128, split_k=split_k
-        )
-        assert _rel(got, x.double() @ dequantized.T) < WEIGHT_ONLY_VS_DEQUANTIZED
+        for use_dot in (True, False):  # tensor cores, CUDA cores
+            got = w8a16_small_m_matmul(
+                x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), b, block_n=32, block_k=128, split_k=split_k,
+                use_dot=use_dot,
+            )  # fmt: skip
+            assert _rel(got, x.double() @ dequantized.T) < WEIGHT_ONLY_VS_DEQUANTIZED
 
 
 def test_small_batch_gemm_refuses_large_batches() -> None:

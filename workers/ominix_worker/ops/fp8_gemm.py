@@ -7,9 +7,10 @@ decode-sized batches.
 - Block scales (e.g. (128, 128)): activations are quantized per token and K-group of the weight's block width,
   and a Triton tile accumulates ``dot(a, b) · a_scale · b_scale`` per K block in float32.
 - Decode-sized batches (at most ``SMALL_M`` tokens), either scaling: the GEMM only streams the weight, so a
-  Triton kernel reads the e4m3 weight once, widens it to the activation dtype in registers and keeps the
-  activations unquantized (W8A16). Narrow N tiles give every SM its own slice of the weight; cuBLASLt's FP8
-  GEMM read the weight at half the card's bandwidth at one token (bench/RESULTS.md).
+  Triton kernel reads the e4m3 weight once, widens it in registers and keeps the activations unquantized
+  (W8A16). Narrow N tiles give every SM its own slice of the weight; cuBLASLt's FP8 GEMM read the weight at
+  half the card's bandwidth at one token (bench/RESULTS.md). Up to ``GEMV_M`` tokens the products are summed on
+  the CUDA cores in float32 (a matrix-vector product per token), above that a 16-row tensor-core tile does it.
 """
 
 from __future__ import annotations
@@ -106,6 +107,14 @@ SMALL_M = 16
 # Output columns per program of the weight-only kernel, with 256-column K blocks: the fastest tile for every
 # Llama-8B projection at 1 and 16 tokens on an H100 (bench/fp8_linear.py --sweep, bench/RESULTS.md).
 _SMALL_M_BLOCK_N = 32
+# Up to this many tokens the weight-only kernel sums on the CUDA cores (one float32 FMA per weight element and
+# token) instead of in a 16-row MMA tile of which all but M rows are padding. At 1 token that read a Llama-8B
+# layer's weights in 87 µs against 98 µs for the best MMA tiles; at 2 tokens the two were even, at 4 the CUDA
+# cores were 1.6× slower (H100, bench/fp8_linear.py --sweep, bench/RESULTS.md).
+GEMV_M = 1
+# The CUDA-core variant's tile at 1 token: 512-wide K blocks, 8 warps (same sweep).
+_GEMV_BLOCK_K = 512
+_GEMV_WARPS = 8
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -127,14 +136,17 @@ def _w8a16_small_m_kernel(
     GROUP_K: tl.constexpr,
     PER_CHANNEL: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """Program (n, s): BLOCK_N output columns over the s-th of SPLIT_K slices of K. Block scales multiply each K
-    block's dot, per-channel scales the slice's sum. With SPLIT_K > 1 each program stores its float32 partial
-    sum; the last of a column tile's programs to arrive (a counter per tile, reset by that program) adds them
-    and writes the output, so the reduction needs no second kernel."""
+    block's products, per-channel scales the slice's sum. USE_DOT: a BLOCK_M-row tensor-core dot per K block;
+    otherwise each of the BLOCK_M tokens is multiplied into the float32 weight tile and summed over K. With
+    SPLIT_K > 1 each program stores its float32 partial sum; the last of a column tile's programs to arrive (a
+    counter per tile, reset by that program) adds them and writes the output, so the reduction needs no second
+    kernel."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
@@ -146,18 +158,29 @@ def _w8a16_small_m_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    x_row_ptrs = x_ptr + offs_k  # token 0's K block; token m's is m * stride_xm further
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k_mask = offs_k < k_end - k0 + k_start
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(x.dtype)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if USE_DOT:
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            part = tl.dot(x, w.to(x.dtype))
+        else:
+            wf = w.to(tl.float32)
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for m in tl.static_range(BLOCK_M):
+                xm = tl.load(x_row_ptrs + m * stride_xm, mask=k_mask & (offs_k * 0 + m < M), other=0.0)
+                row = tl.sum(wf * xm.to(tl.float32)[:, None], axis=0)
+                part = tl.where(offs_m[:, None] == m, row[None, :], part)
         if PER_CHANNEL:
-            acc += tl.dot(x, w)
+            acc += part
         else:
             w_s = tl.load(s_ptr + (offs_n // GROUP_N) * stride_sn + k0 // GROUP_K, mask=n_mask, other=0.0)
-            acc += tl.dot(x, w) * w_s[None, :]
+            acc += part * w_s[None, :]
         x_ptrs += BLOCK_K
+        x_row_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if PER_CHANNEL:
         acc *= tl.load(s_ptr + offs_n * stride_sn, mask=n_mask, other=0.0)[None, :]
@@ -213,28 +236,37 @@ def w8a16_small_m_matmul(
     block_k: int = 0,
     split_k: int = 0,
     num_stages: int = 3,
-    num_warps: int = 4,
+    num_warps: int = 0,
+    use_dot: bool | None = None,
 ) -> torch.Tensor:
     """x (M ≤ SMALL_M, K) @ (weight (N, K) e4m3 · scales)ᵀ with x unquantized. ``block`` is the scale block:
-    (1, K) per channel. ``block_k`` and ``split_k`` 0 are chosen from the shape and the SM count."""
+    (1, K) per channel. ``use_dot`` None takes the tensor cores above ``GEMV_M`` tokens; ``block_k``,
+    ``split_k`` and ``num_warps`` 0 are chosen from that, the shape and the SM count."""
     m, k = x.shape
     n = weight.shape[0]
     if m > SMALL_M:
         raise ValueError(f"{m} tokens: the weight-only FP8 GEMM takes at most {SMALL_M}")
+    if use_dot is None:
+        use_dot = m > GEMV_M
     per_channel = per_row_scales(block, k)
     if not block_k:
-        block_k = 256 if per_channel else min(256, block[1])
+        widest = 256 if use_dot else _GEMV_BLOCK_K
+        block_k = widest if per_channel else min(widest, block[1])
+    if not num_warps:
+        num_warps = 4 if use_dot else _GEMV_WARPS
     if not per_channel and block[1] % block_k:
         raise ValueError(f"scale blocks of {block[1]} columns do not split into {block_k}-column tiles")
     tiles = triton.cdiv(n, block_n)
     if not split_k:
         split_k = _split_k_for(tiles, triton.cdiv(k, block_k), x.device)
+    block_m = SMALL_M if use_dot else triton.next_power_of_2(m)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    partial, arrivals = _SCRATCH.get(x.device, split_k * SMALL_M * n if split_k > 1 else 0, tiles)
+    partial, arrivals = _SCRATCH.get(x.device, split_k * block_m * n if split_k > 1 else 0, tiles)
     _w8a16_small_m_kernel[(tiles, split_k)](
         x, weight, scale, out, partial, arrivals, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         scale.stride(0), GROUP_N=block[0], GROUP_K=block[1], PER_CHANNEL=per_channel, SPLIT_K=split_k,
-        BLOCK_M=SMALL_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        USE_DOT=use_dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     return out
 
