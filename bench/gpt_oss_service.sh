@@ -5,7 +5,8 @@
 #   w1       W1 (256 x 512 x 256), batch-1 TPOT and shared prefix through engine + worker
 #            (bench/gpu_service.sh's service stage)
 #   long     the long-context workload: 64 requests x 8,192 prompt tokens x 256 out, all at once; the worker's
-#            log states its KV pools (full-attention and 128-token window)
+#            log states its KV pools (full-attention and 128-token window). LONG_ARGS go on to
+#            `ominix-runtime launch` (e.g. "--max-batch-tokens 16384", vLLM's offline step budget)
 #   peer-w1, peer-long
 #            vLLM on the same workloads (bench/peer_vllm.py), on the same machine once ours has stopped
 #
@@ -47,7 +48,8 @@ for stage in $GPT_OSS_STAGES; do
       mkdir -p "$OUT/long"
       timeout ${LONG_S:-900} python3 bench/offline.py --launch --model "dummy:$CONFIG" --devices cuda:0 --w1 \
         --num-requests 64 --input-len 8192 --output-len 256 --no-progress --no-request-details \
-        --ready-timeout 600 --out-json "$OUT/long/offline.json" 2>&1 | tee "$OUT/long/offline.txt" | tail -40 ;;
+        --ready-timeout 600 --out-json "$OUT/long/offline.json" ${LONG_ARGS:-} 2>&1 | tee "$OUT/long/offline.txt" \
+        | tail -40 ;;
     peer-w1)
       peer "$OUT/w1" ;;
     peer-long)
