@@ -211,6 +211,13 @@ def main(argv: list[str]) -> int:
         top = window.get("top_kernels_us_per_step", [])[:6]
         if top:
             print(f"top kernels per step, {key}: " + "; ".join(f"{n[:40]} {t:.0f}us" for n, t in top))
+    for key, window in sorted(windows.items()):
+        gaps = window.get("idle_gaps_us_per_step", [])[:4]
+        if gaps:
+            print(
+                f"GPU idle per step, {key}, by the activity before / after: "
+                + "; ".join(f"{b[:32]} / {a[:32]} {t:.0f}us ({c:.1f}x)" for b, a, t, c in gaps)
+            )
     return 0
 
 

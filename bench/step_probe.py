@@ -303,6 +303,25 @@ def _union(intervals: list[tuple[float, float]], low: float, high: float) -> flo
     return total
 
 
+def idle_gaps(intervals: list[tuple[float, float, str]], num_steps: int, top: int = 6) -> list[list[Any]]:
+    """Where the device idles: each gap in the union of ``intervals`` (start, end, name) is charged to the
+    activity that ended last before it and the one that starts it. The ``top`` boundaries by idle time, as
+    [before, after, idle per step, gaps per step]."""
+    totals: dict[tuple[str, str], list[float]] = {}
+    covered_until: float | None = None
+    last_name = ""
+    for start, end, name in sorted(intervals):
+        if covered_until is not None and start > covered_until:
+            entry = totals.setdefault((last_name[:60], name[:60]), [0.0, 0.0])
+            entry[0] += start - covered_until
+            entry[1] += 1
+        if covered_until is None or end >= covered_until:
+            covered_until, last_name = end, name
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    n = max(num_steps, 1)
+    return [[before, after, idle / n, count / n] for (before, after), (idle, count) in ranked]
+
+
 def summarize(prof: Any, num_steps: int) -> dict[str, Any]:  # noqa: ANN401
     """GPU busy share of the window spanned by the recorded steps' device activity, and the top kernels.
 
@@ -338,6 +357,7 @@ def summarize(prof: Any, num_steps: int) -> dict[str, Any]:  # noqa: ANN401
         "idle_us_per_step": (wall - busy) / n,
         "num_device_events_per_step": len(device) / n,
         "top_kernels_us_per_step": [(name[:90], t / n) for name, t in top],
+        "idle_gaps_us_per_step": idle_gaps(device, n),
     }
 
 

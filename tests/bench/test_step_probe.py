@@ -48,6 +48,7 @@ def test_prefill_and_decode_windows(tmp_path: Path) -> None:
     assert windows["prefill_64+"]["warmup_steps"] == _PREFILL_WARMUP
     assert windows["decode_batch_4"]["num_steps"] == 3 and windows["decode_batch_4"]["complete"]
     assert windows["decode_batch_4"]["top_kernels_us_per_step"]
+    assert "idle_gaps_us_per_step" in windows["decode_batch_4"]
     # One window per shape per run: more prefill steps open nothing new.
     run(probe, [step(40 + i, 2, 0, 100) for i in range(4)])
     assert set(windows) == {"prefill_64+", "decode_batch_4"}
@@ -55,6 +56,22 @@ def test_prefill_and_decode_windows(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "probe.json").read_text())["prefill_tokens"] == 64  # for service_summary
     logged = probe.steps
     assert sum(s["profiled"] for s in logged) == (_PREFILL_WARMUP + 2) + (1 + 3)
+
+
+def test_idle_gaps_are_charged_to_the_activity_on_either_side() -> None:
+    from bench.step_probe import idle_gaps
+
+    # b runs inside a (no idle); then a -> c idles 10 us, c -> a 30 us, a -> c 30 us, over two steps.
+    intervals = [
+        (0.0, 10.0, "a"), (2.0, 5.0, "b"), (20.0, 25.0, "c"),
+        (55.0, 65.0, "a"), (95.0, 100.0, "c"),
+    ]  # fmt: skip
+    gaps = idle_gaps(intervals, num_steps=2)
+    assert gaps[0] == ["a", "c", (10.0 + 30.0) / 2, 1.0]
+    assert gaps[1] == ["c", "a", 30.0 / 2, 0.5]
+    assert len(gaps) == 2  # the overlap of a and b is not idle
+    assert idle_gaps(intervals, num_steps=2, top=1) == gaps[:1]
+    assert idle_gaps([], num_steps=3) == []
 
 
 def test_another_shape_cuts_a_window_short(tmp_path: Path) -> None:
