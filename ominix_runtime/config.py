@@ -196,6 +196,7 @@ class DebugConfig:
 
     log_steps: bool = False  # one log line per scheduler step
     pipeline: bool = True  # worker: overlap decode steps on CUDA
+    pipeline_eager: bool = False  # worker: overlap prefill and mixed steps too (with ``pipeline``, on CUDA)
     cuda_graphs: bool = True  # worker: capture decode steps as CUDA graphs
 
 
@@ -275,6 +276,12 @@ class DebugVariable:
 DEBUG_VARIABLES: tuple[DebugVariable, ...] = (
     DebugVariable("OMINIX_LOG_STEPS", "debug.log_steps", _switch, "1: one log line per scheduler step"),
     DebugVariable("OMINIX_PIPELINE", "debug.pipeline", _switch, "0: no overlapped decode steps on CUDA"),
+    DebugVariable(
+        "OMINIX_PIPELINE_EAGER",
+        "debug.pipeline_eager",
+        _switch,
+        "1: overlapped prefill and mixed steps on CUDA",
+    ),
     DebugVariable("OMINIX_CUDA_GRAPHS", "debug.cuda_graphs", _switch, "0: every CUDA step runs eagerly"),
 )
 

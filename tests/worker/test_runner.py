@@ -147,3 +147,68 @@ def test_a_mixed_warm_up_step_leaves_generation_unchanged(runner: ModelRunner) -
     assert runner.mixed_forward(1, 300, 21)
     assert not runner.mixed_forward(1, 10_000, 10_000)  # more than the cache holds: nothing runs
     assert generate(runner, [request], 6) == before
+
+
+def run_steps(runner: ModelRunner, steps: list[DecodeStep]) -> list[tuple[int, list[tuple[str, int | None]]]]:
+    """Each step's (step id, [(request, sampled token)]) in the order the runner reports them."""
+    runner.reset()
+    reported = []
+    for step in steps:
+        result = runner.execute_step(step)
+        for r in ([result] if result is not None else []) + runner.take_results():
+            reported.append((r.step_id, [(o.request_id, o.sampled_token_id) for o in r.outputs]))
+    runner.finish_pending()
+    for r in runner.take_results():
+        reported.append((r.step_id, [(o.request_id, o.sampled_token_id) for o in r.outputs]))
+    return reported
+
+
+def test_overlapped_eager_steps_match_the_synchronous_ones(runner: ModelRunner) -> None:
+    """Prefill and mixed steps launched before the previous step's ids reach the host (``pipeline_eager``):
+    a decode row's input is the pending step's placeholder, gathered from its sampled ids. Here on the CPU
+    (the pending step's ids are there at once); the same tokens, results once per step and in step order."""
+    steps = [
+        DecodeStep(1, new_requests=[NewRequestData("a", list(range(10, 30)), seeded(5), [1, 2], 0, 20, 0)]),
+        # b's prompt in two chunks beside a's decodes: a mixed step that samples only a, then one that samples both
+        DecodeStep(
+            2,
+            new_requests=[NewRequestData("b", list(range(40, 70)), seeded(6), [3, 4], 0, 16, 0)],
+            running_requests=[RunningRequestData("a", [], 1)],
+        ),
+        DecodeStep(3, running_requests=[RunningRequestData("a", [], 1), RunningRequestData("b", [], 14)]),
+        *[
+            DecodeStep(s, running_requests=[RunningRequestData("a", [], 1), RunningRequestData("b", [], 1)])
+            for s in range(4, 8)
+        ],
+    ]
+    runner.overlap_steps, runner.pipeline_eager = False, False
+    synchronous = run_steps(runner, steps)
+    try:
+        runner.overlap_steps, runner.pipeline_eager = True, True
+        overlapped = run_steps(runner, steps)
+        assert runner._pending is None
+    finally:
+        runner.overlap_steps, runner.pipeline_eager = False, False
+    assert [step_id for step_id, _ in overlapped] == list(range(1, 8))
+    assert overlapped == synchronous
+    assert dict(overlapped[1][1])["b"] is None and dict(overlapped[2][1])["b"] is not None
+    assert all(token is None or token >= 0 for _, outs in overlapped for _, token in outs)
+
+
+def test_a_placeholder_needs_the_pending_ids(runner: ModelRunner) -> None:
+    runner.reset()
+    runner.overlap_steps, runner.pipeline_eager = True, True
+    try:
+        runner.execute_step(
+            DecodeStep(1, new_requests=[NewRequestData("a", [5, 6, 7], seeded(1), [1], 0, 3, 0)])
+        )
+        assert runner._pending is not None  # a's token is a placeholder until the step is finished
+        request = runner.requests["a"]
+        assert request.output_token_ids[-1] < 0
+        rows = runner._apply_step(DecodeStep(2, running_requests=[RunningRequestData("a", [], 1)]))[1]
+        active = [row for row in rows if row is not None]
+        with pytest.raises(RuntimeError, match="placeholder"):
+            runner._prepare_inputs(active)
+    finally:
+        runner.overlap_steps, runner.pipeline_eager = False, False
+        runner.reset()

@@ -105,13 +105,24 @@ class StepInputs:
     sampling_rows: list[ScheduledRow] = field(default_factory=list)
 
 
+class _HostDone:
+    """A finished step's event on a CPU, where the ids are on the host when the step returns."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 @dataclass(slots=True)
 class PendingStep:
-    """A launched decode step whose sampled ids are still on their way to the host.
+    """A launched step (a decode graph, or an eager step with ``pipeline_eager``) whose sampled ids are still on
+    their way to the host.
 
     Its requests already count the sampled token: ``output_token_ids`` holds a placeholder ``-(1 + i)``
     (``i``: the row in ``token_ids``) at ``positions[i]``, so the next step can be scheduled, checked and
-    launched before these values are known; the graph gathers them on the device.
+    launched before these values are known; it gathers them on the device.
     """
 
     step_id: int
@@ -121,7 +132,7 @@ class PendingStep:
     positions: list[int]  # index of each row's placeholder in its request's output_token_ids
     token_ids: torch.Tensor  # device, int64 (len(rows),)
     host: torch.Tensor  # pinned (2, len(rows)): token ids and NaN flags, filled by a non-blocking copy
-    done: torch.cuda.Event
+    done: torch.cuda.Event | _HostDone
     num_tokens: int
     started: float
 
@@ -165,6 +176,9 @@ class ModelRunner:
         # sampled ids reach the host; results then come out of ``take_results`` instead of execute_step.
         self.overlap_steps = False
         self.pipeline_decode = True  # False (debug): never overlap, even with captured graphs
+        # Eager steps (prefill, mixed) overlapped too (debug ``OMINIX_PIPELINE_EAGER=1``): launched before the
+        # previous step's ids reach the host, their own ids copied back while the next step is prepared.
+        self.pipeline_eager = False
         self._pending: PendingStep | None = None
         self._results: list[StepResult] = []
 
@@ -353,8 +367,12 @@ class ModelRunner:
         active = [row for row in rows if row is not None]
         num_tokens = sum(row.end - row.start for row in active)
         graph_step = bool(active) and self._graph_step(active)
-        if self.overlap_steps and graph_step and all(_overlappable(row.request) for row in active):
+        overlap = self.overlap_steps and all(_overlappable(row.request) for row in active)
+        if overlap and graph_step:
             self._launch_pipelined(step.step_id, order, dict(errors), active, num_tokens, started)
+            return None
+        if overlap and self.pipeline_eager and active and not self._prefill_graph_fits(active):
+            self._launch_eager(step.step_id, order, dict(errors), active, num_tokens, started)
             return None
         self.finish_pending()  # what follows reads token values on the host
         outputs: dict[str, RequestOutput] = dict(errors)
@@ -395,6 +413,40 @@ class ModelRunner:
         self._pending = self._defer(step_id, order, outputs, rows, sampled, num_tokens, started)
         if previous is not None:
             self._results.append(self._finish(previous))
+
+    def _launch_eager(
+        self,
+        step_id: int,
+        order: list[str],
+        outputs: dict[str, RequestOutput],
+        rows: list[ScheduledRow],
+        num_tokens: int,
+        started: float,
+    ) -> None:
+        """Any mix of prefill chunks and decodes launched before the previous step's ids reach the host: its
+        placeholders are gathered on the device. This step's ids stay pending when it samples; the previous
+        step's result is queued now."""
+        previous = self._pending
+        inputs = self._prepare_inputs(rows, previous.token_ids if previous is not None else None)
+        sampled = self._sample(self._forward(inputs), inputs)
+        for row in rows:
+            if not row.samples:  # the sampling rows are booked by _defer
+                row.request.num_computed_tokens = row.end
+                outputs[row.request.request_id] = RequestOutput(row.request.request_id)
+        if sampled is not None:
+            self._pending = self._defer(
+                step_id, order, outputs, inputs.sampling_rows, sampled, num_tokens, started
+            )
+        else:
+            self._pending = None
+        if previous is not None:
+            self._results.append(self._finish(previous))
+        if sampled is None:
+            result = StepResult(step_id=step_id, num_tokens=num_tokens)
+            result.outputs = [outputs.get(rid) or RequestOutput(rid) for rid in order]
+            self.last_step_id = step_id
+            result.compute_seconds = time.perf_counter() - started
+            self._results.append(result)
 
     def _decode_graph(self, rows: list[ScheduledRow]) -> dict[str, RequestOutput]:
         """Pure decode replayed from a captured graph."""
@@ -461,10 +513,14 @@ class ModelRunner:
             positions.append(len(req.output_token_ids))
             req.output_token_ids.append(-1 - i)
         flags = torch.stack((sampled.token_ids, sampled.bad_rows.to(torch.int64)))
-        host = torch.empty(flags.shape, dtype=torch.int64, pin_memory=True)
-        host.copy_(flags, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
+        done: torch.cuda.Event | _HostDone
+        if flags.device.type == "cuda":
+            host = torch.empty(flags.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:  # the CPU computed it already (the eager overlap's tests run there)
+            host, done = flags, _HostDone()
         return PendingStep(
             step_id, order, outputs, rows, positions, sampled.token_ids, host, done, num_tokens, started
         )
@@ -493,8 +549,11 @@ class ModelRunner:
         result.compute_seconds = time.perf_counter() - pending.started
         return result
 
-    def _prepare_inputs(self, rows: list[ScheduledRow]) -> StepInputs:
-        """Every tensor the forward and the sampler need, built on the host and copied once."""
+    def _prepare_inputs(
+        self, rows: list[ScheduledRow], prev_tokens: torch.Tensor | None = None
+    ) -> StepInputs:
+        """Every tensor the forward and the sampler need, built on the host and copied once. A placeholder
+        input token ``-(1 + j)`` (a pending step's sampled id) is taken from ``prev_tokens[j]`` on the device."""
         bs = self.block_size
         num_groups = len(self.attention_groups)
         input_ids: list[int] = []
@@ -545,8 +604,13 @@ class ModelRunner:
             for g in range(1, num_groups)
         )
         sampling_rows = [row for row in rows if row.samples]
+        ids = self._to_device(torch.tensor(input_ids, dtype=torch.int64))
+        if min(input_ids) < 0:
+            if prev_tokens is None:
+                raise RuntimeError("a placeholder input token without the pending step's ids")
+            ids = torch.where(ids < 0, prev_tokens.index_select(0, (-1 - ids).clamp(min=0)), ids)
         return StepInputs(
-            input_ids=self._to_device(torch.tensor(input_ids, dtype=torch.int64)),
+            input_ids=ids,
             positions=self._to_device(torch.tensor(positions, dtype=torch.int64)),
             metas=metas,
             logits_indices=self._to_device(torch.tensor(logits_indices, dtype=torch.int64)),

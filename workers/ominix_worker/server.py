@@ -278,6 +278,7 @@ def load_worker(
     runner.warm_up(max_batch_tokens)
     graphs = runner.capture_decode_graphs() if debug.cuda_graphs else False
     runner.pipeline_decode = debug.pipeline
+    runner.pipeline_eager = debug.pipeline_eager
     warming.close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
