@@ -359,8 +359,9 @@ class ModelRunner:
         """Run one step. With ``overlap_steps`` off, returns its result; on, returns None and the results
         (this step's and earlier ones', in step order) come out of ``take_results``.
 
-        The step takes one of four forward paths: a pipelined decode graph (``_launch_pipelined``), a decode
-        graph (``_decode_graph``), a single-prompt prefill graph (``_prefill_graph``) or eager (``_eager``).
+        The step takes one of five forward paths: a pipelined decode graph (``_launch_pipelined``), a pipelined
+        eager step (``_launch_eager``, with ``pipeline_eager``), a decode graph (``_decode_graph``), a
+        single-prompt prefill graph (``_prefill_graph``) or eager (``_eager``).
         """
         started = time.perf_counter()
         order, rows, errors = self._apply_step(step)
