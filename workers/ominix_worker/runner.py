@@ -383,11 +383,7 @@ class ModelRunner:
             outputs.update(self._prefill_graph(active))
         elif active:
             outputs.update(self._eager(active))
-        result = StepResult(step_id=step.step_id, num_tokens=num_tokens)
-        for request_id in order:
-            result.outputs.append(outputs.get(request_id) or RequestOutput(request_id))
-        self.last_step_id = step.step_id
-        result.compute_seconds = time.perf_counter() - started
+        result = self._step_result(step.step_id, order, outputs, num_tokens, started)
         if self.overlap_steps:
             self._results.append(result)
             return None
@@ -443,11 +439,7 @@ class ModelRunner:
         if previous is not None:
             self._results.append(self._finish(previous))
         if sampled is None:
-            result = StepResult(step_id=step_id, num_tokens=num_tokens)
-            result.outputs = [outputs.get(rid) or RequestOutput(rid) for rid in order]
-            self.last_step_id = step_id
-            result.compute_seconds = time.perf_counter() - started
-            self._results.append(result)
+            self._results.append(self._step_result(step_id, order, outputs, num_tokens, started))
 
     def _decode_graph(self, rows: list[ScheduledRow]) -> dict[str, RequestOutput]:
         """Pure decode replayed from a captured graph."""
@@ -543,11 +535,21 @@ class ModelRunner:
                     del self.requests[req.request_id]
                 continue
             outputs[req.request_id].sampled_token_id = token_ids[i]
-        result = StepResult(step_id=pending.step_id, num_tokens=pending.num_tokens)
-        for request_id in pending.order:
-            result.outputs.append(outputs.get(request_id) or RequestOutput(request_id))
-        self.last_step_id = pending.step_id
-        result.compute_seconds = time.perf_counter() - pending.started
+        return self._step_result(pending.step_id, pending.order, outputs, pending.num_tokens, pending.started)
+
+    def _step_result(
+        self,
+        step_id: int,
+        order: list[str],
+        outputs: dict[str, RequestOutput],
+        num_tokens: int,
+        started: float,
+    ) -> StepResult:
+        """The step's result: one output per request in ``order`` (an empty one where it has none)."""
+        result = StepResult(step_id=step_id, num_tokens=num_tokens)
+        result.outputs = [outputs.get(request_id) or RequestOutput(request_id) for request_id in order]
+        self.last_step_id = step_id
+        result.compute_seconds = time.perf_counter() - started
         return result
 
     def _prepare_inputs(
