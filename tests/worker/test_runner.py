@@ -152,15 +152,13 @@ def test_a_mixed_warm_up_step_leaves_generation_unchanged(runner: ModelRunner) -
 def run_steps(runner: ModelRunner, steps: list[DecodeStep]) -> list[tuple[int, list[tuple[str, int | None]]]]:
     """Each step's (step id, [(request, sampled token)]) in the order the runner reports them."""
     runner.reset()
-    reported = []
+    results = []
     for step in steps:
         result = runner.execute_step(step)
-        for r in ([result] if result is not None else []) + runner.take_results():
-            reported.append((r.step_id, [(o.request_id, o.sampled_token_id) for o in r.outputs]))
+        results += ([result] if result is not None else []) + runner.take_results()
     runner.finish_pending()
-    for r in runner.take_results():
-        reported.append((r.step_id, [(o.request_id, o.sampled_token_id) for o in r.outputs]))
-    return reported
+    results += runner.take_results()
+    return [(r.step_id, [(o.request_id, o.sampled_token_id) for o in r.outputs]) for r in results]
 
 
 def test_overlapped_eager_steps_match_the_synchronous_ones(runner: ModelRunner) -> None:

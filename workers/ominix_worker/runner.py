@@ -359,9 +359,9 @@ class ModelRunner:
         """Run one step. With ``overlap_steps`` off, returns its result; on, returns None and the results
         (this step's and earlier ones', in step order) come out of ``take_results``.
 
-        The step takes one of five forward paths: a pipelined decode graph (``_launch_pipelined``), a pipelined
-        eager step (``_launch_eager``, with ``pipeline_eager``), a decode graph (``_decode_graph``), a
-        single-prompt prefill graph (``_prefill_graph``) or eager (``_eager``).
+        The step takes one of five forward paths: overlapped with the previous one (``_launch_overlapped``: a
+        decode graph, or eager with ``pipeline_eager``), a decode graph (``_decode_graph``), a single-prompt
+        prefill graph (``_prefill_graph``) or eager (``_eager``).
         """
         started = time.perf_counter()
         order, rows, errors = self._apply_step(step)
@@ -369,11 +369,11 @@ class ModelRunner:
         num_tokens = sum(row.end - row.start for row in active)
         graph_step = bool(active) and self._graph_step(active)
         overlap = self.overlap_steps and all(_overlappable(row.request) for row in active)
-        if overlap and graph_step:
-            self._launch_pipelined(step.step_id, order, dict(errors), active, num_tokens, started)
-            return None
-        if overlap and self.pipeline_eager and active and not self._prefill_graph_fits(active):
-            self._launch_eager(step.step_id, order, dict(errors), active, num_tokens, started)
+        eager = self.pipeline_eager and bool(active) and not self._prefill_graph_fits(active)
+        if overlap and (graph_step or eager):
+            self._launch_overlapped(
+                step.step_id, order, dict(errors), active, num_tokens, started, graph_step
+            )
             return None
         self.finish_pending()  # what follows reads token values on the host
         outputs: dict[str, RequestOutput] = dict(errors)
@@ -391,7 +391,7 @@ class ModelRunner:
 
     # ---- forward paths: each computes its rows and returns their outputs ---------------------------
 
-    def _launch_pipelined(
+    def _launch_overlapped(
         self,
         step_id: int,
         order: list[str],
@@ -399,43 +399,29 @@ class ModelRunner:
         rows: list[ScheduledRow],
         num_tokens: int,
         started: float,
+        graph_step: bool,
     ) -> None:
-        """Decode graph launched before the previous step's ids reach the host; it reads them on the device.
-        The previous step's result is queued now, this one's once its ids arrive."""
-        assert self._graphs is not None
+        """The step launched before the previous step's ids reach the host: their placeholders are gathered on
+        the device (a decode graph, or eager inputs). This step's ids stay pending when it samples; the
+        previous step's result is queued now, this one's once its ids arrive."""
         previous = self._pending
         prev_tokens = previous.token_ids if previous is not None else None
-        logits = self._graphs.run(rows, prev_tokens)
-        sampled = self._sample_logits(logits, rows)
-        self._pending = self._defer(step_id, order, outputs, rows, sampled, num_tokens, started)
-        if previous is not None:
-            self._results.append(self._finish(previous))
-
-    def _launch_eager(
-        self,
-        step_id: int,
-        order: list[str],
-        outputs: dict[str, RequestOutput],
-        rows: list[ScheduledRow],
-        num_tokens: int,
-        started: float,
-    ) -> None:
-        """Any mix of prefill chunks and decodes launched before the previous step's ids reach the host: its
-        placeholders are gathered on the device. This step's ids stay pending when it samples; the previous
-        step's result is queued now."""
-        previous = self._pending
-        inputs = self._prepare_inputs(rows, previous.token_ids if previous is not None else None)
-        sampled = self._sample(self._forward(inputs), inputs)
+        sampled: SamplerOutput | None
+        if graph_step:
+            assert self._graphs is not None
+            sampling_rows = rows
+            sampled = self._sample_logits(self._graphs.run(rows, prev_tokens), rows)
+        else:
+            inputs = self._prepare_inputs(rows, prev_tokens)
+            sampling_rows = inputs.sampling_rows
+            sampled = self._sample(self._forward(inputs), inputs)
         for row in rows:
             if not row.samples:  # the sampling rows are booked by _defer
                 row.request.num_computed_tokens = row.end
                 outputs[row.request.request_id] = RequestOutput(row.request.request_id)
+        self._pending = None
         if sampled is not None:
-            self._pending = self._defer(
-                step_id, order, outputs, inputs.sampling_rows, sampled, num_tokens, started
-            )
-        else:
-            self._pending = None
+            self._pending = self._defer(step_id, order, outputs, sampling_rows, sampled, num_tokens, started)
         if previous is not None:
             self._results.append(self._finish(previous))
         if sampled is None:
