@@ -196,7 +196,7 @@ class DebugConfig:
 
     log_steps: bool = False  # one log line per scheduler step
     pipeline: bool = True  # worker: overlap decode steps on CUDA
-    pipeline_eager: bool = False  # worker: overlap prefill and mixed steps too (with ``pipeline``, on CUDA)
+    pipeline_eager: bool = True  # worker: overlap prefill and mixed steps too (with ``pipeline``, on CUDA)
     cuda_graphs: bool = True  # worker: capture decode steps as CUDA graphs
 
 
@@ -280,7 +280,7 @@ DEBUG_VARIABLES: tuple[DebugVariable, ...] = (
         "OMINIX_PIPELINE_EAGER",
         "debug.pipeline_eager",
         _switch,
-        "1: overlapped prefill and mixed steps on CUDA",
+        "0: prefill and mixed steps never overlapped (decode steps still are)",
     ),
     DebugVariable("OMINIX_CUDA_GRAPHS", "debug.cuda_graphs", _switch, "0: every CUDA step runs eagerly"),
 )

@@ -174,31 +174,35 @@ def test_prefill_graph_matches_eager(tmp_path: Path) -> None:
             start += num
 
 
-def test_overlapped_decode_matches_synchronous(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pipeline_eager", [False, True], ids=["graphs", "graphs+eager"])
+def test_overlapped_decode_matches_synchronous(tmp_path: Path, pipeline_eager: bool) -> None:
     """Steps launched before the previous step's ids reach the host give the same tokens, in step order.
 
     Greedy and seeded-sampling rows overlap; a penalty row forces the synchronous path for the steps it
-    decodes in; a prefill mid-run and a finished request exercise the switches between the two.
+    decodes in; a prefill mid-run and a finished request exercise the switches between the two. A greedy
+    prompt in two chunks beside the decodes (steps 24 and 25) overlaps too with ``pipeline_eager``: its decode
+    rows' inputs are then the pending step's ids, gathered on the device.
     """
     from ominix_runtime.contract import DecodeStep, NewRequestData, RunningRequestData, SamplingParams
 
     rng = random.Random(5)
-    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (9, 30, 21, 14)]
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (9, 30, 21, 14, 40)]
     params = [
         SamplingParams(temperature=0.0, max_tokens=64),
         SamplingParams(temperature=0.8, top_k=50, seed=1234, max_tokens=64),
         SamplingParams(temperature=0.0, max_tokens=64),
         SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=64),
+        SamplingParams(temperature=0.0, max_tokens=64),
     ]
 
-    def new(i: int) -> NewRequestData:
+    def new(i: int, num_scheduled: int = 0) -> NewRequestData:
         return NewRequestData(
             request_id=f"q{i}",
             prompt_token_ids=prompts[i],
             sampling=params[i],
             kv_block_ids=list(range(8 * i, 8 * i + 8)),
             num_computed_tokens=0,
-            num_scheduled_tokens=len(prompts[i]),
+            num_scheduled_tokens=num_scheduled or len(prompts[i]),
             effective_seed=i,
         )
 
@@ -224,6 +228,14 @@ def test_overlapped_decode_matches_synchronous(tmp_path: Path) -> None:
             schedule.append(
                 DecodeStep(step_id=step_id, finished_request_ids=["q0"], running_requests=running(live))
             )
+        elif step_id == 24:  # q4's prompt in two chunks beside the decodes (a mixed step, then one more)
+            schedule.append(
+                DecodeStep(step_id=step_id, new_requests=[new(4, 25)], running_requests=running(live))
+            )
+        elif step_id == 25:
+            chunk = RunningRequestData(request_id="q4", new_kv_block_ids=[], num_scheduled_tokens=15)
+            schedule.append(DecodeStep(step_id=step_id, running_requests=[*running(live), chunk]))
+            live = [*live, "q4"]
         else:
             schedule.append(DecodeStep(step_id=step_id, running_requests=running(live)))
 
@@ -232,14 +244,16 @@ def test_overlapped_decode_matches_synchronous(tmp_path: Path) -> None:
         runner = _runner(tmp_path)
         assert runner.capture_decode_graphs([1, 2, 4])
         runner.overlap_steps = overlap
+        runner.pipeline_eager = pipeline_eager
         results = []
-        num_pending = 0
+        pending_after: set[int] = set()  # steps still pending once launched
         for step in schedule:
             result = runner.execute_step(step)
             if overlap:
                 assert result is None
                 results.extend(runner.take_results())
-                num_pending += runner.has_pending()
+                if runner.has_pending():
+                    pending_after.add(step.step_id)
             else:
                 results.append(result)
         runner.finish_pending()
@@ -252,7 +266,9 @@ def test_overlapped_decode_matches_synchronous(tmp_path: Path) -> None:
                 if o.sampled_token_id is not None:
                     out.setdefault(o.request_id, []).append(o.sampled_token_id)
         if overlap:
-            assert num_pending > 10  # most decode steps did overlap
+            assert len(pending_after) > 10  # most decode steps did overlap
+            # the chunked prompt's steps overlap with the eager pipeline only
+            assert ({24, 25} <= pending_after) == pipeline_eager, sorted(pending_after)
             assert all(t >= 0 for req in runner.requests.values() for t in req.output_token_ids)
         tokens[overlap] = out
     assert tokens[True] == tokens[False]

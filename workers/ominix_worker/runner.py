@@ -176,9 +176,9 @@ class ModelRunner:
         # sampled ids reach the host; results then come out of ``take_results`` instead of execute_step.
         self.overlap_steps = False
         self.pipeline_decode = True  # False (debug): never overlap, even with captured graphs
-        # Eager steps (prefill, mixed) overlapped too (debug ``OMINIX_PIPELINE_EAGER=1``): launched before the
+        # Eager steps (prefill, mixed) overlapped too (off with ``OMINIX_PIPELINE_EAGER=0``): launched before the
         # previous step's ids reach the host, their own ids copied back while the next step is prepared.
-        self.pipeline_eager = False
+        self.pipeline_eager = True
         self._pending: PendingStep | None = None
         self._results: list[StepResult] = []
 
