@@ -8,6 +8,8 @@ vLLM's CUDA graphs off, for a profile that cannot miss a kernel replayed inside 
 
     python bench/peer_vllm_profile.py --config bench/configs/qwen3-30b-a3b-config.json --vocab 150000 --quantization fp8
     python bench/peer_vllm_profile.py --config ... --quantization fp8 --again --eager --output-len 32
+    python bench/peer_vllm_profile.py --config bench/configs/gpt-oss-20b-config.json --vocab 199000 --unit-norms \
+        --num-requests 16 --input-len 8192 --output-len 8 --max-model-len 8448    # long-prompt prefill
 """
 
 from __future__ import annotations
@@ -30,11 +32,16 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--vocab", type=int, default=128000)
+    p.add_argument(
+        "--max-model-len", type=int, default=2048, help="vLLM's max_model_len (input + output fit)"
+    )
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--again", action="store_true", help="profile the batch's second run (prompts cached)")
     p.add_argument("--eager", action="store_true", help="enforce_eager: no CUDA graphs, no compile")
     p.add_argument("--unit-norms", action="store_true", help="bench/peer_vllm.py's --unit-norms")
     args = p.parse_args()
+    if args.input_len + args.output_len > args.max_model_len:
+        p.error(f"--max-model-len {args.max_model_len} < input-len + output-len")
 
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -52,7 +59,13 @@ def main() -> None:
         ]
 
     forced = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
-    with dummy_llm(args.config, args.quantization, args.unit_norms, enforce_eager=args.eager) as llm:
+    with dummy_llm(
+        args.config,
+        args.quantization,
+        args.unit_norms,
+        enforce_eager=args.eager,
+        max_model_len=args.max_model_len,
+    ) as llm:
         llm.generate(prompts(32), forced, use_tqdm=False)
         batch = prompts(args.num_requests)
         if args.again:

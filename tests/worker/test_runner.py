@@ -179,14 +179,15 @@ def test_overlapped_eager_steps_match_the_synchronous_ones(runner: ModelRunner) 
             for s in range(4, 8)
         ],
     ]
+    saved = runner.overlap_steps, runner.pipeline_eager
     runner.overlap_steps, runner.pipeline_eager = False, False
-    synchronous = run_steps(runner, steps)
     try:
+        synchronous = run_steps(runner, steps)
         runner.overlap_steps, runner.pipeline_eager = True, True
         overlapped = run_steps(runner, steps)
         assert runner._pending is None
     finally:
-        runner.overlap_steps, runner.pipeline_eager = False, False
+        runner.overlap_steps, runner.pipeline_eager = saved
     assert [step_id for step_id, _ in overlapped] == list(range(1, 8))
     assert overlapped == synchronous
     assert dict(overlapped[1][1])["b"] is None and dict(overlapped[2][1])["b"] is not None
@@ -195,6 +196,7 @@ def test_overlapped_eager_steps_match_the_synchronous_ones(runner: ModelRunner) 
 
 def test_a_placeholder_needs_the_pending_ids(runner: ModelRunner) -> None:
     runner.reset()
+    saved = runner.overlap_steps, runner.pipeline_eager
     runner.overlap_steps, runner.pipeline_eager = True, True
     try:
         runner.execute_step(
@@ -208,5 +210,5 @@ def test_a_placeholder_needs_the_pending_ids(runner: ModelRunner) -> None:
         with pytest.raises(RuntimeError, match="placeholder"):
             runner._prepare_inputs(active)
     finally:
-        runner.overlap_steps, runner.pipeline_eager = False, False
+        runner.overlap_steps, runner.pipeline_eager = saved
         runner.reset()
