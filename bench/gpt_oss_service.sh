@@ -7,8 +7,15 @@
 #   long     the long-context workload: 64 requests x 8,192 prompt tokens x 256 out, all at once; the worker's
 #            log states its KV pools (full-attention and 128-token window). LONG_ARGS go on to
 #            `ominix-runtime launch` (e.g. "--max-batch-tokens 16384", vLLM's offline step budget)
+#   long-probe
+#            the long-context shape through engine + worker with the step probe (bench/gpu_service.sh's service
+#            stage): its profile run's windows are a prefill step (16,384 tokens with LONG_ARGS="--max-batch-tokens
+#            16384") and pure decode at batch 64 with ~8,200 tokens of context; kernels per step in summary.txt
 #   peer-w1, peer-long
 #            vLLM on the same workloads (bench/peer_vllm.py), on the same machine once ours has stopped
+#   peer-long-profile
+#            vLLM's kernels on the long-context shape (bench/peer_vllm_profile.py): one generate of 16 x 8,192
+#            prompts (its prefill steps), then 64 cached prompts decoding 32 tokens (`--again`: decode steps)
 #
 #   bash bench/gpt_oss_service.sh                              # every stage, from the repository root
 #   GPT_OSS_STAGES="long" bash bench/gpt_oss_service.sh        # one stage
@@ -50,10 +57,23 @@ for stage in $GPT_OSS_STAGES; do
         --num-requests 64 --input-len 8192 --output-len 256 --no-progress --no-request-details \
         --ready-timeout 600 --out-json "$OUT/long/offline.json" ${LONG_ARGS:-} 2>&1 | tee "$OUT/long/offline.txt" \
         | tail -40 ;;
+    long-probe)
+      OUT=$OUT/long-probe MODEL=dummy:$CONFIG CONFIG_JSON=$CONFIG WORKER_ARGS="${LONG_ARGS:-}" \
+        SERVE_ARGS="--front-procs 1 ${LONG_ARGS:-}" OMINIX_PROFILE_BATCHES=64 \
+        OFFLINE_ARGS="--num-requests 64 --input-len 8192 --output-len 96" \
+        PROFILE_ARGS="--w1 --warmup-requests 0 --seed 17" STAGES="service" bash bench/gpu_service.sh ;;
     peer-w1)
       peer "$OUT/w1" ;;
     peer-long)
       peer "$OUT/long" --num-requests 64 --input-len 8192 --output-len 256 --max-model-len 8448 --no-again \
         --no-batch1 ;;
+    peer-long-profile)
+      mkdir -p "$OUT/long-probe"
+      for run in "prefill --num-requests 16 --output-len 8" "decode --num-requests 64 --output-len 32 --again"; do
+        set -- $run
+        PYTHONPATH=$PWD timeout ${PEER_S:-600} python3 bench/peer_vllm_profile.py --config "$CONFIG" --vocab 199000 \
+          --unit-norms --input-len 8192 --max-model-len 8448 --top 25 "${@:2}" >"$OUT/long-probe/peer_$1.log" 2>&1
+        grep -E '^\{' "$OUT/long-probe/peer_$1.log" | tee "$OUT/long-probe/peer_$1.json" | cut -c1-600
+      done ;;
   esac
 done
