@@ -28,14 +28,21 @@ if DEVICE is None:
 pytest.importorskip("triton")
 
 from ominix_worker.ops.fp8_gemm import SMALL_M, fp8_linear, w8a8_block_matmul, w8a16_small_m_matmul  # noqa: E402
+from ominix_worker.ops.fused import silu_and_mul  # noqa: E402
 from ominix_worker.ops.fused_moe import (  # noqa: E402
     fused_experts,
     quant_fp8_per_token,
     quant_fp8_per_token_group,
+    silu_and_mul_quant_fp8,
 )
 from ominix_worker.ops.moe_ref import fused_experts_ref, select_experts  # noqa: E402
-from ominix_worker.parallel import ColumnParallelLinear, ShardRange  # noqa: E402
-from ominix_worker.quant.fp8 import Fp8ColumnParallelLinear, dequantize_fp8, quantize_fp8_blocks  # noqa: E402
+from ominix_worker.parallel import ColumnParallelLinear, RowParallelLinear, ShardRange  # noqa: E402
+from ominix_worker.quant.fp8 import (  # noqa: E402
+    Fp8ColumnParallelLinear,
+    Fp8RowParallelLinear,
+    dequantize_fp8,
+    quantize_fp8_blocks,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -130,6 +137,33 @@ def test_small_batch_gemm_refuses_large_batches() -> None:
         )
 
 
+@pytest.mark.parametrize("k", [1500, 4096])
+def test_per_token_quantization_one_pass_equals_two(k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows read once (held in registers) and rows read twice give the same bits."""
+    from ominix_worker.ops import fused_moe
+
+    gen = torch.Generator().manual_seed(k)
+    x = (torch.randn((9, k), generator=gen) * torch.rand((9, 1), generator=gen) * 10).to(DTYPE).to(DEVICE)
+    one_q, one_scale = quant_fp8_per_token(x)
+    monkeypatch.setattr(fused_moe, "ONE_PASS_MAX_K", 0)
+    two_q, two_scale = quant_fp8_per_token(x)
+    assert torch.equal(one_scale, two_scale)
+    assert torch.equal(one_q.view(torch.uint8), two_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("n", [768, 1500])
+def test_silu_and_mul_quantized_in_one_kernel(n: int) -> None:
+    """The gated MLP's product goes straight to e4m3: the same bits as ``silu_and_mul`` then the row
+    quantization."""
+    gen = torch.Generator().manual_seed(n)
+    x = (torch.randn((9, 2 * n), generator=gen) * torch.rand((9, 1), generator=gen) * 4).to(DTYPE).to(DEVICE)
+    q, scale = silu_and_mul_quant_fp8(x)
+    want_q, want_scale = quant_fp8_per_token(silu_and_mul(x))
+    assert q.shape == (9, n) and scale.shape == (9, 1)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
 @pytest.mark.parametrize("m", [1, 7, 37])
 def test_per_token_quantization_in_one_kernel(m: int) -> None:
     """Scales are max|x| / 448 per row (as the torch formula computes them); q · scale reproduces x within e4m3
@@ -172,6 +206,22 @@ def test_per_channel_fp8_linear_vs_bf16(m: int) -> None:
     x = torch.randn((m, 2048), generator=gen).to(torch.bfloat16).cuda()
     with torch.no_grad():
         assert _rel(layer(x), linear(x)) < VS_BF16
+
+
+@pytest.mark.skipif(not FP8_GPU, reason="torch._scaled_mm needs an FP8 GPU")
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["per-channel", "block"])
+@pytest.mark.parametrize("m", [5, 17, 300])
+def test_gated_down_projection_equals_the_unfused_one(block: tuple[int, int] | None, m: int) -> None:
+    """``forward_gated`` (the MLP's down projection fed [gate | up]) gives the bits of ``forward`` on
+    ``silu_and_mul``'s output: at every token count and scaling, fused or not."""
+    gen = torch.Generator().manual_seed(m)
+    linear = RowParallelLinear(1024, 512, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn((512, 1024), generator=gen) / 1024**0.5)
+    layer = Fp8RowParallelLinear.from_linear(linear.to(torch.bfloat16).cuda(), block)
+    gate_up = torch.randn((m, 2048), generator=gen).to(torch.bfloat16).cuda()
+    with torch.no_grad():
+        assert torch.equal(layer.forward_gated(gate_up, silu_and_mul), layer(silu_and_mul(gate_up)))
 
 
 @pytest.mark.parametrize(("block", "tokens", "experts", "top_k"), [((128, 128), 9, 8, 2), (None, 33, 16, 4)])

@@ -19,7 +19,8 @@ import transformers
 from ominix_runtime.contract import DecodeStep, NewRequestData, RunningRequestData, SamplingParams
 from ominix_worker.loader import ModelLoadError
 from ominix_worker.models.moe import FusedExperts
-from ominix_worker.quant.fp8 import Fp8Linear
+from ominix_worker.parallel import RowParallelLinear
+from ominix_worker.quant.fp8 import Fp8Linear, Fp8RowParallelLinear
 from ominix_worker.runner import build_runner
 from ominix_worker.testing import write_fp8_checkpoint
 
@@ -118,3 +119,26 @@ def test_a_checkpoint_missing_scales_or_with_unknown_quantization_is_refused(
         build_runner(str(folder), num_blocks=4)
     with pytest.raises(ModelLoadError, match="unknown quantization"):
         build_runner(str(tiny_model_dir("qwen3")), num_blocks=4, quantization="int4")
+
+
+@pytest.mark.parametrize("reduce", [True, False])
+@pytest.mark.parametrize("block", [None, (32, 32)], ids=["per-channel", "block"])
+def test_gated_down_projection_is_forward_of_the_product(reduce: bool, block: tuple[int, int] | None) -> None:
+    """``forward_gated`` on [gate | up] is ``forward`` on the product the given ``silu_and_mul`` computes, for the
+    float layer and its FP8 form (on the CPU the FP8 layer dequantizes; CUDA folds the product into the
+    activation quantization, tests/gpu/test_fp8_gemm.py)."""
+    gen = torch.Generator().manual_seed(3)
+    linear = RowParallelLinear(64, 48, bias=False, reduce=reduce)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn((48, 64), generator=gen) / 8)
+    gate_up = torch.randn((5, 128), generator=gen)
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    for layer in (linear, Fp8RowParallelLinear.from_linear(linear, block)):
+        with torch.no_grad():
+            got = layer.forward_gated(gate_up, product)
+            torch.testing.assert_close(got, layer(product(gate_up)), rtol=0, atol=0)
+        assert got.shape == (5, 48)

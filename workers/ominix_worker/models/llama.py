@@ -293,7 +293,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = cuda_ops(x)
         if ops is not None:
-            return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+            return self.down_proj.forward_gated(self.gate_up_proj(x), ops.silu_and_mul)
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

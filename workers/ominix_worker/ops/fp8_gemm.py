@@ -20,10 +20,12 @@ import triton
 import triton.language as tl
 
 from ominix_worker.devices import sm_count
+from ominix_worker.ops.fused import silu_and_mul
 from ominix_worker.ops.fused_moe import (
     per_row_scales,
     quant_fp8_per_token,
     quant_fp8_per_token_group,
+    silu_and_mul_quant_fp8,
 )
 
 
@@ -97,8 +99,13 @@ def w8a8_block_matmul(
 
 def w8a8_per_channel_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x (M, K) @ (weight (N, K) e4m3 · per-row scale (N, 1))ᵀ as x_q Wᵀ."""
-    q, x_scale = quant_fp8_per_token(x)
-    return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1), out_dtype=x.dtype)
+    return _scaled_mm(*quant_fp8_per_token(x), weight, scale, x.dtype)
+
+
+def _scaled_mm(
+    q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    return torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=scale.reshape(1, -1), out_dtype=dtype)
 
 
 # Steps of up to one 16-row MMA tile take the weight-only kernel; larger ones the tensor-core FP8 GEMMs. At 16
@@ -300,3 +307,14 @@ def fp8_linear(
     if bias is not None:
         out = out + bias
     return out.reshape(*shape[:-1], weight.shape[0])
+
+
+def fp8_linear_gated(
+    gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """``fp8_linear(silu_and_mul(gate_up), ...)`` without a bias: (T, 2I) laid out [gate | up] → (T, N). With
+    per-channel scales above ``SMALL_M`` tokens the product goes straight to e4m3 (``silu_and_mul_quant_fp8``):
+    the down projection's input is read once, as two bf16 halves, instead of written and read again."""
+    if gate_up.shape[0] > SMALL_M and per_row_scales(block, weight.shape[1]):
+        return _scaled_mm(*silu_and_mul_quant_fp8(gate_up), weight, scale, gate_up.dtype)
+    return fp8_linear(silu_and_mul(gate_up), weight, scale, block, None)

@@ -460,22 +460,42 @@ def quant_fp8_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[torch.
 
 @triton.jit
 def _quant_fp8_row_kernel(
-    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    stride_x,
+    stride_q,
+    FP8_MAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,  # BLOCK >= K: the row stays in registers between its max and its quantization
 ):
-    """Row ``program_id``: scale = max|x| / FP8_MAX, q = x / scale in e4m3 (two passes over the row)."""
+    """Row ``program_id``: scale = max|x| / FP8_MAX, q = x / scale in e4m3."""
     row = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
+    if ONE_PASS:
+        offs = tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0), 1e-10) / FP8_MAX
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-10) / FP8_MAX
         q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+    else:  # two passes over the row: its max, then its quantization
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, 0), 1e-10) / FP8_MAX
+        for k0 in range(0, K, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+            q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+            tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
     tl.store(s_ptr + row, scale)
+
+
+# Rows up to this width are read once (held in registers, at most 32 values a thread with 16 warps) rather than
+# twice: the activations of a prefill step's FP8 GEMMs are read from memory once instead of twice.
+ONE_PASS_MAX_K = 16384
 
 
 def quant_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -483,10 +503,50 @@ def quant_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if not m:
+        return q, s
+    one_pass = k <= ONE_PASS_MAX_K
+    block = triton.next_power_of_2(k) if one_pass else 1024
+    warps = min(16, max(4, block // 512)) if one_pass else 4
+    _quant_fp8_row_kernel[(m,)](
+        x, q, s, k, x.stride(0), q.stride(0), FP8_MAX=FP8_MAX, BLOCK=block, ONE_PASS=one_pass, num_warps=warps
+    )  # fmt: skip
+    return q, s
+
+
+@triton.jit
+def _silu_and_mul_quant_fp8_kernel(
+    x_ptr, q_ptr, s_ptr, N, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Row ``program_id`` of [gate | up]: y = silu(gate) · up as ``silu_and_mul`` rounds it, then y's e4m3
+    values and per-row scale as ``_quant_fp8_row_kernel`` computes them; y never leaves registers."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + N + offs, mask=mask, other=0.0)
+    y = ((gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(y), 0), 1e-10) / FP8_MAX
+    q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def silu_and_mul_quant_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quant_fp8_per_token(silu_and_mul(gate_up))``, the same bits, in one launch when a row fits in
+    registers: the product is neither written out nor read back (a gated MLP's FP8 down projection input)."""
+    m, width = gate_up.shape
+    n = width // 2
+    if n > ONE_PASS_MAX_K:
+        return quant_fp8_per_token(silu_and_mul(gate_up))
+    q = torch.empty((m, n), dtype=FP8_DTYPE, device=gate_up.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=gate_up.device)
     if m:
-        _quant_fp8_row_kernel[(m,)](
-            x, q, s, k, x.stride(0), q.stride(0), FP8_MAX=FP8_MAX, BLOCK=1024, num_warps=4
-        )
+        block = triton.next_power_of_2(n)
+        _silu_and_mul_quant_fp8_kernel[(m,)](
+            gate_up, q, s, n, gate_up.stride(0), q.stride(0), FP8_MAX=FP8_MAX, BLOCK=block,
+            num_warps=min(16, max(4, block // 512)),
+        )  # fmt: skip
     return q, s
 
 
@@ -573,16 +633,22 @@ def grouped_gemm(
     b_scale: torch.Tensor | None = None,
     scale_block: tuple[int, int] = (128, 128),
     bias: torch.Tensor | None = None,
+    a_row_scales: torch.Tensor | None = None,
 ) -> None:
     """out[assignment] = (a[assignment // a_rows_per_token] @ b[expert]ᵀ + bias[expert]) (× routing weight),
-    for every tile; ``bias`` (E, N) is optional."""
+    for every tile; ``bias`` (E, N) is optional. ``a_row_scales`` (rows, 1): ``a`` is already e4m3 with one
+    scale per row (per-channel weights only)."""
     n, k = b.shape[1], b.shape[2]
     use_fp8 = b_scale is not None
     # Weight scales that span whole rows (per-channel) pair with one activation scale per row: the tile then
     # accumulates raw products in place and scales once, as an unscaled GEMM does.
     row_scales = use_fp8 and per_row_scales(scale_block, k)
+    if a_row_scales is not None and not row_scales:
+        raise ValueError("pre-quantized activations need per-channel FP8 weights")
     a_scale = a
-    if use_fp8:
+    if a_row_scales is not None:
+        a_scale = a_row_scales
+    elif use_fp8:
         a, a_scale = quant_fp8_per_token(a) if row_scales else quant_fp8_per_token_group(a, config["BLOCK_K"])
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     grid = (expert_ids.numel() * triton.cdiv(n, block_n),)
@@ -645,12 +711,18 @@ def fused_experts(
         b_scale=w13_scale, scale_block=w13_block,
     )  # fmt: skip
     # Rows of skipped assignments hold whatever gate_up held (never written); the down GEMM never reads them.
-    hidden_act = silu_and_mul(gate_up)
+    # Per-channel FP8 experts take the product in e4m3 straight from the kernel that computes it.
+    hidden_scales = None
+    if use_fp8 and per_row_scales(w2_block, w2.shape[2]):
+        hidden_act, hidden_scales = silu_and_mul_quant_fp8(gate_up)
+    else:
+        hidden_act = silu_and_mul(gate_up)
     # Rows of skipped assignments (another rank's experts) are never written: they must read as zero.
     alloc = torch.zeros if expert_map is not None else torch.empty
     down = alloc((num_assignments, hidden), dtype=x.dtype, device=x.device)
     grouped_gemm(
         hidden_act, w2, down, sorted_ids, expert_ids, num_post_pad, num_assignments, 1, cfg,
         topk_weights=topk_weights.reshape(-1).float(), b_scale=w2_scale, scale_block=w2_block,
+        a_row_scales=hidden_scales,
     )  # fmt: skip
     return moe_sum(down, num_tokens, top_k)

@@ -15,7 +15,7 @@ weights and no collective, so one model definition serves every group size.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -163,7 +163,16 @@ class RowParallelLinear(PackableLinear):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.matmul(x, None)
+        return self._reduced(self.matmul(x, None))
+
+    def forward_gated(
+        self, gate_up: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """``forward(silu(gate) · up)`` for ``gate_up`` laid out [gate | up], the product computed by
+        ``silu_and_mul`` (a quantized layer may fold it into the pass that quantizes its input)."""
+        return self._reduced(self.matmul_gated(gate_up, silu_and_mul))
+
+    def _reduced(self, out: torch.Tensor) -> torch.Tensor:
         if not self.reduce:
             return out
         out = self.tp.all_reduce(out)
@@ -172,6 +181,12 @@ class RowParallelLinear(PackableLinear):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x_local W_localᵀ (+ bias), before any reduction (quantized layers override it)."""
         return self.gemm(x, bias)
+
+    def matmul_gated(
+        self, gate_up: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """``matmul(silu_and_mul(gate_up), None)`` (quantized layers override it)."""
+        return self.matmul(silu_and_mul(gate_up), None)
 
     def load_weight(self, param_name: str, source: WeightSource, part: int | None = None) -> None:
         if param_name == "bias":  # added once, after the reduction: every rank holds all of it

@@ -24,7 +24,7 @@ elsewhere, the CPU included, the weight is dequantized to the run dtype for each
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -340,6 +340,15 @@ class Fp8RowParallelLinear(Fp8Linear, RowParallelLinear):
             return
         block = None if self.per_channel else self.block
         load_column_scales(self.weight_scale_inv, source, self.shard.start, self.shard.size, block)
+
+    def matmul_gated(
+        self, gate_up: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        if fp8_gemm_supported(gate_up.device, self.block[1]):
+            from ominix_worker.ops.fp8_gemm import fp8_linear_gated
+
+            return fp8_linear_gated(gate_up, self.weight, self.weight_scale_inv, self.block)
+        return super().matmul_gated(gate_up, silu_and_mul)
 
 
 # The FP8 form of each sharded linear layer kind.
