@@ -4,10 +4,14 @@ torch-op activation quantization of 2026-11-26 (eight kernels per linear), with 
 ``w8a8_per_channel_matmul`` (one quantization kernel), and up to ``SMALL_M`` tokens through the weight-only
 kernel ``w8a16_small_m_matmul``. Prints one JSON line; ``*_step_ms`` multiply one layer by the number of layers.
 ``--sweep`` times the weight-only kernel's tiles per projection instead (over enough weight copies to miss L2),
-with the bandwidth each reaches.
+with the bandwidth each reaches. ``--activations`` times the activation side of the W8A8 path instead: the
+per-token quantization of the layer's four inputs with each row read once (the default up to
+``ONE_PASS_MAX_K``) and read twice, and the down projection fed [gate | up] through ``silu_and_mul`` then the
+FP8 linear against ``fp8_linear_gated`` (the product quantized in the kernel that computes it).
 
     python bench/fp8_linear.py --hidden 4096 --ffn 14336 --heads 32 --kv-heads 8 --layers 32
     python bench/fp8_linear.py --sweep --tokens 1 16
+    python bench/fp8_linear.py --activations --tokens 32 256 8192
 """
 
 from __future__ import annotations
@@ -27,12 +31,15 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from moe_profile import graph_time_us  # noqa: E402
 
+from ominix_worker.ops import fused_moe  # noqa: E402
 from ominix_worker.ops.fp8_gemm import (  # noqa: E402
     GEMV_M,
     SMALL_M,
+    fp8_linear_gated,
     w8a8_per_channel_matmul,
     w8a16_small_m_matmul,
 )
+from ominix_worker.ops.fused import silu_and_mul  # noqa: E402
 from ominix_worker.quant.fp8 import FP8_MAX, quantize_fp8_blocks  # noqa: E402
 
 
@@ -97,6 +104,45 @@ def sweep(shapes: dict[str, tuple[int, int]], tokens: list[int]) -> list[dict[st
 
 
 @torch.inference_mode()
+def activation_times(
+    shapes: dict[str, tuple[int, int]],
+    weights: dict[str, tuple[torch.Tensor, ...]],
+    tokens: list[int],
+    layers: int,
+) -> list[dict[str, object]]:
+    """Per token count, ms per step (one layer × ``layers``): the four inputs' per-token quantization, rows read
+    once and twice; the down projection from [gate | up], product then linear, and fused."""
+    return [_activation_row(m, shapes, weights["down"], layers) for m in tokens]
+
+
+def _activation_row(
+    m: int, shapes: dict[str, tuple[int, int]], down: tuple[torch.Tensor, ...], layers: int
+) -> dict[str, object]:
+    _, down_q, down_s = down
+    ffn = shapes["down"][1]
+    inputs = [torch.randn((m, k), device="cuda", dtype=torch.bfloat16) for _, k in shapes.values()]
+    gate_up = torch.randn((m, 2 * ffn), device="cuda", dtype=torch.bfloat16)
+
+    def quantize_inputs() -> None:
+        for x in inputs:
+            fused_moe.quant_fp8_per_token(x)
+
+    def step_ms(fn: Callable[[], object]) -> float:
+        return round(graph_time_us(fn) / 1e3 * layers, 3)
+
+    row: dict[str, object] = {"tokens": m, "quant_one_pass_step_ms": step_ms(quantize_inputs)}
+    saved, fused_moe.ONE_PASS_MAX_K = fused_moe.ONE_PASS_MAX_K, 0
+    try:
+        row["quant_two_pass_step_ms"] = step_ms(quantize_inputs)
+    finally:
+        fused_moe.ONE_PASS_MAX_K = saved
+    row["down_silu_then_linear_step_ms"] = step_ms(
+        lambda: w8a8_per_channel_matmul(silu_and_mul(gate_up), down_q, down_s)
+    )
+    row["down_gated_step_ms"] = step_ms(lambda: fp8_linear_gated(gate_up, down_q, down_s, (1, ffn)))
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=4096)
@@ -106,6 +152,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 256, 512])
     p.add_argument("--sweep", action="store_true", help="time the weight-only kernel's tiles per projection")
+    p.add_argument("--activations", action="store_true", help="time the activation quantization paths")
     args = p.parse_args()
     h, hd = args.hidden, args.hidden // args.heads
     shapes = {  # name: (N, K)
@@ -125,6 +172,10 @@ def main() -> None:
         w = torch.randn((n, k), device="cuda", dtype=torch.bfloat16) / k**0.5
         q, s = quantize_fp8_blocks(w, (1, k))
         weights[name] = (w, q, s)
+    if args.activations:
+        rows = activation_times(shapes, weights, args.tokens, args.layers)
+        print(json.dumps({"device": torch.cuda.get_device_name(), "activations": rows}), flush=True)
+        return
     variants: dict[str, Callable[[torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor]] = {
         "bf16": lambda x, ws: F.linear(x, ws[0]),
         "fp8_torch_ops": lambda x, ws: torch_ops_quantized(x, ws[1], ws[2]),
