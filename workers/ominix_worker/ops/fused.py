@@ -71,14 +71,19 @@ def _warps(n: int) -> int:
 
 
 @triton.jit
+def silu_times(gate, up):
+    """silu(gate) · up as every gated-MLP kernel rounds it: silu of the float32 gate in up's dtype, times up."""
+    return (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, N: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + N + cols, mask=mask, other=0.0)
-    y = (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up
-    tl.store(out_ptr + row * out_stride + cols, y, mask=mask)
+    tl.store(out_ptr + row * out_stride + cols, silu_times(gate, up), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

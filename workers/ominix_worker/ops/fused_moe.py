@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ominix_worker.ops.fused import silu_and_mul
+from ominix_worker.ops.fused import silu_and_mul, silu_times
 
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
 FP8_DTYPE = torch.float8_e4m3fn
@@ -475,9 +475,7 @@ def _quant_fp8_row_kernel(
     if ONE_PASS:
         offs = tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-10) / FP8_MAX
-        q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
-        tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+        _quantize_row(x, q_ptr + row * stride_q + offs, s_ptr + row, offs < K, FP8_MAX)
     else:  # two passes over the row: its max, then its quantization
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
@@ -490,7 +488,17 @@ def _quant_fp8_row_kernel(
             x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
             q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
             tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
-    tl.store(s_ptr + row, scale)
+        tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _quantize_row(y, q_ptrs, s_ptr, mask, FP8_MAX: tl.constexpr):
+    """One row held in registers (float32, zero where ``mask`` is off): its e4m3 values y / scale to ``q_ptrs``
+    and its scale max|y| / FP8_MAX to ``s_ptr``."""
+    scale = tl.maximum(tl.max(tl.abs(y), 0), 1e-10) / FP8_MAX
+    q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
+    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
+    tl.store(s_ptr, scale)
 
 
 # Rows up to this width are read once (held in registers, at most 32 values a thread with 16 warps) rather than
@@ -525,11 +533,8 @@ def _silu_and_mul_quant_fp8_kernel(
     mask = offs < N
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + N + offs, mask=mask, other=0.0)
-    y = ((gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(y), 0), 1e-10) / FP8_MAX
-    q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
-    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row, scale)
+    y = silu_times(gate, up).to(tl.float32)
+    _quantize_row(y, q_ptr + row * stride_q + offs, s_ptr + row, mask, FP8_MAX)
 
 
 def silu_and_mul_quant_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
