@@ -16,6 +16,8 @@ reads.
 
     python bench/moe_routing.py --engine vllm --config bench/configs/qwen3-30b-a3b-config.json --vocab 150000
     python bench/moe_routing.py --engine ours --config bench/configs/qwen3-30b-a3b-config.json --vocab 150000
+    python bench/moe_routing.py --engine vllm --config bench/configs/gpt-oss-20b-config.json --vocab 199000 \
+        --unit-norms --num-requests 64     # gpt-oss: the long-context decode batch
 """
 
 from __future__ import annotations
@@ -40,12 +42,16 @@ def expected_distinct(experts: int, top_k: int, tokens: int) -> float:
     return experts * (1 - (1 - top_k / experts) ** tokens)
 
 
+# Router modules by name: ``mlp.gate`` (ours, and vLLM's Qwen3-MoE / Mixtral), ``mlp.router`` (vLLM's gpt-oss).
+ROUTER_SUFFIXES = ("mlp.gate", "mlp.router")
+
+
 def hook_routers(model: torch.nn.Module, top_k: int, log: str) -> int:
-    """Appends every ``*.mlp.gate`` call's (layer, rows, distinct top-k experts) to the file ``log`` as a JSON
-    line (a file, because vLLM may run the hook on a pickled copy of this function); returns the routers hooked."""
+    """Appends every router call's (layer, rows, distinct top-k experts) to the file ``log`` as a JSON line (a
+    file, because vLLM may run the hook on a pickled copy of this function); returns the routers hooked."""
     hooked = 0
     for name, module in model.named_modules():
-        if name.endswith("mlp.gate"):
+        if name.endswith(ROUTER_SUFFIXES):
 
             def record(_m: torch.nn.Module, _in: object, out: object, name: str = name) -> None:
                 logits = out[0] if isinstance(out, tuple) else out
@@ -79,15 +85,21 @@ def record_ours(args: argparse.Namespace, top_k: int, log: str) -> None:
     print(f"routers hooked: {hook_routers(runner.model, top_k, log)}", flush=True)
     gen = torch.Generator().manual_seed(1)
     greedy = SamplingParams(temperature=0.0)
+    extra_groups = len(runner.kv_windows) - 1  # a hybrid layout (gpt-oss): each group's pool has every id
+
+    def blocks(i: int) -> list[int]:
+        return list(range(1 + i * per_request, 1 + (i + 1) * per_request))
+
     new = [
         NewRequestData(
             f"r{i}",
             torch.randint(0, args.vocab, (args.input_len,), generator=gen).tolist(),
             greedy,
-            list(range(1 + i * per_request, 1 + (i + 1) * per_request)),
+            blocks(i),
             0,
             args.input_len,
             i,
+            group_kv_block_ids=[blocks(i) for _ in range(extra_groups)],
         )  # fmt: skip
         for i in range(args.num_requests)
     ]
@@ -149,7 +161,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="ours only: cuda, or cpu (float32) for a small config")
     args = p.parse_args()
     config = json.loads(Path(args.config).read_text())
-    experts, top_k = int(config["num_experts"]), int(config["num_experts_per_tok"])
+    experts = int(config.get("num_experts") or config["num_local_experts"])  # gpt-oss: num_local_experts
+    top_k = int(config["num_experts_per_tok"])
     with tempfile.TemporaryDirectory(prefix="moe-routing-") as work:
         log = str(Path(work) / "routers.jsonl")
         (record_vllm if args.engine == "vllm" else record_ours)(args, top_k, log)

@@ -55,6 +55,31 @@ def test_counts_the_decode_batch_of_our_runner(tmp_path: Path) -> None:
     assert result["uniform_routing_expects"] == round(expected_distinct(16, 4, 6), 1)
 
 
+def test_counts_gpt_oss_on_our_runner_with_its_hybrid_kv_layout(tmp_path: Path) -> None:
+    """gpt-oss names its expert count ``num_local_experts`` and keeps two KV groups (full, 128-token window):
+    the prompts get a block table per group, and each layer's router is counted."""
+    config = json.loads((REPO / "bench/configs/gpt-oss-20b-config.json").read_text())
+    config.update(
+        hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=500, num_local_experts=8, num_experts_per_tok=2, experts_per_token=2,
+        layer_types=config["layer_types"][:4],
+    )  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench/moe_routing.py"), "--engine", "ours", "--device", "cpu", "--config",
+         str(path), "--vocab", "500", "--num-requests", "6", "--input-len", "40"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "routers hooked: 4" in done.stdout
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    router = result["router"]
+    assert router["layer_calls"] == 4
+    assert all(2 <= d <= 8 for d in router["distinct_experts_first_calls"])
+    assert result["uniform_routing_expects"] == round(expected_distinct(8, 2, 6), 1)
+
+
 def run_with_stand_in(script: str, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
     """Runs a bench script with the stand-in importable as ``vllm`` and a private TMPDIR."""
     work = tmp_path / "tmp"
