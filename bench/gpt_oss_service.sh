@@ -13,6 +13,8 @@
 #            16384") and pure decode at batch 64 with ~8,200 tokens of context; kernels per step in summary.txt
 #   peer-w1, peer-long
 #            vLLM on the same workloads (bench/peer_vllm.py), on the same machine once ours has stopped
+#   routing  distinct experts a decode batch of 64 routes to per layer (bench/moe_routing.py), ours and, where it
+#            is importable, vLLM's dummy model with unit norms: a decode step reads every expert it hits
 #   peer-long-profile
 #            vLLM's kernels on the long-context shape (bench/peer_vllm_profile.py): one generate of 16 x 8,192
 #            prompts (its prefill steps), then 64 cached prompts decoding 32 tokens (`--again`: decode steps)
@@ -62,6 +64,15 @@ for stage in $GPT_OSS_STAGES; do
         SERVE_ARGS="--front-procs 1 ${LONG_ARGS:-}" OMINIX_PROFILE_BATCHES=64 \
         OFFLINE_ARGS="--num-requests 64 --input-len 8192 --output-len 96" \
         PROFILE_ARGS="--w1 --warmup-requests 0 --seed 17" STAGES="service" bash bench/gpu_service.sh ;;
+    routing)
+      mkdir -p "$OUT/routing"
+      for engine in ours vllm; do
+        if [ $engine = vllm ] && ! python3 -c "import vllm" 2>/dev/null; then continue; fi
+        PYTHONPATH=$PWD timeout ${PEER_S:-600} python3 bench/moe_routing.py --engine $engine --config "$CONFIG" \
+          --vocab 199000 --num-requests 64 $([ $engine = vllm ] && echo --unit-norms) \
+          >"$OUT/routing/$engine.log" 2>&1
+        tail -1 "$OUT/routing/$engine.log" | tee "$OUT/routing/$engine.json" | cut -c1-400
+      done ;;
     peer-w1)
       peer "$OUT/w1" ;;
     peer-long)
