@@ -99,12 +99,13 @@ def w8a8_block_matmul(
 
 def w8a8_per_channel_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x (M, K) @ (weight (N, K) e4m3 · per-row scale (N, 1))ᵀ as x_q Wᵀ."""
-    return _scaled_mm(*quant_fp8_per_token(x), weight, scale, x.dtype)
+    return _per_channel_scaled_mm(*quant_fp8_per_token(x), weight, scale, x.dtype)
 
 
-def _scaled_mm(
+def _per_channel_scaled_mm(
     q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
+    """e4m3 rows ``q`` (M, K) with per-row scales (M, 1) @ (weight (N, K) · per-row scale (N, 1))ᵀ in ``dtype``."""
     return torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=scale.reshape(1, -1), out_dtype=dtype)
 
 
@@ -316,5 +317,5 @@ def fp8_linear_gated(
     per-channel scales above ``SMALL_M`` tokens the product goes straight to e4m3 (``silu_and_mul_quant_fp8``):
     the down projection's input is read once, as two bf16 halves, instead of written and read again."""
     if gate_up.shape[0] > SMALL_M and per_row_scales(block, weight.shape[1]):
-        return _scaled_mm(*silu_and_mul_quant_fp8(gate_up), weight, scale, gate_up.dtype)
+        return _per_channel_scaled_mm(*silu_and_mul_quant_fp8(gate_up), weight, scale, gate_up.dtype)
     return fp8_linear(silu_and_mul(gate_up), weight, scale, block, None)
