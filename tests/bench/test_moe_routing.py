@@ -24,20 +24,30 @@ def test_expected_distinct_experts_of_uniform_routing() -> None:
     assert 8 < expected_distinct(128, 8, 4) < 32
 
 
-def test_counts_the_decode_batch_of_our_runner(tmp_path: Path) -> None:
-    config = json.loads((REPO / "bench/configs/qwen3-30b-a3b-config.json").read_text())
-    config.update(
-        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=500,
-    )  # fmt: skip
+def run_on_our_runner(
+    tmp_path: Path, base: str, input_len: int, **overrides: object
+) -> subprocess.CompletedProcess[str]:
+    """``moe_routing.py --engine ours`` on the CPU, 6 requests, with bench/configs/``base`` made small by
+    ``overrides``."""
+    config = json.loads((REPO / "bench/configs" / base).read_text())
+    config.update(overrides)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     done = subprocess.run(
         [sys.executable, str(REPO / "bench/moe_routing.py"), "--engine", "ours", "--device", "cpu", "--config",
-         str(path), "--vocab", "500", "--num-requests", "6", "--input-len", "20"],
+         str(path), "--vocab", "500", "--num-requests", "6", "--input-len", str(input_len)],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+def test_counts_the_decode_batch_of_our_runner(tmp_path: Path) -> None:
+    done = run_on_our_runner(
+        tmp_path, "qwen3-30b-a3b-config.json", 20,
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=500,
+    )  # fmt: skip
     assert "routers hooked: 3" in done.stdout
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["engine"] == "ours" and result["batch"] == 6
@@ -58,20 +68,12 @@ def test_counts_the_decode_batch_of_our_runner(tmp_path: Path) -> None:
 def test_counts_gpt_oss_on_our_runner_with_its_hybrid_kv_layout(tmp_path: Path) -> None:
     """gpt-oss names its expert count ``num_local_experts`` and keeps two KV groups (full, 128-token window):
     the prompts get a block table per group, and each layer's router is counted."""
-    config = json.loads((REPO / "bench/configs/gpt-oss-20b-config.json").read_text())
-    config.update(
+    done = run_on_our_runner(
+        tmp_path, "gpt-oss-20b-config.json", 40,
         hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, vocab_size=500, num_local_experts=8, num_experts_per_tok=2, experts_per_token=2,
-        layer_types=config["layer_types"][:4],
+        layer_types=["sliding_attention", "full_attention"] * 2,
     )  # fmt: skip
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    done = subprocess.run(
-        [sys.executable, str(REPO / "bench/moe_routing.py"), "--engine", "ours", "--device", "cpu", "--config",
-         str(path), "--vocab", "500", "--num-requests", "6", "--input-len", "40"],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
     assert "routers hooked: 4" in done.stdout
     result = json.loads(done.stdout.strip().splitlines()[-1])
     router = result["router"]

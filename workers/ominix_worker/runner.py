@@ -369,8 +369,8 @@ class ModelRunner:
         num_tokens = sum(row.end - row.start for row in active)
         graph_step = bool(active) and self._graph_step(active)
         overlap = self.overlap_steps and all(_overlappable(row.request) for row in active)
-        eager = self.pipeline_eager and bool(active) and not self._prefill_graph_fits(active)
-        if overlap and (graph_step or eager):
+        # A decode graph step overlaps; an eager one too with ``pipeline_eager`` (a prefill graph does not).
+        if overlap and (graph_step or self._overlaps_eagerly(active)):
             self._launch_overlapped(
                 step.step_id, order, dict(errors), active, num_tokens, started, graph_step
             )
@@ -432,6 +432,9 @@ class ModelRunner:
         assert self._graphs is not None
         sampled = self._sample_logits(self._graphs.run(rows), rows)
         return self._update_states(rows, rows, sampled)
+
+    def _overlaps_eagerly(self, rows: list[ScheduledRow]) -> bool:
+        return self.pipeline_eager and bool(rows) and not self._prefill_graph_fits(rows)
 
     def _prefill_graph_fits(self, rows: list[ScheduledRow]) -> bool:
         return (
