@@ -12,9 +12,11 @@
 #            stage): its profile run's windows are a prefill step (16,384 tokens with LONG_ARGS="--max-batch-tokens
 #            16384") and pure decode at batch 64 with ~8,200 tokens of context; kernels per step in summary.txt
 #   peer-w1, peer-long
-#            vLLM on the same workloads (bench/peer_vllm.py), on the same machine once ours has stopped
+#            vLLM on the same workloads (bench/peer_vllm.py), on the same machine once ours has stopped. vLLM's
+#            dummy weights are redrawn as ours are (--ours-init): with its own, even with unit norms, a decode
+#            batch of 64 went to 4 of the 32 experts in every layer
 #   routing  distinct experts a decode batch of 64 routes to per layer (bench/moe_routing.py), ours and, where it
-#            is importable, vLLM's dummy model with unit norms: a decode step reads every expert it hits
+#            is importable, vLLM's dummy model drawn as ours: a decode step reads every expert it hits
 #   peer-long-profile
 #            vLLM's kernels on the long-context shape (bench/peer_vllm_profile.py): one generate of 16 x 8,192
 #            prompts (its prefill steps), then 64 cached prompts decoding 32 tokens (`--again`: decode steps)
@@ -39,7 +41,7 @@ peer() {
   mkdir -p "$out"
   if python3 -c "import vllm" 2>/dev/null; then
     PYTHONPATH=$PWD timeout ${PEER_S:-600} python3 bench/peer_vllm.py --config "$CONFIG" --vocab 199000 \
-      --json "$out/peer_vllm.json" --unit-norms "$@" >"$out/peer_vllm.log" 2>&1
+      --json "$out/peer_vllm.json" --ours-init "$@" >"$out/peer_vllm.log" 2>&1
     grep -E "^vLLM|Error" "$out/peer_vllm.log" | tail -8 | tee "$out/peer_vllm.txt"
   else
     echo "vllm is not importable here: see shared/peers/vllm/README.md to carry it"
@@ -69,7 +71,7 @@ for stage in $GPT_OSS_STAGES; do
       for engine in ours vllm; do
         if [ $engine = vllm ] && ! python3 -c "import vllm" 2>/dev/null; then continue; fi
         PYTHONPATH=$PWD timeout ${PEER_S:-600} python3 bench/moe_routing.py --engine $engine --config "$CONFIG" \
-          --vocab 199000 --num-requests 64 $([ $engine = vllm ] && echo --unit-norms) \
+          --vocab 199000 --num-requests 64 $([ $engine = vllm ] && echo --ours-init) \
           >"$OUT/routing/$engine.log" 2>&1
         tail -1 "$OUT/routing/$engine.log" | tee "$OUT/routing/$engine.json" | cut -c1-400
       done ;;
@@ -83,7 +85,7 @@ for stage in $GPT_OSS_STAGES; do
       for run in "prefill --num-requests 16 --output-len 8" "decode --num-requests 64 --output-len 32 --again"; do
         set -- $run
         PYTHONPATH=$PWD timeout ${PEER_S:-600} python3 bench/peer_vllm_profile.py --config "$CONFIG" --vocab 199000 \
-          --unit-norms --input-len 8192 --max-model-len 8448 --top 25 "${@:2}" >"$OUT/long-probe/peer_$1.log" 2>&1
+          --ours-init --input-len 8192 --max-model-len 8448 --top 25 "${@:2}" >"$OUT/long-probe/peer_$1.log" 2>&1
         grep -E '^\{' "$OUT/long-probe/peer_$1.log" | tee "$OUT/long-probe/peer_$1.json" | cut -c1-600
       done ;;
   esac

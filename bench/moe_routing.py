@@ -12,12 +12,12 @@ Two views in vLLM: ``router`` takes the top-k of each ``mlp.gate``'s logits (as 
 top-k ids vLLM's Triton experts are handed (from its own top-k gating kernel). On vLLM's stock dummy weights (±1e-3
 norms) the router view spread over all experts while the kernel view was the same 8 ids for every token
 (Qwen3-30B-A3B, FP8); ``--unit-norms`` (bench/peer_vllm.py's) spreads both. The kernel view is what a decode step
-reads.
+reads. gpt-oss stayed on 4 of 32 experts with unit norms; ``--ours-init`` (every weight drawn as ours) spreads it.
 
     python bench/moe_routing.py --engine vllm --config bench/configs/qwen3-30b-a3b-config.json --vocab 150000
     python bench/moe_routing.py --engine ours --config bench/configs/qwen3-30b-a3b-config.json --vocab 150000
     python bench/moe_routing.py --engine vllm --config bench/configs/gpt-oss-20b-config.json --vocab 199000 \
-        --unit-norms --num-requests 64     # gpt-oss: the long-context decode batch
+        --ours-init --num-requests 64     # gpt-oss: the long-context decode batch
 """
 
 from __future__ import annotations
@@ -138,12 +138,14 @@ def record_vllm(args: argparse.Namespace, top_k: int, log: str) -> None:
         for _ in range(args.num_requests)
     ]
     forced = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
-    with dummy_llm(args.config, args.quantization, args.unit_norms, enforce_eager=True) as llm:
+    with dummy_llm(args.config, args.quantization, args.dummy_init, enforce_eager=True) as llm:
         print(f"routers hooked: {llm.apply_model(lambda model: hook_routers(model, top_k, log))}", flush=True)
         llm.generate([TokensPrompt(prompt_token_ids=q) for q in prompts], forced, use_tqdm=False)
 
 
 def main() -> None:
+    from peer_vllm import add_dummy_init_args  # this folder, as a script's sys.path[0]
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", choices=("vllm", "ours"), required=True)
     p.add_argument("--config", required=True)
@@ -157,7 +159,7 @@ def main() -> None:
         help="vllm only: decode steps (at 4, vLLM's 256-row batches still carried prefill chunks)",
     )
     p.add_argument("--vocab", type=int, default=128000)
-    p.add_argument("--unit-norms", action="store_true", help="vllm only: bench/peer_vllm.py's --unit-norms")
+    add_dummy_init_args(p)  # vllm only
     p.add_argument("--device", default="cuda", help="ours only: cuda, or cpu (float32) for a small config")
     args = p.parse_args()
     config = json.loads(Path(args.config).read_text())

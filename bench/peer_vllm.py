@@ -16,6 +16,13 @@ dummy loader draws them uniform in ±1e-3 like every other parameter; with those
 the same 8 expert ids to every token of a Qwen3-30B-A3B decode batch (bench/moe_routing.py, kernel view; why was not
 pinned down), so a decode step read 8 experts per layer where a real checkpoint, and ours, read nearly all of them.
 The MoE benches pass it; a dense model's work does not depend on it.
+
+``--ours-init`` goes further and redraws every bf16 parameter as our dummy loader draws it (``draw_like_ours``):
+N(0, 0.02), RMSNorm weights 1, ``*.bias`` 0 (the experts' ``w13_bias``/``w2_bias`` are drawn). Unit norms alone did
+not spread gpt-oss: with vLLM's ±1e-3 matrices, a decode batch of 64 went to the same 4 of 32 experts in every
+layer (bench/moe_routing.py, 2026-11-27), so vLLM's decode step read an eighth of the expert weights ours read.
+Both engines then run one model family drawn the same way. Not with ``--quantization`` (it would overwrite the FP8
+weights and their scales).
 """
 
 from __future__ import annotations
@@ -61,11 +68,51 @@ def set_unit_norms(model: Any) -> int:
     return filled
 
 
+def draw_like_ours(model: Any) -> int:
+    """Redraws every parameter of a loaded vLLM model as our dummy loader does (``init_dummy_weights``): names
+    ending in ``norm.weight`` 1, in ``.bias`` 0, the rest N(0, 0.02), one seeded generator per parameter; returns
+    how many. In place, so captured CUDA graphs stay valid. Refuses a parameter that is not bf16, fp16 or fp32."""
+    import torch
+
+    drawn = 0
+    with torch.no_grad():
+        for index, (name, param) in enumerate(model.named_parameters()):
+            if param.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+                raise ValueError(f"{name} is {param.dtype}: --ours-init redraws float weights only")
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                generator = torch.Generator(device=param.device).manual_seed(1_000_003 + index)
+                param.normal_(0.0, 0.02, generator=generator)
+            drawn += 1
+    return drawn
+
+
+DUMMY_INITS = {"stock": None, "unit-norms": set_unit_norms, "ours": draw_like_ours}
+
+
+def add_dummy_init_args(parser: argparse.ArgumentParser) -> None:
+    """``--unit-norms`` / ``--ours-init`` (dest ``dummy_init``), for every script that builds ``dummy_llm``."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--unit-norms", dest="dummy_init", action="store_const", const="unit-norms", default="stock",
+        help="RMSNorm weights of the dummy model set to 1 (Qwen3-MoE: routing spread as with real weights)",
+    )  # fmt: skip
+    group.add_argument(
+        "--ours-init", dest="dummy_init", action="store_const", const="ours",
+        help="every bf16 weight redrawn as our dummy loader draws it (gpt-oss: routing spread); not with FP8",
+    )  # fmt: skip
+
+
 @contextmanager
-def dummy_llm(config: str, quantization: str | None, unit_norms: bool, **options: Any) -> Iterator[Any]:
+def dummy_llm(config: str, quantization: str | None, dummy_init: str, **options: Any) -> Iterator[Any]:
     """vLLM's ``LLM`` on dummy bf16 weights of ``config``'s shape, from a temporary model folder that lives as long
-    as the block; ``unit_norms``: ``set_unit_norms`` on the loaded model. ``options``: more ``LLM`` keywords
-    (max_model_len 2048 and gpu_memory_utilization 0.90 unless given)."""
+    as the block; ``dummy_init``: a key of ``DUMMY_INITS``, the function applied to the loaded model (``stock``:
+    none). ``options``: more ``LLM`` keywords (max_model_len 2048 and gpu_memory_utilization 0.90 unless given)."""
+    if dummy_init == "ours" and quantization:
+        raise ValueError("--ours-init redraws bf16 weights; with --quantization it would overwrite FP8 weights")
     from vllm import LLM
 
     with tempfile.TemporaryDirectory(prefix="peer-vllm-") as folder:
@@ -75,11 +122,9 @@ def dummy_llm(config: str, quantization: str | None, unit_norms: bool, **options
             quantization=quantization, seed=0,
             **{"max_model_len": 2048, "gpu_memory_utilization": 0.90, **options},
         )  # fmt: skip
-        if unit_norms:
-            print(
-                f"vLLM unit norms: {sum(llm.apply_model(set_unit_norms))} RMSNorm weights set to 1",
-                flush=True,
-            )
+        redraw = DUMMY_INITS[dummy_init]
+        if redraw is not None:
+            print(f"vLLM dummy init {dummy_init}: {sum(llm.apply_model(redraw))} parameters set", flush=True)
         yield llm
 
 
@@ -120,11 +165,7 @@ def main() -> None:
         help="vLLM's FlashInfer all-reduce + RMSNorm compile pass (default: vLLM's choice at TP=1, off at TP>1: "
         "with it, CUDA-graph capture failed on lent H100 x4 machines even with the custom all-reduce off)",
     )
-    parser.add_argument(
-        "--unit-norms",
-        action="store_true",
-        help="RMSNorm weights of the dummy model set to 1 (MoE: routing spread as with real weights)",
-    )
+    add_dummy_init_args(parser)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.input_len + args.output_len > args.max_model_len:
@@ -135,7 +176,7 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     label = f"{Path(args.config).stem} {args.quantization or 'bf16'} TP{args.tp}"
-    figures: dict[str, float | str | bool] = {"model": label, "unit_norms": args.unit_norms}
+    figures: dict[str, float | str | bool] = {"model": label, "dummy_init": args.dummy_init}
     gen = torch.Generator().manual_seed(1)
     prompts = [
         torch.randint(0, args.vocab, (args.input_len,), generator=gen).tolist()
@@ -145,7 +186,7 @@ def main() -> None:
     with dummy_llm(
         args.config,
         args.quantization,
-        args.unit_norms,
+        args.dummy_init,
         tensor_parallel_size=args.tp,
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,

@@ -8,7 +8,7 @@ vLLM's CUDA graphs off, for a profile that cannot miss a kernel replayed inside 
 
     python bench/peer_vllm_profile.py --config bench/configs/qwen3-30b-a3b-config.json --vocab 150000 --quantization fp8
     python bench/peer_vllm_profile.py --config ... --quantization fp8 --again --eager --output-len 32
-    python bench/peer_vllm_profile.py --config bench/configs/gpt-oss-20b-config.json --vocab 199000 --unit-norms \
+    python bench/peer_vllm_profile.py --config bench/configs/gpt-oss-20b-config.json --vocab 199000 --ours-init \
         --num-requests 16 --input-len 8192 --output-len 8 --max-model-len 8448    # long-prompt prefill
 """
 
@@ -18,7 +18,7 @@ import argparse
 import json
 import time
 
-from peer_vllm import dummy_llm, use_offline_env  # this folder, as the script's sys.path[0]
+from peer_vllm import add_dummy_init_args, dummy_llm, use_offline_env  # this folder, as the script's sys.path[0]
 
 # The engine core in this process: the profiler sees its kernels.
 use_offline_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
@@ -38,7 +38,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--again", action="store_true", help="profile the batch's second run (prompts cached)")
     p.add_argument("--eager", action="store_true", help="enforce_eager: no CUDA graphs, no compile")
-    p.add_argument("--unit-norms", action="store_true", help="bench/peer_vllm.py's --unit-norms")
+    add_dummy_init_args(p)
     args = p.parse_args()
     if args.input_len + args.output_len > args.max_model_len:
         p.error(f"--max-model-len {args.max_model_len} < input-len + output-len")
@@ -62,7 +62,7 @@ def main() -> None:
     with dummy_llm(
         args.config,
         args.quantization,
-        args.unit_norms,
+        args.dummy_init,
         enforce_eager=args.eager,
         max_model_len=args.max_model_len,
     ) as llm:
@@ -88,7 +88,7 @@ def main() -> None:
                 "gpu_blocks": getattr(cache, "num_gpu_blocks", None),
                 "again": args.again,
                 "eager": args.eager,
-                "unit_norms": args.unit_norms,
+                "dummy_init": args.dummy_init,
                 "generate_s": round(seconds, 3),
                 "kernels_total_ms": round(total_ms, 1),
                 "kernels_per_step_ms": round(total_ms / args.output_len, 2),

@@ -10,6 +10,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
 
 REPO = Path(__file__).resolve().parents[2]
 STAND_IN = Path(__file__).resolve().parent / "fake_vllm"
@@ -109,7 +114,7 @@ def test_counts_vllm_router_and_kernel_views_with_unit_norms(tmp_path: Path) -> 
         tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "vLLM unit norms: 2 RMSNorm weights set to 1" in done.stdout
+    assert "vLLM dummy init unit-norms: 2 parameters set" in done.stdout
     assert "routers hooked: [2]" in done.stdout
     result = json.loads(done.stdout.strip().splitlines()[-1])
     # Three decode steps of two layers: every router call and every expert assignment was counted.
@@ -130,9 +135,43 @@ def test_peer_vllm_figures_and_its_model_folder(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     figures = json.loads(out.read_text())
-    assert figures["unit_norms"] is True and figures["model"] == "config bf16 TP1"
+    assert figures["dummy_init"] == "unit-norms" and figures["model"] == "config bf16 TP1"
     assert {"init_s", "w1_cold_out_tok_s", "w1_again_out_tok_s", "batch1_tpot_ms"} <= set(figures)
     assert figures["w1_cold_out_tok_s"] > 0 and figures["w1_again_out_tok_s"] > 0
-    assert "vLLM unit norms: 2 RMSNorm weights set to 1" in done.stdout
+    assert "vLLM dummy init unit-norms: 2 parameters set" in done.stdout
     # The stand-in refuses to generate once its folder is gone, so the folder lived through the runs; now it is gone.
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_peer_vllm_redraws_its_dummy_model_as_ours_and_refuses_it_with_fp8(tmp_path: Path) -> None:
+    config = small_moe_config(tmp_path)
+    args = ["--config", str(config), "--vocab", "100", "--num-requests", "2", "--input-len", "4", "--output-len",
+            "3", "--no-again", "--no-batch1", "--ours-init"]  # fmt: skip
+    done = run_with_stand_in("peer_vllm.py", args, tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "vLLM dummy init ours: 4 parameters set" in done.stdout  # two norms, two router matrices
+    refused = run_with_stand_in("peer_vllm.py", [*args, "--quantization", "fp8"], tmp_path)
+    assert refused.returncode != 0
+    assert "with --quantization it would overwrite FP8 weights" in refused.stderr
+    both = run_with_stand_in("peer_vllm.py", [*args, "--unit-norms"], tmp_path)
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
+
+
+def test_draw_like_ours_follows_our_dummy_loader() -> None:
+    with mock.patch.dict(os.environ):  # importing peer_vllm sets vLLM's offline variables
+        from bench.peer_vllm import draw_like_ours
+
+    model = nn.Module()
+    model.input_layernorm = nn.Module()
+    model.input_layernorm.weight = nn.Parameter(torch.full((64,), 1e-3))
+    model.proj = nn.Linear(64, 256)
+    model.experts = nn.Module()
+    model.experts.w13_bias = nn.Parameter(torch.zeros(8, 512))  # an experts' bias: drawn, as ours draws it
+    assert draw_like_ours(model) == 4
+    assert torch.equal(model.input_layernorm.weight, torch.ones(64))
+    assert torch.equal(model.proj.bias, torch.zeros(256))
+    for drawn in (model.proj.weight, model.experts.w13_bias):
+        assert abs(drawn.std().item() - 0.02) < 0.002 and abs(drawn.mean().item()) < 0.002
+    model.scale = nn.Parameter(torch.zeros(4, dtype=torch.float8_e4m3fn), requires_grad=False)
+    with pytest.raises(ValueError, match="scale is torch.float8_e4m3fn"):
+        draw_like_ours(model)
