@@ -112,7 +112,9 @@ def dummy_llm(config: str, quantization: str | None, dummy_init: str, **options:
     as the block; ``dummy_init``: a key of ``DUMMY_INITS``, the function applied to the loaded model (``stock``:
     none). ``options``: more ``LLM`` keywords (max_model_len 2048 and gpu_memory_utilization 0.90 unless given)."""
     if dummy_init == "ours" and quantization:
-        raise ValueError("--ours-init redraws bf16 weights; with --quantization it would overwrite FP8 weights")
+        raise ValueError(
+            "--ours-init redraws bf16 weights; with --quantization it would overwrite FP8 weights"
+        )
     from vllm import LLM
 
     with tempfile.TemporaryDirectory(prefix="peer-vllm-") as folder:

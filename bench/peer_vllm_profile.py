@@ -18,7 +18,11 @@ import argparse
 import json
 import time
 
-from peer_vllm import add_dummy_init_args, dummy_llm, use_offline_env  # this folder, as the script's sys.path[0]
+from peer_vllm import (  # this folder, as the script's sys.path[0]
+    add_dummy_init_args,
+    dummy_llm,
+    use_offline_env,
+)
 
 # The engine core in this process: the profiler sees its kernels.
 use_offline_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
