@@ -73,7 +73,7 @@ for stage in $GPT_OSS_STAGES; do
         PYTHONPATH=$PWD timeout ${PEER_S:-600} python3 bench/moe_routing.py --engine $engine --config "$CONFIG" \
           --vocab 199000 --num-requests 64 $([ $engine = vllm ] && echo --ours-init) \
           >"$OUT/routing/$engine.log" 2>&1
-        tail -1 "$OUT/routing/$engine.log" | tee "$OUT/routing/$engine.json" | cut -c1-400
+        grep -E '^\{' "$OUT/routing/$engine.log" | tail -1 | tee "$OUT/routing/$engine.json" | cut -c1-400
       done ;;
     peer-w1)
       peer "$OUT/w1" ;;
