@@ -1,7 +1,9 @@
 """CPU comparison: the daemon serving the embedded SmolLM2-135M-Instruct vs HF transformers ``generate``.
 
 1. Starts ``ominix-runtime launch --devices cpu`` (free ports) and loads the same GGUF with transformers
-   (dequantized, in the dtype the worker reported) in this process.
+   (dequantized) in this process: by default in the dtype transformers picks itself (float32 for this GGUF), as
+   the daemon runs in its own default (bfloat16 where the CPU multiplies it in hardware, else float32);
+   ``--hf-dtype worker`` runs HF in the dtype the worker reported instead, for the same-dtype ratio.
 2. Runs ``--trials`` rounds back to back, each one daemon trial then one HF trial: the daemon gets 8 distinct
    chat prompts at once (greedy, ignore_eos, exactly ``--output-len`` tokens each) and output tok/s is
    measured over the wall time; HF runs ``generate`` on the same 8 chat prompts as one left-padded batch,
@@ -132,11 +134,12 @@ class HfPeer:
         self._torch = torch
         if args.threads:
             torch.set_num_threads(args.threads)
-        self.dtype = getattr(torch, dtype_name, torch.float32) if dtype_name else torch.float32
         folder, name = embedded_gguf()
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         tokenizer.padding_side = "left"
-        self.model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=self.dtype).eval()
+        chosen = {} if dtype_name == "default" else {"dtype": getattr(torch, dtype_name or "float32")}
+        self.model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, **chosen).eval()
+        self.dtype = self.model.dtype
         texts = [
             tokenizer.apply_chat_template(
                 [{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}],
@@ -184,7 +187,7 @@ def run_rounds(
 ) -> tuple[list[Round], HfPeer | None, str, str]:
     """Warm both sides, then ``args.trials`` rounds of one daemon trial followed by one HF trial."""
     dtype, device = guard(describe_and_warm(address))
-    peer = None if args.skip_hf else HfPeer(args, args.hf_dtype or dtype)
+    peer = None if args.skip_hf else HfPeer(args, dtype if args.hf_dtype == "worker" else args.hf_dtype)
     rounds: list[Round] = []
     for index in range(args.trials):
         daemon = guard(daemon_trial(address, args))
@@ -214,7 +217,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--prefix-caching", action="store_true", help="keep the daemon's prefix cache on")
     parser.add_argument(
-        "--hf-dtype", default=None, help="override the dtype HF runs in (default: the worker's)"
+        "--hf-dtype",
+        default="default",
+        choices=("default", "worker", "float32", "bfloat16"),
+        help="the dtype HF runs in: transformers' own default, the worker's, or a named one",
     )
     parser.add_argument("--ready-timeout", type=float, default=300.0)
     parser.add_argument("--out-json", default=None)

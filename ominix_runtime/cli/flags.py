@@ -465,7 +465,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--dtype",
         "worker",
-        "auto (float32 on CPU, bfloat16 on GPUs), float32, bfloat16 or float16",
+        "auto (bfloat16; float32 on a CPU without AVX512-BF16 or AMX), float32, bfloat16 or float16",
         ("worker.dtype",),
     ),
     Flag(

@@ -128,6 +128,11 @@ class Daemon:
         return self.procs[-1]
 
 
+# The tests compare with float32 references (transformers, a worker run directly); "auto" would be bfloat16 on a
+# CPU with hardware bfloat16.
+FLOAT32 = ("--dtype", "float32")
+
+
 def start_workers(
     model: str, n: int, log_dir: Path, kv_cache_memory: str, extra_args: Sequence[str] = ()
 ) -> tuple[list[Proc], list[str]]:
@@ -149,6 +154,7 @@ def start_workers(
                 # The workers share the cores: each gets its part instead of a full torch thread pool.
                 "--num-threads",
                 str(max(1, (os.cpu_count() or 1) // n)),
+                *FLOAT32,
                 *extra_args,
             ],
             log_dir,

@@ -71,6 +71,8 @@ def worker_argv(model: str, port: int, num_threads: int = 1, extra: Sequence[str
         "8MiB",
         "--num-threads",
         str(num_threads),
+        "--dtype",  # float32 references; "auto" is bfloat16 on a CPU with hardware bfloat16
+        "float32",
         *extra,
     ]
 

@@ -70,6 +70,7 @@ def test_launch_tp2_serves_an_fp8_checkpoint_with_tp1_greedy_tokens(
     argv = [*CLI, "launch", "--devices", "cpu,cpu", "--tensor-parallel-size", "2", "--model", str(model)]
     argv += ["--port", str(port), "--metrics-port", str(metrics_port), "--worker-base-port", str(base)]
     argv += ["--kv-cache-memory", "8MiB", "--moe-parallel", moe]
+    argv += ["--dtype", "float32"]  # as the reference; "auto" is bfloat16 on a CPU with hardware bfloat16
     launch = start_proc_env("launch", argv, tmp_path, {})
     try:
         wait_health(f"127.0.0.1:{port}", [launch])

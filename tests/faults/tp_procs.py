@@ -62,8 +62,8 @@ def seeded(i: int, max_tokens: int = 150) -> engine_pb2.GenerateRequest:
 
 def worker_argv(model: str, device: str, port: int, extra: Sequence[str]) -> list[str]:
     argv = [*CLI, "worker", "--model", model, "--device", device, "--port", str(port)]
-    if device == "cpu":
-        argv += ["--num-threads", "1"]
+    if device == "cpu":  # float32, as the TP=1 references; "auto" is bfloat16 on a CPU with hardware bfloat16
+        argv += ["--num-threads", "1", "--dtype", "float32"]
     return [*argv, *extra]
 
 

@@ -15,7 +15,7 @@ from ominix_runtime.contract import DecodeStep, NewRequestData, SamplingParams
 from ominix_runtime.models import resolve_model
 from ominix_worker.attention import TorchReferenceAttention, get_attention_backend
 from ominix_worker.config import ModelConfigError, config_from_hf_dict, load_hf_config
-from ominix_worker.devices import DeviceError, parse_device, resolve_dtype, sm_count
+from ominix_worker.devices import DeviceError, cpu_has_native_bf16, parse_device, resolve_dtype, sm_count
 from ominix_worker.kv_cache import kv_bytes_per_block, parse_bytes
 from ominix_worker.loader import ModelLoadError, load_model, unpermute_llama_cpp_rows
 from ominix_worker.models.llama import rope_inv_freq
@@ -208,7 +208,6 @@ def test_devices_dtypes_and_sizes(tiny_model_dir: Callable[[str], Path]) -> None
     if not torch.cuda.is_available():
         with pytest.raises(DeviceError, match="not found"):
             parse_device("cuda:0")
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
     assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
     assert parse_bytes("1GiB") == 2**30 and parse_bytes("512MiB") == 2**29 and parse_bytes("1000") == 1000
@@ -329,3 +328,15 @@ def test_make_current_switches_only_to_an_indexed_cuda_device(monkeypatch: pytes
     devices.make_current(torch.device("cpu"))
     devices.make_current(torch.device("cuda:1"))
     assert switched == [torch.device("cuda:1")]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_on_cpu_follows_native_bfloat16(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """'auto' on a CPU is bfloat16 only where the CPU multiplies it in hardware; a GPU is bfloat16 either way."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert cpu_has_native_bf16() is (native and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert resolve_dtype("auto", torch.device("cpu")) == expected
+    assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -26,6 +27,7 @@ from ominix_runtime.contract import (
     StepResult,
 )
 from ominix_runtime.pb import worker_pb2, worker_pb2_grpc
+from ominix_worker.devices import dtype_name, resolve_dtype
 from ominix_worker.runner import build_runner
 
 START_TIMEOUT_S = 90
@@ -145,7 +147,10 @@ def test_describe_states_a_consistent_cpu_capability(worker: tuple[str, Path]) -
     cap = wire.capability_from_pb(asyncio.run(describe()))
     config = json.loads((folder / "config.json").read_text())
     assert cap.problems() == []
-    assert cap.kind == BackendKind.CPU and cap.device == "cpu" and cap.dtype == "float32"
+    # No --dtype: the worker states what "auto" is on this CPU (bfloat16 with hardware bfloat16, else float32).
+    auto = dtype_name(resolve_dtype("auto", torch.device("cpu")))
+    assert cap.kind == BackendKind.CPU and cap.device == "cpu" and cap.dtype == auto
+    assert cap.weight_dtype == auto and cap.kv_cache_dtype == auto
     assert cap.worker_id == f"cpu@{address}"
     assert cap.model.vocab_size == config["vocab_size"] and cap.model.eos_token_ids == (2,)
     assert cap.model.bos_token_id == 1 and cap.model.num_layers == config["num_hidden_layers"]
