@@ -482,28 +482,43 @@ def _quant_fp8_row_kernel(
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, 0), 1e-10) / FP8_MAX
+        scale = _row_scale(amax, FP8_MAX)
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
-            q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
-            tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+            _store_e4m3(x, scale, q_ptr + row * stride_q + offs, offs < K, FP8_MAX)
         tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _row_scale(abs_max, FP8_MAX: tl.constexpr):
+    """max(``abs_max``) / FP8_MAX, kept off zero: the row's scale."""
+    return tl.maximum(tl.max(abs_max, 0), 1e-10) / FP8_MAX
+
+
+@triton.jit
+def _store_e4m3(y, scale, q_ptrs, mask, FP8_MAX: tl.constexpr):
+    q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
+    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _quantize_row(y, q_ptrs, s_ptr, mask, FP8_MAX: tl.constexpr):
     """One row held in registers (float32, zero where ``mask`` is off): its e4m3 values y / scale to ``q_ptrs``
     and its scale max|y| / FP8_MAX to ``s_ptr``."""
-    scale = tl.maximum(tl.max(tl.abs(y), 0), 1e-10) / FP8_MAX
-    q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
-    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
+    scale = _row_scale(tl.abs(y), FP8_MAX)
+    _store_e4m3(y, scale, q_ptrs, mask, FP8_MAX)
     tl.store(s_ptr, scale)
 
 
 # Rows up to this width are read once (held in registers, at most 32 values a thread with 16 warps) rather than
 # twice: the activations of a prefill step's FP8 GEMMs are read from memory once instead of twice.
 ONE_PASS_MAX_K = 16384
+
+
+def _one_pass_warps(block: int) -> int:
+    """Warps for a row of ``block`` values held in registers: 4 up to 2,048, then one per 512, at most 16."""
+    return min(16, max(4, block // 512))
 
 
 def quant_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -515,7 +530,7 @@ def quant_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, s
     one_pass = k <= ONE_PASS_MAX_K
     block = triton.next_power_of_2(k) if one_pass else 1024
-    warps = min(16, max(4, block // 512)) if one_pass else 4
+    warps = _one_pass_warps(block) if one_pass else 4
     _quant_fp8_row_kernel[(m,)](
         x, q, s, k, x.stride(0), q.stride(0), FP8_MAX=FP8_MAX, BLOCK=block, ONE_PASS=one_pass, num_warps=warps
     )  # fmt: skip
@@ -550,7 +565,7 @@ def silu_and_mul_quant_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.T
         block = triton.next_power_of_2(n)
         _silu_and_mul_quant_fp8_kernel[(m,)](
             gate_up, q, s, n, gate_up.stride(0), q.stride(0), FP8_MAX=FP8_MAX, BLOCK=block,
-            num_warps=min(16, max(4, block // 512)),
+            num_warps=_one_pass_warps(block),
         )  # fmt: skip
     return q, s
 
