@@ -2,15 +2,18 @@
 projections (one CUDA graph replayed, as decode steps run them) with bf16 weights, with FP8 weights and the
 torch-op activation quantization of 2026-11-26 (eight kernels per linear), with FP8 weights through
 ``w8a8_per_channel_matmul`` (one quantization kernel), and up to ``SMALL_M`` tokens through the weight-only
-kernel ``w8a16_small_m_matmul``. Prints one JSON line; ``*_step_ms`` multiply one layer by the number of layers.
-``--sweep`` times the weight-only kernel's tiles per projection instead (over enough weight copies to miss L2),
-with the bandwidth each reaches. ``--activations`` times the activation side of the W8A8 path instead: the
-per-token quantization of the layer's four inputs with each row read once (the default up to
-``ONE_PASS_MAX_K``) and read twice, and the down projection fed [gate | up] through ``silu_and_mul`` then the
-FP8 linear against ``fp8_linear_gated`` (the product quantized in the kernel that computes it).
+kernel ``weight_stream_matmul`` (``bf16_weight_stream``: the same kernel on the bf16 weights, unscaled). Prints
+one JSON line; ``*_step_ms`` multiply one layer by the number of layers. ``--sweep`` times the weight-only
+kernel's tiles per projection instead (over enough weight copies to miss L2), with the bandwidth each reaches;
+``--sweep --bf16`` the CUDA-core tiles on bf16 weights, cuBLAS first. ``--activations`` times the activation
+side of the W8A8 path instead: the per-token quantization of the layer's four inputs with each row read once
+(the default up to ``ONE_PASS_MAX_K``) and read twice, and the down projection fed [gate | up] through
+``silu_and_mul`` then the FP8 linear against ``fp8_linear_gated`` (the product quantized in the kernel that
+computes it).
 
     python bench/fp8_linear.py --hidden 4096 --ffn 14336 --heads 32 --kv-heads 8 --layers 32
     python bench/fp8_linear.py --sweep --tokens 1 16
+    python bench/fp8_linear.py --sweep --bf16 --tokens 1
     python bench/fp8_linear.py --activations --tokens 32 256 8192
 """
 
@@ -33,13 +36,12 @@ from moe_profile import graph_time_us  # noqa: E402
 
 from ominix_worker.ops import fused_moe  # noqa: E402
 from ominix_worker.ops.fp8_gemm import (  # noqa: E402
-    GEMV_M,
     SMALL_M,
     fp8_linear_gated,
     w8a8_per_channel_matmul,
-    w8a16_small_m_matmul,
 )
 from ominix_worker.ops.fused import silu_and_mul  # noqa: E402
+from ominix_worker.ops.weight_stream import GEMV_M, weight_stream_matmul  # noqa: E402
 from ominix_worker.quant.fp8 import FP8_MAX, quantize_fp8_blocks  # noqa: E402
 
 
@@ -50,10 +52,13 @@ def torch_ops_quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale.reshape(1, -1), out_dtype=x.dtype)
 
 
-def sweep(shapes: dict[str, tuple[int, int]], tokens: list[int]) -> list[dict[str, object]]:
+def sweep(
+    shapes: dict[str, tuple[int, int]], tokens: list[int], bf16: bool = False
+) -> list[dict[str, object]]:
     """Per projection and token count: µs and GB/s of the weight-only kernel per (block_n, block_k, split_k,
     stages, warps, dot), the kernel's own choice first (block_k and split_k "auto"). ``dot``: the 16-row
-    tensor-core tile, or the float32 sums on the CUDA cores (at most ``GEMV_M`` tokens)."""
+    tensor-core tile, or the float32 sums on the CUDA cores (at most ``GEMV_M`` tokens). ``bf16``: unscaled
+    bf16 weights (``PackableLinear``'s one-token path), CUDA-core tiles only, cuBLAS (``F.linear``) first."""
     grid = [(32, 0, 0, 3, 4, None)] + [
         (bn, bk, sk, st, wp, True)
         for bn in (32, 64)
@@ -63,30 +68,47 @@ def sweep(shapes: dict[str, tuple[int, int]], tokens: list[int]) -> list[dict[st
         for wp in (4, 8)
     ]
     gemv_grid = [
-        (bn, bk, sk, 3, wp, False)
+        (bn, bk, sk, st, wp, False)
         for bn in (16, 32, 64)
         for bk in (256, 512)
-        for sk in (0, 1, 2, 4)
+        for sk in ((0,) if bf16 else (0, 1, 2, 4))
+        for st in ((2, 3, 4) if bf16 else (3,))
         for wp in (4, 8)
     ]
+    if bf16:
+        grid = [(32, 0, 0, 3, 0, None)]
     rows: list[dict[str, object]] = []
     for name, (n, k) in shapes.items():
         copies = max(1, -(-(256 << 20) // (n * k)))  # more than L2 holds, as a step's layers are
-        weights = [
-            quantize_fp8_blocks(torch.randn((n, k), device="cuda") / k**0.5, (1, k)) for _ in range(copies)
+        if bf16:
+            copies *= 2
+        weights: list[tuple[torch.Tensor, torch.Tensor | None]] = [
+            (torch.randn((n, k), device="cuda", dtype=torch.bfloat16) / k**0.5, None)
+            if bf16
+            else quantize_fp8_blocks(torch.randn((n, k), device="cuda") / k**0.5, (1, k))
+            for _ in range(copies)
         ]
         for m in tokens:
             x = torch.randn((m, k), device="cuda", dtype=torch.bfloat16)
+            if bf16:
+                us = graph_time_us(
+                    lambda x=x, weights=weights: [F.linear(x, w) for w, _ in weights], replays=20
+                )
+                us /= copies
+                rows.append(
+                    {"proj": name, "tokens": m, "kernel": "cublas", "us": round(us, 2),
+                     "gb_s": round(2 * n * k / us / 1e3, 1)}
+                )  # fmt: skip
             for bn, bk, sk, st, wp, dot in grid + (gemv_grid if m <= GEMV_M else []):
 
                 def run(
                     config: tuple[int, ...] = (bn, bk, sk, st, wp),
                     dot: bool | None = dot,
                     x: torch.Tensor = x,
-                    weights: list[tuple[torch.Tensor, torch.Tensor]] = weights,
+                    weights: list[tuple[torch.Tensor, torch.Tensor | None]] = weights,
                 ) -> None:
                     for q, scale in weights:
-                        w8a16_small_m_matmul(
+                        weight_stream_matmul(
                             x, q, scale, (1, x.shape[1]), block_n=config[0], block_k=config[1],
                             split_k=config[2], num_stages=config[3], num_warps=config[4], use_dot=dot,
                         )  # fmt: skip
@@ -98,7 +120,7 @@ def sweep(shapes: dict[str, tuple[int, int]], tokens: list[int]) -> list[dict[st
                 rows.append(
                     {"proj": name, "tokens": m, "block_n": bn, "block_k": bk or "auto", "split_k": sk or "auto",
                      "stages": st, "warps": wp, "dot": "auto" if dot is None else dot, "us": round(us, 2),
-                     "gb_s": round(n * k / us / 1e3, 1)}
+                     "gb_s": round(weights[0][0].element_size() * n * k / us / 1e3, 1)}
                 )  # fmt: skip
     return rows
 
@@ -152,6 +174,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 256, 512])
     p.add_argument("--sweep", action="store_true", help="time the weight-only kernel's tiles per projection")
+    p.add_argument("--bf16", action="store_true", help="--sweep: unscaled bf16 weights, beside cuBLAS")
     p.add_argument("--activations", action="store_true", help="time the activation quantization paths")
     args = p.parse_args()
     h, hd = args.hidden, args.hidden // args.heads
@@ -163,7 +186,9 @@ def main() -> None:
     }
     if args.sweep:
         print(
-            json.dumps({"device": torch.cuda.get_device_name(), "sweep": sweep(shapes, args.tokens)}),
+            json.dumps(
+                {"device": torch.cuda.get_device_name(), "sweep": sweep(shapes, args.tokens, args.bf16)}
+            ),
             flush=True,
         )
         return
@@ -178,10 +203,11 @@ def main() -> None:
         return
     variants: dict[str, Callable[[torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor]] = {
         "bf16": lambda x, ws: F.linear(x, ws[0]),
+        "bf16_weight_stream": lambda x, ws: weight_stream_matmul(x, ws[0]),
         "fp8_torch_ops": lambda x, ws: torch_ops_quantized(x, ws[1], ws[2]),
         "fp8_one_quant_kernel": lambda x, ws: w8a8_per_channel_matmul(x, ws[1], ws[2]),
-        "fp8_weight_only": lambda x, ws: w8a16_small_m_matmul(x, ws[1], ws[2], (1, x.shape[1])),
-        "fp8_weight_only_dot": lambda x, ws: w8a16_small_m_matmul(
+        "fp8_weight_only": lambda x, ws: weight_stream_matmul(x, ws[1], ws[2], (1, x.shape[1])),
+        "fp8_weight_only_dot": lambda x, ws: weight_stream_matmul(
             x, ws[1], ws[2], (1, x.shape[1]), use_dot=True
         ),
     }
@@ -192,7 +218,7 @@ def main() -> None:
         }
         row: dict[str, object] = {"tokens": m}
         for label, fn in variants.items():
-            if label.startswith("fp8_weight_only") and m > SMALL_M:
+            if "weight_" in label and m > SMALL_M:
                 continue
 
             def layer(fn: Callable[..., torch.Tensor] = fn, inputs: dict[str, torch.Tensor] = inputs) -> None:

@@ -198,6 +198,7 @@ class DebugConfig:
     pipeline: bool = True  # worker: overlap decode steps on CUDA
     pipeline_eager: bool = True  # worker: overlap prefill and mixed steps too (with ``pipeline``, on CUDA)
     cuda_graphs: bool = True  # worker: capture decode steps as CUDA graphs
+    weight_stream: bool = True  # worker: one token's dense GEMMs on CUDA through the weight-streaming kernel
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +284,12 @@ DEBUG_VARIABLES: tuple[DebugVariable, ...] = (
         "0: prefill and mixed steps never overlapped (decode steps still are)",
     ),
     DebugVariable("OMINIX_CUDA_GRAPHS", "debug.cuda_graphs", _switch, "0: every CUDA step runs eagerly"),
+    DebugVariable(
+        "OMINIX_WEIGHT_STREAM",
+        "debug.weight_stream",
+        _switch,
+        "0: one token's dense GEMMs on CUDA through cuBLAS instead of the weight-streaming kernel",
+    ),
 )
 
 

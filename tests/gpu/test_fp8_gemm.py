@@ -27,7 +27,7 @@ if DEVICE is None:
     pytest.skip("needs an FP8 GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from ominix_worker.ops.fp8_gemm import SMALL_M, fp8_linear, w8a8_block_matmul, w8a16_small_m_matmul  # noqa: E402
+from ominix_worker.ops.fp8_gemm import SMALL_M, fp8_linear, w8a8_block_matmul  # noqa: E402
 from ominix_worker.ops.fused import silu_and_mul  # noqa: E402
 from ominix_worker.ops.fused_moe import (  # noqa: E402
     fused_experts,
@@ -36,6 +36,7 @@ from ominix_worker.ops.fused_moe import (  # noqa: E402
     silu_and_mul_quant_fp8,
 )
 from ominix_worker.ops.moe_ref import fused_experts_ref, select_experts  # noqa: E402
+from ominix_worker.ops.weight_stream import weight_stream_matmul  # noqa: E402
 from ominix_worker.parallel import ColumnParallelLinear, RowParallelLinear, ShardRange  # noqa: E402
 from ominix_worker.quant.fp8 import (  # noqa: E402
     Fp8ColumnParallelLinear,
@@ -96,7 +97,7 @@ def test_small_batch_weight_only_gemm(block: tuple[int, int] | None, m: int, n: 
     b = block or (1, k)
     q, scale = quantize_fp8_blocks(w, b)
     exact = x.double() @ dequantize_fp8(q, scale, b, torch.float64).T
-    got = w8a16_small_m_matmul(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), b)
+    got = weight_stream_matmul(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), b)
     assert got.shape == (m, n) and got.dtype == DTYPE
     assert _rel(got, exact) < WEIGHT_ONLY_VS_DEQUANTIZED
     # fp8_linear takes this path up to SMALL_M tokens, for either scaling.
@@ -104,7 +105,7 @@ def test_small_batch_weight_only_gemm(block: tuple[int, int] | None, m: int, n: 
     torch.testing.assert_close(via_linear, got, rtol=0, atol=0)
     # Either way of summing gives the same product, whichever the token count picked.
     for use_dot in (True, False):
-        other = w8a16_small_m_matmul(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), b, use_dot=use_dot)
+        other = weight_stream_matmul(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), b, use_dot=use_dot)
         assert _rel(other, exact) < WEIGHT_ONLY_VS_DEQUANTIZED
 
 
@@ -122,7 +123,7 @@ def test_small_batch_gemm_split_k(block: tuple[int, int] | None, split_k: int) -
     for m in (1, 3, 9, SMALL_M):
         x = torch.randn((m, k), generator=gen).to(DTYPE)
         for use_dot in (True, False):  # tensor cores, CUDA cores
-            got = w8a16_small_m_matmul(
+            got = weight_stream_matmul(
                 x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), b, block_n=32, block_k=128, split_k=split_k,
                 use_dot=use_dot,
             )  # fmt: skip
@@ -132,7 +133,7 @@ def test_small_batch_gemm_split_k(block: tuple[int, int] | None, split_k: int) -
 def test_small_batch_gemm_refuses_large_batches() -> None:
     q, scale = quantize_fp8_blocks(torch.randn((64, 128)), (1, 128))
     with pytest.raises(ValueError, match="at most"):
-        w8a16_small_m_matmul(
+        weight_stream_matmul(
             torch.randn((SMALL_M + 1, 128)).to(DEVICE), q.to(DEVICE), scale.to(DEVICE), (1, 128)
         )
 

@@ -210,11 +210,13 @@ def test_debug_variables_are_typed_and_land_in_the_tree() -> None:
         "OMINIX_PIPELINE": "0",
         "OMINIX_CUDA_GRAPHS": "0",
         "OMINIX_PIPELINE_EAGER": "0",
+        "OMINIX_WEIGHT_STREAM": "0",
     }
     config, _ = resolve(WORKER, [], env=env)
     assert config.debug.log_steps
     assert not config.debug.pipeline and not config.debug.cuda_graphs and not config.debug.pipeline_eager
-    assert RuntimeConfig().debug.pipeline_eager
+    assert not config.debug.weight_stream
+    assert RuntimeConfig().debug.pipeline_eager and RuntimeConfig().debug.weight_stream
     assert RuntimeConfig().debug.pipeline and not RuntimeConfig().debug.log_steps
     with pytest.raises(ConfigError, match="OMINIX_PIPELINE"):
         resolve(WORKER, [], env={"OMINIX_PIPELINE": "maybe"})

@@ -179,7 +179,7 @@ def load_worker(
         resolve_kv_cache_dtype,
     )
     from ominix_worker.loader import ModelLoadError, load_model
-    from ominix_worker.parallel import SINGLE, MoeParallel
+    from ominix_worker.parallel import SINGLE, MoeParallel, PackableLinear
     from ominix_worker.progress import stage
     from ominix_worker.runner import ModelRunner
 
@@ -191,6 +191,7 @@ def load_worker(
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
     dtype = resolve_dtype(args.dtype, device)
+    PackableLinear.stream_single_token = debug.weight_stream
     kind = backend_kind(device)
     profile = stated_profile(kind)
     block_size = ASCEND_BLOCK_SIZE if device.type == "npu" else args.block_size

@@ -2,6 +2,7 @@
 
 from ominix_worker.parallel.layers import (
     ColumnParallelLinear,
+    PackableLinear,
     ParallelLMHead,
     ParallelModule,
     RowParallelLinear,
@@ -14,6 +15,7 @@ __all__ = [
     "SINGLE",
     "ColumnParallelLinear",
     "MoeParallel",
+    "PackableLinear",
     "ParallelLMHead",
     "ParallelModule",
     "RowParallelLinear",

@@ -16,6 +16,7 @@ weights and no collective, so one model definition serves every group size.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -55,15 +56,33 @@ class ParallelModule(nn.Module):
         """Once loaded: reorder a GEMM weight for the CPU (``ops.cpu_gemm``); other layers keep theirs."""
 
 
+def _one_streamable_token(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """``F.linear(x, weight)`` is one token on CUDA, with a row-major 2-D weight in x's 16-bit dtype: the case
+    ``ops.weight_stream`` takes instead of cuBLAS."""
+    return (
+        x.is_cuda
+        and x.numel() == x.shape[-1]
+        and x.stride(-1) == 1
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and weight.dim() == 2
+        and weight.stride(1) == 1
+    )
+
+
 class PackableLinear(ParallelModule):
     """A layer whose forward is one GEMM by ``weight``; on CPU the weight can be packed once for it.
 
     After ``pack_for_cpu(keep_dense=False)`` the dense weight is released (a meta tensor of the same shape
     stays as the parameter), so packing costs no memory; the layer takes no more weights after that.
+
+    On CUDA one token's GEMM (batch-1 decode, a prompt's last position through the LM head) streams the weight
+    through ``ops.weight_stream`` while ``stream_single_token`` is on (the worker's ``OMINIX_WEIGHT_STREAM``).
     """
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
+    stream_single_token: ClassVar[bool] = True
 
     def pack_for_cpu(self, keep_dense: bool) -> None:
         if self.packed is not None or not cpu_gemm.can_pack(self.weight):
@@ -75,6 +94,12 @@ class PackableLinear(ParallelModule):
     def gemm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is not None:
             return cpu_gemm.linear(x, self.packed, bias)
+        if self.stream_single_token and _one_streamable_token(x, self.weight):
+            from ominix_worker.ops.weight_stream import weight_stream_matmul  # Triton: CUDA only
+
+            out = weight_stream_matmul(x.reshape(1, -1), self.weight)
+            out = out.reshape(*x.shape[:-1], out.shape[-1])
+            return out + bias if bias is not None else out
         return F.linear(x, self.weight, bias)
 
 
