@@ -76,7 +76,7 @@ def sweep(
         for wp in (4, 8)
     ]
     if bf16:
-        grid = [(32, 0, 0, 3, 0, None)]
+        grid = [(0, 0, 0, 3, 0, None)]
     rows: list[dict[str, object]] = []
     for name, (n, k) in shapes.items():
         copies = max(1, -(-(256 << 20) // (n * k)))  # more than L2 holds, as a step's layers are
@@ -118,7 +118,7 @@ def sweep(
                 except triton.runtime.errors.OutOfResources:  # the tile and its stages exceed shared memory
                     continue
                 rows.append(
-                    {"proj": name, "tokens": m, "block_n": bn, "block_k": bk or "auto", "split_k": sk or "auto",
+                    {"proj": name, "tokens": m, "block_n": bn or "auto", "block_k": bk or "auto", "split_k": sk or "auto",
                      "stages": st, "warps": wp, "dot": "auto" if dot is None else dot, "us": round(us, 2),
                      "gb_s": round(weights[0][0].element_size() * n * k / us / 1e3, 1)}
                 )  # fmt: skip

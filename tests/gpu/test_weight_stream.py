@@ -65,7 +65,7 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="layers route CUDA tensors only
 @pytest.mark.parametrize("bias", [False, True])
 def test_one_token_takes_the_kernel_and_more_take_cublas(bias: bool) -> None:
     torch.manual_seed(0)
-    layer = ColumnParallelLinear(512, [384], bias=bias).to(device="cuda", dtype=torch.bfloat16)
+    layer = ColumnParallelLinear.split_evenly(512, [384], bias=bias).to(device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         layer.weight.normal_(0, 0.05)
         if layer.bias is not None:
@@ -93,6 +93,6 @@ def test_lm_head_streams_one_position_and_float32_stays_on_cublas() -> None:
         head.weight.normal_(0, 0.05)
     hidden = torch.randn((1, 256), device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(head.logits(hidden), weight_stream_matmul(hidden, head.weight), rtol=0, atol=0)
-    layer = ColumnParallelLinear(256, [128], bias=False).to(device="cuda", dtype=torch.float32)
+    layer = ColumnParallelLinear.split_evenly(256, [128], bias=False).to(device="cuda", dtype=torch.float32)
     x = torch.randn((1, 256), device="cuda")
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=0, atol=0)

@@ -31,6 +31,9 @@ GEMV_M = 1
 # The CUDA-core variant's tile at 1 token: 512-wide K blocks, 8 warps (same sweep).
 _GEMV_BLOCK_K = 512
 _GEMV_WARPS = 8
+# Unscaled bf16 weights at 1 token take 16 output columns per program: the fastest tile for all four Llama-8B
+# projections on an H100, 4.6% faster a layer than cuBLAS (bench/fp8_linear.py --sweep --bf16, bench/RESULTS.md).
+_UNSCALED_GEMV_BLOCK_N = 16
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -150,7 +153,7 @@ def weight_stream_matmul(
     weight: torch.Tensor,
     scale: torch.Tensor | None = None,
     block: tuple[int, int] = (1, 0),
-    block_n: int = _SMALL_M_BLOCK_N,
+    block_n: int = 0,
     block_k: int = 0,
     split_k: int = 0,
     num_stages: int = 3,
@@ -159,8 +162,8 @@ def weight_stream_matmul(
 ) -> torch.Tensor:
     """x (M ≤ MAX_M, K) @ (weight (N, K) · scales)ᵀ in x's dtype. ``scale`` None: the weight is used as it is
     (``block`` unused); else ``block`` is its scale block, (1, K) per channel. ``use_dot`` None takes the tensor
-    cores above ``GEMV_M`` tokens; ``block_k``, ``split_k`` and ``num_warps`` 0 are chosen from that, the shape
-    and the SM count."""
+    cores above ``GEMV_M`` tokens; ``block_n``, ``block_k``, ``split_k`` and ``num_warps`` 0 are chosen from
+    that, the scaling, the shape and the SM count."""
     m, k = x.shape
     n = weight.shape[0]
     if m > MAX_M:
@@ -169,6 +172,8 @@ def weight_stream_matmul(
         use_dot = m > GEMV_M
     scaled = scale is not None
     per_channel = not scaled or per_row_scales(block, k)
+    if not block_n:
+        block_n = _SMALL_M_BLOCK_N if scaled or use_dot else _UNSCALED_GEMV_BLOCK_N
     if not block_k:
         widest = 256 if use_dot else _GEMV_BLOCK_K
         block_k = widest if per_channel else min(widest, block[1])
