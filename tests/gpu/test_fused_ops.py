@@ -1,4 +1,5 @@
-"""Triton fused RMSNorm / add+RMSNorm / SiLU-and-mul / rotary vs float64 references on random inputs."""
+"""Triton fused RMSNorm / add+RMSNorm / SiLU-and-mul / rotary / per-head Q-K norm + rotary vs float64 references
+on random inputs."""
 
 from __future__ import annotations
 
@@ -19,7 +20,13 @@ if DEVICE is None:
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from ominix_worker.ops.fused import fused_add_rms_norm, rms_norm, rotary_in_place, silu_and_mul  # noqa: E402
+from ominix_worker.ops.fused import (  # noqa: E402
+    fused_add_rms_norm,
+    qk_norm_rotary_in_place,
+    rms_norm,
+    rotary_in_place,
+    silu_and_mul,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -73,21 +80,59 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("heads,head_dim", [(32, 128), (8, 128), (9, 64)])
 def test_rotary_in_place(dtype: torch.dtype, heads: int, head_dim: int) -> None:
     gen = torch.Generator().manual_seed(heads * head_dim)
-    max_pos = 300
+    emb, cos_sin = _rope_tables(head_dim)
+    positions = torch.randint(0, emb.shape[0], (23,), generator=gen)
+    x = _rand(gen, 23, heads, head_dim, dtype=dtype)
+    expected = _rotated(x.double().cpu(), emb, positions)
+    rotary_in_place(x, positions.to(DEVICE), cos_sin)
+    assert _rel(x, expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("q_heads,k_heads,head_dim", [(32, 4, 128), (4, 4, 64), (5, 1, 128)])
+def test_qk_norm_rotary_in_place(dtype: torch.dtype, q_heads: int, k_heads: int, head_dim: int) -> None:
+    """Q and K heads as views of a fused QKV row (V after them, untouched): each head normalised by its own
+    weight, then rotated; against float64 and against the two unfused kernels it replaces."""
+    gen = torch.Generator().manual_seed(q_heads * k_heads + head_dim)
+    emb, cos_sin = _rope_tables(head_dim)
+    tokens, eps = 19, 1e-6
+    positions = torch.randint(0, emb.shape[0], (tokens,), generator=gen)
+    qkv = _rand(gen, tokens, (q_heads + 2 * k_heads) * head_dim, dtype=dtype)
+    q_w = (1 + 0.3 * torch.randn(head_dim, generator=gen)).to(dtype).to(DEVICE)
+    k_w = (1 + 0.3 * torch.randn(head_dim, generator=gen)).to(dtype).to(DEVICE)
+    heads = qkv[:, : (q_heads + k_heads) * head_dim].view(tokens, q_heads + k_heads, head_dim)
+    v_before = qkv[:, (q_heads + k_heads) * head_dim :].clone()
+    x64 = heads.double().cpu()
+    w64 = torch.cat((q_w.double().cpu().expand(q_heads, -1), k_w.double().cpu().expand(k_heads, -1)))
+    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w64
+    expected = _rotated(normed, emb, positions)
+    unfused = heads.clone()
+    for part, weight in ((unfused[:, :q_heads], q_w), (unfused[:, q_heads:], k_w)):
+        part.copy_(rms_norm(part.reshape(-1, head_dim), weight, eps).view(part.shape))
+    rotary_in_place(unfused, positions.to(DEVICE), cos_sin)
+    qk_norm_rotary_in_place(heads, positions.to(DEVICE), cos_sin, q_heads, q_w, k_w, eps)
+    assert _rel(heads, expected) < TOLERANCE[dtype]
+    # Rounded where the unfused kernels round; the sum of squares is added up in another order, so a normalised
+    # element may land one unit in the last place away, which the rotation carries into both outputs it feeds.
+    ulp = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 2**-24}[dtype]
+    gap = (heads.float() - unfused.float()).abs().max().item()
+    assert gap <= 4 * ulp * unfused.float().abs().max().item()
+    torch.testing.assert_close(qkv[:, (q_heads + k_heads) * head_dim :], v_before, rtol=0, atol=0)
+
+
+def _rope_tables(head_dim: int, max_pos: int = 300) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max_pos, head_dim) float64 angles, and the float32 (2, max_pos, head_dim) cos/sin table the kernels read."""
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).double() / head_dim))
     freqs = torch.outer(torch.arange(max_pos).double(), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos_sin = torch.stack((emb.cos(), emb.sin())).float().to(DEVICE)
-    positions = torch.randint(0, max_pos, (23,), generator=gen)
-    x = _rand(gen, 23, heads, head_dim, dtype=dtype)
-    x64 = x.double().cpu()
+    return emb, torch.stack((emb.cos(), emb.sin())).float().to(DEVICE)
+
+
+def _rotated(x64: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     cos = emb.cos()[positions].unsqueeze(1)
     sin = emb.sin()[positions].unsqueeze(1)
-    half = head_dim // 2
-    rotated = torch.cat((-x64[..., half:], x64[..., :half]), dim=-1)
-    expected = x64 * cos + rotated * sin
-    rotary_in_place(x, positions.to(DEVICE), cos_sin)
-    assert _rel(x, expected) < TOLERANCE[dtype]
+    half = x64.shape[-1] // 2
+    return x64 * cos + torch.cat((-x64[..., half:], x64[..., :half]), dim=-1) * sin
 
 
 if __name__ == "__main__":

@@ -237,18 +237,25 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(hidden)
         ops = cuda_ops(qkv)
         cos_sin = self.rotary.cos_sin
-        fused_rotary = ops is not None and self.q_norm is None and cos_sin is not None
-        if ops is not None and fused_rotary:
-            # Q and K heads sit side by side in each QKV row: one in-place launch rotates both.
+        fused_rotary = ops is not None and cos_sin is not None
+        if ops is not None and cos_sin is not None:
+            # Q and K heads sit side by side in each QKV row: one in-place launch normalises (qk_norm) and
+            # rotates both.
             heads = qkv[:, : self.q_size + self.kv_size].view(
                 num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
             )
-            ops.rotary_in_place(heads, positions, cos_sin)
+            if self.q_norm is not None and self.k_norm is not None:
+                ops.qk_norm_rotary_in_place(
+                    heads, positions, cos_sin, self.num_heads, self.q_norm.weight, self.k_norm.weight,
+                    self.q_norm.eps,
+                )  # fmt: skip
+            else:
+                ops.rotary_in_place(heads, positions, cos_sin)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None and not fused_rotary:
             q, k = self.q_norm(q), self.k_norm(k)
         if ops is None and self.q_norm is None:
             # Elsewhere than CUDA, the same in one pass over Q and K side by side (the per-op cost dominates

@@ -141,3 +141,74 @@ def rotary_in_place(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
         x, positions, cos_sin, x.stride(0), x.stride(1), cos_sin.stride(0), num_heads, HALF=half,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
     )  # fmt: skip
+
+
+@triton.jit
+def _qk_norm_rotary_kernel(
+    x_ptr,
+    pos_ptr,
+    cos_sin_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    x_stride_t,
+    x_stride_h,
+    table_stride,
+    num_heads,
+    num_q_heads,
+    eps,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """One token's Q and K heads: each head RMS-normalised with its weight (Q's or K's) and rounded to the run
+    dtype as ``_rms_norm_kernel`` rounds, then rotated as ``_rotary_kernel`` rotates; in place."""
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < HALF
+    mask = (offs_h[:, None] < num_heads) & d_mask[None, :]
+    base = x_ptr + t.to(tl.int64) * x_stride_t + offs_h[:, None] * x_stride_h + offs_d[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)
+    is_q = (offs_h < num_q_heads)[:, None]
+    q_w1 = tl.load(q_weight_ptr + offs_d, mask=d_mask, other=0.0)[None, :]
+    q_w2 = tl.load(q_weight_ptr + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
+    k_w1 = tl.load(k_weight_ptr + offs_d, mask=d_mask, other=0.0)[None, :]
+    k_w2 = tl.load(k_weight_ptr + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
+    a = ((a * rstd[:, None]).to(x1.dtype) * tl.where(is_q, q_w1, k_w1)).to(x1.dtype).to(tl.float32)
+    b = ((b * rstd[:, None]).to(x1.dtype) * tl.where(is_q, q_w2, k_w2)).to(x1.dtype).to(tl.float32)
+    # cos/sin repeat across the two halves (emb = cat(freqs, freqs)), so the first half's entries serve both.
+    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + offs_d, mask=d_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + table_stride + pos * 2 * HALF + offs_d, mask=d_mask, other=0.0)
+    tl.store(base, (a * cos[None, :] - b * sin[None, :]).to(x1.dtype), mask=mask)
+    tl.store(base + HALF, (b * cos[None, :] + a * sin[None, :]).to(x1.dtype), mask=mask)
+
+
+def qk_norm_rotary_in_place(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    num_q_heads: int,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+) -> None:
+    """``x`` (T, Q heads + K heads, head_dim), Q's heads first (a view of a fused QKV output): every head
+    RMS-normalised over head_dim (Q's heads by ``q_weight``, K's by ``k_weight``), then rotated, in place. One
+    pass over Q and K where ``rms_norm`` on each strided view (a copy each) and a rotary launch each took
+    six."""
+    num_tokens, num_heads, head_dim = x.shape
+    if num_tokens == 0:
+        return
+    assert x.stride(2) == 1 and cos_sin.is_contiguous() and cos_sin.shape[-1] == head_dim
+    assert q_weight.shape == k_weight.shape == (head_dim,)
+    half = head_dim // 2
+    _qk_norm_rotary_kernel[(num_tokens,)](
+        x, positions, cos_sin, q_weight, k_weight, x.stride(0), x.stride(1), cos_sin.stride(0), num_heads,
+        num_q_heads, eps, HALF=half, BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+    )  # fmt: skip
