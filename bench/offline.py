@@ -72,6 +72,7 @@ class OfflineReport:
     model: str = ""
     device: str = ""
     dtype: str = ""
+    weight_dtype: str = ""  # the capability's: "float8_e4m3fn" for FP8 weights, "" for the run dtype
     rows: list[Row] = field(default_factory=list)
     figures: dict[str, float | None] = field(default_factory=dict)
     runs: dict[str, Any] = field(default_factory=dict)
@@ -223,6 +224,7 @@ async def run_modes(address: str, args: argparse.Namespace, report: OfflineRepor
     if backends.backends:
         report.device = ", ".join(b.device for b in backends.backends)
         report.dtype = backends.backends[0].dtype
+        report.weight_dtype = backends.backends[0].weight_dtype
     print(
         f"model {facts.name} on {report.device} ({report.dtype}) at {address}; W1 client processes: "
         f"{args.client_procs}",
@@ -240,13 +242,14 @@ async def run_modes(address: str, args: argparse.Namespace, report: OfflineRepor
 # ---------------------------------------------------------------- roofline and HF peer (other modules)
 
 
-def _model_shape(config_path: str | None, dtype: str) -> Any:
-    """bench/roofline.py's ModelShape from a config.json; its default (Llama-3.1-8B) when there is none."""
+def _model_shape(config_path: str | None, dtype: str, weight_bytes: int = 0) -> Any:
+    """bench/roofline.py's ModelShape from a config.json; its default (Llama-3.1-8B) when there is none.
+    ``weight_bytes``: per stored weight element (1 for FP8), 0 for the run dtype's."""
     from bench.roofline import ModelShape
 
     dtype_bytes = 4 if dtype == "float32" else 2
     if not config_path:
-        return ModelShape(dtype_bytes=dtype_bytes)
+        return ModelShape(dtype_bytes=dtype_bytes, weight_bytes=weight_bytes)
     raw = json.loads(Path(config_path).read_text())
     heads = int(raw["num_attention_heads"])
     return ModelShape(
@@ -258,6 +261,7 @@ def _model_shape(config_path: str | None, dtype: str) -> Any:
         ffn=int(raw["intermediate_size"]),
         vocab=int(raw["vocab_size"]),
         dtype_bytes=dtype_bytes,
+        weight_bytes=weight_bytes,
     )
 
 
@@ -279,12 +283,15 @@ def add_roofline(args: argparse.Namespace, report: OfflineReport) -> None:
     except ImportError as exc:
         print(f"roofline skipped: {exc}", file=sys.stderr)
         return
+    fp8 = "float8" in report.weight_dtype
     if given:
         bandwidth, flops, source = args.bandwidth, args.flops, "given ceilings"
     else:
-        bandwidth, flops = roofline.measure_copy_bandwidth(), roofline.measure_matmul_rate()
+        # FP8 weights: every FLOP at the FP8 tensor-core rate (an upper bound, so the result stays a ceiling).
+        rate = roofline.measure_fp8_matmul_rate if fp8 else roofline.measure_matmul_rate
+        bandwidth, flops = roofline.measure_copy_bandwidth(), rate()
         source = "measured ceilings"
-    source += f": {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s"
+    source += f": {bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s" + (" FP8" if fp8 else "")
     if args.gpus > 1:
         # A tensor-parallel group reads and computes its shards side by side: the ceilings add up (all-reduce
         # time is left out, so this stays a floor).
@@ -294,7 +301,7 @@ def add_roofline(args: argparse.Namespace, report: OfflineReport) -> None:
         # The W1 roofline models dense layers; bench/tune_moe.py reports the MoE decode floor instead.
         print("roofline skipped: mixture-of-experts config (see bench/tune_moe.py)", file=sys.stderr)
         return
-    shape = _model_shape(args.model_config, report.dtype)
+    shape = _model_shape(args.model_config, report.dtype, weight_bytes=1 if fp8 else 0)
     if report.figures.get("w1_cold_out_tok_s"):
         roof = roofline.w1_roofline(
             bandwidth, flops, shape, args.num_requests, args.input_len, args.output_len, args.num_requests

@@ -9,6 +9,9 @@ the weights once and every running request's KV once at the copy bandwidth (or i
     python bench/roofline.py --bandwidth 3.0e12 --flops 7.98e14   # no GPU: use given ceilings
 
 ``w1_roofline`` is importable (no torch needed) for the offline benchmark to report "fraction of roofline".
+For a model with FP8 weights the offline benchmark counts one byte per weight and the FP8 matmul rate
+(``measure_fp8_matmul_rate``: ``torch._scaled_mm`` with row-wise scales, 8192³) for every FLOP, attention's
+included; that overstates what attention can reach, so the figure stays a ceiling.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ class ModelShape:
     head_dim: int = 128
     ffn: int = 14336
     vocab: int = 128256
-    dtype_bytes: int = 2
+    dtype_bytes: int = 2  # activations and KV
+    weight_bytes: int = 0  # per stored weight element; 0: dtype_bytes (1 for FP8 weights)
 
     @property
     def layer_matmul_params(self) -> int:
@@ -42,8 +46,9 @@ class ModelShape:
     def weight_bytes_per_step(self) -> int:
         """Bytes a forward step must read: every layer's matrices, the norms and the LM head (the embedding
         table is gathered, a few rows per step, so it is left out)."""
-        norms = (2 * self.layers + 1) * self.hidden
-        return (self.layers * self.layer_matmul_params + self.vocab * self.hidden + norms) * self.dtype_bytes
+        norms = (2 * self.layers + 1) * self.hidden * self.dtype_bytes
+        matrices = self.layers * self.layer_matmul_params + self.vocab * self.hidden
+        return matrices * (self.weight_bytes or self.dtype_bytes) + norms
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -138,6 +143,20 @@ def measure_matmul_rate(n: int = 8192, repeats: int = 20) -> float:
     b = torch.randn((n, n), dtype=torch.bfloat16, device="cuda")
     c = torch.empty((n, n), dtype=torch.bfloat16, device="cuda")
     times = _time_cuda(lambda: torch.matmul(a, b, out=c), repeats)
+    return 2 * n**3 / _median(times)
+
+
+def measure_fp8_matmul_rate(n: int = 8192, repeats: int = 20) -> float:
+    """e4m3 n×n×n ``torch._scaled_mm`` rate in FLOP/s (row-wise float32 scales, bf16 out; median of repeats)."""
+    import torch
+
+    a = torch.randn((n, n), device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn((n, n), device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt needs
+    scale_a = torch.ones((n, 1), device="cuda")
+    scale_b = torch.ones((1, n), device="cuda")
+    times = _time_cuda(
+        lambda: torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16), repeats
+    )
     return 2 * n**3 / _median(times)
 
 

@@ -259,3 +259,31 @@ def test_run_benchmark_against_launched_service(tmp_path: Path) -> None:
     assert first.metrics.total_cached_tokens == 0  # distinct prompts share no prefix
     if block_size and block_size < 40:
         assert again.metrics.total_cached_tokens >= 6 * block_size  # the same prompts again hit the cache
+
+
+def test_roofline_counts_fp8_weights_as_one_byte() -> None:
+    """FP8 weights: one byte per matrix element (norms stay in the run dtype), so the decode floors fall; with
+    given ceilings the offline report says FP8 and takes them as they are."""
+    from argparse import Namespace
+
+    from bench.offline import OfflineReport, add_roofline
+    from bench.roofline import ModelShape
+
+    bf16, fp8 = ModelShape(), ModelShape(weight_bytes=1)
+    norms = (2 * bf16.layers + 1) * bf16.hidden * 2
+    assert fp8.weight_bytes_per_step - norms == (bf16.weight_bytes_per_step - norms) // 2
+    assert fp8.kv_bytes_per_token == bf16.kv_bytes_per_token
+    args = Namespace(
+        bandwidth=3.0e12, flops=7.5e14, gpus=1, model_config=None, num_requests=256, input_len=512,
+        output_len=256, batch1_input_len=512,
+    )  # fmt: skip
+    floors = {}
+    for weight_dtype in ("", "float8_e4m3fn"):
+        report = OfflineReport(device="cuda:0", dtype="bfloat16", weight_dtype=weight_dtype)
+        report.figures = {"w1_cold_out_tok_s": 9000.0, "batch1_tpot_ms": 5.0}
+        add_roofline(args, report)
+        floors[weight_dtype] = report.figures["batch1_tpot_floor_ms"]
+        source = next(row.note for row in report.rows if row.measurement == "W1 roofline")
+        assert source.endswith("FP8") == bool(weight_dtype), source
+    assert floors["float8_e4m3fn"] is not None and floors[""] is not None
+    assert floors["float8_e4m3fn"] < 0.6 * floors[""]
