@@ -86,13 +86,22 @@ def test_one_token_takes_the_kernel_and_more_take_cublas(bias: bool) -> None:
 
 
 @needs_cuda
-def test_lm_head_streams_one_position_and_float32_stays_on_cublas() -> None:
+def test_lm_head_streams_one_position() -> None:
     torch.manual_seed(1)
     head = ParallelLMHead(1000, 256).to(device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         head.weight.normal_(0, 0.05)
     hidden = torch.randn((1, 256), device="cuda", dtype=torch.bfloat16)
-    torch.testing.assert_close(head.logits(hidden), weight_stream_matmul(hidden, head.weight), rtol=0, atol=0)
+    logits = head.logits(hidden)
+    assert logits.shape == (1, head.weight.shape[0])
+    torch.testing.assert_close(logits, weight_stream_matmul(hidden, head.weight), rtol=0, atol=0)
+
+
+@needs_cuda
+def test_float32_layers_stay_on_cublas() -> None:
+    torch.manual_seed(2)
     layer = ColumnParallelLinear.split_evenly(256, [128], bias=False).to(device="cuda", dtype=torch.float32)
+    with torch.no_grad():
+        layer.weight.normal_(0, 0.05)
     x = torch.randn((1, 256), device="cuda")
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=0, atol=0)
