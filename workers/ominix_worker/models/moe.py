@@ -27,6 +27,7 @@ from ominix_worker.models.llama import MLP, LlamaForCausalLM
 from ominix_worker.ops.moe_ref import fused_experts_ref, select_experts
 from ominix_worker.parallel import (
     SINGLE,
+    ColumnParallelLinear,
     ParallelModule,
     TensorParallel,
     WeightSource,
@@ -306,7 +307,11 @@ class SparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.scoring_func = config.scoring_func
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=self.router_bias)
+        # Replicated on every rank (SINGLE); a ColumnParallelLinear so that it takes the same GEMM paths as the
+        # projections (oneDNN packing on CPU, the weight-streaming kernel for one token on CUDA).
+        self.gate = ColumnParallelLinear.split_evenly(
+            config.hidden_size, [config.num_experts], self.router_bias
+        )
         self.experts = self.build_experts(config, tp)
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
