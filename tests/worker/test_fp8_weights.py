@@ -18,7 +18,7 @@ import transformers
 
 from ominix_runtime.contract import DecodeStep, NewRequestData, RunningRequestData, SamplingParams
 from ominix_worker.loader import ModelLoadError
-from ominix_worker.models.moe import FusedExperts
+from ominix_worker.models.moe import FusedExperts, SparseMoeBlock
 from ominix_worker.parallel import RowParallelLinear
 from ominix_worker.quant.fp8 import Fp8Linear, Fp8RowParallelLinear
 from ominix_worker.runner import build_runner
@@ -46,6 +46,8 @@ def _runner_logits(folder: Path, quantization: str | None = None) -> tuple[list[
     assert all(isinstance(m, Fp8Linear) for m in (runner.model.layers[0].self_attn.qkv_proj,))
     experts = [m for m in runner.model.modules() if isinstance(m, FusedExperts)]
     assert all(e.w13_weight.dtype == torch.float8_e4m3fn for e in experts)
+    routers = [m.gate for m in runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    assert all(not isinstance(r, Fp8Linear) for r in routers)  # routing stays in the run dtype
     return [r[0] for r in rows], tokens
 
 
