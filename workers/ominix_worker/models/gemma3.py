@@ -64,6 +64,8 @@ class GemmaMLP(MLP):
 class Gemma3Attention(Attention):
     """Llama attention with Gemma's q/k norms and query_pre_attn_scalar scale."""
 
+    fuse_qk_norm = False  # Gemma's norms scale by (1 + weight) in float32: not the fused kernel's arithmetic
+
     def __init__(
         self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding, tp: TensorParallel
     ) -> None:

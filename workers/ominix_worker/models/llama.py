@@ -198,6 +198,10 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
+    # With qk_norm on CUDA, the Q/K norms (plain RMSNorm: weight · normalised x, rounded as ``RMSNorm``) and RoPE
+    # run as one fused in-place kernel; a subclass whose norms differ turns this off.
+    fuse_qk_norm = True
+
     def __init__(
         self,
         config: ModelConfig,
@@ -237,8 +241,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(hidden)
         ops = cuda_ops(qkv)
         cos_sin = self.rotary.cos_sin
-        fused_rotary = ops is not None and cos_sin is not None
-        if ops is not None and cos_sin is not None:
+        fused_rotary = ops is not None and cos_sin is not None and (self.q_norm is None or self.fuse_qk_norm)
+        if ops is not None and cos_sin is not None and fused_rotary:
             # Q and K heads sit side by side in each QKV row: one in-place launch normalises (qk_norm) and
             # rotates both.
             heads = qkv[:, : self.q_size + self.kv_size].view(
