@@ -209,9 +209,15 @@ def _attend(
     With ``sinks`` (heads,) each head's softmax denominator gains exp(sink): the weights of the real keys
     then sum to less than one."""
     if sinks is None:
-        return F.scaled_dot_product_attention(
+        # A leading batch dimension for 3-D inputs: on CPU, SDPA sends 3-D inputs to its math fallback and 4-D
+        # ones to the flash kernel (a 2,048-token SmolLM2 prompt: 307 against 16 ms a layer).
+        unbatched = q.dim() == 3
+        if unbatched:
+            q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
+        return out.squeeze(0) if unbatched else out
     heads, q_len, head_dim = q.shape[-3:]
     kv_heads, num_keys = k.shape[-3], k.shape[-2]
     group = heads // kv_heads
