@@ -61,13 +61,12 @@ def _weight_stream_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Program (n, s): BLOCK_N output columns over the s-th of SPLIT_K slices of K. Unless SCALED is off (a
-    weight in the activation dtype), block scales multiply each K block's products, per-channel scales the
-    slice's sum. USE_DOT: a BLOCK_M-row tensor-core dot per K block;
-    otherwise each of the BLOCK_M tokens is multiplied into the float32 weight tile and summed over K. With
-    SPLIT_K > 1 each program stores its float32 partial sum; the last of a column tile's programs to arrive (a
-    counter per tile, reset by that program) adds them and writes the output, so the reduction needs no second
-    kernel."""
+    """Program (n, s): BLOCK_N output columns over the s-th of SPLIT_K slices of K. With SCALED (an e4m3
+    weight), block scales multiply each K block's products and per-channel scales the slice's sum; without it
+    the weight is in the activation dtype. USE_DOT: a BLOCK_M-row tensor-core dot per K block; otherwise each of
+    the BLOCK_M tokens is multiplied into the float32 weight tile and summed over K. With SPLIT_K > 1 each
+    program stores its float32 partial sum; the last of a column tile's programs to arrive (a counter per tile,
+    reset by that program) adds them and writes the output, so the reduction needs no second kernel."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
