@@ -117,17 +117,26 @@ def _rotary_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < HALF
-    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + offs_d, mask=d_mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + table_stride + pos * 2 * HALF + offs_d, mask=d_mask, other=0.0)
     mask = (offs_h[:, None] < num_heads) & d_mask[None, :]
     base = x_ptr + t.to(tl.int64) * x_stride_t + offs_h[:, None] * x_stride_h + offs_d[None, :]
     x1 = tl.load(base, mask=mask, other=0.0)
     x2 = tl.load(base + HALF, mask=mask, other=0.0)
-    a = x1.to(tl.float32)
-    b = x2.to(tl.float32)
+    _rotate_store(
+        base, x1.to(tl.float32), x2.to(tl.float32), cos_sin_ptr, table_stride, pos, offs_d, mask, HALF
+    )
+
+
+@triton.jit
+def _rotate_store(base, a, b, cos_sin_ptr, table_stride, pos, offs_d, mask, HALF: tl.constexpr):
+    """Stores the rotation of the float32 halves ``a``, ``b`` (heads × HALF) at position ``pos`` to ``base`` and
+    ``base + HALF``, in the dtype ``base`` points to."""
+    d_mask = offs_d < HALF
+    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + offs_d, mask=d_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + table_stride + pos * 2 * HALF + offs_d, mask=d_mask, other=0.0)
+    dtype = base.dtype.element_ty
     # cos/sin repeat across the two halves (emb = cat(freqs, freqs)), so the first half's entries serve both.
-    tl.store(base, (a * cos[None, :] - b * sin[None, :]).to(x1.dtype), mask=mask)
-    tl.store(base + HALF, (b * cos[None, :] + a * sin[None, :]).to(x1.dtype), mask=mask)
+    tl.store(base, (a * cos[None, :] - b * sin[None, :]).to(dtype), mask=mask)
+    tl.store(base + HALF, (b * cos[None, :] + a * sin[None, :]).to(dtype), mask=mask)
 
 
 def rotary_in_place(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
@@ -181,11 +190,7 @@ def _qk_norm_rotary_kernel(
     k_w2 = tl.load(k_weight_ptr + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
     a = ((a * rstd[:, None]).to(x1.dtype) * tl.where(is_q, q_w1, k_w1)).to(x1.dtype).to(tl.float32)
     b = ((b * rstd[:, None]).to(x1.dtype) * tl.where(is_q, q_w2, k_w2)).to(x1.dtype).to(tl.float32)
-    # cos/sin repeat across the two halves (emb = cat(freqs, freqs)), so the first half's entries serve both.
-    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + offs_d, mask=d_mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + table_stride + pos * 2 * HALF + offs_d, mask=d_mask, other=0.0)
-    tl.store(base, (a * cos[None, :] - b * sin[None, :]).to(x1.dtype), mask=mask)
-    tl.store(base + HALF, (b * cos[None, :] + a * sin[None, :]).to(x1.dtype), mask=mask)
+    _rotate_store(base, a, b, cos_sin_ptr, table_stride, pos, offs_d, mask, HALF)
 
 
 def qk_norm_rotary_in_place(
