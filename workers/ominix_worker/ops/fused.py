@@ -112,18 +112,36 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
+    pos, offs_h, offs_d, mask, base, x1, x2 = _token_heads(
+        x_ptr, pos_ptr, x_stride_t, x_stride_h, num_heads, HALF, BLOCK_H, BLOCK_HALF
+    )
+    _rotate_store(
+        base, x1.to(tl.float32), x2.to(tl.float32), cos_sin_ptr, table_stride, pos, offs_d, mask, HALF
+    )
+
+
+@triton.jit
+def _token_heads(
+    x_ptr,
+    pos_ptr,
+    x_stride_t,
+    x_stride_h,
+    num_heads,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """This program's token: its position, the head and half-dim offsets, the mask of real (head, column) pairs,
+    the pointers to each head's first half and the two halves loaded."""
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
-    d_mask = offs_d < HALF
-    mask = (offs_h[:, None] < num_heads) & d_mask[None, :]
+    mask = (offs_h[:, None] < num_heads) & (offs_d < HALF)[None, :]
     base = x_ptr + t.to(tl.int64) * x_stride_t + offs_h[:, None] * x_stride_h + offs_d[None, :]
     x1 = tl.load(base, mask=mask, other=0.0)
     x2 = tl.load(base + HALF, mask=mask, other=0.0)
-    _rotate_store(
-        base, x1.to(tl.float32), x2.to(tl.float32), cos_sin_ptr, table_stride, pos, offs_d, mask, HALF
-    )
+    return pos, offs_h, offs_d, mask, base, x1, x2
 
 
 @triton.jit
@@ -171,19 +189,14 @@ def _qk_norm_rotary_kernel(
 ):
     """One token's Q and K heads: each head RMS-normalised with its weight (Q's or K's) and rounded to the run
     dtype as ``_rms_norm_kernel`` rounds, then rotated as ``_rotary_kernel`` rotates; in place."""
-    t = tl.program_id(0)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    d_mask = offs_d < HALF
-    mask = (offs_h[:, None] < num_heads) & d_mask[None, :]
-    base = x_ptr + t.to(tl.int64) * x_stride_t + offs_h[:, None] * x_stride_h + offs_d[None, :]
-    x1 = tl.load(base, mask=mask, other=0.0)
-    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    pos, offs_h, offs_d, mask, base, x1, x2 = _token_heads(
+        x_ptr, pos_ptr, x_stride_t, x_stride_h, num_heads, HALF, BLOCK_H, BLOCK_HALF
+    )
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
     rstd = 1.0 / tl.sqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)
     is_q = (offs_h < num_q_heads)[:, None]
+    d_mask = offs_d < HALF
     q_w1 = tl.load(q_weight_ptr + offs_d, mask=d_mask, other=0.0)[None, :]
     q_w2 = tl.load(q_weight_ptr + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
     k_w1 = tl.load(k_weight_ptr + offs_d, mask=d_mask, other=0.0)[None, :]
