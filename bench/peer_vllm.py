@@ -196,7 +196,15 @@ def main() -> None:
         **compile_options(args),
     ) as llm:
         figures["init_s"] = round(time.perf_counter() - started, 1)
-        print(f"vLLM {label} init {figures['init_s']}s", flush=True)
+        # vLLM's own KV size: with the same memory share, how many requests fit decides W1 on a full card.
+        cache = llm.llm_engine.vllm_config.cache_config
+        figures["kv_blocks"] = getattr(cache, "num_gpu_blocks", None) or 0
+        figures["kv_block_size"] = getattr(cache, "block_size", None) or 0
+        print(
+            f"vLLM {label} init {figures['init_s']}s; KV cache: {figures['kv_blocks']} blocks of "
+            f"{figures['kv_block_size']} tokens",
+            flush=True,
+        )
         forced = SamplingParams(
             temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False
         )

@@ -138,6 +138,8 @@ def test_peer_vllm_figures_and_its_model_folder(tmp_path: Path) -> None:
     assert figures["dummy_init"] == "unit-norms" and figures["model"] == "config bf16 TP1"
     assert {"init_s", "w1_cold_out_tok_s", "w1_again_out_tok_s", "batch1_tpot_ms"} <= set(figures)
     assert figures["w1_cold_out_tok_s"] > 0 and figures["w1_again_out_tok_s"] > 0
+    assert (figures["kv_blocks"], figures["kv_block_size"]) == (7, 16)  # the stand-in's cache config
+    assert "KV cache: 7 blocks of 16 tokens" in done.stdout
     assert "vLLM dummy init unit-norms: 2 parameters set" in done.stdout
     # The stand-in refuses to generate once its folder is gone, so the folder lived through the runs; now it is gone.
     assert list((tmp_path / "tmp").iterdir()) == []

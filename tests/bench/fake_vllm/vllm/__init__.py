@@ -44,7 +44,7 @@ class LLM:
         print(f"stand-in LLM options: {sorted(options)}", flush=True)
         self.folder = Path(model)
         self.model = _Model()
-        cache = types.SimpleNamespace(cache_dtype="auto", num_gpu_blocks=7)
+        cache = types.SimpleNamespace(cache_dtype="auto", num_gpu_blocks=7, block_size=16)
         self.llm_engine = types.SimpleNamespace(vllm_config=types.SimpleNamespace(cache_config=cache))
 
     def apply_model(self, fn: Any) -> list[Any]:
