@@ -59,14 +59,17 @@ def sweep(
     stages, warps, dot), the kernel's own choice first (block_k and split_k "auto"). ``dot``: the 16-row
     tensor-core tile, or the float32 sums on the CUDA cores (at most ``GEMV_M`` tokens). ``bf16``: unscaled
     bf16 weights (``PackableLinear``'s one-token path), CUDA-core tiles only, cuBLAS (``F.linear``) first."""
-    grid = [(32, 0, 0, 3, 4, None)] + [
-        (bn, bk, sk, st, wp, True)
-        for bn in (32, 64)
-        for bk in (256, 512)
-        for sk in (1, 2, 4)
-        for st in (3, 4)
-        for wp in (4, 8)
-    ]
+    # The kernel's own choice first; the tensor-core tiles for FP8 weights only.
+    grid = [(0, 0, 0, 3, 0, None)] if bf16 else [(32, 0, 0, 3, 4, None)]
+    if not bf16:
+        grid += [
+            (bn, bk, sk, st, wp, True)
+            for bn in (32, 64)
+            for bk in (256, 512)
+            for sk in (1, 2, 4)
+            for st in (3, 4)
+            for wp in (4, 8)
+        ]
     gemv_grid = [
         (bn, bk, sk, st, wp, False)
         for bn in (16, 32, 64)
@@ -75,8 +78,6 @@ def sweep(
         for st in ((2, 3, 4) if bf16 else (3,))
         for wp in (4, 8)
     ]
-    if bf16:
-        grid = [(0, 0, 0, 3, 0, None)]
     rows: list[dict[str, object]] = []
     for name, (n, k) in shapes.items():
         copies = max(1, -(-(256 << 20) // (n * k)))  # more than L2 holds, as a step's layers are

@@ -239,15 +239,25 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        q, k = self._normed_rotated_qk(qkv, positions)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        self.backend.write_kv(kv_cache, k, v, meta, self.kv_scales)
+        out = self.attend(q, kv_cache, meta)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def _normed_rotated_qk(
+        self, qkv: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Q (T, heads, head_dim) and K (T, kv_heads, head_dim) of the QKV output, normalised (qk_norm) and
+        rotated."""
+        heads = qkv[:, : self.q_size + self.kv_size].view(
+            qkv.shape[0], self.num_heads + self.num_kv_heads, self.head_dim
+        )
+        split = [self.num_heads, self.num_kv_heads]
         ops = cuda_ops(qkv)
         cos_sin = self.rotary.cos_sin
-        fused_rotary = ops is not None and cos_sin is not None and (self.q_norm is None or self.fuse_qk_norm)
-        if ops is not None and cos_sin is not None and fused_rotary:
-            # Q and K heads sit side by side in each QKV row: one in-place launch normalises (qk_norm) and
-            # rotates both.
-            heads = qkv[:, : self.q_size + self.kv_size].view(
-                num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
-            )
+        if ops is not None and cos_sin is not None and (self.q_norm is None or self.fuse_qk_norm):
+            # Q and K heads sit side by side in each QKV row: one in-place launch (normalises and) rotates both.
             if self.q_norm is not None and self.k_norm is not None:
                 ops.qk_norm_rotary_in_place(
                     heads, positions, cos_sin, self.num_heads, self.q_norm.weight, self.k_norm.weight,
@@ -255,24 +265,17 @@ class Attention(nn.Module):
                 )  # fmt: skip
             else:
                 ops.rotary_in_place(heads, positions, cos_sin)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None and not fused_rotary:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = heads.split(split, dim=1)
+            return q, k
         if ops is None and self.q_norm is None:
             # Elsewhere than CUDA, the same in one pass over Q and K side by side (the per-op cost dominates
             # at decode sizes).
-            heads = qkv[:, : self.q_size + self.kv_size].view(
-                num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
-            )
-            q, k = self.rotary.rotate(positions, heads).split([self.num_heads, self.num_kv_heads], dim=1)
-        elif not fused_rotary:
-            q, k = self.rotary(positions, q, k)
-        self.backend.write_kv(kv_cache, k, v, meta, self.kv_scales)
-        out = self.attend(q, kv_cache, meta)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+            q, k = self.rotary.rotate(positions, heads).split(split, dim=1)
+            return q, k
+        q, k = heads.split(split, dim=1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.rotary(positions, q, k)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The backend's attention of this layer's queries over its cache (subclasses add sinks)."""
