@@ -9,7 +9,8 @@ the weights once and every running request's KV once at the copy bandwidth (or i
     python bench/roofline.py --bandwidth 3.0e12 --flops 7.98e14   # no GPU: use given ceilings
 
 ``w1_roofline`` is importable (no torch needed) for the offline benchmark to report "fraction of roofline".
-For a model with FP8 weights the offline benchmark counts one byte per weight and the FP8 matmul rate
+For a model with FP8 weights the offline benchmark counts one byte per projection weight (the LM head and norms
+stay in the run dtype, as ``--quantization fp8`` leaves them) and the FP8 matmul rate
 (``measure_fp8_matmul_rate``: ``torch._scaled_mm`` with row-wise scales, 8192³) for every FLOP, attention's
 included; that overstates what attention can reach, so the figure stays a ceiling.
 """
@@ -33,7 +34,7 @@ class ModelShape:
     ffn: int = 14336
     vocab: int = 128256
     dtype_bytes: int = 2  # activations and KV
-    weight_bytes: int = 0  # per stored weight element; 0: dtype_bytes (1 for FP8 weights)
+    weight_bytes: int = 0  # per element of the layers' projections; 0: dtype_bytes (1 for FP8 weights)
 
     @property
     def layer_matmul_params(self) -> int:
@@ -46,9 +47,11 @@ class ModelShape:
     def weight_bytes_per_step(self) -> int:
         """Bytes a forward step must read: every layer's matrices, the norms and the LM head (the embedding
         table is gathered, a few rows per step, so it is left out)."""
-        norms = (2 * self.layers + 1) * self.hidden * self.dtype_bytes
-        matrices = self.layers * self.layer_matmul_params + self.vocab * self.hidden
-        return matrices * (self.weight_bytes or self.dtype_bytes) + norms
+        # FP8 quantizes the layers' projections; the LM head and the norms stay in the run dtype.
+        projections = self.layers * self.layer_matmul_params * (self.weight_bytes or self.dtype_bytes)
+        return (
+            projections + (self.vocab * self.hidden + (2 * self.layers + 1) * self.hidden) * self.dtype_bytes
+        )
 
     @property
     def kv_bytes_per_token(self) -> int:

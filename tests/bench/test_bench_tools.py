@@ -262,16 +262,16 @@ def test_run_benchmark_against_launched_service(tmp_path: Path) -> None:
 
 
 def test_roofline_counts_fp8_weights_as_one_byte() -> None:
-    """FP8 weights: one byte per matrix element (norms stay in the run dtype), so the decode floors fall; with
-    given ceilings the offline report says FP8 and takes them as they are."""
+    """FP8 weights: one byte per projection element (the LM head and norms stay in the run dtype), so the decode
+    floors fall; with given ceilings the offline report says FP8 and takes them as they are."""
     from argparse import Namespace
 
     from bench.offline import OfflineReport, add_roofline
     from bench.roofline import ModelShape
 
     bf16, fp8 = ModelShape(), ModelShape(weight_bytes=1)
-    norms = (2 * bf16.layers + 1) * bf16.hidden * 2
-    assert fp8.weight_bytes_per_step - norms == (bf16.weight_bytes_per_step - norms) // 2
+    unquantized = ((2 * bf16.layers + 1) * bf16.hidden + bf16.vocab * bf16.hidden) * 2  # norms, LM head
+    assert fp8.weight_bytes_per_step - unquantized == (bf16.weight_bytes_per_step - unquantized) // 2
     assert fp8.kv_bytes_per_token == bf16.kv_bytes_per_token
     args = Namespace(
         bandwidth=3.0e12, flops=7.5e14, gpus=1, model_config=None, num_requests=256, input_len=512,
