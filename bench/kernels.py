@@ -2,7 +2,7 @@
 32 query heads, 8 KV heads, head_dim 128, bf16, block size 16) against torch, and reports achieved bandwidth
 against the measured device-to-device copy bandwidth.
 
-    python bench/kernels.py [--json out.json] [--quick]
+    python bench/kernels.py [--json out.json] [--quick] [--prefix-only]
 
 Decode cases run the 32 layers of one step back to back from one CUDA graph (each layer owns its KV tensor, as
 in the model, so nothing is served from L2 across layers) and report the time per layer. Torch SDPA baselines
@@ -200,6 +200,44 @@ def bench_prefill(
         )
 
 
+def bench_prefix_suffix(new: int, prefix: int, gen: torch.Generator) -> None:
+    """One request's short query after a cached prefix (a prefix-hit suffix, as the captured prefill graphs
+    run it): 32 layers from one CUDA graph, unsplit against the split count the backend picks under capture
+    and a few fixed ones; time per layer."""
+    layers = 32
+    caches, meta, query = paged_batch([new], [prefix + new], layers, gen)
+    scale = HEAD_DIM**-0.5
+    case = f"B=1 new={new} prefix={prefix}"
+    k, v = gather_contiguous(caches[0], meta, prefix + new)
+    q4 = query.view(1, new, HEADS, HEAD_DIM).transpose(1, 2)
+    visible_to = prefix + torch.arange(new, device="cuda")
+    mask = torch.arange(prefix + new, device="cuda")[None, :] <= visible_to[:, None]
+    ref = F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    for splits in (1, None, 2, 4, 8):
+        backend = TritonPagedAttention(BLOCK)
+        backend.prefill_splits = splits
+        outs = [torch.full_like(query, float("nan")) for _ in range(layers)]
+
+        def step(b: TritonPagedAttention = backend, o: list[torch.Tensor] = outs) -> None:
+            for layer in range(layers):
+                b.forward_into(query, caches[layer], meta, scale, o[layer])
+
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+            with torch.cuda.graph(graph, stream=stream):
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        torch.cuda.synchronize()
+        err = rel_err(outs[0].view(1, new, HEADS, HEAD_DIM).transpose(1, 2), ref)
+        ms = _ms(graph.replay) / layers
+        label = "picked" if splits is None else str(splits)
+        _row("prefix", case, ms, impl=f"triton graph (splits={label})", err_vs_sdpa=err)
+
+
 def bench_mixed(gen: torch.Generator) -> None:
     """A chunked-prefill step: 240 decode rows at context 512-768 plus two 512-token chunks."""
     q_lens = [1] * 240 + [512, 512]
@@ -307,11 +345,23 @@ def bench_fused(tokens: int, bandwidth: float) -> None:
         )  # fmt: skip
 
 
+def _print_rows() -> None:
+    print(f"{'kind':9} {'case':32} {'impl':34} {'ms':>9}  extra")
+    for r in ROWS:
+        extra = {
+            k: (round(v, 4) if isinstance(v, float) else v)
+            for k, v in r.items()
+            if k not in ("kind", "case", "ms", "impl")
+        }
+        print(f"{r['kind']:9} {r['case']:32} {r['impl']:34} {r['ms']:9.4f}  {extra}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write every row to this file")
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--sweep-prefill", action="store_true", help="time several prefill tile configs")
+    parser.add_argument("--prefix-only", action="store_true", help="only the prefix-hit suffix cases")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -324,6 +374,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.3f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s"
     )
     decode_cases = [(1, 512, 512), (64, 768, 768), (256, 768, 768)]
+    if args.prefix_only:
+        for new, prefix in [(16, 2048), (64, 2048), (64, 8192)]:
+            bench_prefix_suffix(new, prefix, gen)
+        _print_rows()
+        return 0
     if not args.quick:
         decode_cases = [(1, 512, 512), (1, 768, 768), (64, 512, 512), (64, 768, 768), (256, 512, 512)]
         decode_cases += [(256, 768, 768), (256, 512, 768), (32, 4096, 4096)]
@@ -335,18 +390,13 @@ def main(argv: list[str] | None = None) -> int:
         configs += [(128, 128, 8, 2), (64, 128, 4, 3), (128, 32, 8, 3), (128, 64, 4, 3)]
     for batch, new, prefix in [(1, 512, 0), (16, 512, 0), (1, 512, 2048), (16, 512, 2048)]:
         bench_prefill(batch, new, prefix, flops, gen, configs)
+    for new, prefix in [(16, 2048), (64, 2048), (64, 8192)]:
+        bench_prefix_suffix(new, prefix, gen)
     bench_mixed(gen)
     for tokens in (256, 8192):
         bench_store(tokens, bandwidth, gen)
         bench_fused(tokens, bandwidth)
-    print(f"{'kind':9} {'case':32} {'impl':34} {'ms':>9}  extra")
-    for r in ROWS:
-        extra = {
-            k: (round(v, 4) if isinstance(v, float) else v)
-            for k, v in r.items()
-            if k not in ("kind", "case", "ms", "impl")
-        }
-        print(f"{r['kind']:9} {r['case']:32} {r['impl']:34} {r['ms']:9.4f}  {extra}")
+    _print_rows()
     if args.json:
         meta = {"device": torch.cuda.get_device_name(), "bandwidth": bandwidth, "flops": flops}
         Path(args.json).write_text(json.dumps({**meta, "rows": ROWS}, indent=2))

@@ -347,3 +347,37 @@ def test_padded_decode_slot_is_skipped() -> None:
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider", *sys.argv[1:]]))
+
+
+# The interpreter computes 16-bit dots wrongly; it checks the split arithmetic in float32.
+SPLIT_DTYPE = torch.float32 if INTERPRET else torch.bfloat16
+
+
+@pytest.mark.parametrize("q_len", [2, 17, 64])
+@pytest.mark.parametrize("splits", [None, 2, 4, 16])
+def test_single_request_prefill_splits(q_len: int, splits: int | None) -> None:
+    """One request's short query over a long prefix, its keys split across programs and merged; 16 splits
+    leave some of them without a key. None is the backend's own choice."""
+    prefix = 300 if INTERPRET else 2100
+    seed = zlib.crc32(f"prefill-split{q_len}{splits}".encode()) % 10_000
+    attrs: dict[str, object] = {"prefill_splits": splits}
+    run_case(seed, [q_len], [prefix + q_len], 32, 8, 128, 16, SPLIT_DTYPE, backend_attrs=attrs)
+
+
+def test_split_prefill_leaves_padding_rows_alone() -> None:
+    """A captured prefill runs a padded query buffer: rows past the request's query stay unwritten."""
+    q_len, padded = 23, 64
+    gen = torch.Generator().manual_seed(5)
+    backend = TritonPagedAttention(block_size=16)
+    backend.prefill_splits = 4
+    batch = make_batch(gen, [q_len], [400 + q_len], 32, 8, 128, 16, SPLIT_DTYPE, backend)
+    backend.write_kv(batch.kv_cache, batch.new_key, batch.new_value, batch.meta)
+    query = torch.zeros((padded, 32, 128), dtype=SPLIT_DTYPE, device=DEVICE)
+    query[:q_len] = batch.query
+    out = torch.full_like(query, float("nan"))
+    batch.meta.max_query_len = padded
+    backend.forward_into(query, batch.kv_cache, batch.meta, 1.0 / math.sqrt(128), out)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert torch.isnan(out[q_len:]).all()
+    check(batch, out[:q_len], SPLIT_DTYPE)

@@ -40,6 +40,8 @@ _MIN_TOKENS_PER_SPLIT = 64
 # H100 host), which a batch-1 step cannot hide: there a split must cover this many tokens to pay for the merge.
 _EAGER_MIN_TOKENS_PER_SPLIT = 1024
 _MAX_SPLITS = 32
+# Keys per split below which a prefill split stops paying for its partial outputs and the merge.
+_MIN_TOKENS_PER_PREFILL_SPLIT = 256
 # Prefill tile (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs and head_dim <= 128.
 _PREFILL_CONFIG = (64, 64, 4, 3)
 
@@ -229,6 +231,7 @@ def _merge_splits_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     MIXED: tl.constexpr,
+    ONE_REQUEST_ROWS: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -238,6 +241,12 @@ def _merge_splits_kernel(
             return
     else:
         row = b
+    if ONE_REQUEST_ROWS:
+        # b is a query row of the only request: rows past its query (graph padding) stay as they are, and a
+        # one-token query belongs to the decode kernel, which wrote it already.
+        rows_end = tl.load(query_start_loc_ptr + 1)
+        if (b >= rows_end) | (rows_end == 1):
+            return
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
@@ -262,7 +271,7 @@ def _merge_splits_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["bt_stride"])
+@triton.jit(do_not_specialize=["bt_stride", "num_splits"])
 def _prefill_kernel(
     q_ptr,
     kv_ptr,
@@ -270,6 +279,8 @@ def _prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
     sinks_ptr,
     scale,
     q_stride_t,
@@ -281,6 +292,7 @@ def _prefill_kernel(
     k_scale,
     v_scale,
     window,
+    num_splits,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -293,10 +305,14 @@ def _prefill_kernel(
     KV_FP8: tl.constexpr,
     WINDOWED: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     b = tl.program_id(0)
     tile = tl.program_id(1)
-    h = tl.program_id(2)
+    # Split-K (SPLIT): the last grid axis is split * num_heads + head; each split attends to its own range of
+    # whole BLOCK_N key tiles and writes a partial output and its log-sum-exp for _merge_splits_kernel.
+    h = tl.program_id(2) % (NUM_KV_HEADS * GROUP)
+    split = tl.program_id(2) // (NUM_KV_HEADS * GROUP)
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
     if tile * BLOCK_M >= q_len:
@@ -344,7 +360,14 @@ def _prefill_kernel(
         first_key = tl.maximum(context_len + tile * BLOCK_M - window + 1, 0)
         masked_start = (first_key // BLOCK_N) * BLOCK_N
         full_end = 0
-    for n0 in range(0, full_end, BLOCK_N):
+    key_lo = 0
+    if SPLIT:  # never with a window or sinks (the host keeps those unsplit)
+        tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), num_splits)
+        key_lo = split * tiles_per_split * BLOCK_N
+        kv_end = tl.minimum(key_lo + tiles_per_split * BLOCK_N, kv_end)
+        full_end = tl.maximum(tl.minimum(full_end, kv_end), key_lo)
+        masked_start = full_end
+    for n0 in range(key_lo, full_end, BLOCK_N):
         pos = n0 + offs_n
         blk = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
         slot = blk * BLOCK_SIZE + pos % BLOCK_SIZE
@@ -401,11 +424,22 @@ def _prefill_kernel(
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
-    tl.store(
-        out_ptr + q_rows[:, None] * out_stride_t + h * out_stride_h + offs_d[None, :],
-        o.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & d_mask[None, :],
-    )
+    if SPLIT:
+        # Partials (T, H, S, D) and lse (T, H, S) per query row; a split that saw no key leaves lse = -inf.
+        part = (q_rows * (NUM_KV_HEADS * GROUP) + h) * num_splits + split
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # base 2
+        tl.store(
+            part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+            o,
+            mask=m_mask[:, None] & d_mask[None, :],
+        )
+        tl.store(part_lse_ptr + part, lse, mask=m_mask)
+    else:
+        tl.store(
+            out_ptr + q_rows[:, None] * out_stride_t + h * out_stride_h + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=m_mask[:, None] & d_mask[None, :],
+        )
 
 
 def _is_fp8(kv_cache: torch.Tensor) -> bool:
@@ -428,6 +462,24 @@ def decode_num_splits(
     return 1 << (splits - 1).bit_length() if splits > 1 else 1
 
 
+def prefill_num_splits(
+    programs: int,
+    max_seq_len: int,
+    num_sms: int = 132,
+    min_tokens_per_split: int = _MIN_TOKENS_PER_PREFILL_SPLIT,
+) -> int:
+    """Split count for the prefill kernel: one request's short query (a prefix-hit suffix, a last chunk) over a
+    long context runs only ``programs`` (query tiles × heads) programs, each walking the whole context; splits
+    fill the GPU about twice, each at least ``min_tokens_per_split`` keys. 1 when the programs already fill it.
+    A pure function of host integers, so a captured graph can fix it."""
+    if programs >= num_sms:
+        return 1
+    want = triton.cdiv(2 * num_sms, max(1, programs))
+    cap = max(1, max_seq_len // min_tokens_per_split)
+    splits = max(1, min(want, cap, _MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)  # a power of two, never above the cap
+
+
 class TritonPagedAttention:
     """Attention backend for CUDA devices (name "triton-paged"); see the module docstring for the grids."""
 
@@ -444,6 +496,8 @@ class TritonPagedAttention:
         self.store_with_index_copy = store_with_index_copy
         # Fixed split count for CUDA-graph capture; None picks one per call from the metadata.
         self.decode_splits: int | None = None
+        # Split count of a single request's prefill (tuning, tests); None picks one (``prefill_num_splits``).
+        self.prefill_splits: int | None = None
         # (BLOCK_M, BLOCK_N, num_warps, num_stages) override for the prefill kernel (tuning); None = defaults.
         self.prefill_config: tuple[int, int, int, int] | None = None
 
@@ -655,7 +709,26 @@ class TritonPagedAttention:
         num_heads = query.shape[1]
         ieee = query.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
         block_m, block_n, num_warps, num_stages = self._prefill_config(meta, head_dim, ieee)
-        grid = (num_requests, triton.cdiv(meta.max_query_len, block_m), num_heads)
+        tiles = triton.cdiv(meta.max_query_len, block_m)
+        splits = 1
+        if num_requests == 1 and sinks is None and meta.sliding_window == 0:
+            # One request's rows, none of them a single-token request's, so every output row is merged.
+            capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+            splits = self.prefill_splits or prefill_num_splits(
+                tiles * num_heads,
+                meta.max_seq_len,
+                sm_count(query.device, off_gpu=132),
+                _MIN_TOKENS_PER_PREFILL_SPLIT if capturing else _EAGER_MIN_TOKENS_PER_SPLIT,
+            )
+        if splits > 1:
+            num_rows = query.shape[0]
+            part_out = torch.empty(
+                (num_rows, num_heads, splits, head_dim), dtype=torch.float32, device=query.device
+            )
+            part_lse = torch.empty((num_rows, num_heads, splits), dtype=torch.float32, device=query.device)
+        else:
+            part_out = part_lse = out  # unused
+        grid = (num_requests, tiles, num_heads * splits)
         _prefill_kernel[grid](
             query,
             kv_cache,
@@ -663,6 +736,8 @@ class TritonPagedAttention:
             meta.query_start_loc,
             meta.seq_lens,
             out,
+            part_out,
+            part_lse,
             query if sinks is None else sinks,  # any pointer when there are no sinks
             scale,
             query.stride(0),
@@ -674,6 +749,7 @@ class TritonPagedAttention:
             kv_scales.k,
             kv_scales.v,
             meta.sliding_window,
+            splits,
             NUM_KV_HEADS=num_kv_heads,
             GROUP=num_heads // num_kv_heads,
             HEAD_DIM=head_dim,
@@ -686,6 +762,24 @@ class TritonPagedAttention:
             KV_FP8=_is_fp8(kv_cache),
             WINDOWED=meta.sliding_window > 0,
             HAS_SINKS=sinks is not None,
+            SPLIT=splits > 1,
             num_warps=num_warps,
             num_stages=num_stages,
         )
+        if splits > 1:
+            _merge_splits_kernel[(query.shape[0], num_heads)](
+                part_out,
+                part_lse,
+                meta.query_start_loc,
+                out,
+                out.stride(0),
+                out.stride(1),
+                splits,
+                NUM_HEADS=num_heads,
+                HEAD_DIM=head_dim,
+                BLOCK_D=triton.next_power_of_2(head_dim),
+                BLOCK_S=_MAX_SPLITS,
+                MIXED=False,
+                ONE_REQUEST_ROWS=True,
+                num_warps=4,
+            )
