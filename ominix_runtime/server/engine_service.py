@@ -183,6 +183,8 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         )
         request = _request(pb, request_id, self.model_name)
         validate_request(request, limits)  # before any tokenization: a huge prompt costs nothing
+        if not (request.chat_messages or request.prompt_text is not None):
+            return request  # ids as sent, checked just now
         if request.chat_messages:
             if pool is None:
                 raise InvalidArgument("this engine has no tokenizer: send input_ids")
