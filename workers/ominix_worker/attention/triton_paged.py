@@ -14,7 +14,10 @@ long contexts, because each extra launch costs more host time than it saves on t
 General path: grid ``(num_requests, cdiv(max_query_len, BLOCK_M), num_heads)``. A request's query rows are the
 last ``q_len`` positions of its ``seq_len``, so row ``m`` sits at position ``seq_len - q_len + m`` and may see
 keys ``0..position``. Programs whose tile lies past their request's ``q_len`` exit at once, which keeps the grid
-a function of host integers only (no device-to-host sync). Softmax runs online in fp32.
+a function of host integers only (no device-to-host sync). Softmax runs online in fp32. A step of one request
+whose query tiles leave most of the GPU idle (a prefix-hit suffix or a last chunk over a long context, as the
+captured prefill graphs run it) splits its keys too (``prefill_num_splits``): the last grid axis becomes
+``split * num_heads + head`` and the decode path's merge kernel combines the partials row by row.
 
 FP8 KV (``--kv-cache-dtype fp8_e4m3``): the cache holds e4m3 values of K / k_scale and V / v_scale (one scale
 each per layer, ``KVScales``: the checkpoint's, else 1.0); the store kernel quantizes, the attention kernels dequantize each tile to
