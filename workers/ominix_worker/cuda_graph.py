@@ -35,6 +35,9 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 2
 DEFAULT_PREFILL_SIZES = (16, 32, 64)
 # Context length the split count of each captured size is chosen for (only speed depends on it).
 CAPTURE_SEQ_LEN = 1024
+# The same for the prefill graphs, whose short queries follow a prefix hit: a longer context gets more splits
+# of its keys (bench/kernels.py --prefix-only), and splits past a short context end at once.
+PREFILL_CAPTURE_SEQ_LEN = 4096
 
 
 class DecodeRowLike(Protocol):
@@ -142,7 +145,7 @@ class DecodeGraphs:
                 block_tables=self.d_bt[:1, g],
                 slot_mapping=self.dev64[3 + g, :size],
                 max_query_len=size,
-                max_seq_len=CAPTURE_SEQ_LEN,
+                max_seq_len=PREFILL_CAPTURE_SEQ_LEN,
                 num_decode_only=False,
                 sliding_window=window,
             )
