@@ -45,6 +45,19 @@ def _row(kind: str, case: str, ms: float, **extra: object) -> None:
     ROWS.append({"kind": kind, "case": case, "ms": ms, **extra})
 
 
+def _captured(step: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """``step`` captured in a CUDA graph on a side stream, after one eager run (compiles, settles memory)."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+        with torch.cuda.graph(graph, stream=stream):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph
+
+
 def paged_batch(q_lens: list[int], seq_lens: list[int], layers: int, gen: torch.Generator):
     """Random K/V in ``layers`` caches behind one random, non-contiguous block table."""
     blocks = [math.ceil(s / BLOCK) for s in seq_lens]
@@ -116,15 +129,7 @@ def bench_decode(batch: int, lo: int, hi: int, bandwidth: float, gen: torch.Gene
     step()
     torch.cuda.synchronize()
     eager = _ms(step) / layers
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-        with torch.cuda.graph(graph, stream=stream):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graphed = _ms(graph.replay) / layers
+    graphed = _ms(_captured(step).replay) / layers
     extra: dict[str, object] = {}
     if splits > 1:
         # Eager launches cost host time per kernel: compare the unsplit kernel (one launch, no merge).
@@ -222,14 +227,7 @@ def bench_prefix_suffix(new: int, prefix: int, gen: torch.Generator) -> None:
             for layer in range(layers):
                 b.forward_into(query, caches[layer], meta, scale, o[layer])
 
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()
-            with torch.cuda.graph(graph, stream=stream):
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
+        graph = _captured(step)
         graph.replay()
         torch.cuda.synchronize()
         err = rel_err(outs[0].view(1, new, HEADS, HEAD_DIM).transpose(1, 2), ref)

@@ -483,6 +483,36 @@ def prefill_num_splits(
     return 1 << (splits.bit_length() - 1)  # a power of two, never above the cap
 
 
+def _merge(
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    meta: AttentionMetadata,
+    out: torch.Tensor,
+    num_rows: int,
+    mixed: bool = False,
+    one_request_rows: bool = False,
+) -> None:
+    """Combine split partials (rows, heads, splits, head_dim) into ``out``: rows are requests (decode) or one
+    request's query rows (``one_request_rows``)."""
+    _, num_heads, splits, head_dim = part_out.shape
+    _merge_splits_kernel[(num_rows, num_heads)](
+        part_out,
+        part_lse,
+        meta.query_start_loc,
+        out,
+        out.stride(0),
+        out.stride(1),
+        splits,
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_S=_MAX_SPLITS,  # one variant for every split count (masked to num_splits)
+        MIXED=mixed,
+        ONE_REQUEST_ROWS=one_request_rows,
+        num_warps=4,
+    )
+
+
 class TritonPagedAttention:
     """Attention backend for CUDA devices (name "triton-paged"); see the module docstring for the grids."""
 
@@ -669,21 +699,7 @@ class TritonPagedAttention:
             num_stages=3,
         )
         if splits > 1:
-            _merge_splits_kernel[(num_requests, num_heads)](
-                part_out,
-                part_lse,
-                meta.query_start_loc,
-                out,
-                out.stride(0),
-                out.stride(1),
-                splits,
-                NUM_HEADS=num_heads,
-                HEAD_DIM=head_dim,
-                BLOCK_D=block_d,
-                BLOCK_S=_MAX_SPLITS,  # one variant for every split count (masked to num_splits)
-                MIXED=mixed,
-                num_warps=4,
-            )
+            _merge(part_out, part_lse, meta, out, num_requests, mixed=mixed)
 
     def _prefill_config(
         self, meta: AttentionMetadata, head_dim: int, ieee: bool
@@ -770,19 +786,4 @@ class TritonPagedAttention:
             num_stages=num_stages,
         )
         if splits > 1:
-            _merge_splits_kernel[(query.shape[0], num_heads)](
-                part_out,
-                part_lse,
-                meta.query_start_loc,
-                out,
-                out.stride(0),
-                out.stride(1),
-                splits,
-                NUM_HEADS=num_heads,
-                HEAD_DIM=head_dim,
-                BLOCK_D=triton.next_power_of_2(head_dim),
-                BLOCK_S=_MAX_SPLITS,
-                MIXED=False,
-                ONE_REQUEST_ROWS=True,
-                num_warps=4,
-            )
+            _merge(part_out, part_lse, meta, out, query.shape[0], one_request_rows=True)
