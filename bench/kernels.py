@@ -205,6 +205,10 @@ def bench_prefill(
         )
 
 
+# (new tokens, cached prefix) of one request: a prefix-hit suffix of a captured prefill graph.
+PREFIX_SUFFIX_CASES = [(16, 2048), (64, 2048), (64, 8192)]
+
+
 def bench_prefix_suffix(new: int, prefix: int, gen: torch.Generator) -> None:
     """One request's short query after a cached prefix (a prefix-hit suffix, as the captured prefill graphs
     run it): 32 layers from one CUDA graph, unsplit against the split count the backend picks under capture
@@ -371,12 +375,20 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.3f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s"
     )
-    decode_cases = [(1, 512, 512), (64, 768, 768), (256, 768, 768)]
     if args.prefix_only:
-        for new, prefix in [(16, 2048), (64, 2048), (64, 8192)]:
+        for new, prefix in PREFIX_SUFFIX_CASES:
             bench_prefix_suffix(new, prefix, gen)
-        _print_rows()
-        return 0
+    else:
+        run_all(args, bandwidth, flops, gen)
+    _print_rows()
+    if args.json:
+        meta = {"device": torch.cuda.get_device_name(), "bandwidth": bandwidth, "flops": flops}
+        Path(args.json).write_text(json.dumps({**meta, "rows": ROWS}, indent=2))
+    return 0
+
+
+def run_all(args: argparse.Namespace, bandwidth: float, flops: float, gen: torch.Generator) -> None:
+    decode_cases = [(1, 512, 512), (64, 768, 768), (256, 768, 768)]
     if not args.quick:
         decode_cases = [(1, 512, 512), (1, 768, 768), (64, 512, 512), (64, 768, 768), (256, 512, 512)]
         decode_cases += [(256, 768, 768), (256, 512, 768), (32, 4096, 4096)]
@@ -388,17 +400,12 @@ def main(argv: list[str] | None = None) -> int:
         configs += [(128, 128, 8, 2), (64, 128, 4, 3), (128, 32, 8, 3), (128, 64, 4, 3)]
     for batch, new, prefix in [(1, 512, 0), (16, 512, 0), (1, 512, 2048), (16, 512, 2048)]:
         bench_prefill(batch, new, prefix, flops, gen, configs)
-    for new, prefix in [(16, 2048), (64, 2048), (64, 8192)]:
+    for new, prefix in PREFIX_SUFFIX_CASES:
         bench_prefix_suffix(new, prefix, gen)
     bench_mixed(gen)
     for tokens in (256, 8192):
         bench_store(tokens, bandwidth, gen)
         bench_fused(tokens, bandwidth)
-    _print_rows()
-    if args.json:
-        meta = {"device": torch.cuda.get_device_name(), "bandwidth": bandwidth, "flops": flops}
-        Path(args.json).write_text(json.dumps({**meta, "rows": ROWS}, indent=2))
-    return 0
 
 
 if __name__ == "__main__":
