@@ -26,7 +26,7 @@ if DEVICE is None:
 pytest.importorskip("triton")
 
 from ominix_worker.attention.base import AttentionMetadata  # noqa: E402
-from ominix_worker.attention.triton_paged import TritonPagedAttention  # noqa: E402
+from ominix_worker.attention.triton_paged import TritonPagedAttention, prefill_num_splits  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -381,3 +381,16 @@ def test_split_prefill_leaves_padding_rows_alone() -> None:
         torch.cuda.synchronize()
     assert torch.isnan(out[q_len:]).all()
     check(batch, out[:q_len], SPLIT_DTYPE)
+
+
+def test_prefill_split_count_fills_the_gpu_without_short_splits() -> None:
+    assert prefill_num_splits(32, 2112, num_sms=132) == 8  # 64 rows x 32 heads: 264 programs wanted
+    assert prefill_num_splits(32, 1024, num_sms=132) == 4  # capped at 256 keys a split
+    assert prefill_num_splits(32, 200, num_sms=132) == 1  # too short to split
+    assert prefill_num_splits(132, 100_000, num_sms=132) == 1  # the programs fill the GPU already
+    assert prefill_num_splits(8, 100_000, num_sms=132) == 32  # never more than the merge kernel takes
+    assert prefill_num_splits(32, 8192, num_sms=132, min_tokens_per_split=1024) == 8
+    for programs in range(1, 140):
+        n = prefill_num_splits(programs, 4096, num_sms=132)
+        assert (n & (n - 1)) == 0  # a power of two
+        assert n == 1 or (programs < 132 and n * 256 <= 4096)
