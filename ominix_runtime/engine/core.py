@@ -344,7 +344,7 @@ class EngineCore:
             self._rejected += 1
             raise InvalidArgument(f"request id {request.request_id!r} is already in use")
         limit = self.config.max_waiting_requests
-        if limit and sum(g.num_queued for g in self._groups) >= limit:  # not load(): no KV sums per request
+        if limit and sum(g.load().queued_requests for g in self._groups) >= limit:
             self._rejected += 1
             raise OminixError(
                 RuntimeErrorKind.ADMISSION_REJECTED, f"too many queued requests (limit {limit})"
