@@ -733,6 +733,8 @@ class TritonPagedAttention:
         if num_requests == 1 and sinks is None and meta.sliding_window == 0:
             # One request's rows, none of them a single-token request's, so every output row is merged.
             capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+            if self.prefill_splits is not None and not 1 <= self.prefill_splits <= _MAX_SPLITS:
+                raise ValueError(f"prefill_splits must be in [1, {_MAX_SPLITS}], got {self.prefill_splits}")
             splits = self.prefill_splits or prefill_num_splits(
                 tiles * num_heads,
                 meta.max_seq_len,
