@@ -58,6 +58,12 @@ def _captured(step: Callable[[], None]) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def _after_prefix_mask(new: int, prefix: int) -> torch.Tensor:
+    """SDPA's boolean mask for ``new`` queries after ``prefix`` cached keys (the bottom-right causal mask)."""
+    visible_to = prefix + torch.arange(new, device="cuda")
+    return torch.arange(prefix + new, device="cuda")[None, :] <= visible_to[:, None]
+
+
 def paged_batch(q_lens: list[int], seq_lens: list[int], layers: int, gen: torch.Generator):
     """Random K/V in ``layers`` caches behind one random, non-contiguous block table."""
     blocks = [math.ceil(s / BLOCK) for s in seq_lens]
@@ -169,10 +175,7 @@ def bench_prefill(
     case = f"B={batch} new={new} prefix={prefix}"
     k, v = gather_contiguous(caches[0], meta, prefix + new)
     q4 = query.view(batch, new, HEADS, HEAD_DIM).transpose(1, 2)
-    mask = None
-    if prefix:
-        visible_to = prefix + torch.arange(new, device="cuda")
-        mask = torch.arange(prefix + new, device="cuda")[None, :] <= visible_to[:, None]
+    mask = _after_prefix_mask(new, prefix) if prefix else None
 
     def sdpa_fn() -> torch.Tensor:
         # Fresh prompts take the flash path (is_causal); a prefix needs the bottom-right causal mask.
@@ -219,8 +222,7 @@ def bench_prefix_suffix(new: int, prefix: int, gen: torch.Generator) -> None:
     case = f"B=1 new={new} prefix={prefix}"
     k, v = gather_contiguous(caches[0], meta, prefix + new)
     q4 = query.view(1, new, HEADS, HEAD_DIM).transpose(1, 2)
-    visible_to = prefix + torch.arange(new, device="cuda")
-    mask = torch.arange(prefix + new, device="cuda")[None, :] <= visible_to[:, None]
+    mask = _after_prefix_mask(new, prefix)
     ref = F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     for splits in (1, None, 2, 4, 8):
         backend = TritonPagedAttention(BLOCK)

@@ -483,6 +483,20 @@ def prefill_num_splits(
     return 1 << (splits.bit_length() - 1)  # a power of two, never above the cap
 
 
+def _partials(
+    num_rows: int, num_heads: int, splits: int, head_dim: int, out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 split partials (rows, heads, splits, head_dim) and their log-sum-exps (rows, heads, splits);
+    unsplit, ``out`` stands in for both (the kernels never touch them then)."""
+    if splits == 1:
+        return out, out
+    shape = (num_rows, num_heads, splits)
+    return (
+        torch.empty((*shape, head_dim), dtype=torch.float32, device=out.device),
+        torch.empty(shape, dtype=torch.float32, device=out.device),
+    )
+
+
 def _merge(
     part_out: torch.Tensor,
     part_lse: torch.Tensor,
@@ -651,15 +665,7 @@ class TritonPagedAttention:
         ieee = query.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
         # A tile may straddle cache blocks: every token looks its block up, so BLOCK_N is free of block_size.
         block_n = 32 if ieee or head_dim > 128 else 64
-        if splits > 1:
-            part_out = torch.empty(
-                (num_requests, num_heads, splits, head_dim), dtype=torch.float32, device=query.device
-            )
-            part_lse = torch.empty(
-                (num_requests, num_heads, splits), dtype=torch.float32, device=query.device
-            )
-        else:
-            part_out = part_lse = out  # unused
+        part_out, part_lse = _partials(num_requests, num_heads, splits, head_dim, out)
         _decode_kernel[(num_requests, num_kv_heads, splits)](
             query,
             kv_cache,
@@ -741,14 +747,7 @@ class TritonPagedAttention:
                 sm_count(query.device, off_gpu=132),
                 _MIN_TOKENS_PER_PREFILL_SPLIT if capturing else _EAGER_MIN_TOKENS_PER_SPLIT,
             )
-        if splits > 1:
-            num_rows = query.shape[0]
-            part_out = torch.empty(
-                (num_rows, num_heads, splits, head_dim), dtype=torch.float32, device=query.device
-            )
-            part_lse = torch.empty((num_rows, num_heads, splits), dtype=torch.float32, device=query.device)
-        else:
-            part_out = part_lse = out  # unused
+        part_out, part_lse = _partials(query.shape[0], num_heads, splits, head_dim, out)
         grid = (num_requests, tiles, num_heads * splits)
         _prefill_kernel[grid](
             query,
