@@ -14,7 +14,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -197,10 +196,10 @@ def fmt(value: float | None, digits: int = 1) -> str:
 
 
 def free_port() -> int:
-    """A loopback TCP port free right now (the service binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback TCP port free right now that no other socket can be handed before the service binds it."""
+    from ominix_runtime.bind_probe import free_ports  # here: peers import this module from their own envs
+
+    return free_ports("127.0.0.1", 1)[0]
 
 
 def service_command() -> list[str]:

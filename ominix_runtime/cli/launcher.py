@@ -4,7 +4,6 @@ the engine; restart workers that die later (:class:`WorkerSupervisor`)."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import secrets
 import shutil
@@ -18,8 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ominix_runtime.bind_probe import free_ports
 from ominix_runtime.cli.commands import command
-from ominix_runtime.cli.ports import check_ports_free, free_ports
+from ominix_runtime.cli.ports import check_ports_free
 from ominix_runtime.cli.serve import check_model, engine_ports
 from ominix_runtime.cli.settings import ConfigError, child_command, child_environment
 from ominix_runtime.config import RuntimeConfig, with_paths
@@ -77,7 +77,7 @@ def worker_ports(config: RuntimeConfig) -> list[int]:
     launch = config.launch
     count = len(device_groups(config))
     if launch.worker_base_port == 0:
-        return free_ports(launch.worker_host, count)
+        return _free_ports(launch.worker_host, count, "--worker-base-port")
     return _consecutive_ports(launch.worker_base_port, count, "--worker-base-port")
 
 
@@ -89,31 +89,14 @@ def rendezvous_ports(config: RuntimeConfig) -> list[int]:
     count = len(device_groups(config))
     if launch.dist_base_port:
         return _consecutive_ports(launch.dist_base_port, count, "--dist-base-port")
-    return _ports_below_the_ephemeral_range(count)
+    return _free_ports("127.0.0.1", count, "--dist-base-port")
 
 
-def _ports_below_the_ephemeral_range(n: int) -> list[int]:
-    """Free ports below the kernel's ephemeral range: a rank retrying to connect to a port inside the range
-    can be handed that port as its own and connect to itself, taking it from rank 0."""
-    import random
-    import socket
-
-    low = 32768
-    with contextlib.suppress(OSError, ValueError):
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    candidates = list(range(max(1024, low - 12000), low))
-    random.shuffle(candidates)
-    ports: list[int] = []
-    for port in candidates:
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        ports.append(port)
-        if len(ports) == n:
-            return ports
-    raise ConfigError(f"no {n} free ports below {low} for the groups to meet at (pass --dist-base-port)")
+def _free_ports(host: str, count: int, flag: str) -> list[int]:
+    try:
+        return free_ports(host, count)
+    except OSError as exc:
+        raise ConfigError(f"{exc}: pass {flag}") from None
 
 
 def _cpu_threads_per_worker(config: RuntimeConfig) -> int:

@@ -30,17 +30,3 @@ def check_ports_free(ports: Sequence[tuple[str, int, str]]) -> None:
             raise ConfigError(f"port {port} is given to both {seen[port]} and {flag}")
         seen[port] = flag
         check_port_free(host, port, flag)
-
-
-def free_ports(host: str, count: int) -> list[int]:
-    """``count`` ports the system reports free on ``host`` (for ``--worker-base-port 0``)."""
-    probes = []
-    try:
-        for _ in range(count):
-            probe = socket.socket()
-            probe.bind((host, 0))
-            probes.append(probe)
-        return [int(p.getsockname()[1]) for p in probes]
-    finally:
-        for probe in probes:
-            probe.close()

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ominix_runtime import bind_probe
 from ominix_runtime.backends.grpc_worker import GrpcWorkerBackend
 from ominix_runtime.contract import DecodeStep, NewRequestData, RunningRequestData, SamplingParams
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
@@ -31,16 +31,7 @@ REFERENCE_TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a
 
 
 def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    return bind_probe.free_ports("127.0.0.1", n)
 
 
 @dataclass

@@ -18,6 +18,7 @@ import grpc.aio
 import pytest
 from e2e_procs import CLI, free_ports, start_proc, stop_procs, wait_health
 
+from ominix_runtime import bind_probe
 from ominix_runtime.cli.commands import command
 from ominix_runtime.cli.launcher import LaunchError, WorkerPlan, plan_workers, wait_workers_ready
 from ominix_runtime.cli.settings import resolve
@@ -25,17 +26,7 @@ from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc, worker_pb
 
 
 def _two_consecutive_free_ports() -> int:
-    for _ in range(50):
-        base = free_ports(1)[0]
-        if base >= 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-        return base
-    raise AssertionError("no two consecutive free ports")
+    return bind_probe.free_ports("127.0.0.1", 2, consecutive=True)[0]
 
 
 def _children(pid: int) -> list[int]:

@@ -96,11 +96,9 @@ def test_sigterm_to_launch_ends_a_streaming_tp2_group_without_killing_it(
 def test_a_leader_waiting_for_its_group_stops_at_once_on_sigterm(tiny_model: Path, tmp_path: Path) -> None:
     """Rank 0 alone: its loading thread waits for rank 1 to join (up to --dist-timeout 120 s). SIGTERM ends
     it within the worker's shutdown deadline, exit code 0."""
-    from ominix_worker.parallel.distributed import free_rendezvous_port
-
-    (port,) = free_ports(1)
+    port, rendezvous = free_ports(2)
     argv = [*CLI, "worker", "--model", str(tiny_model), "--device", "cpu", "--port", str(port)]
-    argv += ["--tp-size", "2", "--tp-rank", "0", "--dist-init-addr", f"127.0.0.1:{free_rendezvous_port()}"]
+    argv += ["--tp-size", "2", "--tp-rank", "0", "--dist-init-addr", f"127.0.0.1:{rendezvous}"]
     argv += ["--dist-timeout", "120", "--kv-cache-memory", "8MiB", "--num-threads", "1"]
     leader = start_proc_env("leader", argv, tmp_path, {})
     try:

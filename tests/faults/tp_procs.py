@@ -79,10 +79,7 @@ def start_tp_engine(
     """One group with a rank per device (rank 0 at worker_addresses[0]), a TP=1 worker on ``single_device``
     when given, and the engine. Yields the engine and the group's rank processes in rank order."""
     size = len(devices)
-    from ominix_worker.parallel.distributed import free_rendezvous_port
-
-    leader_port, single_port, port, metrics_port = free_ports(4)
-    dist_port = free_rendezvous_port()
+    leader_port, single_port, port, metrics_port, dist_port = free_ports(5)
     group = ["--tp-size", str(size), "--dist-init-addr", f"127.0.0.1:{dist_port}"]
     group += ["--dist-timeout", str(DIST_TIMEOUT_S), *worker_args]
     ranks: list[Proc] = []

@@ -6,7 +6,6 @@ from __future__ import annotations
 import fnmatch
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import zipfile
@@ -15,6 +14,8 @@ from pathlib import Path
 import pytest
 from obs_daemon import Scraped
 from obs_tools import DEPLOY, REPO, require_tool, run
+
+from ominix_runtime.bind_probe import free_ports
 
 DOCKERFILES = sorted(p for p in (DEPLOY / "docker").glob("Dockerfile.*") if p.suffix != ".dockerignore")
 UNITS = DEPLOY / "systemd"
@@ -106,9 +107,7 @@ def test_build_context_installs_the_package(dockerfile: Path, tmp_path: Path) ->
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports("127.0.0.1", 1)[0]
 
 
 def test_health_probe_against_a_live_engine(served: Scraped) -> None:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from ominix_runtime.bind_probe import free_ports
+
 ROOT = Path(__file__).resolve().parents[2]
 PIP_TIMEOUT_S = 900
 pytestmark = pytest.mark.slow
@@ -154,11 +156,7 @@ def test_a_base_install_runs_the_engine_side(base_install: Installed) -> None:
 
 
 def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports("127.0.0.1", 1)[0]
 
 
 def test_launch_serves_a_request_from_the_installed_wheel(base_install: Installed) -> None:

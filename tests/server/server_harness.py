@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from dataclasses import dataclass, replace
 
 import grpc
 
+from ominix_runtime.bind_probe import free_ports
 from ominix_runtime.config import LogConfig, RuntimeConfig, ServerConfig
 from ominix_runtime.models import DEFAULT_MODEL_NAME
 from ominix_runtime.pb import engine_pb2_grpc
@@ -19,9 +19,7 @@ SMOLLM2_VOCAB = 49152
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports("127.0.0.1", 1)[0]
 
 
 @dataclass

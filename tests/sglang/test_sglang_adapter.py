@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import socket
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -13,6 +12,7 @@ import aiohttp
 import pytest
 
 from ominix_runtime.backends.sglang import SGLangBackend
+from ominix_runtime.bind_probe import free_ports
 from ominix_runtime.contract import (
     BackendKind,
     Done,
@@ -295,9 +295,7 @@ def test_prompt_too_long_is_an_invalid_argument_error() -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports("127.0.0.1", 1)[0]
 
 
 def test_unreachable_server() -> None:

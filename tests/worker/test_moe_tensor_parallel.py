@@ -150,16 +150,14 @@ def test_a_group_whose_experts_do_not_divide_exits_at_startup_with_the_reason(tm
     import os
     import subprocess
 
-    from ominix_worker.parallel.distributed import free_rendezvous_port
+    from ominix_runtime.bind_probe import free_ports
     from ominix_worker.testing import write_tiny_hf_model
 
     folder = write_tiny_hf_model(
         tmp_path / "m", arch="qwen3_moe", num_experts=3, num_experts_per_tok=2, moe_intermediate_size=32,
         with_tokenizer=False,
     )  # fmt: skip
-    rendezvous, leader_port = free_rendezvous_port(), free_rendezvous_port()
-    while leader_port == rendezvous:  # only rank 0 binds the gRPC port; it must differ from the rendezvous
-        leader_port = free_rendezvous_port()
+    rendezvous, leader_port = free_ports("127.0.0.1", 2)  # two distinct ports
     addr = f"127.0.0.1:{rendezvous}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     procs = []

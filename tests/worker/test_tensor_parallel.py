@@ -33,9 +33,10 @@ def run_group(
 ) -> Any:
     """Start ``size`` rank processes of tp_logits.py (``check``: logits or graphs; ``moe_parallel``: how MoE
     layers split) and return rank 0's result."""
-    from ominix_worker.parallel.distributed import free_rendezvous_port
+    from ominix_runtime.bind_probe import free_ports
 
-    addr = f"127.0.0.1:{free_rendezvous_port()}"
+    (port,) = free_ports("127.0.0.1", 1)
+    addr = f"127.0.0.1:{port}"
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "OMP_NUM_THREADS": "1"}
     procs = []
     for rank in range(size):

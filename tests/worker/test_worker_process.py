@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -18,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from ominix_runtime import wire
+from ominix_runtime.bind_probe import free_ports
 from ominix_runtime.contract import (
     BackendKind,
     DecodeStep,
@@ -35,9 +35,7 @@ WORKER_SERVICE = "ominix.runtime.v1.Worker"
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports("127.0.0.1", 1)[0]
 
 
 def worker_command(*args: str) -> list[str]:

@@ -8,11 +8,9 @@ of captured graphs, and lets it run on its own thread.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -54,31 +52,6 @@ class RankGroup:
         out: list[object] = [None] * self.size
         dist.all_gather_object(out, item, group=self.control)
         return out
-
-
-def free_rendezvous_port(host: str = "127.0.0.1") -> int:
-    """A free port below the kernel's ephemeral range, for --dist-init-addr.
-
-    Ranks that start before rank 0 listens retry connecting to the port; with a port inside the ephemeral
-    range such a retry can be given that very port as its own source and connect to itself, and rank 0 then
-    finds the port taken. Below the range no client socket is ever bound to it.
-    """
-    import random
-    import socket
-
-    low = 32768
-    with contextlib.suppress(OSError, ValueError):
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    candidates = list(range(max(1024, low - 12000), low))
-    random.shuffle(candidates)
-    for port in candidates[:200]:
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise OSError(f"no free port below {low} on {host}")
 
 
 def parse_init_addr(text: str) -> tuple[str, int]:
