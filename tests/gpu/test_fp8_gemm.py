@@ -211,7 +211,7 @@ def test_per_channel_fp8_linear_vs_bf16(m: int) -> None:
 
 @pytest.mark.skipif(not FP8_GPU, reason="torch._scaled_mm needs an FP8 GPU")
 @pytest.mark.parametrize("block", [None, (128, 128)], ids=["per-channel", "block"])
-@pytest.mark.parametrize("m", [5, 17, 300])
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 300])
 def test_gated_down_projection_equals_the_unfused_one(block: tuple[int, int] | None, m: int) -> None:
     """``forward_gated`` (the MLP's down projection fed [gate | up]) gives the bits of ``forward`` on
     ``silu_and_mul``'s output: at every token count and scaling, fused or not."""

@@ -19,8 +19,14 @@ if DEVICE is None:
     pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
+from ominix_worker.ops.fused import silu_and_mul  # noqa: E402
 from ominix_worker.ops.weight_stream import MAX_M, weight_stream_matmul  # noqa: E402
-from ominix_worker.parallel import ColumnParallelLinear, PackableLinear, ParallelLMHead  # noqa: E402
+from ominix_worker.parallel import (  # noqa: E402
+    ColumnParallelLinear,
+    PackableLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -58,7 +64,49 @@ def test_unscaled_split_k_resets_between_calls(split_k: int) -> None:
         assert _rel(got, x.double() @ w.double().T) < VS_FLOAT64
 
 
+@pytest.mark.parametrize("m", [1, 3, MAX_M])
+@pytest.mark.parametrize(("n", "k"), [(200, 384), (72, 1408)])
+def test_gated_input_gives_the_bits_of_silu_and_mul_first(m: int, n: int, k: int) -> None:
+    """[gate | up] in, silu(gate) · up formed in the loads: the same bits as the SiLU kernel's output fed in."""
+    gen = torch.Generator().manual_seed(7 * m + n)
+    w = (torch.randn((n, k), generator=gen) / k**0.5).to(DTYPE).to(DEVICE)
+    gate_up = torch.randn((m, 2 * k), generator=gen).to(DTYPE).to(DEVICE)
+    fused = weight_stream_matmul(gate_up, w, gated=True)
+    assert fused.shape == (m, n)
+    assert torch.equal(fused, weight_stream_matmul(silu_and_mul(gate_up), w))
+
+
+def test_gated_input_of_the_wrong_width_is_refused() -> None:
+    w = torch.zeros((8, 64), dtype=DTYPE, device=DEVICE)
+    with pytest.raises(ValueError, match="gated=True"):
+        weight_stream_matmul(torch.zeros((1, 64), dtype=DTYPE, device=DEVICE), w, gated=True)
+
+
 needs_cuda = pytest.mark.skipif(not CUDA, reason="layers route CUDA tensors only")
+
+
+@needs_cuda
+def test_one_token_down_projection_takes_the_gated_kernel() -> None:
+    """The MLP's down projection at one token: the gated kernel, bit for bit the SiLU kernel then the GEMM; more
+    tokens and a turned-off stream keep the two kernels."""
+    torch.manual_seed(2)
+    layer = RowParallelLinear(384, 256, bias=False).to(device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.normal_(0, 0.05)
+    one = torch.randn((1, 768), device="cuda", dtype=torch.bfloat16)
+    fused = layer.forward_gated(one, silu_and_mul)
+    torch.testing.assert_close(fused, weight_stream_matmul(one, layer.weight, gated=True), rtol=0, atol=0)
+    torch.testing.assert_close(fused, layer(silu_and_mul(one)), rtol=0, atol=0)
+    two = torch.randn((2, 768), device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(
+        layer.forward_gated(two, silu_and_mul), layer(silu_and_mul(two)), rtol=0, atol=0
+    )
+    try:
+        PackableLinear.stream_single_token = False
+        unfused = layer.forward_gated(one, silu_and_mul)
+        torch.testing.assert_close(unfused, F.linear(silu_and_mul(one), layer.weight), rtol=0, atol=0)
+    finally:
+        PackableLinear.stream_single_token = True
 
 
 @needs_cuda

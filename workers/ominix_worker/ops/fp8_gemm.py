@@ -141,7 +141,10 @@ def fp8_linear_gated(
 ) -> torch.Tensor:
     """``fp8_linear(silu_and_mul(gate_up), ...)`` without a bias: (T, 2I) laid out [gate | up] → (T, N). With
     per-channel scales above ``SMALL_M`` tokens the product goes straight to e4m3 (``silu_and_mul_quant_fp8``):
-    the down projection's input is read once, as two bf16 halves, instead of written and read again."""
+    the down projection's input is read once, as two bf16 halves, instead of written and read again. Up to
+    ``SMALL_M`` tokens the weight-streaming kernel forms the product as it loads its input."""
+    if 0 < gate_up.shape[0] <= SMALL_M and gate_up.stride(-1) == 1:
+        return weight_stream_matmul(gate_up, weight, scale, block, gated=True)
     if gate_up.shape[0] > SMALL_M and per_row_scales(block, weight.shape[1]):
         return _per_channel_scaled_mm(*silu_and_mul_quant_fp8(gate_up), weight, scale, gate_up.dtype)
     return fp8_linear(silu_and_mul(gate_up), weight, scale, block, None)

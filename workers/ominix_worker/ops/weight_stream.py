@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ominix_worker.devices import sm_count
+from ominix_worker.ops.fused import silu_times
 from ominix_worker.ops.fused_moe import per_row_scales
 
 # The largest token count the kernel takes: one 16-row MMA tile.
@@ -57,6 +58,7 @@ def _weight_stream_kernel(
     PER_CHANNEL: tl.constexpr,
     SPLIT_K: tl.constexpr,
     USE_DOT: tl.constexpr,
+    GATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -66,7 +68,9 @@ def _weight_stream_kernel(
     the weight is in the activation dtype. USE_DOT: a BLOCK_M-row tensor-core dot per K block; otherwise each of
     the BLOCK_M tokens is multiplied into the float32 weight tile and summed over K. With SPLIT_K > 1 each
     program stores its float32 partial sum; the last of a column tile's programs to arrive (a counter per tile,
-    reset by that program) adds them and writes the output, so the reduction needs no second kernel."""
+    reset by that program) adds them and writes the output, so the reduction needs no second kernel. GATED: x
+    is a gated MLP's [gate | up] (M, 2K) and the GEMM's input is silu(gate) · up, formed as it is loaded and
+    rounded as ``ops.fused.silu_and_mul`` rounds it: a down projection without its own SiLU kernel."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
@@ -86,12 +90,20 @@ def _weight_stream_kernel(
         w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if USE_DOT:
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            if GATED:
+                up = tl.load(x_ptrs + K, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                x = silu_times(x.to(tl.float32), up)
             part = tl.dot(x, w.to(x.dtype))
         else:
             wf = w.to(tl.float32)
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for m in tl.static_range(BLOCK_M):
                 xm = tl.load(x_row_ptrs + m * stride_xm, mask=k_mask & (offs_k * 0 + m < M), other=0.0)
+                if GATED:
+                    up = tl.load(
+                        x_row_ptrs + m * stride_xm + K, mask=k_mask & (offs_k * 0 + m < M), other=0.0
+                    )
+                    xm = silu_times(xm.to(tl.float32), up)
                 row = tl.sum(wf * xm.to(tl.float32)[:, None], axis=0)
                 part = tl.where(offs_m[:, None] == m, row[None, :], part)
         if PER_CHANNEL or not SCALED:
@@ -158,13 +170,19 @@ def weight_stream_matmul(
     num_stages: int = 3,
     num_warps: int = 0,
     use_dot: bool | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """x (M ≤ MAX_M, K) @ (weight (N, K) · scales)ᵀ in x's dtype. ``scale`` None: the weight is used as it is
     (``block`` unused); else ``block`` is its scale block, (1, K) per channel. ``use_dot`` None takes the tensor
     cores above ``GEMV_M`` tokens; ``block_n``, ``block_k``, ``split_k`` and ``num_warps`` 0 are chosen from
-    that, the scaling, the shape and the SM count."""
-    m, k = x.shape
-    n = weight.shape[0]
+    that, the scaling, the shape and the SM count. ``gated``: x is (M, 2K) laid out [gate | up] and the product
+    is ``silu_and_mul(x) @ (...)ᵀ``, without the intermediate written."""
+    m, width = x.shape
+    n, k = weight.shape
+    if width != (2 * k if gated else k) or x.stride(-1) != 1:
+        raise ValueError(
+            f"input {tuple(x.shape)} (stride {x.stride()}) for a weight of {k} columns, gated={gated}"
+        )
     if m > MAX_M:
         raise ValueError(f"{m} tokens: the weight-streaming GEMM takes at most {MAX_M}")
     if use_dot is None:
@@ -190,7 +208,7 @@ def weight_stream_matmul(
     _weight_stream_kernel[(tiles, split_k)](
         x, weight, s, out, partial, arrivals, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         s.stride(0), GROUP_N=block[0], GROUP_K=max(block[1], 1), SCALED=scaled, PER_CHANNEL=per_channel,
-        SPLIT_K=split_k, USE_DOT=use_dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SPLIT_K=split_k, USE_DOT=use_dot, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
