@@ -72,11 +72,37 @@ class PrefixHit:
 
     group_block_ids: tuple[tuple[int, ...], ...] = ()
     num_tokens: int = 0
+    # Per group: the chained hash of the hit's last block (the parent of the first block after it), so the lease
+    # registers its later blocks without hashing the hit's again. Derived from the blocks: not compared.
+    group_chain_ends: tuple[int, ...] = field(default=(), compare=False)
 
     @property
     def kv_block_ids(self) -> tuple[int, ...]:
         """Group 0's hit blocks."""
         return self.group_block_ids[0] if self.group_block_ids else ()
+
+
+class _HashChain:
+    """One group's chained block hashes over a token sequence, computed up to the furthest block asked for."""
+
+    def __init__(self, token_ids: Sequence[int], span: int) -> None:
+        self._token_ids = token_ids
+        self._span = span
+        self._keys: list[tuple[int, tuple[int, ...]]] = []
+        self._hashes: list[int] = []
+
+    def link(self, index: int) -> tuple[tuple[int, tuple[int, ...]], int]:
+        """Block ``index``'s key ``(parent hash, its tokens)`` and that key's hash."""
+        span, keys, hashes = self._span, self._keys, self._hashes
+        for i in range(len(keys), index + 1):
+            key = (hashes[-1] if hashes else _ROOT_HASH, tuple(self._token_ids[i * span : (i + 1) * span]))
+            keys.append(key)
+            hashes.append(hash(key))
+        return keys[index], hashes[index]
+
+    def parent_of(self, index: int) -> int:
+        """The parent hash of block ``index``: the chained hash of the blocks before it."""
+        return self.link(index - 1)[1] if index else _ROOT_HASH
 
 
 class _BlockPool:
@@ -118,15 +144,15 @@ class _BlockPool:
             if block.block_hash is None or reuse_first:  # no content worth keeping (or the least worth it)
                 self.free.move_to_end(block_id, last=False)
 
-    def lookup(self, key: tuple[int, tuple[int, ...]]) -> int | None:
-        block_id = self.cache.get(hash(key))
+    def lookup(self, key: tuple[int, tuple[int, ...]], block_hash: int) -> int | None:
+        """The cached block of ``key`` (whose hash is ``block_hash``), if any."""
+        block_id = self.cache.get(block_hash)
         if block_id is None or self.blocks[block_id].hash_key != key:
             return None
         return block_id
 
-    def register(self, block_id: int, key: tuple[int, tuple[int, ...]]) -> None:
+    def register(self, block_id: int, key: tuple[int, tuple[int, ...]], block_hash: int) -> None:
         block = self.blocks[block_id]
-        block_hash = hash(key)
         if block.block_hash is None and block_hash not in self.cache:
             block.block_hash = block_hash
             block.hash_key = key
@@ -326,21 +352,14 @@ class KVRegistry:
             return PrefixHit()
         step = self.hit_granularity
         limit = self._hit_limit(len(token_ids))
-        # Each group chains its hashes over the tokens its blocks cover.
-        keys: list[list[tuple[int, tuple[int, ...]]]] = []
-        for pool in self._pools:
-            span = pool.group.tokens_per_block
-            chain: list[tuple[int, tuple[int, ...]]] = []
-            parent = _ROOT_HASH
-            for i in range(limit // span):
-                chain.append((parent, tuple(token_ids[i * span : (i + 1) * span])))
-                parent = hash(chain[-1])
-            keys.append(chain)
+        # Each group chains its hashes over the tokens its blocks cover, as far as a lookup reaches: a prompt
+        # with nothing cached hashes one block.
+        chains = [_HashChain(token_ids, pool.group.tokens_per_block) for pool in self._pools]
         found: list[dict[int, int | None]] = [{} for _ in self._pools]
 
         def lookup(g: int, i: int) -> int | None:
             if i not in found[g]:
-                found[g][i] = self._pools[g].lookup(keys[g][i])
+                found[g][i] = self._pools[g].lookup(*chains[g].link(i))
             return found[g][i]
 
         num_hit = limit  # tokens, a multiple of step
@@ -373,7 +392,11 @@ class KVRegistry:
         if record:
             self.prefix_query_tokens += len(token_ids)
             self.prefix_hit_tokens += num_hit
-        return PrefixHit(tuple(per_group), num_hit)
+        ends = tuple(
+            chain.parent_of(num_hit // pool.group.tokens_per_block)
+            for chain, pool in zip(chains, self._pools, strict=True)
+        )
+        return PrefixHit(tuple(per_group), num_hit, ends)
 
     # ---- allocation -----------------------------------------------------------------------------------
 
@@ -435,6 +458,10 @@ class KVRegistry:
                         pool.ref(b)
                     table.append(b)
             state.lease.num_prefix_hit_tokens = prefix.num_tokens if prefix is not None else 0
+            if prefix is not None and prefix.group_chain_ends:  # the hit's blocks are registered already
+                for g, pool in enumerate(self._pools):
+                    state.num_hashed_blocks[g] = prefix.num_tokens // pool.group.tokens_per_block
+                    state.last_hashes[g] = prefix.group_chain_ends[g]
         added = list(groups_prefix[0])
         for g, (pool, table) in enumerate(zip(self._pools, state.lease.block_tables, strict=True)):
             for _ in range(needs[g]):
@@ -501,9 +528,10 @@ class KVRegistry:
             num_full = min(known // span, len(table))
             for i in range(state.num_hashed_blocks[g], num_full):
                 key = (state.last_hashes[g], tuple(token_ids[i * span : (i + 1) * span]))
+                block_hash = hash(key)
                 if table[i] != NULL_BLOCK_ID:  # a slid-out block is gone; the chain continues
-                    pool.register(table[i], key)
-                state.last_hashes[g] = hash(key)
+                    pool.register(table[i], key, block_hash)
+                state.last_hashes[g] = block_hash
             state.num_hashed_blocks[g] = max(state.num_hashed_blocks[g], num_full)
         state.next_full_tokens = min(
             (n + 1) * p.group.tokens_per_block

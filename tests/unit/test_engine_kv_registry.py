@@ -70,6 +70,29 @@ def test_shared_prefix_blocks_are_ref_counted() -> None:
     reg.check_integrity()
 
 
+def test_a_lease_started_from_a_hit_caches_its_later_blocks_on_the_same_chain() -> None:
+    """The hit carries its chain's end, so the lease hashes only the blocks after it; a follow-up prompt that
+    extends the second request hits all of them, and a prompt that differs inside the hit hits none after."""
+    reg = KVRegistry("w", num_blocks=16, block_size=BS)
+    first = list(range(100, 109))  # 2 full blocks + 1 token
+    reg.allocate("a", len(first))
+    reg.cache_blocks("a", first, len(first))
+    second = first[:8] + list(range(200, 209))  # the 2 blocks, then 2 more full blocks + 1 token
+    hit = reg.find_prefix(second)
+    assert hit.num_tokens == 8 and len(hit.group_chain_ends) == 1
+    reg.allocate("b", len(second), hit)
+    reg.cache_blocks("b", second, len(second))
+    assert reg.find_prefix(second + [1]).num_tokens == 16
+    fresh = KVRegistry("w", num_blocks=16, block_size=BS)  # the same blocks hashed from the root
+    fresh.allocate("c", len(second))
+    fresh.cache_blocks("c", second, len(second))
+    assert fresh.find_prefix(second + [1]).num_tokens == 16
+    assert reg.find_prefix(second + [1]).group_chain_ends == fresh.find_prefix(second + [1]).group_chain_ends
+    changed = [first[0] + 1] + second[1:] + [1]
+    assert reg.find_prefix(changed).num_tokens == 0
+    reg.check_integrity()
+
+
 def test_integrity_check_catches_corruption() -> None:
     reg = KVRegistry("w", num_blocks=4, block_size=BS)
     reg.allocate("a", BS)
