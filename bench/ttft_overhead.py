@@ -52,7 +52,15 @@ def fake_service(front_procs: int, work_dir: Path) -> Iterator[tuple[str, list[W
     worker_argv = [sys.executable, str(HERE / "engine_overhead.py"), "--role", "worker", "--port", str(wport)]
     worker_argv += ["--concurrency", "1", "--step-ms", "0", "--model-name", MODEL_NAME]
     engine_argv = [sys.executable, "-m", "ominix_runtime", "serve", "--model", MODEL, "--worker"]
-    engine_argv += [f"127.0.0.1:{wport}", "--port", str(eport), "--metrics-port", "0", "--log-level", "warning"]
+    engine_argv += [
+        f"127.0.0.1:{wport}",
+        "--port",
+        str(eport),
+        "--metrics-port",
+        "0",
+        "--log-level",
+        "warning",
+    ]
     engine_argv += ["--front-procs", str(front_procs)]
     watched: list[WatchedProcess] = []
     procs: list[subprocess.Popen[bytes]] = []
@@ -108,9 +116,12 @@ async def measure(address: str, args: argparse.Namespace, watched: list[WatchedP
 
     prefix = [1000 + (i * 7919) % 100000 for i in range(args.prefix_len)]
     shapes = {
-        f"short ({args.short_len} tokens)": lambda i: [5000 + (i * 131 + j) % 90000 for j in range(args.short_len)],
-        f"shared prefix ({args.prefix_len} cached + {args.suffix_len} new)": lambda i: prefix
-        + [7000 + (i * 257 + j) % 90000 for j in range(args.suffix_len)],
+        f"short ({args.short_len} tokens)": lambda i: [
+            5000 + (i * 131 + j) % 90000 for j in range(args.short_len)
+        ],
+        f"shared prefix ({args.prefix_len} cached + {args.suffix_len} new)": lambda i: (
+            prefix + [7000 + (i * 257 + j) % 90000 for j in range(args.suffix_len)]
+        ),
     }
     out: dict[str, Any] = {}
     async with AsyncEngineClient(address) as client:
@@ -133,7 +144,9 @@ async def measure(address: str, args: argparse.Namespace, watched: list[WatchedP
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--front-procs", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--trials", type=int, default=200)
     parser.add_argument("--short-len", type=int, default=16)
