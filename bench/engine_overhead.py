@@ -155,7 +155,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                         and all(r.num_scheduled_tokens == 1 for r in step.running_requests)
                     )
                     start = max(arrival, gpu_free)
-                    gpu_free = start + self.step_s
+                    # A step that only carries finished ids (the engine sends one when a request ends) runs
+                    # no forward on a GPU worker: it costs no device time.
+                    if step.new_requests or step.running_requests:
+                        gpu_free = start + self.step_s
+                    else:
+                        gpu_free = start
                     self.steps.append((arrival, start, gpu_free, steady))
                     outbox.put_nowait((gpu_free, self._answer(step)))
             finally:

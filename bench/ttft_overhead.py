@@ -45,12 +45,14 @@ WARMUP = 20
 
 
 @contextmanager
-def fake_service(front_procs: int, work_dir: Path) -> Iterator[tuple[str, list[WatchedProcess]]]:
+def fake_service(
+    front_procs: int, step_ms: float, work_dir: Path
+) -> Iterator[tuple[str, list[WatchedProcess]]]:
     """A fake worker and a ``serve`` engine on free ports; both stopped on exit."""
     wport, eport = free_port(), free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     worker_argv = [sys.executable, str(HERE / "engine_overhead.py"), "--role", "worker", "--port", str(wport)]
-    worker_argv += ["--concurrency", "1", "--step-ms", "0", "--model-name", MODEL_NAME]
+    worker_argv += ["--concurrency", "1", "--step-ms", str(step_ms), "--model-name", MODEL_NAME]
     engine_argv = [sys.executable, "-m", "ominix_runtime", "serve", "--model", MODEL, "--worker"]
     engine_argv += [
         f"127.0.0.1:{wport}",
@@ -98,13 +100,13 @@ async def time_to_first_token(client: Any, request: Any) -> float:
     return first
 
 
-def make_request(request_id: str, ids: list[int]) -> Any:
+def make_request(request_id: str, ids: list[int], max_tokens: int) -> Any:
     from ominix_runtime.pb import common_pb2, engine_pb2
 
     request = engine_pb2.GenerateRequest(
         request_id=request_id,
         model=MODEL_NAME,
-        sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
         stream=True,
     )
     request.input_ids.ids.extend(ids)
@@ -131,7 +133,9 @@ async def measure(address: str, args: argparse.Namespace, watched: list[WatchedP
                 dead = [w.failure(s) for w in watched if (s := w.exit_status()) is not None]
                 if dead:
                     raise ServiceDied("\n".join(dead))
-                ttft = await time_to_first_token(client, make_request(f"{shape[:5]}-{i}", prompt(i)))
+                ttft = await time_to_first_token(
+                    client, make_request(f"{shape[:5]}-{i}", prompt(i), args.max_tokens)
+                )
                 if i >= WARMUP:
                     ttfts.append(ttft * 1e3)
             out[shape] = {
@@ -152,18 +156,23 @@ def main() -> int:
     parser.add_argument("--short-len", type=int, default=16)
     parser.add_argument("--prefix-len", type=int, default=2048)
     parser.add_argument("--suffix-len", type=int, default=64)
+    parser.add_argument(
+        "--step-ms", type=float, default=0.0, help="the fake worker's step time (a stand-in for the device's)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=1, help="outputs per request (TTFT is the first)")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     report: dict[str, Any] = {}
     for fronts in args.front_procs:
         with tempfile.TemporaryDirectory(prefix="ttft-overhead-") as tmp:
             try:
-                with fake_service(fronts, Path(tmp)) as (address, watched):
+                with fake_service(fronts, args.step_ms, Path(tmp)) as (address, watched):
                     report[f"front_procs={fronts}"] = asyncio.run(measure(address, args, watched))
             except ServiceDied as exc:
                 print(f"ttft_overhead.py: {exc}", file=sys.stderr)
                 return 1
-    print(f"TTFT through the service, a worker that answers at once; load {os.getloadavg()[0]:.2f}")
+    worker = f"a worker step of {args.step_ms:g} ms" if args.step_ms else "a worker that answers at once"
+    print(f"TTFT through the service, {worker}, {args.max_tokens} outputs; load {os.getloadavg()[0]:.2f}")
     for fronts, shapes in report.items():
         for shape, row in shapes.items():
             print(
