@@ -3,7 +3,8 @@
 W1: 256 requests x 512 random prompt tokens x 256 output tokens (ignore_eos), all sent at once; then the same
 prompts again, which the prefix cache should serve. Reports output tok/s of both passes and their ratio.
 ``--batch1``: one request (512-token prompt, 256 outputs) alone: TPOT. ``--shared-prefix``: request B shares a
-2,048-token prefix with the finished request A: TTFT of A (cold) vs B (warm).
+2,048-token prefix with the finished request A: TTFT of A (cold) vs B (warm), one request at a time over one
+open connection (a router's), whose first call is not timed.
 
 Either targets a running engine (``--address``) or starts one (``--launch``; every argument this script does
 not know is passed to ``ominix-runtime launch``), stopping it at the end:
@@ -27,8 +28,9 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +57,9 @@ from bench.serve import (  # noqa: E402
     fetch_model_facts,
     format_report,
     run_benchmark,
+    send_one,
 )
+from ominix_runtime.client import AsyncEngineClient  # noqa: E402
 from ominix_runtime.models import DEFAULT_MODEL_NAME, embedded_model_path  # noqa: E402
 
 
@@ -195,16 +199,24 @@ async def run_shared_prefix(
     cold_ms: list[float] = []
     warm_ms: list[float] = []
     cached = 0
-    for trial in range(args.prefix_trials):
-        first, second = build_random_requests(config, facts, seed=args.seed + 3000 + trial)
-        a = await run_benchmark(address, config, [first])
-        b = await run_benchmark(address, config, [second])
-        for name, result in (("A", a), ("B", b)):
-            if result.metrics.failed:
-                raise RuntimeError(f"shared-prefix request {name} failed: {result.errors()}")
-        cold_ms.append(a.metrics.ttft.mean_ms)
-        warm_ms.append(b.metrics.ttft.mean_ms)
-        cached = b.requests[0].cached_tokens
+    async with AsyncEngineClient(address) as client:
+        await client.wait_ready(30.0)
+        # The connection's first call is not timed: it sets up what every later call on it reuses.
+        (untimed,) = build_random_requests(replace(config, num_requests=1), facts, seed=args.seed + 2999)
+        await send_one(client, untimed, config, f"prefix-{uuid.uuid4().hex[:8]}-untimed")
+        for trial in range(args.prefix_trials):
+            first, second = build_random_requests(config, facts, seed=args.seed + 3000 + trial)
+            tag = f"prefix-{uuid.uuid4().hex[:8]}-{trial}"
+            a = await send_one(client, first, config, f"{tag}-a")
+            b = await send_one(client, second, config, f"{tag}-b")
+            ttft_ms = []
+            for name, result in (("A", a), ("B", b)):
+                if not result.success or result.first_token_time is None:
+                    raise RuntimeError(f"shared-prefix request {name} failed: {result.error}")
+                ttft_ms.append(result.first_token_time * 1e3)
+            cold_ms.append(ttft_ms[0])
+            warm_ms.append(ttft_ms[1])
+            cached = b.cached_tokens
     report.runs["shared_prefix"] = {"ttft_cold_ms": cold_ms, "ttft_warm_ms": warm_ms}
     cold, warm = statistics.median(cold_ms), statistics.median(warm_ms)
     prompt = f"{args.prefix_len}+{args.prefix_suffix_len} tokens"

@@ -275,6 +275,19 @@ async def _send_one(
         result.error = "finished without any token"
 
 
+async def send_one(
+    client: AsyncEngineClient, spec: RequestSpec, config: BenchConfig, request_id: str
+) -> RequestResult:
+    """One request over an open ``client``; its times are seconds since it was sent. For latency measured one
+    request at a time over one connection, as a router keeps its connections open (``run_benchmark`` opens new
+    channels for each run)."""
+    result = RequestResult(index=0, request_id=request_id)
+    await _send_one(
+        client, to_pb_request(spec, config, request_id), result, time.perf_counter(), config.request_timeout_s
+    )
+    return result
+
+
 @dataclass(slots=True)
 class LoadSample:
     """The engine's load at ``time_s`` (seconds since the run started), summed over its backends."""
