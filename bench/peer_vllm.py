@@ -6,7 +6,9 @@
 
 W1: N requests of P random prompt tokens, exactly O forced output tokens each (greedy, no EOS), submitted at once,
 after a 32-request warm-up; timed twice (the second run hits vLLM's prefix cache: same prompts). Then batch-1 TPOT:
-one P-token prompt, (time of 128 tokens - time of 2 tokens) / 126. ``--quantization fp8`` quantizes the dummy bf16
+one P-token prompt, (time of 128 tokens - time of 2 tokens) / 126. Then shared-prefix TTFT, the shape of
+``bench/offline.py --shared-prefix``: A (a fresh 2,048-token prefix + 64 tokens), then B (the same prefix + 64
+others: a prefix-cache hit), each alone, timed as a one-token ``generate``; medians over ``--prefix-trials`` prefixes. ``--quantization fp8`` quantizes the dummy bf16
 weights to FP8 at load (vLLM's online FP8, W8A8 on Hopper), as ``--quantization fp8`` does ours. Needs vllm
 importable (the peers README under shared/peers/vllm says how to carry it to a GPU machine). One line per figure,
 ``vLLM ...``; ``--json`` writes them too.
@@ -152,7 +154,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=128000, help="prompt token ids are drawn below this")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.90)
-    parser.add_argument("--max-model-len", type=int, default=2048, help="at least input-len + output-len")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=4096,
+        help="above input-len + output-len and the shared-prefix prompt",
+    )
     parser.add_argument(
         "--again",
         action=argparse.BooleanOptionalAction,
@@ -160,6 +167,12 @@ def main() -> None:
         help="time W1 a second time (prefix hits)",
     )
     parser.add_argument("--batch1", action=argparse.BooleanOptionalAction, default=True, help="batch-1 TPOT")
+    parser.add_argument(
+        "--shared-prefix", action=argparse.BooleanOptionalAction, default=True, help="shared-prefix TTFT"
+    )
+    parser.add_argument("--prefix-len", type=int, default=2048)
+    parser.add_argument("--prefix-suffix-len", type=int, default=64)
+    parser.add_argument("--prefix-trials", type=int, default=3)
     parser.add_argument(
         "--allreduce-fusion",
         action=argparse.BooleanOptionalAction,
@@ -172,6 +185,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.input_len + args.output_len > args.max_model_len:
         parser.error(f"--max-model-len {args.max_model_len} < input-len + output-len")
+    if args.shared_prefix and args.prefix_len + args.prefix_suffix_len + 1 > args.max_model_len:
+        parser.error(
+            f"--max-model-len {args.max_model_len} does not hold the shared-prefix prompt and its token"
+        )
 
     import torch
     from vllm import SamplingParams
@@ -227,6 +244,14 @@ def main() -> None:
         if args.batch1:
             figures["batch1_tpot_ms"] = batch1_tpot_ms(llm, prompts[0])
             print(f"vLLM {label} batch-1 TPOT {figures['batch1_tpot_ms']:.2f} ms", flush=True)
+        if args.shared_prefix:
+            cold, warm = shared_prefix_ttft_ms(llm, args)
+            figures["prefix_ttft_cold_ms"], figures["prefix_ttft_warm_ms"] = cold, warm
+            print(
+                f"vLLM {label} shared-prefix {args.prefix_len}+{args.prefix_suffix_len}: TTFT cold {cold:.2f} ms, "
+                f"warm {warm:.2f} ms",
+                flush=True,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))
 
@@ -247,6 +272,30 @@ def batch1_tpot_ms(llm: Any, prompt: list[int]) -> float:
     llm.generate(one, long, use_tqdm=False)
     long_s = time.perf_counter() - t
     return round((long_s - two_s) / 126 * 1000, 3)
+
+
+def shared_prefix_ttft_ms(llm: Any, args: argparse.Namespace) -> tuple[float, float]:
+    """Median one-token ``generate`` times of A (cold) and B (A's prefix cached) over ``args.prefix_trials``
+    fresh prefixes. The offline API returns nothing before the request ends: with one output token its time is
+    the TTFT plus the end of one request."""
+    import statistics
+
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    gen = torch.Generator().manual_seed(7)
+    cold: list[float] = []
+    warm: list[float] = []
+    for _ in range(args.prefix_trials):
+        prefix = torch.randint(0, args.vocab, (args.prefix_len,), generator=gen).tolist()
+        for times in (cold, warm):
+            suffix = torch.randint(0, args.vocab, (args.prefix_suffix_len,), generator=gen).tolist()
+            t = time.perf_counter()
+            llm.generate([TokensPrompt(prompt_token_ids=prefix + suffix)], one, use_tqdm=False)
+            times.append((time.perf_counter() - t) * 1000)
+    return round(statistics.median(cold), 3), round(statistics.median(warm), 3)
 
 
 if __name__ == "__main__":

@@ -137,12 +137,26 @@ def test_peer_vllm_figures_and_its_model_folder(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     assert figures["dummy_init"] == "unit-norms" and figures["model"] == "config bf16 TP1"
     assert {"init_s", "w1_cold_out_tok_s", "w1_again_out_tok_s", "batch1_tpot_ms"} <= set(figures)
+    assert figures["prefix_ttft_cold_ms"] > 0 and figures["prefix_ttft_warm_ms"] > 0
+    assert "shared-prefix 2048+64: TTFT cold" in done.stdout
     assert figures["w1_cold_out_tok_s"] > 0 and figures["w1_again_out_tok_s"] > 0
     assert (figures["kv_blocks"], figures["kv_block_size"]) == (7, 16)  # the stand-in's cache config
     assert "KV cache: 7 blocks of 16 tokens" in done.stdout
     assert "vLLM dummy init unit-norms: 2 parameters set" in done.stdout
     # The stand-in refuses to generate once its folder is gone, so the folder lived through the runs; now it is gone.
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_peer_vllm_refuses_a_max_model_len_that_cannot_hold_the_shared_prefix(tmp_path: Path) -> None:
+    args = ["--config", str(small_moe_config(tmp_path)), "--num-requests", "2", "--input-len", "4", "--output-len",
+            "3", "--max-model-len", "2112"]  # fmt: skip
+    refused = run_with_stand_in("peer_vllm.py", args, tmp_path)
+    assert refused.returncode == 2 and "does not hold the shared-prefix prompt" in refused.stderr
+    done = run_with_stand_in(
+        "peer_vllm.py", [*args, "--no-shared-prefix", "--no-batch1", "--no-again"], tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "shared-prefix" not in done.stdout
 
 
 def test_peer_vllm_redraws_its_dummy_model_as_ours_and_refuses_it_with_fp8(tmp_path: Path) -> None:

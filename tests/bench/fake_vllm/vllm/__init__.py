@@ -43,6 +43,7 @@ class LLM:
             raise ValueError("the stand-in loads dummy weights only")
         print(f"stand-in LLM options: {sorted(options)}", flush=True)
         self.folder = Path(model)
+        self.max_model_len = int(options.get("max_model_len", 2048))
         self.model = _Model()
         cache = types.SimpleNamespace(cache_dtype="auto", num_gpu_blocks=7, block_size=16)
         self.llm_engine = types.SimpleNamespace(vllm_config=types.SimpleNamespace(cache_config=cache))
@@ -54,6 +55,10 @@ class LLM:
         if not self.folder.is_dir():
             raise FileNotFoundError(f"the model folder {self.folder} was removed while the LLM is in use")
         from vllm.model_executor.layers.fused_moe.experts import triton_moe
+
+        for prompt in prompts:  # as vLLM refuses a request its max_model_len cannot hold
+            if len(prompt["prompt_token_ids"]) + params.max_tokens > self.max_model_len:
+                raise ValueError(f"prompt + max_tokens exceeds max_model_len {self.max_model_len}")
 
         for _ in range(params.max_tokens):
             for layer in self.model.layers:
