@@ -79,7 +79,7 @@ for stage in $GPT_OSS_STAGES; do
       peer "$OUT/w1" ;;
     peer-long)
       peer "$OUT/long" --num-requests 64 --input-len 8192 --output-len 256 --max-model-len 8448 --no-again \
-        --no-batch1 ;;
+        --no-batch1 --no-shared-prefix ;;
     peer-long-profile)
       mkdir -p "$OUT/long-probe"
       for run in "prefill --num-requests 16 --output-len 8" "decode --num-requests 64 --output-len 32 --again"; do
