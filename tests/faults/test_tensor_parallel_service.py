@@ -21,8 +21,11 @@ from ominix_runtime.contract import (
 from ominix_runtime.pb import engine_pb2
 
 GREEDY_TOKENS = 24
-# 24 blocks of 16 tokens per rank: eight requests of ~60 tokens need ~32, so some are preempted.
+# 24 blocks of 16 tokens per rank. Eight prompts of 36-40 tokens take 3 blocks each; with 64 outputs each request
+# grows to 7 blocks, so any four of them running together outgrow the cache and one is preempted, however the
+# arrivals spread (with 24 outputs, 4 blocks each, six admitted at once fit and none had to be).
 SMALL_KV = ("--kv-cache-memory", "96KiB")
+PREEMPTING_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +71,7 @@ def test_tp2_service_states_its_ranks_and_gives_tp1_greedy_tokens_with_prefix_hi
     tiny_model: Path, tmp_path: Path
 ) -> None:
     prompts = [prompt(i, 36 + i % 5) for i in range(8)]
-    reference = greedy_reference(tiny_model, prompts, GREEDY_TOKENS)
+    reference = greedy_reference(tiny_model, prompts, PREEMPTING_TOKENS)
     with start_tp_engine(str(tiny_model), tmp_path, worker_args=SMALL_KV) as (engine, _):
         (backend,) = engine.stub.ListBackends(engine_pb2.ListBackendsRequest(), timeout=5).backends
         assert backend.tensor_parallel_size == 2 and backend.collective_backend == "gloo"
@@ -81,7 +84,7 @@ def test_tp2_service_states_its_ranks_and_gives_tp1_greedy_tokens_with_prefix_hi
         with ThreadPoolExecutor(len(prompts)) as pool:
             outs = list(
                 pool.map(
-                    lambda i: stream_one(engine.stub, request(f"p{i}", prompts[i], GREEDY_TOKENS), 120),
+                    lambda i: stream_one(engine.stub, request(f"p{i}", prompts[i], PREEMPTING_TOKENS), 120),
                     range(len(prompts)),
                 )
             )
@@ -95,7 +98,7 @@ def test_tp2_service_states_its_ranks_and_gives_tp1_greedy_tokens_with_prefix_hi
         for attempt in ("warm", "again"):
             tokens: list[int] = []
             usage = None
-            for ev in engine.stub.Generate(request(attempt, prompts[0], GREEDY_TOKENS), timeout=120):
+            for ev in engine.stub.Generate(request(attempt, prompts[0], PREEMPTING_TOKENS), timeout=120):
                 if ev.WhichOneof("event") == "usage":
                     usage = ev.usage
                 elif ev.WhichOneof("event") == "token":
