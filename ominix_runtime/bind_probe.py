@@ -22,36 +22,49 @@ def probe_bind(host: str, port: int) -> None:
 
 # The kernel hands ports in [low, high] of this range to every bind to port 0 and every outgoing connection.
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-DEFAULT_EPHEMERAL_LOW = 32768
-# How far below the ephemeral range ports are looked for (clear of the well-known and registered low ports).
+DEFAULT_EPHEMERAL_RANGE = (32768, 60999)
+# How far outside the ephemeral range ports are looked for (below it: clear of the well-known and registered low
+# ports).
 SEARCH_SPAN = 12000
+LOWEST_PORT = 1024
+HIGHEST_PORT = 65535
 
 
-def ephemeral_low() -> int:
-    """The lowest port the kernel assigns on its own."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        return int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
-    return DEFAULT_EPHEMERAL_LOW
+def ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel assigns on its own, lowest and highest."""
+    with contextlib.suppress(OSError, ValueError):
+        low, high = (int(word) for word in EPHEMERAL_RANGE_FILE.read_text().split()[:2])
+        return low, high
+    return DEFAULT_EPHEMERAL_RANGE
+
+
+def search_window(count: int) -> range:
+    """Where ``free_ports`` looks: below the ephemeral range, else above it; where the range leaves no room on
+    either side for ``count`` ports (a host that widened it), every unprivileged port, at the old risk."""
+    low, high = ephemeral_range()
+    below = range(max(LOWEST_PORT, low - SEARCH_SPAN), low)
+    above = range(high + 1, min(HIGHEST_PORT, high + SEARCH_SPAN) + 1)
+    for window in (below, above):
+        if len(window) >= count:
+            return window
+    return range(LOWEST_PORT, HIGHEST_PORT + 1)
 
 
 def free_ports(host: str, count: int, *, consecutive: bool = False) -> list[int]:
-    """``count`` distinct ports free on ``host`` now, below the kernel's ephemeral range.
+    """``count`` distinct ports free on ``host`` now, outside the kernel's ephemeral range.
 
     A port the kernel reports free for ``bind(0)`` is inside that range, and between the probe and the real bind
     any process may be given the same port for its own ``bind(0)`` (gloo's pair listeners) or as the source of an
-    outgoing connection (a rank retrying rank 0, a gRPC channel). Below the range no socket gets a port it did not
-    name. ``consecutive`` asks for ``count`` adjacent ports (a ``--worker-base-port`` block).
+    outgoing connection (a rank retrying rank 0, a gRPC channel). Outside the range no socket gets a port it did
+    not name. ``consecutive`` asks for ``count`` adjacent ports (a ``--worker-base-port`` block).
     """
-    low = ephemeral_low()
-    start = max(1024, low - SEARCH_SPAN)
-    if low - start < count:
-        raise OSError(f"no room below the ephemeral range (it starts at {low}) for {count} ports")
+    window = search_window(count)
     # A random start keeps concurrent callers (parallel tests, several launches) apart.
-    offset = random.randrange(low - start)
+    offset = random.randrange(len(window))
     probes: list[socket.socket] = []
     try:
-        for step in range(low - start):
-            port = start + (offset + step) % (low - start)
+        for step in range(len(window)):
+            port = window[(offset + step) % len(window)]
             if consecutive and probes and port != probes[-1].getsockname()[1] + 1:
                 _close_all(probes)
             probe = _held(host, port)
@@ -64,7 +77,7 @@ def free_ports(host: str, count: int, *, consecutive: bool = False) -> list[int]
                 return [int(p.getsockname()[1]) for p in probes]
     finally:
         _close_all(probes)
-    raise OSError(f"no {count} free ports on {host} below {low}")
+    raise OSError(f"no {count} free ports on {host} in {window.start}-{window.stop - 1}")
 
 
 def _held(host: str, port: int) -> socket.socket | None:

@@ -1,4 +1,5 @@
-"""free_ports: distinct ports below the kernel's ephemeral range, skipping taken ones, in blocks when asked."""
+"""free_ports: distinct ports outside the kernel's ephemeral range, skipping taken ones, in blocks when asked,
+and still ports where the range leaves no room."""
 
 from __future__ import annotations
 
@@ -7,14 +8,18 @@ import socket
 import pytest
 
 from ominix_runtime import bind_probe
-from ominix_runtime.bind_probe import SEARCH_SPAN, ephemeral_low, free_ports
+from ominix_runtime.bind_probe import ephemeral_range, free_ports, search_window
 
 
-def test_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
-    low = ephemeral_low()
+def test_ports_are_distinct_bindable_and_outside_the_ephemeral_range() -> None:
+    low, high = ephemeral_range()
     ports = free_ports("127.0.0.1", 6)
     assert len(set(ports)) == 6
-    assert all(max(1024, low - SEARCH_SPAN) <= p < low for p in ports)
+    assert all(p in search_window(6) for p in ports)
+    if search_window(6) != range(
+        1024, 65536
+    ):  # this host leaves room outside the range (as a stock kernel does)
+        assert not any(low <= p <= high for p in ports)
     held = []
     try:
         for port in ports:  # each is free once the probes are released
@@ -27,20 +32,31 @@ def test_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
 
 
 def test_a_taken_port_is_skipped_and_a_block_is_consecutive(monkeypatch: pytest.MonkeyPatch) -> None:
-    start = max(1024, ephemeral_low() - SEARCH_SPAN)
+    window = search_window(1)
     with socket.socket() as taken:
         # the first free port the search would try, then taken by someone else
         monkeypatch.setattr(bind_probe.random, "randrange", lambda _n: 0)
         first = free_ports("127.0.0.1", 1)[0]
         taken.bind(("127.0.0.1", first))
-        monkeypatch.setattr(bind_probe.random, "randrange", lambda _n: first - start)
+        monkeypatch.setattr(bind_probe.random, "randrange", lambda _n: window.index(first))
         (other,) = free_ports("127.0.0.1", 1)
         assert other != first
         base = free_ports("127.0.0.1", 3, consecutive=True)
         assert base == [base[0], base[0] + 1, base[0] + 2] and first not in base
 
 
-def test_no_room_is_an_os_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bind_probe, "ephemeral_low", lambda: 1026)
-    with pytest.raises(OSError, match="no room below the ephemeral range"):
-        free_ports("127.0.0.1", 3)
+@pytest.mark.parametrize(
+    ("ephemeral", "expected"),
+    [
+        ((32768, 60999), range(20768, 32768)),
+        ((1024, 60999), range(61000, 65536)),  # no room below: above
+        ((1024, 65535), range(1024, 65536)),  # no room on either side: every unprivileged port
+    ],
+)
+def test_where_the_search_looks(
+    monkeypatch: pytest.MonkeyPatch, ephemeral: tuple[int, int], expected: range
+) -> None:
+    monkeypatch.setattr(bind_probe, "ephemeral_range", lambda: ephemeral)
+    assert search_window(4) == expected
+    ports = free_ports("127.0.0.1", 4)
+    assert len(set(ports)) == 4 and all(p in expected for p in ports)
