@@ -172,7 +172,7 @@ class LaunchConfig:
 
     devices: tuple[str, ...] = ("cpu",)
     worker_host: str = DEFAULT_HOST
-    worker_base_port: int = DEFAULT_WORKER_PORT  # 0: free ports picked by the system
+    worker_base_port: int = DEFAULT_WORKER_PORT  # 0: free ports outside the kernel's ephemeral range
     worker_threads: int = 0  # torch threads per CPU worker; 0: the cores split among the CPU workers
     tensor_parallel_size: int = 1  # devices per worker group (consecutive devices, one backend per group)
     dist_base_port: int = 0  # group g's ranks meet on base + g; 0: free ports picked at start

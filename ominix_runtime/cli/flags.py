@@ -591,7 +591,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--worker-base-port",
         "launch",
-        "port of the first worker; worker i listens on base + i (0: free ports picked by the system)",
+        "port of the first worker; worker i listens on base + i (0: free ports outside the kernel's ephemeral range)",
         ("launch.worker_base_port",),
         port_or_zero,
     ),
