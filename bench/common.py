@@ -197,9 +197,11 @@ def fmt(value: float | None, digits: int = 1) -> str:
 
 def free_port() -> int:
     """A loopback TCP port free right now that no other socket can be handed before the service binds it."""
-    from ominix_runtime.bind_probe import free_ports  # here: peers import this module from their own envs
+    from ominix_runtime.bind_probe import (
+        free_port as pick,  # here: peers import this module from their own envs
+    )
 
-    return free_ports("127.0.0.1", 1)[0]
+    return pick()
 
 
 def service_command() -> list[str]:

@@ -115,10 +115,9 @@ def main() -> None:
     if args.rank is not None:
         rank_main(args)
         return
-    from ominix_runtime.bind_probe import free_ports
+    from ominix_runtime.bind_probe import free_port
 
-    (port,) = free_ports("127.0.0.1", 1)
-    addr = f"127.0.0.1:{port}"
+    addr = f"127.0.0.1:{free_port()}"
     argv = [sys.executable, __file__, *sys.argv[1:], "--addr", addr]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([*argv, "--rank", str(r)], env=env) for r in range(args.size)]

@@ -14,10 +14,22 @@ def probe_bind(host: str, port: int) -> None:
 
     Raises socket.gaierror when ``host`` does not resolve and OSError when the port cannot be bound.
     """
+    with _bound(host, port, reuse_address=True):
+        pass
+
+
+def _bound(host: str, port: int, reuse_address: bool = False) -> socket.socket:
+    """A TCP socket bound to ``host:port``; OSError (the socket closed) when the port cannot be bound."""
     family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind(sockaddr)
+    sock = socket.socket(family, kind, proto)
+    try:
+        if reuse_address:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 # The kernel hands ports in [low, high] of this range to every bind to port 0 and every outgoing connection.
@@ -28,6 +40,7 @@ DEFAULT_EPHEMERAL_RANGE = (32768, 60999)
 SEARCH_SPAN = 12000
 LOWEST_PORT = 1024
 HIGHEST_PORT = 65535
+LOOPBACK = "127.0.0.1"
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -50,7 +63,7 @@ def search_window(count: int) -> range:
     return range(LOWEST_PORT, HIGHEST_PORT + 1)
 
 
-def free_ports(host: str, count: int, *, consecutive: bool = False) -> list[int]:
+def free_ports(count: int, host: str = LOOPBACK, *, consecutive: bool = False) -> list[int]:
     """``count`` distinct ports free on ``host`` now, outside the kernel's ephemeral range.
 
     A port the kernel reports free for ``bind(0)`` is inside that range, and between the probe and the real bind
@@ -67,12 +80,12 @@ def free_ports(host: str, count: int, *, consecutive: bool = False) -> list[int]
             port = window[(offset + step) % len(window)]
             if consecutive and probes and port != probes[-1].getsockname()[1] + 1:
                 _close_all(probes)
-            probe = _held(host, port)
-            if probe is None:
+            try:
+                probes.append(_bound(host, port))
+            except OSError:
                 if consecutive:
                     _close_all(probes)
                 continue
-            probes.append(probe)
             if len(probes) == count:
                 return [int(p.getsockname()[1]) for p in probes]
     finally:
@@ -80,15 +93,9 @@ def free_ports(host: str, count: int, *, consecutive: bool = False) -> list[int]
     raise OSError(f"no {count} free ports on {host} in {window.start}-{window.stop - 1}")
 
 
-def _held(host: str, port: int) -> socket.socket | None:
-    family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    probe = socket.socket(family, kind, proto)
-    try:
-        probe.bind(sockaddr)
-    except OSError:
-        probe.close()
-        return None
-    return probe
+def free_port(host: str = LOOPBACK) -> int:
+    """One port as :func:`free_ports` picks them."""
+    return free_ports(1, host)[0]
 
 
 def _close_all(probes: list[socket.socket]) -> None:

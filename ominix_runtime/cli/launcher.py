@@ -94,7 +94,7 @@ def rendezvous_ports(config: RuntimeConfig) -> list[int]:
 
 def _free_ports(host: str, count: int, flag: str) -> list[int]:
     try:
-        return free_ports(host, count)
+        return free_ports(count, host)
     except OSError as exc:
         raise ConfigError(f"{exc}: pass {flag}") from None
 

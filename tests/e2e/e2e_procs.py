@@ -18,8 +18,8 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ominix_runtime import bind_probe
 from ominix_runtime.backends.grpc_worker import GrpcWorkerBackend
+from ominix_runtime.bind_probe import free_ports
 from ominix_runtime.contract import DecodeStep, NewRequestData, RunningRequestData, SamplingParams
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
 
@@ -28,10 +28,6 @@ STARTUP_TIMEOUT_S = 150.0
 # Greedy references computed by driving a worker directly, compared with the engine's output.
 REFERENCE_TOKENS = 8
 REFERENCE_TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
-
-
-def free_ports(n: int) -> list[int]:
-    return bind_probe.free_ports("127.0.0.1", n)
 
 
 @dataclass

@@ -18,7 +18,6 @@ import grpc.aio
 import pytest
 from e2e_procs import CLI, free_ports, start_proc, stop_procs, wait_health
 
-from ominix_runtime import bind_probe
 from ominix_runtime.cli.commands import command
 from ominix_runtime.cli.launcher import LaunchError, WorkerPlan, plan_workers, wait_workers_ready
 from ominix_runtime.cli.settings import resolve
@@ -26,7 +25,7 @@ from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc, worker_pb
 
 
 def _two_consecutive_free_ports() -> int:
-    return bind_probe.free_ports("127.0.0.1", 2, consecutive=True)[0]
+    return free_ports(2, consecutive=True)[0]
 
 
 def _children(pid: int) -> list[int]:

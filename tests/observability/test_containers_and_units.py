@@ -15,7 +15,7 @@ import pytest
 from obs_daemon import Scraped
 from obs_tools import DEPLOY, REPO, require_tool, run
 
-from ominix_runtime.bind_probe import free_ports
+from ominix_runtime.bind_probe import free_port
 
 DOCKERFILES = sorted(p for p in (DEPLOY / "docker").glob("Dockerfile.*") if p.suffix != ".dockerignore")
 UNITS = DEPLOY / "systemd"
@@ -106,10 +106,6 @@ def test_build_context_installs_the_package(dockerfile: Path, tmp_path: Path) ->
         assert module in names
 
 
-def _free_port() -> int:
-    return free_ports("127.0.0.1", 1)[0]
-
-
 def test_health_probe_against_a_live_engine(served: Scraped) -> None:
     probe = [sys.executable, "-m", "ominix_runtime.server.health_probe"]
     ok = subprocess.run([*probe, served.daemon.address], capture_output=True, text=True, timeout=30)
@@ -117,7 +113,7 @@ def test_health_probe_against_a_live_engine(served: Scraped) -> None:
     worker = served.daemon.worker_addresses[0]
     ok = subprocess.run([*probe, worker], capture_output=True, text=True, timeout=30)
     assert ok.returncode == 0, ok.stderr
-    down = subprocess.run([*probe, f"127.0.0.1:{_free_port()}"], capture_output=True, text=True, timeout=30)
+    down = subprocess.run([*probe, f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=30)
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ominix_runtime.bind_probe import free_ports
+from ominix_runtime.bind_probe import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PIP_TIMEOUT_S = 900
@@ -155,15 +155,11 @@ def test_a_base_install_runs_the_engine_side(base_install: Installed) -> None:
     assert "pip install 'ominix-runtime[worker]'" in worker.stderr and "Traceback" not in worker.stderr
 
 
-def _free_port() -> int:
-    return free_ports("127.0.0.1", 1)[0]
-
-
 def test_launch_serves_a_request_from_the_installed_wheel(base_install: Installed) -> None:
     # CPU torch from local disk first; then the worker extra (its other dependencies).
     base_install.pip("torch==2.13.0")
     base_install.pip(f"{base_install.wheel}[worker]")
-    port = _free_port()
+    port = free_port()
     log = (base_install.workdir / "launch.log").open("w")
     launch = subprocess.Popen(
         [base_install.bin("ominix-runtime"), "launch", "--devices", "cpu", "--port", str(port)]

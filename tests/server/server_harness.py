@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from ominix_runtime.bind_probe import free_ports
+from ominix_runtime.bind_probe import free_port
 from ominix_runtime.config import LogConfig, RuntimeConfig, ServerConfig
 from ominix_runtime.models import DEFAULT_MODEL_NAME
 from ominix_runtime.pb import engine_pb2_grpc
@@ -16,10 +16,6 @@ from ominix_runtime.server.app import EngineDaemon
 from ominix_runtime.testing.fake_backend import FakeConfig, FakeStepBackend
 
 SMOLLM2_VOCAB = 49152
-
-
-def free_port() -> int:
-    return free_ports("127.0.0.1", 1)[0]
 
 
 @dataclass

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from ominix_runtime.backends.sglang import SGLangBackend
-from ominix_runtime.bind_probe import free_ports
+from ominix_runtime.bind_probe import free_port
 from ominix_runtime.contract import (
     BackendKind,
     Done,
@@ -292,10 +292,6 @@ def test_prompt_too_long_is_an_invalid_argument_error() -> None:
         assert "context length" in events[0].message
 
     with_server(body, context_length=32)
-
-
-def free_port() -> int:
-    return free_ports("127.0.0.1", 1)[0]
 
 
 def test_unreachable_server() -> None:

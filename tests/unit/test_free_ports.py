@@ -13,7 +13,7 @@ from ominix_runtime.bind_probe import ephemeral_range, free_ports, search_window
 
 def test_ports_are_distinct_bindable_and_outside_the_ephemeral_range() -> None:
     low, high = ephemeral_range()
-    ports = free_ports("127.0.0.1", 6)
+    ports = free_ports(6)
     assert len(set(ports)) == 6
     assert all(p in search_window(6) for p in ports)
     if search_window(6) != range(
@@ -36,12 +36,12 @@ def test_a_taken_port_is_skipped_and_a_block_is_consecutive(monkeypatch: pytest.
     with socket.socket() as taken:
         # the first free port the search would try, then taken by someone else
         monkeypatch.setattr(bind_probe.random, "randrange", lambda _n: 0)
-        first = free_ports("127.0.0.1", 1)[0]
+        first = free_ports(1)[0]
         taken.bind(("127.0.0.1", first))
         monkeypatch.setattr(bind_probe.random, "randrange", lambda _n: window.index(first))
-        (other,) = free_ports("127.0.0.1", 1)
+        (other,) = free_ports(1)
         assert other != first
-        base = free_ports("127.0.0.1", 3, consecutive=True)
+        base = free_ports(3, consecutive=True)
         assert base == [base[0], base[0] + 1, base[0] + 2] and first not in base
 
 
@@ -58,5 +58,5 @@ def test_where_the_search_looks(
 ) -> None:
     monkeypatch.setattr(bind_probe, "ephemeral_range", lambda: ephemeral)
     assert search_window(4) == expected
-    ports = free_ports("127.0.0.1", 4)
+    ports = free_ports(4)
     assert len(set(ports)) == 4 and all(p in expected for p in ports)

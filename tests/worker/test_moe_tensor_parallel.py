@@ -157,7 +157,7 @@ def test_a_group_whose_experts_do_not_divide_exits_at_startup_with_the_reason(tm
         tmp_path / "m", arch="qwen3_moe", num_experts=3, num_experts_per_tok=2, moe_intermediate_size=32,
         with_tokenizer=False,
     )  # fmt: skip
-    rendezvous, leader_port = free_ports("127.0.0.1", 2)  # two distinct ports
+    rendezvous, leader_port = free_ports(2)  # two distinct ports
     addr = f"127.0.0.1:{rendezvous}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     procs = []

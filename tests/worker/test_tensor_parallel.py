@@ -33,10 +33,9 @@ def run_group(
 ) -> Any:
     """Start ``size`` rank processes of tp_logits.py (``check``: logits or graphs; ``moe_parallel``: how MoE
     layers split) and return rank 0's result."""
-    from ominix_runtime.bind_probe import free_ports
+    from ominix_runtime.bind_probe import free_port
 
-    (port,) = free_ports("127.0.0.1", 1)
-    addr = f"127.0.0.1:{port}"
+    addr = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "OMP_NUM_THREADS": "1"}
     procs = []
     for rank in range(size):

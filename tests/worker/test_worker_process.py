@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from ominix_runtime import wire
-from ominix_runtime.bind_probe import free_ports
+from ominix_runtime.bind_probe import free_port
 from ominix_runtime.contract import (
     BackendKind,
     DecodeStep,
@@ -32,10 +32,6 @@ from ominix_worker.runner import build_runner
 
 START_TIMEOUT_S = 90
 WORKER_SERVICE = "ominix.runtime.v1.Worker"
-
-
-def free_port() -> int:
-    return free_ports("127.0.0.1", 1)[0]
 
 
 def worker_command(*args: str) -> list[str]:

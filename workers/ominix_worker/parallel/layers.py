@@ -94,13 +94,24 @@ class PackableLinear(ParallelModule):
     def gemm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is not None:
             return cpu_gemm.linear(x, self.packed, bias)
-        if self.stream_single_token and _one_streamable_token(x, self.weight):
-            from ominix_worker.ops.weight_stream import weight_stream_matmul  # Triton: CUDA only
-
-            out = weight_stream_matmul(x.reshape(1, -1), self.weight)
-            out = out.reshape(*x.shape[:-1], out.shape[-1])
+        out = self.streamed(x)
+        if out is not None:
             return out + bias if bias is not None else out
         return F.linear(x, self.weight, bias)
+
+    def streamed(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
+        """One token's product through ``ops.weight_stream`` (``gated``: x is [gate | up] and the input is
+        silu(gate) · up), or None where that kernel does not take it."""
+        if (
+            self.packed is not None
+            or not self.stream_single_token
+            or not _one_streamable_token(x, self.weight)
+        ):
+            return None
+        from ominix_worker.ops.weight_stream import weight_stream_matmul  # Triton: CUDA only
+
+        out = weight_stream_matmul(x.reshape(1, -1), self.weight, gated=gated)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 class ColumnParallelLinear(PackableLinear):
@@ -212,12 +223,8 @@ class RowParallelLinear(PackableLinear):
     ) -> torch.Tensor:
         """``matmul(silu_and_mul(gate_up), None)`` (quantized layers override it). One token on CUDA streams the
         weight with the SiLU product formed in the GEMM's input loads: one kernel fewer per layer."""
-        if self.packed is None and self.stream_single_token and _one_streamable_token(gate_up, self.weight):
-            from ominix_worker.ops.weight_stream import weight_stream_matmul  # Triton: CUDA only
-
-            out = weight_stream_matmul(gate_up.reshape(1, -1), self.weight, gated=True)
-            return out.reshape(*gate_up.shape[:-1], out.shape[-1])
-        return self.matmul(silu_and_mul(gate_up), None)
+        out = self.streamed(gate_up, gated=True)
+        return out if out is not None else self.matmul(silu_and_mul(gate_up), None)
 
     def load_weight(self, param_name: str, source: WeightSource, part: int | None = None) -> None:
         if param_name == "bias":  # added once, after the reduction: every rank holds all of it
