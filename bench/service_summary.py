@@ -129,8 +129,18 @@ def print_overhead_runs(probe: dict[str, Any], runs: list[str]) -> None:
             ready_text = "-" if g is None else f"{g['next_ready']:.2f} ms"
             print(
                 f"overhead {run} at batch {batch}: GPU busy {busy_text} (idle per step {idle_text}), "
-                f"next_ready median {ready_text}"
+                f"next_ready median {ready_text}{gc_text(window)}"
             )
+
+
+def gc_text(window: dict[str, Any]) -> str:
+    """The worker's collector pauses (>= 1 ms) inside a window, where the probe logged them."""
+    pauses = window.get("gc_pauses_ms")
+    if pauses is None:
+        return ""
+    if not pauses:
+        return ", no GC pause >= 1 ms"
+    return f", GC pauses {len(pauses)} ({sum(pauses):.1f} ms, largest {max(pauses):.1f})"
 
 
 def main(argv: list[str]) -> int:
@@ -169,7 +179,7 @@ def main(argv: list[str]) -> int:
             steps_text = f"{window.get('num_steps', '?')} steps" + (
                 "" if window.get("complete", True) else ", cut"
             )
-            rows.append((f"GPU busy, {key} ({steps_text})", f"{share:.1%}", target))
+            rows.append((f"GPU busy, {key} ({steps_text}{gc_text(window)})", f"{share:.1%}", target))
             idle = window.get("idle_us_per_step")
             idle_text = f"{idle / 1e3:.2f}" if idle is not None else "-"
             rows.append(

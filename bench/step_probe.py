@@ -16,7 +16,15 @@ Runs: with ``OMINIX_PROFILE_GATE`` set, windows open only while that file exists
 profiler stalls the worker for a moment, which must stay out of timed runs); its content is a run label, and
 each new label arms one window per batch size again, so one service measures several runs back to back
 (``STAGES=overhead bash bench/gpu_service.sh``: three). Windows are keyed ``LABEL/decode_batch_N``.
-``OMINIX_PROFILE_OUT`` names the JSON written (rewritten every 64 steps, after each window and at exit).
+``OMINIX_PROFILE_OUT`` names the JSON written (rewritten every 64 steps outside a window, after each window and
+at exit).
+
+The probe's own garbage stays out of the windows. ``torch.profiler`` keeps itself and every event it read alive
+in reference cycles after a window; a later full collection freed them in the middle of the next window (95 –
+100 ms pauses with the GIL held, a GPU-busy reading of 93.5% on an H200). So closing a window collects at once,
+in the run that the window belongs to, and no JSON is written while a window is open. Every collector pause
+of at least 1 ms is logged (``gc_pauses``: generation, start, ms) and each window lists those that began while
+its steps ran (``gc_pauses_ms``), so a stall in a window can be told apart from the engine's or the device's.
 
 Prefill: with ``OMINIX_PROFILE_PREFILL_TOKENS=N`` a step that is not pure decode and schedules at least N tokens
 (prompt chunks, decode rows riding along: ``is_prefill``) is of the shape ``prefill_N+``; one window per run records
@@ -31,6 +39,7 @@ Nothing here changes what a step computes.
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import sys
@@ -43,6 +52,7 @@ if __package__ in (None, ""):
 
 _SKIP_WARM = 4  # pure-decode steps of a size seen (in the current run) before its profile window opens
 _PREFILL_WARMUP = 1  # traced, discarded prefill steps before a prefill window records
+_GC_PAUSE_LOGGED_S = 0.001  # collector pauses at least this long are logged
 
 
 def is_prefill(decode: bool, tokens: int, min_tokens: int) -> bool:
@@ -81,6 +91,10 @@ class StepProbe:
         self.gate = os.environ.get("OMINIX_PROFILE_GATE") or None
         self.label = ""  # the gate file's content: the run being measured
         self._gate_stamp: float | None = None
+        self.gc_pauses: list[tuple[int, float, float]] = []  # (generation, start, ms) of each long collection
+        self._gc_started = 0.0
+        # perf_counter bounds of the open window's steps: when it opened, when its latest step left
+        self._window_span = (0.0, 0.0)
 
     def _read_gate(self) -> bool:
         """Whether windows may open; a new label in the gate file re-arms one window per shape."""
@@ -117,6 +131,7 @@ class StepProbe:
             cuda_graph.DecodeGraphs.run = self._timed("graph_run", cuda_graph.DecodeGraphs.run)  # type: ignore[method-assign]  # the probe times it in place
         except ImportError:
             pass
+        gc.callbacks.append(self._on_gc)
         if hasattr(cls, "_sample_logits"):
             cls._sample_logits = self._timed("sample_logits", cls._sample_logits)  # type: ignore[method-assign]  # the probe times it in place
         self._wrap_wire()
@@ -152,6 +167,13 @@ class StepProbe:
 
         wire.step_from_pb = timed_step_from_pb  # type: ignore[assignment]  # the probe times it in place
         wire.step_result_to_pb = timed_result_to_pb  # type: ignore[assignment]  # the probe times it in place
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._gc_started = now
+        elif now - self._gc_started >= _GC_PAUSE_LOGGED_S:
+            self.gc_pauses.append((info["generation"], self._gc_started, (now - self._gc_started) * 1000))
 
     def _timed(self, name: str, fn: Any) -> Any:
         probe = self
@@ -217,12 +239,13 @@ class StepProbe:
             | {k.strip("_"): v for k, v in self.phase.items()}
         )
         if self.active is not None:
-            _, prof, taken, _, warmup, recorded = self.active
+            self._window_span = (self._window_span[0], left)  # before prof.step(), which may summarize
+            taken, warmup, recorded = self.active[2], self.active[4], self.active[5]
             taken[0] += 1
-            prof.step()
+            self.active[1].step()  # no local name for the profiler: closing frees it
             if taken[0] >= warmup + recorded:
                 self._close()
-        if len(self.steps) % 64 == 0:
+        if len(self.steps) % 64 == 0 and self.active is None:
             self.write()
         return result
 
@@ -255,6 +278,7 @@ class StepProbe:
         )
         prof.__enter__()
         self.active = (shape, prof, taken, key, warmup, num_steps)
+        self._window_span = (time.perf_counter(), time.perf_counter())
 
     def _close(self) -> None:
         import torch
@@ -271,6 +295,13 @@ class StepProbe:
             self.windows[key] = {"error": repr(exc)}
         if key not in self.windows:
             self.windows[key] = {"error": f"no recorded step ({taken[0]} steps, {warmup} warm-up)"}
+        # Pauses while the window's steps ran; those of the summary itself come after its last step.
+        opened, last_exit = self._window_span
+        self.windows[key]["gc_pauses_ms"] = [
+            round(ms, 2) for _, start, ms in self.gc_pauses if opened <= start <= last_exit
+        ]
+        del prof
+        gc.collect()  # the profiler's cycles and events, now rather than inside a later window
         self.write()
 
     def write(self) -> None:
@@ -280,6 +311,7 @@ class StepProbe:
             "windows": self.windows,
             "steps": self.steps,
             "marks": self.marks,
+            "gc_pauses": self.gc_pauses,
             "prefill_tokens": self.prefill_tokens,
         }
         Path(self.out).write_text(json.dumps(payload))

@@ -110,3 +110,39 @@ def test_prefill_rate_of_a_step_log() -> None:
     assert abs(rate["tokens_per_s"] - 16384 / 0.5) < 1e-6
     assert prefill_rate(steps[2:], 4096) is None
     assert prefill_rate(steps, 0) is None  # no threshold: the probe had no prefill window
+
+
+def test_closing_a_window_frees_the_profiler_and_reports_gc_pauses(tmp_path: Path) -> None:
+    """The profiler of a closed window is gone before the next step (it lives in reference cycles, which a
+    full collection inside a later window would free), and each window lists the collector pauses in it."""
+    import gc
+    import weakref
+
+    from bench.service_summary import gc_text
+
+    probe = StepProbe(str(tmp_path / "probe.json"), [2], num_steps=2, warmup=1)
+    callbacks = list(gc.callbacks)
+    try:
+        gc.callbacks.append(probe._on_gc)
+        decode = [step(i, 0, 2, 2) for i in range(_SKIP_WARM + 1)]
+        run(probe, decode)
+        assert probe.active is not None
+        profiler = weakref.ref(probe.active[1])
+        gc.collect()  # a pause inside the open window; gen 2, so it is logged when it reaches 1 ms
+        run(probe, [step(10 + i, 0, 2, 2) for i in range(2)])
+        assert probe.active is None
+        assert profiler() is None
+    finally:
+        gc.callbacks[:] = callbacks
+    window = probe.windows["decode_batch_2"]
+    assert window["complete"]
+    pauses = window["gc_pauses_ms"]
+    assert all(ms >= 1.0 for ms in pauses)
+    logged_inside = [ms for _, start, ms in probe.gc_pauses if start >= probe.steps[_SKIP_WARM]["enter"]]
+    assert len(pauses) <= len(logged_inside)
+    assert gc_text({"gc_pauses_ms": []}) == ", no GC pause >= 1 ms"
+    assert gc_text({"gc_pauses_ms": [2.0, 5.5]}) == ", GC pauses 2 (7.5 ms, largest 5.5)"
+    assert gc_text({}) == ""
+    assert json.loads((tmp_path / "probe.json").read_text())["gc_pauses"] == [
+        list(p) for p in probe.gc_pauses
+    ]

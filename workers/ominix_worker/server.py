@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import gc
 import logging
 import os
 import signal
@@ -33,7 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ominix_runtime import wire
+from ominix_runtime import memory, wire
 from ominix_runtime.bind_probe import probe_bind
 from ominix_runtime.config import RuntimeConfig, TLSConfig
 from ominix_runtime.contract import (
@@ -284,9 +283,10 @@ def load_worker(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     # Everything loaded so far lives as long as the process: keep it out of the collector's scans, so the
-    # per-step garbage (outputs, messages) is collected without walking the model's objects.
-    gc.collect()
-    gc.freeze()
+    # per-step garbage (outputs, messages) is collected without walking the model's objects; and collect the
+    # young generation every 20,000 allocations rather than Python's 700 (a step at batch 256 allocates ~1,000
+    # containers). On an H200 the worker's full collections paused it 25 - 40 ms twice per W1-shaped run.
+    memory.freeze_startup_heap()
     # The forward thread and the event loop (protobuf, gRPC) share the GIL; a shorter switch interval keeps
     # the forward thread from waiting up to 5 ms between its kernels (CPU: between its torch ops).
     sys.setswitchinterval(0.0005)
