@@ -283,9 +283,9 @@ def load_worker(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     # Everything loaded so far lives as long as the process: keep it out of the collector's scans, so the
-    # per-step garbage (outputs, messages) is collected without walking the model's objects; and collect the
-    # young generation every 20,000 allocations rather than Python's 700 (a step at batch 256 allocates ~1,000
-    # containers). On an H200 the worker's full collections paused it 25 - 40 ms twice per W1-shaped run.
+    # per-step garbage (outputs, messages) is collected without walking the model's objects; and the engine's
+    # thresholds (memory.SERVING_GC_THRESHOLD) make full collections rarer: with Python's, the worker's paused
+    # it 25 - 40 ms twice per W1-shaped run on an H200 (bench/RESULTS.md, 2026-11-29).
     memory.freeze_startup_heap()
     # The forward thread and the event loop (protobuf, gRPC) share the GIL; a shorter switch interval keeps
     # the forward thread from waiting up to 5 ms between its kernels (CPU: between its torch ops).
