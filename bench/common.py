@@ -472,15 +472,20 @@ def _watch_spec(spec: str) -> WatchedProcess:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python3 bench/common.py wait-serving ADDRESS --watch NAME:PID:LOG ...``: wait for health SERVING
     (grpc.health.v1, or ``GET /health`` = 200 with ``--http``), exit 1 at once (printing its last log lines)
-    when a watched process has died, 2 on timeout."""
+    when a watched process has died, 2 on timeout. ``python3 bench/common.py free-port``: print a port as
+    :func:`free_port` picks it (the shell benches' ports)."""
     parser = argparse.ArgumentParser(prog="bench/common.py")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("free-port", help="print a loopback port outside the kernel's ephemeral range")
     wait = sub.add_parser("wait-serving", help="wait for grpc health SERVING while the given processes live")
     wait.add_argument("address")
     wait.add_argument("--timeout", type=float, default=600.0)
     wait.add_argument("--watch", action="append", default=[], type=_watch_spec, metavar="NAME:PID:LOG")
     wait.add_argument("--http", action="store_true", help="probe GET http://ADDRESS/health instead of gRPC")
     args = parser.parse_args(argv)
+    if args.command == "free-port":
+        print(free_port())
+        return 0
     probe = http_health_status if args.http else health_status
     try:
         waited = wait_until_ready(

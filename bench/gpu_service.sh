@@ -35,7 +35,7 @@ PROFILE_ARGS=${PROFILE_ARGS:-"--w1 --batch1 --output-len 64 --batch1-trials 1 --
 . bench/carried_wheels.sh
 export PYTHONPATH=$OURS_PATH
 
-free_port() { python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])"; }
+free_port() { python3 bench/common.py free-port; }  # outside the ephemeral range: no other socket takes it first
 
 # Starts the worker (through step_probe.py) and the engine on free ports; sets WPID, EPID, EPORT. Returns 1,
 # with the last log lines printed, as soon as either process has died, e.g. at import.

@@ -46,7 +46,7 @@ part() { echo "=== $1 (t=$((SECONDS - T0)) s, $(date -u +%T))"; }
 VLLM_PATH=${VLLM_SITE:-}
 ours_py() { PYTHONPATH="$OURS_PATH" python3 "$@"; }
 vllm_py() { PYTHONPATH="$VLLM_PATH" python3 "$@"; }
-free_port() { python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])"; }
+free_port() { python3 bench/common.py free-port; }  # outside the ephemeral range: no other socket takes it first
 rate_prompts() {
   ours_py bench/online.py num-prompts --rate "$1" --seconds "$SECONDS_PER_RATE" --inf-prompts "$INF_PROMPTS" \
     --min-prompts "$MIN_PROMPTS"

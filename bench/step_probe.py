@@ -278,7 +278,8 @@ class StepProbe:
         )
         prof.__enter__()
         self.active = (shape, prof, taken, key, warmup, num_steps)
-        self._window_span = (time.perf_counter(), time.perf_counter())
+        now = time.perf_counter()
+        self._window_span = (now, now)
 
     def _close(self) -> None:
         import torch

@@ -41,9 +41,7 @@ PEER_DIR=${PEER_DIR:-../shared/peers/vllm}
 . bench/carried_wheels.sh
 export PYTHONPATH=$OURS_PATH
 
-free_port() { python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])"; }
-# Below the ephemeral range: a rank retrying to reach its leader could otherwise connect to itself there.
-rendezvous_port() { python3 -c "from ominix_worker.parallel.distributed import free_rendezvous_port as f; print(f())"; }
+free_port() { python3 bench/common.py free-port; }  # outside the ephemeral range: no other socket takes it first
 
 # run_service NAME MODEL CONFIG GROUPS...: each GROUP is a comma-separated device list, one TP group (its size
 # the list's length); serve drives them all; W1 and batch-1 through bench/offline.py; every process stopped.
@@ -53,7 +51,7 @@ run_service() {
   eport=$(free_port)
   for devices in "$@"; do
     local leader dist rank=0 size
-    leader=$(free_port); dist=$(rendezvous_port)
+    leader=$(free_port); dist=$(free_port)
     IFS=, read -r -a devs <<<"$devices"
     size=${#devs[@]}
     total=$((total + size))

@@ -287,3 +287,27 @@ def test_roofline_counts_fp8_weights_as_one_byte() -> None:
         assert source.endswith("FP8") == bool(weight_dtype), source
     assert floors["float8_e4m3fn"] is not None and floors[""] is not None
     assert floors["float8_e4m3fn"] < 0.6 * floors[""]
+
+
+def test_the_shell_benches_port_comes_from_outside_the_ephemeral_range() -> None:
+    """``python3 bench/common.py free-port`` (what gpu_service.sh, online_service.sh and tp_service.sh call)
+    prints one port that ``search_window`` holds and that can be bound."""
+    import socket
+    import subprocess
+
+    from ominix_runtime.bind_probe import ephemeral_range, search_window
+
+    out = subprocess.run(
+        [sys.executable, "bench/common.py", "free-port"],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    port = int(out.stdout.strip())
+    assert port in search_window(1)
+    low, high = ephemeral_range()
+    assert not low <= port <= high or search_window(1) == range(1024, 65536)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
