@@ -5,6 +5,7 @@
 #
 #   bash bench/gpu_service.sh                       # on the GPU machine, from the repository root
 #   STAGES="env overhead" bash bench/gpu_service.sh # engine overhead: three runs, GPU busy + next_ready each
+#   STAGES="prefix" bash bench/gpu_service.sh       # warm shared-prefix TTFT by hop, --front-procs 1 and 0
 #   DEVICE=cpu MODEL=dummy:/path/tiny.json OFFLINE_ARGS="--num-requests 8 ..." STAGES="service" bash bench/gpu_service.sh
 #
 # Carried wheels (.whl/, when present) go to /tmp/site; results and logs land in ${OUT:-/tmp/ominix_service}.
@@ -111,6 +112,29 @@ run_overhead() {
     | tee "$out/summary.txt"
 }
 
+# Warm shared-prefix TTFT split by hop: for each front-process count in PREFIX_FRONTS, one service and
+# PREFIX_TRIALS prefix pairs (plus batch-1 TPOT); the client's send / first-token times against the worker's step
+# log (bench/service_summary.py prefix_hops).
+run_prefix() {
+  local saved_out=$OMINIX_PROFILE_OUT saved_serve=$SERVE_ARGS fronts out
+  for fronts in ${PREFIX_FRONTS:-1 0}; do
+    out=$OUT/prefix_front$fronts
+    mkdir -p "$out"
+    export OMINIX_PROFILE_OUT=$out/probe.json
+    SERVE_ARGS="--front-procs $fronts"
+    if start_service; then
+      timeout 200 python3 bench/offline.py --address "127.0.0.1:$EPORT" --shared-prefix --batch1 --no-progress \
+        --no-request-details --prefix-trials "${PREFIX_TRIALS:-15}" --out-json "$out/offline.json" \
+        >"$out/offline.txt" 2>&1 || echo "prefix run failed: $(tail -3 "$out/offline.txt")"
+    fi
+    stop_service >/dev/null
+    echo "--front-procs $fronts: $(grep -E "TTFT warm|batch-1 TPOT" "$out/offline.txt" | tr -s ' ' | paste -sd';')"
+    python3 bench/service_summary.py "$out" | grep -E "^warm shared-prefix" | tee "$out/summary.txt"
+  done
+  export OMINIX_PROFILE_OUT=$saved_out
+  SERVE_ARGS=$saved_serve
+}
+
 BW_ARGS=""
 for stage in $STAGES; do
   echo "=== $stage $(date -u +%FT%TZ)"
@@ -129,6 +153,8 @@ for stage in $STAGES; do
       run_service ;;
     overhead)
       run_overhead ;;
+    prefix)
+      run_prefix ;;
     peer)
       timeout ${PEER_S:-240} python3 bench/peer_hf.py --batch 128 --json "$OUT/peer_hf.json" 2>&1 \
         | grep -v -E "it/s\]|Loading" | tail -4 ;;

@@ -198,6 +198,9 @@ async def run_shared_prefix(
     )
     cold_ms: list[float] = []
     warm_ms: list[float] = []
+    # B's send and first-token times (perf_counter, CLOCK_MONOTONIC on Linux, which every process on the host
+    # shares): bench/service_summary.py lines them up with the worker's step log.
+    warm_timeline: list[tuple[float, float]] = []
     cached = 0
     async with AsyncEngineClient(address) as client:
         await client.wait_ready(30.0)
@@ -208,6 +211,7 @@ async def run_shared_prefix(
             first, second = build_random_requests(config, facts, seed=args.seed + 3000 + trial)
             tag = f"prefix-{uuid.uuid4().hex[:8]}-{trial}"
             a = await send_one(client, first, config, f"{tag}-a")
+            b_sent = time.perf_counter()
             b = await send_one(client, second, config, f"{tag}-b")
             ttft_ms = []
             for name, result in (("A", a), ("B", b)):
@@ -216,8 +220,13 @@ async def run_shared_prefix(
                 ttft_ms.append(result.first_token_time * 1e3)
             cold_ms.append(ttft_ms[0])
             warm_ms.append(ttft_ms[1])
+            warm_timeline.append((b_sent, b_sent + ttft_ms[1] / 1e3))
             cached = b.cached_tokens
-    report.runs["shared_prefix"] = {"ttft_cold_ms": cold_ms, "ttft_warm_ms": warm_ms}
+    report.runs["shared_prefix"] = {
+        "ttft_cold_ms": cold_ms,
+        "ttft_warm_ms": warm_ms,
+        "warm_timeline_s": warm_timeline,
+    }
     cold, warm = statistics.median(cold_ms), statistics.median(warm_ms)
     prompt = f"{args.prefix_len}+{args.prefix_suffix_len} tokens"
     report.add("prefix_ttft_cold_ms", cold, f"TTFT cold, {prompt}", "ms", digits=2)

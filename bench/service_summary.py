@@ -112,6 +112,44 @@ def gap_parts(probe: dict[str, Any], batch: int, run: str | None = None) -> dict
     return {k: statistics.median(v) * 1e3 for k, v in parts.items()}
 
 
+def prefix_hops(probe: dict[str, Any], offline: dict[str, Any]) -> dict[str, float] | None:
+    """Where a warm shared-prefix TTFT goes (medians, ms), from the client's send and first-token times
+    (``runs.shared_prefix.warm_timeline_s``) against the worker's step log and marks on the same clock: to the
+    worker (client send → the step's protobuf taken up), handed to the step (→ ``execute_step`` entered), the
+    step, handed back (→ its result's protobuf begun), back to the client (→ first token). The step is the one
+    single-request, not pure-decode step that entered inside the request's TTFT."""
+    timeline = offline.get("runs", {}).get("shared_prefix", {}).get("warm_timeline_s", [])
+    marks = probe.get("marks", [])
+    result_pb = {m[1]: (m[2], m[3]) for m in marks if m[0] == "result_to_pb"}
+    step_pb = {m[1]: (m[2], m[3]) for m in marks if m[0] == "step_from_pb"}
+    steps = [s for s in probe.get("steps", []) if s["batch"] == 1 and not s["decode"]]
+    names = ("ttft", "to_worker", "handed_to_step", "step", "handed_back", "back_to_client")
+    parts: dict[str, list[float]] = {k: [] for k in names}
+    for sent, first in timeline:
+        inside = [s for s in steps if sent <= s["enter"] <= first]
+        if len(inside) != 1:
+            continue
+        step = inside[0]
+        taken, left = step_pb.get(step["id"]), result_pb.get(step["id"])
+        if taken is None or left is None:
+            continue
+        spans = (
+            first - sent,
+            taken[0] - sent,
+            step["enter"] - taken[0],
+            step["exit"] - step["enter"],
+            left[0] - step["exit"],
+            first - left[0],
+        )
+        for name, value in zip(names, spans, strict=True):
+            parts[name].append(value)
+    if not parts["ttft"]:
+        return None
+    out = {k: statistics.median(v) * 1e3 for k, v in parts.items()}
+    out["requests"] = float(len(parts["ttft"]))
+    return out
+
+
 def print_overhead_runs(probe: dict[str, Any], runs: list[str]) -> None:
     """One line per run label and profiled batch size: GPU busy (target >= 97% at batch 256) and the median
     next_ready of that run's steady decode steps of that size (target <= 0.5 ms)."""
@@ -215,6 +253,10 @@ def main(argv: list[str]) -> int:
             f"worker prefill steps (>= {threshold} tokens, n={int(prefill['steps'])}): median "
             f"{prefill['median_ms']:.1f} ms, {prefill['tokens_per_s']:,.0f} tokens/s"
         )
+    hops = prefix_hops(probe, offline)
+    if hops is not None:
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in hops.items() if k != "requests")
+        print(f"warm shared-prefix TTFT by hop (n={int(hops['requests'])}), medians in ms: {parts}")
     if steps:
         print(f"slowest worker steps: {slowest_steps(steps)}")
     for key, window in sorted(windows.items()):

@@ -148,6 +148,7 @@ class DecodeGraphs:
                 max_seq_len=PREFILL_CAPTURE_SEQ_LEN,
                 num_decode_only=False,
                 sliding_window=window,
+                no_single_token_requests=True,  # fits_prefill: 2 or more positions
             )
             for g, window in enumerate(self.kv_windows)
         )

@@ -38,7 +38,7 @@ from ominix_worker.config import AttentionGroup, ModelConfig
 from ominix_worker.kv_cache import kv_tensor_indices
 from ominix_worker.models.llama import LlamaForCausalLM
 from ominix_worker.parallel import SINGLE, TensorParallel
-from ominix_worker.sampler import SamplerOutput, SamplingTensors, sample
+from ominix_worker.sampler import SamplerOutput, SamplingTensors, greedy, sample
 
 if TYPE_CHECKING:  # imported on CUDA only, when graphs are captured
     from ominix_worker.cuda_graph import DecodeGraphs
@@ -687,7 +687,8 @@ class ModelRunner:
         """``sample`` on the graph's logits; plain greedy rows skip building the per-row parameter tensors."""
         if all(_plain_greedy(row.request) for row in rows):
             # What ``sample`` computes when every row is greedy with nothing to mask or report.
-            return SamplerOutput(token_ids=logits.argmax(dim=-1), bad_rows=torch.isnan(logits).any(dim=-1))
+            token_ids, bad_rows = greedy(logits)
+            return SamplerOutput(token_ids=token_ids, bad_rows=bad_rows)
         return sample(logits, self._sampling_tensors(rows))
 
     def _update_states(
@@ -741,9 +742,9 @@ class ModelRunner:
     ) -> ScheduledRow:
         """A row of a request that exists only for one warm-up or profiling forward: ``num_tokens`` zero
         tokens, the first ``start`` of them already in ``blocks`` (every KV group's table), the rest computed."""
-        greedy = SamplingParams(temperature=0.0)
+        params = SamplingParams(temperature=0.0)
         tables = [list(blocks) for _ in self.attention_groups]
-        request = CachedRequest(request_id, [0] * num_tokens, [], greedy, tables, start, 0)
+        request = CachedRequest(request_id, [0] * num_tokens, [], params, tables, start, 0)
         return ScheduledRow(request, start, num_tokens, samples=True)
 
     @torch.inference_mode()

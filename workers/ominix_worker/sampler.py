@@ -129,20 +129,29 @@ def apply_truncation(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return logits
 
 
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first maximum of each row of float32 ``logits`` (B, V), and whether the row holds a NaN. On CUDA one
+    kernel that spreads a row over many programs (``ops.greedy``); elsewhere ``max``, which propagates NaN."""
+    if logits.is_cuda and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(-1) == 1:
+        from ominix_worker.ops.greedy import greedy_argmax  # Triton: CUDA only
+
+        return greedy_argmax(logits)
+    best, ids = logits.max(dim=-1)
+    return ids, torch.isnan(best)
+
+
 def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     """logits float32 (B, V) → sampled ids and, when asked, logprobs. Runs fully batched on the device."""
     raw = logits
     logits = apply_penalties(raw, t)
     if t.all_greedy and logits is raw:
-        # One pass over the vocabulary instead of three: max takes the first maximum, as argmax does, and
-        # propagates NaN.
-        best, greedy = raw.max(dim=-1)
-        bad_rows = torch.isnan(best)
+        # One pass over the vocabulary instead of three: the first maximum and the NaN check together.
+        first_max, bad_rows = greedy(raw)
     else:
         bad_rows = torch.isnan(raw).any(dim=-1)
-        greedy = logits.argmax(dim=-1)
+        first_max = logits.argmax(dim=-1)
     if t.all_greedy:
-        token_ids = greedy
+        token_ids = first_max
     else:
         temperature = torch.where(t.temperature > 0, t.temperature, torch.ones_like(t.temperature))
         scaled = apply_truncation(logits / temperature.unsqueeze(1), t)
@@ -150,7 +159,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         noise = uniform_noise(t.seeds, t.output_positions, logits.shape[-1])
         gumbel = -torch.log(-torch.log(noise))
         drawn = (scaled + gumbel).argmax(dim=-1)
-        token_ids = torch.where(t.temperature > 0, drawn, greedy)
+        token_ids = torch.where(t.temperature > 0, drawn, first_max)
     out = SamplerOutput(token_ids=token_ids, bad_rows=bad_rows)
     if t.num_logprobs >= 0:
         logprobs = raw.log_softmax(dim=-1)

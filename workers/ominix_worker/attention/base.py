@@ -53,6 +53,9 @@ class AttentionMetadata:
     # layers attend within that window); set only for a backend that supports_sliding_window. Block table
     # entries before the window may be stale or -1 (the engine freed them) and must not be read.
     sliding_window: int = 0
+    # Every request computes at least two tokens (a captured single-prompt prefill graph): no single-token
+    # request needs the decode path, which backends may then skip without host query offsets.
+    no_single_token_requests: bool = False
 
     @property
     def num_requests(self) -> int:

@@ -631,10 +631,13 @@ class TritonPagedAttention:
             self._decode(query, kv_cache, meta, scale, out, kv_scales, mixed=False, sinks=sinks)
             return
         # Single-token requests of a mixed step go to the decode kernel (KV read once per KV head); the prefill
-        # kernel skips them. Without host query offsets both kernels launch; with them, a step that has no
-        # single-token request skips the decode launch (host time is what small prefills wait on).
+        # kernel skips them. Without host query offsets both kernels launch; with them, or when the metadata
+        # rules single-token requests out (a prefill graph), a step that has none skips the decode launch.
         starts = meta.query_start_loc_cpu
-        if starts is None or any(b - a == 1 for a, b in zip(starts, starts[1:], strict=False)):
+        single = not meta.no_single_token_requests and (
+            starts is None or any(b - a == 1 for a, b in zip(starts, starts[1:], strict=False))
+        )
+        if single:
             self._decode(query, kv_cache, meta, scale, out, kv_scales, mixed=True, sinks=sinks)
         if meta.max_query_len > 1:
             self._prefill(query, kv_cache, meta, scale, out, kv_scales, sinks)

@@ -17,6 +17,7 @@ import triton.language as tl
 from ominix_worker.devices import sm_count
 from ominix_worker.ops.fused import silu_times
 from ominix_worker.ops.fused_moe import per_row_scales
+from ominix_worker.ops.scratch import SCRATCH
 
 # The largest token count the kernel takes: one 16-row MMA tile.
 MAX_M = 16
@@ -135,30 +136,6 @@ def _weight_stream_kernel(
             tl.atomic_xchg(arrivals_ptr + pid_n, 0)  # ready for the next call (and the next graph replay)
 
 
-class _SplitKScratch:
-    """Per device: float32 partial sums and one arrival counter per column tile (zero between calls), grown on
-    demand. The worker runs its forward passes on one stream, whose kernels run one after another, so every call
-    shares them. A CUDA graph holds the addresses it captured, so a replaced buffer is kept, never freed, and none
-    may be replaced during capture."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-
-    def get(self, device: torch.device, partial: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._at_least(device, torch.float32, partial), self._at_least(device, torch.int32, tiles)
-
-    def _at_least(self, device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        held = self._buffers.setdefault((device, dtype), [])
-        if not held or held[-1].numel() < numel:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("the split-K scratch grew during CUDA graph capture; run once before")
-            held.append(torch.zeros(max(numel, 1 << 16), dtype=dtype, device=device))
-        return held[-1]
-
-
-_SCRATCH = _SplitKScratch()
-
-
 def weight_stream_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -203,7 +180,7 @@ def weight_stream_matmul(
         split_k = _split_k_for(tiles, triton.cdiv(k, block_k), x.device)
     block_m = MAX_M if use_dot else triton.next_power_of_2(m)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    partial, arrivals = _SCRATCH.get(x.device, split_k * block_m * n if split_k > 1 else 0, tiles)
+    partial, arrivals = SCRATCH.get(x.device, split_k * block_m * n if split_k > 1 else 0, tiles)
     s = scale if scale is not None else out  # never read: SCALED is off
     _weight_stream_kernel[(tiles, split_k)](
         x, weight, s, out, partial, arrivals, m, n, k, x.stride(0), weight.stride(0), out.stride(0),

@@ -1,0 +1,187 @@
+"""The worker's side of a shared-prefix TTFT, in process (no gRPC, no engine): a prompt of ``--prefix-len``
+tokens is prefilled once, then each trial is a new request whose first ``--prefix-len`` tokens hit that KV and
+whose ``--suffix-len`` new tokens run as one step through ``ModelRunner.execute_step`` (the captured prefill
+graph when one holds them), sampling one token. Reports per step: wall time on the host, the device span
+(CUDA events around the step) and the rest (host work before the launch and after the ids arrive). A batch-1
+decode step is timed the same way for comparison. ``--profile`` adds the device time of one suffix step by
+kernel (torch profiler).
+
+    python bench/prefix_step.py --model dummy:bench/configs/llama8b-config.json --profile --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "workers"))
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from ominix_runtime.contract import (  # noqa: E402
+    DecodeStep,
+    NewRequestData,
+    RunningRequestData,
+    SamplingParams,
+    StepResult,
+)
+from ominix_worker.runner import ModelRunner, build_runner  # noqa: E402
+
+BLOCK = 16
+
+
+class StepClock:
+    """Host wall time and device span of each ``execute_step`` call."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.wall_ms: list[float] = []
+        self.device_ms: list[float] = []
+
+    def run(self, step: DecodeStep, keep: bool = True) -> StepResult:
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        before.record()
+        result = self.runner.execute_step(step)
+        after.record()
+        wall = (time.perf_counter() - started) * 1e3
+        after.synchronize()
+        assert result is not None, "the runner overlapped a step: overlap_steps must be off"
+        for out in result.outputs:
+            if out.error_kind is not None:
+                raise RuntimeError(f"{out.request_id}: {out.error_message}")
+        if keep:
+            self.wall_ms.append(wall)
+            self.device_ms.append(before.elapsed_time(after))
+        return result
+
+    def summary(self) -> dict[str, float]:
+        wall, device = statistics.median(self.wall_ms), statistics.median(self.device_ms)
+        return {
+            "wall_ms": round(wall, 3),
+            "device_ms": round(device, 3),
+            "host_rest_ms": round(wall - device, 3),
+        }
+
+
+def _new(rid: str, prompt: list[int], blocks: list[int], computed: int, scheduled: int) -> NewRequestData:
+    return NewRequestData(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling=SamplingParams(temperature=0.0, max_tokens=1),
+        kv_block_ids=blocks,
+        num_computed_tokens=computed,
+        num_scheduled_tokens=scheduled,
+        effective_seed=0,
+    )
+
+
+def kernel_table(
+    runner: ModelRunner, step: DecodeStep, finish: DecodeStep, top: int
+) -> list[dict[str, object]]:
+    """Device µs by kernel name over one step, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        runner.execute_step(step)
+        torch.cuda.synchronize()
+    runner.execute_step(finish)
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
+            entry = totals[event.name[:90]]
+            entry[0] += event.device_time_total
+            entry[1] += 1
+    rows = [{"kernel": name, "us": round(us, 1), "calls": int(n)} for name, (us, n) in totals.items()]
+    rows.sort(key=lambda r: -float(r["us"]))  # type: ignore[arg-type]
+    del prof
+    return rows[:top]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="dummy:bench/configs/llama8b-config.json")
+    p.add_argument("--prefix-len", type=int, default=2048)
+    p.add_argument("--suffix-len", type=int, default=64)
+    p.add_argument("--trials", type=int, default=30)
+    p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--profile", action="store_true", help="device time by kernel of one suffix step")
+    p.add_argument("--top", type=int, default=20)
+    p.add_argument("--json", help="write the figures here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("prefix_step.py needs a CUDA device")
+    if args.prefix_len % BLOCK:
+        sys.exit(f"--prefix-len must be a multiple of {BLOCK}")
+
+    runner = build_runner(
+        args.model, device="cuda", dtype=torch.bfloat16, num_blocks=args.num_blocks, block_size=BLOCK
+    )
+    runner.overlap_steps = False
+    runner.capture_decode_graphs()
+    vocab = runner.model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, vocab, (args.prefix_len,), generator=gen).tolist()
+    prefix_blocks = list(range(args.prefix_len // BLOCK))
+    free = list(range(len(prefix_blocks), args.num_blocks))
+    clock = StepClock(runner)
+    clock.run(DecodeStep(1, [_new("a", prefix, prefix_blocks, 0, args.prefix_len)]), keep=False)
+    clock.run(DecodeStep(2, finished_request_ids=["a"]), keep=False)
+
+    suffix_blocks = -(-(args.suffix_len + 1) // BLOCK)
+    step_id = 3
+
+    def suffix_step(i: int) -> tuple[DecodeStep, DecodeStep]:
+        nonlocal step_id
+        suffix = torch.randint(3, vocab, (args.suffix_len,), generator=gen).tolist()
+        blocks = prefix_blocks + free[(i * suffix_blocks) % 512 : (i * suffix_blocks) % 512 + suffix_blocks]
+        rid = f"b{i}"
+        step = DecodeStep(step_id, [_new(rid, prefix + suffix, blocks, args.prefix_len, args.suffix_len)])
+        finish = DecodeStep(step_id + 1, finished_request_ids=[rid])
+        step_id += 2
+        return step, finish
+
+    for i in range(args.trials + 5):
+        step, finish = suffix_step(i)
+        clock.run(step, keep=i >= 5)
+        clock.run(finish, keep=False)
+    graphs = runner._graphs
+    figures: dict[str, object] = {
+        "suffix_step": clock.summary(),
+        "prefill_graph_sizes": sorted(graphs.prefill_graphs) if graphs is not None else [],
+        "trials": args.trials,
+    }
+
+    # Batch-1 decode from a 512-token prompt, one token a step.
+    decode = StepClock(runner)
+    prompt = torch.randint(3, vocab, (512,), generator=gen).tolist()
+    blocks = free[600 : 600 + (512 + 256) // BLOCK]
+    decode.run(DecodeStep(step_id, [_new("d", prompt, blocks, 0, 512)]), keep=False)
+    step_id += 1
+    for i in range(args.trials + 5):
+        running = [RunningRequestData("d", [], 1)]
+        decode.run(DecodeStep(step_id, running_requests=running), keep=i >= 5)
+        step_id += 1
+    decode.run(DecodeStep(step_id, finished_request_ids=["d"]), keep=False)
+    step_id += 1
+    figures["batch1_decode_step"] = decode.summary()
+
+    if args.profile:
+        step, finish = suffix_step(args.trials + 10)
+        figures["suffix_step_kernels"] = kernel_table(runner, step, finish, args.top)
+    figures["device"] = torch.cuda.get_device_name()
+    print(json.dumps(figures, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
