@@ -124,7 +124,7 @@ run_prefix() {
     SERVE_ARGS="--front-procs $fronts"
     if start_service; then
       timeout 200 python3 bench/offline.py --address "127.0.0.1:$EPORT" --shared-prefix --batch1 --no-progress \
-        --no-request-details --prefix-trials "${PREFIX_TRIALS:-15}" --out-json "$out/offline.json" \
+        --no-request-details --prefix-trials "${PREFIX_TRIALS:-15}" --out-json "$out/offline.json" $OFFLINE_ARGS \
         >"$out/offline.txt" 2>&1 || echo "prefix run failed: $(tail -3 "$out/offline.txt")"
     fi
     stop_service >/dev/null

@@ -91,14 +91,45 @@ class _HashChain:
         self._keys: list[tuple[int, tuple[int, ...]]] = []
         self._hashes: list[int] = []
 
+    def extend(self, count: int) -> None:
+        """Hash the first ``count`` blocks (those not hashed yet) in one pass over their tokens; only whole
+        blocks of the sequence are hashed."""
+        keys, hashes, span = self._keys, self._hashes, self._span
+        done = len(keys)
+        if count <= done:
+            return
+        parent = hashes[-1] if hashes else _ROOT_HASH
+        tokens = self._token_ids[done * span : count * span]
+        for block in zip(*[iter(tokens)] * span, strict=False):  # consecutive span-long tuples
+            key = (parent, block)
+            parent = hash(key)
+            keys.append(key)
+            hashes.append(parent)
+
     def link(self, index: int) -> tuple[tuple[int, tuple[int, ...]], int]:
         """Block ``index``'s key ``(parent hash, its tokens)`` and that key's hash."""
-        span, keys, hashes = self._span, self._keys, self._hashes
-        for i in range(len(keys), index + 1):
-            key = (hashes[-1] if hashes else _ROOT_HASH, tuple(self._token_ids[i * span : (i + 1) * span]))
-            keys.append(key)
-            hashes.append(hash(key))
-        return keys[index], hashes[index]
+        self.extend(index + 1)
+        return self._keys[index], self._hashes[index]
+
+    def cached_run(self, pool: _BlockPool, num_blocks: int) -> list[int]:
+        """Ids of ``pool``'s cached blocks for the longest run of this chain's first ``num_blocks`` blocks. The
+        chain is hashed one block first, then in doubling stretches: a miss early costs one block's hash, a
+        long hit one pass, never more than twice the blocks the run covers."""
+        run: list[int] = []
+        hashed = 0
+        keys, hashes = self._keys, self._hashes
+        while len(run) < num_blocks:
+            i = len(run)
+            if i == hashed:
+                hashed = min(num_blocks, max(1, 2 * hashed))
+                self.extend(hashed)
+                if len(keys) <= i:  # the sequence has no more whole blocks
+                    break
+            block_id = pool.lookup(keys[i], hashes[i])
+            if block_id is None:
+                break
+            run.append(block_id)
+        return run
 
     def parent_of(self, index: int) -> int:
         """The parent hash of block ``index``: the chained hash of the blocks before it."""
@@ -366,9 +397,11 @@ class KVRegistry:
         for g, pool in enumerate(self._pools):  # full and compressed groups: the leading run
             if not pool.group.is_sliding:
                 span = pool.group.tokens_per_block
-                missing = next((i for i in range(num_hit // span) if lookup(g, i) is None), None)
-                if missing is not None:
-                    num_hit = missing * span // step * step
+                run = chains[g].cached_run(pool, num_hit // span)
+                found[g].update(enumerate(run))
+                if len(run) < num_hit // span:
+                    found[g][len(run)] = None
+                    num_hit = len(run) * span // step * step
         settled = False
         while not settled:  # sliding groups: the window of the run's end; a gap ends the run before it
             settled = True

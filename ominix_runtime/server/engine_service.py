@@ -659,7 +659,7 @@ def _request(pb: engine_pb2.GenerateRequest, request_id: str, model: str) -> Gen
     arrival = time.monotonic()
     return GenerateRequest(
         request_id=request_id,
-        prompt_token_ids=list(pb.input_ids.ids) if which == "input_ids" else [],
+        prompt_token_ids=wire.int_list(pb.input_ids.ids) if which == "input_ids" else [],
         sampling=wire.sampling_from_pb(pb.sampling),
         model=model,
         priority=Priority(pb.priority) if pb.priority else Priority.INTERACTIVE,

@@ -25,6 +25,36 @@ def test_prefix_hit_is_block_aligned_and_leaves_the_last_token() -> None:
     reg.check_integrity()
 
 
+@pytest.mark.parametrize("cached_blocks", [0, 1, 5, 8, 9, 20])
+def test_prefix_lookup_hashes_at_most_twice_the_run_and_finds_all_of_it(
+    cached_blocks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chain is hashed in doubling stretches: one block when nothing is cached, never more than twice the
+    hit's blocks (plus one), and the run found is the whole cached run, up to the last token's block."""
+    from ominix_runtime.engine import kv_registry
+
+    reg = KVRegistry("w", num_blocks=64, block_size=BS)
+    tokens = list(range(1000, 1000 + 20 * BS + 3))  # 20 whole blocks and a partial one
+    if cached_blocks:
+        assert reg.allocate("a", cached_blocks * BS) is not None
+        reg.cache_blocks("a", tokens, cached_blocks * BS)
+        reg.free("a")
+    hashed: list[int] = []
+    extend = kv_registry._HashChain.extend
+
+    def counting_extend(chain: kv_registry._HashChain, count: int) -> None:
+        before = len(chain._keys)
+        extend(chain, count)
+        hashed.append(len(chain._keys) - before)
+
+    monkeypatch.setattr(kv_registry._HashChain, "extend", counting_extend)
+    hit = reg.find_prefix(tokens)
+    assert hit.num_tokens == cached_blocks * BS
+    assert len(hit.kv_block_ids) == cached_blocks
+    assert 1 <= sum(hashed) <= 2 * cached_blocks + 1
+    reg.check_integrity()
+
+
 def test_free_is_tail_first_and_unhashed_blocks_are_reused_first() -> None:
     reg = KVRegistry("w", num_blocks=6, block_size=BS)
     tokens = list(range(16))
