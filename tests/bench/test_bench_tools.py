@@ -311,3 +311,23 @@ def test_the_shell_benches_port_comes_from_outside_the_ephemeral_range() -> None
     assert not low <= port <= high or search_window(1) == range(1024, 65536)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def test_prefix_step_refuses_a_machine_without_cuda() -> None:
+    """bench/prefix_step.py times captured CUDA graphs: without CUDA it says so and exits non-zero."""
+    import subprocess
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("runs on the GPU machine (bench/RESULTS.md)")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, str(root / "bench" / "prefix_step.py"), "--trials", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+    )
+    assert done.returncode != 0
+    assert "needs a CUDA device" in done.stderr

@@ -146,3 +146,42 @@ def test_closing_a_window_frees_the_profiler_and_reports_gc_pauses(tmp_path: Pat
     assert json.loads((tmp_path / "probe.json").read_text())["gc_pauses"] == [
         list(p) for p in probe.gc_pauses
     ]
+
+
+def test_prefix_hops_split_a_warm_ttft_by_the_worker_log() -> None:
+    """Each warm request's TTFT is cut at its step's protobuf marks and the step's enter / exit; a request
+    whose window holds no single-request prefill step (or two) is left out."""
+    from bench.service_summary import prefix_hops
+
+    def logged(
+        step_id: int, enter: float, exit_: float, batch: int = 1, decode: bool = False
+    ) -> dict[str, Any]:
+        return {"id": step_id, "enter": enter, "exit": exit_, "batch": batch, "tokens": 64, "decode": decode}
+
+    probe = {
+        "steps": [
+            logged(1, 10.003, 10.009),  # request 1's suffix step
+            logged(2, 10.0095, 10.013, decode=True),  # its next token: not counted
+            logged(3, 20.002, 20.008),  # request 2's
+            logged(4, 30.002, 30.004),  # request 3: two prefill steps in its window
+            logged(5, 30.005, 30.007),
+        ],
+        "marks": [
+            ["step_from_pb", 1, 10.0025, 10.0026],
+            ["result_to_pb", 1, 10.0092, 10.0093],
+            ["step_from_pb", 3, 20.0015, 20.0016],
+            ["result_to_pb", 3, 20.0082, 20.0083],
+        ],
+    }
+    offline = {
+        "runs": {"shared_prefix": {"warm_timeline_s": [[10.0, 10.010], [20.0, 20.009], [30.0, 30.01]]}}
+    }
+    hops = prefix_hops(probe, offline)
+    assert hops is not None and hops["requests"] == 2
+    assert abs(hops["ttft"] - 9.5) < 1e-6  # medians of 10 and 9 ms
+    assert abs(hops["to_worker"] - 2.0) < 1e-6  # 2.5 and 1.5
+    assert abs(hops["step"] - 6.0) < 1e-6
+    assert abs(hops["handed_to_step"] - 0.5) < 1e-6
+    parts = sum(hops[k] for k in ("to_worker", "handed_to_step", "step", "handed_back", "back_to_client"))
+    assert abs(parts - hops["ttft"]) < 1e-6
+    assert prefix_hops(probe, {"runs": {}}) is None
