@@ -1,12 +1,15 @@
 """The worker's side of a shared-prefix TTFT, in process (no gRPC, no engine): a prompt of ``--prefix-len``
 tokens is prefilled once, then each trial is a new request whose first ``--prefix-len`` tokens hit that KV and
 whose ``--suffix-len`` new tokens run as one step through ``ModelRunner.execute_step`` (the captured prefill
-graph when one holds them), sampling one token. Reports per step: wall time on the host, the device span
-(CUDA events around the step) and the rest (host work before the launch and after the ids arrive). A batch-1
-decode step is timed the same way for comparison. ``--profile`` adds the device time of one suffix step by
-kernel (torch profiler).
+graph when one holds them), sampling one token. Reports the step's wall time on the host (median and minimum),
+which on CUDA runs until the sampled ids are back. A batch-1 decode step is timed the same way for comparison.
+``--mixed-decodes D`` also times a step of D running decodes beside a new ``--mixed-prompt``-token prefill
+(eager, as an online step runs when a request arrives), and the same D decodes alone. ``--profile`` adds the
+device time by kernel of one step of each kind (torch profiler). ``--device cpu`` runs it all on a tiny model
+in float32: a check of the script, not a measurement.
 
     python bench/prefix_step.py --model dummy:bench/configs/llama8b-config.json --profile --json out.json
+    python bench/prefix_step.py --mixed-decodes 8 --mixed-prompt 1024 --profile
 """
 
 from __future__ import annotations
@@ -38,37 +41,33 @@ BLOCK = 16
 
 
 class StepClock:
-    """Host wall time and device span of each ``execute_step`` call."""
+    """Host wall time of each ``execute_step`` call. The runner returns once the step's sampled ids are on the
+    host, so on CUDA this is the step from its first host work to its last kernel and the copy back."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.wall_ms: list[float] = []
-        self.device_ms: list[float] = []
 
     def run(self, step: DecodeStep, keep: bool = True) -> StepResult:
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize()
         started = time.perf_counter()
-        before.record()
         result = self.runner.execute_step(step)
-        after.record()
         wall = (time.perf_counter() - started) * 1e3
-        after.synchronize()
-        assert result is not None, "the runner overlapped a step: overlap_steps must be off"
+        if result is None:
+            raise RuntimeError("the runner overlapped a step: overlap_steps must be off")
         for out in result.outputs:
             if out.error_kind is not None:
                 raise RuntimeError(f"{out.request_id}: {out.error_message}")
         if keep:
             self.wall_ms.append(wall)
-            self.device_ms.append(before.elapsed_time(after))
         return result
 
     def summary(self) -> dict[str, float]:
-        wall, device = statistics.median(self.wall_ms), statistics.median(self.device_ms)
         return {
-            "wall_ms": round(wall, 3),
-            "device_ms": round(device, 3),
-            "host_rest_ms": round(wall - device, 3),
+            "median_ms": round(statistics.median(self.wall_ms), 3),
+            "min_ms": round(min(self.wall_ms), 3),
+            "steps": len(self.wall_ms),
         }
 
 
@@ -113,18 +112,28 @@ def main() -> None:
     p.add_argument("--suffix-len", type=int, default=64)
     p.add_argument("--trials", type=int, default=30)
     p.add_argument("--num-blocks", type=int, default=4096)
-    p.add_argument("--profile", action="store_true", help="device time by kernel of one suffix step")
+    p.add_argument("--profile", action="store_true", help="device time by kernel of one step of each kind")
+    p.add_argument(
+        "--mixed-decodes",
+        type=int,
+        default=0,
+        help="also time a step of this many running decodes beside a new prompt's prefill (0: off)",
+    )
+    p.add_argument("--mixed-prompt", type=int, default=1024, help="the new prompt's tokens in that step")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (float32: checks the script only)")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("prefix_step.py needs a CUDA device")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("prefix_step.py needs a CUDA device (or --device cpu)")
     if args.prefix_len % BLOCK:
         sys.exit(f"--prefix-len must be a multiple of {BLOCK}")
-
+    cuda = args.device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
     runner = build_runner(
-        args.model, device="cuda", dtype=torch.bfloat16, num_blocks=args.num_blocks, block_size=BLOCK
+        args.model, device=args.device, dtype=dtype, num_blocks=args.num_blocks, block_size=BLOCK
     )
+    profile = args.profile and cuda  # the table is of device kernels
     runner.overlap_steps = False
     runner.capture_decode_graphs()
     vocab = runner.model.config.vocab_size
@@ -174,10 +183,55 @@ def main() -> None:
     step_id += 1
     figures["batch1_decode_step"] = decode.summary()
 
-    if args.profile:
+    if profile:
         step, finish = suffix_step(args.trials + 10)
         figures["suffix_step_kernels"] = kernel_table(runner, step, finish, args.top)
-    figures["device"] = torch.cuda.get_device_name()
+
+    if args.mixed_decodes:
+        # A new prompt's prefill beside running decodes (an online step when a request arrives): the step that
+        # sets the inter-token latency's tail at low request rates. Then the same decodes alone, from the graph.
+        steps_each = 2 * (args.trials + 12)
+        per_decode = -(-(512 + steps_each) // BLOCK)
+        pool = free[1024:]
+        running_ids = [f"m{i}" for i in range(args.mixed_decodes)]
+        new = []
+        for i, rid in enumerate(running_ids):
+            prompt = torch.randint(3, vocab, (512,), generator=gen).tolist()
+            new.append(_new(rid, prompt, pool[i * per_decode : (i + 1) * per_decode], 0, 512))
+        step_id += 1
+        clock.run(DecodeStep(step_id, new), keep=False)
+        prompt_pool = pool[args.mixed_decodes * per_decode :]
+        prompt_blocks = -(-(args.mixed_prompt + 1) // BLOCK)
+        mixed, alone = StepClock(runner), StepClock(runner)
+
+        def mixed_step(i: int) -> tuple[DecodeStep, DecodeStep]:
+            nonlocal step_id
+            prompt = torch.randint(3, vocab, (args.mixed_prompt,), generator=gen).tolist()
+            first = (i % 2) * prompt_blocks
+            rid = f"p{i}"
+            running = [RunningRequestData(r, [], 1) for r in running_ids]
+            blocks = prompt_pool[first : first + prompt_blocks]
+            step_id += 1
+            step = DecodeStep(step_id, [_new(rid, prompt, blocks, 0, args.mixed_prompt)], running)
+            step_id += 1
+            return step, DecodeStep(step_id, finished_request_ids=[rid])
+
+        for i in range(args.trials + 5):
+            step, finish = mixed_step(i)
+            mixed.run(step, keep=i >= 5)
+            clock.run(finish, keep=False)
+            step_id += 1
+            running = [RunningRequestData(r, [], 1) for r in running_ids]
+            alone.run(DecodeStep(step_id, running_requests=running), keep=i >= 5)
+        figures["mixed_step"] = mixed.summary() | {
+            "decodes": args.mixed_decodes,
+            "prompt_tokens": args.mixed_prompt,
+        }
+        figures["decodes_alone_step"] = alone.summary()
+        if profile:
+            step, finish = mixed_step(args.trials + 5)
+            figures["mixed_step_kernels"] = kernel_table(runner, step, finish, args.top)
+    figures["device"] = torch.cuda.get_device_name() if cuda else "cpu"
     print(json.dumps(figures, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1) + "\n")

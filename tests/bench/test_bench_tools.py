@@ -313,21 +313,39 @@ def test_the_shell_benches_port_comes_from_outside_the_ephemeral_range() -> None
         sock.bind(("127.0.0.1", port))
 
 
-def test_prefix_step_refuses_a_machine_without_cuda() -> None:
-    """bench/prefix_step.py times captured CUDA graphs: without CUDA it says so and exits non-zero."""
+def test_prefix_step_runs_every_step_kind_on_a_tiny_model(tmp_path: Path) -> None:
+    """bench/prefix_step.py on the CPU (its --device cpu check mode): the prefix-hit suffix steps, batch-1
+    decode, and running decodes beside a new prompt's prefill all run, and each reports its trials."""
     import subprocess
 
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("runs on the GPU machine (bench/RESULTS.md)")
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, str(root / "bench" / "prefix_step.py"), "--trials", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=root,
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "num_hidden_layers": 2,
+                "vocab_size": 1000,
+                "max_position_embeddings": 4096,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "head_dim": 16,
+            }
+        )
     )
-    assert done.returncode != 0
-    assert "needs a CUDA device" in done.stderr
+    out = tmp_path / "figures.json"
+    argv = [sys.executable, str(root / "bench" / "prefix_step.py"), "--device", "cpu", "--model"]
+    argv += [f"dummy:{config}", "--prefix-len", "256", "--suffix-len", "16", "--trials", "3"]
+    argv += ["--num-blocks", "2048", "--mixed-decodes", "3", "--mixed-prompt", "64", "--json", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    for kind in ("suffix_step", "batch1_decode_step", "mixed_step", "decodes_alone_step"):
+        assert figures[kind]["steps"] == 3
+        assert 0 < figures[kind]["min_ms"] <= figures[kind]["median_ms"]
+    assert figures["mixed_step"]["decodes"] == 3 and figures["device"] == "cpu"
