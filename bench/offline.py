@@ -211,7 +211,6 @@ async def run_shared_prefix(
             first, second = build_random_requests(config, facts, seed=args.seed + 3000 + trial)
             tag = f"prefix-{uuid.uuid4().hex[:8]}-{trial}"
             a = await send_one(client, first, config, f"{tag}-a")
-            b_sent = time.perf_counter()
             b = await send_one(client, second, config, f"{tag}-b")
             ttft_ms = []
             for name, result in (("A", a), ("B", b)):
@@ -220,7 +219,8 @@ async def run_shared_prefix(
                 ttft_ms.append(result.first_token_time * 1e3)
             cold_ms.append(ttft_ms[0])
             warm_ms.append(ttft_ms[1])
-            warm_timeline.append((b_sent, b_sent + ttft_ms[1] / 1e3))
+            assert b.first_token_time is not None  # checked above
+            warm_timeline.append((b.clock_origin + b.send_time, b.clock_origin + b.first_token_time))
             cached = b.cached_tokens
     report.runs["shared_prefix"] = {
         "ttft_cold_ms": cold_ms,

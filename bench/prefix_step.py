@@ -5,7 +5,7 @@ graph when one holds them), sampling one token. Reports the step's wall time on 
 which on CUDA runs until the sampled ids are back. A batch-1 decode step is timed the same way for comparison.
 ``--mixed-decodes D`` also times a step of D running decodes beside a new ``--mixed-prompt``-token prefill
 (eager, as an online step runs when a request arrives), and the same D decodes alone. ``--profile`` adds the
-device time by kernel of one step of each kind (torch profiler). ``--device cpu`` runs it all on a tiny model
+device time by kernel of one suffix step and of one mixed step (torch profiler). ``--device cpu`` runs it all on a tiny model
 in float32: a check of the script, not a measurement.
 
     python bench/prefix_step.py --model dummy:bench/configs/llama8b-config.json --profile --json out.json
@@ -38,6 +38,8 @@ from ominix_runtime.contract import (  # noqa: E402
 from ominix_worker.runner import ModelRunner, build_runner  # noqa: E402
 
 BLOCK = 16
+SUFFIX_BLOCKS = 512  # KV blocks the suffix steps cycle through (after the shared prefix's)
+MIXED_FIRST = 1024  # the mixed step's blocks start here (the batch-1 decode's lie between)
 
 
 class StepClock:
@@ -112,7 +114,9 @@ def main() -> None:
     p.add_argument("--suffix-len", type=int, default=64)
     p.add_argument("--trials", type=int, default=30)
     p.add_argument("--num-blocks", type=int, default=4096)
-    p.add_argument("--profile", action="store_true", help="device time by kernel of one step of each kind")
+    p.add_argument(
+        "--profile", action="store_true", help="device time by kernel of one suffix step (and one mixed step)"
+    )
     p.add_argument(
         "--mixed-decodes",
         type=int,
@@ -141,6 +145,16 @@ def main() -> None:
     prefix = torch.randint(3, vocab, (args.prefix_len,), generator=gen).tolist()
     prefix_blocks = list(range(args.prefix_len // BLOCK))
     free = list(range(len(prefix_blocks), args.num_blocks))
+    # The KV blocks each part uses, after the shared prefix's: the suffixes cycle through SUFFIX_BLOCKS, the
+    # batch-1 decode has its own, the mixed step's decodes and prompts come after.
+    decode_steps = 2 * (args.trials + 12)
+    per_decode = -(-(512 + decode_steps) // BLOCK)
+    prompt_blocks = -(-(args.mixed_prompt + 1) // BLOCK)
+    needed = MIXED_FIRST + (args.mixed_decodes * per_decode + 2 * prompt_blocks if args.mixed_decodes else 0)
+    if len(free) < needed:
+        sys.exit(
+            f"--num-blocks {args.num_blocks} holds too few KV blocks: at least {len(prefix_blocks) + needed}"
+        )
     clock = StepClock(runner)
     clock.run(DecodeStep(1, [_new("a", prefix, prefix_blocks, 0, args.prefix_len)]), keep=False)
     clock.run(DecodeStep(2, finished_request_ids=["a"]), keep=False)
@@ -151,7 +165,8 @@ def main() -> None:
     def suffix_step(i: int) -> tuple[DecodeStep, DecodeStep]:
         nonlocal step_id
         suffix = torch.randint(3, vocab, (args.suffix_len,), generator=gen).tolist()
-        blocks = prefix_blocks + free[(i * suffix_blocks) % 512 : (i * suffix_blocks) % 512 + suffix_blocks]
+        first = (i * suffix_blocks) % (SUFFIX_BLOCKS - suffix_blocks)
+        blocks = prefix_blocks + free[first : first + suffix_blocks]
         rid = f"b{i}"
         step = DecodeStep(step_id, [_new(rid, prefix + suffix, blocks, args.prefix_len, args.suffix_len)])
         finish = DecodeStep(step_id + 1, finished_request_ids=[rid])
@@ -172,7 +187,7 @@ def main() -> None:
     # Batch-1 decode from a 512-token prompt, one token a step.
     decode = StepClock(runner)
     prompt = torch.randint(3, vocab, (512,), generator=gen).tolist()
-    blocks = free[600 : 600 + (512 + 256) // BLOCK]
+    blocks = free[SUFFIX_BLOCKS : SUFFIX_BLOCKS + (512 + args.trials + 6) // BLOCK + 1]
     decode.run(DecodeStep(step_id, [_new("d", prompt, blocks, 0, 512)]), keep=False)
     step_id += 1
     for i in range(args.trials + 5):
@@ -190,9 +205,7 @@ def main() -> None:
     if args.mixed_decodes:
         # A new prompt's prefill beside running decodes (an online step when a request arrives): the step that
         # sets the inter-token latency's tail at low request rates. Then the same decodes alone, from the graph.
-        steps_each = 2 * (args.trials + 12)
-        per_decode = -(-(512 + steps_each) // BLOCK)
-        pool = free[1024:]
+        pool = free[MIXED_FIRST:]
         running_ids = [f"m{i}" for i in range(args.mixed_decodes)]
         new = []
         for i, rid in enumerate(running_ids):
@@ -201,7 +214,6 @@ def main() -> None:
         step_id += 1
         clock.run(DecodeStep(step_id, new), keep=False)
         prompt_pool = pool[args.mixed_decodes * per_decode :]
-        prompt_blocks = -(-(args.mixed_prompt + 1) // BLOCK)
         mixed, alone = StepClock(runner), StepClock(runner)
 
         def mixed_step(i: int) -> tuple[DecodeStep, DecodeStep]:

@@ -203,6 +203,9 @@ class RequestResult:
     finish_reason: str = ""
     success: bool = False
     error: str = ""
+    # perf_counter of the run's start (CLOCK_MONOTONIC on Linux, shared by every process on the host): added
+    # to the times above, it places them beside another process's log.
+    clock_origin: float = 0.0
 
     @property
     def ttft_s(self) -> float | None:
@@ -282,9 +285,9 @@ async def send_one(
     request at a time over one connection, as a router keeps its connections open (``run_benchmark`` opens new
     channels for each run)."""
     result = RequestResult(index=0, request_id=request_id)
-    await _send_one(
-        client, to_pb_request(spec, config, request_id), result, time.perf_counter(), config.request_timeout_s
-    )
+    request = to_pb_request(spec, config, request_id)
+    result.clock_origin = time.perf_counter()
+    await _send_one(client, request, result, result.clock_origin, config.request_timeout_s)
     return result
 
 

@@ -356,8 +356,9 @@ def step_to_pb(step: DecodeStep) -> worker_pb2.DecodeStep:
 
 
 def int_list(values: Sequence[int]) -> list[int]:
-    """A repeated integer field as a list. A slice of the container is built in C: ``list()`` iterating it
-    takes twice as long (~30 µs more for a 2,000-token prompt, on the way to its first token)."""
+    """A repeated integer field as a list. A slice of the container is built in C, faster than ``list()``
+    iterating it (28 – 32 µs against 36 – 63 µs for 2,112 ids, measured twice), on a prompt's way to its first
+    token."""
     out = values[:]
     return out if isinstance(out, list) else list(out)
 

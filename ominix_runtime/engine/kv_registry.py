@@ -118,13 +118,12 @@ class _HashChain:
         run: list[int] = []
         hashed = 0
         keys, hashes = self._keys, self._hashes
+        num_blocks = min(num_blocks, len(self._token_ids) // self._span)  # whole blocks only
         while len(run) < num_blocks:
             i = len(run)
             if i == hashed:
                 hashed = min(num_blocks, max(1, 2 * hashed))
                 self.extend(hashed)
-                if len(keys) <= i:  # the sequence has no more whole blocks
-                    break
             block_id = pool.lookup(keys[i], hashes[i])
             if block_id is None:
                 break

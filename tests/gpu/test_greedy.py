@@ -18,6 +18,7 @@ if DEVICE is None:
 pytest.importorskip("triton")
 
 from ominix_worker.ops.greedy import greedy_argmax  # noqa: E402
+from ominix_worker.ops.scratch import SCRATCH  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +46,8 @@ def test_first_maximum_and_nan_rows(rows: int, vocab: int) -> None:
     assert bad.cpu().tolist() == [r in nan_rows for r in range(rows)]
     clean = [r for r in range(rows) if r not in nan_rows]
     assert ids.cpu()[clean].tolist() == want_ids[clean].tolist()
-    # Launched again on the same counters (each row's counter was set back to zero).
+    # Each row's arrival counter is back at zero, and a second launch on them gives the same ids.
+    assert not SCRATCH.counters(device_logits.device, rows)[:rows].any()
     again, _ = greedy_argmax(device_logits)
     assert again.cpu()[clean].tolist() == want_ids[clean].tolist()
 
