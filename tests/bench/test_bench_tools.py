@@ -319,25 +319,11 @@ def test_prefix_step_runs_every_step_kind_on_a_tiny_model(tmp_path: Path) -> Non
     import subprocess
 
     root = Path(__file__).resolve().parents[2]
+    from ominix_worker.testing import tiny_config_kwargs
+
     config = tmp_path / "config.json"
-    config.write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "num_hidden_layers": 2,
-                "vocab_size": 1000,
-                "max_position_embeddings": 4096,
-                "rms_norm_eps": 1e-5,
-                "rope_theta": 10000.0,
-                "head_dim": 16,
-            }
-        )
-    )
+    shape = tiny_config_kwargs("llama", 1000, 64, 2, 4, 2, False, 4096)
+    config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape}))
     out = tmp_path / "figures.json"
     argv = [sys.executable, str(root / "bench" / "prefix_step.py"), "--device", "cpu", "--model"]
     argv += [f"dummy:{config}", "--prefix-len", "256", "--suffix-len", "16", "--trials", "3"]
