@@ -20,7 +20,9 @@ _TILE = 2048  # logits a program loads at a time
 _MIN_CHUNK = 4096  # logits a program covers at least
 
 
-@triton.jit(do_not_specialize=["vocab", "stride", "chunk", "num_chunks"])
+# vocab and num_chunks are not specialized on (no value of theirs changes the code); stride (one model's row
+# length) and chunk (a multiple of _TILE) are, so the compiler can prove the loads aligned.
+@triton.jit(do_not_specialize=["vocab", "num_chunks"])
 def _greedy_kernel(
     logits_ptr,
     part_max_ptr,
@@ -97,8 +99,11 @@ def greedy_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     part_idx = torch.empty(rows * num_chunks, dtype=torch.int32, device=logits.device)
     part_nan = torch.empty(rows * num_chunks, dtype=torch.int32, device=logits.device)
     arrivals = SCRATCH.counters(logits.device, rows)
+    # One BLOCK_C per vocabulary (the most chunks a row can have), not per batch size: the kernel compiles once,
+    # in the worker's warm-up, never in the middle of serving when a batch first grows.
+    block_c = max(16, triton.next_power_of_2(triton.cdiv(vocab, _MIN_CHUNK)))
     _greedy_kernel[(rows, num_chunks)](
         logits, part_max, part_idx, part_nan, arrivals, ids, bad, vocab, logits.stride(0), chunk, num_chunks,
-        TILE=_TILE, BLOCK_C=max(16, triton.next_power_of_2(num_chunks)), num_warps=4,
+        TILE=_TILE, BLOCK_C=block_c, num_warps=4,
     )  # fmt: skip
     return ids, bad.view(torch.bool)
