@@ -394,3 +394,34 @@ def test_prefill_split_count_fills_the_gpu_without_short_splits() -> None:
         n = prefill_num_splits(programs, 4096, num_sms=132)
         assert (n & (n - 1)) == 0  # a power of two
         assert n == 1 or (programs < 132 and n * 256 <= 4096)
+
+
+def test_metadata_without_single_token_requests_skips_the_decode_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A captured prefill graph's metadata (one request, 2+ positions, no host query offsets) says no
+    single-token request can be in the step: the decode kernel is not launched, and the output is still
+    right. Without the flag and without host offsets, both kernels launch (the decode one returns at once)."""
+    gen = torch.Generator().manual_seed(23)
+    dtype = torch.float32
+    backend = TritonPagedAttention(block_size=16)
+    batch = make_batch(gen, [40], [300], 8, 2, 64, 16, dtype, backend)
+    backend.write_kv(batch.kv_cache, batch.new_key, batch.new_value, batch.meta)
+    launched: list[bool] = []
+    decode = backend._decode
+
+    def counting_decode(*args: object, **kwargs: object) -> None:
+        launched.append(True)
+        decode(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(backend, "_decode", counting_decode)
+    for flag, want_launches in ((False, 1), (True, 0)):
+        launched.clear()
+        batch.meta.query_start_loc_cpu = None
+        batch.meta.no_single_token_requests = flag
+        out = torch.full_like(batch.query, float("nan"))
+        backend.forward_into(batch.query, batch.kv_cache, batch.meta, 1.0 / math.sqrt(64), out)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        assert len(launched) == want_launches
+        check(batch, out, dtype)
