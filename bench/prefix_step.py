@@ -19,12 +19,13 @@ import json
 import statistics
 import sys
 import time
-from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workers"))
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # moe_profile, for --profile
 
 import torch  # noqa: E402
 
@@ -85,26 +86,21 @@ def _new(rid: str, prompt: list[int], blocks: list[int], computed: int, schedule
     )
 
 
-def kernel_table(
-    runner: ModelRunner, step: DecodeStep, finish: DecodeStep, top: int
+def step_kernels(
+    make: Callable[[int], tuple[DecodeStep, DecodeStep]], first: int, clock: StepClock, top: int
 ) -> list[dict[str, object]]:
-    """Device µs by kernel name over one step, largest first."""
-    from torch.profiler import ProfilerActivity, profile
+    """Device µs per step by kernel (``moe_profile.kernel_table``: warmed up, then averaged over many steps) of
+    the steps ``make(first)``, ``make(first + 1)``, ..., each followed by its finishing step."""
+    from moe_profile import kernel_table  # CUDA only: it imports the Triton MoE kernels
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        runner.execute_step(step)
-        torch.cuda.synchronize()
-    runner.execute_step(finish)
-    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
-            entry = totals[event.name[:90]]
-            entry[0] += event.device_time_total
-            entry[1] += 1
-    rows = [{"kernel": name, "us": round(us, 1), "calls": int(n)} for name, (us, n) in totals.items()]
-    rows.sort(key=lambda r: -float(r["us"]))  # type: ignore[arg-type]
-    del prof
-    return rows[:top]
+    indices = iter(range(first, first + 1_000))
+
+    def one_step() -> None:
+        step, finish = make(next(indices))
+        clock.run(step, keep=False)
+        clock.run(finish, keep=False)
+
+    return [{"kernel": name, "us": round(us, 1), "calls": n} for name, us, n in kernel_table(one_step)[:top]]
 
 
 def main() -> None:
@@ -147,7 +143,7 @@ def main() -> None:
     free = list(range(len(prefix_blocks), args.num_blocks))
     # The KV blocks each part uses, after the shared prefix's: the suffixes cycle through SUFFIX_BLOCKS, the
     # batch-1 decode has its own, the mixed step's decodes and prompts come after.
-    decode_steps = 2 * (args.trials + 12)
+    decode_steps = 2 * args.trials + 40  # each mixed step, each step alone, and the profiled mixed steps
     per_decode = -(-(512 + decode_steps) // BLOCK)
     prompt_blocks = -(-(args.mixed_prompt + 1) // BLOCK)
     needed = MIXED_FIRST + (args.mixed_decodes * per_decode + 2 * prompt_blocks if args.mixed_decodes else 0)
@@ -199,8 +195,7 @@ def main() -> None:
     figures["batch1_decode_step"] = decode.summary()
 
     if profile:
-        step, finish = suffix_step(args.trials + 10)
-        figures["suffix_step_kernels"] = kernel_table(runner, step, finish, args.top)
+        figures["suffix_step_kernels"] = step_kernels(suffix_step, args.trials + 10, clock, args.top)
 
     if args.mixed_decodes:
         # A new prompt's prefill beside running decodes (an online step when a request arrives): the step that
@@ -241,8 +236,7 @@ def main() -> None:
         }
         figures["decodes_alone_step"] = alone.summary()
         if profile:
-            step, finish = mixed_step(args.trials + 5)
-            figures["mixed_step_kernels"] = kernel_table(runner, step, finish, args.top)
+            figures["mixed_step_kernels"] = step_kernels(mixed_step, args.trials + 5, clock, args.top)
     figures["device"] = torch.cuda.get_device_name() if cuda else "cpu"
     print(json.dumps(figures, indent=1))
     if args.json:

@@ -85,14 +85,17 @@ def step_breakdown(steps: list[dict[str, Any]], batch: int) -> dict[str, float] 
     return out
 
 
+def mark_spans(probe: dict[str, Any], kind: str) -> dict[int, tuple[float, float]]:
+    """Step id → (start, end) of the worker's ``kind`` marks (``step_from_pb``, ``result_to_pb``)."""
+    return {m[1]: (m[2], m[3]) for m in probe.get("marks", []) if m[0] == kind}
+
+
 def gap_parts(probe: dict[str, Any], batch: int, run: str | None = None) -> dict[str, float] | None:
     """Medians (ms) over consecutive decode steps of one batch size (of one run label, when given), from the
     worker's marks: result → protobuf and step ← protobuf durations, and ``next_ready`` = when the next step
     had been converted relative to when the worker returned from the previous one (a pipelined worker returns
     once it has launched step N, i.e. when N-1 ended on the device; ≤ 0: step N+1 was already waiting)."""
-    marks = probe.get("marks", [])
-    result_pb = {m[1]: (m[2], m[3]) for m in marks if m[0] == "result_to_pb"}
-    step_pb = {m[1]: (m[2], m[3]) for m in marks if m[0] == "step_from_pb"}
+    result_pb, step_pb = mark_spans(probe, "result_to_pb"), mark_spans(probe, "step_from_pb")
     steps = probe.get("steps", [])
     parts: dict[str, list[float]] = {k: [] for k in ("result_pb", "step_pb", "next_ready", "gap")}
     for prev, cur in zip(steps, steps[1:], strict=False):
@@ -119,9 +122,7 @@ def prefix_hops(probe: dict[str, Any], offline: dict[str, Any]) -> dict[str, flo
     step, handed back (→ its result's protobuf begun), back to the client (→ first token). The step is the one
     single-request, not pure-decode step that entered inside the request's TTFT."""
     timeline = offline.get("runs", {}).get("shared_prefix", {}).get("warm_timeline_s", [])
-    marks = probe.get("marks", [])
-    result_pb = {m[1]: (m[2], m[3]) for m in marks if m[0] == "result_to_pb"}
-    step_pb = {m[1]: (m[2], m[3]) for m in marks if m[0] == "step_from_pb"}
+    result_pb, step_pb = mark_spans(probe, "result_to_pb"), mark_spans(probe, "step_from_pb")
     steps = [s for s in probe.get("steps", []) if s["batch"] == 1 and not s["decode"]]
     names = ("ttft", "to_worker", "handed_to_step", "step", "handed_back", "back_to_client")
     parts: dict[str, list[float]] = {k: [] for k in names}
