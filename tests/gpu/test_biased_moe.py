@@ -6,17 +6,13 @@ Runs on CUDA; ``TRITON_INTERPRET=1`` runs the kernels on the CPU (slowly: small 
 
 from __future__ import annotations
 
-import os
 from functools import partial
 
 import pytest
 import torch
+from triton_target import INTERPRET, triton_device  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRET else None)
-if DEVICE is None:
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
-pytest.importorskip("triton")
+DEVICE = triton_device()
 
 from ominix_worker.config import config_from_hf_dict  # noqa: E402
 from ominix_worker.models.gpt_oss import GptOssMoeBlock  # noqa: E402

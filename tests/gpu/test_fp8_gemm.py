@@ -9,7 +9,6 @@ Needs an FP8 GPU (compute capability 8.9+); ``TRITON_INTERPRET=1`` runs the Trit
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -20,12 +19,10 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import conftest  # noqa: F401
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from triton_target import INTERPRET, triton_device  # noqa: E402
+
 FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-DEVICE = "cuda" if FP8_GPU else ("cpu" if INTERPRET else None)
-if DEVICE is None:
-    pytest.skip("needs an FP8 GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
-pytest.importorskip("triton")
+DEVICE = triton_device(FP8_GPU, needs="an FP8 GPU")
 
 from ominix_worker.ops.fp8_gemm import SMALL_M, fp8_linear, w8a8_block_matmul  # noqa: E402
 from ominix_worker.ops.fused import silu_and_mul  # noqa: E402

@@ -8,7 +8,6 @@ does not round to nearest: bound doubled)."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -19,11 +18,9 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import conftest  # noqa: F401
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRET else None)
-if DEVICE is None:
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
-pytest.importorskip("triton")
+from triton_target import INTERPRET, triton_device  # noqa: E402
+
+DEVICE = triton_device()
 
 from ominix_worker.attention.base import AttentionMetadata, KVScales  # noqa: E402
 from ominix_worker.attention.triton_paged import TritonPagedAttention  # noqa: E402

@@ -5,7 +5,6 @@ Runs on CUDA; ``TRITON_INTERPRET=1`` runs the kernels on the CPU (slowly: small 
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -16,11 +15,9 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import conftest  # noqa: F401
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRET else None)
-if DEVICE is None:
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
-pytest.importorskip("triton")
+from triton_target import INTERPRET, triton_device  # noqa: E402
+
+DEVICE = triton_device()
 
 from ominix_worker.ops import fused_moe  # noqa: E402
 from ominix_worker.ops.fused_moe import fused_experts, moe_align, moe_sum  # noqa: E402

@@ -6,16 +6,11 @@ Needs CUDA; ``TRITON_INTERPRET=1`` runs the kernel on the CPU."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_target import INTERPRET, triton_device  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRET else None)
-if DEVICE is None:
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
-pytest.importorskip("triton")
+DEVICE = triton_device()
 
 from ominix_worker.ops.greedy import greedy_argmax  # noqa: E402
 from ominix_worker.ops.scratch import SCRATCH  # noqa: E402

@@ -6,19 +6,15 @@ the CPU through the interpreter, the model taking them as it would on CUDA."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from triton_target import triton_device  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-CUDA = torch.cuda.is_available()
-if not (CUDA or INTERPRET):
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
-pytest.importorskip("triton")
+CUDA = triton_device() == "cuda"
 
 from ominix_runtime.contract import DecodeStep, NewRequestData, SamplingParams  # noqa: E402
 from ominix_worker.models import llama  # noqa: E402

@@ -6,7 +6,6 @@ Runs on CUDA; with TRITON_INTERPRET=1 it also runs (slowly) on the CPU through T
 from __future__ import annotations
 
 import math
-import os
 import sys
 import zlib
 from dataclasses import dataclass
@@ -19,11 +18,9 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import conftest  # noqa: F401  (aliases ominix_worker when run as a plain script)
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRET else None)
-if DEVICE is None:
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
-pytest.importorskip("triton")
+from triton_target import INTERPRET, triton_device  # noqa: E402
+
+DEVICE = triton_device()
 
 from ominix_worker.attention.base import AttentionMetadata  # noqa: E402
 from ominix_worker.attention.triton_paged import TritonPagedAttention, prefill_num_splits  # noqa: E402

@@ -9,16 +9,12 @@ the engine freed them. Runs on CUDA (or, slowly, under TRITON_INTERPRET=1).
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
+from triton_target import triton_device  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRET else None)
-if DEVICE is None:
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
-pytest.importorskip("triton")
+DEVICE = triton_device()
 
 from test_triton_attention import TOLERANCE, make_batch  # noqa: E402
 from test_triton_sliding_window import slide  # noqa: E402

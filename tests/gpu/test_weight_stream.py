@@ -6,18 +6,13 @@ through it, which need CUDA tensors, skip)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_target import INTERPRET, triton_device  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else ("cpu" if INTERPRET else None)
-if DEVICE is None:
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
-pytest.importorskip("triton")
+DEVICE = triton_device()
+CUDA = DEVICE == "cuda"
 
 from ominix_worker.ops.fused import silu_and_mul  # noqa: E402
 from ominix_worker.ops.weight_stream import MAX_M, weight_stream_matmul  # noqa: E402
