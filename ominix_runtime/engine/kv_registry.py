@@ -393,14 +393,13 @@ class KVRegistry:
             return found[g][i]
 
         num_hit = limit  # tokens, a multiple of step
-        for g, pool in enumerate(self._pools):  # full and compressed groups: the leading run
+        runs: dict[int, list[int]] = {}  # full and compressed groups: the leading run's block ids
+        for g, pool in enumerate(self._pools):
             if not pool.group.is_sliding:
                 span = pool.group.tokens_per_block
-                run = chains[g].cached_run(pool, num_hit // span)
-                found[g].update(enumerate(run))
-                if len(run) < num_hit // span:
-                    found[g][len(run)] = None
-                    num_hit = len(run) * span // step * step
+                runs[g] = chains[g].cached_run(pool, num_hit // span)
+                if len(runs[g]) < num_hit // span:
+                    num_hit = len(runs[g]) * span // step * step
         settled = False
         while not settled:  # sliding groups: the window of the run's end; a gap ends the run before it
             settled = True
@@ -415,8 +414,11 @@ class KVRegistry:
         per_group: list[tuple[int, ...]] = []
         for g, pool in enumerate(self._pools):
             first = self._num_slid(pool.group, num_hit)
+            count = num_hit // pool.group.tokens_per_block
             ids = [NULL_BLOCK_ID] * first
-            for i in range(first, num_hit // pool.group.tokens_per_block):
+            if g in runs:  # num_hit only shrank since the run was found
+                ids.extend(runs[g][first:count])
+            for i in range(len(ids), count):  # sliding groups: looked up while settling
                 block_id = lookup(g, i)
                 assert block_id is not None  # every group holds the blocks of the run it was settled on
                 ids.append(block_id)
