@@ -5,7 +5,8 @@ graph when one holds them), sampling one token. Reports the step's wall time on 
 which on CUDA runs until the sampled ids are back. A batch-1 decode step is timed the same way for comparison.
 ``--mixed-decodes D`` also times a step of D running decodes beside a new ``--mixed-prompt``-token prefill
 (eager, as an online step runs when a request arrives), and the same D decodes alone. ``--profile`` adds the
-device time by kernel of one suffix step and of one mixed step (torch profiler). ``--device cpu`` runs it all on a tiny model
+device time by kernel of one suffix step and of one mixed step (torch profiler); ``--trace`` writes one mixed
+step's host and device timeline. ``--device cpu`` runs it all on a tiny model
 in float32: a check of the script, not a measurement.
 
     python bench/prefix_step.py --model dummy:bench/configs/llama8b-config.json --profile --json out.json
@@ -122,6 +123,7 @@ def main() -> None:
     p.add_argument("--mixed-prompt", type=int, default=1024, help="the new prompt's tokens in that step")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--trace", help="write a Chrome trace (host and device) of one mixed step here")
     p.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (float32: checks the script only)")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -237,6 +239,15 @@ def main() -> None:
         figures["decodes_alone_step"] = alone.summary()
         if profile:
             figures["mixed_step_kernels"] = step_kernels(mixed_step, args.trials + 5, clock, args.top)
+        if args.trace:
+            step, finish = mixed_step(args.trials + 1_100)
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=activities) as prof:
+                clock.run(step, keep=False)
+            clock.run(finish, keep=False)
+            prof.export_chrome_trace(args.trace)
     figures["device"] = torch.cuda.get_device_name() if cuda else "cpu"
     print(json.dumps(figures, indent=1))
     if args.json:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import sys
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -99,6 +99,8 @@ def make_batch(
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
         num_decode_only=all(q == 1 for q in q_lens),
+        query_start_loc_cpu=qsl,  # as the runner builds an eager step's metadata
+        seq_lens_cpu=list(seq_lens),
     )
     return Batch(
         query=torch.cat(queries).to(DEVICE),
@@ -216,17 +218,23 @@ def test_decode_block_sizes(block_size: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_mixed_batch(dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
-    """Decode rows, fresh prefills, chunks after a prefix not a multiple of the block size, in one step."""
-    seed = zlib.crc32(f"{dtype}{shape}mixed".encode()) % 10_000
+@pytest.mark.parametrize("long_decode", [False, True], ids=["rows-in-prefill", "decode-kernel"])
+def test_mixed_batch(dtype: torch.dtype, shape: tuple[int, int, int], long_decode: bool) -> None:
+    """Decode rows, fresh prefills, chunks after a prefix not a multiple of the block size, in one step. With
+    ``long_decode`` one decode row's context outgrows every prompt-side request, so the decode kernel serves
+    the decode rows; otherwise they ride in the prefill kernel's launch."""
+    seed = zlib.crc32(f"{dtype}{shape}mixed{long_decode}".encode()) % 10_000
     gen = torch.Generator().manual_seed(seed)
     scale = 1 if INTERPRET else 4
     q_lens = [1, 1, 37 * scale, 1, 64 * scale, 5, 70 * scale + 3, 1]
-    prefix = [0, 13, 0, 200 * scale, 0, 33, 50 * scale + 7, 1]
+    prefix = [0, 13, 0, (200 if long_decode else 90) * scale, 0, 33, 50 * scale + 7, 1]
     prefix = [
         p + (0 if q > 1 or p > 0 else _ragged(gen, 1, 1, 60)[0]) for q, p in zip(q_lens, prefix, strict=True)
     ]
     seq_lens = [p + q for p, q in zip(prefix, q_lens, strict=True)]
+    longest_decode = max(s for q, s in zip(q_lens, seq_lens, strict=True) if q == 1)
+    longest_prefill = max(s for q, s in zip(q_lens, seq_lens, strict=True) if q > 1)
+    assert (longest_decode > longest_prefill) == long_decode
     run_case(seed, q_lens, seq_lens, *shape, block_size=16, dtype=dtype)
 
 
@@ -259,9 +267,10 @@ PREFILL_CONFIGS = [
 
 
 @pytest.mark.parametrize("config", PREFILL_CONFIGS, ids=str)
-@pytest.mark.parametrize("splits", [None, 4])
-def test_mixed_batch_tile_configs(config: tuple[int, int, int, int], splits: int | None) -> None:
-    """Every prefill tile shape the benchmark may pick, with split and unsplit decode rows beside it."""
+@pytest.mark.parametrize("splits", [None, 4, "in-prefill"])
+def test_mixed_batch_tile_configs(config: tuple[int, int, int, int], splits: int | str | None) -> None:
+    """Every prefill tile shape the benchmark may pick, with decode rows beside it: split and unsplit in the
+    decode kernel, and in the prefill kernel's launch."""
     if INTERPRET and config[0] > 64:
         pytest.skip("slow in the interpreter")
     seed = zlib.crc32(f"{config}{splits}".encode()) % 10_000
@@ -270,8 +279,13 @@ def test_mixed_batch_tile_configs(config: tuple[int, int, int, int], splits: int
     q_lens = [1 if i % 3 else int(q) for i, q in enumerate(_ragged(gen, n, 2, 60 if INTERPRET else 700))]
     prefix = _ragged(gen, n, 0, 80 if INTERPRET else 2100)
     seq_lens = [p + q for p, q in zip(prefix, q_lens, strict=True)]
-    attrs: dict[str, object] = {"prefill_config": config}
-    run_case(seed, q_lens, seq_lens, 32, 8, 128, 16, torch.float16, decode_splits=splits, backend_attrs=attrs)
+    in_prefill = splits == "in-prefill"
+    if in_prefill:  # no decode row's context longer than the longest prompt-side request's
+        longest = max(s for q, s in zip(q_lens, seq_lens, strict=True) if q > 1)
+        seq_lens = [min(s, longest) if q == 1 else s for q, s in zip(q_lens, seq_lens, strict=True)]
+    attrs: dict[str, object] = {"prefill_config": config, "decode_rows_in_prefill": in_prefill}
+    decode_splits = splits if isinstance(splits, int) else None
+    run_case(seed, q_lens, seq_lens, 32, 8, 128, 16, torch.float16, decode_splits, backend_attrs=attrs)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
@@ -393,6 +407,44 @@ def test_prefill_split_count_fills_the_gpu_without_short_splits() -> None:
         assert n == 1 or (programs < 132 and n * 256 <= 4096)
 
 
+@pytest.mark.parametrize(
+    ("q_lens", "seq_lens", "decode_launches"),
+    [
+        ([1, 1, 300, 1, 40], [120, 300, 300, 7, 90], 0),  # every decode row within the longest prompt's reach
+        ([1, 1, 300, 1, 40], [120, 301, 300, 7, 90], 1),  # one decode context past it
+        ([300, 40], [300, 90], 0),  # no decode row
+    ],
+)
+def test_mixed_step_picks_where_decode_rows_attend(
+    q_lens: list[int], seq_lens: list[int], decode_launches: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With host offsets, a mixed step's decode rows ride in the prefill kernel's launch unless one of them
+    has a longer context than every prompt-side request (an unsplit walk would then outlast the prefill
+    kernel): then the decode kernel launches. The plan is worked out once for the metadata, and the output is
+    right either way."""
+    dtype = torch.float32
+    gen = torch.Generator().manual_seed(sum(seq_lens))
+    backend = TritonPagedAttention(block_size=16)
+    batch = make_batch(gen, q_lens, seq_lens, 8, 2, 64, 16, dtype, backend)
+    backend.write_kv(batch.kv_cache, batch.new_key, batch.new_value, batch.meta)
+    launched: list[bool] = []
+    decode = backend._decode
+
+    def counting_decode(*args: object, **kwargs: object) -> None:
+        launched.append(True)
+        decode(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(backend, "_decode", counting_decode)
+    scale = 1.0 / math.sqrt(64)
+    for _ in range(2):  # a second layer reuses the plan
+        out = torch.full_like(batch.query, float("nan"))
+        backend.forward_into(batch.query, batch.kv_cache, batch.meta, scale, out)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        check(batch, out, dtype)
+    assert len(launched) == 2 * decode_launches
+
+
 def test_metadata_without_single_token_requests_skips_the_decode_launch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -414,10 +466,10 @@ def test_metadata_without_single_token_requests_skips_the_decode_launch(
     monkeypatch.setattr(backend, "_decode", counting_decode)
     for flag, want_launches in ((False, 1), (True, 0)):
         launched.clear()
-        batch.meta.query_start_loc_cpu = None
-        batch.meta.no_single_token_requests = flag
+        # A fresh metadata each time, as each step builds its own (backends may plan once per metadata).
+        meta = replace(batch.meta, query_start_loc_cpu=None, no_single_token_requests=flag)
         out = torch.full_like(batch.query, float("nan"))
-        backend.forward_into(batch.query, batch.kv_cache, batch.meta, 1.0 / math.sqrt(64), out)
+        backend.forward_into(batch.query, batch.kv_cache, meta, 1.0 / math.sqrt(64), out)
         if DEVICE == "cuda":
             torch.cuda.synchronize()
         assert len(launched) == want_launches

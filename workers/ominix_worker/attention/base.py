@@ -32,7 +32,8 @@ UNIT_KV_SCALES = KVScales()
 
 @dataclass
 class AttentionMetadata:
-    """Built once per step and KV group by the runner; shared by the layers of that group.
+    """Built once per step and KV group by the runner; shared by the layers of that group, and never changed
+    after it is built (a backend may work out a plan once per metadata and reuse it for every layer).
 
     A hybrid layout (e.g. Gemma 3: sliding-window and global layers) has one per KV group: the same query
     and sequence shape, the group's own block tables, slots and window.

@@ -11,13 +11,16 @@ for a batch size stays valid for every context length. Capture with the ``max_se
 ``decode_splits``): only speed depends on it (see ``decode_num_splits``). Outside capture, splits serve only
 long contexts, because each extra launch costs more host time than it saves on the GPU.
 
-General path: grid ``(num_requests, cdiv(max_query_len, BLOCK_M), num_heads)``. A request's query rows are the
+General path: grid ``(num_requests, num_heads, cdiv(max_query_len, BLOCK_M))``. A request's query rows are the
 last ``q_len`` positions of its ``seq_len``, so row ``m`` sits at position ``seq_len - q_len + m`` and may see
-keys ``0..position``. Programs whose tile lies past their request's ``q_len`` exit at once, which keeps the grid
-a function of host integers only (no device-to-host sync). Softmax runs online in fp32. A step of one request
-whose query tiles leave most of the GPU idle (a prefix-hit suffix or a last chunk over a long context, as the
-captured prefill graphs run it) splits its keys too (``prefill_num_splits``): the last grid axis becomes
-``split * num_heads + head`` and the decode path's merge kernel combines the partials row by row.
+keys ``0..position``. The last axis counts a request's query tiles from its last (the one that sees the most
+keys), so the longest programs are handed out first. Programs whose tile lies past their request's ``q_len``
+exit at once, which keeps the grid a function of host integers only (no device-to-host sync). Softmax runs
+online in fp32. In a mixed step with host offsets, single-token requests whose contexts are no longer than the
+longest prompt-side request's ride in the same launch, one program per KV head as on the decode path, unsplit.
+A step of one request whose query tiles leave most of the GPU idle (a prefix-hit suffix or a last chunk over a
+long context, as the captured prefill graphs run it) splits its keys too (``prefill_num_splits``): the head
+axis becomes ``split * num_heads + head`` and the decode path's merge kernel combines the partials row by row.
 
 FP8 KV (``--kv-cache-dtype fp8_e4m3``): the cache holds e4m3 values of K / k_scale and V / v_scale (one scale
 each per layer, ``KVScales``: the checkpoint's, else 1.0); the store kernel quantizes, the attention kernels dequantize each tile to
@@ -29,6 +32,8 @@ split-K only split 0 starts from it, so the merge counts it once.
 """
 
 from __future__ import annotations
+
+import enum
 
 import torch
 import triton
@@ -82,6 +87,155 @@ def _store_kv_kernel(
     tl.store(dst + kv_half_stride, v.to(kv_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _attend_one_token(
+    q,
+    m_i,
+    l_i,
+    acc,
+    kv_ptr,
+    bt_row,
+    kvh,
+    start,
+    end,
+    first_key,
+    qk_scale,
+    kv_half_stride,
+    k_scale,
+    v_scale,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    """Online softmax (base 2) of one token's query heads of KV head ``kvh`` (``q``: BLOCK_G × BLOCK_D) over
+    the keys in [start, end) of one request's paged KV (``bt_row``: its block-table row); keys before
+    ``first_key`` (a window's first) are masked and never loaded. Returns the updated (m_i, l_i, acc)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    row_stride: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = (pos < end) & (pos >= first_key)
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        slot = blk * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_off = slot[:, None] * row_stride + kvh * HEAD_DIM + offs_d[None, :]
+        ld_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(kv_ptr + kv_off, mask=ld_mask, other=0.0)
+        v = tl.load(kv_ptr + kv_half_stride + kv_off, mask=ld_mask, other=0.0)
+        if KV_FP8:  # dequantize to the query dtype before the tensor-core dots
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_decode_row(
+    q_ptr,
+    kv_ptr,
+    bt_row,
+    sinks_ptr,
+    row,
+    seq_len,
+    kvh,
+    split,
+    num_splits,
+    window,
+    scale,
+    q_stride_t,
+    q_stride_h,
+    kv_half_stride,
+    k_scale,
+    v_scale,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    """Split ``split`` of ``num_splits`` of one single-token query row (query row ``row``, context ``seq_len``):
+    the GROUP query heads of KV head ``kvh`` at once, so each K/V element is read once. Returns the unnormalized
+    (m_i, l_i, acc) in base 2, the heads and their mask."""
+    # With a window the query (position seq_len - 1) sees keys from seq_len - window on; the splits share the
+    # tiles from the one holding that key. Block-table entries before it may be null (-1): never loaded.
+    first_key = 0
+    if WINDOWED:
+        first_key = tl.maximum(seq_len - window, 0)
+    lo = (first_key // BLOCK_N) * BLOCK_N
+    # Each split covers a whole number of BLOCK_N tiles; trailing splits may be empty.
+    tiles = tl.cdiv(seq_len - lo, BLOCK_N)
+    tiles_per_split = tl.cdiv(tiles, num_splits)
+    start = lo + split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    q = tl.load(
+        q_ptr + row.to(tl.int64) * q_stride_t + heads[:, None] * q_stride_h + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    qk_scale = scale * 1.4426950408889634  # log2(e): the softmax runs in base 2 (exp2)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    if HAS_SINKS:
+        # Split 0 starts from the sink: a key of logit ``sink`` (base 2 here) whose value is zero.
+        first = (tl.zeros([BLOCK_G], dtype=tl.int32) + split) == 0
+        sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(first, sink, m_i)
+        l_i = tl.where(first, 1.0, l_i)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m_i, l_i, acc = _attend_one_token(
+        q, m_i, l_i, acc, kv_ptr, bt_row, kvh, start, end, first_key, qk_scale, kv_half_stride, k_scale,
+        v_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, IEEE, KV_FP8,
+    )  # fmt: skip
+    return m_i, l_i, acc, heads, g_mask
+
+
+@triton.jit
+def _store_decode_row(
+    out_ptr, row, heads, g_mask, m_i, l_i, acc, out_stride_t, out_stride_h, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Normalize an unsplit decode row's accumulator and store its heads' outputs."""
+    offs_d = tl.arange(0, BLOCK_D)
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # seq_len 0 (padded request) writes zeros, never NaN
+    o = acc / l_safe[:, None]
+    tl.store(
+        out_ptr + row.to(tl.int64) * out_stride_t + heads[:, None] * out_stride_h + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :],
+    )
+
+
 # Arguments that change from step to step are not specialised on (Triton compiles a variant per value that is
 # 1 or a multiple of 16): a block-table width or split count seen first mid-run would stall that step for the
 # compile.
@@ -133,70 +287,13 @@ def _decode_kernel(
     else:
         row = b
 
-    seq_len = tl.load(seq_lens_ptr + b)
-    # With a window the query (position seq_len - 1) sees keys from seq_len - window on; the splits share the
-    # tiles from the one holding that key. Block-table entries before it may be null (-1): never loaded.
-    first_key = 0
-    if WINDOWED:
-        first_key = tl.maximum(seq_len - window, 0)
-    lo = (first_key // BLOCK_N) * BLOCK_N
-    # Each split covers a whole number of BLOCK_N tiles; trailing splits may be empty.
-    tiles = tl.cdiv(seq_len - lo, BLOCK_N)
-    tiles_per_split = tl.cdiv(tiles, num_splits)
-    start = lo + split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
-
-    offs_g = tl.arange(0, BLOCK_G)
+    m_i, l_i, acc, heads, g_mask = _attend_decode_row(
+        q_ptr, kv_ptr, block_tables_ptr + b.to(tl.int64) * bt_stride, sinks_ptr, row, tl.load(seq_lens_ptr + b),
+        kvh, split, num_splits, window, scale, q_stride_t, q_stride_h, kv_half_stride, k_scale, v_scale,
+        NUM_KV_HEADS, GROUP, BLOCK_G, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, IEEE, KV_FP8, WINDOWED, HAS_SINKS,
+    )  # fmt: skip
     offs_d = tl.arange(0, BLOCK_D)
-    g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    heads = kvh * GROUP + offs_g
-    q = tl.load(
-        q_ptr + row.to(tl.int64) * q_stride_t + heads[:, None] * q_stride_h + offs_d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    qk_scale = scale * 1.4426950408889634  # log2(e): the softmax runs in base 2 (exp2)
-
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    if HAS_SINKS:
-        # Split 0 starts from the sink: a key of logit ``sink`` (base 2 here) whose value is zero.
-        first = (tl.zeros([BLOCK_G], dtype=tl.int32) + split) == 0
-        sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
-        m_i = tl.where(first, sink, m_i)
-        l_i = tl.where(first, 1.0, l_i)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-
-    row_stride: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
-    offs_n = tl.arange(0, BLOCK_N)
-    bt_row = block_tables_ptr + b.to(tl.int64) * bt_stride
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        n_mask = (pos < end) & (pos >= first_key)
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        slot = blk * BLOCK_SIZE + pos % BLOCK_SIZE
-        kv_off = slot[:, None] * row_stride + kvh * HEAD_DIM + offs_d[None, :]
-        ld_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(kv_ptr + kv_off, mask=ld_mask, other=0.0)
-        v = tl.load(kv_ptr + kv_half_stride + kv_off, mask=ld_mask, other=0.0)
-        if KV_FP8:  # dequantize to the query dtype before the tensor-core dots
-            k = (k.to(tl.float32) * k_scale).to(q.dtype)
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
 
     if SPLIT:
         # Partials (B, H, S, D) and lse (B, H, S); an empty split leaves lse = -inf so the merge ignores it.
@@ -211,12 +308,8 @@ def _decode_kernel(
         )
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
     else:
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # seq_len 0 (padded request) writes zeros, never NaN
-        o = acc / l_safe[:, None]
-        tl.store(
-            out_ptr + row.to(tl.int64) * out_stride_t + heads[:, None] * out_stride_h + offs_d[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=g_mask[:, None] & d_mask[None, :],
+        _store_decode_row(
+            out_ptr, row, heads, g_mask, m_i, l_i, acc, out_stride_t, out_stride_h, HEAD_DIM, BLOCK_D
         )
 
 
@@ -303,7 +396,9 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SKIP_SINGLE: tl.constexpr,
+    DECODE_ROWS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    DECODE_BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
     KV_FP8: tl.constexpr,
     WINDOWED: tl.constexpr,
@@ -311,18 +406,34 @@ def _prefill_kernel(
     SPLIT: tl.constexpr,
 ):
     b = tl.program_id(0)
-    tile = tl.program_id(1)
-    # Split-K (SPLIT): the last grid axis is split * num_heads + head; each split attends to its own range of
-    # whole BLOCK_N key tiles and writes a partial output and its log-sum-exp for _merge_splits_kernel.
-    h = tl.program_id(2) % (NUM_KV_HEADS * GROUP)
-    split = tl.program_id(2) // (NUM_KV_HEADS * GROUP)
+    # Split-K (SPLIT): axis 1 is split * num_heads + head; each split attends to its own range of whole BLOCK_N
+    # key tiles and writes a partial output and its log-sum-exp for _merge_splits_kernel.
+    h = tl.program_id(1) % (NUM_KV_HEADS * GROUP)
+    split = tl.program_id(1) // (NUM_KV_HEADS * GROUP)
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
-    if tile * BLOCK_M >= q_len:
-        return
-    if SKIP_SINGLE and q_len == 1:  # served by the decode kernel in the same step
-        return
     seq_len = tl.load(seq_lens_ptr + b)
+    if q_len == 1:
+        # A single-token request: with DECODE_ROWS, program (b, kv head, 0) attends for all GROUP query heads
+        # of its KV head (the decode kernel's way, unsplit); otherwise the decode kernel serves it.
+        if DECODE_ROWS:  # noqa: SIM102  (a compile-time branch: without it the decode code is not built)
+            if (tl.program_id(2) == 0) & (h < NUM_KV_HEADS):
+                m_g, l_g, acc_g, heads, g_mask = _attend_decode_row(
+                    q_ptr, kv_ptr, block_tables_ptr + b.to(tl.int64) * bt_stride, sinks_ptr, q_start, seq_len,
+                    h, 0, 1, window, scale, q_stride_t, q_stride_h, kv_half_stride, k_scale, v_scale,
+                    NUM_KV_HEADS, GROUP, BLOCK_G, HEAD_DIM, BLOCK_D, BLOCK_SIZE, DECODE_BLOCK_N, IEEE, KV_FP8,
+                    WINDOWED, HAS_SINKS,
+                )  # fmt: skip
+                _store_decode_row(
+                    out_ptr, q_start, heads, g_mask, m_g, l_g, acc_g, out_stride_t, out_stride_h, HEAD_DIM, BLOCK_D
+                )  # fmt: skip
+        return
+    # Axis 2 counts a request's query tiles from its last: the last tile sees the most keys, and the GPU hands
+    # out programs in grid order (axis 2 slowest), so the longest programs start first instead of trailing.
+    tiles = tl.cdiv(q_len, BLOCK_M)
+    if tl.program_id(2) >= tiles:
+        return
+    tile = tiles - 1 - tl.program_id(2)
     context_len = seq_len - q_len
     kvh = h // GROUP
 
@@ -445,6 +556,39 @@ def _prefill_kernel(
         )
 
 
+class _MixedPlan(enum.IntEnum):
+    """Where a step's single-token requests attend when the step is not decode-only."""
+
+    NONE = 0  # the step has none
+    DECODE_KERNEL = 1  # the decode kernel, launched before the prefill kernel
+    IN_PREFILL = 2  # the prefill kernel's own launch (DECODE_ROWS)
+
+
+def _plan_mixed_step(meta: AttentionMetadata, rows_in_prefill: bool) -> _MixedPlan:
+    if meta.no_single_token_requests:
+        return _MixedPlan.NONE
+    starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    if starts is None or lens is None:
+        return _MixedPlan.DECODE_KERNEL
+    longest_decode = longest_prefill = 0
+    for begin, end, seq_len in zip(starts, starts[1:], lens, strict=False):
+        if end - begin == 1:
+            longest_decode = max(longest_decode, seq_len)
+        else:
+            longest_prefill = max(longest_prefill, seq_len)
+    if not longest_decode:
+        return _MixedPlan.NONE
+    if rows_in_prefill and longest_decode <= longest_prefill:
+        return _MixedPlan.IN_PREFILL
+    return _MixedPlan.DECODE_KERNEL
+
+
+def _decode_block_n(head_dim: int, ieee: bool) -> int:
+    """Key tile of a single-token row. A tile may straddle cache blocks: every token looks its block up, so
+    the tile is free of block_size."""
+    return 32 if ieee or head_dim > 128 else 64
+
+
 def _is_fp8(kv_cache: torch.Tensor) -> bool:
     return kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -547,6 +691,11 @@ class TritonPagedAttention:
         self.prefill_splits: int | None = None
         # (BLOCK_M, BLOCK_N, num_warps, num_stages) override for the prefill kernel (tuning); None = defaults.
         self.prefill_config: tuple[int, int, int, int] | None = None
+        # Let a mixed step's single-token requests ride in the prefill kernel's launch (``_mixed_plan``); off
+        # keeps them in the decode kernel (tests, comparisons).
+        self.decode_rows_in_prefill = True
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan = _MixedPlan.NONE
 
     def allocate_kv_cache(
         self,
@@ -630,17 +779,23 @@ class TritonPagedAttention:
         if meta.num_decode_only:
             self._decode(query, kv_cache, meta, scale, out, kv_scales, mixed=False, sinks=sinks)
             return
-        # Single-token requests of a mixed step go to the decode kernel (KV read once per KV head); the prefill
-        # kernel skips them. Without host query offsets both kernels launch; with them, or when the metadata
-        # rules single-token requests out (a prefill graph), a step that has none skips the decode launch.
-        starts = meta.query_start_loc_cpu
-        single = not meta.no_single_token_requests and (
-            starts is None or any(b - a == 1 for a, b in zip(starts, starts[1:], strict=False))
-        )
-        if single:
+        plan = self._mixed_plan(meta)
+        if plan == _MixedPlan.DECODE_KERNEL:
             self._decode(query, kv_cache, meta, scale, out, kv_scales, mixed=True, sinks=sinks)
         if meta.max_query_len > 1:
-            self._prefill(query, kv_cache, meta, scale, out, kv_scales, sinks)
+            self._prefill(query, kv_cache, meta, scale, out, kv_scales, sinks, plan == _MixedPlan.IN_PREFILL)
+
+    def _mixed_plan(self, meta: AttentionMetadata) -> _MixedPlan:
+        """Where a step's single-token requests attend (worked out once per metadata, which all the layers of
+        its KV group share). Without host offsets the decode kernel launches and skips the others, unless the
+        metadata rules single-token requests out (a prefill graph). With them, single-token requests ride in
+        the prefill kernel's launch when none has a longer context than the longest prompt-side request: the
+        prefill kernel's longest program walks at least as many keys as any unsplit decode row then, so the
+        rows finish inside its time instead of in a launch of their own that leaves most SMs idle."""
+        if meta is self._plan_meta:
+            return self._plan
+        self._plan_meta, self._plan = meta, _plan_mixed_step(meta, self.decode_rows_in_prefill)
+        return self._plan
 
     def _decode(
         self,
@@ -666,8 +821,7 @@ class TritonPagedAttention:
             )
         block_d = triton.next_power_of_2(head_dim)
         ieee = query.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-        # A tile may straddle cache blocks: every token looks its block up, so BLOCK_N is free of block_size.
-        block_n = 32 if ieee or head_dim > 128 else 64
+        block_n = _decode_block_n(head_dim, ieee)
         part_out, part_lse = _partials(num_requests, num_heads, splits, head_dim, out)
         _decode_kernel[(num_requests, num_kv_heads, splits)](
             query,
@@ -731,6 +885,7 @@ class TritonPagedAttention:
         out: torch.Tensor,
         kv_scales: KVScales,
         sinks: torch.Tensor | None = None,
+        decode_rows: bool = False,
     ) -> None:
         num_requests = meta.num_requests
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -751,7 +906,7 @@ class TritonPagedAttention:
                 _MIN_TOKENS_PER_PREFILL_SPLIT if capturing else _EAGER_MIN_TOKENS_PER_SPLIT,
             )
         part_out, part_lse = _partials(query.shape[0], num_heads, splits, head_dim, out)
-        grid = (num_requests, tiles, num_heads * splits)
+        grid = (num_requests, num_heads * splits, tiles)
         _prefill_kernel[grid](
             query,
             kv_cache,
@@ -780,7 +935,9 @@ class TritonPagedAttention:
             BLOCK_SIZE=block_size,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
-            SKIP_SINGLE=True,
+            DECODE_ROWS=decode_rows,
+            BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
+            DECODE_BLOCK_N=_decode_block_n(head_dim, ieee),
             IEEE=ieee,
             KV_FP8=_is_fp8(kv_cache),
             WINDOWED=meta.sliding_window > 0,
