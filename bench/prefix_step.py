@@ -244,7 +244,7 @@ def main() -> None:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if cuda:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            with torch.profiler.profile(activities=activities) as prof:
+            with torch.profiler.profile(activities=activities, with_stack=True) as prof:
                 clock.run(step, keep=False)
             clock.run(finish, keep=False)
             prof.export_chrome_trace(args.trace)

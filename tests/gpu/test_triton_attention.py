@@ -413,15 +413,17 @@ def test_prefill_split_count_fills_the_gpu_without_short_splits() -> None:
         ([1, 1, 300, 1, 40], [120, 300, 300, 7, 90], 0),  # every decode row within the longest prompt's reach
         ([1, 1, 300, 1, 40], [120, 301, 300, 7, 90], 1),  # one decode context past it
         ([300, 40], [300, 90], 0),  # no decode row
+        ([1] * 70 + [300], [50] * 70 + [300], 1),  # 140 decode programs (2 KV heads): they fill the GPU alone
     ],
+    ids=["within-reach", "one-past-reach", "no-decode-row", "many-decode-rows"],
 )
 def test_mixed_step_picks_where_decode_rows_attend(
     q_lens: list[int], seq_lens: list[int], decode_launches: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With host offsets, a mixed step's decode rows ride in the prefill kernel's launch unless one of them
     has a longer context than every prompt-side request (an unsplit walk would then outlast the prefill
-    kernel): then the decode kernel launches. The plan is worked out once for the metadata, and the output is
-    right either way."""
+    kernel) or their programs fill the GPU on their own: then the decode kernel launches. The plan is worked
+    out once for the metadata, and the output is right either way."""
     dtype = torch.float32
     gen = torch.Generator().manual_seed(sum(seq_lens))
     backend = TritonPagedAttention(block_size=16)

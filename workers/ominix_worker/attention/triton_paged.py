@@ -17,7 +17,8 @@ keys ``0..position``. The last axis counts a request's query tiles from its last
 keys), so the longest programs are handed out first. Programs whose tile lies past their request's ``q_len``
 exit at once, which keeps the grid a function of host integers only (no device-to-host sync). Softmax runs
 online in fp32. In a mixed step with host offsets, single-token requests whose contexts are no longer than the
-longest prompt-side request's ride in the same launch, one program per KV head as on the decode path, unsplit.
+longest prompt-side request's, and too few to fill the GPU on their own, ride in the same launch, one program
+per KV head as on the decode path, unsplit.
 A step of one request whose query tiles leave most of the GPU idle (a prefix-hit suffix or a last chunk over a
 long context, as the captured prefill graphs run it) splits its keys too (``prefill_num_splits``): the head
 axis becomes ``split * num_heads + head`` and the decode path's merge kernel combines the partials row by row.
@@ -564,21 +565,24 @@ class _MixedPlan(enum.IntEnum):
     IN_PREFILL = 2  # the prefill kernel's own launch (DECODE_ROWS)
 
 
-def _plan_mixed_step(meta: AttentionMetadata, rows_in_prefill: bool) -> _MixedPlan:
+def _plan_mixed_step(meta: AttentionMetadata, max_rows_in_prefill: int) -> _MixedPlan:
+    """``_mixed_plan``'s decision: decode rows ride in the prefill launch when there are at most
+    ``max_rows_in_prefill`` of them and none outreaches the longest prompt-side request."""
     if meta.no_single_token_requests:
         return _MixedPlan.NONE
     starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     if starts is None or lens is None:
         return _MixedPlan.DECODE_KERNEL
-    longest_decode = longest_prefill = 0
+    decode_rows = longest_decode = longest_prefill = 0
     for begin, end, seq_len in zip(starts, starts[1:], lens, strict=False):
         if end - begin == 1:
+            decode_rows += 1
             longest_decode = max(longest_decode, seq_len)
         else:
             longest_prefill = max(longest_prefill, seq_len)
-    if not longest_decode:
+    if not decode_rows:
         return _MixedPlan.NONE
-    if rows_in_prefill and longest_decode <= longest_prefill:
+    if decode_rows <= max_rows_in_prefill and longest_decode <= longest_prefill:
         return _MixedPlan.IN_PREFILL
     return _MixedPlan.DECODE_KERNEL
 
@@ -779,22 +783,25 @@ class TritonPagedAttention:
         if meta.num_decode_only:
             self._decode(query, kv_cache, meta, scale, out, kv_scales, mixed=False, sinks=sinks)
             return
-        plan = self._mixed_plan(meta)
+        plan = self._mixed_plan(meta, kv_cache.shape[3], sm_count(query.device, off_gpu=132))
         if plan == _MixedPlan.DECODE_KERNEL:
             self._decode(query, kv_cache, meta, scale, out, kv_scales, mixed=True, sinks=sinks)
         if meta.max_query_len > 1:
             self._prefill(query, kv_cache, meta, scale, out, kv_scales, sinks, plan == _MixedPlan.IN_PREFILL)
 
-    def _mixed_plan(self, meta: AttentionMetadata) -> _MixedPlan:
+    def _mixed_plan(self, meta: AttentionMetadata, num_kv_heads: int, num_sms: int) -> _MixedPlan:
         """Where a step's single-token requests attend (worked out once per metadata, which all the layers of
         its KV group share). Without host offsets the decode kernel launches and skips the others, unless the
         metadata rules single-token requests out (a prefill graph). With them, single-token requests ride in
-        the prefill kernel's launch when none has a longer context than the longest prompt-side request: the
-        prefill kernel's longest program walks at least as many keys as any unsplit decode row then, so the
-        rows finish inside its time instead of in a launch of their own that leaves most SMs idle."""
+        the prefill kernel's launch when their programs (one per request and KV head) would leave most SMs
+        idle in a launch of their own, and none has a longer context than the longest prompt-side request:
+        the prefill kernel's longest program walks at least as many keys as any unsplit decode row then, so
+        the rows finish inside its time. Many decode rows keep their own launch, where more of them fit on an
+        SM than beside the prefill kernel's larger tiles."""
         if meta is self._plan_meta:
             return self._plan
-        self._plan_meta, self._plan = meta, _plan_mixed_step(meta, self.decode_rows_in_prefill)
+        max_rows = num_sms // num_kv_heads if self.decode_rows_in_prefill else 0
+        self._plan_meta, self._plan = meta, _plan_mixed_step(meta, max_rows)
         return self._plan
 
     def _decode(
