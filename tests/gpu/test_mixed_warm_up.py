@@ -8,28 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_decode_graphs import _CONFIG as DENSE_CONFIG
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 1000,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+# The decode-graph tests' tiny Llama, with room for the warm-up's 4,096-token decode context.
+_CONFIG = {**DENSE_CONFIG, "max_position_embeddings": 8192}
 
 
 def _compiled_variants() -> dict[str, int]:

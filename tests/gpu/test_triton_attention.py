@@ -407,6 +407,19 @@ def test_prefill_split_count_fills_the_gpu_without_short_splits() -> None:
         assert n == 1 or (programs < 132 and n * 256 <= 4096)
 
 
+def _count_decode_launches(backend: TritonPagedAttention, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """A list that grows by one each time ``backend`` launches its decode kernel."""
+    launched: list[bool] = []
+    decode = backend._decode
+
+    def counting_decode(*args: object, **kwargs: object) -> None:
+        launched.append(True)
+        decode(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(backend, "_decode", counting_decode)
+    return launched
+
+
 @pytest.mark.parametrize(
     ("q_lens", "seq_lens", "decode_launches"),
     [
@@ -429,14 +442,7 @@ def test_mixed_step_picks_where_decode_rows_attend(
     backend = TritonPagedAttention(block_size=16)
     batch = make_batch(gen, q_lens, seq_lens, 8, 2, 64, 16, dtype, backend)
     backend.write_kv(batch.kv_cache, batch.new_key, batch.new_value, batch.meta)
-    launched: list[bool] = []
-    decode = backend._decode
-
-    def counting_decode(*args: object, **kwargs: object) -> None:
-        launched.append(True)
-        decode(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(backend, "_decode", counting_decode)
+    launched = _count_decode_launches(backend, monkeypatch)
     scale = 1.0 / math.sqrt(64)
     for _ in range(2):  # a second layer reuses the plan
         out = torch.full_like(batch.query, float("nan"))
@@ -458,14 +464,7 @@ def test_metadata_without_single_token_requests_skips_the_decode_launch(
     backend = TritonPagedAttention(block_size=16)
     batch = make_batch(gen, [40], [300], 8, 2, 64, 16, dtype, backend)
     backend.write_kv(batch.kv_cache, batch.new_key, batch.new_value, batch.meta)
-    launched: list[bool] = []
-    decode = backend._decode
-
-    def counting_decode(*args: object, **kwargs: object) -> None:
-        launched.append(True)
-        decode(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(backend, "_decode", counting_decode)
+    launched = _count_decode_launches(backend, monkeypatch)
     for flag, want_launches in ((False, 1), (True, 0)):
         launched.clear()
         # A fresh metadata each time, as each step builds its own (backends may plan once per metadata).
