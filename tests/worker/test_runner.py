@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from ominix_runtime.contract import (
     RuntimeErrorKind,
     SamplingParams,
 )
-from ominix_worker.runner import ModelRunner, build_runner, warm_up_token_counts
+from ominix_worker.runner import ModelRunner, _extend_slots, build_runner, warm_up_token_counts
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +125,19 @@ def test_logprobs_in_outputs(runner: ModelRunner) -> None:
     assert out.logprobs is not None and len(out.logprobs.top) == 3
     assert out.logprobs.sampled.token_id == out.sampled_token_id == out.logprobs.top[0].token_id
     assert out.logprobs.top[0].logprob >= out.logprobs.top[1].logprob >= out.logprobs.top[2].logprob
+
+
+def test_slots_come_from_the_block_table_position_by_position() -> None:
+    """The slot mapping, built a block's range at a time, is each position's block * size + offset, for spans
+    that start and end anywhere in a block (one token, within one block, across many)."""
+    gen = random.Random(5)
+    for block_size in (16, 32):
+        blocks = gen.sample(range(500), 40)
+        for start, end in ((0, 1), (17, 18), (3, 9), (0, block_size), (5, 5 + 3 * block_size + 7), (0, 640)):
+            got = [7]
+            _extend_slots(got, blocks, start, end, block_size)
+            want = [7] + [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
+            assert got == want
 
 
 def test_warm_up_covers_every_power_of_two_prefill_size_on_cuda() -> None:

@@ -569,7 +569,7 @@ class ModelRunner:
             for g, (group, blocks) in enumerate(zip(self.attention_groups, req.block_tables, strict=True)):
                 used = _blocks_for_tokens(group, row.end, bs)
                 if not group.compress_ratio:  # a compressed group's rows are written by its layers
-                    slots[g].extend(blocks[p // bs] * bs + p % bs for p in span)
+                    _extend_slots(slots[g], blocks, row.start, row.end, bs)
                 block_rows[g].append(blocks[:used] + [0] * (max_blocks - used))
             query_start.append(query_start[-1] + row.end - row.start)
             seq_lens.append(row.end)
@@ -832,6 +832,17 @@ def _kind(group: AttentionGroup) -> AttentionKind:
     if group.compress_ratio:
         return AttentionKind.COMPRESSED
     return AttentionKind.SLIDING_WINDOW if group.window else AttentionKind.FULL
+
+
+def _extend_slots(slots: list[int], blocks: Sequence[int], start: int, end: int, block_size: int) -> None:
+    """Append the flat KV slots of positions [start, end) (``blocks[p // block_size] * block_size + p %
+    block_size``), a range per block rather than a product per token: a 1,024-token prompt is 64 ranges."""
+    while start < end:
+        index = start // block_size
+        stop = min(end, (index + 1) * block_size)
+        offset = (blocks[index] - index) * block_size  # slot - position within this block
+        slots.extend(range(offset + start, offset + stop))
+        start = stop
 
 
 def _blocks_for_tokens(group: AttentionGroup, num_tokens: int, block_size: int) -> int:
