@@ -24,6 +24,7 @@ DEVICE = triton_device()
 
 from ominix_worker.attention.base import AttentionMetadata  # noqa: E402
 from ominix_worker.attention.triton_paged import TritonPagedAttention, prefill_num_splits  # noqa: E402
+from ominix_worker.devices import sm_count  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -407,6 +408,10 @@ def test_prefill_split_count_fills_the_gpu_without_short_splits() -> None:
         assert n == 1 or (programs < 132 and n * 256 <= 4096)
 
 
+# Decode rows whose programs (2 KV heads each) outnumber the SMs, so the decode kernel keeps them.
+_MANY = sm_count(torch.device(DEVICE), off_gpu=132) // 2 + 4
+
+
 def _count_decode_launches(backend: TritonPagedAttention, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """A list that grows by one each time ``backend`` launches its decode kernel."""
     launched: list[bool] = []
@@ -426,7 +431,7 @@ def _count_decode_launches(backend: TritonPagedAttention, monkeypatch: pytest.Mo
         ([1, 1, 300, 1, 40], [120, 300, 300, 7, 90], 0),  # every decode row within the longest prompt's reach
         ([1, 1, 300, 1, 40], [120, 301, 300, 7, 90], 1),  # one decode context past it
         ([300, 40], [300, 90], 0),  # no decode row
-        ([1] * 70 + [300], [50] * 70 + [300], 1),  # 140 decode programs (2 KV heads): they fill the GPU alone
+        ([1] * _MANY + [300], [50] * _MANY + [300], 1),  # more decode programs (2 KV heads) than SMs
     ],
     ids=["within-reach", "one-past-reach", "no-decode-row", "many-decode-rows"],
 )

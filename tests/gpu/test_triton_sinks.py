@@ -46,13 +46,17 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("decode_splits", [None, 1, 4])
-def test_sinks_match_the_torch_reference(dtype: torch.dtype, case: int, decode_splits: int | None) -> None:
+@pytest.mark.parametrize("rows_in_prefill", [True, False], ids=["rows-in-prefill", "decode-kernel"])
+def test_sinks_match_the_torch_reference(
+    dtype: torch.dtype, case: int, decode_splits: int | None, rows_in_prefill: bool
+) -> None:
     q_lens, seq_lens, window = CASES[case]
     # gpt-oss-20b's attention shape: 64 query heads over 8 KV heads of 64.
     num_heads, num_kv_heads, head_dim, block_size = 64, 8, 64, 16
     gen = torch.Generator().manual_seed(300 + case)
     backend = TritonPagedAttention(block_size=block_size)
     backend.decode_splits = decode_splits
+    backend.decode_rows_in_prefill = rows_in_prefill  # where a mixed case's decode rows attend
     batch = make_batch(gen, q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, backend)
     if window:
         assert slide(batch, window, block_size) > 0

@@ -77,14 +77,16 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("decode_splits", [None, 1, 4])
+@pytest.mark.parametrize("rows_in_prefill", [True, False], ids=["rows-in-prefill", "decode-kernel"])
 def test_windowed_attention_matches_the_reference(
-    dtype: torch.dtype, case: int, decode_splits: int | None
+    dtype: torch.dtype, case: int, decode_splits: int | None, rows_in_prefill: bool
 ) -> None:
     q_lens, seq_lens, window = CASES[case]
     num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
     gen = torch.Generator().manual_seed(100 + case)
     backend = TritonPagedAttention(block_size=block_size)
     backend.decode_splits = decode_splits
+    backend.decode_rows_in_prefill = rows_in_prefill  # where a mixed case's decode rows attend
     batch = make_batch(gen, q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, backend)
     assert slide(batch, window, block_size) > 0
     backend.write_kv(batch.kv_cache, batch.new_key, batch.new_value, batch.meta)

@@ -45,9 +45,6 @@ if TYPE_CHECKING:  # imported on CUDA only, when graphs are captured
 
 # Block-table widths are padded to a multiple of this on CUDA, so Triton sees one stride specialisation.
 _BLOCK_TABLE_ALIGN = 16
-# Decode rows of the warm-up's many-row mixed step: what a full default batch (256 requests) leaves beside a
-# prompt, so that its decode programs (rows x KV heads) outnumber the SMs of a current GPU even for one KV head.
-_WARM_UP_MANY_ROWS = 255
 
 log = logging.getLogger(__name__)
 
@@ -786,26 +783,18 @@ class ModelRunner:
         """Eager forwards before the first request; returns their token counts. CUDA: 16, 64, then every power
         of two up to ``max_tokens`` and ``max_tokens`` itself, so that the Triton kernels of prefill steps,
         and the fused-MoE tile shapes (which change with the token count), compile here rather than stall a
-        step of a running batch for a second or more; then mixed steps (decode rows beside a prompt), whose
-        attention kernels are variants of their own: a few short-context rows beside a long and a short
-        prompt (they ride in the prefill kernel's launch, whose tiles differ by prompt length), more rows than
-        the SMs' worth (the decode kernel, unsplit), one long enough to split. Other devices: one forward of
-        at most 16 tokens."""
+        step of a running batch for a second or more; then the mixed steps (decode rows beside a prompt) the
+        attention backend names, whose kernels are variants of their own (``mixed_warm_up_steps``). Other
+        devices: one forward of at most 16 tokens."""
         counts = warm_up_token_counts(max_tokens, cuda=self.device.type == "cuda")
         for num_tokens in counts:
             self.profile_forward(num_tokens)
-        if self.device.type == "cuda":
-            prompt = min(100, max_tokens - 16)
-            if prompt >= 2:
-                short = 2 * self.block_size + 1
-                many = min(_WARM_UP_MANY_ROWS, max_tokens - prompt)
-                for rows, context, tokens in (
-                    (4, short, prompt),
-                    (4, 8, 16),
-                    (many, short, prompt),
-                    (1, 4096, prompt),
-                ):
-                    self.mixed_forward(rows, context, tokens)
+        if self.kv_caches:
+            num_kv_heads = self.kv_caches[0].shape[3]
+            for rows, context, tokens in self.backend.mixed_warm_up_steps(
+                num_kv_heads, max_tokens, self.device
+            ):
+                self.mixed_forward(rows, context, tokens)
         return counts
 
     def capture_decode_graphs(self, batch_sizes: list[int] | None = None) -> bool:

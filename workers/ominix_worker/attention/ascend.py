@@ -294,6 +294,11 @@ class AscendPagedAttention:
         self._masks: dict[str, torch.Tensor] = {}
         self._last: tuple[AttentionMetadata, AscendInputs] | None = None
 
+    def mixed_warm_up_steps(
+        self, num_kv_heads: int, max_tokens: int, device: torch.device
+    ) -> list[tuple[int, int, int]]:
+        return []  # nothing compiles at run time
+
     def allocate_kv_cache(
         self,
         num_layers: int,

@@ -69,6 +69,14 @@ class AttentionBackend(Protocol):
     supports_sliding_window: bool  # honours AttentionMetadata.sliding_window
     supports_sinks: bool  # takes forward(..., sinks=)
 
+    def mixed_warm_up_steps(
+        self, num_kv_heads: int, max_tokens: int, device: torch.device
+    ) -> list[tuple[int, int, int]]:
+        """(decode rows, their context, prompt tokens) of the eager mixed steps a worker runs before serving so
+        that every kernel variant a mixed step can take is built then, not in the middle of a run; [] when the
+        backend builds nothing at run time. ``max_tokens``: the most tokens a step holds."""
+        ...
+
     def allocate_kv_cache(
         self,
         num_layers: int,

@@ -27,6 +27,11 @@ class TorchReferenceAttention:
         # The plans of the step's metadata (one per KV group), newest last.
         self._plans: list[tuple[AttentionMetadata, _StepPlan]] = []
 
+    def mixed_warm_up_steps(
+        self, num_kv_heads: int, max_tokens: int, device: torch.device
+    ) -> list[tuple[int, int, int]]:
+        return []  # nothing compiles at run time
+
     def allocate_kv_cache(
         self,
         num_layers: int,

@@ -698,8 +698,31 @@ class TritonPagedAttention:
         # Let a mixed step's single-token requests ride in the prefill kernel's launch (``_mixed_plan``); off
         # keeps them in the decode kernel (tests, comparisons).
         self.decode_rows_in_prefill = True
-        self._plan_meta: AttentionMetadata | None = None
+        # The last plan and what it was worked out from (identities: the KV groups' metadata share the lists).
+        self._plan_key: tuple[object, object, int] | None = None
         self._plan = _MixedPlan.NONE
+
+    def mixed_warm_up_steps(
+        self, num_kv_heads: int, max_tokens: int, device: torch.device
+    ) -> list[tuple[int, int, int]]:
+        """One eager mixed step per kernel variant ``_mixed_plan`` can pick, as ``_plan_mixed_step`` decides:
+        a few short-context decode rows in the prefill launch beside a prompt of more and one of at most 16
+        tokens (the prefill tiles differ), more rows than fit beside it (the decode kernel unsplit), and one
+        long context (split). Shapes a step of ``max_tokens`` cannot hold are left out."""
+        prompt = min(100, max_tokens - 16)
+        if prompt < 2:
+            return []
+        fit = sm_count(device, off_gpu=132) // num_kv_heads  # decode rows the prefill launch takes
+        steps = []
+        if fit:
+            rows = min(4, fit)
+            steps += [(rows, prompt // 2, prompt), (rows, 8, 16)]
+        many = fit + 1
+        if many + 2 <= max_tokens:
+            tokens = max(2, min(prompt, max_tokens - many))
+            steps.append((many, tokens // 2, tokens))
+        steps.append((1, 4096, prompt))
+        return steps
 
     def allocate_kv_cache(
         self,
@@ -790,18 +813,22 @@ class TritonPagedAttention:
             self._prefill(query, kv_cache, meta, scale, out, kv_scales, sinks, plan == _MixedPlan.IN_PREFILL)
 
     def _mixed_plan(self, meta: AttentionMetadata, num_kv_heads: int, num_sms: int) -> _MixedPlan:
-        """Where a step's single-token requests attend (worked out once per metadata, which all the layers of
-        its KV group share). Without host offsets the decode kernel launches and skips the others, unless the
+        """Where a step's single-token requests attend (worked out once per step: its KV groups' metadata
+        share the host lists, which are never changed once built). Without host offsets the decode kernel launches and skips the others, unless the
         metadata rules single-token requests out (a prefill graph). With them, single-token requests ride in
         the prefill kernel's launch when their programs (one per request and KV head) would leave most SMs
         idle in a launch of their own, and none has a longer context than the longest prompt-side request:
         the prefill kernel's longest program walks at least as many keys as any unsplit decode row then, so
         the rows finish inside its time. Many decode rows keep their own launch, where more of them fit on an
         SM than beside the prefill kernel's larger tiles."""
-        if meta is self._plan_meta:
-            return self._plan
         max_rows = num_sms // num_kv_heads if self.decode_rows_in_prefill else 0
-        self._plan_meta, self._plan = meta, _plan_mixed_step(meta, max_rows)
+        starts = meta.query_start_loc_cpu
+        if starts is None or meta.no_single_token_requests:
+            return _plan_mixed_step(meta, max_rows)  # no loop over the requests
+        key = (starts, meta.seq_lens_cpu, max_rows)
+        cached = self._plan_key
+        if cached is None or cached[0] is not key[0] or cached[1] is not key[1] or cached[2] != max_rows:
+            self._plan_key, self._plan = key, _plan_mixed_step(meta, max_rows)
         return self._plan
 
     def _decode(
