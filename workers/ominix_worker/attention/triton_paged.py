@@ -24,8 +24,8 @@ long context, as the captured prefill graphs run it) splits its keys too (``pref
 axis becomes ``split * num_heads + head`` and the decode path's merge kernel combines the partials row by row.
 
 FP8 KV (``--kv-cache-dtype fp8_e4m3``): the cache holds e4m3 values of K / k_scale and V / v_scale (one scale
-each per layer, ``KVScales``: the checkpoint's, else 1.0); the store kernel quantizes, the attention kernels dequantize each tile to
-the query dtype in registers, so a step reads half the KV bytes of bf16.
+each per layer, ``KVScales``: the checkpoint's, else 1.0); the store kernel quantizes, the attention kernels
+dequantize each tile to the query dtype in registers, so a step reads half the KV bytes of bf16.
 
 Attention sinks (gpt-oss, ``sinks=``): per query head a logit that joins the softmax denominator with no value.
 Each online softmax starts from it (running max = the sink, running sum = 1) instead of from -inf / 0; under
@@ -813,14 +813,14 @@ class TritonPagedAttention:
             self._prefill(query, kv_cache, meta, scale, out, kv_scales, sinks, plan == _MixedPlan.IN_PREFILL)
 
     def _mixed_plan(self, meta: AttentionMetadata, num_kv_heads: int, num_sms: int) -> _MixedPlan:
-        """Where a step's single-token requests attend (worked out once per step: its KV groups' metadata
-        share the host lists, which are never changed once built). Without host offsets the decode kernel launches and skips the others, unless the
-        metadata rules single-token requests out (a prefill graph). With them, single-token requests ride in
-        the prefill kernel's launch when their programs (one per request and KV head) would leave most SMs
-        idle in a launch of their own, and none has a longer context than the longest prompt-side request:
-        the prefill kernel's longest program walks at least as many keys as any unsplit decode row then, so
-        the rows finish inside its time. Many decode rows keep their own launch, where more of them fit on an
-        SM than beside the prefill kernel's larger tiles."""
+        """Where a step's single-token requests attend, worked out once per step (its KV groups' metadata
+        share the host lists, which are never changed once built). Without host offsets the decode kernel
+        launches and skips the others, unless the metadata rules single-token requests out (a prefill graph).
+        With them, single-token requests ride in the prefill kernel's launch when their programs (one per
+        request and KV head) would leave most SMs idle in a launch of their own, and none has a longer context
+        than the longest prompt-side request: the prefill kernel's longest program walks at least as many keys
+        as any unsplit decode row then, so the rows finish inside its time. Many decode rows keep their own
+        launch, where more of them fit on an SM than beside the prefill kernel's larger tiles."""
         max_rows = num_sms // num_kv_heads if self.decode_rows_in_prefill else 0
         starts = meta.query_start_loc_cpu
         if starts is None or meta.no_single_token_requests:
