@@ -34,13 +34,12 @@ split-K only split 0 starts from it, so the merge counts it once.
 
 from __future__ import annotations
 
-import enum
-
 import torch
 import triton
 import triton.language as tl
 
 from ominix_worker.attention.base import UNIT_KV_SCALES, AttentionMetadata, KVScales
+from ominix_worker.attention.mixed_plan import MixedPlan, plan_mixed_step, warm_up_steps
 from ominix_worker.devices import sm_count
 
 # Tokens per split below which splitting a decode context more finely stops paying for the merge.
@@ -557,36 +556,6 @@ def _prefill_kernel(
         )
 
 
-class _MixedPlan(enum.IntEnum):
-    """Where a step's single-token requests attend when the step is not decode-only."""
-
-    NONE = 0  # the step has none
-    DECODE_KERNEL = 1  # the decode kernel, launched before the prefill kernel
-    IN_PREFILL = 2  # the prefill kernel's own launch (DECODE_ROWS)
-
-
-def _plan_mixed_step(meta: AttentionMetadata, max_rows_in_prefill: int) -> _MixedPlan:
-    """``_mixed_plan``'s decision: decode rows ride in the prefill launch when there are at most
-    ``max_rows_in_prefill`` of them and none outreaches the longest prompt-side request."""
-    if meta.no_single_token_requests:
-        return _MixedPlan.NONE
-    starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    if starts is None or lens is None:
-        return _MixedPlan.DECODE_KERNEL
-    decode_rows = longest_decode = longest_prefill = 0
-    for begin, end, seq_len in zip(starts, starts[1:], lens, strict=False):
-        if end - begin == 1:
-            decode_rows += 1
-            longest_decode = max(longest_decode, seq_len)
-        else:
-            longest_prefill = max(longest_prefill, seq_len)
-    if not decode_rows:
-        return _MixedPlan.NONE
-    if decode_rows <= max_rows_in_prefill and longest_decode <= longest_prefill:
-        return _MixedPlan.IN_PREFILL
-    return _MixedPlan.DECODE_KERNEL
-
-
 def _decode_block_n(head_dim: int, ieee: bool) -> int:
     """Key tile of a single-token row. A tile may straddle cache blocks: every token looks its block up, so
     the tile is free of block_size."""
@@ -700,29 +669,14 @@ class TritonPagedAttention:
         self.decode_rows_in_prefill = True
         # The last plan and what it was worked out from (identities: the KV groups' metadata share the lists).
         self._plan_key: tuple[object, object, int] | None = None
-        self._plan = _MixedPlan.NONE
+        self._plan = MixedPlan.NONE
 
     def mixed_warm_up_steps(
         self, num_kv_heads: int, max_tokens: int, device: torch.device
     ) -> list[tuple[int, int, int]]:
-        """One eager mixed step per kernel variant ``_mixed_plan`` can pick, as ``_plan_mixed_step`` decides:
-        a few short-context decode rows in the prefill launch beside a prompt of more and one of at most 16
-        tokens (the prefill tiles differ), more rows than fit beside it (the decode kernel unsplit), and one
-        long context (split). Shapes a step of ``max_tokens`` cannot hold are left out."""
-        prompt = min(100, max_tokens - 16)
-        if prompt < 2:
-            return []
-        fit = sm_count(device, off_gpu=132) // num_kv_heads  # decode rows the prefill launch takes
-        steps = []
-        if fit:
-            rows = min(4, fit)
-            steps += [(rows, prompt // 2, prompt), (rows, 8, 16)]
-        many = fit + 1
-        if many + 2 <= max_tokens:
-            tokens = max(2, min(prompt, max_tokens - many))
-            steps.append((many, tokens // 2, tokens))
-        steps.append((1, 4096, prompt))
-        return steps
+        """``mixed_plan.warm_up_steps`` for this GPU and KV-head count: one eager mixed step per kernel variant
+        ``_mixed_plan`` can pick."""
+        return warm_up_steps(sm_count(device, off_gpu=132) // num_kv_heads, max_tokens)
 
     def allocate_kv_cache(
         self,
@@ -807,28 +761,22 @@ class TritonPagedAttention:
             self._decode(query, kv_cache, meta, scale, out, kv_scales, mixed=False, sinks=sinks)
             return
         plan = self._mixed_plan(meta, kv_cache.shape[3], sm_count(query.device, off_gpu=132))
-        if plan == _MixedPlan.DECODE_KERNEL:
+        if plan == MixedPlan.DECODE_KERNEL:
             self._decode(query, kv_cache, meta, scale, out, kv_scales, mixed=True, sinks=sinks)
         if meta.max_query_len > 1:
-            self._prefill(query, kv_cache, meta, scale, out, kv_scales, sinks, plan == _MixedPlan.IN_PREFILL)
+            self._prefill(query, kv_cache, meta, scale, out, kv_scales, sinks, plan == MixedPlan.IN_PREFILL)
 
-    def _mixed_plan(self, meta: AttentionMetadata, num_kv_heads: int, num_sms: int) -> _MixedPlan:
-        """Where a step's single-token requests attend, worked out once per step (its KV groups' metadata
-        share the host lists, which are never changed once built). Without host offsets the decode kernel
-        launches and skips the others, unless the metadata rules single-token requests out (a prefill graph).
-        With them, single-token requests ride in the prefill kernel's launch when their programs (one per
-        request and KV head) would leave most SMs idle in a launch of their own, and none has a longer context
-        than the longest prompt-side request: the prefill kernel's longest program walks at least as many keys
-        as any unsplit decode row then, so the rows finish inside its time. Many decode rows keep their own
-        launch, where more of them fit on an SM than beside the prefill kernel's larger tiles."""
+    def _mixed_plan(self, meta: AttentionMetadata, num_kv_heads: int, num_sms: int) -> MixedPlan:
+        """Where a step's single-token requests attend (``mixed_plan.plan_mixed_step``), worked out once per step:
+        its KV groups' metadata share the host lists, which are never changed once built."""
         max_rows = num_sms // num_kv_heads if self.decode_rows_in_prefill else 0
         starts = meta.query_start_loc_cpu
         if starts is None or meta.no_single_token_requests:
-            return _plan_mixed_step(meta, max_rows)  # no loop over the requests
+            return plan_mixed_step(meta, max_rows)  # no loop over the requests
         key = (starts, meta.seq_lens_cpu, max_rows)
         cached = self._plan_key
         if cached is None or cached[0] is not key[0] or cached[1] is not key[1] or cached[2] != max_rows:
-            self._plan_key, self._plan = key, _plan_mixed_step(meta, max_rows)
+            self._plan_key, self._plan = key, plan_mixed_step(meta, max_rows)
         return self._plan
 
     def _decode(
