@@ -42,17 +42,20 @@ from bench.common import (  # noqa: E402
     run_while_alive,
     write_json,
 )
+from bench.openai_front import is_openai  # noqa: E402
 from bench.serve import (  # noqa: E402
     BenchConfig,
     BenchResult,
     build_random_requests,
     fetch_model_facts,
+    openai_facts,
     run_benchmark,
     throughput_timeline,
 )
 
 DEFAULT_RATES = "4,8,16,32,inf"
 BACKEND = "ominix-grpc"
+OPENAI_BACKEND = "openai"  # an http:// address: /v1/completions (bench/openai_front.py)
 
 
 # ---------------------------------------------------------------- the plan
@@ -121,8 +124,8 @@ def to_vllm_result(
     peak = throughput_timeline(result.requests, metrics.duration_s, 1.0)  # vLLM's peak: 1 s bins
     payload: dict[str, Any] = {
         "date": time.strftime("%Y%m%d-%H%M%S", time.localtime(result.started_at_unix)),
-        "endpoint_type": BACKEND,
-        "backend": BACKEND,
+        "endpoint_type": OPENAI_BACKEND if is_openai(result.address) else BACKEND,
+        "backend": OPENAI_BACKEND if is_openai(result.address) else BACKEND,
         "label": label,
         "model_id": model_id,
         "tokenizer_id": None,
@@ -181,7 +184,12 @@ def format_rate_line(result: dict[str, Any]) -> str:
 
 async def run_rates(address: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The warm-up (not saved), then every rate in turn; returns one vLLM-style result per rate."""
-    facts = await fetch_model_facts(address)
+    if is_openai(address):
+        if not args.model_config:
+            raise SystemExit(f"{address}: an OpenAI-compatible server needs --model-config (its vocabulary)")
+        facts = await openai_facts(address, args.model_config)
+    else:
+        facts = await fetch_model_facts(address)
     percentiles = [float(p) for p in args.percentiles.split(",")]
     if args.warmup_requests > 0:
         warm = BenchConfig(
@@ -192,7 +200,7 @@ async def run_rates(address: str, args: argparse.Namespace) -> list[dict[str, An
             progress=False,
         )
         started = time.monotonic()
-        warmed = await run_benchmark(address, warm)
+        warmed = await run_benchmark(address, warm, build_random_requests(warm, facts))
         print(
             f"warm-up: {warmed.metrics.completed}/{args.warmup_requests} ok in {time.monotonic() - started:.1f} s",
             flush=True,
@@ -301,7 +309,16 @@ def write_model_dir(config_path: str | Path, out: str | Path) -> Path:
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default="127.0.0.1:50061")
+    parser.add_argument(
+        "--address",
+        default="127.0.0.1:50061",
+        help="the engine's gRPC address, or http://host:port of an OpenAI-compatible server (vllm serve)",
+    )
+    parser.add_argument(
+        "--model-config",
+        default=None,
+        help="with an http:// address: the served model's config.json (vocabulary)",
+    )
     parser.add_argument("--rates", default=DEFAULT_RATES, help="comma-separated req/s; inf = all at once")
     parser.add_argument("--seconds", type=float, default=15.0, help="seconds of arrivals per finite rate")
     parser.add_argument("--inf-prompts", type=int, default=256, help="requests sent at once for rate inf")

@@ -12,6 +12,9 @@
 # Carried wheels (.whl/, when present) go to /tmp/site for our service. The few result files go to $RESULTS
 # (default $OUT, else /tmp/ominix_online): online_ominix.json and online_vllm.json (a list of vllm-bench-style
 # results, one per rate), online_table.md, online.png, logs_tail.txt; logs and raw files to $WORK.
+# SAME_SCHEDULE=1: after `vllm bench serve`, bench/online.py also drives `vllm serve` (over /v1/completions) with
+# the arrival schedule and prompts it gave our service: online_vllm_our_schedule.json and
+# online_table_one_schedule.md, a comparison the two benches' different random draws do not blur.
 set -u
 RESULTS=${RESULTS:-${OUT:-/tmp/ominix_online}}
 WORK=${WORK:-/tmp/ominix_online_work}
@@ -38,6 +41,7 @@ VLLM_READY_S=${VLLM_READY_S:-400} # vllm serve: start to GET /health 200
 RATE_S=${RATE_S:-150}            # one rate's run, either system
 OURS_ARGS=${OURS_ARGS:-}
 VLLM_ARGS=${VLLM_ARGS:-}
+SAME_SCHEDULE=${SAME_SCHEDULE:-0} # 1: also drive vllm serve with bench/online.py's schedule and prompts
 export PYTHONUNBUFFERED=1
 T0=$SECONDS
 part() { echo "=== $1 (t=$((SECONDS - T0)) s, $(date -u +%T))"; }
@@ -69,6 +73,19 @@ stop_group() {
   fi
 }
 
+# bench/online.py's schedule and prompts at every rate against ADDRESS (the engine's gRPC, or http:// for an
+# OpenAI-compatible server), labelled LABEL, results to OUT_JSON; further arguments go to `online.py run`.
+# Bounded as a whole; a server that dies mid-run fails the open streams, which ends the run.
+drive_rates() {
+  local address=$1 label=$2 out=$3
+  shift 3
+  timeout $((RATE_S * $(echo $RATES | wc -w) + 60)) env PYTHONPATH="$OURS_PATH" python3 bench/online.py run \
+    --address "$address" --rates "$(echo $RATES | tr ' ' ',')" --seconds "$SECONDS_PER_RATE" \
+    --inf-prompts "$INF_PROMPTS" --min-prompts "$MIN_PROMPTS" --input-len "$INPUT_LEN" \
+    --output-len "$OUTPUT_LEN" --warmup-requests "$WARMUP" --seed "$SEED" --slo-ttft-ms "$SLO_TTFT_MS" \
+    --slo-tpot-ms "$SLO_TPOT_MS" --label "$label" --no-progress --out-json "$out" "$@"
+}
+
 MODEL_DIR=$WORK/model
 part "model folder"
 ours_py bench/online.py model-dir --config "$CONFIG_JSON" --out "$MODEL_DIR" || exit 1
@@ -86,13 +103,7 @@ run_ours() {
     --timeout "$READY_S" \
     --watch "ominix-runtime launch:$pid:$WORK/ominix.log"; then
     part "ours: rates $RATES"
-    # Bounded as a whole; a service that dies mid-run fails the open streams, which ends the run.
-    timeout $((RATE_S * $(echo $RATES | wc -w) + 60)) env PYTHONPATH="$OURS_PATH" python3 bench/online.py run \
-      --address "127.0.0.1:$port" --rates "$(echo $RATES | tr ' ' ',')" --seconds "$SECONDS_PER_RATE" \
-      --inf-prompts "$INF_PROMPTS" --min-prompts "$MIN_PROMPTS" --input-len "$INPUT_LEN" \
-      --output-len "$OUTPUT_LEN" --warmup-requests "$WARMUP" --seed "$SEED" --slo-ttft-ms "$SLO_TTFT_MS" \
-      --slo-tpot-ms "$SLO_TPOT_MS" --label ominix --no-progress --out-json "$RESULTS/online_ominix.json" \
-      || echo "ours: the run failed or timed out (exit $?)"
+    drive_rates "127.0.0.1:$port" ominix "$RESULTS/online_ominix.json" || echo "ours: the run failed or timed out (exit $?)"
     kill -0 "$pid" 2>/dev/null || { echo "ours: the service died during the run:"; tail -20 "$WORK/ominix.log"; }
   else
     echo "ours: service never SERVING (see above)"
@@ -148,6 +159,11 @@ run_vllm() {
       python3 -c "import json, sys; json.dump([json.load(open(f)) for f in sys.argv[2:]], open(sys.argv[1], 'w'), indent=1)" \
         "$RESULTS/online_vllm.json" $files && echo "vllm: $(echo $files | wc -w) results in $RESULTS/online_vllm.json"
     fi
+    if [ "$SAME_SCHEDULE" = 1 ] && kill -0 "$pid" 2>/dev/null; then
+      part "vllm: our schedule and prompts (bench/online.py over /v1/completions)"
+      drive_rates "http://127.0.0.1:$port" vllm-our-schedule "$RESULTS/online_vllm_our_schedule.json" \
+        --model-config "$MODEL_DIR/config.json" || echo "vllm: our schedule's run failed or timed out (exit $?)"
+    fi
   else
     echo "vllm: server never healthy (see above)"
   fi
@@ -170,6 +186,12 @@ for stage in $STAGES; do
           --slo-ttft-ms "$SLO_TTFT_MS" --slo-tpot-ms "$SLO_TPOT_MS" $png
       else
         echo "no results to tabulate"
+      fi
+      if [ -s "$RESULTS/online_ominix.json" ] && [ -s "$RESULTS/online_vllm_our_schedule.json" ]; then
+        echo "--- one schedule for both (ours and vllm serve driven by bench/online.py)"
+        ours_py bench/plot_online.py --series "ominix=$RESULTS/online_ominix.json" \
+          --series "vllm=$RESULTS/online_vllm_our_schedule.json" --table "$RESULTS/online_table_one_schedule.md" \
+          --slo-ttft-ms "$SLO_TTFT_MS" --slo-tpot-ms "$SLO_TPOT_MS"
       fi ;;
     *) echo "unknown stage $stage" ;;
   esac

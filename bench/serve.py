@@ -44,6 +44,7 @@ from bench.common import (  # noqa: E402
     write_json,
     write_plot,
 )
+from bench.openai_front import is_openai  # noqa: E402
 from ominix_runtime.client import AsyncEngineClient, ClientOptions  # noqa: E402
 from ominix_runtime.pb import common_pb2, engine_pb2  # noqa: E402
 
@@ -142,6 +143,10 @@ def build_random_requests(
 
 async def fetch_model_facts(address: str, timeout_s: float = 30.0) -> ModelFacts:
     """The served model's vocabulary and special ids, from ListBackends."""
+    if is_openai(address):
+        raise ValueError(
+            f"{address}: an OpenAI-compatible server's vocabulary comes from its config (openai_facts)"
+        )
     async with AsyncEngineClient(address) as client:
         reply = await client.list_backends(timeout_s)
     if not reply.backends:
@@ -151,6 +156,19 @@ async def fetch_model_facts(address: str, timeout_s: float = 30.0) -> ModelFacts
     if model.HasField("bos_token_id"):
         special.add(model.bos_token_id)
     return ModelFacts(model.name, model.vocab_size, frozenset(special), model.max_model_len)
+
+
+async def openai_facts(address: str, config_path: str | Path) -> ModelFacts:
+    """An OpenAI-compatible server's model: its id and length from ``/v1/models``, the vocabulary and special
+    ids from the served model's ``config.json`` (the server does not report them)."""
+    import aiohttp
+
+    from bench.openai_front import served_model, vocabulary
+
+    async with aiohttp.ClientSession() as session:
+        name, max_model_len = await served_model(session, address)
+    vocab_size, special = vocabulary(config_path)
+    return ModelFacts(name, vocab_size, special, max_model_len)
 
 
 async def fetch_backends(address: str, timeout_s: float = 30.0) -> engine_pb2.ListBackendsResponse:
@@ -531,6 +549,8 @@ async def run_benchmark(
     awaited once the channels are ready, right before the clock starts (client processes start together)."""
     if requests is None:
         requests = build_random_requests(config, await fetch_model_facts(address))
+    if is_openai(address):
+        return await _run_openai(address, config, requests)
     if config.client_procs > 1 and len(requests) > 1:
         return await _run_split(address, config, requests)
     delays = arrival_delays(len(requests), config.request_rate, config.burstiness, config.seed)
@@ -568,12 +588,7 @@ async def run_benchmark(
         start = time.perf_counter()
         if config.load_sample_s > 0:
             sampler = asyncio.create_task(_sample_load(clients[0], start, config.load_sample_s, load_samples))
-        tasks = []
-        for i, delay in enumerate(delays):
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, start)))
-        await asyncio.gather(*tasks)
+        await _arrive(delays, one, start)
         duration = time.perf_counter() - start
     finally:
         if sampler is not None:
@@ -583,6 +598,61 @@ async def run_benchmark(
         for client in clients:
             await client.close()
     return _result(config, address, results, duration, started_at_unix, load_samples, start)
+
+
+async def _arrive(
+    delays: Sequence[float], one: Callable[[int, float], Awaitable[None]], start: float
+) -> None:
+    """Start request i after the i-th gap (the arrival schedule) and wait for all of them."""
+    tasks = []
+    for i, delay in enumerate(delays):
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, start)))
+    await asyncio.gather(*tasks)
+
+
+async def _run_openai(address: str, config: BenchConfig, requests: Sequence[RequestSpec]) -> BenchResult:
+    """``run_benchmark`` against an OpenAI-compatible server (``bench/openai_front.py``): the same arrival
+    schedule and token-id prompts, over HTTP streams instead of gRPC (no load sampling: the server has no
+    GetLoad)."""
+    import aiohttp
+
+    from bench.openai_front import completion_body, served_model, stream_completion
+
+    if any(spec.prompt_ids is None for spec in requests):
+        raise ValueError("an OpenAI-compatible server is sent token-id prompts only")
+    delays = arrival_delays(len(requests), config.request_rate, config.burstiness, config.seed)
+    results = [RequestResult(index=i, request_id=f"bench-{i}") for i in range(len(requests))]
+    limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+    show = sys.stderr.isatty() if config.progress is None else config.progress
+    progress = _Progress(len(requests), show, config.label)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        model = config.model or (await served_model(session, address))[0]
+
+        async def one(i: int, start: float) -> None:
+            spec = requests[i]
+            assert spec.prompt_ids is not None
+            body = completion_body(
+                model, spec.prompt_ids, spec.max_tokens, config.temperature, config.ignore_eos
+            )
+            if limit is None:
+                await stream_completion(session, address, body, results[i], start, config.request_timeout_s)
+            else:
+                async with limit:
+                    await stream_completion(
+                        session, address, body, results[i], start, config.request_timeout_s
+                    )
+            progress.update()
+
+        try:
+            started_at_unix = time.time()
+            start = time.perf_counter()
+            await _arrive(delays, one, start)
+            duration = time.perf_counter() - start
+        finally:
+            progress.close()
+    return _result(config, address, results, duration, started_at_unix, [], start)
 
 
 def _result(

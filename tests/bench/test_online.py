@@ -228,6 +228,83 @@ def test_online_service_script_stops_when_vllm_serve_dies_at_start(tmp_path: Pat
     assert "vllm: server never healthy" in output
 
 
+STAND_IN_VLLM_SERVER = """
+import json
+import sys
+
+from aiohttp import web
+
+args = sys.argv[1:]
+if args[0] != "serve":  # `bench serve`: the stand-in measures nothing
+    sys.exit(0)
+port, model = int(args[args.index("--port") + 1]), args[1]
+
+
+async def health(request):
+    return web.Response(text="ok")
+
+
+async def models(request):
+    return web.json_response({"data": [{"id": model, "max_model_len": 2048}]})
+
+
+async def completions(request):
+    body = await request.json()
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    n = body["max_tokens"]
+    for i in range(n):
+        choice = {"index": 0, "text": " t5", "finish_reason": "length" if i == n - 1 else None}
+        await response.write(("data: " + json.dumps({"choices": [choice]}) + "\\n\\n").encode())
+    usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
+    await response.write(("data: " + json.dumps({"choices": [], "usage": usage}) + "\\n\\n").encode())
+    await response.write(b"data: [DONE]\\n\\n")
+    return response
+
+
+app = web.Application()
+app.router.add_get("/health", health)
+app.router.add_get("/v1/models", models)
+app.router.add_post("/v1/completions", completions)
+web.run_app(app, host="127.0.0.1", port=port, print=None)
+"""
+
+
+def test_online_service_script_drives_vllm_serve_with_our_schedule(tmp_path: Path) -> None:
+    """SAME_SCHEDULE=1: once `vllm bench serve` is done, bench/online.py drives the same `vllm serve` over
+    /v1/completions with its own schedule and prompts (a stand-in server speaking the OpenAI stream)."""
+    site = tmp_path / "site"
+    for package in ("vllm", "vllm/benchmarks", "vllm/entrypoints", "vllm/entrypoints/cli"):
+        (site / package).mkdir(parents=True)
+        (site / package / "__init__.py").write_text("")
+    (site / "vllm/__init__.py").write_text("__version__ = '0.0-stand-in'\n")
+    (site / "vllm/benchmarks/serve.py").write_text("")
+    (site / "vllm/entrypoints/cli/main.py").write_text(STAND_IN_VLLM_SERVER)
+    env = _script_env(
+        tmp_path,
+        STAGES="vllm",
+        VLLM_SITE=str(site),
+        SAME_SCHEDULE="1",
+        RATES="10 inf",
+        SECONDS_PER_RATE="0.4",
+        INF_PROMPTS="4",
+        MIN_PROMPTS="3",
+        INPUT_LEN="16",
+        OUTPUT_LEN="4",
+        WARMUP="2",
+        VLLM_READY_S="60",
+    )
+    done = subprocess.run(
+        ["bash", "bench/online_service.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    output = done.stdout + done.stderr
+    assert "vllm: our schedule and prompts" in output, output
+    results = json.loads((tmp_path / "results" / "online_vllm_our_schedule.json").read_text())
+    assert [r["request_rate"] for r in results] == [10.0, "inf"], output
+    assert [r["completed"] for r in results] == [4, 4] and all(r["failed"] == 0 for r in results)
+    assert all(r["backend"] == "openai" and r["total_output_tokens"] == 4 * 4 for r in results)
+
+
 def test_online_service_script_runs_our_rates_and_tabulates(tmp_path: Path) -> None:
     """The script's own path on CPU: model folder, launch, two rates, stop, table and PNG."""
     pytest.importorskip("torch")
