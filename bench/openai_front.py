@@ -10,6 +10,7 @@ final usage chunk gives the token counts.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -103,7 +104,8 @@ async def stream_completion(
                     if usage:
                         result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                         result.output_tokens = int(usage.get("completion_tokens") or 0)
-    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
+    # asyncio.TimeoutError: the total timeout (builtin TimeoutError only from Python 3.11).
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.end_time = time.perf_counter() - start
     result.finish_reason = finish

@@ -21,6 +21,7 @@ from bench import online  # noqa: E402
 from bench.serve import BenchConfig, ModelFacts, RequestSpec, build_random_requests, run_benchmark  # noqa: E402
 
 REFUSED_FIRST_ID = 7  # a prompt starting with this id gets HTTP 400
+STALLED_FIRST_ID = 6  # ... and with this one, a stream that stalls after its first token
 
 
 class FakeCompletions:
@@ -41,7 +42,7 @@ class FakeCompletions:
         await response.prepare(request)
         n = body["max_tokens"]
         for i in range(n):
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(2 if i == 1 and body["prompt"][0] == STALLED_FIRST_ID else 0.002)
             choice = {"index": 0, "text": f" t{i}", "finish_reason": "length" if i == n - 1 else None}
             await response.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
         usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
@@ -130,3 +131,18 @@ def test_a_refused_request_fails_with_the_servers_message(fake_server: tuple[str
     assert not refused.success and refused.error.startswith("HTTP 400") and "prompt refused" in refused.error
     ok = result.requests[1]
     assert ok.success and ok.output_tokens == 3 and len(ok.itls_s) == 2 and ok.ttft_s is not None
+
+
+def test_a_stalled_stream_fails_at_its_timeout_and_the_run_goes_on(
+    fake_server: tuple[str, FakeCompletions],
+) -> None:
+    address, _ = fake_server
+    requests = [
+        RequestSpec(max_tokens=3, prompt_ids=[STALLED_FIRST_ID, 9]),
+        RequestSpec(3, prompt_ids=[8, 9]),
+    ]
+    config = BenchConfig(num_requests=2, progress=False, request_timeout_s=0.5)
+    result = asyncio.run(run_benchmark(address, config, requests))
+    stalled, ok = result.requests
+    assert not stalled.success and "TimeoutError" in stalled.error and stalled.first_token_time is not None
+    assert ok.success and result.metrics.completed == 1
