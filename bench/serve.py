@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import multiprocessing
 import sys
@@ -570,11 +571,8 @@ async def run_benchmark(
     async def one(i: int, start: float) -> None:
         pb_request = to_pb_request(requests[i], config, results[i].request_id)
         client = clients[i % len(clients)]
-        if limit is None:
+        async with limit or contextlib.nullcontext():
             await _send_one(client, pb_request, results[i], start, config.request_timeout_s)
-        else:
-            async with limit:
-                await _send_one(client, pb_request, results[i], start, config.request_timeout_s)
         progress.update()
 
     load_samples: list[LoadSample] = []
@@ -636,13 +634,8 @@ async def _run_openai(address: str, config: BenchConfig, requests: Sequence[Requ
             body = completion_body(
                 model, spec.prompt_ids, spec.max_tokens, config.temperature, config.ignore_eos
             )
-            if limit is None:
+            async with limit or contextlib.nullcontext():
                 await stream_completion(session, address, body, results[i], start, config.request_timeout_s)
-            else:
-                async with limit:
-                    await stream_completion(
-                        session, address, body, results[i], start, config.request_timeout_s
-                    )
             progress.update()
 
         try:

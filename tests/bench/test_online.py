@@ -193,6 +193,19 @@ def _script_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     }
 
 
+def _stand_in_vllm(tmp_path: Path, cli_main: str) -> Path:
+    """A folder for VLLM_SITE holding a stand-in `vllm` package whose `vllm.entrypoints.cli.main` is
+    ``cli_main`` (what `vllm serve` and `vllm bench serve` run)."""
+    site = tmp_path / "site"
+    for package in ("vllm", "vllm/benchmarks", "vllm/entrypoints", "vllm/entrypoints/cli"):
+        (site / package).mkdir(parents=True)
+        (site / package / "__init__.py").write_text("")
+    (site / "vllm/__init__.py").write_text("__version__ = '0.0-stand-in'\n")
+    (site / "vllm/benchmarks/serve.py").write_text("")
+    (site / "vllm/entrypoints/cli/main.py").write_text(cli_main)
+    return site
+
+
 def test_online_service_script_stops_when_our_service_dies_at_start(tmp_path: Path) -> None:
     env = _script_env(tmp_path, STAGES="ours", DEVICE="bogus:0", READY_S="600")
     started = time.monotonic()
@@ -207,14 +220,8 @@ def test_online_service_script_stops_when_our_service_dies_at_start(tmp_path: Pa
 
 def test_online_service_script_stops_when_vllm_serve_dies_at_start(tmp_path: Path) -> None:
     """A stand-in `vllm` package on VLLM_SITE whose server exits at once: the /health wait ends at once."""
-    site = tmp_path / "site"
-    for package in ("vllm", "vllm/benchmarks", "vllm/entrypoints", "vllm/entrypoints/cli"):
-        (site / package).mkdir(parents=True)
-        (site / package / "__init__.py").write_text("")
-    (site / "vllm/__init__.py").write_text("__version__ = '0.0-stand-in'\n")
-    (site / "vllm/benchmarks/serve.py").write_text("")
-    (site / "vllm/entrypoints/cli/main.py").write_text(
-        "import sys\nprint('RuntimeError: no CUDA device (stand-in server)')\nsys.exit(3)\n"
+    site = _stand_in_vllm(
+        tmp_path, "import sys\nprint('RuntimeError: no CUDA device (stand-in server)')\nsys.exit(3)\n"
     )
     env = _script_env(tmp_path, STAGES="vllm", VLLM_SITE=str(site), VLLM_READY_S="600")
     started = time.monotonic()
@@ -273,13 +280,7 @@ web.run_app(app, host="127.0.0.1", port=port, print=None)
 def test_online_service_script_drives_vllm_serve_with_our_schedule(tmp_path: Path) -> None:
     """SAME_SCHEDULE=1: once `vllm bench serve` is done, bench/online.py drives the same `vllm serve` over
     /v1/completions with its own schedule and prompts (a stand-in server speaking the OpenAI stream)."""
-    site = tmp_path / "site"
-    for package in ("vllm", "vllm/benchmarks", "vllm/entrypoints", "vllm/entrypoints/cli"):
-        (site / package).mkdir(parents=True)
-        (site / package / "__init__.py").write_text("")
-    (site / "vllm/__init__.py").write_text("__version__ = '0.0-stand-in'\n")
-    (site / "vllm/benchmarks/serve.py").write_text("")
-    (site / "vllm/entrypoints/cli/main.py").write_text(STAND_IN_VLLM_SERVER)
+    site = _stand_in_vllm(tmp_path, STAND_IN_VLLM_SERVER)
     env = _script_env(
         tmp_path,
         STAGES="vllm",
