@@ -14,7 +14,8 @@
 # results, one per rate), online_table.md, online.png, logs_tail.txt; logs and raw files to $WORK.
 # SAME_SCHEDULE=1: after `vllm bench serve`, bench/online.py also drives `vllm serve` (over /v1/completions) with
 # the arrival schedule and prompts it gave our service: online_vllm_our_schedule.json and
-# online_table_one_schedule.md, a comparison the two benches' different random draws do not blur.
+# online_table_one_schedule.md (and online_one_schedule.png), a comparison the two benches' different random draws do not blur. VLLM_BENCH=0
+# leaves `vllm bench serve` out (a shorter call when only the one-schedule comparison is wanted).
 set -u
 RESULTS=${RESULTS:-${OUT:-/tmp/ominix_online}}
 WORK=${WORK:-/tmp/ominix_online_work}
@@ -42,6 +43,7 @@ RATE_S=${RATE_S:-150}            # one rate's run, either system
 OURS_ARGS=${OURS_ARGS:-}
 VLLM_ARGS=${VLLM_ARGS:-}
 SAME_SCHEDULE=${SAME_SCHEDULE:-0} # 1: also drive vllm serve with bench/online.py's schedule and prompts
+VLLM_BENCH=${VLLM_BENCH:-1}       # 0: skip `vllm bench serve` (with SAME_SCHEDULE=1: only our schedule drives it)
 export PYTHONUNBUFFERED=1
 T0=$SECONDS
 part() { echo "=== $1 (t=$((SECONDS - T0)) s, $(date -u +%T))"; }
@@ -131,33 +133,35 @@ run_vllm() {
   pid=$!
   if timeout $((VLLM_READY_S + 30)) python3 bench/common.py wait-serving "127.0.0.1:$port" --http \
     --timeout "$VLLM_READY_S" --watch "vllm serve:$pid:$WORK/vllm.log"; then
-    local bench=(python3 -m vllm.entrypoints.cli.main bench serve --host 127.0.0.1 --port "$port"
-      --model "$MODEL_DIR" --dataset-name random --random-input-len "$INPUT_LEN" --ignore-eos --temperature 0
-      --disable-tqdm)
-    part "vllm: warm-up ($WARMUP requests at once)"
-    timeout "$RATE_S" env PYTHONPATH="$VLLM_PATH" "${bench[@]}" --random-output-len 16 --num-prompts "$WARMUP" \
-      --request-rate inf --seed $((SEED + 10000)) >"$WORK/vllm_warmup.log" 2>&1 \
-      || { echo "vllm: warm-up failed:"; tail -20 "$WORK/vllm_warmup.log"; }
-    rm -rf "$WORK/vllm_results"; mkdir -p "$WORK/vllm_results"
-    i=0
-    for rate in $RATES; do
-      n=$(rate_prompts "$rate")
-      part "vllm: rate $rate ($n prompts)"
-      timeout "$RATE_S" env PYTHONPATH="$VLLM_PATH" "${bench[@]}" --random-output-len "$OUTPUT_LEN" \
-        --request-rate "$rate" --num-prompts "$n" --seed $((SEED + i)) --label vllm --save-result \
-        --result-dir "$WORK/vllm_results" --result-filename "rate_$i.json" \
-        --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
-        --goodput "ttft:$SLO_TTFT_MS" "tpot:$SLO_TPOT_MS" >"$WORK/vllm_rate_$i.log" 2>&1 \
-        || { echo "vllm: rate $rate failed (exit $?):"; tail -20 "$WORK/vllm_rate_$i.log"; }
-      grep -E "^(Successful|Failed) requests|Request goodput|Output token throughput|(Median|P99) (TTFT|TPOT|ITL)" \
-        "$WORK/vllm_rate_$i.log" | tr -s ' ' | paste -sd ';' -
-      kill -0 "$pid" 2>/dev/null || { echo "vllm: the server died:"; tail -20 "$WORK/vllm.log"; break; }
-      i=$((i + 1))
-    done
-    files=$(ls "$WORK"/vllm_results/rate_*.json 2>/dev/null | grep -v pytorch)
-    if [ -n "$files" ]; then
-      python3 -c "import json, sys; json.dump([json.load(open(f)) for f in sys.argv[2:]], open(sys.argv[1], 'w'), indent=1)" \
-        "$RESULTS/online_vllm.json" $files && echo "vllm: $(echo $files | wc -w) results in $RESULTS/online_vllm.json"
+    if [ "$VLLM_BENCH" = 1 ]; then
+      local bench=(python3 -m vllm.entrypoints.cli.main bench serve --host 127.0.0.1 --port "$port"
+        --model "$MODEL_DIR" --dataset-name random --random-input-len "$INPUT_LEN" --ignore-eos --temperature 0
+        --disable-tqdm)
+      part "vllm: warm-up ($WARMUP requests at once)"
+      timeout "$RATE_S" env PYTHONPATH="$VLLM_PATH" "${bench[@]}" --random-output-len 16 --num-prompts "$WARMUP" \
+        --request-rate inf --seed $((SEED + 10000)) >"$WORK/vllm_warmup.log" 2>&1 \
+        || { echo "vllm: warm-up failed:"; tail -20 "$WORK/vllm_warmup.log"; }
+      rm -rf "$WORK/vllm_results"; mkdir -p "$WORK/vllm_results"
+      i=0
+      for rate in $RATES; do
+        n=$(rate_prompts "$rate")
+        part "vllm: rate $rate ($n prompts)"
+        timeout "$RATE_S" env PYTHONPATH="$VLLM_PATH" "${bench[@]}" --random-output-len "$OUTPUT_LEN" \
+          --request-rate "$rate" --num-prompts "$n" --seed $((SEED + i)) --label vllm --save-result \
+          --result-dir "$WORK/vllm_results" --result-filename "rate_$i.json" \
+          --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
+          --goodput "ttft:$SLO_TTFT_MS" "tpot:$SLO_TPOT_MS" >"$WORK/vllm_rate_$i.log" 2>&1 \
+          || { echo "vllm: rate $rate failed (exit $?):"; tail -20 "$WORK/vllm_rate_$i.log"; }
+        grep -E "^(Successful|Failed) requests|Request goodput|Output token throughput|(Median|P99) (TTFT|TPOT|ITL)" \
+          "$WORK/vllm_rate_$i.log" | tr -s ' ' | paste -sd ';' -
+        kill -0 "$pid" 2>/dev/null || { echo "vllm: the server died:"; tail -20 "$WORK/vllm.log"; break; }
+        i=$((i + 1))
+      done
+      files=$(ls "$WORK"/vllm_results/rate_*.json 2>/dev/null | grep -v pytorch)
+      if [ -n "$files" ]; then
+        python3 -c "import json, sys; json.dump([json.load(open(f)) for f in sys.argv[2:]], open(sys.argv[1], 'w'), indent=1)" \
+          "$RESULTS/online_vllm.json" $files && echo "vllm: $(echo $files | wc -w) results in $RESULTS/online_vllm.json"
+      fi
     fi
     if [ "$SAME_SCHEDULE" = 1 ] && kill -0 "$pid" 2>/dev/null; then
       part "vllm: our schedule and prompts (bench/online.py over /v1/completions)"
@@ -178,12 +182,12 @@ for stage in $STAGES; do
     table)
       part "table"
       series=()
+      png=$(ours_py -c "import matplotlib" 2>/dev/null && echo yes)
       [ -s "$RESULTS/online_ominix.json" ] && series+=(--series "ominix=$RESULTS/online_ominix.json")
       [ -s "$RESULTS/online_vllm.json" ] && series+=(--series "vllm=$RESULTS/online_vllm.json")
       if [ ${#series[@]} -gt 0 ]; then
-        png=$(ours_py -c "import matplotlib" 2>/dev/null && echo "--png $RESULTS/online.png")
         ours_py bench/plot_online.py "${series[@]}" --table "$RESULTS/online_table.md" \
-          --slo-ttft-ms "$SLO_TTFT_MS" --slo-tpot-ms "$SLO_TPOT_MS" $png
+          --slo-ttft-ms "$SLO_TTFT_MS" --slo-tpot-ms "$SLO_TPOT_MS" ${png:+--png "$RESULTS/online.png"}
       else
         echo "no results to tabulate"
       fi
@@ -191,7 +195,7 @@ for stage in $STAGES; do
         echo "--- one schedule for both (ours and vllm serve driven by bench/online.py)"
         ours_py bench/plot_online.py --series "ominix=$RESULTS/online_ominix.json" \
           --series "vllm=$RESULTS/online_vllm_our_schedule.json" --table "$RESULTS/online_table_one_schedule.md" \
-          --slo-ttft-ms "$SLO_TTFT_MS" --slo-tpot-ms "$SLO_TPOT_MS"
+          --slo-ttft-ms "$SLO_TTFT_MS" --slo-tpot-ms "$SLO_TPOT_MS" ${png:+--png "$RESULTS/online_one_schedule.png"}
       fi ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -277,15 +277,18 @@ web.run_app(app, host="127.0.0.1", port=port, print=None)
 """
 
 
-def test_online_service_script_drives_vllm_serve_with_our_schedule(tmp_path: Path) -> None:
-    """SAME_SCHEDULE=1: once `vllm bench serve` is done, bench/online.py drives the same `vllm serve` over
-    /v1/completions with its own schedule and prompts (a stand-in server speaking the OpenAI stream)."""
+@pytest.mark.parametrize("vllm_bench", ["1", "0"])
+def test_online_service_script_drives_vllm_serve_with_our_schedule(tmp_path: Path, vllm_bench: str) -> None:
+    """SAME_SCHEDULE=1: once `vllm bench serve` is done (or at once with VLLM_BENCH=0), bench/online.py drives
+    the same `vllm serve` over /v1/completions with its own schedule and prompts (a stand-in server speaking the
+    OpenAI stream)."""
     site = _stand_in_vllm(tmp_path, STAND_IN_VLLM_SERVER)
     env = _script_env(
         tmp_path,
         STAGES="vllm",
         VLLM_SITE=str(site),
         SAME_SCHEDULE="1",
+        VLLM_BENCH=vllm_bench,
         RATES="10 inf",
         SECONDS_PER_RATE="0.4",
         INF_PROMPTS="4",
@@ -300,6 +303,8 @@ def test_online_service_script_drives_vllm_serve_with_our_schedule(tmp_path: Pat
     )
     output = done.stdout + done.stderr
     assert "vllm: our schedule and prompts" in output, output
+    ran_vllm_bench = vllm_bench == "1"
+    assert ("vllm: warm-up" in output) == ran_vllm_bench and ("vllm: rate 10" in output) == ran_vllm_bench
     results = json.loads((tmp_path / "results" / "online_vllm_our_schedule.json").read_text())
     assert [r["request_rate"] for r in results] == [10.0, "inf"], output
     assert [r["completed"] for r in results] == [4, 4] and all(r["failed"] == 0 for r in results)
