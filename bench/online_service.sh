@@ -15,7 +15,8 @@
 # SAME_SCHEDULE=1: after `vllm bench serve`, bench/online.py also drives `vllm serve` (over /v1/completions) with
 # the arrival schedule and prompts it gave our service: online_vllm_our_schedule.json and
 # online_table_one_schedule.md (and online_one_schedule.png), a comparison the two benches' different random draws do not blur. VLLM_BENCH=0
-# leaves `vllm bench serve` out (a shorter call when only the one-schedule comparison is wanted).
+# leaves `vllm bench serve` out (a shorter call when only the one-schedule comparison is wanted). DETAILED=1 keeps
+# each request's TTFT, ITLs and send time in the result JSONs (both benches' --save-detailed).
 set -u
 RESULTS=${RESULTS:-${OUT:-/tmp/ominix_online}}
 WORK=${WORK:-/tmp/ominix_online_work}
@@ -44,6 +45,7 @@ OURS_ARGS=${OURS_ARGS:-}
 VLLM_ARGS=${VLLM_ARGS:-}
 SAME_SCHEDULE=${SAME_SCHEDULE:-0} # 1: also drive vllm serve with bench/online.py's schedule and prompts
 VLLM_BENCH=${VLLM_BENCH:-1}       # 0: skip `vllm bench serve` (with SAME_SCHEDULE=1: only our schedule drives it)
+DETAILED=${DETAILED:-0}           # 1: per-request lists (TTFT, ITLs, start times) in every result JSON
 export PYTHONUNBUFFERED=1
 T0=$SECONDS
 part() { echo "=== $1 (t=$((SECONDS - T0)) s, $(date -u +%T))"; }
@@ -78,6 +80,7 @@ stop_group() {
 # bench/online.py's schedule and prompts at every rate against ADDRESS (the engine's gRPC, or http:// for an
 # OpenAI-compatible server), labelled LABEL, results to OUT_JSON; further arguments go to `online.py run`.
 # Bounded as a whole; a server that dies mid-run fails the open streams, which ends the run.
+DETAILED_ARG=$([ "$DETAILED" = 1 ] && echo --save-detailed)
 drive_rates() {
   local address=$1 label=$2 out=$3
   shift 3
@@ -85,7 +88,7 @@ drive_rates() {
     --address "$address" --rates "$(echo $RATES | tr ' ' ',')" --seconds "$SECONDS_PER_RATE" \
     --inf-prompts "$INF_PROMPTS" --min-prompts "$MIN_PROMPTS" --input-len "$INPUT_LEN" \
     --output-len "$OUTPUT_LEN" --warmup-requests "$WARMUP" --seed "$SEED" --slo-ttft-ms "$SLO_TTFT_MS" \
-    --slo-tpot-ms "$SLO_TPOT_MS" --label "$label" --no-progress --out-json "$out" "$@"
+    --slo-tpot-ms "$SLO_TPOT_MS" --label "$label" --no-progress --out-json "$out" $DETAILED_ARG "$@"
 }
 
 MODEL_DIR=$WORK/model
@@ -149,7 +152,7 @@ run_vllm() {
         timeout "$RATE_S" env PYTHONPATH="$VLLM_PATH" "${bench[@]}" --random-output-len "$OUTPUT_LEN" \
           --request-rate "$rate" --num-prompts "$n" --seed $((SEED + i)) --label vllm --save-result \
           --result-dir "$WORK/vllm_results" --result-filename "rate_$i.json" \
-          --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
+          --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 $DETAILED_ARG \
           --goodput "ttft:$SLO_TTFT_MS" "tpot:$SLO_TPOT_MS" >"$WORK/vllm_rate_$i.log" 2>&1 \
           || { echo "vllm: rate $rate failed (exit $?):"; tail -20 "$WORK/vllm_rate_$i.log"; }
         grep -E "^(Successful|Failed) requests|Request goodput|Output token throughput|(Median|P99) (TTFT|TPOT|ITL)" \

@@ -332,6 +332,14 @@ FLAGS: tuple[Flag, ...] = (
         positive_int,
     ),
     Flag(
+        "--light-load-running",
+        "engine",
+        "while fewer requests than this run on a worker, at most 2 steps are in flight, so a new request "
+        "joins a step sooner (0: always --max-inflight-steps)",
+        ("engine.light_load_running",),
+        non_negative_int,
+    ),
+    Flag(
         "--drain-timeout",
         "engine",
         "seconds live requests may take to finish after SIGINT/SIGTERM",

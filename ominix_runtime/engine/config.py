@@ -29,10 +29,15 @@ class SchedulerConfig:
 @dataclass(frozen=True, slots=True)
 class EngineCoreConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
-    # Steps sent ahead of their results. A pipelined worker launches step N+1 on the device as soon as step N
-    # is launched, before N-1's ids reach the host; with 3, step N+1 was scheduled from N-2's result, so the
-    # engine has a whole device step to build it. With 2 it would have only the worker's launch time. 1: none.
+    # Steps sent ahead of their results. A pipelined worker launches step N+1 while step N runs on the device
+    # and then posts N's result; step N+2 must reach it before N+1 ends. With 2 in flight the engine builds
+    # N+2 from N's result, so it has one device step less the two messages and its own turnaround; with 3 it
+    # builds it from N-1's, a whole device step earlier. 1: none.
     max_inflight_steps: int = 3
+    # Under light load the deeper pipeline only delays: a request that arrives joins the first step not yet
+    # sent, one device step later per extra step in flight. While fewer requests than this run on a worker
+    # (its steps are short on the host), it keeps at most 2 in flight. 0: always max_inflight_steps.
+    light_load_running: int = 64
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S
     deadline_check_interval: float = 0.05  # seconds between deadline sweeps while idle
     idle_integrity_check_interval: float = 1.0  # registry check_integrity() while idle, at most this often

@@ -289,6 +289,7 @@ def test_online_service_script_drives_vllm_serve_with_our_schedule(tmp_path: Pat
         VLLM_SITE=str(site),
         SAME_SCHEDULE="1",
         VLLM_BENCH=vllm_bench,
+        DETAILED="0" if vllm_bench == "1" else "1",
         RATES="10 inf",
         SECONDS_PER_RATE="0.4",
         INF_PROMPTS="4",
@@ -309,6 +310,10 @@ def test_online_service_script_drives_vllm_serve_with_our_schedule(tmp_path: Pat
     assert [r["request_rate"] for r in results] == [10.0, "inf"], output
     assert [r["completed"] for r in results] == [4, 4] and all(r["failed"] == 0 for r in results)
     assert all(r["backend"] == "openai" and r["total_output_tokens"] == 4 * 4 for r in results)
+    if vllm_bench == "0":  # DETAILED=1: every request's ITLs
+        assert all([len(itls) for itls in r["itls"]] == [3] * 4 for r in results)
+    else:
+        assert all("itls" not in r for r in results)
 
 
 def test_online_service_script_runs_our_rates_and_tabulates(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from ominix_runtime.contract import (
     BackendAdapter,
+    DecodeStep,
     Done,
     Error,
     FinishReason,
@@ -367,6 +368,47 @@ def test_results_already_back_are_applied_together_and_reach_the_stream_as_one_e
     assert core.stats().running_requests == 0
 
 
+@pytest.mark.parametrize("light_load_running", [0, 4, 64])
+def test_steps_in_flight_follow_the_load(light_load_running: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three steps in flight once at least ``light_load_running`` requests run, at most two below that (0: three
+    always); the tokens are those of a run with one step in flight."""
+    from ominix_runtime.testing.fake_backend import FakeStepStream
+
+    depths: list[tuple[int, int]] = []  # (requests in the step sent, steps in flight after sending it)
+    send = FakeStepStream.send
+
+    async def counting_send(self: FakeStepStream, step: DecodeStep) -> None:
+        await send(self, step)  # the driver sends right after taking a result: no step is being answered
+        depths.append((len(step.new_requests) + len(step.running_requests), len(self._pending)))
+
+    monkeypatch.setattr(FakeStepStream, "send", counting_send)
+
+    def run(config: EngineCoreConfig) -> dict[str, list[int]]:
+        outputs: dict[str, list[int]] = {}
+
+        async def body(core: EngineCore) -> None:
+            # Two requests alone first, then six together.
+            for batch in (["a", "b"], [f"c{i}" for i in range(6)]):
+                handles = [core.submit(_req(rid, max_tokens=16, base=10 + i)) for i, rid in enumerate(batch)]
+                streams = await asyncio.gather(*(_collect(h) for h in handles))
+                for rid, events in zip(batch, streams, strict=True):
+                    _check_stream(events)
+                    outputs[rid] = _tokens(events)
+
+        backend = FakeStepBackend(FakeConfig(step_latency=0.002))
+        _run([backend], body, config)
+        assert not backend.violations
+        return outputs
+
+    reference = run(EngineCoreConfig(max_inflight_steps=1))
+    depths.clear()
+    assert run(EngineCoreConfig(max_inflight_steps=3, light_load_running=light_load_running)) == reference
+    assert all(len(tokens) == 16 for tokens in reference.values())
+    few = max(depth for batch, depth in depths if batch <= 2)
+    many = max(depth for batch, depth in depths if batch == 6)
+    assert (few, many) == {0: (3, 3), 4: (2, 3), 64: (2, 2)}[light_load_running]
+
+
 def test_reader_waker_wakes_in_slices_in_order_and_each_reader_once() -> None:
     """More waiting readers than a slice: all are woken, first come first, across several loop turns; tokens
     put twice before their reader was woken are taken together, with a single wake-up."""
@@ -427,7 +469,7 @@ def test_reader_waker_still_wakes_after_the_loop_it_was_pending_on_ended() -> No
 def test_results_taken_together_share_the_time_they_ran_in_their_step_reports() -> None:
     """Three results taken at once ran one after another on the worker: each step report gets a third of the
     time since the first could start, so the decode-rate estimate is not inflated by steps of no time."""
-    from ominix_runtime.contract import DecodeStep, RunningRequestData
+    from ominix_runtime.contract import RunningRequestData
     from ominix_runtime.engine.groups.step_group import _Applied
 
     reports: list[StepReport] = []

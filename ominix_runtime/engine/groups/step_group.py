@@ -1,8 +1,9 @@
 """The step-level worker group: scheduler + KV registry + one ordered worker stream, and the task driving it.
 
 The loop keeps up to ``max_inflight_steps`` steps in flight (default 3: step N+1 is sent once step N-2's
-result is back, so a pipelined worker has it before it launches N+1; the scheduler's placeholders make that
-safe). A cheap registry integrity check runs now and then while idle; deadlines are the base class's (the
+result is back, so a pipelined worker has it a whole device step before it is due; the scheduler's
+placeholders make that safe), and at most 2 while fewer than ``light_load_running`` requests run, where the
+engine's turnaround is short and a third step would only make a new request wait one step longer. A cheap registry integrity check runs now and then while idle; deadlines are the base class's (the
 engine core sweeps them).
 
 Failure: a broken stream, a missed heartbeat or a step past ``step_timeout`` marks the group unhealthy. Its
@@ -308,13 +309,12 @@ class StepWorkerGroup(WorkerGroup):
 
     async def _loop(self, stream: StepStream) -> None:
         loop = asyncio.get_running_loop()
-        max_inflight = max(1, self.config.max_inflight_steps)
         # One recv() stays pending even while idle, so a worker that dies (or stops sending heartbeats)
         # between requests is noticed at once rather than when the next step is sent.
         recv: asyncio.Future[StepResult] | None = None
         try:
             while not self._stopping:
-                while len(self._inflight) < max_inflight:
+                while len(self._inflight) < self._inflight_limit():
                     step = self.scheduler.schedule()
                     self._emit([])
                     if step is None:
@@ -363,6 +363,14 @@ class StepWorkerGroup(WorkerGroup):
                 recv.cancel()
                 with contextlib.suppress(BaseException):  # its failure, if any, was already reported
                     await recv
+
+    def _inflight_limit(self) -> int:
+        """Steps this group may have in flight now: the configured depth, at most 2 under light load."""
+        depth = max(1, self.config.max_inflight_steps)
+        light = self.config.light_load_running
+        if light and self.scheduler.num_running < light:
+            return min(depth, 2)
+        return depth
 
     def _apply(self, result: StepResult) -> _Applied:
         """Apply a step's result to the scheduler; its events are the caller's to deliver."""
