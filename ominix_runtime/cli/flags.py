@@ -335,7 +335,7 @@ FLAGS: tuple[Flag, ...] = (
         "--light-load-running",
         "engine",
         "while fewer requests than this run on a worker, at most 2 steps are in flight, so a new request "
-        "joins a step sooner (0: always --max-inflight-steps)",
+        "joins a step sooner (default 16; 0: always --max-inflight-steps)",
         ("engine.light_load_running",),
         non_negative_int,
     ),

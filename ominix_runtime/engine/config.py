@@ -34,10 +34,13 @@ class EngineCoreConfig:
     # N+2 from N's result, so it has one device step less the two messages and its own turnaround; with 3 it
     # builds it from N-1's, a whole device step earlier. 1: none.
     max_inflight_steps: int = 3
-    # Under light load the deeper pipeline only delays: a request that arrives joins the first step not yet
-    # sent, one device step later per extra step in flight. While fewer requests than this run on a worker
-    # (its steps are short on the host), it keeps at most 2 in flight. 0: always max_inflight_steps.
-    light_load_running: int = 64
+    # The third step costs a new request one device step of TTFT (it joins the first step not yet sent). Two
+    # cost the running requests instead: the step that brings the new prompt reaches the worker later, and an
+    # eager step's host launch then delays the decode result before it and can leave the device waiting, on
+    # every running request's ITL. So: at most 2 in flight while fewer requests than this run on a worker
+    # (H200, Llama-8B shape: TTFT better at 4 and 8 req/s, ITL p99 and TPOT worse at 16; bench/RESULTS.md).
+    # 0: always max_inflight_steps.
+    light_load_running: int = 16
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S
     deadline_check_interval: float = 0.05  # seconds between deadline sweeps while idle
     idle_integrity_check_interval: float = 1.0  # registry check_integrity() while idle, at most this often
