@@ -4,7 +4,9 @@ whose ``--suffix-len`` new tokens run as one step through ``ModelRunner.execute_
 graph when one holds them), sampling one token. Reports the step's wall time on the host (median and minimum),
 which on CUDA runs until the sampled ids are back. A batch-1 decode step is timed the same way for comparison.
 ``--mixed-decodes D`` also times a step of D running decodes beside a new ``--mixed-prompt``-token prefill
-(eager, as an online step runs when a request arrives), and the same D decodes alone. ``--profile`` adds the
+(eager, as an online step runs when a request arrives), and the same D decodes alone; on CUDA also the host
+time to launch each of them while the device is kept busy (``*_host_launch``): a pipelined worker posts the
+previous step's result only once the next step is launched, so an eager step's launch delays that result. ``--profile`` adds the
 device time by kernel of one suffix step and of one mixed step (torch profiler); ``--trace`` writes one mixed
 step's host and device timeline. ``--device cpu`` runs it all on a tiny model
 in float32: a check of the script, not a measurement.
@@ -42,6 +44,9 @@ from ominix_worker.runner import ModelRunner, build_runner  # noqa: E402
 BLOCK = 16
 SUFFIX_BLOCKS = 512  # KV blocks the suffix steps cycle through (after the shared prefix's)
 MIXED_FIRST = 1024  # the mixed step's blocks start here (the batch-1 decode's lie between)
+# A spin kernel queued before a launch is timed, longer than any launch (~0.1 - 0.2 s on an H100 / H200 clock):
+# no launch then waits for the device, so the time is the host's alone.
+SPIN_CYCLES = 300_000_000
 
 
 class StepClock:
@@ -73,6 +78,38 @@ class StepClock:
             "min_ms": round(min(self.wall_ms), 3),
             "steps": len(self.wall_ms),
         }
+
+
+def host_launch(runner: ModelRunner, steps: list[tuple[DecodeStep, DecodeStep | None]]) -> dict[str, float]:
+    """Host ms to launch each step (with its finishing step after it, if any) through the runner's pipelined
+    path, each behind a spin kernel: what the step's launch holds back the previous step's result by. On the
+    CPU (no spin, the step computes as it is launched) this checks the path only."""
+    cuda = runner.device.type == "cuda"
+    times: list[float] = []
+    for step, finish in steps:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(SPIN_CYCLES)  # type: ignore[no-untyped-call]
+        runner.overlap_steps = True
+        started = time.perf_counter()
+        try:
+            if runner.execute_step(step) is not None or not runner.has_pending():
+                raise RuntimeError(f"step {step.step_id} did not take the pipelined path")
+            times.append((time.perf_counter() - started) * 1e3)
+            runner.finish_pending()
+        finally:
+            runner.overlap_steps = False
+        for result in runner.take_results():
+            for out in result.outputs:
+                if out.error_kind is not None:
+                    raise RuntimeError(f"{out.request_id}: {out.error_message}")
+        if finish is not None:
+            StepClock(runner).run(finish, keep=False)
+    return {
+        "median_ms": round(statistics.median(times), 3),
+        "min_ms": round(min(times), 3),
+        "steps": len(times),
+    }
 
 
 def _new(rid: str, prompt: list[int], blocks: list[int], computed: int, scheduled: int) -> NewRequestData:
@@ -145,7 +182,8 @@ def main() -> None:
     free = list(range(len(prefix_blocks), args.num_blocks))
     # The KV blocks each part uses, after the shared prefix's: the suffixes cycle through SUFFIX_BLOCKS, the
     # batch-1 decode has its own, the mixed step's decodes and prompts come after.
-    decode_steps = 2 * args.trials + 40  # each mixed step, each step alone, and the profiled mixed steps
+    # each mixed step and each step alone, timed and launched, and the profiled mixed steps
+    decode_steps = 4 * args.trials + 40
     per_decode = -(-(512 + decode_steps) // BLOCK)
     prompt_blocks = -(-(args.mixed_prompt + 1) // BLOCK)
     needed = MIXED_FIRST + (args.mixed_decodes * per_decode + 2 * prompt_blocks if args.mixed_decodes else 0)
@@ -237,6 +275,16 @@ def main() -> None:
             "prompt_tokens": args.mixed_prompt,
         }
         figures["decodes_alone_step"] = alone.summary()
+
+        def alone_step() -> tuple[DecodeStep, None]:
+            nonlocal step_id
+            step_id += 1
+            running = [RunningRequestData(r, [], 1) for r in running_ids]
+            return DecodeStep(step_id, running_requests=running), None
+
+        launched = [mixed_step(args.trials + 2_000 + i) for i in range(args.trials)]
+        figures["mixed_step_host_launch"] = host_launch(runner, launched)
+        figures["decodes_alone_host_launch"] = host_launch(runner, [alone_step() for _ in range(args.trials)])
         if profile:
             figures["mixed_step_kernels"] = step_kernels(mixed_step, args.trials + 5, clock, args.top)
         if args.trace:

@@ -315,7 +315,8 @@ def test_the_shell_benches_port_comes_from_outside_the_ephemeral_range() -> None
 
 def test_prefix_step_runs_every_step_kind_on_a_tiny_model(tmp_path: Path) -> None:
     """bench/prefix_step.py on the CPU (its --device cpu check mode): the prefix-hit suffix steps, batch-1
-    decode, and running decodes beside a new prompt's prefill all run, and each reports its trials."""
+    decode, and running decodes beside a new prompt's prefill all run, also through the pipelined path of the
+    host-launch figures, and each reports its trials."""
     import subprocess
 
     root = Path(__file__).resolve().parents[2]
@@ -332,7 +333,8 @@ def test_prefix_step_runs_every_step_kind_on_a_tiny_model(tmp_path: Path) -> Non
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
     figures = json.loads(out.read_text())
-    for kind in ("suffix_step", "batch1_decode_step", "mixed_step", "decodes_alone_step"):
+    kinds = ("suffix_step", "batch1_decode_step", "mixed_step", "decodes_alone_step")
+    for kind in (*kinds, "mixed_step_host_launch", "decodes_alone_host_launch"):
         assert figures[kind]["steps"] == 3
         assert 0 < figures[kind]["min_ms"] <= figures[kind]["median_ms"]
     assert figures["mixed_step"]["decodes"] == 3 and figures["device"] == "cpu"
