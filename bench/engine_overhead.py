@@ -727,7 +727,12 @@ async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str
     config = RuntimeConfig(
         model=ModelConfig(path=args.model),
         engine=EngineCoreConfig(
-            max_inflight_steps=args.max_inflight_steps or EngineCoreConfig().max_inflight_steps
+            max_inflight_steps=args.max_inflight_steps or EngineCoreConfig().max_inflight_steps,
+            light_load_below_running=(
+                EngineCoreConfig().light_load_below_running
+                if args.light_load_below_running < 0
+                else args.light_load_below_running
+            ),
         ),
         backends=BackendsConfig(workers=tuple(f"127.0.0.1:{p}" for p in wports), ready_timeout=30.0),
         server=ServerConfig(port=eport, metrics_port=0, stats_interval=0, drain_timeout=5.0),
@@ -769,6 +774,7 @@ async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str
         "window": throughput_window(reports, samples),
         "engine": timers.report(),
         "max_inflight_steps": config.engine.max_inflight_steps,
+        "light_load_below_running": config.engine.light_load_below_running,
     }
     views = [worker_view(json.loads(p.read_text())) for p in stats_paths if p.exists()]
     if views:
@@ -781,6 +787,8 @@ def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
     eng, cli, wrk = result["engine"], result["clients"], result.get("worker", {})
     mode = "instant worker" if args.step_ms == 0 else f"worker step {args.step_ms:g} ms"
     mode += f", {result['max_inflight_steps']} steps in flight"
+    if result["light_load_below_running"]:
+        mode += f" (at most 2 below {result['light_load_below_running']} running)"
     stream = "non-streaming" if args.no_stream else "streaming"
     groups = f"{args.groups} groups × " if args.groups > 1 else ""
     print(
@@ -839,6 +847,12 @@ def main(argv: list[str] | None = None) -> int:
         "--step-ms", type=float, default=0.0, help="fake worker step time (0: answer at once)"
     )
     parser.add_argument("--max-inflight-steps", type=int, default=0, help="0: the engine's default")
+    parser.add_argument(
+        "--light-load-below-running",
+        type=int,
+        default=-1,
+        help="at most 2 steps in flight below this many running requests (0: never; -1: the engine's default)",
+    )
     parser.add_argument(
         "--no-gc-freeze", action="store_true", help="leave the collector as the process started"
     )

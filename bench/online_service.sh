@@ -14,9 +14,10 @@
 # results, one per rate), online_table.md, online.png, logs_tail.txt; logs and raw files to $WORK.
 # SAME_SCHEDULE=1: after `vllm bench serve`, bench/online.py also drives `vllm serve` (over /v1/completions) with
 # the arrival schedule and prompts it gave our service: online_vllm_our_schedule.json and
-# online_table_one_schedule.md (and online_one_schedule.png), a comparison the two benches' different random draws do not blur. VLLM_BENCH=0
-# leaves `vllm bench serve` out (a shorter call when only the one-schedule comparison is wanted). DETAILED=1 keeps
-# each request's TTFT, ITLs and send time in the result JSONs (both benches' --save-detailed).
+# online_table_one_schedule.md (and online_one_schedule.png), a comparison the two benches' different random
+# draws do not blur. VLLM_BENCH=0 leaves `vllm bench serve` out (a shorter call when only the one-schedule
+# comparison is wanted). DETAILED=1 keeps each request's TTFT, ITLs and send time in the result JSONs (both
+# benches' --save-detailed).
 set -u
 RESULTS=${RESULTS:-${OUT:-/tmp/ominix_online}}
 WORK=${WORK:-/tmp/ominix_online_work}
@@ -44,8 +45,9 @@ RATE_S=${RATE_S:-150}            # one rate's run, either system
 OURS_ARGS=${OURS_ARGS:-}
 VLLM_ARGS=${VLLM_ARGS:-}
 SAME_SCHEDULE=${SAME_SCHEDULE:-0} # 1: also drive vllm serve with bench/online.py's schedule and prompts
-VLLM_BENCH=${VLLM_BENCH:-1}       # 0: skip `vllm bench serve` (with SAME_SCHEDULE=1: only our schedule drives it)
+VLLM_BENCH=${VLLM_BENCH:-1}       # 0: skip `vllm bench serve` (SAME_SCHEDULE=1: only our schedule drives it)
 DETAILED=${DETAILED:-0}           # 1: per-request lists (TTFT, ITLs, start times) in every result JSON
+DETAILED_ARG=$([ "$DETAILED" = 1 ] && echo --save-detailed)
 export PYTHONUNBUFFERED=1
 T0=$SECONDS
 part() { echo "=== $1 (t=$((SECONDS - T0)) s, $(date -u +%T))"; }
@@ -80,7 +82,6 @@ stop_group() {
 # bench/online.py's schedule and prompts at every rate against ADDRESS (the engine's gRPC, or http:// for an
 # OpenAI-compatible server), labelled LABEL, results to OUT_JSON; further arguments go to `online.py run`.
 # Bounded as a whole; a server that dies mid-run fails the open streams, which ends the run.
-DETAILED_ARG=$([ "$DETAILED" = 1 ] && echo --save-detailed)
 drive_rates() {
   local address=$1 label=$2 out=$3
   shift 3
@@ -119,6 +120,14 @@ run_ours() {
 
 run_vllm() {
   local port pid i n rate files
+  if [ "$VLLM_BENCH" != 1 ] && [ "$SAME_SCHEDULE" != 1 ]; then
+    echo "vllm: VLLM_BENCH=0 and SAME_SCHEDULE=0 leave nothing to run; skipped"
+    return
+  fi
+  if [ "$VLLM_BENCH" != 1 ] && [ -e "$RESULTS/online_vllm.json" ]; then
+    echo "vllm: VLLM_BENCH=0: removing $RESULTS/online_vllm.json of an earlier run, so the table does not show it"
+    rm -f "$RESULTS/online_vllm.json"
+  fi
   # The GPU machine has no network; the FlashInfer sampler stays off as in the peer's recipe.
   export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
   part "vllm: import check"

@@ -4,12 +4,12 @@ whose ``--suffix-len`` new tokens run as one step through ``ModelRunner.execute_
 graph when one holds them), sampling one token. Reports the step's wall time on the host (median and minimum),
 which on CUDA runs until the sampled ids are back. A batch-1 decode step is timed the same way for comparison.
 ``--mixed-decodes D`` also times a step of D running decodes beside a new ``--mixed-prompt``-token prefill
-(eager, as an online step runs when a request arrives), and the same D decodes alone; on CUDA also the host
-time to launch each of them while the device is kept busy (``*_host_launch``): a pipelined worker posts the
-previous step's result only once the next step is launched, so an eager step's launch delays that result. ``--profile`` adds the
-device time by kernel of one suffix step and of one mixed step (torch profiler); ``--trace`` writes one mixed
-step's host and device timeline. ``--device cpu`` runs it all on a tiny model
-in float32: a check of the script, not a measurement.
+(eager, as an online step runs when a request arrives), and the same D decodes alone; also the host time to
+launch each of them while the device is kept busy by a spin kernel (``*_host_launch``): a pipelined worker
+posts the previous step's result only once the next step is launched, so an eager step's launch delays it.
+``--profile`` adds the device time by kernel of one suffix step and of one mixed step (torch profiler);
+``--trace`` writes one mixed step's host and device timeline. ``--device cpu`` runs it all on a tiny model in
+float32: a check of the script, not a measurement.
 
     python bench/prefix_step.py --model dummy:bench/configs/llama8b-config.json --profile --json out.json
     python bench/prefix_step.py --mixed-decodes 8 --mixed-prompt 1024 --profile
@@ -65,9 +65,7 @@ class StepClock:
         wall = (time.perf_counter() - started) * 1e3
         if result is None:
             raise RuntimeError("the runner overlapped a step: overlap_steps must be off")
-        for out in result.outputs:
-            if out.error_kind is not None:
-                raise RuntimeError(f"{out.request_id}: {out.error_message}")
+        check_outputs(result)
         if keep:
             self.wall_ms.append(wall)
         return result
@@ -80,29 +78,44 @@ class StepClock:
         }
 
 
+def check_outputs(result: StepResult) -> None:
+    for out in result.outputs:
+        if out.error_kind is not None:
+            raise RuntimeError(f"{out.request_id}: {out.error_message}")
+
+
 def host_launch(runner: ModelRunner, steps: list[tuple[DecodeStep, DecodeStep | None]]) -> dict[str, float]:
     """Host ms to launch each step (with its finishing step after it, if any) through the runner's pipelined
-    path, each behind a spin kernel: what the step's launch holds back the previous step's result by. On the
-    CPU (no spin, the step computes as it is launched) this checks the path only."""
+    path, each behind a spin kernel: what the step's launch holds back the previous step's result by. Nothing
+    is pending when a step is launched here, so the placeholder gather of a step launched behind another is
+    not in the time. On the CPU (no spin, the step computes as it is launched) this checks the path only."""
     cuda = runner.device.type == "cuda"
     times: list[float] = []
     for step, finish in steps:
+        spun: torch.cuda.Event | None = None
         if cuda:
             torch.cuda.synchronize()
             torch.cuda._sleep(SPIN_CYCLES)  # type: ignore[no-untyped-call]
+            spun = torch.cuda.Event()
+            spun.record()
         runner.overlap_steps = True
         started = time.perf_counter()
         try:
-            if runner.execute_step(step) is not None or not runner.has_pending():
+            runner.execute_step(step)
+            launched = (time.perf_counter() - started) * 1e3
+            if not runner.has_pending():
                 raise RuntimeError(f"step {step.step_id} did not take the pipelined path")
-            times.append((time.perf_counter() - started) * 1e3)
+            if spun is not None and spun.query():
+                raise RuntimeError(
+                    f"the spin kernel ended before step {step.step_id}'s launch returned ({launched:.1f} ms): "
+                    "the launch waited for the device (a sync on the host path), or SPIN_CYCLES is too short"
+                )
+            times.append(launched)
             runner.finish_pending()
         finally:
             runner.overlap_steps = False
         for result in runner.take_results():
-            for out in result.outputs:
-                if out.error_kind is not None:
-                    raise RuntimeError(f"{out.request_id}: {out.error_message}")
+            check_outputs(result)
         if finish is not None:
             StepClock(runner).run(finish, keep=False)
     return {
@@ -263,25 +276,22 @@ def main() -> None:
             step_id += 1
             return step, DecodeStep(step_id, finished_request_ids=[rid])
 
-        for i in range(args.trials + 5):
-            step, finish = mixed_step(i)
-            mixed.run(step, keep=i >= 5)
-            clock.run(finish, keep=False)
-            step_id += 1
-            running = [RunningRequestData(r, [], 1) for r in running_ids]
-            alone.run(DecodeStep(step_id, running_requests=running), keep=i >= 5)
-        figures["mixed_step"] = mixed.summary() | {
-            "decodes": args.mixed_decodes,
-            "prompt_tokens": args.mixed_prompt,
-        }
-        figures["decodes_alone_step"] = alone.summary()
-
         def alone_step() -> tuple[DecodeStep, None]:
             nonlocal step_id
             step_id += 1
             running = [RunningRequestData(r, [], 1) for r in running_ids]
             return DecodeStep(step_id, running_requests=running), None
 
+        for i in range(args.trials + 5):
+            step, finish = mixed_step(i)
+            mixed.run(step, keep=i >= 5)
+            clock.run(finish, keep=False)
+            alone.run(alone_step()[0], keep=i >= 5)
+        figures["mixed_step"] = mixed.summary() | {
+            "decodes": args.mixed_decodes,
+            "prompt_tokens": args.mixed_prompt,
+        }
+        figures["decodes_alone_step"] = alone.summary()
         launched = [mixed_step(args.trials + 2_000 + i) for i in range(args.trials)]
         figures["mixed_step_host_launch"] = host_launch(runner, launched)
         figures["decodes_alone_host_launch"] = host_launch(runner, [alone_step() for _ in range(args.trials)])

@@ -332,11 +332,12 @@ FLAGS: tuple[Flag, ...] = (
         positive_int,
     ),
     Flag(
-        "--light-load-running",
+        "--light-load-below-running",
         "engine",
-        "while fewer requests than this run on a worker, at most 2 steps are in flight, so a new request "
-        "joins a step sooner (default 16; 0: always --max-inflight-steps)",
-        ("engine.light_load_running",),
+        "while fewer requests than this run on a worker, at most 2 steps are in flight: a new request joins a "
+        "step one device step sooner, the steps that bring new prompts may leave the device waiting "
+        "(0: always --max-inflight-steps)",
+        ("engine.light_load_below_running",),
         non_negative_int,
     ),
     Flag(

@@ -26,6 +26,10 @@ class SchedulerConfig:
     preemption_protection_steps: int = 4
 
 
+# Steps in flight under light load (EngineCoreConfig.light_load_below_running).
+LIGHT_LOAD_INFLIGHT_STEPS = 2
+
+
 @dataclass(frozen=True, slots=True)
 class EngineCoreConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -34,13 +38,13 @@ class EngineCoreConfig:
     # N+2 from N's result, so it has one device step less the two messages and its own turnaround; with 3 it
     # builds it from N-1's, a whole device step earlier. 1: none.
     max_inflight_steps: int = 3
-    # The third step costs a new request one device step of TTFT (it joins the first step not yet sent). Two
-    # cost the running requests instead: the step that brings the new prompt reaches the worker later, and an
-    # eager step's host launch then delays the decode result before it and can leave the device waiting, on
-    # every running request's ITL. So: at most 2 in flight while fewer requests than this run on a worker
-    # (H200, Llama-8B shape: TTFT better at 4 and 8 req/s, ITL p99 and TPOT worse at 16; bench/RESULTS.md).
-    # 0: always max_inflight_steps.
-    light_load_running: int = 16
+    # The third step costs a request that arrives one device step of TTFT: it joins the first step not yet
+    # sent. Two cost the running requests instead: the eager step that brings the new prompt reaches the worker
+    # later, and its host launch can outlast the step before it, leaving the device waiting (ITL and TPOT of
+    # every running request). So at most LIGHT_LOAD_INFLIGHT_STEPS while fewer requests than this run on a
+    # worker. H200, Llama-8B shape, one run per setting (bench/RESULTS.md): two took 8.5 - 14% off TTFT p50
+    # at 4 to 16 req/s, and cost ITL p99 at 4 and 16 req/s and TPOT at 16. 0: always max_inflight_steps.
+    light_load_below_running: int = 16
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S
     deadline_check_interval: float = 0.05  # seconds between deadline sweeps while idle
     idle_integrity_check_interval: float = 1.0  # registry check_integrity() while idle, at most this often

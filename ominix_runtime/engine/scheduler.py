@@ -8,7 +8,7 @@ arrival), then admits waiting ones while the token budget, ``max_running_request
 The policy rules (budget, chunking, priority, preemption victim, anti-starvation, overlap) are written out
 in docs/SCHEDULER.md.
 
-Overlap (two steps in flight). The driver may send step N+1 before step N's result is back. Hence:
+Overlap (steps in flight). The driver may send step N+1 before step N's result is back. Hence:
 
 - ``num_computed_tokens`` advances at schedule time (optimistically), and a step that computes a request's
   last known token adds one *placeholder* output (``num_placeholders``): the worker samples that token and

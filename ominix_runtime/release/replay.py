@@ -3,7 +3,7 @@
 One tick = one ``Scheduler.schedule()`` call. Per tick: requests whose ``arrival_tick`` has come are added
 (list order within a tick), a step is scheduled and run by :class:`SimulatedWorker`, and the oldest step in
 flight is answered once ``max_inflight_steps`` are out (1: at once; 2: one tick later, as the engine's
-overlapped driver does). The simulated clock advances by the cost model's time of the answered step.
+overlapped driver does under light load). The simulated clock advances by the cost model's time of the answered step.
 
 The trace fingerprint hashes every scheduling decision (admissions, tokens granted per request, preemptions,
 decodes, completions, queue and KV occupancy) as canonical JSON; timings are not part of it, so the same

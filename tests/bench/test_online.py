@@ -237,12 +237,15 @@ def test_online_service_script_stops_when_vllm_serve_dies_at_start(tmp_path: Pat
 
 STAND_IN_VLLM_SERVER = """
 import json
+import os
 import sys
 
 from aiohttp import web
 
 args = sys.argv[1:]
-if args[0] != "serve":  # `bench serve`: the stand-in measures nothing
+if args[0] != "serve":  # `bench serve`: the stand-in measures nothing, it only notes its arguments
+    with open(os.environ["STAND_IN_BENCH_ARGV"], "a") as log:
+        log.write(" ".join(args) + "\\n")
     sys.exit(0)
 port, model = int(args[args.index("--port") + 1]), args[1]
 
@@ -289,7 +292,8 @@ def test_online_service_script_drives_vllm_serve_with_our_schedule(tmp_path: Pat
         VLLM_SITE=str(site),
         SAME_SCHEDULE="1",
         VLLM_BENCH=vllm_bench,
-        DETAILED="0" if vllm_bench == "1" else "1",
+        DETAILED="1",
+        STAND_IN_BENCH_ARGV=str(tmp_path / "bench_argv.txt"),
         RATES="10 inf",
         SECONDS_PER_RATE="0.4",
         INF_PROMPTS="4",
@@ -299,6 +303,9 @@ def test_online_service_script_drives_vllm_serve_with_our_schedule(tmp_path: Pat
         WARMUP="2",
         VLLM_READY_S="60",
     )
+    stale = tmp_path / "results" / "online_vllm.json"  # an earlier call's, which VLLM_BENCH=0 must not show
+    stale.parent.mkdir(parents=True)
+    stale.write_text("[]")
     done = subprocess.run(
         ["bash", "bench/online_service.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
     )
@@ -310,10 +317,11 @@ def test_online_service_script_drives_vllm_serve_with_our_schedule(tmp_path: Pat
     assert [r["request_rate"] for r in results] == [10.0, "inf"], output
     assert [r["completed"] for r in results] == [4, 4] and all(r["failed"] == 0 for r in results)
     assert all(r["backend"] == "openai" and r["total_output_tokens"] == 4 * 4 for r in results)
-    if vllm_bench == "0":  # DETAILED=1: every request's ITLs
-        assert all([len(itls) for itls in r["itls"]] == [3] * 4 for r in results)
-    else:
-        assert all("itls" not in r for r in results)
+    assert all([len(itls) for itls in r["itls"]] == [3] * 4 for r in results)  # DETAILED=1: every request's
+    bench_runs = (tmp_path / "bench_argv.txt").read_text().splitlines() if vllm_bench == "1" else []
+    assert len(bench_runs) == (3 if vllm_bench == "1" else 0)  # warm-up, then each rate
+    assert all("--save-detailed" in run for run in bench_runs if "--save-result" in run)
+    assert stale.exists() == (vllm_bench == "1")
 
 
 def test_online_service_script_runs_our_rates_and_tabulates(tmp_path: Path) -> None:

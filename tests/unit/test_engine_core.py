@@ -368,30 +368,41 @@ def test_results_already_back_are_applied_together_and_reach_the_stream_as_one_e
     assert core.stats().running_requests == 0
 
 
-@pytest.mark.parametrize("light_load_running", [0, 4, 64])
-def test_steps_in_flight_follow_the_load(light_load_running: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three steps in flight once at least ``light_load_running`` requests run, at most two below that (0: three
-    always); the tokens are those of a run with one step in flight."""
+@pytest.mark.parametrize("light_load_below_running", [0, 4, 64])
+def test_steps_in_flight_follow_the_load(
+    light_load_below_running: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three steps in flight while at least ``light_load_below_running`` requests run (exactly that many
+    included), at most two below it, also once requests finish while three are out (0: three always); the
+    tokens are those of a run with one step in flight."""
     from ominix_runtime.testing.fake_backend import FakeStepStream
 
-    depths: list[tuple[int, int]] = []  # (requests in the step sent, steps in flight after sending it)
+    # (requests running when the step was scheduled, steps in flight once it is sent)
+    sends: list[tuple[int, int]] = []
+    groups: list[StepWorkerGroup] = []
     send = FakeStepStream.send
 
     async def counting_send(self: FakeStepStream, step: DecodeStep) -> None:
-        await send(self, step)  # the driver sends right after taking a result: no step is being answered
-        depths.append((len(step.new_requests) + len(step.running_requests), len(self._pending)))
+        await send(self, step)  # the driver sends right after scheduling: no step is being answered
+        running = groups[0].scheduler.num_running - len(step.new_requests) if groups else 0
+        sends.append((running, len(self._pending)))
 
     monkeypatch.setattr(FakeStepStream, "send", counting_send)
+    # Two requests alone; then six that finish in turn: 6 run, then 5, exactly 4, and 1 last.
+    phases = [{"a": 16, "b": 16}, {"c0": 8, "c1": 10, "c2": 20, "c3": 20, "c4": 20, "c5": 30}]
 
     def run(config: EngineCoreConfig) -> dict[str, list[int]]:
         outputs: dict[str, list[int]] = {}
 
         async def body(core: EngineCore) -> None:
-            # Two requests alone first, then six together.
-            for batch in (["a", "b"], [f"c{i}" for i in range(6)]):
-                handles = [core.submit(_req(rid, max_tokens=16, base=10 + i)) for i, rid in enumerate(batch)]
+            groups[:] = [g for g in core._groups if isinstance(g, StepWorkerGroup)]
+            for phase in phases:
+                handles = [
+                    core.submit(_req(rid, max_tokens=n, base=10 + i))
+                    for i, (rid, n) in enumerate(phase.items())
+                ]
                 streams = await asyncio.gather(*(_collect(h) for h in handles))
-                for rid, events in zip(batch, streams, strict=True):
+                for rid, events in zip(phase, streams, strict=True):
                     _check_stream(events)
                     outputs[rid] = _tokens(events)
 
@@ -401,12 +412,18 @@ def test_steps_in_flight_follow_the_load(light_load_running: int, monkeypatch: p
         return outputs
 
     reference = run(EngineCoreConfig(max_inflight_steps=1))
-    depths.clear()
-    assert run(EngineCoreConfig(max_inflight_steps=3, light_load_running=light_load_running)) == reference
-    assert all(len(tokens) == 16 for tokens in reference.values())
-    few = max(depth for batch, depth in depths if batch <= 2)
-    many = max(depth for batch, depth in depths if batch == 6)
-    assert (few, many) == {0: (3, 3), 4: (2, 3), 64: (2, 2)}[light_load_running]
+    assert {rid: len(tokens) for rid, tokens in reference.items()} == {**phases[0], **phases[1]}
+    sends.clear()
+    config = EngineCoreConfig(max_inflight_steps=3, light_load_below_running=light_load_below_running)
+    assert run(config) == reference
+    deepest = {n: max(depth for running, depth in sends if running == n) for n, _ in sends}
+    assert deepest[1] == (3 if light_load_below_running == 0 else 2)
+    assert deepest[6] == deepest[5] == (2 if light_load_below_running == 64 else 3)
+    if light_load_below_running == 4:
+        assert deepest[4] == 3  # exactly the threshold: no longer light
+        assert all(depth <= 2 for running, depth in sends if running < 4)
+    if light_load_below_running == 64:
+        assert all(depth <= 2 for _, depth in sends)
 
 
 def test_reader_waker_wakes_in_slices_in_order_and_each_reader_once() -> None:

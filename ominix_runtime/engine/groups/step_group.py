@@ -2,8 +2,9 @@
 
 The loop keeps up to ``max_inflight_steps`` steps in flight (default 3: step N+1 is sent once step N-2's
 result is back, so a pipelined worker has it a whole device step before it is due; the scheduler's
-placeholders make that safe), and at most 2 while fewer than ``light_load_running`` requests run, where the
-engine's turnaround is short and a third step would only make a new request wait one step longer. A cheap registry integrity check runs now and then while idle; deadlines are the base class's (the
+placeholders make that safe), and at most ``LIGHT_LOAD_INFLIGHT_STEPS`` (2) while fewer than
+``light_load_below_running`` requests run, so a request that arrives joins a step one device step sooner.
+A cheap registry integrity check runs now and then while idle; deadlines are the base class's (the
 engine core sweeps them).
 
 Failure: a broken stream, a missed heartbeat or a step past ``step_timeout`` marks the group unhealthy. Its
@@ -39,7 +40,7 @@ from ominix_runtime.contract import (
     Usage,
     WorkerEvent,
 )
-from ominix_runtime.engine.config import EngineCoreConfig
+from ominix_runtime.engine.config import LIGHT_LOAD_INFLIGHT_STEPS, EngineCoreConfig
 from ominix_runtime.engine.groups.worker_group import ErrorInfo, GroupHooks, RequestTimes, WorkerGroup
 from ominix_runtime.engine.kv_registry import RegistrySnapshot
 from ominix_runtime.engine.logs import log_event
@@ -365,11 +366,11 @@ class StepWorkerGroup(WorkerGroup):
                     await recv
 
     def _inflight_limit(self) -> int:
-        """Steps this group may have in flight now: the configured depth, at most 2 under light load."""
+        """Steps this group may have in flight now: the configured depth, less under light load."""
         depth = max(1, self.config.max_inflight_steps)
-        light = self.config.light_load_running
+        light = self.config.light_load_below_running
         if light and self.scheduler.num_running < light:
-            return min(depth, 2)
+            return min(depth, LIGHT_LOAD_INFLIGHT_STEPS)
         return depth
 
     def _apply(self, result: StepResult) -> _Applied:
