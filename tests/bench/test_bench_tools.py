@@ -341,3 +341,22 @@ def test_prefix_step_runs_every_step_kind_on_a_tiny_model(tmp_path: Path) -> Non
     trace = json.loads((tmp_path / "trace.json").read_text())
     ops = [e for e in trace["traceEvents"] if str(e.get("name", "")).startswith("aten::")]
     assert len(ops) > 10  # the step's host ops are in the timeline
+
+
+def test_host_glue_counts_the_launches_of_an_eager_step(tmp_path: Path) -> None:
+    """bench/host_glue.py: the CUDA path's host code on the CPU, kernels and GEMMs stood in for; it reports the
+    step's host time and the Triton launches and GEMM calls a step of that many layers makes."""
+    import subprocess
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "glue.json"
+    argv = [sys.executable, str(root / "bench" / "host_glue.py"), "--layers", "3", "--prompt", "64"]
+    argv += ["--decodes", "2", "--trials", "2", "--json", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert figures["steps"] == 2 and 0 < figures["host_ms_min"] <= figures["host_ms_median"]
+    # Four projections a layer (QKV, O, gate-up, down) and the LM head; several Triton kernels a layer.
+    assert figures["gemms_per_step"] == 4 * 3 + 1
+    assert figures["triton_launches_per_step"] >= 5 * 3

@@ -41,6 +41,7 @@ import triton.language as tl
 from ominix_worker.attention.base import UNIT_KV_SCALES, AttentionMetadata, KVScales
 from ominix_worker.attention.mixed_plan import MixedPlan, plan_mixed_step, warm_up_steps
 from ominix_worker.devices import sm_count
+from ominix_worker.ops import cdiv, next_power_of_2
 
 # Tokens per split below which splitting a decode context more finely stops paying for the merge.
 _MIN_TOKENS_PER_SPLIT = 64
@@ -576,8 +577,8 @@ def decode_num_splits(
     """Split count for the decode kernel: enough programs to fill the GPU about twice, never splits shorter
     than ``min_tokens_per_split`` tokens. A pure function of host integers, so a captured graph can fix it."""
     programs = max(1, num_requests * num_kv_heads)
-    want = triton.cdiv(2 * num_sms, programs)
-    cap = max(1, triton.cdiv(max_seq_len, min_tokens_per_split))
+    want = cdiv(2 * num_sms, programs)
+    cap = max(1, cdiv(max_seq_len, min_tokens_per_split))
     splits = max(1, min(want, cap, _MAX_SPLITS))
     return 1 << (splits - 1).bit_length() if splits > 1 else 1
 
@@ -594,7 +595,7 @@ def prefill_num_splits(
     A pure function of host integers, so a captured graph can fix it."""
     if programs >= num_sms:
         return 1
-    want = triton.cdiv(2 * num_sms, max(1, programs))
+    want = cdiv(2 * num_sms, max(1, programs))
     cap = max(1, max_seq_len // min_tokens_per_split)
     splits = max(1, min(want, cap, _MAX_SPLITS))
     return 1 << (splits.bit_length() - 1)  # a power of two, never above the cap
@@ -636,7 +637,7 @@ def _merge(
         splits,
         NUM_HEADS=num_heads,
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=next_power_of_2(head_dim),
         BLOCK_S=_MAX_SPLITS,  # one variant for every split count (masked to num_splits)
         MIXED=mixed,
         ONE_REQUEST_ROWS=one_request_rows,
@@ -724,7 +725,7 @@ class TritonPagedAttention:
             kv_scales.k,
             kv_scales.v,
             ROW=row,
-            BLOCK_ROW=triton.next_power_of_2(row),
+            BLOCK_ROW=next_power_of_2(row),
             KV_FP8=_is_fp8(kv_cache),
             num_warps=4,
         )
@@ -801,7 +802,7 @@ class TritonPagedAttention:
             splits = decode_num_splits(
                 num_requests, num_kv_heads, meta.max_seq_len, sm_count(query.device, off_gpu=132), min_tokens
             )
-        block_d = triton.next_power_of_2(head_dim)
+        block_d = next_power_of_2(head_dim)
         ieee = query.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
         block_n = _decode_block_n(head_dim, ieee)
         part_out, part_lse = _partials(num_requests, num_heads, splits, head_dim, out)
@@ -829,7 +830,7 @@ class TritonPagedAttention:
             NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads,
             GROUP=group,
-            BLOCK_G=max(16, triton.next_power_of_2(group)),
+            BLOCK_G=max(16, next_power_of_2(group)),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_SIZE=block_size,
@@ -874,7 +875,7 @@ class TritonPagedAttention:
         num_heads = query.shape[1]
         ieee = query.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
         block_m, block_n, num_warps, num_stages = self._prefill_config(meta, head_dim, ieee)
-        tiles = triton.cdiv(meta.max_query_len, block_m)
+        tiles = cdiv(meta.max_query_len, block_m)
         splits = 1
         if num_requests == 1 and sinks is None and meta.sliding_window == 0:
             # One request's rows, none of them a single-token request's, so every output row is merged.
@@ -913,12 +914,12 @@ class TritonPagedAttention:
             NUM_KV_HEADS=num_kv_heads,
             GROUP=num_heads // num_kv_heads,
             HEAD_DIM=head_dim,
-            BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_D=next_power_of_2(head_dim),
             BLOCK_SIZE=block_size,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             DECODE_ROWS=decode_rows,
-            BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
+            BLOCK_G=max(16, next_power_of_2(num_heads // num_kv_heads)),
             DECODE_BLOCK_N=_decode_block_n(head_dim, ieee),
             IEEE=ieee,
             KV_FP8=_is_fp8(kv_cache),

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ominix_worker.ops import cdiv, next_power_of_2
 from ominix_worker.ops.fused_moe import grouped_gemm, moe_align, moe_sum, pick_config
 from ominix_worker.ops.moe_ref import GateActivation
 
@@ -38,8 +39,8 @@ def clamped_swiglu_cuda(gate_up: torch.Tensor, alpha: float, limit: float) -> to
     inter = two_i // 2
     out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
     if rows:
-        block = min(1024, triton.next_power_of_2(inter))
-        _clamped_swiglu_kernel[(rows, triton.cdiv(inter, block))](
+        block = min(1024, next_power_of_2(inter))
+        _clamped_swiglu_kernel[(rows, cdiv(inter, block))](
             gate_up, out, inter, gate_up.stride(0), out.stride(0), alpha, limit, BLOCK=block, num_warps=4
         )
     return out

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ominix_worker.ops import cdiv
 from ominix_worker.ops.fused import silu_and_mul
 from ominix_worker.ops.fused_moe import (
     per_row_scales,
@@ -87,7 +88,7 @@ def w8a8_block_matmul(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m = 16 if m <= 16 else 64 if m <= 256 else 128
     block_n = 64 if m <= 16 else 128
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    grid = (cdiv(m, block_m), cdiv(n, block_n))
     _w8a8_block_kernel[grid](
         q, weight, out, a_scale, scale, m, n, k, q.stride(0), weight.stride(0), out.stride(0),
         a_scale.stride(0), scale.stride(0), GROUP_N=block[0], GROUP_K=block[1], BLOCK_M=block_m,

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ominix_worker.ops import cdiv, next_power_of_2
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -48,7 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n = x.shape[-1]
     _rms_norm_kernel[(x.shape[0],)](
         x, x, weight, out, x.stride(0), x.stride(0), out.stride(0), eps, N=n,
-        BLOCK=triton.next_power_of_2(n), ADD_RESIDUAL=False, num_warps=_warps(n),
+        BLOCK=next_power_of_2(n), ADD_RESIDUAL=False, num_warps=_warps(n),
     )  # fmt: skip
     return out
 
@@ -61,7 +63,7 @@ def fused_add_rms_norm(
     n = x.shape[-1]
     _rms_norm_kernel[(x.shape[0],)](
         x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), eps, N=n,
-        BLOCK=triton.next_power_of_2(n), ADD_RESIDUAL=True, num_warps=_warps(n),
+        BLOCK=next_power_of_2(n), ADD_RESIDUAL=True, num_warps=_warps(n),
     )  # fmt: skip
     return out
 
@@ -93,7 +95,7 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     if out is None:
         out = torch.empty((num_tokens, n), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_and_mul_kernel[(num_tokens, triton.cdiv(n, block))](
+    _silu_and_mul_kernel[(num_tokens, cdiv(n, block))](
         gate_up, out, gate_up.stride(0), out.stride(0), N=n, BLOCK=block, num_warps=4
     )
     return out
@@ -166,7 +168,7 @@ def rotary_in_place(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
     half = head_dim // 2
     _rotary_kernel[(num_tokens,)](
         x, positions, cos_sin, x.stride(0), x.stride(1), cos_sin.stride(0), num_heads, HALF=half,
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+        BLOCK_H=next_power_of_2(num_heads), BLOCK_HALF=next_power_of_2(half), num_warps=4,
     )  # fmt: skip
 
 
@@ -227,6 +229,6 @@ def qk_norm_rotary_in_place(
     half = head_dim // 2
     _qk_norm_rotary_kernel[(num_tokens,)](
         x, positions, cos_sin, q_weight, k_weight, x.stride(0), x.stride(1), cos_sin.stride(0), num_heads,
-        num_q_heads, eps, HALF=half, BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+        num_q_heads, eps, HALF=half, BLOCK_H=next_power_of_2(num_heads),
+        BLOCK_HALF=next_power_of_2(half), num_warps=4,
     )  # fmt: skip

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ominix_worker.ops import cdiv, next_power_of_2
 from ominix_worker.ops.fused import silu_and_mul, silu_times
 
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
@@ -104,10 +105,10 @@ def select_experts(
     weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=router_logits.device)
     ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=router_logits.device)
     if num_tokens:
-        block_e = triton.next_power_of_2(num_experts)
+        block_e = next_power_of_2(num_experts)
         _select_experts_kernel[(num_tokens,)](
             router_logits, weights, ids, router_logits.stride(0), num_experts, TOP_K=top_k,
-            K_PAD=triton.next_power_of_2(top_k), BLOCK_E=block_e, SOFTMAX=scoring_func == "softmax",
+            K_PAD=next_power_of_2(top_k), BLOCK_E=block_e, SOFTMAX=scoring_func == "softmax",
             RENORMALIZE=renormalize, num_warps=1 if block_e <= 256 else 4,
         )  # fmt: skip
     return weights, ids
@@ -132,8 +133,8 @@ def moe_sum(rows: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
     tuned for long rows and costs ~5 µs at decode sizes)."""
     hidden = rows.shape[1]
     out = torch.empty((num_tokens, hidden), dtype=rows.dtype, device=rows.device)
-    block = 1024 if hidden >= 1024 else triton.next_power_of_2(hidden)
-    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](rows, out, hidden, TOP_K=top_k, BLOCK=block)
+    block = 1024 if hidden >= 1024 else next_power_of_2(hidden)
+    _moe_sum_kernel[(num_tokens, cdiv(hidden, block))](rows, out, hidden, TOP_K=top_k, BLOCK=block)
     return out
 
 
@@ -287,7 +288,7 @@ def moe_align(
     total (1,)), all int32 on the device; P = ``max_padded_slots``."""
     num_assignments = topk_ids.numel()
     max_padded = max_padded_slots(num_assignments, num_experts, block_m)
-    max_blocks = triton.cdiv(max_padded, block_m)
+    max_blocks = cdiv(max_padded, block_m)
     device = topk_ids.device
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=device)
@@ -295,7 +296,7 @@ def moe_align(
     scratch = torch.empty(num_experts, dtype=torch.int32, device=device)
     ranks = torch.empty(max(num_assignments, 1), dtype=torch.int32, device=device)
     flat_ids = topk_ids.reshape(-1)
-    block_e = triton.next_power_of_2(num_experts)
+    block_e = next_power_of_2(num_experts)
     scan_chunk = 256 if num_experts <= 64 else 128
     if num_assignments < PARALLEL_ALIGN_MIN_ASSIGNMENTS:
         _moe_align_kernel[(1,)](
@@ -305,14 +306,14 @@ def moe_align(
         return sorted_ids, expert_ids, num_post_pad
     chunk = 1024
     scratch.zero_()
-    _align_count_kernel[(triton.cdiv(max_padded, chunk),)](
+    _align_count_kernel[(cdiv(max_padded, chunk),)](
         flat_ids, sorted_ids, scratch, ranks, num_assignments, max_padded, CHUNK=chunk, num_warps=4
     )
     _align_scan_kernel[(1,)](
         scratch, expert_ids, num_post_pad, max_blocks, NUM_EXPERTS=num_experts, BLOCK_E=block_e,
         BLOCK_M=block_m, CHUNK=scan_chunk, num_warps=4,
     )  # fmt: skip
-    _align_scatter_kernel[(triton.cdiv(num_assignments, chunk),)](
+    _align_scatter_kernel[(cdiv(num_assignments, chunk),)](
         flat_ids, sorted_ids, scratch, ranks, num_assignments, CHUNK=chunk, num_warps=4
     )
     return sorted_ids, expert_ids, num_post_pad
@@ -450,9 +451,9 @@ def quant_fp8_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[torch.
     if group >= k:
         return quant_fp8_per_token(x)
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty((m, triton.cdiv(k, group)), dtype=torch.float32, device=x.device)
+    s = torch.empty((m, cdiv(k, group)), dtype=torch.float32, device=x.device)
     if m:
-        _quant_fp8_group_kernel[(m, triton.cdiv(k, group))](
+        _quant_fp8_group_kernel[(m, cdiv(k, group))](
             x, q, s, x.stride(0), q.stride(0), k, GROUP=group, FP8_MAX=FP8_MAX, num_warps=1
         )
     return q, s
@@ -529,7 +530,7 @@ def quant_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not m:
         return q, s
     one_pass = k <= ONE_PASS_MAX_K
-    block = triton.next_power_of_2(k) if one_pass else 1024
+    block = next_power_of_2(k) if one_pass else 1024
     warps = _one_pass_warps(block) if one_pass else 4
     _quant_fp8_row_kernel[(m,)](
         x, q, s, k, x.stride(0), q.stride(0), FP8_MAX=FP8_MAX, BLOCK=block, ONE_PASS=one_pass, num_warps=warps
@@ -562,7 +563,7 @@ def silu_and_mul_quant_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.T
     q = torch.empty((m, n), dtype=FP8_DTYPE, device=gate_up.device)
     s = torch.empty((m, 1), dtype=torch.float32, device=gate_up.device)
     if m:
-        block = triton.next_power_of_2(n)
+        block = next_power_of_2(n)
         _silu_and_mul_quant_fp8_kernel[(m,)](
             gate_up, q, s, n, gate_up.stride(0), q.stride(0), FP8_MAX=FP8_MAX, BLOCK=block,
             num_warps=_one_pass_warps(block),
@@ -671,7 +672,7 @@ def grouped_gemm(
     elif use_fp8:
         a, a_scale = quant_fp8_per_token(a) if row_scales else quant_fp8_per_token_group(a, config["BLOCK_K"])
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
-    grid = (expert_ids.numel() * triton.cdiv(n, block_n),)
+    grid = (expert_ids.numel() * cdiv(n, block_n),)
     bs = b_scale if b_scale is not None else b
     # float32 follows torch's TF32 switch, so float32 references compare against full-precision products.
     ieee = a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ominix_worker.devices import sm_count
+from ominix_worker.ops import cdiv, next_power_of_2
 from ominix_worker.ops.scratch import SCRATCH
 
 _TILE = 2048  # logits a program loads at a time
@@ -91,17 +92,17 @@ def greedy_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if rows == 0:
         return ids, bad.bool()
     # Enough programs to cover the GPU twice, each at least _MIN_CHUNK logits.
-    wanted = triton.cdiv(2 * sm_count(logits.device), rows)
-    num_chunks = max(1, min(wanted, triton.cdiv(vocab, _MIN_CHUNK)))
-    chunk = triton.cdiv(triton.cdiv(vocab, num_chunks), _TILE) * _TILE
-    num_chunks = triton.cdiv(vocab, chunk)
+    wanted = cdiv(2 * sm_count(logits.device), rows)
+    num_chunks = max(1, min(wanted, cdiv(vocab, _MIN_CHUNK)))
+    chunk = cdiv(cdiv(vocab, num_chunks), _TILE) * _TILE
+    num_chunks = cdiv(vocab, chunk)
     part_max = torch.empty(rows * num_chunks, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(rows * num_chunks, dtype=torch.int32, device=logits.device)
     part_nan = torch.empty(rows * num_chunks, dtype=torch.int32, device=logits.device)
     arrivals = SCRATCH.counters(logits.device, rows)
     # One BLOCK_C per vocabulary (the most chunks a row can have), not per batch size: the kernel compiles once,
     # in the worker's warm-up, never in the middle of serving when a batch first grows.
-    block_c = max(16, triton.next_power_of_2(triton.cdiv(vocab, _MIN_CHUNK)))
+    block_c = max(16, next_power_of_2(cdiv(vocab, _MIN_CHUNK)))
     _greedy_kernel[(rows, num_chunks)](
         logits, part_max, part_idx, part_nan, arrivals, ids, bad, vocab, logits.stride(0), chunk, num_chunks,
         TILE=_TILE, BLOCK_C=block_c, num_warps=4,

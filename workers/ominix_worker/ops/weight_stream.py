@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ominix_worker.devices import sm_count
+from ominix_worker.ops import cdiv, next_power_of_2
 from ominix_worker.ops.fused import silu_times
 from ominix_worker.ops.fused_moe import per_row_scales
 from ominix_worker.ops.scratch import SCRATCH
@@ -175,10 +176,10 @@ def weight_stream_matmul(
         num_warps = 4 if use_dot else _GEMV_WARPS
     if not per_channel and block[1] % block_k:
         raise ValueError(f"scale blocks of {block[1]} columns do not split into {block_k}-column tiles")
-    tiles = triton.cdiv(n, block_n)
+    tiles = cdiv(n, block_n)
     if not split_k:
-        split_k = _split_k_for(tiles, triton.cdiv(k, block_k), x.device)
-    block_m = MAX_M if use_dot else triton.next_power_of_2(m)
+        split_k = _split_k_for(tiles, cdiv(k, block_k), x.device)
+    block_m = MAX_M if use_dot else next_power_of_2(m)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     partial, arrivals = SCRATCH.get(x.device, split_k * block_m * n if split_k > 1 else 0, tiles)
     s = scale if scale is not None else out  # never read: SCALED is off
