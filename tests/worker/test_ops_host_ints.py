@@ -24,8 +24,9 @@ def test_cdiv_rounds_up() -> None:
 
 def test_the_same_as_triton() -> None:
     triton = pytest.importorskip("triton")
-    for n in range(0, 70_000, 7):
+    powers = [2**k + d for k in range(1, 63) for d in (-1, 0, 1)]
+    for n in [*range(-100, 70_001), *powers]:
         assert next_power_of_2(n) == triton.next_power_of_2(n), n
-    for a in range(0, 2_000, 3):
-        for b in (1, 2, 3, 16, 64, 127, 128, 1024):
+    for a in [*range(-300, 3_000), *powers]:
+        for b in (1, 2, 3, 7, 16, 64, 127, 128, 1024):
             assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
