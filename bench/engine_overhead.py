@@ -61,6 +61,7 @@ import grpc.aio
 
 from bench.common import free_port, percentile
 from ominix_runtime import wire
+from ominix_runtime.engine.config import LIGHT_LOAD_INFLIGHT_STEPS
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 MODEL = "dummy:bench/configs/llama8b-config.json"
@@ -724,16 +725,14 @@ async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str
         )  # fmt: skip
         for g, (wport, path) in enumerate(zip(wports, stats_paths, strict=True))
     ]
+    engine_overrides: dict[str, int] = {}  # the engine's defaults unless given
+    if args.max_inflight_steps:
+        engine_overrides["max_inflight_steps"] = args.max_inflight_steps
+    if args.light_load_below_running >= 0:
+        engine_overrides["light_load_below_running"] = args.light_load_below_running
     config = RuntimeConfig(
         model=ModelConfig(path=args.model),
-        engine=EngineCoreConfig(
-            max_inflight_steps=args.max_inflight_steps or EngineCoreConfig().max_inflight_steps,
-            light_load_below_running=(
-                EngineCoreConfig().light_load_below_running
-                if args.light_load_below_running < 0
-                else args.light_load_below_running
-            ),
-        ),
+        engine=EngineCoreConfig(**engine_overrides),
         backends=BackendsConfig(workers=tuple(f"127.0.0.1:{p}" for p in wports), ready_timeout=30.0),
         server=ServerConfig(port=eport, metrics_port=0, stats_interval=0, drain_timeout=5.0),
         front=FrontConfig(procs=args.front_procs),
@@ -788,7 +787,7 @@ def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
     mode = "instant worker" if args.step_ms == 0 else f"worker step {args.step_ms:g} ms"
     mode += f", {result['max_inflight_steps']} steps in flight"
     if result["light_load_below_running"]:
-        mode += f" (at most 2 below {result['light_load_below_running']} running)"
+        mode += f" (at most {LIGHT_LOAD_INFLIGHT_STEPS} below {result['light_load_below_running']} running)"
     stream = "non-streaming" if args.no_stream else "streaming"
     groups = f"{args.groups} groups × " if args.groups > 1 else ""
     print(

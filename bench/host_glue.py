@@ -34,11 +34,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))  # prefix_step's host_launch
 
 import torch  # noqa: E402
+from prefix_step import BLOCK, _new, host_launch  # noqa: E402
 
-from ominix_runtime.contract import DecodeStep, NewRequestData, RunningRequestData, SamplingParams  # noqa: E402
+from ominix_runtime.contract import DecodeStep, RunningRequestData  # noqa: E402
 from ominix_worker.ops import cdiv  # noqa: E402
 
-BLOCK = 16
 # What the stand-ins were asked to do, per step.
 COUNTS = {"triton_launches": 0, "gemms": 0}
 
@@ -81,18 +81,6 @@ def stand_in_for_the_device() -> None:
     PackableLinear.gemm = no_gemm  # type: ignore[method-assign]
 
 
-def _new(rid: str, tokens: int, blocks: list[int]) -> NewRequestData:
-    return NewRequestData(
-        request_id=rid,
-        prompt_token_ids=[3 + i % 900 for i in range(tokens)],
-        sampling=SamplingParams(temperature=0.0, max_tokens=1 << 20),
-        kv_block_ids=blocks,
-        num_computed_tokens=0,
-        num_scheduled_tokens=tokens,
-        effective_seed=0,
-    )
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=32)
@@ -108,8 +96,6 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)  # the host thread that launches, not the GEMMs, is what is measured
     stand_in_for_the_device()
-    from prefix_step import host_launch
-
     from ominix_worker.runner import build_runner
     from ominix_worker.testing import tiny_config_kwargs
 
@@ -131,8 +117,10 @@ def main() -> None:
     )
     runner.overlap_steps = False
     running = [f"d{i}" for i in range(args.decodes)]
+    prompt_ids = [3 + i % 900 for i in range(max(512, args.prompt))]
     first = [
-        _new(r, 512, list(range(i * decode_blocks, (i + 1) * decode_blocks))) for i, r in enumerate(running)
+        _new(r, prompt_ids[:512], list(range(i * decode_blocks, (i + 1) * decode_blocks)), 0, 512)
+        for i, r in enumerate(running)
     ]
     runner.execute_step(DecodeStep(1, first))
     prompt_base = args.decodes * decode_blocks
@@ -142,7 +130,8 @@ def main() -> None:
         nonlocal step_id
         blocks = list(range(prompt_base + (i % 2) * prompt_blocks, prompt_base + (i % 2 + 1) * prompt_blocks))
         decodes = [RunningRequestData(r, [], 1) for r in running]
-        step = DecodeStep(step_id + 1, [_new(f"p{i}", args.prompt, blocks)], decodes)
+        prompt = _new(f"p{i}", prompt_ids[: args.prompt], blocks, 0, args.prompt)
+        step = DecodeStep(step_id + 1, [prompt], decodes)
         step_id += 2
         return step, DecodeStep(step_id, finished_request_ids=[f"p{i}"])
 

@@ -184,10 +184,12 @@ def format_rate_line(result: dict[str, Any]) -> str:
 
 async def run_rates(address: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The warm-up (not saved), then every rate in turn; returns one vLLM-style result per rate."""
+    model = ""  # the engine's only model
     if is_openai(address):
         if not args.model_config:
             raise SystemExit(f"{address}: an OpenAI-compatible server needs --model-config (its vocabulary)")
         facts = await openai_facts(address, args.model_config)
+        model = facts.name  # asked once here, not again for every rate
     else:
         facts = await fetch_model_facts(address)
     percentiles = [float(p) for p in args.percentiles.split(",")]
@@ -198,6 +200,7 @@ async def run_rates(address: str, args: argparse.Namespace) -> list[dict[str, An
             output_len=args.warmup_output_len,
             seed=args.seed + 10_000,
             progress=False,
+            model=model,
         )
         started = time.monotonic()
         warmed = await run_benchmark(address, warm, build_random_requests(warm, facts))
@@ -220,6 +223,7 @@ async def run_rates(address: str, args: argparse.Namespace) -> list[dict[str, An
             request_timeout_s=args.request_timeout,
             progress=False if args.no_progress else None,
             label=f"{args.label} @ {rate_label(rate)} req/s",
+            model=model,
         )
         requests = build_random_requests(config, facts)
         result = await run_benchmark(address, config, requests)

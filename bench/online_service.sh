@@ -177,8 +177,10 @@ run_vllm() {
     fi
     if [ "$SAME_SCHEDULE" = 1 ] && kill -0 "$pid" 2>/dev/null; then
       part "vllm: our schedule and prompts (bench/online.py over /v1/completions)"
+      # After `vllm bench serve` the server is warm already: no second warm-up.
       drive_rates "http://127.0.0.1:$port" vllm-our-schedule "$RESULTS/online_vllm_our_schedule.json" \
-        --model-config "$MODEL_DIR/config.json" || echo "vllm: our schedule's run failed or timed out (exit $?)"
+        --model-config "$MODEL_DIR/config.json" $([ "$VLLM_BENCH" = 1 ] && echo --warmup-requests 0) \
+        || echo "vllm: our schedule's run failed or timed out (exit $?)"
     fi
   else
     echo "vllm: server never healthy (see above)"

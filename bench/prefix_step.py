@@ -71,11 +71,15 @@ class StepClock:
         return result
 
     def summary(self) -> dict[str, float]:
-        return {
-            "median_ms": round(statistics.median(self.wall_ms), 3),
-            "min_ms": round(min(self.wall_ms), 3),
-            "steps": len(self.wall_ms),
-        }
+        return summary(self.wall_ms)
+
+
+def summary(times_ms: list[float]) -> dict[str, float]:
+    return {
+        "median_ms": round(statistics.median(times_ms), 3),
+        "min_ms": round(min(times_ms), 3),
+        "steps": len(times_ms),
+    }
 
 
 def check_outputs(result: StepResult) -> None:
@@ -118,11 +122,7 @@ def host_launch(runner: ModelRunner, steps: list[tuple[DecodeStep, DecodeStep | 
             check_outputs(result)
         if finish is not None:
             StepClock(runner).run(finish, keep=False)
-    return {
-        "median_ms": round(statistics.median(times), 3),
-        "min_ms": round(min(times), 3),
-        "steps": len(times),
-    }
+    return summary(times)
 
 
 def _new(rid: str, prompt: list[int], blocks: list[int], computed: int, scheduled: int) -> NewRequestData:

@@ -554,7 +554,6 @@ async def run_benchmark(
         return await _run_openai(address, config, requests)
     if config.client_procs > 1 and len(requests) > 1:
         return await _run_split(address, config, requests)
-    delays = arrival_delays(len(requests), config.request_rate, config.burstiness, config.seed)
     options = ClientOptions(
         channel_options=(
             ("grpc.max_receive_message_length", -1),
@@ -562,40 +561,64 @@ async def run_benchmark(
         )
     )
     clients = [AsyncEngineClient(address, options) for _ in range(max(1, config.num_channels))]
-    limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
-    show = sys.stderr.isatty() if config.progress is None else config.progress
-    progress = _Progress(len(requests), show, config.label)
     run_tag = uuid.uuid4().hex[:8]
     results = [RequestResult(index=i, request_id=f"bench-{run_tag}-{i}") for i in range(len(requests))]
 
-    async def one(i: int, start: float) -> None:
+    async def send(i: int, start: float) -> None:
         pb_request = to_pb_request(requests[i], config, results[i].request_id)
-        client = clients[i % len(clients)]
-        async with limit or contextlib.nullcontext():
-            await _send_one(client, pb_request, results[i], start, config.request_timeout_s)
-        progress.update()
+        await _send_one(clients[i % len(clients)], pb_request, results[i], start, config.request_timeout_s)
 
     load_samples: list[LoadSample] = []
     sampler: asyncio.Task[None] | None = None
+
+    def sample_load(start: float) -> None:
+        nonlocal sampler
+        if config.load_sample_s > 0:
+            sampler = asyncio.create_task(_sample_load(clients[0], start, config.load_sample_s, load_samples))
+
     try:
         for client in clients:
             await client.wait_ready(30.0)
         if before_start is not None:
             await before_start()
-        started_at_unix = time.time()
-        start = time.perf_counter()
-        if config.load_sample_s > 0:
-            sampler = asyncio.create_task(_sample_load(clients[0], start, config.load_sample_s, load_samples))
-        await _arrive(delays, one, start)
-        duration = time.perf_counter() - start
+        started_at_unix, start, duration = await _drive(config, len(requests), send, sample_load)
     finally:
         if sampler is not None:
             sampler.cancel()
             await asyncio.gather(sampler, return_exceptions=True)
-        progress.close()
         for client in clients:
             await client.close()
     return _result(config, address, results, duration, started_at_unix, load_samples, start)
+
+
+async def _drive(
+    config: BenchConfig,
+    num_requests: int,
+    send: Callable[[int, float], Awaitable[None]],
+    on_start: Callable[[float], None] | None = None,
+) -> tuple[float, float, float]:
+    """Both transports' run: ``send(i, start)`` for request i at its arrival (the schedule of ``config``),
+    under the concurrency limit, with the progress bar; ``on_start(start)`` as the clock starts. Returns (wall
+    time at the start, perf_counter start, duration)."""
+    delays = arrival_delays(num_requests, config.request_rate, config.burstiness, config.seed)
+    limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+    show = sys.stderr.isatty() if config.progress is None else config.progress
+    progress = _Progress(num_requests, show, config.label)
+
+    async def one(i: int, start: float) -> None:
+        async with limit or contextlib.nullcontext():
+            await send(i, start)
+        progress.update()
+
+    try:
+        started_at_unix = time.time()
+        start = time.perf_counter()
+        if on_start is not None:
+            on_start(start)
+        await _arrive(delays, one, start)
+        return started_at_unix, start, time.perf_counter() - start
+    finally:
+        progress.close()
 
 
 async def _arrive(
@@ -620,31 +643,19 @@ async def _run_openai(address: str, config: BenchConfig, requests: Sequence[Requ
 
     if any(spec.prompt_ids is None for spec in requests):
         raise ValueError("an OpenAI-compatible server is sent token-id prompts only")
-    delays = arrival_delays(len(requests), config.request_rate, config.burstiness, config.seed)
     results = [RequestResult(index=i, request_id=f"bench-{i}") for i in range(len(requests))]
-    limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
-    show = sys.stderr.isatty() if config.progress is None else config.progress
-    progress = _Progress(len(requests), show, config.label)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         model = config.model or (await served_model(session, address))[0]
 
-        async def one(i: int, start: float) -> None:
+        async def send(i: int, start: float) -> None:
             spec = requests[i]
             assert spec.prompt_ids is not None
             body = completion_body(
                 model, spec.prompt_ids, spec.max_tokens, config.temperature, config.ignore_eos
             )
-            async with limit or contextlib.nullcontext():
-                await stream_completion(session, address, body, results[i], start, config.request_timeout_s)
-            progress.update()
+            await stream_completion(session, address, body, results[i], start, config.request_timeout_s)
 
-        try:
-            started_at_unix = time.time()
-            start = time.perf_counter()
-            await _arrive(delays, one, start)
-            duration = time.perf_counter() - start
-        finally:
-            progress.close()
+        started_at_unix, start, duration = await _drive(config, len(requests), send)
     return _result(config, address, results, duration, started_at_unix, [], start)
 
 

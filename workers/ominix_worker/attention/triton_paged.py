@@ -580,7 +580,7 @@ def decode_num_splits(
     want = cdiv(2 * num_sms, programs)
     cap = max(1, cdiv(max_seq_len, min_tokens_per_split))
     splits = max(1, min(want, cap, _MAX_SPLITS))
-    return 1 << (splits - 1).bit_length() if splits > 1 else 1
+    return next_power_of_2(splits)
 
 
 def prefill_num_splits(
