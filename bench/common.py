@@ -435,19 +435,29 @@ def wait_until_serving(service: LaunchedService, timeout_s: float, show_progress
 
 def run_while_alive(work: Coroutine[Any, Any, T], service: LaunchedService, poll_s: float = 0.5) -> T:
     """``asyncio.run(work)``, stopped at once with ServiceFailed (and the log tail) if the service dies."""
+    return run_while_all_alive(work, [service.watched()], poll_s)
+
+
+def run_while_all_alive(
+    work: Coroutine[Any, Any, T], watched: Sequence[WatchedProcess], poll_s: float = 0.5
+) -> T:
+    """``asyncio.run(work)``, stopped at once with ServiceDied (and its log tail) when any watched process
+    has died."""
 
     async def guarded() -> T:
         task = asyncio.ensure_future(work)
         while True:
+            # Checked before the work first runs too: one dead already fails with its log, not a refused call.
+            for proc in watched:
+                status = proc.exit_status()
+                if status is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    raise ServiceDied(proc.failure(status))
             await asyncio.wait({task}, timeout=poll_s)
             if task.done():
                 return task.result()
-            status = service.watched().exit_status()
-            if status is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                raise ServiceDied(service.watched().failure(status))
 
     return asyncio.run(guarded())
 
@@ -464,7 +474,8 @@ def exit_code_of(script_main: Callable[[], int]) -> int:
 # ---------------------------------------------------------------- command line (for shell scripts)
 
 
-def _watch_spec(spec: str) -> WatchedProcess:
+def watch_spec(spec: str) -> WatchedProcess:
+    """NAME:PID:LOG, a process a shell started, as a WatchedProcess."""
     name, pid, log = spec.split(":", 2)
     return WatchedProcess(name, Path(log), pid=int(pid))
 
@@ -480,7 +491,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     wait = sub.add_parser("wait-serving", help="wait for grpc health SERVING while the given processes live")
     wait.add_argument("address")
     wait.add_argument("--timeout", type=float, default=600.0)
-    wait.add_argument("--watch", action="append", default=[], type=_watch_spec, metavar="NAME:PID:LOG")
+    wait.add_argument("--watch", action="append", default=[], type=watch_spec, metavar="NAME:PID:LOG")
     wait.add_argument("--http", action="store_true", help="probe GET http://ADDRESS/health instead of gRPC")
     args = parser.parse_args(argv)
     if args.command == "free-port":

@@ -46,6 +46,7 @@ from bench.openai_front import is_openai  # noqa: E402
 from bench.serve import (  # noqa: E402
     BenchConfig,
     BenchResult,
+    ModelFacts,
     build_random_requests,
     fetch_model_facts,
     openai_facts,
@@ -182,64 +183,85 @@ def format_rate_line(result: dict[str, Any]) -> str:
     )
 
 
-async def run_rates(address: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The warm-up (not saved), then every rate in turn; returns one vLLM-style result per rate."""
-    model = ""  # the engine's only model
+async def served_facts(address: str, args: argparse.Namespace) -> tuple[ModelFacts, str]:
+    """The served model's facts, and the model name a request names (empty: the engine's only model)."""
     if is_openai(address):
         if not args.model_config:
             raise SystemExit(f"{address}: an OpenAI-compatible server needs --model-config (its vocabulary)")
         facts = await openai_facts(address, args.model_config)
-        model = facts.name  # asked once here, not again for every rate
-    else:
-        facts = await fetch_model_facts(address)
-    percentiles = [float(p) for p in args.percentiles.split(",")]
-    if args.warmup_requests > 0:
-        warm = BenchConfig(
-            num_requests=args.warmup_requests,
-            input_len=args.input_len,
-            output_len=args.warmup_output_len,
-            seed=args.seed + 10_000,
-            progress=False,
-            model=model,
-        )
-        started = time.monotonic()
-        warmed = await run_benchmark(address, warm, build_random_requests(warm, facts))
-        print(
-            f"warm-up: {warmed.metrics.completed}/{args.warmup_requests} ok in {time.monotonic() - started:.1f} s",
-            flush=True,
-        )
+        return facts, facts.name  # asked once here, not again for every rate
+    return await fetch_model_facts(address), ""
+
+
+async def warm_up(address: str, facts: ModelFacts, model: str, args: argparse.Namespace) -> None:
+    """``--warmup-requests`` short requests at once (not saved); nothing when it is 0."""
+    if args.warmup_requests <= 0:
+        return
+    warm = BenchConfig(
+        num_requests=args.warmup_requests,
+        input_len=args.input_len,
+        output_len=args.warmup_output_len,
+        seed=args.seed + 10_000,
+        progress=False,
+        model=model,
+    )
+    started = time.monotonic()
+    warmed = await run_benchmark(address, warm, build_random_requests(warm, facts))
+    print(
+        f"warm-up: {warmed.metrics.completed}/{args.warmup_requests} ok in {time.monotonic() - started:.1f} s",
+        flush=True,
+    )
+
+
+async def run_rate(
+    address: str,
+    facts: ModelFacts,
+    model: str,
+    rate: float,
+    seed: int,
+    args: argparse.Namespace,
+    label: str,
+) -> dict[str, Any]:
+    """One rate's run (its arrival schedule and prompts drawn from ``seed``) as a vLLM-style result."""
+    config = BenchConfig(
+        num_requests=num_prompts(rate, args.seconds, args.inf_prompts, args.min_prompts),
+        request_rate=rate,
+        burstiness=args.burstiness,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        seed=seed,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        num_channels=args.num_channels,
+        request_timeout_s=args.request_timeout,
+        progress=False if args.no_progress else None,
+        label=f"{label} @ {rate_label(rate)} req/s",
+        model=model,
+    )
+    result = await run_benchmark(address, config, build_random_requests(config, facts))
+    saved = to_vllm_result(
+        result,
+        label=label,
+        model_id=facts.name,
+        percentiles=[float(p) for p in args.percentiles.split(",")],
+        detailed=args.save_detailed,
+    )
+    print(format_rate_line(saved), flush=True)
+    if result.metrics.failed:
+        print(f"  first errors: {result.errors()[:3]}", flush=True)
+    return saved
+
+
+async def run_rates(address: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The warm-up (not saved), then every rate in turn; returns one vLLM-style result per rate."""
+    facts, model = await served_facts(address, args)
+    await warm_up(address, facts, model, args)
     results = []
     for index, rate in enumerate(parse_rates(args.rates)):
-        config = BenchConfig(
-            num_requests=num_prompts(rate, args.seconds, args.inf_prompts, args.min_prompts),
-            request_rate=rate,
-            burstiness=args.burstiness,
-            input_len=args.input_len,
-            output_len=args.output_len,
-            seed=args.seed + index,  # distinct prompts per rate: no rate is served from another's cache
-            slo_ttft_ms=args.slo_ttft_ms,
-            slo_tpot_ms=args.slo_tpot_ms,
-            num_channels=args.num_channels,
-            request_timeout_s=args.request_timeout,
-            progress=False if args.no_progress else None,
-            label=f"{args.label} @ {rate_label(rate)} req/s",
-            model=model,
-        )
-        requests = build_random_requests(config, facts)
-        result = await run_benchmark(address, config, requests)
-        saved = to_vllm_result(
-            result,
-            label=args.label,
-            model_id=facts.name,
-            percentiles=percentiles,
-            detailed=args.save_detailed,
-        )
-        results.append(saved)
+        # distinct prompts per rate: no rate is served from another's cache
+        results.append(await run_rate(address, facts, model, rate, args.seed + index, args, args.label))
         if args.out_json:  # after every rate: a run cut short still leaves the rates it finished
             write_json(args.out_json, results)
-        print(format_rate_line(saved), flush=True)
-        if result.metrics.failed:
-            print(f"  first errors: {result.errors()[:3]}", flush=True)
     return results
 
 
@@ -312,12 +334,8 @@ def write_model_dir(config_path: str | Path, out: str | Path) -> Path:
 # ---------------------------------------------------------------- command line
 
 
-def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--address",
-        default="127.0.0.1:50061",
-        help="the engine's gRPC address, or http://host:port of an OpenAI-compatible server (vllm serve)",
-    )
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The load's shape (rates, lengths, SLOs, warm-up), shared by ``run`` and bench/online_ab.py."""
     parser.add_argument(
         "--model-config",
         default=None,
@@ -338,10 +356,19 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-output-len", type=int, default=16)
     parser.add_argument("--num-channels", type=int, default=1)
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
-    parser.add_argument("--label", default="ominix")
     parser.add_argument("--save-detailed", action="store_true", help="add the per-request lists")
-    parser.add_argument("--out-json", default=None, help="one JSON list: a result per rate")
     parser.add_argument("--no-progress", action="store_true")
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--address",
+        default="127.0.0.1:50061",
+        help="the engine's gRPC address, or http://host:port of an OpenAI-compatible server (vllm serve)",
+    )
+    add_load_arguments(parser)
+    parser.add_argument("--label", default="ominix")
+    parser.add_argument("--out-json", default=None, help="one JSON list: a result per rate")
     parser.add_argument(
         "--launch",
         action="store_true",

@@ -18,6 +18,12 @@
 # draws do not blur. VLLM_BENCH=0 leaves `vllm bench serve` out (a shorter call when only the one-schedule
 # comparison is wanted). DETAILED=1 keeps each request's TTFT, ITLs and send time in the result JSONs (both
 # benches' --save-detailed).
+# Paired A/B (bench/online_ab.py), over several calls of one warm machine: stage ab-start starts `vllm serve`
+# and one service of ours per AB_OURS entry (LABEL=LAUNCH-ARGS, ';'-separated), all on the one GPU at once,
+# each with AB_SHARE of its memory, and leaves them running (setsid); ab-run drives them in turn, AB_ROUNDS
+# rounds from AB_FIRST_ROUND, into ab_r<first>.json; ab-stop stops them; ab-table compares every server with
+# AB_BASELINE round by round (ab_table.md). Keep AB_SHARE x servers within the device and the rates low
+# enough that no server runs out of KV.
 set -u
 RESULTS=${RESULTS:-${OUT:-/tmp/ominix_online}}
 WORK=${WORK:-/tmp/ominix_online_work}
@@ -44,6 +50,12 @@ VLLM_READY_S=${VLLM_READY_S:-400} # vllm serve: start to GET /health 200
 RATE_S=${RATE_S:-150}            # one rate's run, either system
 OURS_ARGS=${OURS_ARGS:-}
 VLLM_ARGS=${VLLM_ARGS:-}
+SERVER_LIFETIME_S=${SERVER_LIFETIME_S:-1200} # a server started here stops itself after this long
+AB_OURS=${AB_OURS:-"ominix="}     # ab-start: our services, LABEL=LAUNCH-ARGS separated by ';'
+AB_SHARE=${AB_SHARE:-0.3}         # ab-start: each server's share of the GPU's memory
+AB_ROUNDS=${AB_ROUNDS:-2}
+AB_FIRST_ROUND=${AB_FIRST_ROUND:-0}
+AB_BASELINE=${AB_BASELINE:-vllm}
 SAME_SCHEDULE=${SAME_SCHEDULE:-0} # 1: also drive vllm serve with bench/online.py's schedule and prompts
 VLLM_BENCH=${VLLM_BENCH:-1}       # 0: skip `vllm bench serve` (SAME_SCHEDULE=1: only our schedule drives it)
 DETAILED=${DETAILED:-0}           # 1: per-request lists (TTFT, ITLs, start times) in every result JSON
@@ -63,14 +75,18 @@ rate_prompts() {
 }
 
 # Stop what setsid started: SIGTERM to its leader (timeout passes it on, the service stops its own children),
-# SIGKILL to the whole group after 30 s; then wait until no process holds the GPU, so the next system starts on
-# the whole device.
+# SIGKILL to the whole group after 30 s; then (unless a second argument says no) wait until no process holds the
+# GPU, so the next system starts on the whole device.
 stop_group() {
-  local pid=$1
+  local pid=$1 wait_gpu=${2:-1}
   kill -TERM "$pid" 2>/dev/null
   for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
   kill -KILL -- "-$pid" 2>/dev/null
   wait "$pid" 2>/dev/null
+  [ "$wait_gpu" = 1 ] && wait_gpu_free
+}
+
+wait_gpu_free() {
   if command -v nvidia-smi >/dev/null; then
     for _ in $(seq 30); do
       [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && break
@@ -96,26 +112,59 @@ MODEL_DIR=$WORK/model
 part "model folder"
 ours_py bench/online.py model-dir --config "$CONFIG_JSON" --out "$MODEL_DIR" || exit 1
 
-run_ours() {
-  local port wbase pid
+# Our service as LABEL with GPU memory share UTIL and further launch arguments, log $WORK/LABEL.log; waits for
+# health SERVING (stopping at once if it died). Sets STARTED_PID and STARTED_ADDR; returns 1 if it never served.
+start_ours() {
+  local label=$1 util=$2 port wbase
+  shift 2
   port=$(free_port); wbase=$(free_port)
-  part "ours: launch"
-  PYTHONPATH="$OURS_PATH" setsid timeout 1200 python3 -m ominix_runtime launch --model "dummy:$MODEL_DIR" \
-    --devices "$DEVICE" --port "$port" --metrics-port 0 --worker-base-port "$wbase" \
+  part "$label: launch"
+  PYTHONPATH="$OURS_PATH" setsid timeout "$SERVER_LIFETIME_S" python3 -m ominix_runtime launch \
+    --model "dummy:$MODEL_DIR" --devices "$DEVICE" --port "$port" --metrics-port 0 --worker-base-port "$wbase" \
     --max-model-len "$MAX_MODEL_LEN" --max-running-requests "$MAX_NUM_SEQS" --max-batch-tokens "$MAX_BATCH_TOKENS" \
-    --gpu-memory-utilization "$GPU_MEMORY_UTILIZATION" --log-level warning $OURS_ARGS >"$WORK/ominix.log" 2>&1 &
-  pid=$!
-  if timeout $((READY_S + 30)) env PYTHONPATH="$OURS_PATH" python3 bench/common.py wait-serving "127.0.0.1:$port" \
-    --timeout "$READY_S" \
-    --watch "ominix-runtime launch:$pid:$WORK/ominix.log"; then
+    --gpu-memory-utilization "$util" --log-level warning "$@" >"$WORK/$label.log" 2>&1 &
+  STARTED_PID=$!
+  STARTED_ADDR=127.0.0.1:$port
+  timeout $((READY_S + 30)) env PYTHONPATH="$OURS_PATH" python3 bench/common.py wait-serving "$STARTED_ADDR" \
+    --timeout "$READY_S" --watch "ominix-runtime launch ($label):$STARTED_PID:$WORK/$label.log"
+}
+
+run_ours() {
+  if start_ours ominix "$GPU_MEMORY_UTILIZATION" $OURS_ARGS; then
     part "ours: rates $RATES"
-    drive_rates "127.0.0.1:$port" ominix "$RESULTS/online_ominix.json" || echo "ours: the run failed or timed out (exit $?)"
-    kill -0 "$pid" 2>/dev/null || { echo "ours: the service died during the run:"; tail -20 "$WORK/ominix.log"; }
+    drive_rates "$STARTED_ADDR" ominix "$RESULTS/online_ominix.json" || echo "ours: the run failed or timed out (exit $?)"
+    kill -0 "$STARTED_PID" 2>/dev/null || { echo "ours: the service died during the run:"; tail -20 "$WORK/ominix.log"; }
   else
     echo "ours: service never SERVING (see above)"
   fi
   part "ours: stop"
-  stop_group "$pid"
+  stop_group "$STARTED_PID"
+}
+
+vllm_importable() {
+  # The GPU machine has no network; the FlashInfer sampler stays off as in the peer's recipe.
+  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
+  part "vllm: import check"
+  if ! vllm_py -c "import vllm, vllm.benchmarks.serve; print('vllm', vllm.__version__)" 2>"$WORK/vllm_import.log"; then
+    echo "vllm: cannot import vllm.benchmarks.serve (VLLM_SITE=${VLLM_SITE:-unset}); skipped:"
+    tail -5 "$WORK/vllm_import.log"
+    return 1
+  fi
+}
+
+# `vllm serve` with GPU memory share UTIL, log $WORK/vllm.log; waits for GET /health 200 (stopping at once if it
+# died). Sets STARTED_PID and STARTED_PORT; returns 1 if it never became healthy.
+start_vllm() {
+  local util=$1
+  STARTED_PORT=$(free_port)
+  part "vllm: serve"
+  PYTHONPATH="$VLLM_PATH" setsid timeout "$SERVER_LIFETIME_S" python3 -m vllm.entrypoints.cli.main serve "$MODEL_DIR" \
+    --load-format dummy --dtype bfloat16 --max-model-len "$MAX_MODEL_LEN" --max-num-seqs "$MAX_NUM_SEQS" \
+    --max-num-batched-tokens "$MAX_BATCH_TOKENS" --gpu-memory-utilization "$util" \
+    --host 127.0.0.1 --port "$STARTED_PORT" --seed 0 --disable-uvicorn-access-log $VLLM_ARGS >"$WORK/vllm.log" 2>&1 &
+  STARTED_PID=$!
+  timeout $((VLLM_READY_S + 30)) python3 bench/common.py wait-serving "127.0.0.1:$STARTED_PORT" --http \
+    --timeout "$VLLM_READY_S" --watch "vllm serve:$STARTED_PID:$WORK/vllm.log"
 }
 
 run_vllm() {
@@ -128,23 +177,12 @@ run_vllm() {
     echo "vllm: VLLM_BENCH=0: removing $RESULTS/online_vllm.json of an earlier run, so the table does not show it"
     rm -f "$RESULTS/online_vllm.json"
   fi
-  # The GPU machine has no network; the FlashInfer sampler stays off as in the peer's recipe.
-  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0
-  part "vllm: import check"
-  if ! vllm_py -c "import vllm, vllm.benchmarks.serve; print('vllm', vllm.__version__)" 2>"$WORK/vllm_import.log"; then
-    echo "vllm: cannot import vllm.benchmarks.serve (VLLM_SITE=${VLLM_SITE:-unset}); skipped:"
-    tail -5 "$WORK/vllm_import.log"
-    return
-  fi
-  port=$(free_port)
-  part "vllm: serve"
-  PYTHONPATH="$VLLM_PATH" setsid timeout 1200 python3 -m vllm.entrypoints.cli.main serve "$MODEL_DIR" \
-    --load-format dummy --dtype bfloat16 --max-model-len "$MAX_MODEL_LEN" --max-num-seqs "$MAX_NUM_SEQS" \
-    --max-num-batched-tokens "$MAX_BATCH_TOKENS" --gpu-memory-utilization "$GPU_MEMORY_UTILIZATION" \
-    --host 127.0.0.1 --port "$port" --seed 0 --disable-uvicorn-access-log $VLLM_ARGS >"$WORK/vllm.log" 2>&1 &
-  pid=$!
-  if timeout $((VLLM_READY_S + 30)) python3 bench/common.py wait-serving "127.0.0.1:$port" --http \
-    --timeout "$VLLM_READY_S" --watch "vllm serve:$pid:$WORK/vllm.log"; then
+  vllm_importable || return
+  start_vllm "$GPU_MEMORY_UTILIZATION"
+  local healthy=$?
+  pid=$STARTED_PID
+  port=$STARTED_PORT
+  if [ "$healthy" = 0 ]; then
     if [ "$VLLM_BENCH" = 1 ]; then
       local bench=(python3 -m vllm.entrypoints.cli.main bench serve --host 127.0.0.1 --port "$port"
         --model "$MODEL_DIR" --dataset-name random --random-input-len "$INPUT_LEN" --ignore-eos --temperature 0
@@ -189,6 +227,64 @@ run_vllm() {
   stop_group "$pid"
 }
 
+# ab-start: vllm serve (when importable), then each AB_OURS service, one after another (each measures the memory
+# the ones before it hold); the servers file lists LABEL PID ADDRESS LOG, one server a line.
+AB_SERVERS=$WORK/ab_servers
+ab_start() {
+  local n=0 entry label args
+  : >"$AB_SERVERS"
+  if vllm_importable; then
+    if start_vllm "$AB_SHARE"; then
+      echo "vllm $STARTED_PID http://127.0.0.1:$STARTED_PORT $WORK/vllm.log" >>"$AB_SERVERS"
+      n=1
+    else
+      echo "ab-start: vllm serve never healthy (see above)"; ab_stop; return 1
+    fi
+  fi
+  IFS=';' read -ra entries <<<"$AB_OURS"
+  for entry in "${entries[@]}"; do
+    label=${entry%%=*}
+    args=${entry#*=}
+    n=$((n + 1))
+    # Our share counts every byte in use on the device: the servers before it and this one.
+    if start_ours "$label" "$(awk "BEGIN { print $AB_SHARE * $n }")" $OURS_ARGS $args; then
+      echo "$label $STARTED_PID $STARTED_ADDR $WORK/$label.log" >>"$AB_SERVERS"
+    else
+      echo "ab-start: $label never SERVING (see above)"; stop_group "$STARTED_PID" 0; ab_stop; return 1
+    fi
+  done
+  echo "ab-start: $(wc -l <"$AB_SERVERS") servers up:"; cat "$AB_SERVERS"
+}
+
+ab_run() {
+  local label pid address log servers=() watches=() count=0
+  [ -s "$AB_SERVERS" ] || { echo "ab-run: no servers (run ab-start first)"; return 1; }
+  while read -r label pid address log; do
+    servers+=(--server "$label=$address")
+    watches+=(--watch "$label:$pid:$log")
+    count=$((count + 1))
+  done <"$AB_SERVERS"
+  part "ab-run: rounds $AB_FIRST_ROUND.. ($AB_ROUNDS) at $RATES, $count servers"
+  timeout $((RATE_S * $(echo $RATES | wc -w) * count * AB_ROUNDS + 120)) env PYTHONPATH="$OURS_PATH" \
+    python3 bench/online_ab.py run "${servers[@]}" "${watches[@]}" --model-config "$MODEL_DIR/config.json" \
+    --rates "$(echo $RATES | tr ' ' ',')" --seconds "$SECONDS_PER_RATE" --inf-prompts "$INF_PROMPTS" \
+    --min-prompts "$MIN_PROMPTS" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --warmup-requests "$WARMUP" \
+    --seed "$SEED" --slo-ttft-ms "$SLO_TTFT_MS" --slo-tpot-ms "$SLO_TPOT_MS" --no-progress $DETAILED_ARG \
+    --rounds "$AB_ROUNDS" --first-round "$AB_FIRST_ROUND" --out-json "$RESULTS/ab_r$AB_FIRST_ROUND.json" \
+    || echo "ab-run: failed or timed out (exit $?)"
+}
+
+ab_stop() {
+  local label pid address log
+  [ -s "$AB_SERVERS" ] || return 0
+  while read -r label pid address log; do
+    part "ab-stop: $label"
+    stop_group "$pid" 0
+  done <"$AB_SERVERS"
+  wait_gpu_free
+  rm -f "$AB_SERVERS"
+}
+
 for stage in $STAGES; do
   case $stage in
     ours) run_ours ;;
@@ -211,10 +307,17 @@ for stage in $STAGES; do
           --series "vllm=$RESULTS/online_vllm_our_schedule.json" --table "$RESULTS/online_table_one_schedule.md" \
           --slo-ttft-ms "$SLO_TTFT_MS" --slo-tpot-ms "$SLO_TPOT_MS" ${png:+--png "$RESULTS/online_one_schedule.png"}
       fi ;;
+    ab-start) ab_start ;;
+    ab-run) ab_run ;;
+    ab-stop) ab_stop ;;
+    ab-table)
+      part "ab-table"
+      ours_py bench/online_ab.py table "$RESULTS"/ab_r*.json --baseline "$AB_BASELINE" --out-md "$RESULTS/ab_table.md" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
-for log in "$WORK"/ominix.log "$WORK"/vllm.log; do
+for log in "$WORK"/*.log; do
+  case $log in */vllm_rate_*|*/vllm_warmup.log|*/vllm_import.log) continue ;; esac
   [ -f "$log" ] && { echo "--- last lines of $log"; tail -15 "$log"; }
 done >"$RESULTS/logs_tail.txt"
 part "done"

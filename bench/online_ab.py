@@ -1,0 +1,235 @@
+"""Paired online comparison: several servers, resident on one GPU at once, driven in turn with the same load.
+
+A single online run per system cannot separate a few percent of difference from the machine's own drift: the
+same code read 18 and 31 ms of ITL p99 at 4 req/s on two machines of one day. Here every server (ours with
+different flags, `vllm serve`) is loaded at the same time and idles while another is driven, so the runs of one
+round follow each other within minutes on one device. In each round and at each rate every server gets the
+same arrival schedule and the same prompts (drawn from ``seed + 1000 * round + rate index``); the order of
+the servers turns by one each rate and round, so none always runs first. ``table`` compares each server with
+the baseline round by round: the median of the paired ratios, their range, and in how many rounds the
+server was at least as good.
+
+    python bench/online_ab.py run --server ominix=127.0.0.1:50061 --server vllm=http://127.0.0.1:8000 \\
+        --model-config /tmp/m/config.json --rates 4,8,16 --rounds 2 --seconds 25 --out-json ab.json
+    python bench/online_ab.py table ab.json ab_more.json --baseline vllm --out-md ab.md
+
+bench/online_service.sh runs it on a GPU machine (stages ab-start, ab-run, ab-stop, ab-table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from bench.common import (  # noqa: E402
+    WatchedProcess,
+    exit_code_of,
+    format_table,
+    run_while_all_alive,
+    watch_spec,
+    write_json,
+)
+from bench.online import (  # noqa: E402
+    add_load_arguments,
+    parse_rates,
+    rate_label,
+    run_rate,
+    served_facts,
+    warm_up,
+)
+from bench.plot_online import COLUMNS, rate_of  # noqa: E402
+from bench.serve import ModelFacts  # noqa: E402
+
+ROUND_SEED_STRIDE = 1000  # round r, rate i: seed + 1000 * r + i (no two runs of a round share prompts)
+HIGHER_IS_BETTER = frozenset({"output_throughput", "request_goodput"})
+
+
+@dataclass(frozen=True, slots=True)
+class Server:
+    """One server under comparison: a label and an address (gRPC host:port, or http:// for OpenAI)."""
+
+    label: str
+    address: str
+
+
+def parse_server(text: str) -> Server:
+    label, sep, address = text.partition("=")
+    if not sep or not label or not address:
+        raise argparse.ArgumentTypeError(f"a server is LABEL=ADDRESS, got {text!r}")
+    return Server(label, address)
+
+
+def run_order(servers: Sequence[Server], round_index: int, rate_index: int) -> list[Server]:
+    """The servers in the order they run at one rate of one round: turned by one per rate and per round."""
+    shift = (round_index + rate_index) % len(servers)
+    return [*servers[shift:], *servers[:shift]]
+
+
+def round_seed(seed: int, round_index: int, rate_index: int) -> int:
+    return seed + ROUND_SEED_STRIDE * round_index + rate_index
+
+
+async def run_rounds(servers: Sequence[Server], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every round, rate and server in turn; one record per run: label, round, rate index, position, result."""
+    labels = [s.label for s in servers]
+    if len(set(labels)) != len(labels):
+        raise SystemExit(f"server labels must differ: {labels}")
+    facts: dict[str, tuple[ModelFacts, str]] = {}
+    for server in servers:
+        facts[server.label] = await served_facts(server.address, args)
+    vocabularies = {(f.vocab_size, f.special_ids) for f, _ in facts.values()}
+    if len(vocabularies) != 1:  # the prompts are drawn from the vocabulary: they must be the same for all
+        raise SystemExit("the servers report different vocabularies: they do not serve the same model")
+    for server in servers:
+        if args.warmup_requests > 0:
+            print(f"{server.label}: ", end="", flush=True)
+        await warm_up(server.address, *facts[server.label], args)
+    rates = parse_rates(args.rates)
+    records: list[dict[str, Any]] = []
+    for round_index in range(args.first_round, args.first_round + args.rounds):
+        for rate_index, rate in enumerate(rates):
+            seed = round_seed(args.seed, round_index, rate_index)
+            for position, server in enumerate(run_order(servers, round_index, rate_index)):
+                print(f"round {round_index}, {server.label}: ", end="", flush=True)
+                result = await run_rate(server.address, *facts[server.label], rate, seed, args, server.label)
+                records.append(
+                    {
+                        "label": server.label,
+                        "round": round_index,
+                        "rate_index": rate_index,
+                        "position": position,
+                        "seed": seed,
+                        "result": result,
+                    }
+                )
+                if args.out_json:  # after every run: a call cut short keeps what it finished
+                    write_json(args.out_json, records)
+    return records
+
+
+# ---------------------------------------------------------------- the table
+
+
+def load_records(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
+    for path in paths:
+        records.extend(json.loads(Path(path).read_text()))
+    return records
+
+
+def _range(values: Sequence[float], digits: int, suffix: str = "") -> str:
+    mid = statistics.median(values)
+    if len(values) == 1:
+        return f"{mid:,.{digits}f}{suffix}"
+    return f"{mid:,.{digits}f}{suffix} ({min(values):,.{digits}f}–{max(values):,.{digits}f})"
+
+
+def paired_ratios(
+    records: Sequence[dict[str, Any]], label: str, baseline: str, rate: float, key: str
+) -> list[tuple[float, bool]]:
+    """Per round where both ran this rate: label's figure over the baseline's, and whether label was at least
+    as good (lower latency, higher throughput)."""
+    by_round: dict[int, dict[str, dict[str, Any]]] = {}
+    for record in records:
+        if rate_of(record["result"]) == rate and record["label"] in (label, baseline):
+            by_round.setdefault(record["round"], {})[record["label"]] = record["result"]
+    pairs = []
+    for runs in by_round.values():
+        if label not in runs or baseline not in runs:
+            continue
+        ours, base = runs[label].get(key), runs[baseline].get(key)
+        if ours is None or not base:
+            continue
+        better = ours >= base if key in HIGHER_IS_BETTER else ours <= base
+        pairs.append((ours / base, better))
+    return pairs
+
+
+def format_ab_table(records: Sequence[dict[str, Any]], baseline: str) -> str:
+    """Per rate: each server's median over rounds (range in brackets), then each server against the baseline:
+    the median paired ratio (range) and in how many rounds it was at least as good."""
+    labels = list(dict.fromkeys(r["label"] for r in records))
+    if baseline not in labels:
+        raise SystemExit(f"baseline {baseline!r} is not among the servers {labels}")
+    rates = sorted({rate_of(r["result"]) for r in records})
+    header = ["server", "rate", "rounds", "failed", *[c[0] for c in COLUMNS]]
+    rows = []
+    for rate in rates:
+        for label in labels:
+            runs = [r["result"] for r in records if r["label"] == label and rate_of(r["result"]) == rate]
+            if not runs:
+                continue
+            cells = []
+            for _, key, digits in COLUMNS:
+                values = [run[key] for run in runs if run.get(key) is not None]
+                cells.append(_range(values, digits) if values else "-")
+            failed = sum(run.get("failed", 0) for run in runs)
+            rows.append([label, rate_label(rate), str(len(runs)), str(failed), *cells])
+        for label in labels:
+            if label == baseline:
+                continue
+            cells = []
+            for _, key, _ in COLUMNS:
+                pairs = paired_ratios(records, label, baseline, rate, key)
+                if not pairs:
+                    cells.append("-")
+                    continue
+                wins = sum(better for _, better in pairs)
+                cells.append(f"{_range([r for r, _ in pairs], 2, '×')} {wins}/{len(pairs)}")
+            rows.append([f"{label}/{baseline}", rate_label(rate), "", "", *cells])
+    return format_table(rows, header)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="drive every server in turn, round after round")
+    run.add_argument("--server", action="append", type=parse_server, required=True, metavar="LABEL=ADDRESS")
+    add_load_arguments(run)
+    run.add_argument("--rounds", type=int, default=2)
+    run.add_argument("--first-round", type=int, default=0, help="round numbers (and seeds) start here")
+    run.add_argument("--out-json", default=None, help="one JSON list: a record per run")
+    run.add_argument(
+        "--watch",
+        action="append",
+        default=[],
+        type=watch_spec,
+        metavar="NAME:PID:LOG",
+        help="a server process: the run stops at once, with its log tail, when it has died",
+    )
+    table = sub.add_parser("table", help="the paired comparison of one or more run JSONs")
+    table.add_argument("paths", nargs="+")
+    table.add_argument("--baseline", required=True, help="the label every other server is compared with")
+    table.add_argument("--out-md", default=None, help="also write the table here")
+    args = parser.parse_args(argv)
+    if args.command == "table":
+        text = format_ab_table(load_records(args.paths), args.baseline)
+        print(text)
+        if args.out_md:
+            Path(args.out_md).write_text(text + "\n")
+        return 0
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    watched: list[WatchedProcess] = args.watch
+    records = run_while_all_alive(run_rounds(args.server, args), watched)
+    if args.out_json:
+        print(f"json: {args.out_json}", flush=True)
+    return 0 if all(r["result"]["failed"] == 0 for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(exit_code_of(main))

@@ -1,0 +1,156 @@
+"""Paired online A/B (bench/online_ab.py and the ab-* stages of bench/online_service.sh): the run order and
+seeds, the paired table on synthetic records, and the stages on CPU against two services of ours and a stand-in
+`vllm serve`, all resident at once. Performance is never asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_online import STAND_IN_VLLM_SERVER, _script_env, _stand_in_vllm  # noqa: E402
+
+from bench import online_ab  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_run_order_turns_every_server_through_every_place() -> None:
+    servers = [online_ab.Server(label, f"127.0.0.1:{port}") for label, port in (("a", 1), ("b", 2), ("c", 3))]
+    orders = [[s.label for s in online_ab.run_order(servers, r, 0)] for r in range(3)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert [s.label for s in online_ab.run_order(servers, 0, 1)] == ["b", "c", "a"]  # next rate turns too
+    seeds = {online_ab.round_seed(7, r, i) for r in range(3) for i in range(5)}
+    assert len(seeds) == 15  # no two runs share prompts
+    assert online_ab.parse_server("ours=http://h:1") == online_ab.Server("ours", "http://h:1")
+    with pytest.raises(Exception, match="LABEL=ADDRESS"):
+        online_ab.parse_server("127.0.0.1:1")
+
+
+def _record(label: str, round_index: int, rate: float, ttft: float, tokens: float) -> dict[str, object]:
+    return {
+        "label": label,
+        "round": round_index,
+        "rate_index": 0,
+        "position": 0,
+        "seed": round_index,
+        "result": {
+            "request_rate": rate,
+            "num_prompts": 10,
+            "completed": 10,
+            "failed": 0,
+            "median_ttft_ms": ttft,
+            "output_throughput": tokens,
+        },
+    }
+
+
+def test_table_compares_round_by_round() -> None:
+    records = [
+        _record("ours", 0, 4.0, 30.0, 1000.0),
+        _record("vllm", 0, 4.0, 40.0, 1000.0),  # round 0: ours 0.75x TTFT, level throughput
+        _record("ours", 1, 4.0, 50.0, 900.0),
+        _record("vllm", 1, 4.0, 40.0, 1000.0),  # round 1: ours 1.25x TTFT, 0.9x throughput
+        _record("ours", 0, 8.0, 10.0, 2000.0),  # a rate vllm never ran: nothing to pair
+    ]
+    text = online_ab.format_ab_table(records, "vllm")
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in text.splitlines()[2:]}
+    pair = [c.strip() for c in rows[("ours/vllm", "4")].split("|")]
+    columns = [c.strip() for c in text.splitlines()[0].split("|")]
+    ttft = pair[columns.index("TTFT p50")]
+    tokens = pair[columns.index("out tok/s")]
+    assert ttft == "1.00× (0.75–1.25) 1/2"  # at least as good (lower) in round 0 only
+    assert tokens == "0.95× (0.90–1.00) 1/2"  # level in round 0 counts, lower throughput in round 1 does not
+    ours = [c.strip() for c in rows[("ours", "4")].split("|")]
+    assert ours[columns.index("TTFT p50")] == "40.0 (30.0–50.0)" and ours[columns.index("rounds")] == "2"
+    assert rows[("ours/vllm", "8")].count("-") >= 8  # no pair at 8 req/s
+    with pytest.raises(SystemExit, match="baseline"):
+        online_ab.format_ab_table(records, "sglang")
+
+
+def _servers(tmp_path: Path) -> list[list[str]]:
+    return [line.split() for line in (tmp_path / "work" / "ab_servers").read_text().splitlines()]
+
+
+def test_ab_stages_drive_resident_servers_in_turn(tmp_path: Path) -> None:
+    """ab-start leaves a stand-in vllm serve and two services of ours running (two calls of the script, as on a
+    warm GPU machine); ab-run drives them in turn with one schedule per round; ab-table pairs them; a server
+    that died stops the next ab-run at once; ab-stop stops the rest."""
+    pytest.importorskip("torch")
+    site = _stand_in_vllm(tmp_path, STAND_IN_VLLM_SERVER)
+    env = _script_env(
+        tmp_path,
+        VLLM_SITE=str(site),
+        DEVICE="cpu",
+        AB_OURS="fast=;slow=--light-load-below-running 0",
+        OURS_ARGS="--kv-cache-memory 16MiB",
+        RATES="10",
+        SECONDS_PER_RATE="0.4",
+        MIN_PROMPTS="4",
+        INPUT_LEN="24",
+        OUTPUT_LEN="5",
+        WARMUP="2",
+        MAX_MODEL_LEN="256",
+        MAX_NUM_SEQS="16",
+        MAX_BATCH_TOKENS="512",
+        AB_ROUNDS="2",
+        VLLM_READY_S="60",
+    )
+
+    def script(stages: str, **extra: str) -> str:
+        done = subprocess.run(
+            ["bash", "bench/online_service.sh"],
+            cwd=REPO,
+            env={**env, "STAGES": stages, **extra},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        return done.stdout + done.stderr
+
+    servers: list[list[str]] = []
+    try:
+        output = script("ab-start")
+        servers = _servers(tmp_path)
+        assert [s[0] for s in servers] == ["vllm", "fast", "slow"], output
+        output = script("ab-run ab-table")
+        records = json.loads((tmp_path / "results" / "ab_r0.json").read_text())
+        assert len(records) == 6, output  # 3 servers x 1 rate x 2 rounds
+        assert all(r["result"]["completed"] == 4 and r["result"]["failed"] == 0 for r in records)
+        assert all(r["result"]["total_output_tokens"] == 4 * 5 for r in records)
+        for round_index in (0, 1):
+            runs = [r for r in records if r["round"] == round_index]
+            assert len({r["seed"] for r in runs}) == 1  # one schedule and one prompt set per round
+            assert sorted(r["position"] for r in runs) == [0, 1, 2]
+        assert {r["label"]: r["position"] for r in records if r["round"] == 0} != {
+            r["label"]: r["position"] for r in records if r["round"] == 1
+        }
+        table = (tmp_path / "results" / "ab_table.md").read_text().splitlines()
+        for label in ("fast", "slow"):
+            pair = next(line for line in table if line.startswith(f"| {label}/vllm "))
+            assert pair.count("/2") == 8, pair  # every figure paired in both rounds
+            ran = next(line for line in table if line.startswith(f"| {label} "))
+            assert "| 2 " in ran and "| 0 " in ran, ran  # two rounds, nothing failed
+        # A server that died: the next run stops at once and names it.
+        os.killpg(int(servers[2][1]), signal.SIGKILL)
+        started = time.monotonic()
+        output = script("ab-run", AB_FIRST_ROUND="2", SECONDS_PER_RATE="60", RATE_S="200")
+        assert time.monotonic() - started < 60, output
+        assert "slow exited" in output and "last lines of" in output, output
+    finally:
+        output = script("ab-stop")
+    for _, pid, _, _ in servers:
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    assert not (tmp_path / "work" / "ab_servers").exists(), output
