@@ -18,7 +18,9 @@ float32: a check of the script, not a measurement.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -88,13 +90,20 @@ def check_outputs(result: StepResult) -> None:
             raise RuntimeError(f"{out.request_id}: {out.error_message}")
 
 
-def host_launch(runner: ModelRunner, steps: list[tuple[DecodeStep, DecodeStep | None]]) -> dict[str, float]:
+def host_launch(
+    runner: ModelRunner,
+    steps: list[tuple[DecodeStep, DecodeStep | None]],
+    pstats_path: str | None = None,
+) -> dict[str, float]:
     """Host ms to launch each step (with its finishing step after it, if any) through the runner's pipelined
     path, each behind a spin kernel: what the step's launch holds back the previous step's result by. Nothing
     is pending when a step is launched here, so the placeholder gather of a step launched behind another is
-    not in the time. On the CPU (no spin, the step computes as it is launched) this checks the path only."""
+    not in the time. On the CPU (no spin, the step computes as it is launched) this checks the path only.
+    ``pstats_path``: the launches also run under cProfile (their times then include its overhead), whose
+    stats are written there and summed by function on stdout."""
     cuda = runner.device.type == "cuda"
     times: list[float] = []
+    profiler = cProfile.Profile() if pstats_path else None
     for step, finish in steps:
         spun: torch.cuda.Event | None = None
         if cuda:
@@ -105,7 +114,11 @@ def host_launch(runner: ModelRunner, steps: list[tuple[DecodeStep, DecodeStep | 
         runner.overlap_steps = True
         started = time.perf_counter()
         try:
+            if profiler is not None:
+                profiler.enable()
             runner.execute_step(step)
+            if profiler is not None:
+                profiler.disable()
             launched = (time.perf_counter() - started) * 1e3
             if not runner.has_pending():
                 raise RuntimeError(f"step {step.step_id} did not take the pipelined path")
@@ -122,6 +135,10 @@ def host_launch(runner: ModelRunner, steps: list[tuple[DecodeStep, DecodeStep | 
             check_outputs(result)
         if finish is not None:
             StepClock(runner).run(finish, keep=False)
+    if profiler is not None and pstats_path:
+        profiler.dump_stats(pstats_path)
+        print(f"--- cProfile of {len(steps)} launches (also in {pstats_path})")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     return summary(times)
 
 
@@ -174,6 +191,10 @@ def main() -> None:
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--trace", help="write a Chrome trace (host and device) of one mixed step here")
+    p.add_argument(
+        "--launch-pstats",
+        help="also launch the mixed steps under cProfile; write its stats here (--mixed-decodes)",
+    )
     p.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (float32: checks the script only)")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -294,6 +315,9 @@ def main() -> None:
         figures["decodes_alone_step"] = alone.summary()
         launched = [mixed_step(args.trials + 2_000 + i) for i in range(args.trials)]
         figures["mixed_step_host_launch"] = host_launch(runner, launched)
+        if args.launch_pstats:
+            more = [mixed_step(args.trials + 3_000 + i) for i in range(args.trials)]
+            figures["mixed_step_host_launch_profiled"] = host_launch(runner, more, args.launch_pstats)
         figures["decodes_alone_host_launch"] = host_launch(runner, [alone_step() for _ in range(args.trials)])
         if profile:
             figures["mixed_step_kernels"] = step_kernels(mixed_step, args.trials + 5, clock, args.top)

@@ -329,18 +329,24 @@ def test_prefix_step_runs_every_step_kind_on_a_tiny_model(tmp_path: Path) -> Non
     argv = [sys.executable, str(root / "bench" / "prefix_step.py"), "--device", "cpu", "--model"]
     argv += [f"dummy:{config}", "--prefix-len", "256", "--suffix-len", "16", "--trials", "3"]
     argv += ["--num-blocks", "2048", "--mixed-decodes", "3", "--mixed-prompt", "64", "--json", str(out)]
-    argv += ["--trace", str(tmp_path / "trace.json")]
+    argv += ["--trace", str(tmp_path / "trace.json"), "--launch-pstats", str(tmp_path / "launch.pstats")]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
     figures = json.loads(out.read_text())
     kinds = ("suffix_step", "batch1_decode_step", "mixed_step", "decodes_alone_step")
-    for kind in (*kinds, "mixed_step_host_launch", "decodes_alone_host_launch"):
+    launches = ("mixed_step_host_launch", "decodes_alone_host_launch", "mixed_step_host_launch_profiled")
+    for kind in (*kinds, *launches):
         assert figures[kind]["steps"] == 3
         assert 0 < figures[kind]["min_ms"] <= figures[kind]["median_ms"]
     assert figures["mixed_step"]["decodes"] == 3 and figures["device"] == "cpu"
     trace = json.loads((tmp_path / "trace.json").read_text())
     ops = [e for e in trace["traceEvents"] if str(e.get("name", "")).startswith("aten::")]
     assert len(ops) > 10  # the step's host ops are in the timeline
+    import pstats
+
+    profiled = pstats.Stats(str(tmp_path / "launch.pstats"))
+    assert any(name == "execute_step" for (_, _, name) in profiled.stats)  # type: ignore[attr-defined]
+    assert "cProfile of 3 launches" in done.stdout
 
 
 def test_host_glue_counts_the_launches_of_an_eager_step(tmp_path: Path) -> None:

@@ -24,8 +24,9 @@ def _compiled_variants() -> dict[str, int]:
     from ominix_worker.attention import triton_paged
 
     device = torch.cuda.current_device()
-    # JITFunction.device_caches[device][0]: the compiled variants by specialization key.
-    return {name: len(getattr(triton_paged, name).device_caches[device][0]) for name in KERNELS}
+    # JITFunction.device_caches[device][0]: the compiled variants by specialization key (.fn: the kernels are
+    # wrapped by ominix_worker.ops.launch.fast_kernel).
+    return {name: len(getattr(triton_paged, name).fn.device_caches[device][0]) for name in KERNELS}
 
 
 @pytest.mark.parametrize(
@@ -47,7 +48,7 @@ def test_warm_up_compiles_every_mixed_step_variant(
         block_size=block_size, max_model_len=8192,
     )  # fmt: skip
     for name in KERNELS:  # forget what earlier tests in this process compiled
-        getattr(triton_paged, name).device_caches.clear()
+        getattr(triton_paged, name).forget()
     runner.warm_up(512)
     compiled = _compiled_variants()
     # After the warm-up, mixed steps of each plan: a few short decode rows (in the prefill launch) beside a long

@@ -42,6 +42,7 @@ from ominix_worker.attention.base import UNIT_KV_SCALES, AttentionMetadata, KVSc
 from ominix_worker.attention.mixed_plan import MixedPlan, plan_mixed_step, warm_up_steps
 from ominix_worker.devices import sm_count
 from ominix_worker.ops import cdiv, next_power_of_2
+from ominix_worker.ops.launch import fast_kernel
 
 # Tokens per split below which splitting a decode context more finely stops paying for the merge.
 _MIN_TOKENS_PER_SPLIT = 64
@@ -55,6 +56,7 @@ _MIN_TOKENS_PER_PREFILL_SPLIT = 256
 _PREFILL_CONFIG = (64, 64, 4, 3)
 
 
+@fast_kernel
 @triton.jit
 def _store_kv_kernel(
     key_ptr,
@@ -240,6 +242,7 @@ def _store_decode_row(
 # Arguments that change from step to step are not specialised on (Triton compiles a variant per value that is
 # 1 or a multiple of 16): a block-table width or split count seen first mid-run would stall that step for the
 # compile.
+@fast_kernel
 @triton.jit(do_not_specialize=["bt_stride", "num_splits"])
 def _decode_kernel(
     q_ptr,
@@ -314,6 +317,7 @@ def _decode_kernel(
         )
 
 
+@fast_kernel
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_out_ptr,
@@ -368,6 +372,7 @@ def _merge_splits_kernel(
     )
 
 
+@fast_kernel
 @triton.jit(do_not_specialize=["bt_stride", "num_splits"])
 def _prefill_kernel(
     q_ptr,

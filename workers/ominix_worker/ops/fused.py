@@ -13,8 +13,10 @@ import triton
 import triton.language as tl
 
 from ominix_worker.ops import cdiv, next_power_of_2
+from ominix_worker.ops.launch import fast_kernel
 
 
+@fast_kernel
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,
@@ -78,6 +80,7 @@ def silu_times(gate, up):
     return (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up
 
 
+@fast_kernel
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, N: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -101,6 +104,7 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     return out
 
 
+@fast_kernel
 @triton.jit
 def _rotary_kernel(
     x_ptr,
@@ -172,6 +176,7 @@ def rotary_in_place(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
     )  # fmt: skip
 
 
+@fast_kernel
 @triton.jit
 def _qk_norm_rotary_kernel(
     x_ptr,

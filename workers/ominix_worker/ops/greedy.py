@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ominix_worker.devices import sm_count
 from ominix_worker.ops import cdiv, next_power_of_2
+from ominix_worker.ops.launch import fast_kernel
 from ominix_worker.ops.scratch import SCRATCH
 
 _TILE = 2048  # logits a program loads at a time
@@ -23,6 +24,7 @@ _MIN_CHUNK = 4096  # logits a program covers at least
 
 # vocab and num_chunks are not specialized on (no value of theirs changes the code); stride (one model's row
 # length) and chunk (a multiple of _TILE) are, so the compiler can prove the loads aligned.
+@fast_kernel
 @triton.jit(do_not_specialize=["vocab", "num_chunks"])
 def _greedy_kernel(
     logits_ptr,
