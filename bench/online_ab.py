@@ -11,7 +11,7 @@ server was at least as good.
 
     python bench/online_ab.py run --server ominix=127.0.0.1:50061 --server vllm=http://127.0.0.1:8000 \\
         --model-config /tmp/m/config.json --rates 4,8,16 --rounds 2 --seconds 25 --out-json ab.json
-    python bench/online_ab.py table ab.json ab_more.json --baseline vllm --out-md ab.md
+    python bench/online_ab.py table ab.json ab_more.json --baseline vllm --out-md ab.md --png ab.png
 
 bench/online_service.sh runs it on a GPU machine (stages ab-start, ab-run, ab-stop, ab-table).
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from collections.abc import Sequence
@@ -46,7 +47,7 @@ from bench.online import (  # noqa: E402
     served_facts,
     warm_up,
 )
-from bench.plot_online import COLUMNS, rate_of  # noqa: E402
+from bench.plot_online import COLUMNS, Series, rate_of, write_png  # noqa: E402
 from bench.serve import ModelFacts  # noqa: E402
 
 ROUND_SEED_STRIDE = 1000  # round r, rate i: seed + 1000 * r + i (no two runs of a round share prompts)
@@ -189,6 +190,31 @@ def format_ab_table(records: Sequence[dict[str, Any]], baseline: str) -> str:
     return format_table(rows, header)
 
 
+def median_series(records: Sequence[dict[str, Any]]) -> list[Series]:
+    """One plot series per server: at each rate, the median over rounds of every figure the table shows."""
+    series = []
+    for label in dict.fromkeys(r["label"] for r in records):
+        by_rate: dict[float, list[dict[str, Any]]] = {}
+        for record in records:
+            if record["label"] == label:
+                by_rate.setdefault(rate_of(record["result"]), []).append(record["result"])
+        results = []
+        for rate in sorted(by_rate):
+            runs = by_rate[rate]
+            merged: dict[str, Any] = {
+                "request_rate": "inf" if math.isinf(rate) else rate,
+                "completed": runs[0]["completed"],
+                "total_input_tokens": runs[0].get("total_input_tokens", 0),
+                "total_output_tokens": runs[0].get("total_output_tokens", 0),
+            }
+            for _, key, _ in COLUMNS:
+                values = [run[key] for run in runs if run.get(key) is not None]
+                merged[key] = statistics.median(values) if values else None
+            results.append(merged)
+        series.append(Series(label, results))
+    return series
+
+
 # ---------------------------------------------------------------- command line
 
 
@@ -215,12 +241,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     table.add_argument("paths", nargs="+")
     table.add_argument("--baseline", required=True, help="the label every other server is compared with")
     table.add_argument("--out-md", default=None, help="also write the table here")
+    table.add_argument("--png", default=None, help="also plot every server's medians over rounds here")
+    table.add_argument("--slo-ttft-ms", type=float, default=500.0)
+    table.add_argument("--slo-tpot-ms", type=float, default=50.0)
     args = parser.parse_args(argv)
     if args.command == "table":
-        text = format_ab_table(load_records(args.paths), args.baseline)
+        records = load_records(args.paths)
+        text = format_ab_table(records, args.baseline)
         print(text)
         if args.out_md:
             Path(args.out_md).write_text(text + "\n")
+        if args.png:
+            write_png(args.png, median_series(records), args.slo_ttft_ms, args.slo_tpot_ms)
+            print(f"png: {args.png}")
         return 0
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")

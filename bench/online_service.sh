@@ -22,8 +22,8 @@
 # and one service of ours per AB_OURS entry (LABEL=LAUNCH-ARGS, ';'-separated), all on the one GPU at once,
 # each with AB_SHARE of its memory, and leaves them running (setsid); ab-run drives them in turn, AB_ROUNDS
 # rounds from AB_FIRST_ROUND, into ab_r<first>.json; ab-stop stops them; ab-table compares every server with
-# AB_BASELINE round by round (ab_table.md). Keep AB_SHARE x servers within the device and the rates low
-# enough that no server runs out of KV.
+# AB_BASELINE round by round (ab_table.md, and ab.png with matplotlib). Keep AB_SHARE x servers within the device
+# and the rates low enough that no server runs out of KV.
 set -u
 RESULTS=${RESULTS:-${OUT:-/tmp/ominix_online}}
 WORK=${WORK:-/tmp/ominix_online_work}
@@ -312,7 +312,9 @@ for stage in $STAGES; do
     ab-stop) ab_stop ;;
     ab-table)
       part "ab-table"
-      ours_py bench/online_ab.py table "$RESULTS"/ab_r*.json --baseline "$AB_BASELINE" --out-md "$RESULTS/ab_table.md" ;;
+      png=$(ours_py -c "import matplotlib" 2>/dev/null && echo yes)
+      ours_py bench/online_ab.py table "$RESULTS"/ab_r*.json --baseline "$AB_BASELINE" --out-md "$RESULTS/ab_table.md" \
+        --slo-ttft-ms "$SLO_TTFT_MS" --slo-tpot-ms "$SLO_TPOT_MS" ${png:+--png "$RESULTS/ab.png"} ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -154,3 +154,23 @@ def test_ab_stages_drive_resident_servers_in_turn(tmp_path: Path) -> None:
             time.sleep(0.2)
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
     assert not (tmp_path / "work" / "ab_servers").exists(), output
+
+
+def test_table_command_plots_the_medians(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    records = [
+        _record(label, r, 4.0, ttft, 1000.0) for label, r, ttft in (("ours", 0, 30.0), ("vllm", 0, 40.0))
+    ]
+    records += [
+        _record(label, r, 4.0, ttft, 900.0) for label, r, ttft in (("ours", 1, 50.0), ("vllm", 1, 44.0))
+    ]
+    runs = tmp_path / "ab.json"
+    runs.write_text(json.dumps(records))
+    png, table = tmp_path / "ab.png", tmp_path / "ab.md"
+    argv = ["table", str(runs), "--baseline", "vllm", "--out-md", str(table), "--png", str(png)]
+    assert online_ab.main(argv) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ours, vllm = online_ab.median_series(records)
+    assert (ours.name, vllm.name) == ("ours", "vllm")
+    assert ours.results[0]["median_ttft_ms"] == 40.0 and vllm.results[0]["median_ttft_ms"] == 42.0
+    assert "| ours/vllm " in table.read_text()
