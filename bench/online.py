@@ -82,6 +82,14 @@ def num_prompts(rate: float, seconds: float, inf_prompts: int, min_prompts: int)
     return max(min_prompts, round(rate * seconds))
 
 
+def parse_percentiles(text: str) -> list[float]:
+    """'50,99' -> [50.0, 99.0]; each within [0, 100]."""
+    values = [float(p) for p in text.split(",")]
+    if not values or any(not 0.0 <= v <= 100.0 for v in values):
+        raise ValueError(f"percentiles must be within [0, 100], got {text!r}")
+    return values
+
+
 def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
@@ -243,7 +251,7 @@ async def run_rate(
         result,
         label=label,
         model_id=facts.name,
-        percentiles=[float(p) for p in args.percentiles.split(",")],
+        percentiles=parse_percentiles(args.percentiles),
         detailed=args.save_detailed,
     )
     print(format_rate_line(saved), flush=True)
@@ -254,6 +262,7 @@ async def run_rate(
 
 async def run_rates(address: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The warm-up (not saved), then every rate in turn; returns one vLLM-style result per rate."""
+    parse_percentiles(args.percentiles)  # a typo fails now, not after the first rate
     facts, model = await served_facts(address, args)
     await warm_up(address, facts, model, args)
     results = []

@@ -5,7 +5,8 @@ same code read 18 and 31 ms of ITL p99 at 4 req/s on two machines of one day. He
 different flags, `vllm serve`) is loaded at the same time and idles while another is driven, so the runs of one
 round follow each other within minutes on one device. In each round and at each rate every server gets the
 same arrival schedule and the same prompts (drawn from ``seed + 1000 * round + rate index``); the order of
-the servers turns by one each rate and round, so none always runs first. ``table`` compares each server with
+the servers turns by one each rate and round, so none always runs first (each still follows the same
+neighbour). ``table`` compares each server with
 the baseline round by round: the median of the paired ratios, their range, and in how many rounds the
 server was at least as good.
 
@@ -41,6 +42,7 @@ from bench.common import (  # noqa: E402
 )
 from bench.online import (  # noqa: E402
     add_load_arguments,
+    parse_percentiles,
     parse_rates,
     rate_label,
     run_rate,
@@ -81,6 +83,7 @@ def round_seed(seed: int, round_index: int, rate_index: int) -> int:
 
 async def run_rounds(servers: Sequence[Server], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every round, rate and server in turn; one record per run: label, round, rate index, position, result."""
+    parse_percentiles(args.percentiles)  # a typo fails now, not after the first run
     labels = [s.label for s in servers]
     if len(set(labels)) != len(labels):
         raise SystemExit(f"server labels must differ: {labels}")
@@ -121,10 +124,24 @@ async def run_rounds(servers: Sequence[Server], args: argparse.Namespace) -> lis
 
 
 def load_records(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
+    """Every run of the given files; a server, round and rate found twice is an error (two runs that reused
+    round numbers, hence seeds: the second could be served from the first's prefix cache)."""
     records: list[dict[str, Any]] = []
+    seen: dict[tuple[str, int, float], str] = {}
     for path in paths:
-        records.extend(json.loads(Path(path).read_text()))
+        for record in json.loads(Path(path).read_text()):
+            run = (record["label"], record["round"], rate_of(record["result"]))
+            if run in seen:
+                raise SystemExit(
+                    f"{path}: {run[0]} ran round {run[1]} at {rate_label(run[2])} req/s already in {seen[run]}"
+                )
+            seen[run] = str(path)
+            records.append(record)
     return records
+
+
+def results_of(records: Sequence[dict[str, Any]], label: str, rate: float) -> list[dict[str, Any]]:
+    return [r["result"] for r in records if r["label"] == label and rate_of(r["result"]) == rate]
 
 
 def _range(values: Sequence[float], digits: int, suffix: str = "") -> str:
@@ -148,10 +165,13 @@ def paired_ratios(
         if label not in runs or baseline not in runs:
             continue
         ours, base = runs[label].get(key), runs[baseline].get(key)
-        if ours is None or not base:
+        if ours is None or base is None:
             continue
         better = ours >= base if key in HIGHER_IS_BETTER else ours <= base
-        pairs.append((ours / base, better))
+        if base:
+            pairs.append((ours / base, better))
+        else:  # e.g. a goodput of 0: the ratio is infinite (or level at 0 / 0)
+            pairs.append((math.inf if ours else 1.0, better))
     return pairs
 
 
@@ -166,7 +186,7 @@ def format_ab_table(records: Sequence[dict[str, Any]], baseline: str) -> str:
     rows = []
     for rate in rates:
         for label in labels:
-            runs = [r["result"] for r in records if r["label"] == label and rate_of(r["result"]) == rate]
+            runs = results_of(records, label, rate)
             if not runs:
                 continue
             cells = []
@@ -194,13 +214,9 @@ def median_series(records: Sequence[dict[str, Any]]) -> list[Series]:
     """One plot series per server: at each rate, the median over rounds of every figure the table shows."""
     series = []
     for label in dict.fromkeys(r["label"] for r in records):
-        by_rate: dict[float, list[dict[str, Any]]] = {}
-        for record in records:
-            if record["label"] == label:
-                by_rate.setdefault(rate_of(record["result"]), []).append(record["result"])
         results = []
-        for rate in sorted(by_rate):
-            runs = by_rate[rate]
+        for rate in sorted({rate_of(r["result"]) for r in records if r["label"] == label}):
+            runs = results_of(records, label, rate)
             merged: dict[str, Any] = {
                 "request_rate": "inf" if math.isinf(rate) else rate,
                 "completed": runs[0]["completed"],
@@ -257,6 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.out_json and Path(args.out_json).exists():
+        parser.error(
+            f"{args.out_json} exists: an earlier call's runs; name another (or another --first-round)"
+        )
     watched: list[WatchedProcess] = args.watch
     records = run_while_all_alive(run_rounds(args.server, args), watched)
     if args.out_json:

@@ -232,16 +232,25 @@ run_vllm() {
 AB_SERVERS=$WORK/ab_servers
 ab_start() {
   local n=0 entry label args
+  if [ -s "$AB_SERVERS" ]; then
+    echo "ab-start: servers of an earlier ab-start still listed in $AB_SERVERS (run ab-stop first):"
+    cat "$AB_SERVERS"; return 1
+  fi
+  IFS=';' read -ra entries <<<"$AB_OURS"
+  for entry in "${entries[@]}"; do
+    [[ $entry =~ ^[A-Za-z0-9_.-]+= ]] || { echo "ab-start: AB_OURS entry '$entry' is not LABEL=LAUNCH-ARGS"; return 1; }
+  done
   : >"$AB_SERVERS"
   if vllm_importable; then
     if start_vllm "$AB_SHARE"; then
       echo "vllm $STARTED_PID http://127.0.0.1:$STARTED_PORT $WORK/vllm.log" >>"$AB_SERVERS"
       n=1
     else
-      echo "ab-start: vllm serve never healthy (see above)"; ab_stop; return 1
+      echo "ab-start: vllm serve never healthy (see above)"; stop_group "$STARTED_PID" 0; ab_stop; return 1
     fi
+  elif [ "$AB_BASELINE" = vllm ]; then
+    echo "ab-start: AB_BASELINE=vllm, but vllm cannot be imported (see above)"; return 1
   fi
-  IFS=';' read -ra entries <<<"$AB_OURS"
   for entry in "${entries[@]}"; do
     label=${entry%%=*}
     args=${entry#*=}

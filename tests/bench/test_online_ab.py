@@ -5,6 +5,7 @@ seeds, the paired table on synthetic records, and the stages on CPU against two 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -140,6 +141,12 @@ def test_ab_stages_drive_resident_servers_in_turn(tmp_path: Path) -> None:
             assert pair.count("/2") == 8, pair  # every figure paired in both rounds
             ran = next(line for line in table if line.startswith(f"| {label} "))
             assert "| 2 " in ran and "| 0 " in ran, ran  # two rounds, nothing failed
+        # Servers still up: a second ab-start refuses (it would lose track of them); a run over the same rounds
+        # refuses (same seeds: it could be served from the prefix caches the first one filled).
+        output = script("ab-start")
+        assert "still listed" in output and _servers(tmp_path) == servers, output
+        output = script("ab-run")
+        assert "ab_r0.json exists" in output, output
         # A server that died: the next run stops at once and names it.
         os.killpg(int(servers[2][1]), signal.SIGKILL)
         started = time.monotonic()
@@ -174,3 +181,17 @@ def test_table_command_plots_the_medians(tmp_path: Path) -> None:
     assert (ours.name, vllm.name) == ("ours", "vllm")
     assert ours.results[0]["median_ttft_ms"] == 40.0 and vllm.results[0]["median_ttft_ms"] == 42.0
     assert "| ours/vllm " in table.read_text()
+
+
+def test_records_of_one_round_twice_are_refused_and_a_zero_baseline_compares(tmp_path: Path) -> None:
+    first, again = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(
+        json.dumps([_record("ours", 0, 4.0, 30.0, 1000.0), _record("vllm", 0, 4.0, 40.0, 1000.0)])
+    )
+    again.write_text(json.dumps([_record("ours", 0, 4.0, 31.0, 1000.0)]))
+    with pytest.raises(SystemExit, match="ran round 0 at 4 req/s already"):
+        online_ab.load_records([first, again])
+    records = [_record("ours", 0, 4.0, 30.0, 1000.0), _record("vllm", 0, 4.0, 40.0, 1000.0)]
+    records[0]["result"]["request_goodput"] = 1.5  # type: ignore[index]
+    records[1]["result"]["request_goodput"] = 0.0  # type: ignore[index]
+    assert online_ab.paired_ratios(records, "ours", "vllm", 4.0, "request_goodput") == [(math.inf, True)]

@@ -16,14 +16,6 @@ def _alias_worker_package() -> None:
 
 _alias_worker_package()
 
+from ominix_worker.testing import check_fast_launches  # noqa: E402
 
-def _check_fast_launches() -> None:
-    """Every GPU test's fast Triton launches also ask Triton which kernel it would launch, and fail if another."""
-    try:
-        from ominix_worker.ops import launch
-    except ImportError:  # no Triton here: the GPU tests skip
-        return
-    launch.CHECK_AGAINST_TRITON = True
-
-
-_check_fast_launches()
+check_fast_launches()  # every fast Triton launch in the GPU tests is checked against Triton's own choice

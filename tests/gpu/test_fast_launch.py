@@ -1,7 +1,8 @@
-"""The fast Triton launch (ominix_worker.ops.launch) on the GPU: each wrapped op gives bit-identical outputs with
-the fast path off and on, over inputs whose alignment and sizes put them in different specialization classes;
-the repeat launches take the fast path, and every one picks the kernel Triton itself would launch
-(CHECK_AGAINST_TRITON, set for all GPU tests by conftest)."""
+"""The fast Triton launch (ominix_worker.ops.launch) on the GPU: the norm, SiLU·mul, RoPE and greedy ops give
+bit-identical outputs with the fast path off and on, over views whose start address, row count and row stride
+put the launches under different keys; the repeat launches take the fast path, and every one picks the kernel
+Triton itself would launch (CHECK_AGAINST_TRITON, set by conftest for the GPU and worker tests). The attention
+kernels are checked the same way by the attention and runner GPU tests."""
 
 from __future__ import annotations
 
@@ -31,21 +32,29 @@ def _fast(enabled: bool) -> Iterator[None]:
             kernel.enabled = was
 
 
-def _cases() -> list[tuple[int, int]]:
-    # (rows, first row offset): 1 row, multiples of 16 and not, and views that start off a 16-byte boundary
-    return [(1, 0), (16, 0), (17, 0), (33, 1), (64, 3), (257, 0)]
+# (rows, offset in elements of the view's start, padding of each row): 1 row and several; views that start 2, 4
+# or 6 bytes off a 16-byte boundary; row strides that are and are not multiples of 16 elements. Each changes
+# what Triton specializes the launch on (an address's alignment, an int that is 1 or a multiple of 16).
+CASES = [(1, 0, 0), (16, 0, 0), (17, 1, 0), (33, 3, 1), (64, 0, 7), (257, 2, 0)]
 
 
-def _compare(op: Callable[[torch.Tensor], torch.Tensor], width: int) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for rows, offset in _cases():
-        base = torch.randn(rows + offset, width, device="cuda", dtype=torch.bfloat16, generator=gen)
-        x = base[offset:]
+def _view(rows: int, width: int, offset: int, pad: int, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh (rows, width) view, the same values each call: ``offset`` elements into its storage, rows
+    ``width + pad`` apart."""
+    gen = torch.Generator(device="cuda").manual_seed(rows * 131 + offset)
+    flat = torch.randn(offset + rows * (width + pad), device="cuda", generator=gen).to(dtype)
+    return flat[offset:].view(rows, width + pad)[:, :width]
+
+
+def _compare(
+    op: Callable[[torch.Tensor], torch.Tensor], width: int, dtype: torch.dtype = torch.bfloat16
+) -> None:
+    for rows, offset, pad in CASES:
         with _fast(False):
-            slow = op(x.clone())
-        for _ in range(3):  # the first launch of a class is Triton's own, the next ones the fast path's
-            fast = op(x.clone())
-            assert torch.equal(fast, slow), (rows, offset)
+            slow = op(_view(rows, width, offset, pad, dtype))
+        for _ in range(3):  # the first launch of a key is Triton's own, the next ones the fast path's
+            fast = op(_view(rows, width, offset, pad, dtype))
+            assert torch.equal(fast, slow), (rows, offset, pad)
 
 
 def test_fused_ops_match_with_and_without_the_fast_launch() -> None:
@@ -75,10 +84,14 @@ def test_fused_ops_match_with_and_without_the_fast_launch() -> None:
     _compare(rotary, 8 * 128)
 
     def greedy(x: torch.Tensor) -> torch.Tensor:
-        ids, bad = greedy_argmax(x.float())
+        ids, bad = greedy_argmax(x)
         return torch.cat([ids.float(), bad.float()])
 
-    _compare(greedy, 32000)
+    _compare(greedy, 32000, torch.float32)
     names = {"_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_kernel", "_greedy_kernel"}
     used = [k for k in launch.KERNELS if k.fn.__name__ in names]
-    assert len(used) == 4 and all(k.enabled and k.num_fast_launches > 0 for k in used)
+    assert len(used) == 4
+    for kernel in used:  # the fast path served launches, under several keys
+        assert kernel.enabled and kernel.num_fast_launches > 0 and kernel.num_variants >= 3, (
+            kernel.fn.__name__
+        )

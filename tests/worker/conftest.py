@@ -18,7 +18,9 @@ def _import_worker_package() -> None:
 
 _import_worker_package()
 
-from ominix_worker.testing import write_tiny_hf_model  # noqa: E402
+from ominix_worker.testing import check_fast_launches, write_tiny_hf_model  # noqa: E402
+
+check_fast_launches()  # every fast Triton launch in these tests is checked against Triton's own choice
 
 LLAMA31_ROPE = {
     "rope_type": "llama3",

@@ -54,8 +54,6 @@ def test_equal_keys_mean_equal_triton_specializations() -> None:
 def test_bind_fills_defaults_and_keeps_options_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the key's device; no GPU needed here
     kernel = launch.FastKernel(_kernel)
-    if not kernel.enabled:
-        pytest.skip("this Triton lacks what the fast launch uses")
     x = torch.zeros(8)
     values, options = kernel.bind((x, 7), {"scale": 0.5, "flag": True, "BLOCK": 64, "num_warps": 4})
     assert values == [x, 7, 0.5, True, 64, 3] and options == {"num_warps": 4}
@@ -63,12 +61,21 @@ def test_bind_fills_defaults_and_keeps_options_apart(monkeypatch: pytest.MonkeyP
         kernel.bind((x, 7, 0.5, True), {})
     key = kernel.key(values, options)
     assert key[1][4] == 64 and key[1][5] == 3  # constexprs by value
+    with pytest.raises(launch._Unkeyable):  # a type the key does not describe: Triton's own launch serves it
+        kernel.key(*kernel.bind((x, (1, 2), 0.5, True), {"BLOCK": 64}))
     again = kernel.key(*kernel.bind((x, 23, 0.25, False), {"BLOCK": 64, "num_warps": 4}))
     assert again == key  # 7 and 23: both non-1, not multiples of 16, i32; floats and bools by type
     assert kernel.key(*kernel.bind((x, 7, 0.5, True), {"BLOCK": 128, "num_warps": 4})) != key
     assert kernel.key(*kernel.bind((x, 7, 0.5, True), {"BLOCK": 64, "num_warps": 8})) != key
 
 
-def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_only_for_a_checked_triton_and_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch.triton, "__version__", "3.6.0")
+    assert launch.triton_checked() and launch.FastKernel(_kernel).enabled
     monkeypatch.setenv("OMINIX_TRITON_FAST_LAUNCH", "0")
     assert not launch.FastKernel(_kernel).enabled
+    monkeypatch.delenv("OMINIX_TRITON_FAST_LAUNCH")
+    monkeypatch.setattr(launch.triton, "__version__", "3.7.1")  # not checked against this path
+    assert not launch.triton_checked() and not launch.FastKernel(_kernel).enabled
+    kernel = launch.FastKernel(_kernel)
+    assert kernel[(1,)] is not None  # Triton's own launcher, returned as is

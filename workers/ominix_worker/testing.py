@@ -239,3 +239,13 @@ __all__ = [
     "MIN_VOCAB_SIZE",
     "CHAT_TEMPLATE",
 ]
+
+
+def check_fast_launches() -> None:
+    """Tests: every fast Triton launch (ominix_worker.ops.launch) also asks Triton which kernel it would launch
+    for the same arguments, and fails if another. Nothing without Triton."""
+    try:
+        from ominix_worker.ops import launch
+    except ImportError:
+        return
+    launch.CHECK_AGAINST_TRITON = True

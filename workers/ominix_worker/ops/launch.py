@@ -1,18 +1,20 @@
 """Triton kernel launches with less host work per call.
 
-An eager step of a Llama-8B-shaped model launches about 190 Triton kernels. Triton's own launch path binds
-and specializes every argument, builds and hashes the cache key, and builds launch metadata on every call:
-~55 µs a launch on the GPU machine's host, about 15 of the 26 ms it took to launch a 1,024-token mixed step,
-longer than the device took to run it (cProfile, H200 machine, 2026-11-29; bench/prefix_step.py
-``--launch-pstats``). Decode steps replay CUDA graphs and are not affected.
+An eager step of a Llama-8B-shaped model launches about 190 Triton kernels. Triton's own launch path binds and
+specializes every argument, builds and hashes the cache key and builds launch metadata on every call: ~15 ms of
+a 1,024-token mixed step's launch on the GPU machine's host (~80 µs a launch under cProfile), and the launch
+(26 ms) outlasted the step's device work (~23 ms). With this path the launch took 13.8 ms (H200 machine,
+2026-11-29, bench/prefix_step.py ``--launch-pstats`` and ``*_host_launch``). Decode steps replay CUDA graphs.
 
-``fast_kernel(jit_fn)`` wraps a launched kernel: ``kernel[grid](*args, **kwargs)`` as before. Its key holds,
-for every argument, what Triton specializes that argument on and more (a tensor's dtype and whether its
-address is a multiple of 16; an int's type range, whether it is 1, whether it is a multiple of 16; a
-constexpr's value; every launch option), so a key maps to exactly one of Triton's compiled kernels. A key seen
-before launches that kernel directly through its launcher; a new key goes through Triton's own launch (which
-compiles when needed) and remembers the kernel it launched. Under ``TRITON_INTERPRET``, with a Triton without
-the parts used here, or with ``OMINIX_TRITON_FAST_LAUNCH=0`` in the environment, every launch is Triton's own.
+``fast_kernel(jit_fn)`` wraps a kernel launched from the host: ``kernel[grid](*args, **kwargs)`` as before. Its
+key holds, for every argument, what Triton specializes that argument on and more (a tensor's dtype and whether
+its address is a multiple of 16; an int's type range, whether it is 1, whether it is a multiple of 16; a
+constexpr's value; every launch option and Triton's debug and instrumentation settings), so a key maps to
+exactly one of Triton's compiled kernels. A key seen before launches that kernel directly through its launcher;
+a new key goes through Triton's own launch (which compiles when needed) and remembers the kernel it launched.
+Triton's own launch serves every call under ``TRITON_INTERPRET``, with a Triton other than the versions this
+was checked against (``CHECKED_TRITON``), with ``OMINIX_TRITON_FAST_LAUNCH=0``, for a callable grid, an
+argument of a type the key does not describe, or a kernel with pre-run hooks.
 
 ``CHECK_AGAINST_TRITON`` (tests) makes every fast launch first ask Triton which kernel it would launch for the
 same arguments and fail if that is not the remembered one.
@@ -28,16 +30,25 @@ from typing import Any
 import torch
 
 try:
+    import triton
     from triton import knobs as _knobs
     from triton.runtime.jit import JITFunction as _JITFunction
-except ImportError:  # an older Triton: every launch is Triton's own
+except ImportError:  # a Triton without knobs: every launch is Triton's own
+    triton = None
     _knobs = None
     _JITFunction = None
 
+# Triton versions (major, minor) whose specialization rules and launcher call were checked against this path
+# (on a GPU, every fast launch of the GPU tests compared with Triton's own choice).
+CHECKED_TRITON = frozenset({(3, 6)})
 CHECK_AGAINST_TRITON = False
 KERNELS: list[FastKernel] = []  # every wrapped kernel (tests switch the fast path off and on)
 _INT32 = (-(2**31), 2**31 - 1)
 _UINT64_FROM = 2**63
+
+
+class _Unkeyable(Exception):
+    """An argument the key does not describe: the launch is Triton's own."""
 
 
 def _arg_key(value: Any) -> Any:
@@ -51,14 +62,29 @@ def _arg_key(value: Any) -> Any:
         return ("int", value == 1, value & 15 == 0, in_i32, value >= _UINT64_FROM)
     if type(value) is float:
         return ("fp32",)
-    return ("value", value)  # None, and anything else by value (over-specializing is only more entries)
+    if value is None:
+        return None
+    raise _Unkeyable(type(value).__name__)
 
 
 def _active_hook(hook: Any) -> Any:
-    """A launch hook to pass on, or None: Triton 3.6+ keeps an empty hook chain when nothing is hooked."""
+    """A launch hook to pass on, or None: Triton 3.6 keeps an empty hook chain when nothing is hooked."""
     if hook is None or getattr(hook, "calls", True) == []:
         return None
     return hook
+
+
+def _resolved(kernel: Any) -> Any:
+    """Triton's compiled kernel (it hands back a future when it compiles asynchronously)."""
+    return kernel.result() if hasattr(kernel, "result") else kernel
+
+
+def triton_checked() -> bool:
+    """This Triton is one the fast path was checked against, and not its interpreter."""
+    if triton is None or _knobs is None or _knobs.runtime.interpret:
+        return False
+    major, minor = (int(part) for part in triton.__version__.split(".")[:2])
+    return (major, minor) in CHECKED_TRITON
 
 
 class FastKernel:
@@ -68,19 +94,22 @@ class FastKernel:
         self.fn = fn
         self.enabled = (
             _JITFunction is not None
-            and _knobs is not None
             and isinstance(fn, _JITFunction)
-            and not _knobs.runtime.interpret
+            and triton_checked()
             and os.environ.get("OMINIX_TRITON_FAST_LAUNCH", "1") != "0"
         )
         self._cache: dict[tuple[Any, ...], Any] = {}
         self.num_fast_launches = 0  # launches that took the remembered kernel
-        if self.enabled:
-            params = fn.params
-            self._names = [p.name for p in params]
-            self._index = {name: i for i, name in enumerate(self._names)}
-            self._constexpr = [bool(p.is_constexpr) for p in params]
-            self._defaults = [p.default for p in params]
+        params = getattr(fn, "params", [])
+        self._names = [p.name for p in params]
+        self._index = {name: i for i, name in enumerate(self._names)}
+        self._constexpr = [bool(p.is_constexpr) for p in params]
+        self._defaults = [p.default for p in params]
+
+    @property
+    def num_variants(self) -> int:
+        """Keys remembered so far (each names one compiled kernel)."""
+        return len(self._cache)
 
     def forget(self) -> None:
         """Drop every compiled variant, Triton's and the ones remembered here (the next launches compile)."""
@@ -89,8 +118,8 @@ class FastKernel:
         if device_caches is not None:
             device_caches.clear()
 
-    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
-        if not self.enabled:
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        if not self.enabled or callable(grid) or self.fn.pre_run_hooks:
             return self.fn[grid]  # type: ignore[no-any-return]
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
@@ -112,36 +141,39 @@ class FastKernel:
         return values, options
 
     def key(self, values: list[Any], options: dict[str, Any]) -> tuple[Any, ...]:
+        """The launch's key; raises _Unkeyable for an argument it does not describe."""
         specs = tuple(
             value if constexpr else _arg_key(value)
             for value, constexpr in zip(values, self._constexpr, strict=True)
         )
-        return (torch.cuda.current_device(), specs, tuple(sorted(options.items())))
+        # What Triton's own launch adds to every call's options (a change must not reuse an older kernel).
+        debug = getattr(self.fn, "debug", None) or (_knobs.runtime.debug if _knobs is not None else None)
+        mode = _knobs.compilation.instrumentation_mode if _knobs is not None else None
+        return (torch.cuda.current_device(), specs, tuple(sorted(options.items())), debug, mode)
 
     def _launch(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         values, options = self.bind(args, kwargs)
-        key = self.key(values, options)
-        kernel = self._cache.get(key)
+        try:
+            key = self.key(values, options)
+            kernel = self._cache.get(key)
+        except (_Unkeyable, TypeError):  # TypeError: a constexpr that cannot be hashed
+            self.fn.run(*args, grid=grid, warmup=False, **kwargs)
+            return
         if kernel is None:  # Triton's own launch: binds, compiles if needed, launches
-            kernel = self.fn.run(*args, grid=grid, warmup=False, **kwargs)
-            if hasattr(kernel, "result"):  # compiled asynchronously
-                kernel = kernel.result()
-            self._cache[key] = kernel
+            self._cache[key] = _resolved(self.fn.run(*args, grid=grid, warmup=False, **kwargs))
             return
         if CHECK_AGAINST_TRITON:
-            chosen = self.fn.run(*args, grid=grid, warmup=True, **kwargs)
-            if hasattr(chosen, "result"):
-                chosen = chosen.result()
+            chosen = _resolved(self.fn.run(*args, grid=grid, warmup=True, **kwargs))
             if chosen is not kernel:
                 raise AssertionError(
                     f"{self.fn.__name__}: the fast launch's kernel is not Triton's for {key}"
                 )
         self.num_fast_launches += 1
-        device = key[0]
-        stream = torch._C._cuda_getCurrentRawStream(device)
+        stream = torch._C._cuda_getCurrentRawStream(key[0])
         enter = _active_hook(_knobs.runtime.launch_enter_hook)  # type: ignore[union-attr]
         leave = _active_hook(_knobs.runtime.launch_exit_hook)  # type: ignore[union-attr]
-        metadata = kernel.launch_metadata(grid, stream, *values) if enter is not None else None
+        hooked = enter is not None or leave is not None
+        metadata = kernel.launch_metadata(grid, stream, *values) if hooked else None
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         kernel.run(
