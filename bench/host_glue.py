@@ -61,11 +61,13 @@ def stand_in_for_the_device() -> None:
     from ominix_worker.attention import triton_paged
     from ominix_worker.models import llama
     from ominix_worker.ops import cpu_gemm, fused
+    from ominix_worker.ops.launch import FastKernel
     from ominix_worker.parallel.layers import PackableLinear, ParallelLMHead
 
     for module in (fused, triton_paged):
         for name, value in list(vars(module).items()):
-            if isinstance(value, KernelInterface):
+            # FastKernel: a launched kernel behind ominix_worker.ops.launch's fast path
+            if isinstance(value, KernelInterface | FastKernel):
                 setattr(module, name, NoLaunch())
     llama.cuda_ops = lambda x: fused  # type: ignore[assignment]
     # The GEMM below never reads a packed weight: packing them at load would only cost time.
