@@ -199,6 +199,7 @@ class DebugConfig:
     pipeline_eager: bool = True  # worker: overlap prefill and mixed steps too (with ``pipeline``, on CUDA)
     cuda_graphs: bool = True  # worker: capture decode steps as CUDA graphs
     weight_stream: bool = True  # worker: one token's dense GEMMs on CUDA through the weight-streaming kernel
+    triton_fast_launch: bool = True  # worker: repeat Triton launches skip Triton's per-call launch path
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,6 +290,12 @@ DEBUG_VARIABLES: tuple[DebugVariable, ...] = (
         "debug.weight_stream",
         _switch,
         "0: one token's dense GEMMs on CUDA through cuBLAS instead of the weight-streaming kernel",
+    ),
+    DebugVariable(
+        "OMINIX_TRITON_FAST_LAUNCH",
+        "debug.triton_fast_launch",
+        _switch,
+        "0: every Triton kernel launched through Triton's own launch path (no fast launch)",
     ),
 )
 

@@ -211,12 +211,14 @@ def test_debug_variables_are_typed_and_land_in_the_tree() -> None:
         "OMINIX_CUDA_GRAPHS": "0",
         "OMINIX_PIPELINE_EAGER": "0",
         "OMINIX_WEIGHT_STREAM": "0",
+        "OMINIX_TRITON_FAST_LAUNCH": "0",
     }
     config, _ = resolve(WORKER, [], env=env)
     assert config.debug.log_steps
     assert not config.debug.pipeline and not config.debug.cuda_graphs and not config.debug.pipeline_eager
-    assert not config.debug.weight_stream
+    assert not config.debug.weight_stream and not config.debug.triton_fast_launch
     assert RuntimeConfig().debug.pipeline_eager and RuntimeConfig().debug.weight_stream
+    assert RuntimeConfig().debug.triton_fast_launch
     assert RuntimeConfig().debug.pipeline and not RuntimeConfig().debug.log_steps
     with pytest.raises(ConfigError, match="OMINIX_PIPELINE"):
         resolve(WORKER, [], env={"OMINIX_PIPELINE": "maybe"})
@@ -224,8 +226,10 @@ def test_debug_variables_are_typed_and_land_in_the_tree() -> None:
 
 def test_worker_process_reads_no_environment_itself() -> None:
     """Issue 12.3: OMINIX_PIPELINE / OMINIX_CUDA_GRAPHS were read deep inside the worker's runner."""
-    runner = (Path(__file__).resolve().parents[2] / "workers" / "ominix_worker" / "runner.py").read_text()
-    assert "os.environ" not in runner and "getenv" not in runner
+    worker = Path(__file__).resolve().parents[2] / "workers" / "ominix_worker"
+    for module in ("runner.py", "ops/launch.py"):
+        source = (worker / module).read_text()
+        assert "os.environ" not in source and "getenv" not in source, module
 
 
 def test_api_keys_from_a_file(tmp_path: Path) -> None:

@@ -69,12 +69,17 @@ def test_bind_fills_defaults_and_keeps_options_apart(monkeypatch: pytest.MonkeyP
     assert kernel.key(*kernel.bind((x, 7, 0.5, True), {"BLOCK": 64, "num_warps": 8})) != key
 
 
-def test_on_only_for_a_checked_triton_and_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_only_for_a_checked_triton_and_off_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(launch.triton, "__version__", "3.6.0")
-    assert launch.triton_checked() and launch.FastKernel(_kernel).enabled
-    monkeypatch.setenv("OMINIX_TRITON_FAST_LAUNCH", "0")
-    assert not launch.FastKernel(_kernel).enabled
-    monkeypatch.delenv("OMINIX_TRITON_FAST_LAUNCH")
+    kernel = launch.FastKernel(_kernel)
+    assert launch.triton_checked() and kernel.enabled
+    monkeypatch.setattr(launch, "KERNELS", [kernel])
+    launch.set_fast_launch(False)  # the worker's OMINIX_TRITON_FAST_LAUNCH=0
+    try:
+        assert not kernel.enabled and not launch.FastKernel(_kernel).enabled
+    finally:
+        launch.set_fast_launch(True)
+    assert kernel.enabled
     monkeypatch.setattr(launch.triton, "__version__", "3.7.1")  # not checked against this path
     assert not launch.triton_checked() and not launch.FastKernel(_kernel).enabled
     kernel = launch.FastKernel(_kernel)

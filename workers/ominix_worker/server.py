@@ -191,6 +191,10 @@ def load_worker(
         torch.set_num_threads(args.num_threads)
     dtype = resolve_dtype(args.dtype, device)
     PackableLinear.stream_single_token = debug.weight_stream
+    if device.type == "cuda":
+        from ominix_worker.ops.launch import set_fast_launch
+
+        set_fast_launch(debug.triton_fast_launch)
     kind = backend_kind(device)
     profile = stated_profile(kind)
     block_size = ASCEND_BLOCK_SIZE if device.type == "npu" else args.block_size

@@ -13,8 +13,9 @@ constexpr's value; every launch option and Triton's debug and instrumentation se
 exactly one of Triton's compiled kernels. A key seen before launches that kernel directly through its launcher;
 a new key goes through Triton's own launch (which compiles when needed) and remembers the kernel it launched.
 Triton's own launch serves every call under ``TRITON_INTERPRET``, with a Triton other than the versions this
-was checked against (``CHECKED_TRITON``), with ``OMINIX_TRITON_FAST_LAUNCH=0``, for a callable grid, an
-argument of a type the key does not describe, or a kernel with pre-run hooks.
+was checked against (``CHECKED_TRITON``), after ``set_fast_launch(False)`` (the worker's
+``OMINIX_TRITON_FAST_LAUNCH=0``), for a callable grid, an argument of a type the key does not describe, or a
+kernel with pre-run hooks.
 
 ``CHECK_AGAINST_TRITON`` (tests) makes every fast launch first ask Triton which kernel it would launch for the
 same arguments and fail if that is not the remembered one.
@@ -23,7 +24,6 @@ same arguments and fail if that is not the remembered one.
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -42,7 +42,8 @@ except ImportError:  # a Triton without knobs: every launch is Triton's own
 # (on a GPU, every fast launch of the GPU tests compared with Triton's own choice).
 CHECKED_TRITON = frozenset({(3, 6)})
 CHECK_AGAINST_TRITON = False
-KERNELS: list[FastKernel] = []  # every wrapped kernel (tests switch the fast path off and on)
+KERNELS: list[FastKernel] = []  # every wrapped kernel
+_fast_launch_on = True  # set_fast_launch
 _INT32 = (-(2**31), 2**31 - 1)
 _UINT64_FROM = 2**63
 
@@ -92,12 +93,9 @@ class FastKernel:
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
-        self.enabled = (
-            _JITFunction is not None
-            and isinstance(fn, _JITFunction)
-            and triton_checked()
-            and os.environ.get("OMINIX_TRITON_FAST_LAUNCH", "1") != "0"
-        )
+        # The fast path can serve this kernel; ``enabled``: it does.
+        self.available = _JITFunction is not None and isinstance(fn, _JITFunction) and triton_checked()
+        self.enabled = self.available and _fast_launch_on
         self._cache: dict[tuple[Any, ...], Any] = {}
         self.num_fast_launches = 0  # launches that took the remembered kernel
         params = getattr(fn, "params", [])
@@ -179,6 +177,14 @@ class FastKernel:
         kernel.run(
             grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, metadata, enter, leave, *values
         )
+
+
+def set_fast_launch(on: bool) -> None:
+    """Turn the fast path on or off for every wrapped kernel, and for the ones wrapped later."""
+    global _fast_launch_on
+    _fast_launch_on = on
+    for kernel in KERNELS:
+        kernel.enabled = kernel.available and on
 
 
 def fast_kernel(fn: Any) -> FastKernel:
