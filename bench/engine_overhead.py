@@ -850,7 +850,8 @@ def main(argv: list[str] | None = None) -> int:
         "--light-load-below-running",
         type=int,
         default=-1,
-        help="at most 2 steps in flight below this many running requests (0: never; -1: the engine's default)",
+        help=f"at most {LIGHT_LOAD_INFLIGHT_STEPS} steps in flight below this many running requests (0: never; "
+        "-1: the engine's default)",
     )
     parser.add_argument(
         "--no-gc-freeze", action="store_true", help="leave the collector as the process started"

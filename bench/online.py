@@ -83,10 +83,13 @@ def num_prompts(rate: float, seconds: float, inf_prompts: int, min_prompts: int)
 
 
 def parse_percentiles(text: str) -> list[float]:
-    """'50,99' -> [50.0, 99.0]; each within [0, 100]."""
-    values = [float(p) for p in text.split(",")]
+    """'50,99' -> [50.0, 99.0]; each within [0, 100] (``--percentiles``: checked as the arguments are read)."""
+    try:
+        values = [float(p) for p in text.split(",")]
+    except ValueError:
+        values = []
     if not values or any(not 0.0 <= v <= 100.0 for v in values):
-        raise ValueError(f"percentiles must be within [0, 100], got {text!r}")
+        raise argparse.ArgumentTypeError(f"percentiles are numbers within [0, 100], got {text!r}")
     return values
 
 
@@ -201,8 +204,10 @@ async def served_facts(address: str, args: argparse.Namespace) -> tuple[ModelFac
     return await fetch_model_facts(address), ""
 
 
-async def warm_up(address: str, facts: ModelFacts, model: str, args: argparse.Namespace) -> None:
-    """``--warmup-requests`` short requests at once (not saved); nothing when it is 0."""
+async def warm_up(
+    address: str, facts: ModelFacts, model: str, args: argparse.Namespace, label: str = ""
+) -> None:
+    """``--warmup-requests`` short requests at once (not saved); nothing when it is 0. ``label`` heads its line."""
     if args.warmup_requests <= 0:
         return
     warm = BenchConfig(
@@ -215,8 +220,10 @@ async def warm_up(address: str, facts: ModelFacts, model: str, args: argparse.Na
     )
     started = time.monotonic()
     warmed = await run_benchmark(address, warm, build_random_requests(warm, facts))
+    head = f"{label}: " if label else ""
     print(
-        f"warm-up: {warmed.metrics.completed}/{args.warmup_requests} ok in {time.monotonic() - started:.1f} s",
+        f"{head}warm-up: {warmed.metrics.completed}/{args.warmup_requests} ok"
+        f" in {time.monotonic() - started:.1f} s",
         flush=True,
     )
 
@@ -251,7 +258,7 @@ async def run_rate(
         result,
         label=label,
         model_id=facts.name,
-        percentiles=parse_percentiles(args.percentiles),
+        percentiles=args.percentiles,
         detailed=args.save_detailed,
     )
     print(format_rate_line(saved), flush=True)
@@ -262,7 +269,6 @@ async def run_rate(
 
 async def run_rates(address: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The warm-up (not saved), then every rate in turn; returns one vLLM-style result per rate."""
-    parse_percentiles(args.percentiles)  # a typo fails now, not after the first rate
     facts, model = await served_facts(address, args)
     await warm_up(address, facts, model, args)
     results = []
@@ -360,7 +366,7 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="rate i uses seed + i")
     parser.add_argument("--slo-ttft-ms", type=float, default=500.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
-    parser.add_argument("--percentiles", default="50,99")
+    parser.add_argument("--percentiles", default="50,99", type=parse_percentiles, help="comma-separated")
     parser.add_argument("--warmup-requests", type=int, default=16, help="sent at once before the rates")
     parser.add_argument("--warmup-output-len", type=int, default=16)
     parser.add_argument("--num-channels", type=int, default=1)

@@ -42,7 +42,6 @@ from bench.common import (  # noqa: E402
 )
 from bench.online import (  # noqa: E402
     add_load_arguments,
-    parse_percentiles,
     parse_rates,
     rate_label,
     run_rate,
@@ -83,7 +82,6 @@ def round_seed(seed: int, round_index: int, rate_index: int) -> int:
 
 async def run_rounds(servers: Sequence[Server], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every round, rate and server in turn; one record per run: label, round, rate index, position, result."""
-    parse_percentiles(args.percentiles)  # a typo fails now, not after the first run
     labels = [s.label for s in servers]
     if len(set(labels)) != len(labels):
         raise SystemExit(f"server labels must differ: {labels}")
@@ -94,9 +92,7 @@ async def run_rounds(servers: Sequence[Server], args: argparse.Namespace) -> lis
     if len(vocabularies) != 1:  # the prompts are drawn from the vocabulary: they must be the same for all
         raise SystemExit("the servers report different vocabularies: they do not serve the same model")
     for server in servers:
-        if args.warmup_requests > 0:
-            print(f"{server.label}: ", end="", flush=True)
-        await warm_up(server.address, *facts[server.label], args)
+        await warm_up(server.address, *facts[server.label], args, label=server.label)
     rates = parse_rates(args.rates)
     records: list[dict[str, Any]] = []
     for round_index in range(args.first_round, args.first_round + args.rounds):

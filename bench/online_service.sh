@@ -95,6 +95,11 @@ wait_gpu_free() {
   fi
 }
 
+# The load's shape for bench/online.py run and bench/online_ab.py run (their add_load_arguments).
+LOAD_ARGS=(--rates "$(echo $RATES | tr ' ' ',')" --seconds "$SECONDS_PER_RATE" --inf-prompts "$INF_PROMPTS"
+  --min-prompts "$MIN_PROMPTS" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --warmup-requests "$WARMUP"
+  --seed "$SEED" --slo-ttft-ms "$SLO_TTFT_MS" --slo-tpot-ms "$SLO_TPOT_MS" --no-progress $DETAILED_ARG)
+
 # bench/online.py's schedule and prompts at every rate against ADDRESS (the engine's gRPC, or http:// for an
 # OpenAI-compatible server), labelled LABEL, results to OUT_JSON; further arguments go to `online.py run`.
 # Bounded as a whole; a server that dies mid-run fails the open streams, which ends the run.
@@ -102,10 +107,7 @@ drive_rates() {
   local address=$1 label=$2 out=$3
   shift 3
   timeout $((RATE_S * $(echo $RATES | wc -w) + 60)) env PYTHONPATH="$OURS_PATH" python3 bench/online.py run \
-    --address "$address" --rates "$(echo $RATES | tr ' ' ',')" --seconds "$SECONDS_PER_RATE" \
-    --inf-prompts "$INF_PROMPTS" --min-prompts "$MIN_PROMPTS" --input-len "$INPUT_LEN" \
-    --output-len "$OUTPUT_LEN" --warmup-requests "$WARMUP" --seed "$SEED" --slo-ttft-ms "$SLO_TTFT_MS" \
-    --slo-tpot-ms "$SLO_TPOT_MS" --label "$label" --no-progress --out-json "$out" $DETAILED_ARG "$@"
+    --address "$address" "${LOAD_ARGS[@]}" --label "$label" --out-json "$out" "$@"
 }
 
 MODEL_DIR=$WORK/model
@@ -276,10 +278,8 @@ ab_run() {
   part "ab-run: rounds $AB_FIRST_ROUND.. ($AB_ROUNDS) at $RATES, $count servers"
   timeout $((RATE_S * $(echo $RATES | wc -w) * count * AB_ROUNDS + 120)) env PYTHONPATH="$OURS_PATH" \
     python3 bench/online_ab.py run "${servers[@]}" "${watches[@]}" --model-config "$MODEL_DIR/config.json" \
-    --rates "$(echo $RATES | tr ' ' ',')" --seconds "$SECONDS_PER_RATE" --inf-prompts "$INF_PROMPTS" \
-    --min-prompts "$MIN_PROMPTS" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --warmup-requests "$WARMUP" \
-    --seed "$SEED" --slo-ttft-ms "$SLO_TTFT_MS" --slo-tpot-ms "$SLO_TPOT_MS" --no-progress $DETAILED_ARG \
-    --rounds "$AB_ROUNDS" --first-round "$AB_FIRST_ROUND" --out-json "$RESULTS/ab_r$AB_FIRST_ROUND.json" \
+    "${LOAD_ARGS[@]}" --rounds "$AB_ROUNDS" --first-round "$AB_FIRST_ROUND" \
+    --out-json "$RESULTS/ab_r$AB_FIRST_ROUND.json" \
     || echo "ab-run: failed or timed out (exit $?)"
 }
 

@@ -216,8 +216,9 @@ def main() -> None:
     free = list(range(len(prefix_blocks), args.num_blocks))
     # The KV blocks each part uses, after the shared prefix's: the suffixes cycle through SUFFIX_BLOCKS, the
     # batch-1 decode has its own, the mixed step's decodes and prompts come after.
-    # each mixed step and each step alone, timed and launched, and the profiled mixed steps
-    decode_steps = 4 * args.trials + 40
+    # a token per step: each mixed step and each step alone, timed (trials + 5 each) and launched (trials each,
+    # trials more with --launch-pstats), and the profiled mixed steps
+    decode_steps = 5 * args.trials + 40
     per_decode = -(-(512 + decode_steps) // BLOCK)
     prompt_blocks = -(-(args.mixed_prompt + 1) // BLOCK)
     needed = MIXED_FIRST + (args.mixed_decodes * per_decode + 2 * prompt_blocks if args.mixed_decodes else 0)

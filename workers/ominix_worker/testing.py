@@ -229,7 +229,18 @@ def write_fp8_checkpoint(
     return dst
 
 
+def check_fast_launches() -> None:
+    """Tests: every fast Triton launch (ominix_worker.ops.launch) also asks Triton which kernel it would launch
+    for the same arguments, and fails if another. Nothing without Triton."""
+    try:
+        from ominix_worker.ops import launch
+    except ImportError:
+        return
+    launch.CHECK_AGAINST_TRITON = True
+
+
 __all__ = [
+    "check_fast_launches",
     "write_fp8_checkpoint",
     "write_tiny_hf_model",
     "write_tiny_tokenizer",
@@ -239,13 +250,3 @@ __all__ = [
     "MIN_VOCAB_SIZE",
     "CHAT_TEMPLATE",
 ]
-
-
-def check_fast_launches() -> None:
-    """Tests: every fast Triton launch (ominix_worker.ops.launch) also asks Triton which kernel it would launch
-    for the same arguments, and fails if another. Nothing without Triton."""
-    try:
-        from ominix_worker.ops import launch
-    except ImportError:
-        return
-    launch.CHECK_AGAINST_TRITON = True

@@ -103,6 +103,9 @@ class FastKernel:
         self._index = {name: i for i, name in enumerate(self._names)}
         self._constexpr = [bool(p.is_constexpr) for p in params]
         self._defaults = [p.default for p in params]
+        self._debug = getattr(
+            fn, "debug", None
+        )  # the kernel's own (jit(debug=...)); Triton's knob is read per call
 
     @property
     def num_variants(self) -> int:
@@ -145,7 +148,7 @@ class FastKernel:
             for value, constexpr in zip(values, self._constexpr, strict=True)
         )
         # What Triton's own launch adds to every call's options (a change must not reuse an older kernel).
-        debug = getattr(self.fn, "debug", None) or (_knobs.runtime.debug if _knobs is not None else None)
+        debug = self._debug or (_knobs.runtime.debug if _knobs is not None else None)
         mode = _knobs.compilation.instrumentation_mode if _knobs is not None else None
         return (torch.cuda.current_device(), specs, tuple(sorted(options.items())), debug, mode)
 
