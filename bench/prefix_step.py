@@ -41,6 +41,7 @@ from ominix_runtime.contract import (  # noqa: E402
     SamplingParams,
     StepResult,
 )
+from ominix_worker.ops.launch import set_fast_launch  # noqa: E402
 from ominix_worker.runner import ModelRunner, build_runner  # noqa: E402
 
 BLOCK = 16
@@ -195,8 +196,16 @@ def main() -> None:
         "--launch-pstats",
         help="also launch the mixed steps under cProfile; write its stats here (--mixed-decodes)",
     )
+    p.add_argument(
+        "--triton-launch",
+        choices=("fast", "triton"),
+        default="fast",
+        help="launch the wrapped Triton kernels through ominix_worker.ops.launch (fast, the worker's default) "
+        "or through Triton's own launch (triton: the worker's OMINIX_TRITON_FAST_LAUNCH=0)",
+    )
     p.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (float32: checks the script only)")
     args = p.parse_args()
+    set_fast_launch(args.triton_launch == "fast")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("prefix_step.py needs a CUDA device (or --device cpu)")
     if args.prefix_len % BLOCK:
@@ -332,6 +341,7 @@ def main() -> None:
             clock.run(finish, keep=False)
             prof.export_chrome_trace(args.trace)
     figures["device"] = torch.cuda.get_device_name() if cuda else "cpu"
+    figures["triton_launch"] = args.triton_launch
     print(json.dumps(figures, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1) + "\n")

@@ -330,6 +330,7 @@ def test_prefix_step_runs_every_step_kind_on_a_tiny_model(tmp_path: Path) -> Non
     argv += [f"dummy:{config}", "--prefix-len", "256", "--suffix-len", "16", "--trials", "3"]
     argv += ["--num-blocks", "2048", "--mixed-decodes", "3", "--mixed-prompt", "64", "--json", str(out)]
     argv += ["--trace", str(tmp_path / "trace.json"), "--launch-pstats", str(tmp_path / "launch.pstats")]
+    argv += ["--triton-launch", "triton"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
     figures = json.loads(out.read_text())
@@ -339,6 +340,7 @@ def test_prefix_step_runs_every_step_kind_on_a_tiny_model(tmp_path: Path) -> Non
         assert figures[kind]["steps"] == 3
         assert 0 < figures[kind]["min_ms"] <= figures[kind]["median_ms"]
     assert figures["mixed_step"]["decodes"] == 3 and figures["device"] == "cpu"
+    assert figures["triton_launch"] == "triton"
     trace = json.loads((tmp_path / "trace.json").read_text())
     ops = [e for e in trace["traceEvents"] if str(e.get("name", "")).startswith("aten::")]
     assert len(ops) > 10  # the step's host ops are in the timeline
