@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "bench"))  # moe_profile, for --profile
 
 import torch  # noqa: E402
 
+from ominix_runtime import memory  # noqa: E402
 from ominix_runtime.contract import (  # noqa: E402
     DecodeStep,
     NewRequestData,
@@ -41,7 +42,7 @@ from ominix_runtime.contract import (  # noqa: E402
     SamplingParams,
     StepResult,
 )
-from ominix_worker.ops.launch import set_fast_launch  # noqa: E402
+from ominix_worker.ops.launch import KERNELS, set_fast_launch  # noqa: E402
 from ominix_worker.runner import ModelRunner, build_runner  # noqa: E402
 
 BLOCK = 16
@@ -82,6 +83,7 @@ def summary(times_ms: list[float]) -> dict[str, float]:
         "median_ms": round(statistics.median(times_ms), 3),
         "min_ms": round(min(times_ms), 3),
         "steps": len(times_ms),
+        "all_ms": [round(t, 3) for t in times_ms],
     }
 
 
@@ -218,6 +220,7 @@ def main() -> None:
     profile = args.profile and cuda  # the table is of device kernels
     runner.overlap_steps = False
     runner.capture_decode_graphs()
+    memory.freeze_startup_heap()  # as the worker does once started: collections skip the model's objects
     vocab = runner.model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(3, vocab, (args.prefix_len,), generator=gen).tolist()
@@ -342,6 +345,10 @@ def main() -> None:
             prof.export_chrome_trace(args.trace)
     figures["device"] = torch.cuda.get_device_name() if cuda else "cpu"
     figures["triton_launch"] = args.triton_launch
+    # per wrapped kernel: [launches through the fast path, compiled variants remembered]
+    figures["fast_launches"] = {
+        k.fn.__name__: [k.num_fast_launches, k.num_variants] for k in KERNELS if k.enabled
+    }
     print(json.dumps(figures, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1) + "\n")

@@ -17,11 +17,9 @@ import triton.language as tl
 
 from ominix_worker.ops import cdiv, next_power_of_2
 from ominix_worker.ops.fused_moe import grouped_gemm, moe_align, moe_sum, pick_config
-from ominix_worker.ops.launch import fast_kernel
 from ominix_worker.ops.moe_ref import GateActivation
 
 
-@fast_kernel
 @triton.jit
 def _clamped_swiglu_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, alpha, limit, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

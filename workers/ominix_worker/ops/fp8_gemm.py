@@ -26,11 +26,9 @@ from ominix_worker.ops.fused_moe import (
     quant_fp8_per_token_group,
     silu_and_mul_quant_fp8,
 )
-from ominix_worker.ops.launch import fast_kernel
 from ominix_worker.ops.weight_stream import MAX_M, weight_stream_matmul
 
 
-@fast_kernel
 @triton.jit(do_not_specialize=["M"])  # M is the step's token count: no variant per value
 def _w8a8_block_kernel(
     a_ptr,

@@ -39,7 +39,6 @@ import triton.language as tl
 
 from ominix_worker.ops import cdiv, next_power_of_2
 from ominix_worker.ops.fused import silu_and_mul, silu_times
-from ominix_worker.ops.launch import fast_kernel
 
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
 FP8_DTYPE = torch.float8_e4m3fn
@@ -49,7 +48,6 @@ FP8_MAX = 448.0
 # ---- routing ---------------------------------------------------------------------------------------------
 
 
-@fast_kernel
 @triton.jit
 def _select_experts_kernel(
     logits_ptr,
@@ -119,7 +117,6 @@ def select_experts(
 # ---- weighted sum ----------------------------------------------------------------------------------------
 
 
-@fast_kernel
 @triton.jit
 def _moe_sum_kernel(rows_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
@@ -206,7 +203,6 @@ def _place_assignments(topk_ids_ptr, sorted_ids_ptr, starts_ptr, ranks_ptr, offs
 
 # Kernels take the step's assignment counts unspecialised (Triton compiles a variant per value that is 1 or a
 # multiple of 16): a count seen first mid-run would stall that step for the compile.
-@fast_kernel
 @triton.jit(do_not_specialize=["num_assignments", "max_padded", "max_blocks"])
 def _moe_align_kernel(
     topk_ids_ptr,
@@ -245,7 +241,6 @@ def _moe_align_kernel(
         )
 
 
-@fast_kernel
 @triton.jit(do_not_specialize=["num_assignments", "max_padded"])
 def _align_count_kernel(
     topk_ids_ptr, sorted_ids_ptr, counts_ptr, ranks_ptr, num_assignments, max_padded, CHUNK: tl.constexpr
@@ -256,7 +251,6 @@ def _align_count_kernel(
     _count_assignments(topk_ids_ptr, counts_ptr, ranks_ptr, offs, num_assignments, CHUNK)
 
 
-@fast_kernel
 @triton.jit(do_not_specialize=["max_blocks"])
 def _align_scan_kernel(
     counts_ptr,
@@ -273,7 +267,6 @@ def _align_scan_kernel(
     )
 
 
-@fast_kernel
 @triton.jit(do_not_specialize=["num_assignments"])
 def _align_scatter_kernel(
     topk_ids_ptr, sorted_ids_ptr, starts_ptr, ranks_ptr, num_assignments, CHUNK: tl.constexpr
@@ -329,7 +322,6 @@ def moe_align(
 # ---- grouped GEMM ----------------------------------------------------------------------------------------
 
 
-@fast_kernel
 @triton.jit(do_not_specialize=["num_assignments"])
 def _grouped_gemm_kernel(
     a_ptr,
@@ -437,7 +429,6 @@ def per_row_scales(block: tuple[int, int], k: int) -> bool:
     return block[0] == 1 and block[1] >= k
 
 
-@fast_kernel
 @triton.jit
 def _quant_fp8_group_kernel(
     x_ptr, q_ptr, s_ptr, stride_x, stride_q, K, GROUP: tl.constexpr, FP8_MAX: tl.constexpr
@@ -468,7 +459,6 @@ def quant_fp8_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[torch.
     return q, s
 
 
-@fast_kernel
 @triton.jit
 def _quant_fp8_row_kernel(
     x_ptr,
@@ -548,7 +538,6 @@ def quant_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-@fast_kernel
 @triton.jit
 def _silu_and_mul_quant_fp8_kernel(
     x_ptr, q_ptr, s_ptr, N, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr

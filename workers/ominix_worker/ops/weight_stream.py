@@ -18,7 +18,6 @@ from ominix_worker.devices import sm_count
 from ominix_worker.ops import cdiv, next_power_of_2
 from ominix_worker.ops.fused import silu_times
 from ominix_worker.ops.fused_moe import per_row_scales
-from ominix_worker.ops.launch import fast_kernel
 from ominix_worker.ops.scratch import SCRATCH
 
 # The largest token count the kernel takes: one 16-row MMA tile.
@@ -40,7 +39,6 @@ _GEMV_WARPS = 8
 _UNSCALED_GEMV_BLOCK_N = 16
 
 
-@fast_kernel
 @triton.jit(do_not_specialize=["M"])
 def _weight_stream_kernel(
     x_ptr,
