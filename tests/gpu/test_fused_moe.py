@@ -240,3 +240,27 @@ def test_moe_sum_adds_each_tokens_rows(tokens: int, top_k: int, hidden: int) -> 
     ref = rows.double().view(tokens, top_k, hidden).sum(dim=1)
     assert got.shape == (tokens, hidden) and got.dtype == DTYPE
     assert _rel(got, ref) < TOLERANCE[DTYPE]
+
+
+def test_the_card_name_is_read_once_per_card(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every MoE layer of an eager step picks its config by the card's name: torch is asked once per card."""
+    from ominix_worker.ops import fused_moe
+
+    asked: list[int] = []
+
+    def name_of(index: int) -> str:
+        asked.append(index)
+        return f"Card {index}"
+
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "get_device_name", name_of)
+    fused_moe._card_name.cache_clear()
+    try:
+        assert [fused_moe._device_name() for _ in range(5)] == ["Card_0"] * 5
+        current[0] = 1
+        assert fused_moe._device_name() == "Card_1" and fused_moe._device_name() == "Card_1"
+        assert asked == [0, 1]
+    finally:
+        fused_moe._card_name.cache_clear()  # the real card's name again for the tests after this one
