@@ -8,9 +8,11 @@ same arrival schedule and the same prompts (drawn from ``seed + 1000 * round + r
 the servers turns by one each rate and round, so none always runs first (each still follows the same
 neighbour). ``table`` compares each server with
 the baseline round by round: the median of the paired ratios, their range, and in how many rounds the
-server was at least as good.
+server was at least as good. With ``--steps LABEL=URL`` (a server's Prometheus endpoint) each run of that
+server also records the steps it ran and their tokens (bench/step_mix.py), and the table adds them.
 
     python bench/online_ab.py run --server ominix=127.0.0.1:50061 --server vllm=http://127.0.0.1:8000 \\
+        --steps ominix=http://127.0.0.1:9400/metrics --steps vllm=http://127.0.0.1:8000/metrics \\
         --model-config /tmp/m/config.json --rates 4,8,16 --rounds 2 --seconds 25 --out-json ab.json
     python bench/online_ab.py table ab.json ab_more.json --baseline vllm --out-md ab.md --png ab.png
 
@@ -20,6 +22,7 @@ bench/online_service.sh runs it on a GPU machine (stages ab-start, ab-run, ab-st
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import statistics
@@ -50,6 +53,7 @@ from bench.online import (  # noqa: E402
 )
 from bench.plot_online import COLUMNS, Series, rate_of, write_png  # noqa: E402
 from bench.serve import ModelFacts  # noqa: E402
+from bench.step_mix import StepTotals, scrape_step_totals, step_mix  # noqa: E402
 
 ROUND_SEED_STRIDE = 1000  # round r, rate i: seed + 1000 * r + i (no two runs of a round share prompts)
 HIGHER_IS_BETTER = frozenset({"output_throughput", "request_goodput"})
@@ -80,11 +84,24 @@ def round_seed(seed: int, round_index: int, rate_index: int) -> int:
     return seed + ROUND_SEED_STRIDE * round_index + rate_index
 
 
+async def read_steps(url: str) -> StepTotals | str:
+    """A server's step totals now, or why they could not be read (the run goes on without them)."""
+    try:
+        totals = await asyncio.to_thread(scrape_step_totals, url)
+    except (OSError, ValueError) as exc:
+        return f"{url}: {exc}"
+    return totals if totals is not None else f"{url}: no step-token histogram"
+
+
 async def run_rounds(servers: Sequence[Server], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every round, rate and server in turn; one record per run: label, round, rate index, position, result."""
+    """Every round, rate and server in turn; one record per run: label, round, rate index, position, result,
+    and the step mix of servers with a metrics endpoint (``--steps``)."""
     labels = [s.label for s in servers]
     if len(set(labels)) != len(labels):
         raise SystemExit(f"server labels must differ: {labels}")
+    metrics = {endpoint.label: endpoint.address for endpoint in args.steps}
+    if set(metrics) - set(labels):
+        raise SystemExit(f"--steps names servers that are not compared: {sorted(set(metrics) - set(labels))}")
     facts: dict[str, tuple[ModelFacts, str]] = {}
     for server in servers:
         facts[server.label] = await served_facts(server.address, args)
@@ -99,18 +116,25 @@ async def run_rounds(servers: Sequence[Server], args: argparse.Namespace) -> lis
         for rate_index, rate in enumerate(rates):
             seed = round_seed(args.seed, round_index, rate_index)
             for position, server in enumerate(run_order(servers, round_index, rate_index)):
+                url = metrics.get(server.label)
+                before = await read_steps(url) if url else None
                 print(f"round {round_index}, {server.label}: ", end="", flush=True)
                 result = await run_rate(server.address, *facts[server.label], rate, seed, args, server.label)
-                records.append(
-                    {
-                        "label": server.label,
-                        "round": round_index,
-                        "rate_index": rate_index,
-                        "position": position,
-                        "seed": seed,
-                        "result": result,
-                    }
-                )
+                record = {
+                    "label": server.label,
+                    "round": round_index,
+                    "rate_index": rate_index,
+                    "position": position,
+                    "seed": seed,
+                    "result": result,
+                }
+                if url:
+                    after = await read_steps(url)
+                    if isinstance(before, StepTotals) and isinstance(after, StepTotals):
+                        record["steps"] = step_mix(before, after)
+                    else:
+                        record["steps"] = {"error": before if isinstance(before, str) else after}
+                records.append(record)
                 if args.out_json:  # after every run: a call cut short keeps what it finished
                     write_json(args.out_json, records)
     return records
@@ -206,6 +230,38 @@ def format_ab_table(records: Sequence[dict[str, Any]], baseline: str) -> str:
     return format_table(rows, header)
 
 
+def format_steps_table(records: Sequence[dict[str, Any]]) -> str | None:
+    """Per rate and server with step readings: the median over rounds (range) of the steps run, steps a second
+    of the run and tokens per step; None when no run has them."""
+    measured = [r for r in records if "steps" in r.get("steps", {})]
+    if not measured:
+        return None
+    rows = []
+    for rate in sorted({rate_of(r["result"]) for r in measured}):
+        for label in dict.fromkeys(r["label"] for r in measured):
+            runs = [r for r in measured if r["label"] == label and rate_of(r["result"]) == rate]
+            if not runs:
+                continue
+            steps = [r["steps"]["steps"] for r in runs]
+            per_s = [
+                r["steps"]["steps"] / r["result"]["duration"] for r in runs if r["result"].get("duration")
+            ]
+            tokens = [
+                r["steps"]["tokens_per_step"] for r in runs if not math.isnan(r["steps"]["tokens_per_step"])
+            ]
+            rows.append(
+                [
+                    label,
+                    rate_label(rate),
+                    str(len(runs)),
+                    _range(steps, 0),
+                    _range(per_s, 1) if per_s else "-",
+                    _range(tokens, 1) if tokens else "-",
+                ]
+            )
+    return format_table(rows, ["server", "rate", "rounds", "steps", "steps/s", "tokens/step"])
+
+
 def median_series(records: Sequence[dict[str, Any]]) -> list[Series]:
     """One plot series per server: at each rate, the median over rounds of every figure the table shows."""
     series = []
@@ -237,6 +293,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="drive every server in turn, round after round")
     run.add_argument("--server", action="append", type=parse_server, required=True, metavar="LABEL=ADDRESS")
+    run.add_argument(
+        "--steps",
+        action="append",
+        default=[],
+        type=parse_server,
+        metavar="LABEL=URL",
+        help="a server's Prometheus endpoint: each run also records the steps it ran and their tokens",
+    )
     add_load_arguments(run)
     run.add_argument("--rounds", type=int, default=2)
     run.add_argument("--first-round", type=int, default=0, help="round numbers (and seeds) start here")
@@ -260,6 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "table":
         records = load_records(args.paths)
         text = format_ab_table(records, args.baseline)
+        steps = format_steps_table(records)
+        if steps is not None:
+            text += "\n\nSteps each server ran (from its metrics endpoint):\n\n" + steps
         print(text)
         if args.out_md:
             Path(args.out_md).write_text(text + "\n")

@@ -115,18 +115,20 @@ part "model folder"
 ours_py bench/online.py model-dir --config "$CONFIG_JSON" --out "$MODEL_DIR" || exit 1
 
 # Our service as LABEL with GPU memory share UTIL and further launch arguments, log $WORK/LABEL.log; waits for
-# health SERVING (stopping at once if it died). Sets STARTED_PID and STARTED_ADDR; returns 1 if it never served.
+# health SERVING (stopping at once if it died). Sets STARTED_PID, STARTED_ADDR and STARTED_METRICS (its Prometheus
+# endpoint); returns 1 if it never served.
 start_ours() {
-  local label=$1 util=$2 port wbase
+  local label=$1 util=$2 port wbase mport
   shift 2
-  port=$(free_port); wbase=$(free_port)
+  port=$(free_port); wbase=$(free_port); mport=$(free_port)
   part "$label: launch"
   PYTHONPATH="$OURS_PATH" setsid timeout "$SERVER_LIFETIME_S" python3 -m ominix_runtime launch \
-    --model "dummy:$MODEL_DIR" --devices "$DEVICE" --port "$port" --metrics-port 0 --worker-base-port "$wbase" \
+    --model "dummy:$MODEL_DIR" --devices "$DEVICE" --port "$port" --metrics-port "$mport" --worker-base-port "$wbase" \
     --max-model-len "$MAX_MODEL_LEN" --max-running-requests "$MAX_NUM_SEQS" --max-batch-tokens "$MAX_BATCH_TOKENS" \
     --gpu-memory-utilization "$util" --log-level warning "$@" >"$WORK/$label.log" 2>&1 &
   STARTED_PID=$!
   STARTED_ADDR=127.0.0.1:$port
+  STARTED_METRICS=http://127.0.0.1:$mport/metrics
   timeout $((READY_S + 30)) env PYTHONPATH="$OURS_PATH" python3 bench/common.py wait-serving "$STARTED_ADDR" \
     --timeout "$READY_S" --watch "ominix-runtime launch ($label):$STARTED_PID:$WORK/$label.log"
 }
@@ -230,7 +232,7 @@ run_vllm() {
 }
 
 # ab-start: vllm serve (when importable), then each AB_OURS service, one after another (each measures the memory
-# the ones before it hold); the servers file lists LABEL PID ADDRESS LOG, one server a line.
+# the ones before it hold); the servers file lists LABEL PID ADDRESS LOG METRICS-URL, one server a line.
 AB_SERVERS=$WORK/ab_servers
 ab_start() {
   local n=0 entry label args
@@ -245,7 +247,8 @@ ab_start() {
   : >"$AB_SERVERS"
   if vllm_importable; then
     if start_vllm "$AB_SHARE"; then
-      echo "vllm $STARTED_PID http://127.0.0.1:$STARTED_PORT $WORK/vllm.log" >>"$AB_SERVERS"
+      echo "vllm $STARTED_PID http://127.0.0.1:$STARTED_PORT $WORK/vllm.log http://127.0.0.1:$STARTED_PORT/metrics" \
+        >>"$AB_SERVERS"
       n=1
     else
       echo "ab-start: vllm serve never healthy (see above)"; stop_group "$STARTED_PID" 0; ab_stop; return 1
@@ -259,7 +262,7 @@ ab_start() {
     n=$((n + 1))
     # Our share counts every byte in use on the device: the servers before it and this one.
     if start_ours "$label" "$(awk "BEGIN { print $AB_SHARE * $n }")" $OURS_ARGS $args; then
-      echo "$label $STARTED_PID $STARTED_ADDR $WORK/$label.log" >>"$AB_SERVERS"
+      echo "$label $STARTED_PID $STARTED_ADDR $WORK/$label.log $STARTED_METRICS" >>"$AB_SERVERS"
     else
       echo "ab-start: $label never SERVING (see above)"; stop_group "$STARTED_PID" 0; ab_stop; return 1
     fi
@@ -268,10 +271,10 @@ ab_start() {
 }
 
 ab_run() {
-  local label pid address log servers=() watches=() count=0
+  local label pid address log metrics servers=() watches=() count=0
   [ -s "$AB_SERVERS" ] || { echo "ab-run: no servers (run ab-start first)"; return 1; }
-  while read -r label pid address log; do
-    servers+=(--server "$label=$address")
+  while read -r label pid address log metrics; do
+    servers+=(--server "$label=$address" --steps "$label=$metrics")
     watches+=(--watch "$label:$pid:$log")
     count=$((count + 1))
   done <"$AB_SERVERS"
@@ -284,9 +287,9 @@ ab_run() {
 }
 
 ab_stop() {
-  local label pid address log
+  local label pid address log metrics
   [ -s "$AB_SERVERS" ] || return 0
-  while read -r label pid address log; do
+  while read -r label pid address log metrics; do
     part "ab-stop: $label"
     stop_group "$pid" 0
   done <"$AB_SERVERS"

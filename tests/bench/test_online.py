@@ -248,6 +248,8 @@ if args[0] != "serve":  # `bench serve`: the stand-in measures nothing, it only 
         log.write(" ".join(args) + "\\n")
     sys.exit(0)
 port, model = int(args[args.index("--port") + 1]), args[1]
+# vLLM's step-token histogram, as if every generated token were a step of its own (the first one with the prompt)
+steps = {"count": 0, "tokens": 0}
 
 
 async def health(request):
@@ -263,6 +265,8 @@ async def completions(request):
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     n = body["max_tokens"]
+    steps["count"] += n
+    steps["tokens"] += n + len(body["prompt"])
     for i in range(n):
         choice = {"index": 0, "text": " t5", "finish_reason": "length" if i == n - 1 else None}
         await response.write(("data: " + json.dumps({"choices": [choice]}) + "\\n\\n").encode())
@@ -272,8 +276,21 @@ async def completions(request):
     return response
 
 
+async def metrics(request):
+    name = "vllm:iteration_tokens_total"
+    series = f'engine="0",model_name="{model}"'
+    lines = [
+        f"# TYPE {name} histogram",
+        f'{name}_bucket{{{series},le="+Inf"}} {steps["count"]}.0',
+        f"{name}_count{{{series}}} {steps['count']}.0",
+        f"{name}_sum{{{series}}} {steps['tokens']}.0",
+    ]
+    return web.Response(text="\\n".join(lines) + "\\n")
+
+
 app = web.Application()
 app.router.add_get("/health", health)
+app.router.add_get("/metrics", metrics)
 app.router.add_get("/v1/models", models)
 app.router.add_post("/v1/completions", completions)
 web.run_app(app, host="127.0.0.1", port=port, print=None)

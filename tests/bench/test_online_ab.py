@@ -135,12 +135,23 @@ def test_ab_stages_drive_resident_servers_in_turn(tmp_path: Path) -> None:
         assert {r["label"]: r["position"] for r in records if r["round"] == 0} != {
             r["label"]: r["position"] for r in records if r["round"] == 1
         }
+        for record in records:  # every run's steps, from each server's metrics endpoint
+            steps, result = record["steps"], record["result"]
+            assert steps["steps"] > 0 and steps["tokens_per_step"] == steps["tokens"] / steps["steps"], record
+            if record["label"] == "vllm":  # the stand-in counts a step per generated token
+                assert steps["histogram"] == "vllm:iteration_tokens_total"
+                assert steps["steps"] == result["total_output_tokens"]
+                assert steps["tokens"] == result["total_output_tokens"] + result["total_input_tokens"]
+            else:  # the engine's own histogram: each request's 5 tokens take at least 4 decode steps after its prefill
+                assert steps["histogram"] == "ominix_scheduler_step_tokens" and steps["steps"] >= 5, record
         table = (tmp_path / "results" / "ab_table.md").read_text().splitlines()
         for label in ("fast", "slow"):
             pair = next(line for line in table if line.startswith(f"| {label}/vllm "))
             assert pair.count("/2") == 8, pair  # every figure paired in both rounds
             ran = next(line for line in table if line.startswith(f"| {label} "))
             assert "| 2 " in ran and "| 0 " in ran, ran  # two rounds, nothing failed
+        steps_at = table.index("Steps each server ran (from its metrics endpoint):")
+        assert {line.split("|")[1].strip() for line in table[steps_at + 4 :]} == {"vllm", "fast", "slow"}
         # Servers still up: a second ab-start refuses (it would lose track of them); a run over the same rounds
         # refuses (same seeds: it could be served from the prefix caches the first one filled).
         output = script("ab-start")
@@ -155,7 +166,7 @@ def test_ab_stages_drive_resident_servers_in_turn(tmp_path: Path) -> None:
         assert "slow exited" in output and "last lines of" in output, output
     finally:
         output = script("ab-stop")
-    for _, pid, _, _ in servers:
+    for _, pid, *_ in servers:
         deadline = time.monotonic() + 30
         while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -195,3 +206,45 @@ def test_records_of_one_round_twice_are_refused_and_a_zero_baseline_compares(tmp
     records[0]["result"]["request_goodput"] = 1.5  # type: ignore[index]
     records[1]["result"]["request_goodput"] = 0.0  # type: ignore[index]
     assert online_ab.paired_ratios(records, "ours", "vllm", 4.0, "request_goodput") == [(math.inf, True)]
+
+
+def test_step_totals_are_read_from_either_engines_histogram() -> None:
+    """bench/step_mix.py: ours (one series per worker, summed) and vLLM's histogram; an endpoint without one;
+    the difference of two readings; an endpoint that cannot be read leaves the run a reason, not a crash."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from bench import step_mix
+
+    registry = CollectorRegistry()
+    tokens = Histogram(
+        "ominix_scheduler_step_tokens", "t", ["worker_id"], buckets=[8, 512], registry=registry
+    )
+    for worker, values in (("0", [4, 600]), ("1", [10])):
+        for value in values:
+            tokens.labels(worker_id=worker).observe(value)
+    before = step_mix.parse_step_totals(generate_latest(registry).decode())
+    assert before == step_mix.StepTotals("ominix_scheduler_step_tokens", 3, 614)
+    tokens.labels(worker_id="1").observe(100)
+    after = step_mix.parse_step_totals(generate_latest(registry).decode())
+    assert step_mix.step_mix(before, after) == {  # type: ignore[arg-type]
+        "histogram": "ominix_scheduler_step_tokens",
+        "steps": 1,
+        "tokens": 100,
+        "tokens_per_step": 100,
+    }
+    vllm = (
+        "# TYPE vllm:iteration_tokens_total histogram\n"
+        'vllm:iteration_tokens_total_bucket{engine="0",le="+Inf",model_name="m"} 7.0\n'
+        'vllm:iteration_tokens_total_count{engine="0",model_name="m"} 7.0\n'
+        'vllm:iteration_tokens_total_sum{engine="0",model_name="m"} 70.0\n'
+    )
+    reading = step_mix.parse_step_totals(vllm)
+    assert reading == step_mix.StepTotals("vllm:iteration_tokens_total", 7, 70)
+    assert math.isnan(step_mix.step_mix(reading, reading)["tokens_per_step"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="different histograms"):
+        step_mix.step_mix(before, reading)  # type: ignore[arg-type]
+    assert step_mix.parse_step_totals("# TYPE up gauge\nup 1.0\n") is None
+    unreachable = asyncio.run(online_ab.read_steps("http://127.0.0.1:1/metrics"))
+    assert isinstance(unreachable, str) and "127.0.0.1:1" in unreachable
