@@ -51,6 +51,7 @@ MIXED_FIRST = 1024  # the mixed step's blocks start here (the batch-1 decode's l
 # A spin kernel queued before a launch is timed, longer than any launch (~0.1 - 0.2 s on an H100 / H200 clock):
 # no launch then waits for the device, so the time is the host's alone.
 SPIN_CYCLES = 300_000_000
+Summary = dict[str, float | int | list[float]]  # median_ms, min_ms, steps, all_ms
 
 
 class StepClock:
@@ -74,11 +75,11 @@ class StepClock:
             self.wall_ms.append(wall)
         return result
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> Summary:
         return summary(self.wall_ms)
 
 
-def summary(times_ms: list[float]) -> dict[str, float]:
+def summary(times_ms: list[float]) -> Summary:
     return {
         "median_ms": round(statistics.median(times_ms), 3),
         "min_ms": round(min(times_ms), 3),
@@ -97,7 +98,7 @@ def host_launch(
     runner: ModelRunner,
     steps: list[tuple[DecodeStep, DecodeStep | None]],
     pstats_path: str | None = None,
-) -> dict[str, float]:
+) -> Summary:
     """Host ms to launch each step (with its finishing step after it, if any) through the runner's pipelined
     path, each behind a spin kernel: what the step's launch holds back the previous step's result by. Nothing
     is pending when a step is launched here, so the placeholder gather of a step launched behind another is
@@ -219,8 +220,11 @@ def main() -> None:
     )
     profile = args.profile and cuda  # the table is of device kernels
     runner.overlap_steps = False
+    # As the worker starts: eager warm-up (Triton's compiles and variants), graphs, then the heap frozen, so
+    # that collections during the trials skip the model's and the kernels' objects.
+    runner.warm_up(max(args.prefix_len, args.suffix_len, args.mixed_prompt + args.mixed_decodes))
     runner.capture_decode_graphs()
-    memory.freeze_startup_heap()  # as the worker does once started: collections skip the model's objects
+    memory.freeze_startup_heap()
     vocab = runner.model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(3, vocab, (args.prefix_len,), generator=gen).tolist()
@@ -345,9 +349,12 @@ def main() -> None:
             prof.export_chrome_trace(args.trace)
     figures["device"] = torch.cuda.get_device_name() if cuda else "cpu"
     figures["triton_launch"] = args.triton_launch
-    # per wrapped kernel: [launches through the fast path, compiled variants remembered]
+    # per wrapped kernel, over the whole run (warm-up and untimed steps too; none with --triton-launch triton):
+    # [launches through the fast path, compiled variants remembered]
     figures["fast_launches"] = {
-        k.fn.__name__: [k.num_fast_launches, k.num_variants] for k in KERNELS if k.enabled
+        f"{k.fn.__module__}.{k.fn.__name__}": [k.num_fast_launches, k.num_variants]
+        for k in KERNELS
+        if k.enabled
     }
     print(json.dumps(figures, indent=1))
     if args.json:

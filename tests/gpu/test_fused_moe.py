@@ -246,9 +246,9 @@ def test_the_card_name_is_read_once_per_card(monkeypatch: pytest.MonkeyPatch) ->
     """Every MoE layer of an eager step picks its config by the card's name: torch is asked once per card."""
     from ominix_worker.ops import fused_moe
 
-    asked: list[int] = []
+    asked: list[int | None] = []
 
-    def name_of(index: int) -> str:
+    def name_of(index: int | None = None) -> str:
         asked.append(index)
         return f"Card {index}"
 
@@ -262,5 +262,7 @@ def test_the_card_name_is_read_once_per_card(monkeypatch: pytest.MonkeyPatch) ->
         current[0] = 1
         assert fused_moe._device_name() == "Card_1" and fused_moe._device_name() == "Card_1"
         assert asked == [0, 1]
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        assert fused_moe._device_name() == "cpu" and asked == [0, 1]  # no card: no lookup
     finally:
         fused_moe._card_name.cache_clear()  # the real card's name again for the tests after this one

@@ -1,15 +1,15 @@
 """Triton kernel launches with less host work per call.
 
 An eager step of a Llama-8B-shaped model launches about 190 Triton kernels. Triton's own launch path binds and
-specializes every argument, builds and hashes the cache key and builds launch metadata on every call: ~15 ms of
-a 1,024-token mixed step's launch on the GPU machine's host (~80 µs a launch under cProfile), and the launch
-(26 ms) outlasted the step's device work (~23 ms). With this path the launch took 13.8 ms (H200 machine,
-2026-11-29, bench/prefix_step.py ``--launch-pstats`` and ``*_host_launch``). The hosts' launch times vary up
-to 2x between machines and runs; paired in one run later that day, Triton's own launch against this one read
-26.9 against 16.0 ms on one machine and 13.4 against 12.1 ms on another. Decode steps replay CUDA graphs.
+specializes every argument, builds and hashes the cache key and builds launch metadata on every call (~80 µs
+a launch under cProfile on the GPU machine's host). Launching a 1,024-token mixed step through this path
+instead took 12.1 against 13.4 ms on one H200 machine and 16.0 against 26.9 ms on another, in paired runs
+(2026-11-29, bench/prefix_step.py ``--triton-launch`` and ``mixed_step_host_launch``); the hosts' launch times
+vary up to 2x between machines and runs. Decode steps replay CUDA graphs.
 
 The MoE and FP8 kernels keep Triton's own launch: wrapped as well, a Qwen3-30B-A3B-shaped eager step's launch
-was slower, not faster, in five of five pairs on two H200 machines (bench/RESULTS.md, 2026-11-29 17:46 UTC).
+was slower at the median, not faster, in six of six pairs on two H200 machines (bench/RESULTS.md, 2026-11-29
+17:46 UTC).
 
 ``fast_kernel(jit_fn)`` wraps a kernel launched from the host: ``kernel[grid](*args, **kwargs)`` as before. Its
 key holds, for every argument, what Triton specializes that argument on and more (a tensor's dtype and whether
