@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import math
 import statistics
@@ -88,9 +89,30 @@ async def read_steps(url: str) -> StepTotals | str:
     """A server's step totals now, or why they could not be read (the run goes on without them)."""
     try:
         totals = await asyncio.to_thread(scrape_step_totals, url)
-    except (OSError, ValueError) as exc:
-        return f"{url}: {exc}"
+    except (OSError, ValueError, http.client.HTTPException) as exc:
+        return f"{url}: {exc!r}"
     return totals if totals is not None else f"{url}: no step-token histogram"
+
+
+def steps_of_run(before: StepTotals | str, after: StepTotals | str) -> dict[str, Any]:
+    """The record's ``steps``: the run's step mix, or ``error`` with why there is none."""
+    if isinstance(before, str):
+        return {"error": before}
+    if isinstance(after, str):
+        return {"error": after}
+    try:
+        return step_mix(before, after)
+    except ValueError as exc:
+        return {"error": str(exc)}
+
+
+def parse_steps_endpoint(text: str) -> Server:
+    label, sep, url = text.partition("=")
+    if not sep or not label or not url:
+        raise argparse.ArgumentTypeError(
+            f"--steps is LABEL=URL (a server's Prometheus endpoint), got {text!r}"
+        )
+    return Server(label, url)
 
 
 async def run_rounds(servers: Sequence[Server], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -128,12 +150,13 @@ async def run_rounds(servers: Sequence[Server], args: argparse.Namespace) -> lis
                     "seed": seed,
                     "result": result,
                 }
-                if url:
-                    after = await read_steps(url)
-                    if isinstance(before, StepTotals) and isinstance(after, StepTotals):
-                        record["steps"] = step_mix(before, after)
-                    else:
-                        record["steps"] = {"error": before if isinstance(before, str) else after}
+                if url and before is not None:
+                    record["steps"] = steps_of_run(before, await read_steps(url))
+                    if "error" in record["steps"]:
+                        print(
+                            f"  {server.label}: no step mix for this run ({record['steps']['error']})",
+                            flush=True,
+                        )
                 records.append(record)
                 if args.out_json:  # after every run: a call cut short keeps what it finished
                     write_json(args.out_json, records)
@@ -231,35 +254,37 @@ def format_ab_table(records: Sequence[dict[str, Any]], baseline: str) -> str:
 
 
 def format_steps_table(records: Sequence[dict[str, Any]]) -> str | None:
-    """Per rate and server with step readings: the median over rounds (range) of the steps run, steps a second
-    of the run and tokens per step; None when no run has them."""
-    measured = [r for r in records if "steps" in r.get("steps", {})]
-    if not measured:
+    """Per rate and server with step readings: the runs read and not read, and the median over the runs read
+    (range) of the steps run, steps a second and tokens per step; None when no run tried a reading."""
+    tried = [r for r in records if "steps" in r]
+    if not tried:
         return None
     rows = []
-    for rate in sorted({rate_of(r["result"]) for r in measured}):
-        for label in dict.fromkeys(r["label"] for r in measured):
-            runs = [r for r in measured if r["label"] == label and rate_of(r["result"]) == rate]
+    for rate in sorted({rate_of(r["result"]) for r in tried}):
+        for label in dict.fromkeys(r["label"] for r in tried):
+            runs = [r for r in tried if r["label"] == label and rate_of(r["result"]) == rate]
             if not runs:
                 continue
-            steps = [r["steps"]["steps"] for r in runs]
+            read = [r for r in runs if "error" not in r["steps"]]
+            steps = [r["steps"]["steps"] for r in read]
             per_s = [
-                r["steps"]["steps"] / r["result"]["duration"] for r in runs if r["result"].get("duration")
+                r["steps"]["steps"] / r["result"]["duration"] for r in read if r["result"].get("duration")
             ]
             tokens = [
-                r["steps"]["tokens_per_step"] for r in runs if not math.isnan(r["steps"]["tokens_per_step"])
+                r["steps"]["tokens_per_step"] for r in read if r["steps"]["tokens_per_step"] is not None
             ]
             rows.append(
                 [
                     label,
                     rate_label(rate),
-                    str(len(runs)),
-                    _range(steps, 0),
+                    str(len(read)),
+                    str(len(runs) - len(read)),
+                    _range(steps, 0) if steps else "-",
                     _range(per_s, 1) if per_s else "-",
                     _range(tokens, 1) if tokens else "-",
                 ]
             )
-    return format_table(rows, ["server", "rate", "rounds", "steps", "steps/s", "tokens/step"])
+    return format_table(rows, ["server", "rate", "runs read", "not read", "steps", "steps/s", "tokens/step"])
 
 
 def median_series(records: Sequence[dict[str, Any]]) -> list[Series]:
@@ -297,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--steps",
         action="append",
         default=[],
-        type=parse_server,
+        type=parse_steps_endpoint,
         metavar="LABEL=URL",
         help="a server's Prometheus endpoint: each run also records the steps it ran and their tokens",
     )
@@ -326,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = format_ab_table(records, args.baseline)
         steps = format_steps_table(records)
         if steps is not None:
-            text += "\n\nSteps each server ran (from its metrics endpoint):\n\n" + steps
+            text += "\n\nSteps each server ran (from its metrics endpoint; bench/step_mix.py):\n\n" + steps
         print(text)
         if args.out_md:
             Path(args.out_md).write_text(text + "\n")

@@ -56,6 +56,7 @@ AB_SHARE=${AB_SHARE:-0.3}         # ab-start: each server's share of the GPU's m
 AB_ROUNDS=${AB_ROUNDS:-2}
 AB_FIRST_ROUND=${AB_FIRST_ROUND:-0}
 AB_BASELINE=${AB_BASELINE:-vllm}
+AB_STEPS=${AB_STEPS:-0}           # ab-start: 1 serves our metrics, and ab-run reads every server's step mix
 SAME_SCHEDULE=${SAME_SCHEDULE:-0} # 1: also drive vllm serve with bench/online.py's schedule and prompts
 VLLM_BENCH=${VLLM_BENCH:-1}       # 0: skip `vllm bench serve` (SAME_SCHEDULE=1: only our schedule drives it)
 DETAILED=${DETAILED:-0}           # 1: per-request lists (TTFT, ITLs, start times) in every result JSON
@@ -116,11 +117,13 @@ ours_py bench/online.py model-dir --config "$CONFIG_JSON" --out "$MODEL_DIR" || 
 
 # Our service as LABEL with GPU memory share UTIL and further launch arguments, log $WORK/LABEL.log; waits for
 # health SERVING (stopping at once if it died). Sets STARTED_PID, STARTED_ADDR and STARTED_METRICS (its Prometheus
-# endpoint); returns 1 if it never served.
+# endpoint with WITH_METRICS=1, else -); returns 1 if it never served. The metrics server stays off by default:
+# with it on, the engine also fills its request histograms (an observation per output token).
 start_ours() {
-  local label=$1 util=$2 port wbase mport
+  local label=$1 util=$2 port wbase mport=0
   shift 2
-  port=$(free_port); wbase=$(free_port); mport=$(free_port)
+  port=$(free_port); wbase=$(free_port)
+  [ "${WITH_METRICS:-0}" = 1 ] && mport=$(free_port)
   part "$label: launch"
   PYTHONPATH="$OURS_PATH" setsid timeout "$SERVER_LIFETIME_S" python3 -m ominix_runtime launch \
     --model "dummy:$MODEL_DIR" --devices "$DEVICE" --port "$port" --metrics-port "$mport" --worker-base-port "$wbase" \
@@ -128,7 +131,8 @@ start_ours() {
     --gpu-memory-utilization "$util" --log-level warning "$@" >"$WORK/$label.log" 2>&1 &
   STARTED_PID=$!
   STARTED_ADDR=127.0.0.1:$port
-  STARTED_METRICS=http://127.0.0.1:$mport/metrics
+  STARTED_METRICS=-
+  [ "$mport" = 0 ] || STARTED_METRICS=http://127.0.0.1:$mport/metrics
   timeout $((READY_S + 30)) env PYTHONPATH="$OURS_PATH" python3 bench/common.py wait-serving "$STARTED_ADDR" \
     --timeout "$READY_S" --watch "ominix-runtime launch ($label):$STARTED_PID:$WORK/$label.log"
 }
@@ -232,10 +236,11 @@ run_vllm() {
 }
 
 # ab-start: vllm serve (when importable), then each AB_OURS service, one after another (each measures the memory
-# the ones before it hold); the servers file lists LABEL PID ADDRESS LOG METRICS-URL, one server a line.
+# the ones before it hold); the servers file lists LABEL PID ADDRESS LOG METRICS-URL (- without AB_STEPS=1), one
+# server a line.
 AB_SERVERS=$WORK/ab_servers
 ab_start() {
-  local n=0 entry label args
+  local n=0 entry label args vllm_metrics
   if [ -s "$AB_SERVERS" ]; then
     echo "ab-start: servers of an earlier ab-start still listed in $AB_SERVERS (run ab-stop first):"
     cat "$AB_SERVERS"; return 1
@@ -247,8 +252,9 @@ ab_start() {
   : >"$AB_SERVERS"
   if vllm_importable; then
     if start_vllm "$AB_SHARE"; then
-      echo "vllm $STARTED_PID http://127.0.0.1:$STARTED_PORT $WORK/vllm.log http://127.0.0.1:$STARTED_PORT/metrics" \
-        >>"$AB_SERVERS"
+      vllm_metrics=-  # vLLM keeps its statistics in any case; AB_STEPS=1 reads them
+      [ "$AB_STEPS" = 1 ] && vllm_metrics=http://127.0.0.1:$STARTED_PORT/metrics
+      echo "vllm $STARTED_PID http://127.0.0.1:$STARTED_PORT $WORK/vllm.log $vllm_metrics" >>"$AB_SERVERS"
       n=1
     else
       echo "ab-start: vllm serve never healthy (see above)"; stop_group "$STARTED_PID" 0; ab_stop; return 1
@@ -261,7 +267,7 @@ ab_start() {
     args=${entry#*=}
     n=$((n + 1))
     # Our share counts every byte in use on the device: the servers before it and this one.
-    if start_ours "$label" "$(awk "BEGIN { print $AB_SHARE * $n }")" $OURS_ARGS $args; then
+    if WITH_METRICS=$AB_STEPS start_ours "$label" "$(awk "BEGIN { print $AB_SHARE * $n }")" $OURS_ARGS $args; then
       echo "$label $STARTED_PID $STARTED_ADDR $WORK/$label.log $STARTED_METRICS" >>"$AB_SERVERS"
     else
       echo "ab-start: $label never SERVING (see above)"; stop_group "$STARTED_PID" 0; ab_stop; return 1
@@ -274,7 +280,8 @@ ab_run() {
   local label pid address log metrics servers=() watches=() count=0
   [ -s "$AB_SERVERS" ] || { echo "ab-run: no servers (run ab-start first)"; return 1; }
   while read -r label pid address log metrics; do
-    servers+=(--server "$label=$address" --steps "$label=$metrics")
+    servers+=(--server "$label=$address")
+    [[ $metrics == http* ]] && servers+=(--steps "$label=$metrics")  # AB_STEPS=1 at ab-start
     watches+=(--watch "$label:$pid:$log")
     count=$((count + 1))
   done <"$AB_SERVERS"

@@ -1,21 +1,25 @@
 """The steps a server ran during one online run, from its Prometheus endpoint: how many, and how many tokens
-each computed on average (prefill and decode together).
+they carried (prefill and decode together).
 
 Two servers can reach the same output rate with different step mixes (few long steps that carry big prefill
-chunks, or many short ones), and the mix decides ITL and TPOT. Both engines count the tokens of every step in
-a histogram: ours ``ominix_scheduler_step_tokens`` (one series per worker), vLLM
-``vllm:iteration_tokens_total``. The endpoint is read before and after a run; the difference is the run's.
+chunks, or many short ones), and the mix decides ITL and TPOT. Both engines keep a step-token histogram, read
+before and after a run; the difference is the run's. They do not count alike:
+- ours, ``ominix_scheduler_step_tokens`` (one series per worker): every worker step, with the tokens it
+  computed (a prefill chunk's own tokens; prefix-cache hits not included);
+- vLLM, ``vllm:iteration_tokens_total``: each engine step that returned output, with the generated tokens and
+  the whole prompt of each request that got its first token in that step (earlier chunks of a chunked prefill
+  count there, not in steps of their own).
+So step counts compare; tokens per step compare only roughly.
 """
 
 from __future__ import annotations
 
-import math
 import urllib.request
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-# The first of these an endpoint has is read: ours, then vLLM's name for the same histogram.
+# The first of these an endpoint has is read: ours, then vLLM's name for the same kind of histogram.
 STEP_TOKEN_HISTOGRAMS = ("ominix_scheduler_step_tokens", "vllm:iteration_tokens_total")
 SCRAPE_TIMEOUT_S = 5.0
 
@@ -30,11 +34,13 @@ class StepTotals:
 
 
 def parse_step_totals(text: str) -> StepTotals | None:
-    """The step totals in a Prometheus text exposition; None when it has no step-token histogram."""
-    samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+    """The step totals in a Prometheus text exposition; None when it has no step-token histogram. A histogram
+    declared with no series yet (a server that has run no step) reads as zero steps."""
+    families = list(text_string_to_metric_families(text))
+    samples = [sample for family in families for sample in family.samples]
     for name in STEP_TOKEN_HISTOGRAMS:
         counts = [s.value for s in samples if s.name == f"{name}_count"]
-        if counts:
+        if counts or any(family.name == name for family in families):
             tokens = sum(s.value for s in samples if s.name == f"{name}_sum")
             return StepTotals(name, sum(counts), tokens)
     return None
@@ -45,15 +51,19 @@ def scrape_step_totals(url: str) -> StepTotals | None:
         return parse_step_totals(response.read().decode())
 
 
-def step_mix(before: StepTotals, after: StepTotals) -> dict[str, float | str]:
-    """What ran between two readings: steps, tokens and tokens per step."""
+def step_mix(before: StepTotals, after: StepTotals) -> dict[str, float | str | None]:
+    """What ran between two readings: steps, tokens and tokens per step (None without a step). Raises
+    ValueError for readings that cannot be of one server's run: another histogram, or counts that went back
+    (the server started again)."""
     if before.histogram != after.histogram:
         raise ValueError(f"two readings of different histograms: {before.histogram}, {after.histogram}")
     steps = after.steps - before.steps
     tokens = after.tokens - before.tokens
+    if steps < 0 or tokens < 0:
+        raise ValueError(f"the step counts went back ({before} -> {after}): did the server start again?")
     return {
         "histogram": after.histogram,
         "steps": steps,
         "tokens": tokens,
-        "tokens_per_step": tokens / steps if steps > 0 else math.nan,
+        "tokens_per_step": tokens / steps if steps > 0 else None,
     }

@@ -104,6 +104,7 @@ def test_ab_stages_drive_resident_servers_in_turn(tmp_path: Path) -> None:
         MAX_NUM_SEQS="16",
         MAX_BATCH_TOKENS="512",
         AB_ROUNDS="2",
+        AB_STEPS="1",
         VLLM_READY_S="60",
     )
 
@@ -144,13 +145,14 @@ def test_ab_stages_drive_resident_servers_in_turn(tmp_path: Path) -> None:
                 assert steps["tokens"] == result["total_output_tokens"] + result["total_input_tokens"]
             else:  # the engine's own histogram: each request's 5 tokens take at least 4 decode steps after its prefill
                 assert steps["histogram"] == "ominix_scheduler_step_tokens" and steps["steps"] >= 5, record
+                assert steps["tokens"] <= result["total_input_tokens"] + result["total_output_tokens"], record
         table = (tmp_path / "results" / "ab_table.md").read_text().splitlines()
         for label in ("fast", "slow"):
             pair = next(line for line in table if line.startswith(f"| {label}/vllm "))
             assert pair.count("/2") == 8, pair  # every figure paired in both rounds
             ran = next(line for line in table if line.startswith(f"| {label} "))
             assert "| 2 " in ran and "| 0 " in ran, ran  # two rounds, nothing failed
-        steps_at = table.index("Steps each server ran (from its metrics endpoint):")
+        steps_at = next(i for i, line in enumerate(table) if line.startswith("Steps each server ran"))
         assert {line.split("|")[1].strip() for line in table[steps_at + 4 :]} == {"vllm", "fast", "slow"}
         # Servers still up: a second ab-start refuses (it would lose track of them); a run over the same rounds
         # refuses (same seeds: it could be served from the prefix caches the first one filled).
@@ -234,6 +236,14 @@ def test_step_totals_are_read_from_either_engines_histogram() -> None:
         "tokens": 100,
         "tokens_per_step": 100,
     }
+    with pytest.raises(ValueError, match="went back"):  # a server that started again between the readings
+        step_mix.step_mix(after, before)  # type: ignore[arg-type]
+    # declared, no series yet (no step run): zero steps, not "no histogram"
+    empty = CollectorRegistry()
+    Histogram("ominix_scheduler_step_tokens", "t", ["worker_id"], buckets=[8], registry=empty)
+    assert step_mix.parse_step_totals(generate_latest(empty).decode()) == step_mix.StepTotals(
+        "ominix_scheduler_step_tokens", 0, 0
+    )
     vllm = (
         "# TYPE vllm:iteration_tokens_total histogram\n"
         'vllm:iteration_tokens_total_bucket{engine="0",le="+Inf",model_name="m"} 7.0\n'
@@ -242,9 +252,41 @@ def test_step_totals_are_read_from_either_engines_histogram() -> None:
     )
     reading = step_mix.parse_step_totals(vllm)
     assert reading == step_mix.StepTotals("vllm:iteration_tokens_total", 7, 70)
-    assert math.isnan(step_mix.step_mix(reading, reading)["tokens_per_step"])  # type: ignore[arg-type]
+    assert step_mix.step_mix(reading, reading)["tokens_per_step"] is None  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="different histograms"):
         step_mix.step_mix(before, reading)  # type: ignore[arg-type]
     assert step_mix.parse_step_totals("# TYPE up gauge\nup 1.0\n") is None
-    unreachable = asyncio.run(online_ab.read_steps("http://127.0.0.1:1/metrics"))
-    assert isinstance(unreachable, str) and "127.0.0.1:1" in unreachable
+    for url in (
+        "http://127.0.0.1:1/metrics",
+        "http://127.0.0.1:abc/metrics",
+    ):  # refused; an http.client error
+        unreadable = asyncio.run(online_ab.read_steps(url))
+        assert isinstance(unreadable, str) and url in unreadable
+    assert online_ab.steps_of_run(before, "gone") == {"error": "gone"}  # type: ignore[arg-type]
+    assert "different histograms" in online_ab.steps_of_run(before, reading)["error"]  # type: ignore[arg-type]
+
+
+def test_steps_table_counts_unread_runs_and_runs_without_a_step(tmp_path: Path) -> None:
+    """A run with no step (tokens per step null once written) and a run whose endpoint could not be read both
+    reach the table, after a round trip through the run file, without stopping it."""
+    records = [_record(label, r, 4.0, 30.0, 1000.0) for label in ("ours", "vllm") for r in (0, 1)]
+    for record in records:
+        record["result"]["duration"] = 10.0  # type: ignore[index]
+    records[0]["steps"] = {"histogram": "h", "steps": 500.0, "tokens": 5000.0, "tokens_per_step": 10.0}
+    records[1]["steps"] = {"histogram": "h", "steps": 0.0, "tokens": 0.0, "tokens_per_step": None}
+    records[2]["steps"] = {"error": "http://127.0.0.1:1/metrics: refused"}
+    runs = tmp_path / "ab.json"
+    from bench.common import write_json
+
+    write_json(str(runs), records)
+    text = online_ab.format_steps_table(online_ab.load_records([runs]))
+    assert text is not None
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in text.splitlines()[2:]}
+    header = [c.strip() for c in text.splitlines()[0].split("|")]
+    ours = [c.strip() for c in rows[("ours", "4")].split("|")]
+    assert ours[header.index("runs read")] == "2" and ours[header.index("not read")] == "0"
+    assert ours[header.index("steps")] == "250 (0–500)" and ours[header.index("steps/s")] == "25.0 (0.0–50.0)"
+    assert ours[header.index("tokens/step")] == "10.0"  # the run without a step has no tokens per step
+    vllm = [c.strip() for c in rows[("vllm", "4")].split("|")]
+    assert vllm[header.index("runs read")] == "0" and vllm[header.index("not read")] == "1"
+    assert online_ab.format_steps_table([_record("ours", 0, 4.0, 30.0, 1000.0)]) is None
