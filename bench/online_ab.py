@@ -255,7 +255,8 @@ def format_ab_table(records: Sequence[dict[str, Any]], baseline: str) -> str:
 
 def format_steps_table(records: Sequence[dict[str, Any]]) -> str | None:
     """Per rate and server with step readings: the runs read and not read, and the median over the runs read
-    (range) of the steps run, steps a second and tokens per step; None when no run tried a reading."""
+    (range) of the steps run, steps a second, tokens per step and preemptions; None when no run tried a
+    reading."""
     tried = [r for r in records if "steps" in r]
     if not tried:
         return None
@@ -273,6 +274,7 @@ def format_steps_table(records: Sequence[dict[str, Any]]) -> str | None:
             tokens = [
                 r["steps"]["tokens_per_step"] for r in read if r["steps"]["tokens_per_step"] is not None
             ]
+            preempted = [r["steps"]["preemptions"] for r in read if r["steps"].get("preemptions") is not None]
             rows.append(
                 [
                     label,
@@ -282,9 +284,11 @@ def format_steps_table(records: Sequence[dict[str, Any]]) -> str | None:
                     _range(steps, 0) if steps else "-",
                     _range(per_s, 1) if per_s else "-",
                     _range(tokens, 1) if tokens else "-",
+                    _range(preempted, 0) if preempted else "-",
                 ]
             )
-    return format_table(rows, ["server", "rate", "runs read", "not read", "steps", "steps/s", "tokens/step"])
+    header = ["server", "rate", "runs read", "not read", "steps", "steps/s", "tokens/step", "preemptions"]
+    return format_table(rows, header)
 
 
 def median_series(records: Sequence[dict[str, Any]]) -> list[Series]:

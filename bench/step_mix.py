@@ -9,7 +9,9 @@ before and after a run; the difference is the run's. They do not count alike:
 - vLLM, ``vllm:iteration_tokens_total``: each engine step that returned output, with the generated tokens and
   the whole prompt of each request that got its first token in that step (earlier chunks of a chunked prefill
   count there, not in steps of their own).
-So step counts compare; tokens per step compare only roughly.
+So step counts compare; tokens per step compare only roughly. The readings also take each engine's count of
+requests preempted to free KV (recomputed later: each is a long gap in its stream); ours refreshes it from the
+workers every half second, so a preemption in a run's last moments may count in the next run.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 # The first of these an endpoint has is read: ours, then vLLM's name for the same kind of histogram.
 STEP_TOKEN_HISTOGRAMS = ("ominix_scheduler_step_tokens", "vllm:iteration_tokens_total")
+PREEMPTION_COUNTERS = {  # the counter sample read beside each histogram
+    "ominix_scheduler_step_tokens": "ominix_preemptions_total",
+    "vllm:iteration_tokens_total": "vllm:num_preemptions_total",
+}
 SCRAPE_TIMEOUT_S = 5.0
 
 
@@ -31,6 +37,7 @@ class StepTotals:
     histogram: str
     steps: float
     tokens: float
+    preemptions: float | None = None  # None: the endpoint has no preemption counter
 
 
 def parse_step_totals(text: str) -> StepTotals | None:
@@ -42,7 +49,8 @@ def parse_step_totals(text: str) -> StepTotals | None:
         counts = [s.value for s in samples if s.name == f"{name}_count"]
         if counts or any(family.name == name for family in families):
             tokens = sum(s.value for s in samples if s.name == f"{name}_sum")
-            return StepTotals(name, sum(counts), tokens)
+            preempted = [s.value for s in samples if s.name == PREEMPTION_COUNTERS[name]]
+            return StepTotals(name, sum(counts), tokens, sum(preempted) if preempted else None)
     return None
 
 
@@ -52,18 +60,23 @@ def scrape_step_totals(url: str) -> StepTotals | None:
 
 
 def step_mix(before: StepTotals, after: StepTotals) -> dict[str, float | str | None]:
-    """What ran between two readings: steps, tokens and tokens per step (None without a step). Raises
+    """What ran between two readings: steps, tokens, tokens per step (None without a step) and preemptions
+    (None without a counter in both readings). Raises
     ValueError for readings that cannot be of one server's run: another histogram, or counts that went back
     (the server started again)."""
     if before.histogram != after.histogram:
         raise ValueError(f"two readings of different histograms: {before.histogram}, {after.histogram}")
     steps = after.steps - before.steps
     tokens = after.tokens - before.tokens
-    if steps < 0 or tokens < 0:
+    preemptions = None
+    if before.preemptions is not None and after.preemptions is not None:
+        preemptions = after.preemptions - before.preemptions
+    if steps < 0 or tokens < 0 or (preemptions is not None and preemptions < 0):
         raise ValueError(f"the step counts went back ({before} -> {after}): did the server start again?")
     return {
         "histogram": after.histogram,
         "steps": steps,
         "tokens": tokens,
         "tokens_per_step": tokens / steps if steps > 0 else None,
+        "preemptions": preemptions,
     }

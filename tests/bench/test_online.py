@@ -284,6 +284,8 @@ async def metrics(request):
         f'{name}_bucket{{{series},le="+Inf"}} {steps["count"]}.0',
         f"{name}_count{{{series}}} {steps['count']}.0",
         f"{name}_sum{{{series}}} {steps['tokens']}.0",
+        "# TYPE vllm:num_preemptions_total counter",
+        f"vllm:num_preemptions_total{{{series}}} 0.0",
     ]
     return web.Response(text="\\n".join(lines) + "\\n")
 

@@ -139,6 +139,7 @@ def test_ab_stages_drive_resident_servers_in_turn(tmp_path: Path) -> None:
         for record in records:  # every run's steps, from each server's metrics endpoint
             steps, result = record["steps"], record["result"]
             assert steps["steps"] > 0 and steps["tokens_per_step"] == steps["tokens"] / steps["steps"], record
+            assert steps["preemptions"] == 0, record  # KV enough for every request: nothing preempted
             if record["label"] == "vllm":  # the stand-in counts a step per generated token
                 assert steps["histogram"] == "vllm:iteration_tokens_total"
                 assert steps["steps"] == result["total_output_tokens"]
@@ -215,7 +216,7 @@ def test_step_totals_are_read_from_either_engines_histogram() -> None:
     the difference of two readings; an endpoint that cannot be read leaves the run a reason, not a crash."""
     import asyncio
 
-    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
     from bench import step_mix
 
@@ -223,18 +224,22 @@ def test_step_totals_are_read_from_either_engines_histogram() -> None:
     tokens = Histogram(
         "ominix_scheduler_step_tokens", "t", ["worker_id"], buckets=[8, 512], registry=registry
     )
+    preempted = Counter("ominix_preemptions", "p", ["worker_id"], registry=registry)
+    preempted.labels(worker_id="0").inc(2)
     for worker, values in (("0", [4, 600]), ("1", [10])):
         for value in values:
             tokens.labels(worker_id=worker).observe(value)
     before = step_mix.parse_step_totals(generate_latest(registry).decode())
-    assert before == step_mix.StepTotals("ominix_scheduler_step_tokens", 3, 614)
+    assert before == step_mix.StepTotals("ominix_scheduler_step_tokens", 3, 614, 2)
     tokens.labels(worker_id="1").observe(100)
+    preempted.labels(worker_id="1").inc()
     after = step_mix.parse_step_totals(generate_latest(registry).decode())
     assert step_mix.step_mix(before, after) == {  # type: ignore[arg-type]
         "histogram": "ominix_scheduler_step_tokens",
         "steps": 1,
         "tokens": 100,
         "tokens_per_step": 100,
+        "preemptions": 1,
     }
     with pytest.raises(ValueError, match="went back"):  # a server that started again between the readings
         step_mix.step_mix(after, before)  # type: ignore[arg-type]
@@ -251,7 +256,10 @@ def test_step_totals_are_read_from_either_engines_histogram() -> None:
         'vllm:iteration_tokens_total_sum{engine="0",model_name="m"} 70.0\n'
     )
     reading = step_mix.parse_step_totals(vllm)
-    assert reading == step_mix.StepTotals("vllm:iteration_tokens_total", 7, 70)
+    assert reading == step_mix.StepTotals("vllm:iteration_tokens_total", 7, 70)  # no preemption counter
+    counted = step_mix.parse_step_totals(vllm + 'vllm:num_preemptions_total{engine="0",model_name="m"} 4.0\n')
+    assert counted == step_mix.StepTotals("vllm:iteration_tokens_total", 7, 70, 4)
+    assert step_mix.step_mix(reading, counted)["preemptions"] is None  # type: ignore[arg-type]
     assert step_mix.step_mix(reading, reading)["tokens_per_step"] is None  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="different histograms"):
         step_mix.step_mix(before, reading)  # type: ignore[arg-type]
@@ -272,8 +280,12 @@ def test_steps_table_counts_unread_runs_and_runs_without_a_step(tmp_path: Path) 
     records = [_record(label, r, 4.0, 30.0, 1000.0) for label in ("ours", "vllm") for r in (0, 1)]
     for record in records:
         record["result"]["duration"] = 10.0  # type: ignore[index]
-    records[0]["steps"] = {"histogram": "h", "steps": 500.0, "tokens": 5000.0, "tokens_per_step": 10.0}
-    records[1]["steps"] = {"histogram": "h", "steps": 0.0, "tokens": 0.0, "tokens_per_step": None}
+    records[0]["steps"] = {
+        "histogram": "h", "steps": 500.0, "tokens": 5000.0, "tokens_per_step": 10.0, "preemptions": 3.0
+    }  # fmt: skip
+    records[1]["steps"] = {
+        "histogram": "h", "steps": 0.0, "tokens": 0.0, "tokens_per_step": None, "preemptions": None
+    }  # fmt: skip
     records[2]["steps"] = {"error": "http://127.0.0.1:1/metrics: refused"}
     runs = tmp_path / "ab.json"
     from bench.common import write_json
@@ -287,6 +299,7 @@ def test_steps_table_counts_unread_runs_and_runs_without_a_step(tmp_path: Path) 
     assert ours[header.index("runs read")] == "2" and ours[header.index("not read")] == "0"
     assert ours[header.index("steps")] == "250 (0–500)" and ours[header.index("steps/s")] == "25.0 (0.0–50.0)"
     assert ours[header.index("tokens/step")] == "10.0"  # the run without a step has no tokens per step
+    assert ours[header.index("preemptions")] == "3"  # nor a preemption count
     vllm = [c.strip() for c in rows[("vllm", "4")].split("|")]
     assert vllm[header.index("runs read")] == "0" and vllm[header.index("not read")] == "1"
     assert online_ab.format_steps_table([_record("ours", 0, 4.0, 30.0, 1000.0)]) is None
