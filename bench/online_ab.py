@@ -68,11 +68,20 @@ class Server:
     address: str
 
 
-def parse_server(text: str) -> Server:
+def _labelled(text: str, usage: str) -> Server:
     label, sep, address = text.partition("=")
     if not sep or not label or not address:
-        raise argparse.ArgumentTypeError(f"a server is LABEL=ADDRESS, got {text!r}")
+        raise argparse.ArgumentTypeError(f"{usage}, got {text!r}")
     return Server(label, address)
+
+
+def parse_server(text: str) -> Server:
+    return _labelled(text, "a server is LABEL=ADDRESS")
+
+
+def parse_steps_endpoint(text: str) -> Server:
+    """--steps LABEL=URL: the labelled server's Prometheus endpoint (as its address)."""
+    return _labelled(text, "--steps is LABEL=URL (a server's Prometheus endpoint)")
 
 
 def run_order(servers: Sequence[Server], round_index: int, rate_index: int) -> list[Server]:
@@ -104,15 +113,6 @@ def steps_of_run(before: StepTotals | str, after: StepTotals | str) -> dict[str,
         return step_mix(before, after)
     except ValueError as exc:
         return {"error": str(exc)}
-
-
-def parse_steps_endpoint(text: str) -> Server:
-    label, sep, url = text.partition("=")
-    if not sep or not label or not url:
-        raise argparse.ArgumentTypeError(
-            f"--steps is LABEL=URL (a server's Prometheus endpoint), got {text!r}"
-        )
-    return Server(label, url)
 
 
 async def run_rounds(servers: Sequence[Server], args: argparse.Namespace) -> list[dict[str, Any]]:

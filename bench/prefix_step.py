@@ -139,8 +139,8 @@ def host_launch(
             check_outputs(result)
         if finish is not None:
             StepClock(runner).run(finish, keep=False)
-    if profiler is not None and pstats_path:
-        profiler.dump_stats(pstats_path)
+    if profiler is not None:
+        profiler.dump_stats(str(pstats_path))
         print(f"--- cProfile of {len(steps)} launches (also in {pstats_path})")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     return summary(times)

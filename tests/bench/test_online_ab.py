@@ -35,6 +35,8 @@ def test_run_order_turns_every_server_through_every_place() -> None:
     assert online_ab.parse_server("ours=http://h:1") == online_ab.Server("ours", "http://h:1")
     with pytest.raises(Exception, match="LABEL=ADDRESS"):
         online_ab.parse_server("127.0.0.1:1")
+    with pytest.raises(Exception, match="--steps is LABEL=URL"):
+        online_ab.parse_steps_endpoint("http://127.0.0.1:1/metrics")
 
 
 def _record(label: str, round_index: int, rate: float, ttft: float, tokens: float) -> dict[str, object]:
