@@ -6,6 +6,7 @@
 #   bash bench/gpu_service.sh                       # on the GPU machine, from the repository root
 #   STAGES="env overhead" bash bench/gpu_service.sh # engine overhead: three runs, GPU busy + next_ready each
 #   STAGES="prefix" bash bench/gpu_service.sh       # warm shared-prefix TTFT by hop, --front-procs 1 and 0
+#   STAGES="gaps" GAPS_VARIANTS="default=;early=|--early-results" bash bench/gpu_service.sh  # the ITL tail
 #   DEVICE=cpu MODEL=dummy:/path/tiny.json OFFLINE_ARGS="--num-requests 8 ..." STAGES="service" bash bench/gpu_service.sh
 #
 # Carried wheels (.whl/, when present) go to /tmp/site; results and logs land in ${OUT:-/tmp/ominix_service}.
@@ -135,6 +136,40 @@ run_prefix() {
   SERVE_ARGS=$saved_serve
 }
 
+# The ITL tail at a moderate rate, step by step: for each GAPS_VARIANTS entry (LABEL=SERVE-ARGS[|WORKER-ARGS],
+# ';'-separated), one service (worker through the step probe, no profiler window) driven by bench/online.py at
+# GAPS_RATE req/s with per-request lists; bench/step_gaps.py then matches the longest client gaps with the
+# worker's steps. E.g. GAPS_VARIANTS="default=;early=|--early-results;ll0=--light-load-below-running 0".
+run_gaps() {
+  local saved_out=$OMINIX_PROFILE_OUT saved_serve=$SERVE_ARGS saved_batches=$OMINIX_PROFILE_BATCHES
+  local saved_prefill=$OMINIX_PROFILE_PREFILL_TOKENS saved_worker=$WORKER_ARGS out=$OUT/gaps entry label args
+  mkdir -p "$out"
+  # No profiler window, and the probe's log written only at exit: a periodic write stalls the device thread.
+  export OMINIX_PROFILE_BATCHES="" OMINIX_PROFILE_PREFILL_TOKENS=0 OMINIX_PROFILE_WRITE_EVERY=0
+  IFS=';' read -ra entries <<<"${GAPS_VARIANTS:-default=}"
+  for entry in "${entries[@]}"; do
+    label=${entry%%=*}; args=${entry#*=}
+    WORKER_ARGS=$saved_worker
+    [[ $args == *"|"* ]] && { WORKER_ARGS="$saved_worker ${args#*|}"; args=${args%%|*}; }
+    export OMINIX_PROFILE_OUT=$out/probe_$label.json
+    SERVE_ARGS="$saved_serve $args"
+    if start_service; then
+      timeout 200 python3 bench/online.py run --address "127.0.0.1:$EPORT" --rates "${GAPS_RATE:-8}" \
+        --seconds "${GAPS_SECONDS:-20}" --input-len "${GAPS_INPUT_LEN:-1024}" --output-len "${GAPS_OUTPUT_LEN:-256}" --warmup-requests 16 --no-progress \
+        --save-detailed --label "$label" --out-json "$out/online_$label.json" 2>&1 | grep -E "rate|ok" | tail -2
+    fi
+    stop_service >/dev/null
+    if [ -s "$out/online_$label.json" ] && [ -s "$out/probe_$label.json" ]; then
+      python3 bench/step_gaps.py "$out/probe_$label.json" "$out/online_$label.json" 2>&1 | tail -40
+    else
+      echo "$label: no run to match (see above)"
+    fi
+  done
+  export OMINIX_PROFILE_OUT=$saved_out OMINIX_PROFILE_BATCHES=$saved_batches OMINIX_PROFILE_PREFILL_TOKENS=$saved_prefill
+  unset OMINIX_PROFILE_WRITE_EVERY
+  SERVE_ARGS=$saved_serve WORKER_ARGS=$saved_worker
+}
+
 BW_ARGS=""
 for stage in $STAGES; do
   echo "=== $stage $(date -u +%FT%TZ)"
@@ -155,6 +190,8 @@ for stage in $STAGES; do
       run_overhead ;;
     prefix)
       run_prefix ;;
+    gaps)
+      run_gaps ;;
     peer)
       timeout ${PEER_S:-240} python3 bench/peer_hf.py --batch 128 --json "$OUT/peer_hf.json" 2>&1 \
         | grep -v -E "it/s\]|Loading" | tail -4 ;;

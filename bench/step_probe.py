@@ -16,8 +16,8 @@ Runs: with ``OMINIX_PROFILE_GATE`` set, windows open only while that file exists
 profiler stalls the worker for a moment, which must stay out of timed runs); its content is a run label, and
 each new label arms one window per batch size again, so one service measures several runs back to back
 (``STAGES=overhead bash bench/gpu_service.sh``: three). Windows are keyed ``LABEL/decode_batch_N``.
-``OMINIX_PROFILE_OUT`` names the JSON written (rewritten every 64 steps outside a window, after each window and
-at exit).
+``OMINIX_PROFILE_OUT`` names the JSON written (rewritten every ``OMINIX_PROFILE_WRITE_EVERY`` steps outside a
+window, 64 unless set, 0 never; after each window and at exit).
 
 The probe's own garbage stays out of the windows. ``torch.profiler`` keeps itself and every event it read alive
 in reference cycles after a window; a later full collection freed them in the middle of the next window (95 –
@@ -95,6 +95,10 @@ class StepProbe:
         self._gc_started = 0.0
         # perf_counter bounds of the open window's steps: when it opened, when its latest step left
         self._window_span = (0.0, 0.0)
+        self.unix_minus_perf = time.time() - time.perf_counter()
+        # The JSON is rewritten every this many steps outside a window (0: only after windows and at exit). Each
+        # write holds the device thread for the whole growing log: tens of ms after 2,000 steps.
+        self.write_every = int(os.environ.get("OMINIX_PROFILE_WRITE_EVERY", "64"))
 
     def _read_gate(self) -> bool:
         """Whether windows may open; a new label in the gate file re-arms one window per shape."""
@@ -245,7 +249,7 @@ class StepProbe:
             self.active[1].step()  # no local name for the profiler: closing frees it
             if taken[0] >= warmup + recorded:
                 self._close()
-        if len(self.steps) % 64 == 0 and self.active is None:
+        if self.write_every and len(self.steps) % self.write_every == 0 and self.active is None:
             self.write()
         return result
 
@@ -314,6 +318,8 @@ class StepProbe:
             "marks": self.marks,
             "gc_pauses": self.gc_pauses,
             "prefill_tokens": self.prefill_tokens,
+            # One reading of both clocks: perf_counter + this offset is Unix time (a client's log is in Unix time).
+            "unix_minus_perf": self.unix_minus_perf,
         }
         Path(self.out).write_text(json.dumps(payload))
 

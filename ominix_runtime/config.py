@@ -164,6 +164,9 @@ class WorkerConfig:
     dist_init_addr: str | None = None  # HOST:PORT where rank 0 gathers its group
     dist_timeout: float = DEFAULT_DIST_TIMEOUT_S
     moe_parallel: str = "tensor"  # how a group splits MoE layers: tensor (slices) or expert (whole experts)
+    # CUDA: a finished step's result leaves while the eager step after it is still being launched (off: after
+    # that launch). Off by default: measured both ways on an H200 (bench/RESULTS.md, 2026-11-29 19:53 - 20:10).
+    early_results: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -527,6 +527,14 @@ FLAGS: tuple[Flag, ...] = (
         lowercase_choice(("torch", "triton", "ascend")),
     ),
     Flag(
+        "--early-results",
+        "worker",
+        "CUDA: a step's tokens leave as soon as they are on the host, while the prefill or mixed step after it "
+        "is still being launched (off: once that launch ends)",
+        ("worker.early_results",),
+        switch=True,
+    ),
+    Flag(
         "--num-threads",
         "worker-process",
         "CPU threads for torch (0: torch's default); lower it when several workers share the cores",

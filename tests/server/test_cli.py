@@ -106,8 +106,10 @@ def test_launch_passes_every_worker_flag_on() -> None:
         "4",
         "--log-format",
         "json",
+        "--early-results",
     ]
     config, _ = resolve(LAUNCH, argv, env={})
+    assert config.worker.early_results
     plans = plan_workers(config, [41000, 41001], "nonce")
     for i, plan in enumerate(plans):
         (argv,) = plan.argvs

@@ -14,6 +14,7 @@ from ominix_runtime.contract import (
     RunningRequestData,
     RuntimeErrorKind,
     SamplingParams,
+    StepResult,
 )
 from ominix_worker.runner import ModelRunner, _extend_slots, build_runner, warm_up_token_counts
 
@@ -206,6 +207,61 @@ def test_overlapped_eager_steps_match_the_synchronous_ones(runner: ModelRunner) 
     assert overlapped == synchronous
     assert dict(overlapped[1][1])["b"] is None and dict(overlapped[2][1])["b"] is not None
     assert all(token is None or token >= 0 for _, outs in overlapped for _, token in outs)
+
+
+def test_a_pending_result_leaves_during_the_next_eager_launch(runner: ModelRunner) -> None:
+    """With ``post_result`` set, the step before an overlapped eager step is finished between that step's
+    layers, once its ids are on the host (here at once), and handed out before ``execute_step`` returns; the
+    results are the synchronous ones, each once and in step order. ``early_results`` off (the default): none
+    leaves early."""
+    steps = [
+        DecodeStep(1, new_requests=[NewRequestData("a", list(range(10, 30)), seeded(5), [1, 2], 0, 20, 0)]),
+        DecodeStep(
+            2,
+            new_requests=[NewRequestData("b", list(range(40, 70)), seeded(6), [3, 4], 0, 30, 0)],
+            running_requests=[RunningRequestData("a", [], 1)],
+        ),
+        *[
+            DecodeStep(s, running_requests=[RunningRequestData("a", [], 1), RunningRequestData("b", [], 1)])
+            for s in range(3, 6)
+        ],
+    ]
+    saved = runner.overlap_steps, runner.pipeline_eager, runner.early_results, runner.post_result
+    posted: list[StepResult] = []
+    launching: list[int] = []  # the step in execute_step now
+    during: list[int] = []  # the step in execute_step when each early result left
+
+    def record(result: StepResult) -> None:
+        posted.append(result)
+        during.append(launching[-1])
+
+    try:
+        runner.overlap_steps, runner.pipeline_eager = False, False
+        synchronous = run_steps(runner, steps)
+        runner.overlap_steps, runner.pipeline_eager, runner.post_result = True, True, record
+        runner.early_results = True
+        runner.reset()
+        results: list[StepResult] = []
+        for step in steps:
+            launching.append(step.step_id)
+            assert runner.execute_step(step) is None
+            results += runner.take_results()
+        runner.finish_pending()
+        results += runner.take_results()
+        early_ids = [r.step_id for r in posted]
+        runner.early_results = False
+        late = run_steps(runner, steps)
+        assert not posted[len(early_ids) :]  # nothing left early with the switch off
+    finally:
+        runner.overlap_steps, runner.pipeline_eager, runner.early_results, runner.post_result = saved
+        runner.reset()
+    assert early_ids == [1, 2, 3, 4]  # each during the launch of the step after it
+    assert during == [2, 3, 4, 5]
+    assert [r.step_id for r in results] == [5]
+    combined = [
+        (r.step_id, [(o.request_id, o.sampled_token_id) for o in r.outputs]) for r in posted + results
+    ]
+    assert combined == synchronous == late
 
 
 def test_a_placeholder_needs_the_pending_ids(runner: ModelRunner) -> None:

@@ -29,6 +29,7 @@ class ScriptedRunner:
         self.pipelined = pipelined
         self.fail_steps = fail_steps
         self.overlap_steps = False
+        self.post_result: Callable[[StepResult], None] | None = None
         self.executed: list[int] = []
         self.announced: list[int] = []
         self.resets = 0

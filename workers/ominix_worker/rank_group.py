@@ -21,6 +21,7 @@ import queue
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import fields
 from datetime import timedelta
 from enum import IntEnum
@@ -153,6 +154,14 @@ class GroupLeader:
     @overlap_steps.setter
     def overlap_steps(self, value: bool) -> None:
         self.runner.overlap_steps = value
+
+    @property
+    def post_result(self) -> Callable[[StepResult], None] | None:
+        return self.runner.post_result
+
+    @post_result.setter
+    def post_result(self, value: Callable[[StepResult], None] | None) -> None:
+        self.runner.post_result = value
 
     def can_overlap(self) -> bool:
         return self.runner.can_overlap()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -179,6 +179,13 @@ class ModelRunner:
         # Eager steps (prefill, mixed) overlapped too (off with ``OMINIX_PIPELINE_EAGER=0``): launched before the
         # previous step's ids reach the host, their own ids copied back while the next step is prepared.
         self.pipeline_eager = True
+        # While an overlapped eager step launches, the step before it is polled between layers and its result
+        # handed to ``post_result`` (set by the step loop) once its ids are on the host; otherwise it leaves
+        # after that launch, which took 15 - 30 ms for a 1,024-token prompt on an H200 host (``--early-results``;
+        # bench/RESULTS.md, 2026-11-29 19:53 - 20:10).
+        self.early_results = False
+        self.post_result: Callable[[StepResult], None] | None = None
+        self._early: PendingStep | None = None  # the step whose result may leave during the current launch
         self._pending: PendingStep | None = None
         self._results: list[StepResult] = []
 
@@ -414,7 +421,9 @@ class ModelRunner:
         else:
             inputs = self._prepare_inputs(rows, prev_tokens)
             sampling_rows = inputs.sampling_rows
-            sampled = self._sample(self._forward(inputs), inputs)
+            sampled, posted = self._launch_posting_early(inputs, previous)
+            if posted:
+                previous = None
         for row in rows:
             if not row.samples:  # the sampling rows are booked by _defer
                 row.request.num_computed_tokens = row.end
@@ -426,6 +435,34 @@ class ModelRunner:
             self._results.append(self._finish(previous))
         if sampled is None:
             self._results.append(self._step_result(step_id, order, outputs, num_tokens, started))
+
+    def _launch_posting_early(
+        self, inputs: StepInputs, previous: PendingStep | None
+    ) -> tuple[SamplerOutput | None, bool]:
+        """Launch an eager step's forward and sampling; between its layers, ``previous``'s result leaves
+        through ``post_result`` as soon as its ids are on the host. Returns the sampled output and whether
+        ``previous`` was posted (it is no longer pending then)."""
+        if previous is None or self.post_result is None or not self.early_results or self._results:
+            return self._sample(self._forward(inputs), inputs), False
+        self._early = previous
+        self.model.between_layers = self._post_early_if_done
+        try:
+            sampled = self._sample(self._forward(inputs), inputs)
+        finally:
+            self.model.between_layers = None
+            posted = self._early is None
+            self._early = None
+        return sampled, posted
+
+    def _post_early_if_done(self) -> None:
+        early = self._early
+        if early is None or not early.done.query():
+            return
+        self._early = None
+        if self._pending is early:
+            self._pending = None  # a failure later in this launch must not finish it twice
+        assert self.post_result is not None
+        self.post_result(self._finish(early))
 
     def _decode_graph(self, rows: list[ScheduledRow]) -> dict[str, RequestOutput]:
         """Pure decode replayed from a captured graph."""

@@ -283,6 +283,7 @@ def load_worker(
     graphs = runner.capture_decode_graphs() if debug.cuda_graphs else False
     runner.pipeline_decode = debug.pipeline
     runner.pipeline_eager = debug.pipeline_eager
+    runner.early_results = args.early_results
     warming.close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)

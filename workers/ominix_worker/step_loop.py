@@ -7,7 +7,8 @@ loop knows nothing of gRPC or protobuf, so it is tested with a bare runner.
 
 Pipelined decode (CUDA): the runner may launch step N+1 before step N's sampled ids reach the host. While
 such a step is pending and no next step is queued, the loop polls every ``PENDING_POLL_S`` whether its ids
-arrived, so its result is emitted without waiting for the next step.
+arrived, so its result is emitted without waiting for the next step; while a long eager step launches, the
+runner itself hands step N's result to ``post_result`` as soon as its ids are in.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class StepRunner(Protocol):
     """What the loop needs of a model runner (ominix_worker.runner.ModelRunner)."""
 
     overlap_steps: bool
+    # Set by the loop while it runs: a result that may leave before ``execute_step`` returns (the step before
+    # a long eager launch, once its ids are on the host) goes here, ahead of every later one.
+    post_result: Callable[[StepResult], None] | None
 
     def can_overlap(self) -> bool: ...
 
@@ -130,6 +134,7 @@ class StepLoop:
         """Execute steps until ``close``; then drop every request's state (the stream is over)."""
         runner = self._runner
         runner.overlap_steps = runner.can_overlap()
+        runner.post_result = self._emit
         try:
             while True:
                 arrival = self._next_arrival()
@@ -142,6 +147,7 @@ class StepLoop:
                     continue
                 self._execute(arrival.step_id, arrival.step)
         finally:
+            runner.post_result = None
             runner.reset()
             self._emit(None)
 

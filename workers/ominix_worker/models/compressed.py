@@ -304,6 +304,7 @@ class LlamaCompressedForCausalLM(LlamaForCausalLM):
         if len(kv_caches) != self.config.num_kv_cache_layers:
             raise ValueError(f"{len(kv_caches)} KV tensors for {self.config.num_kv_cache_layers}")
         hidden = self.embed_tokens(input_ids)
+        between = self.between_layers
         for i, layer in enumerate(self.layers):
             raw = metas[self.layer_kv_groups[i]]
             if self.row_groups[i] < 0:
@@ -311,6 +312,8 @@ class LlamaCompressedForCausalLM(LlamaForCausalLM):
             else:
                 rows = kv_caches[self.row_cache_index[i]]
                 hidden = layer(hidden, positions, kv_caches[i], raw, rows, metas[self.row_groups[i]])
+            if between is not None:
+                between()
         return self.norm(hidden)
 
 

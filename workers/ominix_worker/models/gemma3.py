@@ -130,8 +130,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         # The scale rounded to the run dtype first, as the reference does; a host float, so that CUDA-graph
         # capture sees no host-to-device copy.
         hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype).item()
+        between = self.between_layers
         for layer, kv_cache, g in zip(self.layers, kv_caches, self.layer_kv_groups, strict=True):
             hidden = layer(hidden, positions, kv_cache, metas[g])
+            if between is not None:
+                between()
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

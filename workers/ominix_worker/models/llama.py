@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from types import ModuleType
 from typing import ClassVar
@@ -385,6 +385,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Called after each layer's launch while set (the runner's poll for an earlier step's result during a
+        # long eager launch); host work only, never inside a captured graph.
+        self.between_layers: Callable[[], None] | None = None
 
     def build_layer(
         self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel, layer_index: int
@@ -412,8 +415,11 @@ class LlamaForCausalLM(nn.Module):
         ops = cuda_ops(hidden)
         if ops is not None:
             return self._forward_fused(ops, hidden, positions, kv_caches, metas)
+        between = self.between_layers
         for layer, kv_cache, g in zip(self.layers, kv_caches, self.layer_kv_groups, strict=True):
             hidden = layer(hidden, positions, kv_cache, metas[g])
+            if between is not None:
+                between()
         return self.norm(hidden)
 
     def _forward_fused(
@@ -430,10 +436,13 @@ class LlamaForCausalLM(nn.Module):
         norm_weights = [layer.input_layernorm.weight for layer in layers[1:]] + [self.norm.weight]
         hidden = ops.rms_norm(residual, layers[0].input_layernorm.weight, eps)
         groups = self.layer_kv_groups
+        between = self.between_layers
         for layer, kv_cache, next_weight, g in zip(layers, kv_caches, norm_weights, groups, strict=True):
             attn = layer.self_attn(hidden, positions, kv_cache, metas[g])
             hidden = ops.fused_add_rms_norm(attn, residual, layer.post_attention_layernorm.weight, eps)
             hidden = ops.fused_add_rms_norm(layer.mlp(hidden), residual, next_weight, eps)
+            if between is not None:
+                between()
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
