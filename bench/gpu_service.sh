@@ -142,31 +142,40 @@ run_prefix() {
 # worker's steps. E.g. GAPS_VARIANTS="default=;early=|--early-results;ll0=--light-load-below-running 0".
 run_gaps() {
   local saved_out=$OMINIX_PROFILE_OUT saved_serve=$SERVE_ARGS saved_batches=$OMINIX_PROFILE_BATCHES
-  local saved_prefill=$OMINIX_PROFILE_PREFILL_TOKENS saved_worker=$WORKER_ARGS out=$OUT/gaps entry label args
+  local saved_prefill=$OMINIX_PROFILE_PREFILL_TOKENS saved_worker=$WORKER_ARGS
+  local saved_every=${OMINIX_PROFILE_WRITE_EVERY-unset} out=$OUT/gaps entries entry label args
   mkdir -p "$out"
   # No profiler window, and the probe's log written only at exit: a periodic write stalls the device thread.
   export OMINIX_PROFILE_BATCHES="" OMINIX_PROFILE_PREFILL_TOKENS=0 OMINIX_PROFILE_WRITE_EVERY=0
   IFS=';' read -ra entries <<<"${GAPS_VARIANTS:-default=}"
   for entry in "${entries[@]}"; do
+    if [[ ! $entry =~ ^[A-Za-z0-9_.-]+= ]]; then
+      echo "gaps: GAPS_VARIANTS entry '$entry' is not LABEL=SERVE-ARGS[|WORKER-ARGS]; skipped"
+      continue
+    fi
     label=${entry%%=*}; args=${entry#*=}
     WORKER_ARGS=$saved_worker
     [[ $args == *"|"* ]] && { WORKER_ARGS="$saved_worker ${args#*|}"; args=${args%%|*}; }
     export OMINIX_PROFILE_OUT=$out/probe_$label.json
+    rm -f "$out/probe_$label.json" "$out/online_$label.json"  # no earlier run's files to match by mistake
     SERVE_ARGS="$saved_serve $args"
     if start_service; then
       timeout 200 python3 bench/online.py run --address "127.0.0.1:$EPORT" --rates "${GAPS_RATE:-8}" \
-        --seconds "${GAPS_SECONDS:-20}" --input-len "${GAPS_INPUT_LEN:-1024}" --output-len "${GAPS_OUTPUT_LEN:-256}" --warmup-requests 16 --no-progress \
-        --save-detailed --label "$label" --out-json "$out/online_$label.json" 2>&1 | grep -E "rate|ok" | tail -2
+        --seconds "${GAPS_SECONDS:-20}" --input-len "${GAPS_INPUT_LEN:-1024}" \
+        --output-len "${GAPS_OUTPUT_LEN:-256}" --warmup-requests 16 --no-progress --save-detailed \
+        --label "$label" --out-json "$out/online_$label.json" >"$out/online_$label.txt" 2>&1
+      grep -E "^rate " "$out/online_$label.txt" | tail -1
     fi
     stop_service >/dev/null
     if [ -s "$out/online_$label.json" ] && [ -s "$out/probe_$label.json" ]; then
       python3 bench/step_gaps.py "$out/probe_$label.json" "$out/online_$label.json" 2>&1 | tail -40
     else
-      echo "$label: no run to match (see above)"
+      echo "$label: no run to match; the last lines of the client and the worker:"
+      tail -5 "$out/online_$label.txt" "$OUT/worker.log" 2>/dev/null
     fi
   done
   export OMINIX_PROFILE_OUT=$saved_out OMINIX_PROFILE_BATCHES=$saved_batches OMINIX_PROFILE_PREFILL_TOKENS=$saved_prefill
-  unset OMINIX_PROFILE_WRITE_EVERY
+  if [ "$saved_every" = unset ]; then unset OMINIX_PROFILE_WRITE_EVERY; else export OMINIX_PROFILE_WRITE_EVERY=$saved_every; fi
   SERVE_ARGS=$saved_serve WORKER_ARGS=$saved_worker
 }
 

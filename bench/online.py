@@ -171,8 +171,9 @@ def to_vllm_result(
                 "itls": [r.itls_s for r in result.requests],
                 "latencies": [r.e2el_s for r in result.requests],
                 "start_times": [r.send_time for r in result.requests],
-                # This tool's own: Unix time of the run's start, to which start_times are relative.
-                "started_at_unix": result.started_at_unix,
+                # This tool's own: time.perf_counter() at the run's start, to which start_times are relative
+                # (one clock for every process of the host: bench/step_gaps.py reads a worker's step log by it).
+                "started_perf": result.started_perf,
                 "errors": [r.error for r in result.requests],
             }
         )

@@ -1,11 +1,13 @@
-"""The longest gaps in a client's token streams, matched with the worker steps that ended them.
+"""The longest gaps in a client's token streams, beside the worker steps whose results had just left.
 
 Reads a step probe's JSON (bench/step_probe.py: every step's arrival at the worker, its launch, the moment its
 result left) and bench/online.py's result with per-request lists (``--save-detailed``), both from one run on
-one machine. Each token chunk a client received is matched with the last step whose result left the worker
-before it; each gap between two chunks of a stream then has the step that ended it. For the gaps at or above
-a percentile (the ITL p99 by default) it prints what those steps were (tokens, prefill or not) and where their
-time went:
+one host (their times are ``time.perf_counter()``, one clock for every process there). Each token chunk a
+client received is matched with the last step whose result left the worker before the chunk arrived: the step
+that most likely carried it. When two results leave within the delivery time (~2 ms), a chunk of the earlier one
+can be matched with the later; ``close`` counts the tail gaps where that could have happened. For the gaps at or
+above a percentile (the ITL p99 by default) it prints what those steps were (tokens, prefill or not) and where
+their time went:
 
 - ``queued``: from the step's arrival at the worker to the start of its launch (the device thread was busy
   with the step before);
@@ -28,6 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from bench.common import percentile  # noqa: E402
+from bench.service_summary import mark_spans  # noqa: E402
+
+# Two results that left the worker within this long of each other: a chunk may be matched with the later one.
+CLOSE_S = 0.003
+
 
 @dataclass(frozen=True, slots=True)
 class Step:
@@ -35,7 +46,7 @@ class Step:
     tokens: int
     batch: int
     decode: bool
-    arrived: float  # Unix seconds: the worker took the step's message
+    arrived: float  # perf_counter seconds: the worker took the step's message
     entered: float  # its launch began
     exited: float  # its launch ended
     posted: float  # its result left the worker
@@ -48,31 +59,26 @@ class Step:
 @dataclass(frozen=True, slots=True)
 class Gap:
     seconds: float
-    ended_at: float  # Unix seconds: the chunk that ended it reached the client
-    step: Step | None  # the step whose result that chunk carried (None: none matched)
-    previous: Step | None  # the step before it
+    ended_at: float  # perf_counter seconds: the chunk that ended it reached the client
+    step: Step  # the last step whose result had left before that chunk
+    previous: Step | None  # the step whose result left before that one
+    close: bool  # another result left within CLOSE_S of ``step``'s: the match may be one step off
 
 
 def load_steps(probe: dict[str, Any]) -> list[Step]:
-    """Steps with every timestamp known, in the order their results left (Unix seconds)."""
-    offset = float(probe["unix_minus_perf"])
-    arrived: dict[int, float] = {}
-    posted: dict[int, float] = {}
-    for kind, step_id, start, end in probe["marks"]:
-        if kind == "step_from_pb":
-            arrived[step_id] = end + offset
-        elif kind == "result_to_pb":
-            posted.setdefault(step_id, start + offset)
+    """Steps with every timestamp known, in the order their results left."""
+    arrived = mark_spans(probe, "step_from_pb")
+    posted = mark_spans(probe, "result_to_pb")
     steps = [
         Step(
             step_id=s["id"],
             tokens=s["tokens"],
             batch=s["batch"],
             decode=s["decode"],
-            arrived=arrived[s["id"]],
-            entered=s["enter"] + offset,
-            exited=s["exit"] + offset,
-            posted=posted[s["id"]],
+            arrived=arrived[s["id"]][1],
+            entered=s["enter"],
+            exited=s["exit"],
+            posted=posted[s["id"]][0],
         )
         for s in probe["steps"]
         if s["id"] in arrived and s["id"] in posted
@@ -81,12 +87,13 @@ def load_steps(probe: dict[str, Any]) -> list[Step]:
 
 
 def client_gaps(run: dict[str, Any], steps: list[Step]) -> list[Gap]:
-    """Every gap between two chunks of one stream, with the step that ended it."""
-    if "started_at_unix" not in run or "itls" not in run:
+    """Every gap between two chunks of one stream, with the step matched with the chunk that ended it."""
+    missing = [key for key in ("started_perf", "start_times", "ttfts", "itls") if key not in run]
+    if missing:
         raise ValueError(
-            "the online result has no per-request lists: run bench/online.py with --save-detailed"
+            f"the online result lacks {', '.join(missing)}: run bench/online.py with --save-detailed"
         )
-    base = float(run["started_at_unix"])
+    base = float(run["started_perf"])
     posts = [s.posted for s in steps]
     gaps: list[Gap] = []
     for start, ttft, itls in zip(run["start_times"], run["ttfts"], run["itls"], strict=True):
@@ -94,18 +101,13 @@ def client_gaps(run: dict[str, Any], steps: list[Step]) -> list[Gap]:
         for itl in itls:
             at += itl
             i = bisect.bisect_right(posts, at) - 1
-            gaps.append(Gap(itl, at, steps[i] if i >= 0 else None, steps[i - 1] if i >= 1 else None))
+            if i < 0:
+                continue
+            close = (i >= 1 and posts[i] - posts[i - 1] < CLOSE_S) or (
+                i + 1 < len(posts) and posts[i + 1] - posts[i] < CLOSE_S
+            )
+            gaps.append(Gap(itl, at, steps[i], steps[i - 1] if i >= 1 else None, close))
     return gaps
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    k = (len(ordered) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def _ms(values: list[float]) -> str:
@@ -114,42 +116,40 @@ def _ms(values: list[float]) -> str:
     return f"{statistics.median(values) * 1e3:.2f} ({min(values) * 1e3:.2f}–{max(values) * 1e3:.2f})"
 
 
+def _kind(gap: Gap) -> str:
+    if gap.step.prefill:
+        return "prefill step"
+    return "decode after a prefill step" if gap.previous is not None and gap.previous.prefill else "decode"
+
+
 def report(gaps: list[Gap], q: float) -> list[str]:
     seconds = [g.seconds for g in gaps]
     cut = percentile(seconds, q)
-    tail = [g for g in gaps if g.seconds >= cut and g.step is not None]
+    tail = [g for g in gaps if g.seconds >= cut]
     lines = [
         f"{len(gaps)} gaps; p50 {percentile(seconds, 50) * 1e3:.2f} ms, p{q:g} {cut * 1e3:.2f} ms;"
-        f" {len(tail)} at or above p{q:g}, by the step that ended them",
+        f" {len(tail)} at or above p{q:g} ({sum(g.close for g in tail)} close), by the step matched with their end",
     ]
     kinds: dict[str, list[Gap]] = {}
     for g in tail:
-        assert g.step is not None
-        before = g.previous is not None and g.previous.prefill
-        name = "prefill step" if g.step.prefill else ("decode after a prefill step" if before else "decode")
-        kinds.setdefault(name, []).append(g)
+        kinds.setdefault(_kind(g), []).append(g)
     for name, group in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
-        st = [g.step for g in group if g.step is not None]
+        st = [g.step for g in group]
         lines.append(
             f"  {name}: {len(group)} gaps, {len({s.step_id for s in st})} steps;"
-            f" gap {_ms([g.seconds for g in group])} ms; step tokens"
-            f" {statistics.median([s.tokens for s in st]):.0f}"
+            f" gap {_ms([g.seconds for g in group])} ms; step tokens {statistics.median([s.tokens for s in st]):.0f}"
         )
         lines.append(
             f"    queued {_ms([s.entered - s.arrived for s in st])}; launch {_ms([s.exited - s.entered for s in st])};"
             f" to post {_ms([s.posted - s.exited for s in st])};"
-            f" delivery {_ms([g.ended_at - g.step.posted for g in group if g.step is not None])}"
+            f" delivery {_ms([g.ended_at - g.step.posted for g in group])}"
         )
-        prev = [g.previous for g in group if g.previous is not None]
-        if prev:
-            lines.append(
-                f"    posted after the step before: {_ms([g.step.posted - p.posted for g, p in zip(group, prev, strict=False) if g.step is not None])}"
-            )
-    prefill_steps = [
-        s for s in {g.step.step_id: g.step for g in gaps if g.step is not None}.values() if s.prefill
-    ]
+        after = [g.step.posted - g.previous.posted for g in group if g.previous is not None]
+        if after:
+            lines.append(f"    posted after the step before: {_ms(after)}")
+    prefill_steps = [s for s in {g.step.step_id: g.step for g in gaps}.values() if s.prefill]
     lines.append(
-        f"prefill steps that ended a gap: {len(prefill_steps)}; launch {_ms([s.exited - s.entered for s in prefill_steps])},"
+        f"prefill steps matched with a chunk: {len(prefill_steps)}; launch {_ms([s.exited - s.entered for s in prefill_steps])},"
         f" queued {_ms([s.entered - s.arrived for s in prefill_steps])}, to post {_ms([s.posted - s.exited for s in prefill_steps])}"
     )
     return lines
@@ -163,17 +163,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("online", type=Path, help="bench/online.py's result (--save-detailed)")
     parser.add_argument("--percentile", type=float, default=99.0, help="report gaps at or above this one")
     args = parser.parse_args(argv)
-    probe = json.loads(args.probe.read_text())
-    runs = json.loads(args.online.read_text())
-    steps = load_steps(probe)
+    steps = load_steps(json.loads(args.probe.read_text()))
     if not steps:
-        print("the probe logged no step with its arrival and result", file=sys.stderr)
+        print("step_gaps: the probe logged no step with its arrival and result", file=sys.stderr)
         return 1
+    runs = json.loads(args.online.read_text())
     for run in runs if isinstance(runs, list) else [runs]:
+        try:
+            gaps = client_gaps(run, steps)
+        except ValueError as exc:
+            print(f"step_gaps: {exc}", file=sys.stderr)
+            return 2
         print(
             f"rate {run.get('request_rate')}: ITL p99 {run.get('p99_itl_ms', float('nan')):.2f} ms (client)"
         )
-        for line in report(client_gaps(run, steps), args.percentile):
+        for line in report(gaps, args.percentile):
             print(line)
     return 0
 

@@ -95,7 +95,6 @@ class StepProbe:
         self._gc_started = 0.0
         # perf_counter bounds of the open window's steps: when it opened, when its latest step left
         self._window_span = (0.0, 0.0)
-        self.unix_minus_perf = time.time() - time.perf_counter()
         # The JSON is rewritten every this many steps outside a window (0: only after windows and at exit). Each
         # write holds the device thread for the whole growing log: tens of ms after 2,000 steps.
         self.write_every = int(os.environ.get("OMINIX_PROFILE_WRITE_EVERY", "64"))
@@ -318,10 +317,11 @@ class StepProbe:
             "marks": self.marks,
             "gc_pauses": self.gc_pauses,
             "prefill_tokens": self.prefill_tokens,
-            # One reading of both clocks: perf_counter + this offset is Unix time (a client's log is in Unix time).
-            "unix_minus_perf": self.unix_minus_perf,
         }
-        Path(self.out).write_text(json.dumps(payload))
+        # Whole or not at all: a worker stopped in the middle of a write leaves the last complete log.
+        partial = Path(f"{self.out}.partial")
+        partial.write_text(json.dumps(payload))
+        partial.replace(self.out)
 
 
 def _union(intervals: list[tuple[float, float]], low: float, high: float) -> float:

@@ -529,8 +529,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--early-results",
         "worker",
-        "CUDA: a step's tokens leave as soon as they are on the host, while the prefill or mixed step after it "
-        "is still being launched (off: once that launch ends)",
+        "CUDA: a step's tokens leave at the first layer boundary after they reach the host, while the prefill or "
+        "mixed step after it is still being launched (off: once that launch ends)",
         ("worker.early_results",),
         switch=True,
     ),

@@ -164,6 +164,40 @@ def test_a_pending_step_is_emitted_without_waiting_for_the_next() -> None:
     assert step_ids(out.outcomes) == [1, 2, 3, None]
 
 
+class EarlyPostingRunner(ScriptedRunner):
+    """Pipelined, and posts the pending step's result itself while it "launches" the next step (as the CUDA
+    runner does with --early-results), before ``execute_step`` returns."""
+
+    def __init__(self) -> None:
+        super().__init__(pipelined=True)
+        self.posted_inside: list[int] = []
+        self.post_result_after_run: object = "unset"
+
+    def execute_step(self, step: DecodeStep) -> StepResult | None:
+        if self._pending is not None and self.post_result is not None:
+            pending, self._pending = self._pending, None
+            self.posted_inside.append(pending)
+            self.post_result(StepResult(pending))
+        return super().execute_step(step)
+
+    def reset(self) -> None:
+        self.post_result_after_run = self.post_result
+        super().reset()
+
+
+def test_a_result_posted_during_a_launch_keeps_the_order() -> None:
+    runner = EarlyPostingRunner()
+    runner.pending_ready = lambda: False  # type: ignore[method-assign]  # only the early post finishes a step
+    loop, out, thread = start(runner)
+    for step_id in (1, 2, 3):
+        loop.submit(step_id, lambda step_id=step_id: DecodeStep(step_id))
+    loop.close()
+    thread.join(JOIN_TIMEOUT_S)
+    assert runner.posted_inside == [1, 2]  # 3 is finished by the loop at the end of the stream
+    assert step_ids(out.outcomes) == [1, 2, 3, None]
+    assert runner.post_result_after_run is None  # the loop takes its emit back before the runner resets
+
+
 def test_a_failure_after_a_pending_step_keeps_the_order() -> None:
     runner = ScriptedRunner(pipelined=True, fail_steps=frozenset({2}))
     runner.pending_ready = lambda: False  # type: ignore[method-assign]  # ids never arrive by themselves
@@ -206,3 +240,17 @@ def test_close_while_idle_ends_the_loop(pipelined: bool) -> None:
     loop.close()
     thread.join(JOIN_TIMEOUT_S)
     assert not thread.is_alive() and out.outcomes == [None] and runner.resets == 1
+
+
+def test_a_group_leader_hands_post_result_to_its_runner() -> None:
+    from types import SimpleNamespace
+
+    from ominix_worker.rank_group import GroupLeader
+
+    runner = SimpleNamespace(post_result=None)
+    leader = GroupLeader(runner, group=None, sender=object())  # type: ignore[arg-type]  # only the runner is used
+    sink: list[StepOutcome | None] = []
+    leader.post_result = sink.append
+    assert runner.post_result == sink.append and leader.post_result == sink.append
+    leader.post_result = None
+    assert runner.post_result is None

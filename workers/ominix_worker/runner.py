@@ -173,7 +173,8 @@ class ModelRunner:
         self._pin = device.type == "cuda"
         self._graphs: DecodeGraphs | None = None  # captured on CUDA
         # Overlapped decode (set by the server on CUDA): a graph step is launched before the previous step's
-        # sampled ids reach the host; results then come out of ``take_results`` instead of execute_step.
+        # sampled ids reach the host; results then come out of ``take_results`` (or ``post_result``, below)
+        # instead of execute_step.
         self.overlap_steps = False
         self.pipeline_decode = True  # False (debug): never overlap, even with captured graphs
         # Eager steps (prefill, mixed) overlapped too (off with ``OMINIX_PIPELINE_EAGER=0``): launched before the
@@ -181,11 +182,11 @@ class ModelRunner:
         self.pipeline_eager = True
         # While an overlapped eager step launches, the step before it is polled between layers and its result
         # handed to ``post_result`` (set by the step loop) once its ids are on the host; otherwise it leaves
-        # after that launch, which took 15 - 30 ms for a 1,024-token prompt on an H200 host (``--early-results``;
-        # bench/RESULTS.md, 2026-11-29 19:53 - 20:10).
+        # after that launch, which took 21 - 33 ms for a 1,024-token prompt in the service on an H200
+        # (``--early-results``; bench/RESULTS.md, 2026-11-29 19:53 - 20:10).
         self.early_results = False
         self.post_result: Callable[[StepResult], None] | None = None
-        self._early: PendingStep | None = None  # the step whose result may leave during the current launch
+        self._early_candidate: PendingStep | None = None  # may leave during the current launch
         self._pending: PendingStep | None = None
         self._results: list[StepResult] = []
 
@@ -364,7 +365,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_step(self, step: DecodeStep) -> StepResult | None:
         """Run one step. With ``overlap_steps`` off, returns its result; on, returns None and the results
-        (this step's and earlier ones', in step order) come out of ``take_results``.
+        (this step's and earlier ones', in step order) come out of ``take_results``; with ``early_results``
+        the previous step's may already have left through ``post_result`` during this step's launch.
 
         The step takes one of five forward paths: overlapped with the previous one (``_launch_overlapped``: a
         decode graph, or eager with ``pipeline_eager``), a decode graph (``_decode_graph``), a single-prompt
@@ -442,23 +444,24 @@ class ModelRunner:
         """Launch an eager step's forward and sampling; between its layers, ``previous``'s result leaves
         through ``post_result`` as soon as its ids are on the host. Returns the sampled output and whether
         ``previous`` was posted (it is no longer pending then)."""
+        # Results already queued must leave first: posting ``previous`` past them would break step order.
         if previous is None or self.post_result is None or not self.early_results or self._results:
             return self._sample(self._forward(inputs), inputs), False
-        self._early = previous
+        self._early_candidate = previous
         self.model.between_layers = self._post_early_if_done
         try:
             sampled = self._sample(self._forward(inputs), inputs)
         finally:
             self.model.between_layers = None
-            posted = self._early is None
-            self._early = None
+            posted = self._early_candidate is None
+            self._early_candidate = None
         return sampled, posted
 
     def _post_early_if_done(self) -> None:
-        early = self._early
+        early = self._early_candidate
         if early is None or not early.done.query():
             return
-        self._early = None
+        self._early_candidate = None
         if self._pending is early:
             self._pending = None  # a failure later in this launch must not finish it twice
         assert self.post_result is not None
