@@ -324,6 +324,15 @@ FLAGS: tuple[Flag, ...] = (
         switch_value=False,
     ),
     Flag(
+        "--prefill-tokens-beside-decodes",
+        "engine",
+        "a step that carries decodes admits at most this many prompt tokens while every waiting prompt would fit "
+        "in the step (no backlog); the rest go into the next steps, so decoding streams never wait for several "
+        "prompts at once (0: no limit)",
+        ("engine.scheduler.prefill_tokens_beside_decodes",),
+        non_negative_int,
+    ),
+    Flag(
         "--max-inflight-steps",
         "engine",
         "steps sent to a worker ahead of its results (1: none; 3: step N+1 reaches a pipelined GPU worker about "

@@ -303,7 +303,9 @@ class Scheduler:
 
         # No admissions after a KV shortage among running requests: it would only feed the thrash.
         if len(preempted) == num_preempted_for_priority and not kv_blocked:
-            budget = self._admit_waiting(step_id, budget, scheduled, new_requests, plan)
+            budget = self._admit_waiting(
+                step_id, self._admission_budget(budget, plan), scheduled, new_requests, plan
+            )
 
         finished_ids = self._pending_finished_ids
         self._pending_finished_ids = []
@@ -364,6 +366,20 @@ class Scheduler:
             plan.num_prefill_tokens += n
         else:
             plan.num_decode_tokens += n
+
+    def _admission_budget(self, budget: int, plan: BatchPlan) -> int:
+        """The tokens this step may give waiting requests: ``prefill_tokens_beside_decodes`` when the step
+        carries decodes and every waiting request's tokens would fit in ``budget`` (no backlog), else
+        ``budget``. Without a backlog the prompts held back go into the next steps, each beside the decodes."""
+        cap = self.config.prefill_tokens_beside_decodes
+        if cap <= 0 or cap >= budget or plan.num_decode_tokens == 0:
+            return budget
+        waiting_tokens = 0
+        for req in self.waiting:  # stops as soon as the backlog shows; prefix hits not counted
+            waiting_tokens += len(req.all_token_ids)
+            if waiting_tokens > budget:
+                return budget
+        return cap
 
     def _admit_waiting(
         self,

@@ -71,6 +71,59 @@ def test_prefill_and_decode_are_mixed_in_one_step_running_first() -> None:
     drive(run)
 
 
+def _step_after_one_decode(
+    config: SchedulerConfig, prompts: int, prompt_len: int = 40
+) -> tuple[Run, DecodeStep]:
+    """Request "a" decoding, then ``prompts`` new prompts waiting: the step the scheduler builds next."""
+    run = make(FakeConfig(max_batch_tokens=128, kv_block_size=4, kv_num_blocks=256), config)
+    s = run.scheduler
+    s.add_request(request("a", _prompt(8), max_tokens=20))
+    first = s.schedule()
+    assert first is not None
+    run.record(s.update(first, run.backend.execute(first)))
+    for i in range(prompts):
+        s.add_request(request(f"p{i}", _prompt(prompt_len, base=i * 11), max_tokens=2))
+    step = s.schedule()
+    assert step is not None
+    return run, step
+
+
+def test_prompts_beside_decodes_are_spread_over_steps_without_a_backlog() -> None:
+    config = SchedulerConfig(prefill_tokens_beside_decodes=40)
+    run, step = _step_after_one_decode(config, prompts=2)  # 80 waiting tokens fit in the 128-token budget
+    assert [r.request_id for r in step.running_requests] == ["a"]
+    assert [(r.request_id, r.num_scheduled_tokens) for r in step.new_requests] == [("p0", 40)]
+    run.record(run.scheduler.update(step, run.backend.execute(step)))
+    following = run.scheduler.schedule()
+    assert following is not None
+    assert [(r.request_id, r.num_scheduled_tokens) for r in following.new_requests] == [("p1", 40)]
+    run.record(run.scheduler.update(following, run.backend.execute(following)))
+    drive(run)
+    assert all(isinstance(run.terminal(rid), Done) for rid in ("a", "p0", "p1"))
+
+
+def test_a_backlog_or_a_step_without_decodes_takes_the_whole_budget() -> None:
+    config = SchedulerConfig(prefill_tokens_beside_decodes=40)
+    _, backlog = _step_after_one_decode(config, prompts=4)  # 160 waiting tokens: more than the budget
+    assert sum(r.num_scheduled_tokens for r in backlog.new_requests) == 127  # 128 less a's decode
+    run = make(FakeConfig(max_batch_tokens=128, kv_block_size=4, kv_num_blocks=256), config)
+    for i in range(2):
+        run.scheduler.add_request(request(f"p{i}", _prompt(40, base=i * 11), max_tokens=2))
+    first = run.scheduler.schedule()  # nothing decodes yet
+    assert first is not None and [r.num_scheduled_tokens for r in first.new_requests] == [40, 40]
+    _, unlimited = _step_after_one_decode(SchedulerConfig(), prompts=2)
+    assert [r.num_scheduled_tokens for r in unlimited.new_requests] == [40, 40]
+
+
+def test_the_limit_chunks_a_prompt_longer_than_itself() -> None:
+    config = SchedulerConfig(prefill_tokens_beside_decodes=24)
+    run, step = _step_after_one_decode(config, prompts=1, prompt_len=60)
+    assert [(r.request_id, r.num_scheduled_tokens) for r in step.new_requests] == [("p0", 24)]
+    run.record(run.scheduler.update(step, run.backend.execute(step)))
+    drive(run)
+    assert run.tokens("p0") and isinstance(run.terminal("p0"), Done)
+
+
 def _tokens_of_all(run: Run, n: int) -> dict[str, list[int]]:
     return {f"r{i}": run.tokens(f"r{i}") for i in range(n)}
 

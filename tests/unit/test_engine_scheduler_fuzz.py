@@ -1,5 +1,5 @@
 """Random workloads: the fake worker accepts every step, integrity holds, and tokens never depend on KV
-pressure, overlap, chunking or aborts of other requests."""
+pressure, overlap, chunking, a limit on prompt tokens beside decodes or aborts of other requests."""
 
 from __future__ import annotations
 
@@ -25,11 +25,16 @@ workload = st.lists(
 
 
 def _run(
-    jobs: list[tuple[int, int, int, Priority, bool]], blocks: int, budget: int, inflight: int, bs: int
+    jobs: list[tuple[int, int, int, Priority, bool]],
+    blocks: int,
+    budget: int,
+    inflight: int,
+    bs: int,
+    beside_decodes: int = 0,
 ) -> Run:
     run = make(
         FakeConfig(kv_num_blocks=blocks, kv_block_size=bs, max_batch_tokens=budget, max_running_requests=6),
-        SchedulerConfig(max_bypass_steps=3),
+        SchedulerConfig(max_bypass_steps=3, prefill_tokens_beside_decodes=beside_decodes),
     )
     for i, (family, n, max_tokens, prio, _abort) in enumerate(jobs):
         req = request(f"r{i}", [50 + family * 3 + (k % 5) for k in range(n)], max_tokens=max_tokens, seed=i)
@@ -52,16 +57,21 @@ def _run(
     blocks=st.integers(11, 40),
     budget=st.integers(8, 64),
     inflight=st.sampled_from([1, 2, 3]),
+    beside_decodes=st.sampled_from([0, 1, 5, 16]),
 )
 def test_random_workloads_match_an_unconstrained_run(
-    jobs: list[tuple[int, int, int, Priority, bool]], blocks: int, budget: int, inflight: int
+    jobs: list[tuple[int, int, int, Priority, bool]],
+    blocks: int,
+    budget: int,
+    inflight: int,
+    beside_decodes: int,
 ) -> None:
     bs = 4
     jobs = [(f, min(n, blocks * bs - m), m, p, a) for f, n, m, p, a in jobs if m < blocks * bs]
     jobs = [j for j in jobs if j[1] >= 1]
     if not jobs:
         return
-    tight = _run(jobs, blocks, budget, inflight, bs)
+    tight = _run(jobs, blocks, budget, inflight, bs, beside_decodes)
     loose = _run([(f, n, m, p, False) for f, n, m, p, _ in jobs], 4096, 512, 1, bs)
     for i, job in enumerate(jobs):
         rid = f"r{i}"
