@@ -326,9 +326,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--prefill-tokens-beside-decodes",
         "engine",
-        "a step that carries decodes admits at most this many prompt tokens while every waiting prompt would fit "
-        "in the step (no backlog); the rest go into the next steps, so decoding streams never wait for several "
-        "prompts at once (0: no limit)",
+        "a step that carries decodes admits new prompt tokens only up to this many prefill tokens in the step "
+        "while every waiting prompt would fit in it; a longer prompt's first chunk is cut there, and a backlog "
+        "lifts the limit (0: no limit)",
         ("engine.scheduler.prefill_tokens_beside_decodes",),
         non_negative_int,
     ),

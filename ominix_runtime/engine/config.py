@@ -24,10 +24,11 @@ class SchedulerConfig:
     # Anti-thrash: a request resumed after preemption is not chosen as a victim for this many steps
     # unless every other candidate is protected too.
     preemption_protection_steps: int = 4
-    # A step that carries decodes admits at most this many prompt tokens while no backlog waits (every waiting
-    # prompt would fit in the step's budget); 0: no limit. A prefill beside decodes stalls every decoding stream
-    # for its whole duration: two 1,024-token prompts in one step made the ITL tail at 16 req/s on an H200
-    # (bench/RESULTS.md, 2026-11-29). With a backlog the whole budget goes to admissions (throughput first).
+    # A step that carries decodes admits waiting requests only up to this many prefill tokens in the step
+    # (running prompts' chunks count, but are not cut) while no backlog waits (every waiting prompt would fit
+    # in the step's budget); with chunked prefill only; 0: no limit. A prefill beside decodes stalls every
+    # decoding stream for its whole duration: steps carrying two 1,024-token prompts ended most ITL p99 gaps at
+    # 16 req/s on an H200 (bench/RESULTS.md, 2026-11-29). A backlog lifts the limit (throughput first).
     prefill_tokens_beside_decodes: int = 0
 
 

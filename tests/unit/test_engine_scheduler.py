@@ -71,7 +71,7 @@ def test_prefill_and_decode_are_mixed_in_one_step_running_first() -> None:
     drive(run)
 
 
-def _step_after_one_decode(
+def _step_with_a_decode(
     config: SchedulerConfig, prompts: int, prompt_len: int = 40
 ) -> tuple[Run, DecodeStep]:
     """Request "a" decoding, then ``prompts`` new prompts waiting: the step the scheduler builds next."""
@@ -90,7 +90,7 @@ def _step_after_one_decode(
 
 def test_prompts_beside_decodes_are_spread_over_steps_without_a_backlog() -> None:
     config = SchedulerConfig(prefill_tokens_beside_decodes=40)
-    run, step = _step_after_one_decode(config, prompts=2)  # 80 waiting tokens fit in the 128-token budget
+    run, step = _step_with_a_decode(config, prompts=2)  # 80 waiting tokens fit in the 128-token budget
     assert [r.request_id for r in step.running_requests] == ["a"]
     assert [(r.request_id, r.num_scheduled_tokens) for r in step.new_requests] == [("p0", 40)]
     run.record(run.scheduler.update(step, run.backend.execute(step)))
@@ -104,24 +104,46 @@ def test_prompts_beside_decodes_are_spread_over_steps_without_a_backlog() -> Non
 
 def test_a_backlog_or_a_step_without_decodes_takes_the_whole_budget() -> None:
     config = SchedulerConfig(prefill_tokens_beside_decodes=40)
-    _, backlog = _step_after_one_decode(config, prompts=4)  # 160 waiting tokens: more than the budget
+    _, backlog = _step_with_a_decode(config, prompts=4)  # 160 waiting tokens: more than the budget
     assert sum(r.num_scheduled_tokens for r in backlog.new_requests) == 127  # 128 less a's decode
     run = make(FakeConfig(max_batch_tokens=128, kv_block_size=4, kv_num_blocks=256), config)
     for i in range(2):
         run.scheduler.add_request(request(f"p{i}", _prompt(40, base=i * 11), max_tokens=2))
     first = run.scheduler.schedule()  # nothing decodes yet
     assert first is not None and [r.num_scheduled_tokens for r in first.new_requests] == [40, 40]
-    _, unlimited = _step_after_one_decode(SchedulerConfig(), prompts=2)
+    _, unlimited = _step_with_a_decode(SchedulerConfig(), prompts=2)
     assert [r.num_scheduled_tokens for r in unlimited.new_requests] == [40, 40]
 
 
-def test_the_limit_chunks_a_prompt_longer_than_itself() -> None:
+def test_the_limit_cuts_only_a_long_prompts_first_chunk() -> None:
     config = SchedulerConfig(prefill_tokens_beside_decodes=24)
-    run, step = _step_after_one_decode(config, prompts=1, prompt_len=60)
+    run, step = _step_with_a_decode(config, prompts=1, prompt_len=60)
     assert [(r.request_id, r.num_scheduled_tokens) for r in step.new_requests] == [("p0", 24)]
     run.record(run.scheduler.update(step, run.backend.execute(step)))
+    run.scheduler.add_request(request("q", _prompt(20, base=3), max_tokens=2))
+    following = run.scheduler.schedule()
+    assert following is not None
+    # p0's rest runs as a running request's chunk (not cut); it leaves no room for q under the limit
+    assert ("p0", 36) in [(r.request_id, r.num_scheduled_tokens) for r in following.running_requests]
+    assert following.new_requests == []
+    run.record(run.scheduler.update(following, run.backend.execute(following)))
     drive(run)
-    assert run.tokens("p0") and isinstance(run.terminal("p0"), Done)
+    assert all(isinstance(run.terminal(rid), Done) for rid in ("a", "p0", "q"))
+
+
+def test_the_limit_applies_while_the_waiting_tokens_fit_the_budget() -> None:
+    config = SchedulerConfig(prefill_tokens_beside_decodes=40)
+    _, fits = _step_with_a_decode(config, prompts=1, prompt_len=127)  # 127 waiting = 128 less a's decode
+    assert [r.num_scheduled_tokens for r in fits.new_requests] == [40]
+    _, backlog = _step_with_a_decode(config, prompts=1, prompt_len=128)
+    assert [r.num_scheduled_tokens for r in backlog.new_requests] == [127]
+
+
+def test_without_chunked_prefill_the_limit_is_off() -> None:
+    # A prompt longer than the limit could never be admitted whole while anything decodes.
+    config = SchedulerConfig(prefill_tokens_beside_decodes=24, enable_chunked_prefill=False)
+    _, step = _step_with_a_decode(config, prompts=1, prompt_len=60)
+    assert [(r.request_id, r.num_scheduled_tokens) for r in step.new_requests] == [("p0", 60)]
 
 
 def _tokens_of_all(run: Run, n: int) -> dict[str, list[int]]:
