@@ -114,6 +114,9 @@ def _scheduler(f: Fields) -> SchedulerConfig:
         preemption_protection_steps=f.integer(
             "preemption_protection_steps", d.preemption_protection_steps, minimum=0
         ),
+        prefill_tokens_beside_decodes=f.integer(
+            "prefill_tokens_beside_decodes", d.prefill_tokens_beside_decodes, minimum=0
+        ),
     )
 
 

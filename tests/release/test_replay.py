@@ -252,3 +252,10 @@ def test_random_workloads_end_every_request_and_return_every_block(seed: int) ->
     assert all(by_id[r["id"]]["output_tokens"] == r["max_tokens"] for r in requests if r["id"] in finished)
     assert report["kv"]["peak_blocks"] <= doc["backend"]["kv_num_blocks"]
     assert _report(doc)["trace_fingerprint"] == report["trace_fingerprint"]  # deterministic
+
+
+def test_the_scheduler_limit_beside_decodes_is_read_and_checked() -> None:
+    doc = _doc("small") | {"scheduler": {"prefill_tokens_beside_decodes": 16}}
+    assert workload_from_json(doc).scheduler.prefill_tokens_beside_decodes == 16
+    with pytest.raises(ReleaseInputError, match="prefill_tokens_beside_decodes"):
+        workload_from_json(_doc("small") | {"scheduler": {"prefill_tokens_beside_decodes": -1}})
