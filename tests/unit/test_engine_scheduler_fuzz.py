@@ -31,22 +31,39 @@ def _run(
     inflight: int,
     bs: int,
     beside_decodes: int = 0,
+    arrivals: list[int] | None = None,
 ) -> Run:
+    """``arrivals[i]``: the loop turn at which job i is submitted (None: all before the first step)."""
     run = make(
         FakeConfig(kv_num_blocks=blocks, kv_block_size=bs, max_batch_tokens=budget, max_running_requests=6),
         SchedulerConfig(max_bypass_steps=3, prefill_tokens_beside_decodes=beside_decodes),
     )
-    for i, (family, n, max_tokens, prio, _abort) in enumerate(jobs):
-        req = request(f"r{i}", [50 + family * 3 + (k % 5) for k in range(n)], max_tokens=max_tokens, seed=i)
-        req.priority = prio
-        run.scheduler.add_request(req)
+    due = arrivals or [0] * len(jobs)
+    pending = sorted(range(len(jobs)), key=lambda i: (due[i], i))
+    turn = 0
+
+    def submit_due() -> bool:
+        while pending and due[pending[0]] <= turn:
+            i = pending.pop(0)
+            family, n, max_tokens, prio, _abort = jobs[i]
+            req = request(
+                f"r{i}", [50 + family * 3 + (k % 5) for k in range(n)], max_tokens=max_tokens, seed=i
+            )
+            req.priority = prio
+            run.scheduler.add_request(req)
+        return bool(pending)
+
+    submit_due()
     to_abort = {f"r{i}" for i, job in enumerate(jobs) if job[4]}
 
-    def on_step(r: Run) -> None:
+    def on_step(r: Run) -> bool:
+        nonlocal turn
+        turn += 1
         for rid in list(to_abort):
             if len(r.tokens(rid)) >= 2:  # abort once it has produced something
                 r.record(r.scheduler.abort_request(rid))
                 to_abort.discard(rid)
+        return submit_due()
 
     return drive(run, max_inflight=inflight, on_step=on_step, max_steps=20_000)
 
@@ -58,6 +75,7 @@ def _run(
     budget=st.integers(8, 64),
     inflight=st.sampled_from([1, 2, 3]),
     beside_decodes=st.sampled_from([0, 1, 5, 16]),
+    arrivals=st.lists(st.integers(0, 30), min_size=12, max_size=12),  # loop turn of each job's submission
 )
 def test_random_workloads_match_an_unconstrained_run(
     jobs: list[tuple[int, int, int, Priority, bool]],
@@ -65,13 +83,14 @@ def test_random_workloads_match_an_unconstrained_run(
     budget: int,
     inflight: int,
     beside_decodes: int,
+    arrivals: list[int],
 ) -> None:
     bs = 4
     jobs = [(f, min(n, blocks * bs - m), m, p, a) for f, n, m, p, a in jobs if m < blocks * bs]
     jobs = [j for j in jobs if j[1] >= 1]
     if not jobs:
         return
-    tight = _run(jobs, blocks, budget, inflight, bs, beside_decodes)
+    tight = _run(jobs, blocks, budget, inflight, bs, beside_decodes, arrivals[: len(jobs)])
     loose = _run([(f, n, m, p, False) for f, n, m, p, _ in jobs], 4096, 512, 1, bs)
     for i, job in enumerate(jobs):
         rid = f"r{i}"
