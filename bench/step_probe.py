@@ -69,6 +69,7 @@ class StepProbe:
         warmup: int = 4,
         prefill_tokens: int = 0,
         prefill_steps: int = 4,
+        write_every: int = 64,
     ) -> None:
         self.out = out
         self.steps: list[dict[str, Any]] = []
@@ -97,7 +98,7 @@ class StepProbe:
         self._window_span = (0.0, 0.0)
         # The JSON is rewritten every this many steps outside a window (0: only after windows and at exit). Each
         # write holds the device thread for the whole growing log: tens of ms after 2,000 steps.
-        self.write_every = int(os.environ.get("OMINIX_PROFILE_WRITE_EVERY", "64"))
+        self.write_every = write_every
 
     def _read_gate(self) -> bool:
         """Whether windows may open; a new label in the gate file re-arms one window per shape."""
@@ -409,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         int(os.environ.get("OMINIX_PROFILE_WARMUP", "4")),
         prefill_tokens=int(os.environ.get("OMINIX_PROFILE_PREFILL_TOKENS", "0")),
         prefill_steps=int(os.environ.get("OMINIX_PROFILE_PREFILL_STEPS", "4")),
+        write_every=int(os.environ.get("OMINIX_PROFILE_WRITE_EVERY", "64")),
     )
     probe.install()
     from ominix_worker.server import main as worker_main

@@ -103,12 +103,11 @@ def test_a_run_without_per_request_lists_is_refused(
     assert "lacks itls: run bench/online.py with --save-detailed" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("every", "writes"), [("64", 2), ("0", 0)])
+@pytest.mark.parametrize(("every", "writes"), [(64, 2), (0, 0)])
 def test_the_probe_writes_its_log_only_as_often_as_asked(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, every: str, writes: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, every: int, writes: int
 ) -> None:
-    monkeypatch.setenv("OMINIX_PROFILE_WRITE_EVERY", every)
-    probe = StepProbe(str(tmp_path / "probe.json"), [], num_steps=1)
+    probe = StepProbe(str(tmp_path / "probe.json"), [], num_steps=1, write_every=every)
     written: list[int] = []
     monkeypatch.setattr(probe, "write", lambda: written.append(len(probe.steps)))
     for i in range(1, 130):

@@ -108,9 +108,8 @@ class FastKernel:
         self._index = {name: i for i, name in enumerate(self._names)}
         self._constexpr = [bool(p.is_constexpr) for p in params]
         self._defaults = [p.default for p in params]
-        self._debug = getattr(
-            fn, "debug", None
-        )  # the kernel's own (jit(debug=...)); Triton's knob is read per call
+        # The kernel's own debug flag (jit(debug=...)), read once; Triton's knob is read per call.
+        self._debug = getattr(fn, "debug", None)
 
     @property
     def num_variants(self) -> int:
