@@ -6,7 +6,7 @@
 #   bash bench/gpu_service.sh                       # on the GPU machine, from the repository root
 #   STAGES="env overhead" bash bench/gpu_service.sh # engine overhead: three runs, GPU busy + next_ready each
 #   STAGES="prefix" bash bench/gpu_service.sh       # warm shared-prefix TTFT by hop, --front-procs 1 and 0
-#   STAGES="gaps" GAPS_VARIANTS="default=;early=|--early-results" bash bench/gpu_service.sh  # the ITL tail
+#   STAGES="gaps" GAPS_VARIANTS="default=;late=|--no-early-results" bash bench/gpu_service.sh  # the ITL tail
 #   DEVICE=cpu MODEL=dummy:/path/tiny.json OFFLINE_ARGS="--num-requests 8 ..." STAGES="service" bash bench/gpu_service.sh
 #
 # Carried wheels (.whl/, when present) go to /tmp/site; results and logs land in ${OUT:-/tmp/ominix_service}.
@@ -139,7 +139,7 @@ run_prefix() {
 # The ITL tail at a moderate rate, step by step: for each GAPS_VARIANTS entry (LABEL=SERVE-ARGS[|WORKER-ARGS],
 # ';'-separated), one service (worker through the step probe, no profiler window) driven by bench/online.py at
 # GAPS_RATE req/s with per-request lists; bench/step_gaps.py then matches the longest client gaps with the
-# worker's steps. E.g. GAPS_VARIANTS="default=;early=|--early-results;ll0=--light-load-below-running 0".
+# worker's steps. E.g. GAPS_VARIANTS="default=;late=|--no-early-results;ll0=--light-load-below-running 0".
 run_gaps() {
   local saved_out=$OMINIX_PROFILE_OUT saved_serve=$SERVE_ARGS saved_batches=$OMINIX_PROFILE_BATCHES
   local saved_prefill=$OMINIX_PROFILE_PREFILL_TOKENS saved_worker=$WORKER_ARGS

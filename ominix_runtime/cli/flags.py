@@ -536,12 +536,13 @@ FLAGS: tuple[Flag, ...] = (
         lowercase_choice(("torch", "triton", "ascend")),
     ),
     Flag(
-        "--early-results",
+        "--no-early-results",
         "worker",
-        "CUDA: a step's tokens leave at the first layer boundary after they reach the host, while the prefill or "
-        "mixed step after it is still being launched (off: once that launch ends)",
+        "CUDA: a step's tokens leave once the prefill or mixed step after it has been launched, not at the first "
+        "layer boundary of that launch after they reach the host",
         ("worker.early_results",),
         switch=True,
+        switch_value=False,
     ),
     Flag(
         "--num-threads",

@@ -106,10 +106,10 @@ def test_launch_passes_every_worker_flag_on() -> None:
         "4",
         "--log-format",
         "json",
-        "--early-results",
+        "--no-early-results",
     ]
     config, _ = resolve(LAUNCH, argv, env={})
-    assert config.worker.early_results
+    assert not config.worker.early_results
     plans = plan_workers(config, [41000, 41001], "nonce")
     for i, plan in enumerate(plans):
         (argv,) = plan.argvs
@@ -126,6 +126,18 @@ def test_launch_passes_every_worker_flag_on() -> None:
         assert child.worker == expected
         assert child.server.port == 41000 + i and child.server.host == "127.0.0.1"
     assert config.log.level == "debug"
+
+
+def test_early_results_and_the_prefill_limit_beside_decodes_are_on_by_default() -> None:
+    config, _ = resolve(LAUNCH, ["--devices", "cpu", "--model", "dummy:x"], env={})
+    assert config.worker.early_results
+    assert config.engine.scheduler.prefill_tokens_beside_decodes == 1024
+    ((argv,),) = (plan.argvs for plan in plan_workers(config, [41000], "nonce"))
+    assert "--no-early-results" not in argv
+    child, _ = resolve(WORKER, list(argv[4:]), env={})
+    assert child.worker.early_results
+    off, _ = resolve(SERVE, ["--prefill-tokens-beside-decodes", "0"], env={})
+    assert off.engine.scheduler.prefill_tokens_beside_decodes == 0
 
 
 def test_launch_groups_devices_for_tensor_parallelism() -> None:

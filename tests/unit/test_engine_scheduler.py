@@ -111,7 +111,7 @@ def test_a_backlog_or_a_step_without_decodes_takes_the_whole_budget() -> None:
         run.scheduler.add_request(request(f"p{i}", _prompt(40, base=i * 11), max_tokens=2))
     first = run.scheduler.schedule()  # nothing decodes yet
     assert first is not None and [r.num_scheduled_tokens for r in first.new_requests] == [40, 40]
-    _, unlimited = _step_with_a_decode(SchedulerConfig(), prompts=2)
+    _, unlimited = _step_with_a_decode(SchedulerConfig(prefill_tokens_beside_decodes=0), prompts=2)
     assert [r.num_scheduled_tokens for r in unlimited.new_requests] == [40, 40]
 
 

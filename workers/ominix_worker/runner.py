@@ -183,7 +183,8 @@ class ModelRunner:
         # While an overlapped eager step launches, the step before it is polled between layers and its result
         # handed to ``post_result`` (set by the step loop) once its ids are on the host; otherwise it leaves
         # after that launch, which took 21 - 33 ms for a 1,024-token prompt in the service on an H200
-        # (``--early-results``; bench/RESULTS.md, 2026-11-29 19:53 - 20:10).
+        # (bench/RESULTS.md, 2026-11-29 19:53 - 20:10). The server sets it from WorkerConfig.early_results
+        # (on unless ``--no-early-results``).
         self.early_results = False
         self.post_result: Callable[[StepResult], None] | None = None
         self._early_candidate: PendingStep | None = None  # may leave during the current launch
