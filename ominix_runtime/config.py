@@ -166,8 +166,8 @@ class WorkerConfig:
     moe_parallel: str = "tensor"  # how a group splits MoE layers: tensor (slices) or expert (whole experts)
     # CUDA: a finished step's result leaves while the eager step after it is still being launched (off: after
     # that launch). Alone it made a step carrying two prompts one long client gap (ITL p99 1.34x vLLM's at 16
-    # req/s); beside the scheduler's prefill_tokens_beside_decodes it gave the best ITL p99 at 4, 8 and 16 req/s
-    # on an H200 (bench/RESULTS.md, 2026-11-29 19:53 - 20:10 and 21:43 - 22:08).
+    # req/s); beside the scheduler's prefill_tokens_beside_decodes it gave the best ITL p99 at 4 and 8 req/s and
+    # tied the old defaults at 16 on an H200 (bench/RESULTS.md, 2026-11-29 19:53 - 20:10 and 21:43 - 22:08).
     early_results: bool = True
 
 

@@ -327,8 +327,8 @@ FLAGS: tuple[Flag, ...] = (
         "--prefill-tokens-beside-decodes",
         "engine",
         "a step that carries decodes admits new prompt tokens only up to this many prefill tokens in the step "
-        "while every waiting prompt would fit in it; a longer prompt's first chunk is cut there, and a backlog "
-        "lifts the limit (0: no limit)",
+        "while every waiting prompt would fit in it; running prompts' chunks count toward it; a longer prompt's "
+        "first chunk is cut there, and a backlog lifts the limit; only with chunked prefill (0: no limit)",
         ("engine.scheduler.prefill_tokens_beside_decodes",),
         non_negative_int,
     ),
@@ -538,8 +538,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--no-early-results",
         "worker",
-        "CUDA: a step's tokens leave once the prefill or mixed step after it has been launched, not at the first "
-        "layer boundary of that launch after they reach the host",
+        "CUDA: hold a finished step's tokens until the launch of the prefill or mixed step after it ends, "
+        "instead of sending them at the first layer boundary of that launch after they reach the host (the "
+        "default)",
         ("worker.early_results",),
         switch=True,
         switch_value=False,

@@ -139,6 +139,23 @@ def test_the_limit_applies_while_the_waiting_tokens_fit_the_budget() -> None:
     assert [r.num_scheduled_tokens for r in backlog.new_requests] == [127]
 
 
+def test_the_default_limit_holds_prompts_beside_decodes_to_1024_tokens() -> None:
+    run = make(FakeConfig(max_batch_tokens=4096, kv_block_size=16, kv_num_blocks=512), SchedulerConfig())
+    s = run.scheduler
+    s.add_request(request("a", _prompt(8), max_tokens=20))
+    first = s.schedule()
+    assert first is not None
+    run.record(s.update(first, run.backend.execute(first)))
+    for i in range(2):  # 2,000 waiting tokens: no backlog in a 4,096-token budget
+        s.add_request(request(f"p{i}", _prompt(1000, base=i * 11), max_tokens=2))
+    step = s.schedule()
+    assert step is not None
+    assert [(r.request_id, r.num_scheduled_tokens) for r in step.new_requests] == [("p0", 1000), ("p1", 24)]
+    run.record(s.update(step, run.backend.execute(step)))
+    drive(run)
+    assert all(isinstance(run.terminal(rid), Done) for rid in ("a", "p0", "p1"))
+
+
 def test_without_chunked_prefill_the_limit_is_off() -> None:
     # A prompt longer than the limit could never be admitted whole while anything decodes.
     config = SchedulerConfig(prefill_tokens_beside_decodes=24, enable_chunked_prefill=False)

@@ -212,8 +212,8 @@ def test_overlapped_eager_steps_match_the_synchronous_ones(runner: ModelRunner) 
 def test_a_pending_result_leaves_during_the_next_eager_launch(runner: ModelRunner) -> None:
     """With ``post_result`` set, the step before an overlapped eager step is finished between that step's
     layers, once its ids are on the host (here at once), and handed out before ``execute_step`` returns; the
-    results are the synchronous ones, each once and in step order. ``early_results`` off (the default): none
-    leaves early."""
+    results are the synchronous ones, each once and in step order. ``early_results`` off
+    (``--no-early-results``): none leaves early."""
     steps = [
         DecodeStep(1, new_requests=[NewRequestData("a", list(range(10, 30)), seeded(5), [1, 2], 0, 20, 0)]),
         DecodeStep(

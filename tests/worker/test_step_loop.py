@@ -166,7 +166,7 @@ def test_a_pending_step_is_emitted_without_waiting_for_the_next() -> None:
 
 class EarlyPostingRunner(ScriptedRunner):
     """Pipelined, and posts the pending step's result itself while it "launches" the next step (as the CUDA
-    runner does with --early-results), before ``execute_step`` returns."""
+    runner does with early results on, the default), before ``execute_step`` returns."""
 
     def __init__(self) -> None:
         super().__init__(pipelined=True)
