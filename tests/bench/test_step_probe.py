@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,6 +90,32 @@ def test_no_prefill_shape_unless_asked(tmp_path: Path) -> None:
     assert probe.shape_of(batch=2, tokens=2, decode=True) == "decode_batch_2"
     run(probe, [step(i, 2, 0, 5000) for i in range(4)])
     assert probe.windows == {}
+
+
+def test_early_results_posted_inside_a_launch_are_kept_out_of_its_forward_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import bench.step_probe as step_probe
+
+    now = [0.0]
+    monkeypatch.setattr(step_probe, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    probe = StepProbe(str(tmp_path / "probe.json"), [], num_steps=1)
+
+    class Runner:
+        def _post_early_if_done(self) -> None:
+            now[0] += 0.004  # finishing and posting the step before
+
+        def _forward(self) -> None:
+            for _ in range(3):  # three layers, an early-posting check after each
+                now[0] += 0.010
+                self._post_early_if_done()
+
+    Runner._post_early_if_done = probe._timed("_post_early", Runner._post_early_if_done)  # type: ignore[method-assign]
+    Runner._forward = probe._timed("_forward", Runner._forward, exclude="_post_early")  # type: ignore[method-assign]
+    probe.phase = {}
+    Runner()._forward()
+    assert probe.phase["_post_early"] == pytest.approx(0.012)
+    assert probe.phase["_forward"] == pytest.approx(0.030)
 
 
 def test_prefill_rate_of_a_step_log() -> None:
