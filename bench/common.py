@@ -197,11 +197,16 @@ def fmt(value: float | None, digits: int = 1) -> str:
 
 def free_port() -> int:
     """A loopback TCP port free right now that no other socket can be handed before the service binds it."""
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct such ports (separate :func:`free_port` calls may name the same one twice)."""
     from ominix_runtime.bind_probe import (
-        free_port as pick,  # here: peers import this module from their own envs
+        free_ports as pick,  # here: peers import this module from their own envs
     )
 
-    return pick()
+    return pick(count)
 
 
 def service_command() -> list[str]:
@@ -393,13 +398,14 @@ def launch_service(
     ``launch_args`` are passed through verbatim (``--model``, ``--devices``, serve and worker flags).
     The service's output goes to a log file whose tail is shown when it fails.
     """
-    port = port or free_port()
-    metrics_port = metrics_port or free_port()
+    picked = iter(free_ports(3))
+    port = port or next(picked)
+    metrics_port = metrics_port or next(picked)
     address = f"127.0.0.1:{port}"
     command = [*service_command(), "launch", "--port", str(port), "--metrics-port", str(metrics_port)]
     if not any(a.split("=", 1)[0] == "--worker-base-port" for a in launch_args):
         # Not the fixed default: another service (or a test) may hold it. Workers take base + i.
-        command += ["--worker-base-port", str(free_port())]
+        command += ["--worker-base-port", str(next(picked))]
     command += list(launch_args)
     log_fd, log_name = tempfile.mkstemp(prefix="ominix-bench-service-", suffix=".log")
     log_path = Path(log_name)
@@ -483,11 +489,15 @@ def watch_spec(spec: str) -> WatchedProcess:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python3 bench/common.py wait-serving ADDRESS --watch NAME:PID:LOG ...``: wait for health SERVING
     (grpc.health.v1, or ``GET /health`` = 200 with ``--http``), exit 1 at once (printing its last log lines)
-    when a watched process has died, 2 on timeout. ``python3 bench/common.py free-port``: print a port as
-    :func:`free_port` picks it (the shell benches' ports)."""
+    when a watched process has died, 2 on timeout. ``python3 bench/common.py free-port [N]``: print N distinct
+    ports (default 1) as :func:`free_ports` picks them, space-separated (the shell benches' ports: one call
+    for all the ports a start needs, since separate calls may name the same port twice)."""
     parser = argparse.ArgumentParser(prog="bench/common.py")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("free-port", help="print a loopback port outside the kernel's ephemeral range")
+    ports = sub.add_parser(
+        "free-port", help="print distinct loopback ports outside the kernel's ephemeral range"
+    )
+    ports.add_argument("count", nargs="?", type=int, default=1)
     wait = sub.add_parser("wait-serving", help="wait for grpc health SERVING while the given processes live")
     wait.add_argument("address")
     wait.add_argument("--timeout", type=float, default=600.0)
@@ -495,7 +505,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     wait.add_argument("--http", action="store_true", help="probe GET http://ADDRESS/health instead of gRPC")
     args = parser.parse_args(argv)
     if args.command == "free-port":
-        print(free_port())
+        if args.count < 1:
+            parser.error("free-port: the count must be at least 1")
+        print(*free_ports(args.count))
         return 0
     probe = http_health_status if args.http else health_status
     try:

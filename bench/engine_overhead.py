@@ -59,7 +59,7 @@ if __package__ in (None, ""):
 import grpc
 import grpc.aio
 
-from bench.common import free_port, percentile
+from bench.common import free_ports, percentile
 from ominix_runtime import wire
 from ominix_runtime.engine.config import LIGHT_LOAD_INFLIGHT_STEPS
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -693,7 +693,7 @@ async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str
     from ominix_runtime.server.app import EngineDaemon
 
     here = Path(__file__).resolve().parent
-    wports, eport = [free_port() for _ in range(args.groups)], free_port()
+    *wports, eport = free_ports(args.groups + 1)
     stats_paths = [Path(args.work_dir) / f"fake_worker{g}.json" for g in range(args.groups)]
     for path in stats_paths:
         path.unlink(missing_ok=True)

@@ -37,13 +37,15 @@ PROFILE_ARGS=${PROFILE_ARGS:-"--w1 --batch1 --output-len 64 --batch1-trials 1 --
 . bench/carried_wheels.sh
 export PYTHONPATH=$OURS_PATH
 
-free_port() { python3 bench/common.py free-port; }  # outside the ephemeral range: no other socket takes it first
+# free_ports N: N distinct ports outside the ephemeral range (no other socket takes one first), one call for
+# all the ports a start needs: separate calls may name the same port twice.
+free_ports() { python3 bench/common.py free-port "$1"; }
 
 # Starts the worker (through step_probe.py) and the engine on free ports; sets WPID, EPID, EPORT. Returns 1,
 # with the last log lines printed, as soon as either process has died, e.g. at import.
 start_service() {
   local wport
-  wport=$(free_port); EPORT=$(free_port)
+  read -r wport EPORT <<<"$(free_ports 2)"
   timeout $((SERVICE_S + 60)) python3 bench/step_probe.py --model "$MODEL" --device "$DEVICE" --port "$wport" \
     $WORKER_ARGS >"$OUT/worker.log" 2>&1 &
   WPID=$!

@@ -69,7 +69,9 @@ part() { echo "=== $1 (t=$((SECONDS - T0)) s, $(date -u +%T))"; }
 VLLM_PATH=${VLLM_SITE:-}
 ours_py() { PYTHONPATH="$OURS_PATH" python3 "$@"; }
 vllm_py() { PYTHONPATH="$VLLM_PATH" python3 "$@"; }
-free_port() { python3 bench/common.py free-port; }  # outside the ephemeral range: no other socket takes it first
+# free_ports N: N distinct ports outside the ephemeral range (no other socket takes one first), one call for
+# all the ports a start needs: separate calls may name the same port twice.
+free_ports() { python3 bench/common.py free-port "$1"; }
 rate_prompts() {
   ours_py bench/online.py num-prompts --rate "$1" --seconds "$SECONDS_PER_RATE" --inf-prompts "$INF_PROMPTS" \
     --min-prompts "$MIN_PROMPTS"
@@ -120,10 +122,10 @@ ours_py bench/online.py model-dir --config "$CONFIG_JSON" --out "$MODEL_DIR" || 
 # endpoint with WITH_METRICS=1, else -); returns 1 if it never served. The metrics server stays off by default:
 # with it on, the engine also fills its request histograms (an observation per output token).
 start_ours() {
-  local label=$1 util=$2 port wbase mport=0
+  local label=$1 util=$2 port wbase picked mport=0
   shift 2
-  port=$(free_port); wbase=$(free_port)
-  [ "${WITH_METRICS:-0}" = 1 ] && mport=$(free_port)
+  read -r port picked wbase <<<"$(free_ports 3)"  # the base last: workers take base + i
+  [ "${WITH_METRICS:-0}" = 1 ] && mport=$picked
   part "$label: launch"
   PYTHONPATH="$OURS_PATH" setsid timeout "$SERVER_LIFETIME_S" python3 -m ominix_runtime launch \
     --model "dummy:$MODEL_DIR" --devices "$DEVICE" --port "$port" --metrics-port "$mport" --worker-base-port "$wbase" \
@@ -164,7 +166,7 @@ vllm_importable() {
 # died). Sets STARTED_PID and STARTED_PORT; returns 1 if it never became healthy.
 start_vllm() {
   local util=$1
-  STARTED_PORT=$(free_port)
+  STARTED_PORT=$(free_ports 1)
   part "vllm: serve"
   PYTHONPATH="$VLLM_PATH" setsid timeout "$SERVER_LIFETIME_S" python3 -m vllm.entrypoints.cli.main serve "$MODEL_DIR" \
     --load-format dummy --dtype bfloat16 --max-model-len "$MAX_MODEL_LEN" --max-num-seqs "$MAX_NUM_SEQS" \

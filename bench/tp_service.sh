@@ -41,17 +41,19 @@ PEER_DIR=${PEER_DIR:-../shared/peers/vllm}
 . bench/carried_wheels.sh
 export PYTHONPATH=$OURS_PATH
 
-free_port() { python3 bench/common.py free-port; }  # outside the ephemeral range: no other socket takes it first
+# free_ports N: N distinct ports outside the ephemeral range (no other socket takes one first), one call for
+# all the ports a start needs: separate calls may name the same port twice.
+free_ports() { python3 bench/common.py free-port "$1"; }
 
 # run_service NAME MODEL CONFIG GROUPS...: each GROUP is a comma-separated device list, one TP group (its size
 # the list's length); serve drives them all; W1 and batch-1 through bench/offline.py; every process stopped.
 run_service() {
   local name=$1 model=$2 config=$3; shift 3
-  local eport pids=() watches=() workers=() g=0 total=0
-  eport=$(free_port)
+  local eport pids=() watches=() workers=() g=0 total=0 ports
+  read -r -a ports <<<"$(free_ports $((1 + 2 * $#)))"  # the engine's, then a leader and a dist port per group
+  eport=${ports[0]}
   for devices in "$@"; do
-    local leader dist rank=0 size
-    leader=$(free_port); dist=$(free_port)
+    local leader=${ports[1 + 2 * g]} dist=${ports[2 + 2 * g]} rank=0 size
     IFS=, read -r -a devs <<<"$devices"
     size=${#devs[@]}
     total=$((total + size))

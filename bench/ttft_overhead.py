@@ -32,7 +32,7 @@ if __package__ in (None, ""):
 from bench.common import (  # noqa: E402
     ServiceDied,
     WatchedProcess,
-    free_port,
+    free_ports,
     health_status,
     percentile,
     wait_until_ready,
@@ -49,7 +49,7 @@ def fake_service(
     front_procs: int, step_ms: float, work_dir: Path
 ) -> Iterator[tuple[str, list[WatchedProcess]]]:
     """A fake worker and a ``serve`` engine on free ports; both stopped on exit."""
-    wport, eport = free_port(), free_port()
+    wport, eport = free_ports(2)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     worker_argv = [sys.executable, str(HERE / "engine_overhead.py"), "--role", "worker", "--port", str(wport)]
     worker_argv += ["--concurrency", "1", "--step-ms", str(step_ms), "--model-name", MODEL_NAME]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import random
 import socket
+from collections.abc import Collection
 from pathlib import Path
 
 
@@ -63,8 +64,11 @@ def search_window(count: int) -> range:
     return range(LOWEST_PORT, HIGHEST_PORT + 1)
 
 
-def free_ports(count: int, host: str = LOOPBACK, *, consecutive: bool = False) -> list[int]:
-    """``count`` distinct ports free on ``host`` now, outside the kernel's ephemeral range.
+def free_ports(
+    count: int, host: str = LOOPBACK, *, consecutive: bool = False, avoid: Collection[int] = ()
+) -> list[int]:
+    """``count`` distinct ports free on ``host`` now, outside the kernel's ephemeral range, none in ``avoid``
+    (ports already given to something that has not bound them yet).
 
     A port the kernel reports free for ``bind(0)`` is inside that range, and between the probe and the real bind
     any process may be given the same port for its own ``bind(0)`` (gloo's pair listeners) or as the source of an
@@ -80,6 +84,10 @@ def free_ports(count: int, host: str = LOOPBACK, *, consecutive: bool = False) -
             port = window[(offset + step) % len(window)]
             if consecutive and probes and port != probes[-1].getsockname()[1] + 1:
                 _close_all(probes)
+            if port in avoid:
+                if consecutive:
+                    _close_all(probes)
+                continue
             try:
                 probes.append(_bound(host, port))
             except OSError:

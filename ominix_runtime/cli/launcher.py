@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -72,29 +72,30 @@ def _consecutive_ports(base: int, count: int, flag: str) -> list[int]:
     return [base + i for i in range(count)]
 
 
-def worker_ports(config: RuntimeConfig) -> list[int]:
-    """The port of each group's rank 0."""
+def worker_ports(config: RuntimeConfig, avoid: Collection[int] = ()) -> list[int]:
+    """The port of each group's rank 0; picked ones are none of ``avoid`` (ports given to other processes)."""
     launch = config.launch
     count = len(device_groups(config))
     if launch.worker_base_port == 0:
-        return _free_ports(launch.worker_host, count, "--worker-base-port")
+        return _free_ports(launch.worker_host, count, "--worker-base-port", avoid)
     return _consecutive_ports(launch.worker_base_port, count, "--worker-base-port")
 
 
-def rendezvous_ports(config: RuntimeConfig) -> list[int]:
-    """Where each tensor-parallel group's ranks meet (none without tensor parallelism)."""
+def rendezvous_ports(config: RuntimeConfig, avoid: Collection[int] = ()) -> list[int]:
+    """Where each tensor-parallel group's ranks meet (none without tensor parallelism); picked ones are none
+    of ``avoid``."""
     launch = config.launch
     if launch.tensor_parallel_size == 1:
         return []
     count = len(device_groups(config))
     if launch.dist_base_port:
         return _consecutive_ports(launch.dist_base_port, count, "--dist-base-port")
-    return _free_ports("127.0.0.1", count, "--dist-base-port")
+    return _free_ports("127.0.0.1", count, "--dist-base-port", avoid)
 
 
-def _free_ports(host: str, count: int, flag: str) -> list[int]:
+def _free_ports(host: str, count: int, flag: str, avoid: Collection[int]) -> list[int]:
     try:
-        return free_ports(count, host)
+        return free_ports(count, host, avoid=avoid)
     except OSError as exc:
         raise ConfigError(f"{exc}: pass {flag}") from None
 
@@ -362,8 +363,10 @@ class WorkerSupervisor(threading.Thread):
 def run_launch(config: RuntimeConfig, options: argparse.Namespace) -> int:
     configure_logging(config.log.level, config.log.json, component="launcher")
     check_model(config)
-    ports = worker_ports(config)
-    dist_ports = rendezvous_ports(config)
+    # Ports picked here are none of those already given: two picks apart could name one port twice.
+    given = {port for _, port, _ in engine_ports(config)}
+    ports = worker_ports(config, avoid=given)
+    dist_ports = rendezvous_ports(config, avoid=given | set(ports))
     # Every port before anything loads: a taken one is found in milliseconds, not after the weights.
     host = config.launch.worker_host
     check_ports_free(

@@ -290,8 +290,8 @@ def test_roofline_counts_fp8_weights_as_one_byte() -> None:
 
 
 def test_the_shell_benches_port_comes_from_outside_the_ephemeral_range() -> None:
-    """``python3 bench/common.py free-port`` (what gpu_service.sh, online_service.sh and tp_service.sh call)
-    prints one port that ``search_window`` holds and that can be bound."""
+    """``python3 bench/common.py free-port`` (what gpu_service.sh, online_service.sh and tp_service.sh call,
+    with a count) prints one port that ``search_window`` holds and that can be bound."""
     import socket
     import subprocess
 
@@ -311,6 +311,28 @@ def test_the_shell_benches_port_comes_from_outside_the_ephemeral_range() -> None
     assert not low <= port <= high or search_window(1) == range(1024, 65536)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def test_the_shell_benches_take_all_the_ports_of_a_start_in_one_call() -> None:
+    """``free-port N``: N distinct ports, each bindable (separate single picks may name one port twice); a count
+    below 1 is a usage error."""
+    import subprocess
+
+    def free_port_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "bench/common.py", "free-port", *args],
+            cwd=Path(__file__).resolve().parents[2],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    out = free_port_cli("5")
+    assert out.returncode == 0, out.stderr
+    ports = [int(word) for word in out.stdout.split()]
+    assert len(ports) == 5 and len(set(ports)) == 5
+    bad = free_port_cli("0")
+    assert bad.returncode == 2 and "at least 1" in bad.stderr
 
 
 def test_prefix_step_runs_every_step_kind_on_a_tiny_model(tmp_path: Path) -> None:

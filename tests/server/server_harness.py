@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from ominix_runtime.bind_probe import free_port
+from ominix_runtime.bind_probe import free_ports
 from ominix_runtime.config import LogConfig, RuntimeConfig, ServerConfig
 from ominix_runtime.models import DEFAULT_MODEL_NAME
 from ominix_runtime.pb import engine_pb2_grpc
@@ -41,8 +41,9 @@ class RunningDaemon:
 
 
 def start_daemon(fake: FakeConfig, **config_overrides) -> tuple[RunningDaemon, threading.Thread]:  # noqa: ANN003
+    port, metrics_port = free_ports(2)  # distinct: two single picks can name the same port
     config = RuntimeConfig(
-        server=ServerConfig(port=free_port(), metrics_port=free_port(), drain_timeout=5.0),
+        server=ServerConfig(port=port, metrics_port=metrics_port, drain_timeout=5.0),
         log=LogConfig(format="json"),
         **config_overrides,
     )

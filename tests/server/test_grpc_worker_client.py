@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator
 
 import grpc.aio
 import pytest
-from server_harness import free_port
 
 from ominix_runtime import wire
 from ominix_runtime.backends.grpc_worker import GrpcWorkerBackend
+from ominix_runtime.bind_probe import free_port
 from ominix_runtime.contract import FAKE_PROFILE, DecodeStep, ModelInfo, OminixError, RuntimeErrorKind
 from ominix_runtime.pb import common_pb2, worker_pb2, worker_pb2_grpc
 

@@ -8,8 +8,9 @@ import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from server_harness import SMOLLM2_VOCAB, free_port
+from server_harness import SMOLLM2_VOCAB
 
+from ominix_runtime.bind_probe import free_port
 from ominix_runtime.config import LogConfig, RuntimeConfig, ServerConfig
 from ominix_runtime.models import DEFAULT_MODEL_NAME
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc

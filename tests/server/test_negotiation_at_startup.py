@@ -7,8 +7,9 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from server_harness import SMOLLM2_VOCAB, free_port
+from server_harness import SMOLLM2_VOCAB
 
+from ominix_runtime.bind_probe import free_port
 from ominix_runtime.config import LogConfig, RuntimeConfig, ServerConfig
 from ominix_runtime.contract import OminixError, RuntimeErrorKind
 from ominix_runtime.models import DEFAULT_MODEL_NAME

@@ -45,6 +45,33 @@ def test_a_taken_port_is_skipped_and_a_block_is_consecutive(monkeypatch: pytest.
         assert base == [base[0], base[0] + 1, base[0] + 2] and first not in base
 
 
+def test_ports_given_to_others_are_avoided(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bind_probe.random, "randrange", lambda _n: 0)
+    first = free_ports(1)[0]  # where every search below starts
+    assert free_ports(1, avoid={first}) != [first]
+    block = free_ports(3, consecutive=True, avoid={first + 1})
+    assert first + 1 not in block and block == [block[0], block[0] + 1, block[0] + 2]
+
+
+def test_the_launcher_picks_worker_and_rendezvous_ports_apart_from_the_given_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ominix_runtime.cli.commands import command
+    from ominix_runtime.cli.launcher import rendezvous_ports, worker_ports
+    from ominix_runtime.cli.settings import resolve
+
+    monkeypatch.setattr(bind_probe.random, "randrange", lambda _n: 0)
+    engine_port = free_ports(1)[0]  # the first port a search tries: every pick below would take it
+    argv = ["--devices", "cpu,cpu", "--tensor-parallel-size", "2", "--model", "dummy:x"]
+    config, _ = resolve(
+        command("launch"), [*argv, "--port", str(engine_port), "--worker-base-port", "0"], env={}
+    )
+    workers = worker_ports(config, avoid={engine_port})
+    rendezvous = rendezvous_ports(config, avoid={engine_port, *workers})
+    assert len(workers) == len(rendezvous) == 1
+    assert len({engine_port, *workers, *rendezvous}) == 3
+
+
 @pytest.mark.parametrize(
     ("ephemeral", "expected"),
     [
