@@ -56,6 +56,21 @@ def _drop_stdlib_extras(
     return event_dict
 
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is at the time of the write. The stream bound when logging was
+    configured can be replaced and closed later (a test runner's capture, a redirect), and a log line from a
+    thread that outlives it would then fail with "I/O operation on closed file"."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+_STDERR = _CurrentStderr()
+
+
 def configure_logging(
     level: str = "info", json_output: bool | None = None, component: str = "engine", **fields: Any
 ) -> None:
@@ -82,10 +97,10 @@ def configure_logging(
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
         # One write per line (message and newline together): processes sharing one stderr (launch's workers)
         # would otherwise interleave a line's text and its newline with another process's line.
-        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=_STDERR),  # type: ignore[arg-type]  # write and flush suffice
         cache_logger_on_first_use=False,
     )
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_STDERR)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import sys
 
 import pytest
@@ -45,3 +46,22 @@ def test_every_json_log_line_is_one_write(monkeypatch: pytest.MonkeyPatch) -> No
         record = json.loads(call)
         assert record["component"] == "worker" and record["worker_id"] == "cpu@test"
     assert [json.loads(c)["event"] for c in lines] == ["first line", "second line"]
+
+
+def test_lines_go_to_the_stderr_of_the_moment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream replaced and closed after logging was configured (a test runner's capture) takes no more
+    lines: each goes to whatever ``sys.stderr`` is when it is written."""
+    before, after = _Writes(), _Writes()
+    monkeypatch.setattr(sys, "stderr", before)
+    try:
+        configure_logging("info", json_output=True)
+        before.close()
+        monkeypatch.setattr(sys, "stderr", after)
+        structlog.get_logger("ominix_test").info("after the swap")
+        logging.getLogger("ominix_runtime").warning("stdlib after the swap")
+    finally:
+        configure_logging("warning", json_output=True)
+    assert [json.loads(c)["event"] for c in after.calls if c.strip()] == [
+        "after the swap",
+        "stdlib after the swap",
+    ]
