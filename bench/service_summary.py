@@ -80,7 +80,15 @@ def step_breakdown(steps: list[dict[str, Any]], batch: int) -> dict[str, float] 
         "step_ms": statistics.mean((c["exit"] - c["enter"]) * 1e3 for _, c in rows),
         "gap_ms": statistics.mean((c["enter"] - p["exit"]) * 1e3 for p, c in rows),
     }
-    for phase in ("prepare_inputs", "forward", "sample", "graph_run", "sample_logits", "update_states"):
+    for phase in (
+        "prepare_inputs",
+        "forward",
+        "post_early",
+        "sample",
+        "graph_run",
+        "sample_logits",
+        "update_states",
+    ):
         out[phase + "_ms"] = statistics.mean(c.get(phase, 0.0) * 1e3 for _, c in rows)
     return out
 

@@ -131,7 +131,7 @@ class StepProbe:
                 setattr(cls, name, self._timed(name, getattr(cls, name)))
         if hasattr(cls, "_post_early_if_done"):
             # Early results leave between the layers of an eager launch: their own phase, kept out of
-            # ``forward`` (the launch).
+            # ``forward`` (the launch). It holds every layer's poll too, posted or not (one timer per layer).
             cls._post_early_if_done = self._timed("_post_early", cls._post_early_if_done)  # type: ignore[method-assign]  # the probe times it in place
         cls._forward = self._timed("_forward", cls._forward, exclude="_post_early")  # type: ignore[method-assign]  # the probe times it in place
         try:
