@@ -369,16 +369,19 @@ class Scheduler:
 
     def _admission_budget(self, budget: int, plan: BatchPlan) -> int:
         """The tokens this step may give waiting requests: what is left of ``prefill_tokens_beside_decodes``
-        after the running requests' prefill chunks when the step carries decodes and every waiting request's
-        tokens would fit in ``budget`` (no backlog), else ``budget``. Without a backlog the prompts held back
-        go into the next steps, each beside the decodes. Only with chunked prefill: without it a prompt longer
-        than the limit could never be admitted while anything decodes."""
+        after the running requests' prefill chunks when the step carries decodes and every waiting request
+        would fit in this step (no backlog: their tokens within ``budget``, their number within the free
+        running slots), else ``budget``. Without a backlog the prompts held back go into the next steps, each
+        beside the decodes. Only with chunked prefill: without it a prompt longer than the limit could never
+        be admitted while anything decodes."""
         cap = self.config.prefill_tokens_beside_decodes
         if cap <= 0 or not self.chunked_prefill or plan.num_decode_tokens == 0:
             return budget
         cap = max(0, cap - plan.num_prefill_tokens)
         if cap >= budget:
             return budget
+        if len(self.waiting) > self.max_running_requests - len(self.running):
+            return budget  # more waiting than free slots: a backlog (and the count below stays short)
         waiting_tokens = 0
         for req in self.waiting:  # stops as soon as the backlog shows; prefix hits not counted
             waiting_tokens += len(req.all_token_ids)

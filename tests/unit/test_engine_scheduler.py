@@ -139,6 +139,25 @@ def test_the_limit_applies_while_the_waiting_tokens_fit_the_budget() -> None:
     assert [r.num_scheduled_tokens for r in backlog.new_requests] == [127]
 
 
+def test_more_waiting_requests_than_free_running_slots_is_a_backlog() -> None:
+    # 100 waiting tokens fit the budget, but two requests wait for one free slot (a decodes in the other).
+    config = SchedulerConfig(prefill_tokens_beside_decodes=40, max_running_requests=2)
+    run = make(FakeConfig(max_batch_tokens=128, kv_block_size=4, kv_num_blocks=256), config)
+    s = run.scheduler
+    s.add_request(request("a", _prompt(8), max_tokens=20))
+    first = s.schedule()
+    assert first is not None
+    run.record(s.update(first, run.backend.execute(first)))
+    s.add_request(request("p0", _prompt(60, base=50), max_tokens=2))
+    s.add_request(request("p1", _prompt(40, base=7), max_tokens=2))
+    step = s.schedule()
+    assert step is not None
+    assert [(r.request_id, r.num_scheduled_tokens) for r in step.new_requests] == [("p0", 60)]
+    run.record(s.update(step, run.backend.execute(step)))
+    drive(run)
+    assert all(isinstance(run.terminal(rid), Done) for rid in ("a", "p0", "p1"))
+
+
 def test_the_default_limit_holds_prompts_beside_decodes_to_1024_tokens() -> None:
     run = make(FakeConfig(max_batch_tokens=4096, kv_block_size=16, kv_num_blocks=512), SchedulerConfig())
     s = run.scheduler
