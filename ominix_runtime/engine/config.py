@@ -28,9 +28,10 @@ class SchedulerConfig:
     # (running prompts' chunks count, but are not cut) while no backlog waits (every waiting prompt would fit
     # in the step: its tokens in the budget, its request in a free running slot); with chunked prefill only;
     # 0: no limit. A prefill beside decodes stalls every decoding stream for its whole duration: steps
-    # carrying two 1,024-token prompts ended most ITL p99 gaps at 16 req/s on an H200. With 1,024 (and the worker's early results) ITL p99 beside vLLM went from 1.08x to
-    # 0.97x at 4 req/s and 0.91x at 8, for TTFT p99 1.04x -> 1.15x at 16 (bench/RESULTS.md, 2026-11-29
-    # 21:43 - 22:08). A backlog lifts the limit (throughput first).
+    # carrying two 1,024-token prompts ended most ITL p99 gaps at 16 req/s on an H200. With 1,024 (and the
+    # worker's early results) ITL p99 beside vLLM went from 1.08x to 0.97x at 4 req/s and 0.91x at 8, for
+    # TTFT p99 1.04x -> 1.15x at 16 (bench/RESULTS.md, 2026-11-29 21:43 - 22:08). A backlog lifts the limit
+    # (throughput first).
     prefill_tokens_beside_decodes: int = 1024
 
 

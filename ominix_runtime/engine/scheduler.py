@@ -380,10 +380,12 @@ class Scheduler:
         cap = max(0, cap - plan.num_prefill_tokens)
         if cap >= budget:
             return budget
+        # More waiting than free slots (preempted ones with results in flight counted too): a backlog, and
+        # the count below stays short.
         if len(self.waiting) > self.max_running_requests - len(self.running):
-            return budget  # more waiting than free slots: a backlog (and the count below stays short)
+            return budget
         waiting_tokens = 0
-        for req in self.waiting:  # stops as soon as the backlog shows; prefix hits not counted
+        for req in self.waiting:  # stops as soon as the backlog shows; prefix hits not subtracted
             waiting_tokens += len(req.all_token_ids)
             if waiting_tokens > budget:
                 return budget

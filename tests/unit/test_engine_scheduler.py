@@ -139,9 +139,9 @@ def test_the_limit_applies_while_the_waiting_tokens_fit_the_budget() -> None:
     assert [r.num_scheduled_tokens for r in backlog.new_requests] == [127]
 
 
-def test_more_waiting_requests_than_free_running_slots_is_a_backlog() -> None:
-    # 100 waiting tokens fit the budget, but two requests wait for one free slot (a decodes in the other).
-    config = SchedulerConfig(prefill_tokens_beside_decodes=40, max_running_requests=2)
+def _step_after_two_prompts(max_running: int) -> tuple[Run, DecodeStep]:
+    """Request "a" decoding, then prompts of 60 and 40 tokens waiting (100 tokens: within the budget)."""
+    config = SchedulerConfig(prefill_tokens_beside_decodes=40, max_running_requests=max_running)
     run = make(FakeConfig(max_batch_tokens=128, kv_block_size=4, kv_num_blocks=256), config)
     s = run.scheduler
     s.add_request(request("a", _prompt(8), max_tokens=20))
@@ -152,10 +152,17 @@ def test_more_waiting_requests_than_free_running_slots_is_a_backlog() -> None:
     s.add_request(request("p1", _prompt(40, base=7), max_tokens=2))
     step = s.schedule()
     assert step is not None
+    return run, step
+
+
+def test_more_waiting_requests_than_free_running_slots_is_a_backlog() -> None:
+    run, step = _step_after_two_prompts(max_running=2)  # two wait for the one slot a leaves free
     assert [(r.request_id, r.num_scheduled_tokens) for r in step.new_requests] == [("p0", 60)]
-    run.record(s.update(step, run.backend.execute(step)))
+    run.record(run.scheduler.update(step, run.backend.execute(step)))
     drive(run)
     assert all(isinstance(run.terminal(rid), Done) for rid in ("a", "p0", "p1"))
+    _, fits = _step_after_two_prompts(max_running=3)  # a slot for each: the limit holds
+    assert [(r.request_id, r.num_scheduled_tokens) for r in fits.new_requests] == [("p0", 40)]
 
 
 def test_the_default_limit_holds_prompts_beside_decodes_to_1024_tokens() -> None:
