@@ -72,17 +72,21 @@ def test_prefill_and_decode_are_mixed_in_one_step_running_first() -> None:
 
 
 def _step_with_a_decode(
-    config: SchedulerConfig, prompts: int, prompt_len: int = 40
+    config: SchedulerConfig,
+    prompts: int,
+    prompt_len: int = 40,
+    shapes: tuple[tuple[int, int], ...] = (),
 ) -> tuple[Run, DecodeStep]:
-    """Request "a" decoding, then ``prompts`` new prompts waiting: the step the scheduler builds next."""
+    """Request "a" decoding, then ``prompts`` new prompts waiting (``prompt_len`` tokens each, or one per
+    ``(length, base)`` of ``shapes``): the step the scheduler builds next."""
     run = make(FakeConfig(max_batch_tokens=128, kv_block_size=4, kv_num_blocks=256), config)
     s = run.scheduler
     s.add_request(request("a", _prompt(8), max_tokens=20))
     first = s.schedule()
     assert first is not None
     run.record(s.update(first, run.backend.execute(first)))
-    for i in range(prompts):
-        s.add_request(request(f"p{i}", _prompt(prompt_len, base=i * 11), max_tokens=2))
+    for i, (length, base) in enumerate(shapes or [(prompt_len, i * 11) for i in range(prompts)]):
+        s.add_request(request(f"p{i}", _prompt(length, base=base), max_tokens=2))
     step = s.schedule()
     assert step is not None
     return run, step
@@ -139,29 +143,17 @@ def test_the_limit_applies_while_the_waiting_tokens_fit_the_budget() -> None:
     assert [r.num_scheduled_tokens for r in backlog.new_requests] == [127]
 
 
-def _step_after_two_prompts(max_running: int) -> tuple[Run, DecodeStep]:
-    """Request "a" decoding, then prompts of 60 and 40 tokens waiting (100 tokens: within the budget)."""
-    config = SchedulerConfig(prefill_tokens_beside_decodes=40, max_running_requests=max_running)
-    run = make(FakeConfig(max_batch_tokens=128, kv_block_size=4, kv_num_blocks=256), config)
-    s = run.scheduler
-    s.add_request(request("a", _prompt(8), max_tokens=20))
-    first = s.schedule()
-    assert first is not None
-    run.record(s.update(first, run.backend.execute(first)))
-    s.add_request(request("p0", _prompt(60, base=50), max_tokens=2))
-    s.add_request(request("p1", _prompt(40, base=7), max_tokens=2))
-    step = s.schedule()
-    assert step is not None
-    return run, step
-
-
 def test_more_waiting_requests_than_free_running_slots_is_a_backlog() -> None:
-    run, step = _step_after_two_prompts(max_running=2)  # two wait for the one slot a leaves free
+    # Prompts of 60 and 40 tokens (100: within the budget) wait for the one slot "a" leaves free.
+    two_waiting = ((60, 50), (40, 7))
+    config = SchedulerConfig(prefill_tokens_beside_decodes=40, max_running_requests=2)
+    run, step = _step_with_a_decode(config, prompts=2, shapes=two_waiting)
     assert [(r.request_id, r.num_scheduled_tokens) for r in step.new_requests] == [("p0", 60)]
     run.record(run.scheduler.update(step, run.backend.execute(step)))
     drive(run)
     assert all(isinstance(run.terminal(rid), Done) for rid in ("a", "p0", "p1"))
-    _, fits = _step_after_two_prompts(max_running=3)  # a slot for each: the limit holds
+    config = SchedulerConfig(prefill_tokens_beside_decodes=40, max_running_requests=3)
+    _, fits = _step_with_a_decode(config, prompts=2, shapes=two_waiting)  # a slot for each: the limit holds
     assert [(r.request_id, r.num_scheduled_tokens) for r in fits.new_requests] == [("p0", 40)]
 
 
