@@ -14,6 +14,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,16 @@ def percentile(values: Sequence[float], q: float) -> float:
     high = math.ceil(rank)
     fraction = rank - low
     return ordered[low] + (ordered[high] - ordered[low]) * fraction
+
+
+def median_range(values: Sequence[float], digits: int, suffix: str = "") -> str:
+    """``median (min–max)`` of ``values`` (the median alone for one value, ``-`` for none)."""
+    if not values:
+        return "-"
+    mid = statistics.median(values)
+    if len(values) == 1:
+        return f"{mid:,.{digits}f}{suffix}"
+    return f"{mid:,.{digits}f}{suffix} ({min(values):,.{digits}f}–{max(values):,.{digits}f})"
 
 
 @dataclass(slots=True)

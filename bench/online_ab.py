@@ -40,6 +40,7 @@ from bench.common import (  # noqa: E402
     WatchedProcess,
     exit_code_of,
     format_table,
+    median_range,
     run_while_all_alive,
     watch_spec,
     write_json,
@@ -187,13 +188,6 @@ def results_of(records: Sequence[dict[str, Any]], label: str, rate: float) -> li
     return [r["result"] for r in records if r["label"] == label and rate_of(r["result"]) == rate]
 
 
-def _range(values: Sequence[float], digits: int, suffix: str = "") -> str:
-    mid = statistics.median(values)
-    if len(values) == 1:
-        return f"{mid:,.{digits}f}{suffix}"
-    return f"{mid:,.{digits}f}{suffix} ({min(values):,.{digits}f}–{max(values):,.{digits}f})"
-
-
 def paired_ratios(
     records: Sequence[dict[str, Any]], label: str, baseline: str, rate: float, key: str
 ) -> list[tuple[float, bool]]:
@@ -235,7 +229,7 @@ def format_ab_table(records: Sequence[dict[str, Any]], baseline: str) -> str:
             cells = []
             for _, key, digits in COLUMNS:
                 values = [run[key] for run in runs if run.get(key) is not None]
-                cells.append(_range(values, digits) if values else "-")
+                cells.append(median_range(values, digits))
             failed = sum(run.get("failed", 0) for run in runs)
             rows.append([label, rate_label(rate), str(len(runs)), str(failed), *cells])
         for label in labels:
@@ -248,7 +242,7 @@ def format_ab_table(records: Sequence[dict[str, Any]], baseline: str) -> str:
                     cells.append("-")
                     continue
                 wins = sum(better for _, better in pairs)
-                cells.append(f"{_range([r for r, _ in pairs], 2, '×')} {wins}/{len(pairs)}")
+                cells.append(f"{median_range([r for r, _ in pairs], 2, '×')} {wins}/{len(pairs)}")
             rows.append([f"{label}/{baseline}", rate_label(rate), "", "", *cells])
     return format_table(rows, header)
 
@@ -281,10 +275,10 @@ def format_steps_table(records: Sequence[dict[str, Any]]) -> str | None:
                     rate_label(rate),
                     str(len(read)),
                     str(len(runs) - len(read)),
-                    _range(steps, 0) if steps else "-",
-                    _range(per_s, 1) if per_s else "-",
-                    _range(tokens, 1) if tokens else "-",
-                    _range(preempted, 0) if preempted else "-",
+                    median_range(steps, 0),
+                    median_range(per_s, 1),
+                    median_range(tokens, 1),
+                    median_range(preempted, 0),
                 ]
             )
     header = ["server", "rate", "runs read", "not read", "steps", "steps/s", "tokens/step", "preemptions"]

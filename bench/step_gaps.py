@@ -33,7 +33,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from bench.common import percentile  # noqa: E402
+from bench.common import median_range, percentile  # noqa: E402
 from bench.service_summary import mark_spans  # noqa: E402
 
 # Two results that left the worker within this long of each other: a chunk may be matched with the later one.
@@ -111,9 +111,7 @@ def client_gaps(run: dict[str, Any], steps: list[Step]) -> list[Gap]:
 
 
 def _ms(values: list[float]) -> str:
-    if not values:
-        return "-"
-    return f"{statistics.median(values) * 1e3:.2f} ({min(values) * 1e3:.2f}–{max(values) * 1e3:.2f})"
+    return median_range([v * 1e3 for v in values], 2)
 
 
 def _kind(gap: Gap) -> str:
