@@ -364,14 +364,15 @@ def run_launch(config: RuntimeConfig, options: argparse.Namespace) -> int:
     configure_logging(config.log.level, config.log.json, component="launcher")
     check_model(config)
     # Ports picked here are none of those already given: two picks apart could name one port twice.
-    given = {port for _, port, _ in engine_ports(config)}
+    engine = engine_ports(config)
+    given = {port for _, port, _ in engine}
     ports = worker_ports(config, avoid=given)
     dist_ports = rendezvous_ports(config, avoid=given | set(ports))
     # Every port before anything loads: a taken one is found in milliseconds, not after the weights.
     host = config.launch.worker_host
     check_ports_free(
         [
-            *engine_ports(config),
+            *engine,
             *((host, p, "--worker-base-port") for p in ports),
             *((_connect_host(host), p, "--dist-base-port") for p in dist_ports),
         ]
