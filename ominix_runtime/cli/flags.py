@@ -327,8 +327,9 @@ FLAGS: tuple[Flag, ...] = (
         "--prefill-tokens-beside-decodes",
         "engine",
         "a step that carries decodes admits new prompt tokens only up to this many prefill tokens in the step "
-        "while every waiting prompt would fit in it; running prompts' chunks count toward it; a longer prompt's "
-        "first chunk is cut there, and a backlog lifts the limit; only with chunked prefill (0: no limit)",
+        "while the waiting prompts would fit in this step and the next under it; running prompts' chunks count "
+        "toward it; a longer prompt's first chunk is cut there; a prompt held back once goes beyond it in the "
+        "next step; a larger backlog lifts the limit; only with chunked prefill (0: no limit)",
         ("engine.scheduler.prefill_tokens_beside_decodes",),
         non_negative_int,
     ),

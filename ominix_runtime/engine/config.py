@@ -25,13 +25,13 @@ class SchedulerConfig:
     # unless every other candidate is protected too.
     preemption_protection_steps: int = 4
     # A step that carries decodes admits waiting requests only up to this many prefill tokens in the step
-    # (running prompts' chunks count, but are not cut) while no backlog waits (every waiting prompt would fit
-    # in the step: its tokens in the budget, its request in a free running slot); with chunked prefill only;
-    # 0: no limit. A prefill beside decodes stalls every decoding stream for its whole duration: steps
-    # carrying two 1,024-token prompts ended most ITL p99 gaps at 16 req/s on an H200. With 1,024 (and the
-    # worker's early results) ITL p99 beside vLLM went from 1.08x to 0.97x at 4 req/s and 0.91x at 8, for
-    # TTFT p99 1.04x -> 1.15x at 16 (bench/RESULTS.md, 2026-11-29 21:43 - 22:08). A backlog lifts the limit
-    # (throughput first).
+    # (running prompts' chunks count, but are not cut) while no backlog waits (the waiting prompts would go
+    # in this step and the next under the limit, and each has a free running slot); a prompt held back once
+    # goes beyond the limit in the next step; with chunked prefill only; 0: no limit. A prefill beside
+    # decodes stalls every decoding stream for its whole duration: steps carrying two 1,024-token prompts
+    # ended most ITL p99 gaps at 16 req/s on an H200. With 1,024 (and the worker's early results) ITL p99
+    # beside vLLM went from 1.08x to 0.97x at 4 req/s and 0.91x at 8 (bench/RESULTS.md, 2026-11-29). A
+    # backlog lifts the limit: holding a queue back only releases it later in one long step.
     prefill_tokens_beside_decodes: int = 1024
 
 

@@ -94,7 +94,7 @@ def _step_with_a_decode(
 
 def test_prompts_beside_decodes_are_spread_over_steps_without_a_backlog() -> None:
     config = SchedulerConfig(prefill_tokens_beside_decodes=40)
-    run, step = _step_with_a_decode(config, prompts=2)  # 80 waiting tokens fit in the 128-token budget
+    run, step = _step_with_a_decode(config, prompts=2)  # 80 waiting tokens: two steps' worth under the limit
     assert [r.request_id for r in step.running_requests] == ["a"]
     assert [(r.request_id, r.num_scheduled_tokens) for r in step.new_requests] == [("p0", 40)]
     run.record(run.scheduler.update(step, run.backend.execute(step)))
@@ -119,36 +119,53 @@ def test_a_backlog_or_a_step_without_decodes_takes_the_whole_budget() -> None:
     assert [r.num_scheduled_tokens for r in unlimited.new_requests] == [40, 40]
 
 
+def test_the_limit_applies_while_the_waiting_tokens_fit_two_limited_steps() -> None:
+    config = SchedulerConfig(prefill_tokens_beside_decodes=40)
+    _, fits = _step_with_a_decode(config, prompts=1, prompt_len=80)  # this step's 40 and the next one's 40
+    assert [r.num_scheduled_tokens for r in fits.new_requests] == [40]
+    _, backlog = _step_with_a_decode(config, prompts=1, prompt_len=81)
+    assert [r.num_scheduled_tokens for r in backlog.new_requests] == [81]
+    _, three = _step_with_a_decode(config, prompts=3, prompt_len=30)  # 90 tokens: all in this step
+    assert [r.num_scheduled_tokens for r in three.new_requests] == [30, 30, 30]
+
+
 def test_the_limit_cuts_only_a_long_prompts_first_chunk() -> None:
     config = SchedulerConfig(prefill_tokens_beside_decodes=24)
-    run, step = _step_with_a_decode(config, prompts=1, prompt_len=60)
+    run, step = _step_with_a_decode(config, prompts=1, prompt_len=48)
     assert [(r.request_id, r.num_scheduled_tokens) for r in step.new_requests] == [("p0", 24)]
     run.record(run.scheduler.update(step, run.backend.execute(step)))
     run.scheduler.add_request(request("q", _prompt(20, base=3), max_tokens=2))
     following = run.scheduler.schedule()
     assert following is not None
     # p0's rest runs as a running request's chunk (not cut); it leaves no room for q under the limit
-    assert ("p0", 36) in [(r.request_id, r.num_scheduled_tokens) for r in following.running_requests]
+    assert ("p0", 24) in [(r.request_id, r.num_scheduled_tokens) for r in following.running_requests]
     assert following.new_requests == []
     run.record(run.scheduler.update(following, run.backend.execute(following)))
     drive(run)
     assert all(isinstance(run.terminal(rid), Done) for rid in ("a", "p0", "q"))
 
 
-def test_the_limit_applies_while_the_waiting_tokens_fit_the_budget() -> None:
-    config = SchedulerConfig(prefill_tokens_beside_decodes=40)
-    _, fits = _step_with_a_decode(config, prompts=1, prompt_len=127)  # 127 waiting = 128 less a's decode
-    assert [r.num_scheduled_tokens for r in fits.new_requests] == [40]
-    _, backlog = _step_with_a_decode(config, prompts=1, prompt_len=128)
-    assert [r.num_scheduled_tokens for r in backlog.new_requests] == [127]
+def test_a_prompt_held_back_once_goes_beyond_the_limit_in_the_next_step() -> None:
+    config = SchedulerConfig(prefill_tokens_beside_decodes=24)
+    run, step = _step_with_a_decode(config, prompts=2, prompt_len=24)
+    assert [(r.request_id, r.num_scheduled_tokens) for r in step.new_requests] == [("p0", 24)]  # p1 held
+    run.record(run.scheduler.update(step, run.backend.execute(step)))
+    run.scheduler.add_request(request("q", _prompt(20, base=3), max_tokens=2))
+    following = run.scheduler.schedule()
+    assert following is not None
+    # p1 goes outside the limit, q (new) within it: 44 prompt tokens beside the decodes
+    assert [(r.request_id, r.num_scheduled_tokens) for r in following.new_requests] == [("p1", 24), ("q", 20)]
+    run.record(run.scheduler.update(following, run.backend.execute(following)))
+    drive(run)
+    assert all(isinstance(run.terminal(rid), Done) for rid in ("a", "p0", "p1", "q"))
 
 
 def test_more_waiting_requests_than_free_running_slots_is_a_backlog() -> None:
-    # Prompts of 60 and 40 tokens (100: within the budget) wait for the one slot "a" leaves free.
-    two_waiting = ((60, 50), (40, 7))
+    # Prompts of 50 and 30 tokens (80: two steps' worth under the limit) wait for the one slot "a" leaves.
+    two_waiting = ((50, 50), (30, 7))
     config = SchedulerConfig(prefill_tokens_beside_decodes=40, max_running_requests=2)
     run, step = _step_with_a_decode(config, prompts=2, shapes=two_waiting)
-    assert [(r.request_id, r.num_scheduled_tokens) for r in step.new_requests] == [("p0", 60)]
+    assert [(r.request_id, r.num_scheduled_tokens) for r in step.new_requests] == [("p0", 50)]
     run.record(run.scheduler.update(step, run.backend.execute(step)))
     drive(run)
     assert all(isinstance(run.terminal(rid), Done) for rid in ("a", "p0", "p1"))
