@@ -334,6 +334,14 @@ FLAGS: tuple[Flag, ...] = (
         non_negative_int,
     ),
     Flag(
+        "--max-batch-tokens-with-decodes",
+        "engine",
+        "token budget of a step that carries decodes, its decodes and prompt chunks together, backlog or not; "
+        "a step without decodes keeps --max-batch-tokens (0: --max-batch-tokens)",
+        ("engine.scheduler.max_batch_tokens_with_decodes",),
+        non_negative_int,
+    ),
+    Flag(
         "--max-inflight-steps",
         "engine",
         "steps sent to a worker ahead of its results (1: none; 3: step N+1 reaches a pipelined GPU worker about "

@@ -33,6 +33,12 @@ class SchedulerConfig:
     # beside vLLM went from 1.08x to 0.97x at 4 req/s and 0.91x at 8 (bench/RESULTS.md, 2026-11-29). A
     # backlog lifts the limit: holding a queue back only releases it later in one long step.
     prefill_tokens_beside_decodes: int = 1024
+    # Token budget of a step that carries decodes (decodes and prefill, running prompts' chunks included),
+    # backlog or not; a step without decodes keeps max_batch_tokens. 0: max_batch_tokens. Under a backlog
+    # every step admits prompts up to its budget and each decoding stream waits for the whole step; a smaller
+    # budget beside decodes trades a few TTFT ms of the prompts behind for shorter longest gaps. Off until
+    # measured on a device (bench/policy_sim.py estimates it).
+    max_batch_tokens_with_decodes: int = 0
 
 
 # Steps in flight under light load (EngineCoreConfig.light_load_below_running).

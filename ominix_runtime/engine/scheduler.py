@@ -101,6 +101,9 @@ class Scheduler:
         self.max_running_requests = min(
             config.max_running_requests or capability.max_running_requests, capability.max_running_requests
         )
+        self.max_batch_tokens_with_decodes = min(
+            config.max_batch_tokens_with_decodes or self.max_batch_tokens, self.max_batch_tokens
+        )
         self.chunked_prefill = config.enable_chunked_prefill and capability.supports_chunked_prefill
         self.max_model_len = capability.model.max_model_len
         self.vocab_size = capability.model.vocab_size
@@ -261,6 +264,8 @@ class Scheduler:
         """Build the next step, or None when there is nothing to send."""
         step_id = self._next_step_id
         budget = self.max_batch_tokens
+        if self.max_batch_tokens_with_decodes < budget and self._any_decoding():
+            budget = self.max_batch_tokens_with_decodes
         scheduled: list[_Scheduled] = []
         new_requests: list[NewRequestData] = []
         running_requests: list[RunningRequestData] = []
@@ -323,6 +328,11 @@ class Scheduler:
         plan.preempted_request_ids = preempted
         self.last_plan = plan
         return DecodeStep(step_id, new_requests, running_requests, finished_ids)
+
+    def _any_decoding(self) -> bool:
+        """Whether a running request is past its prompt: the step will most likely carry a decode (one
+        whose sample could no longer be used is skipped later; the smaller budget then still holds)."""
+        return any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running.values())
 
     def _allocate_running(self, req: EngineRequest, n: int) -> list[int] | None:
         return self.registry.allocate(

@@ -254,8 +254,9 @@ def test_random_workloads_end_every_request_and_return_every_block(seed: int) ->
     assert _report(doc)["trace_fingerprint"] == report["trace_fingerprint"]  # deterministic
 
 
-def test_the_scheduler_limit_beside_decodes_is_read_and_checked() -> None:
-    doc = _doc("small") | {"scheduler": {"prefill_tokens_beside_decodes": 16}}
-    assert workload_from_json(doc).scheduler.prefill_tokens_beside_decodes == 16
-    with pytest.raises(ReleaseInputError, match="prefill_tokens_beside_decodes"):
-        workload_from_json(_doc("small") | {"scheduler": {"prefill_tokens_beside_decodes": -1}})
+@pytest.mark.parametrize("field", ["prefill_tokens_beside_decodes", "max_batch_tokens_with_decodes"])
+def test_the_scheduler_limits_beside_decodes_are_read_and_checked(field: str) -> None:
+    doc = _doc("small") | {"scheduler": {field: 16}}
+    assert getattr(workload_from_json(doc).scheduler, field) == 16
+    with pytest.raises(ReleaseInputError, match=field):
+        workload_from_json(_doc("small") | {"scheduler": {field: -1}})

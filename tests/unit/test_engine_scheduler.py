@@ -191,6 +191,25 @@ def test_the_default_limit_holds_prompts_beside_decodes_to_1024_tokens() -> None
     assert all(isinstance(run.terminal(rid), Done) for rid in ("a", "p0", "p1"))
 
 
+def test_a_step_that_carries_decodes_takes_at_most_its_own_budget() -> None:
+    config = SchedulerConfig(prefill_tokens_beside_decodes=0, max_batch_tokens_with_decodes=48)
+    run, step = _step_with_a_decode(config, prompts=1, prompt_len=200)  # a backlog: no limit of prompts
+    assert [r.num_scheduled_tokens for r in step.running_requests] == [1]
+    assert [(r.request_id, r.num_scheduled_tokens) for r in step.new_requests] == [("p0", 47)]
+    run.record(run.scheduler.update(step, run.backend.execute(step)))
+    following = run.scheduler.schedule()
+    assert following is not None  # the prompt's later chunk, as a running request's, keeps to it too
+    assert following.num_scheduled_tokens == 48
+    run.record(run.scheduler.update(following, run.backend.execute(following)))
+    drive(run)
+    assert all(isinstance(run.terminal(rid), Done) for rid in ("a", "p0"))
+    # Without decodes a step keeps max_batch_tokens (128).
+    alone = make(FakeConfig(max_batch_tokens=128, kv_block_size=4, kv_num_blocks=256), config)
+    alone.scheduler.add_request(request("p", _prompt(200), max_tokens=2))
+    first = alone.scheduler.schedule()
+    assert first is not None and first.num_scheduled_tokens == 128
+
+
 def test_without_chunked_prefill_the_limit_is_off() -> None:
     # A prompt longer than the limit could never be admitted whole while anything decodes.
     config = SchedulerConfig(prefill_tokens_beside_decodes=24, enable_chunked_prefill=False)

@@ -1,5 +1,5 @@
 """Random workloads: the fake worker accepts every step, integrity holds, and tokens never depend on KV
-pressure, overlap, chunking, a limit on prompt tokens beside decodes or aborts of other requests."""
+pressure, overlap, chunking, limits on the tokens beside decodes or aborts of other requests."""
 
 from __future__ import annotations
 
@@ -32,11 +32,16 @@ def _run(
     bs: int,
     beside_decodes: int = 0,
     arrivals: list[int] | None = None,
+    with_decodes: int = 0,
 ) -> Run:
     """``arrivals[i]``: the loop turn at which job i is submitted (None: all before the first step)."""
     run = make(
         FakeConfig(kv_num_blocks=blocks, kv_block_size=bs, max_batch_tokens=budget, max_running_requests=6),
-        SchedulerConfig(max_bypass_steps=3, prefill_tokens_beside_decodes=beside_decodes),
+        SchedulerConfig(
+            max_bypass_steps=3,
+            prefill_tokens_beside_decodes=beside_decodes,
+            max_batch_tokens_with_decodes=with_decodes,
+        ),
     )
     due = arrivals or [0] * len(jobs)
     pending = sorted(range(len(jobs)), key=lambda i: (due[i], i))
@@ -75,6 +80,7 @@ def _run(
     budget=st.integers(8, 64),
     inflight=st.sampled_from([1, 2, 3]),
     beside_decodes=st.sampled_from([0, 1, 5, 16]),
+    with_decodes=st.sampled_from([0, 1, 6, 24]),
     arrivals=st.lists(st.integers(0, 30), min_size=12, max_size=12),  # loop turn of each job's submission
 )
 def test_random_workloads_match_an_unconstrained_run(
@@ -83,6 +89,7 @@ def test_random_workloads_match_an_unconstrained_run(
     budget: int,
     inflight: int,
     beside_decodes: int,
+    with_decodes: int,
     arrivals: list[int],
 ) -> None:
     bs = 4
@@ -90,7 +97,7 @@ def test_random_workloads_match_an_unconstrained_run(
     jobs = [j for j in jobs if j[1] >= 1]
     if not jobs:
         return
-    tight = _run(jobs, blocks, budget, inflight, bs, beside_decodes, arrivals[: len(jobs)])
+    tight = _run(jobs, blocks, budget, inflight, bs, beside_decodes, arrivals[: len(jobs)], with_decodes)
     loose = _run([(f, n, m, p, False) for f, n, m, p, _ in jobs], 4096, 512, 1, bs)
     for i, job in enumerate(jobs):
         rid = f"r{i}"

@@ -1,0 +1,84 @@
+"""bench/policy_sim.py: the engine's scheduler under simulated arrivals ends every request with the workload's
+output, its clock follows the cost model, each setting shows in the steps it shapes, and a variant that names
+no SchedulerConfig field is refused."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # bench/ as a namespace package: its modules must not shadow installed ones
+
+from bench.policy_sim import (  # noqa: E402
+    LinearStepCost,
+    Workload,
+    capability,
+    main,
+    parse_variant,
+    simulate,
+)
+from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig  # noqa: E402
+
+CAP = capability(max_batch_tokens=512, max_running=32, kv_blocks=2048)
+COST = LinearStepCost(base_ms=2.0, decode_ms=0.1, prefill_ms=0.01)
+
+
+def _run(config: SchedulerConfig, rate: float, prompts: int = 16) -> object:
+    w = Workload(rate, seconds=2.0, inf_prompts=prompts, input_len=96, output_len=12, seed=3)
+    return simulate(CAP, config, EngineCoreConfig(), COST, w)
+
+
+def test_every_request_gets_its_tokens_and_the_clock_follows_the_cost() -> None:
+    r = _run(SchedulerConfig(), math.inf)
+    assert r.requests == 16 and len(r.ttft_ms) == 16 and len(r.tpot_ms) == 16
+    assert len(r.itl_ms) == 16 * 11  # 12 tokens each: 11 gaps
+    assert min(r.itl_ms) >= COST.base_ms  # a gap spans at least one step
+    # The first step carries 5 whole prompts and part of a sixth (512 tokens, no decodes): its cost.
+    assert min(r.ttft_ms) == pytest.approx(COST.base_ms + 512 * COST.prefill_ms)
+    assert r.duration_ms >= max(r.ttft_ms)
+
+
+def test_the_step_budget_with_decodes_bounds_every_step_that_carries_one() -> None:
+    free = _run(SchedulerConfig(prefill_tokens_beside_decodes=0), math.inf)
+    bounded = _run(
+        SchedulerConfig(prefill_tokens_beside_decodes=0, max_batch_tokens_with_decodes=128), math.inf
+    )
+    assert free.max_tokens_beside_decodes > 128
+    assert bounded.max_tokens_beside_decodes == 128
+    assert max(bounded.itl_ms) < max(free.itl_ms)
+
+
+def test_poisson_arrivals_are_seeded() -> None:
+    a = _run(SchedulerConfig(), 20.0)
+    b = _run(SchedulerConfig(), 20.0)
+    assert a.requests == b.requests > 20 and a.ttft_ms == b.ttft_ms
+
+
+def test_variants_name_scheduler_fields() -> None:
+    label, config = parse_variant("small=prefill_tokens_beside_decodes=64,enable_prefix_caching=false")
+    assert label == "small"
+    assert config.prefill_tokens_beside_decodes == 64 and not config.enable_prefix_caching
+    assert parse_variant("default=")[1] == SchedulerConfig()
+    for bad in ("noequals", "x=not_a_field=3", "x=max_bypass_steps=many"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_variant(bad)
+
+
+def test_the_command_writes_one_row_per_rate_and_variant(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "sim.json"
+    argv = ["--rates", "20,inf", "--seconds", "1", "--inf-prompts", "8", "--input-len", "64", "--output-len", "6",
+            "--seeds", "2", "--max-batch-tokens", "256", "--max-running-requests", "16", "--kv-blocks", "512",
+            "--variant", "a=", "--variant", "b=max_batch_tokens_with_decodes=64", "--out-json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["variant"], r["rate"]) for r in rows] == [("a", "20"), ("b", "20"), ("a", "inf"), ("b", "inf")]
+    assert rows[3]["max_tokens_beside_decodes"] <= 64 < rows[2]["max_tokens_beside_decodes"]
+    assert "itl_p99" in capsys.readouterr().out
