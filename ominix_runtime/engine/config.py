@@ -37,7 +37,7 @@ class SchedulerConfig:
     # backlog or not; a step without decodes keeps max_batch_tokens. 0: max_batch_tokens. Under a backlog
     # every step admits prompts up to its budget and each decoding stream waits for the whole step; a smaller
     # budget beside decodes trades a few TTFT ms of the prompts behind for shorter longest gaps. Off until
-    # measured on a device (bench/policy_sim.py estimates it).
+    # measured on a device (bench/policy_sim.py estimates it). Below max_running_requests some decodes wait.
     max_batch_tokens_with_decodes: int = 0
 
 
