@@ -1,18 +1,19 @@
 """Scheduling settings compared off the device: the engine's own Scheduler under Poisson arrivals, on a simulated
 clock where each step takes the time of a linear cost model.
 
-Each variant is a set of ``SchedulerConfig`` fields. Requests arrive as in bench/online.py (Poisson at each rate
-for ``--seconds``, or ``--inf-prompts`` at once for ``inf``), each with ``--input-len`` random prompt tokens and
-exactly ``--output-len`` output tokens. Steps go out as the engine sends them (``max_inflight_steps`` in flight,
-``LIGHT_LOAD_INFLIGHT_STEPS`` while fewer than ``light_load_below_running`` requests run); the oldest step in
-flight is answered once that many are out, and the clock advances by its cost. A token's time is the answer's.
+Each variant is a set of ``SchedulerConfig`` fields. Requests arrive as bench/online.py sends them (its request
+count and gaps: ``--seconds`` of Poisson arrivals at each rate, or ``--inf-prompts`` at once for ``inf``), each
+with ``--input-len`` random prompt tokens and exactly ``--output-len`` output tokens. Steps go out as the engine
+sends them: while fewer than its in-flight depth are out (``max_inflight_steps``, ``LIGHT_LOAD_INFLIGHT_STEPS``
+while fewer than ``light_load_below_running`` requests run), else the oldest is answered and the clock advances
+by its cost. A token's time is its step's answer.
 
 The default cost (``--base-ms 5 --decode-ms 0.047 --prefill-ms 0.0235``) is fitted to an H200 serving the
-Llama-3.1-8B shape in bf16 (bench/RESULTS.md, 2026-11-30): ITL p50 4.8 ms at 4 req/s (a few decodes a step),
-17.0 ms at 32 req/s without the prefill limit (256 decodes), ITL p99 204 ms with 256 prompts at once (256
-decodes beside a 7,936-token prefill). It knows nothing of attention length, kernels or the host, so the
-figures say which setting shortens which gaps, not what a device will measure; a setting is kept only after
-an A/B on a device (bench/online_service.sh, stages ab-start / ab-run).
+Llama-3.1-8B shape in bf16 (bench/RESULTS.md, 2026-11-30): ITL p50 about 5 ms with a few decodes a step, 17 ms
+at 32 req/s without the prefill limit (256 decodes a step), ITL p99 204 ms with 256 prompts at once (256 decodes
+beside a 7,936-token prefill). It knows nothing of attention length, kernels or the host, so the figures say
+which setting shortens which gaps, not what a device will measure; a setting is kept only after an A/B on a
+device (bench/online_service.sh, stages ab-start / ab-run).
 
     python bench/policy_sim.py --rates 4,8,16,32,inf --variant default= \\
         --variant nosplit=prefill_tokens_beside_decodes=0 --variant b6k=max_batch_tokens_with_decodes=6144
@@ -33,7 +34,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from bench.common import format_table, percentile  # noqa: E402
+from bench.common import fmt, format_table, percentile  # noqa: E402
+from bench.online import num_prompts  # noqa: E402
+from bench.serve import arrival_delays  # noqa: E402
 from ominix_runtime.contract import (  # noqa: E402
     BackendCapability,
     DecodeStep,
@@ -104,14 +107,12 @@ def capability(max_batch_tokens: int, max_running: int, kv_blocks: int) -> Backe
 
 
 def arrivals_ms(workload: Workload) -> list[float]:
-    if math.isinf(workload.rate):
-        return [0.0] * workload.inf_prompts
-    rng = random.Random(workload.seed)
-    times: list[float] = []
-    t = rng.expovariate(workload.rate) * 1e3
-    while t < workload.seconds * 1e3:
+    """Send times as bench/online.py's: its request count, and its gaps scaled to end at count / rate."""
+    count = num_prompts(workload.rate, workload.seconds, workload.inf_prompts, min_prompts=16)
+    times, t = [], 0.0
+    for gap in arrival_delays(count, workload.rate, burstiness=1.0, seed=workload.seed):
+        t += gap * 1e3
         times.append(t)
-        t += rng.expovariate(workload.rate) * 1e3
     return times
 
 
@@ -148,10 +149,7 @@ def simulate(
                     arrival_time=arrived[rid] / 1e3,
                 )
             )
-        step = scheduler.schedule()
-        if step is None and not inflight:
-            now_ms = pending[0] if pending else now_ms + cost.idle_ms
-            continue
+        step = scheduler.schedule() if len(inflight) < inflight_depth(engine, scheduler.num_running) else None
         if step is not None:
             plan = scheduler.last_plan
             assert plan is not None
@@ -163,18 +161,17 @@ def simulate(
             steps_with_prefill += plan.num_prefill_tokens > 0
             if plan.num_decode_tokens:
                 max_beside = max(max_beside, shape.num_tokens)
-        light = scheduler.num_running < engine.light_load_below_running
-        depth = (
-            min(engine.max_inflight_steps, LIGHT_LOAD_INFLIGHT_STEPS) if light else engine.max_inflight_steps
-        )
-        if step is None or len(inflight) >= depth:
-            answered, result, shape = inflight.popleft()
-            now_ms += cost.step_ms(shape)
-            for event in scheduler.update(answered, result):
-                if isinstance(event, Token):
-                    token_times.setdefault(event.request_id, []).extend([now_ms] * len(event.token_ids))
-                elif isinstance(event, Done | Error):
-                    ended += 1
+            continue  # the engine sends while its depth allows
+        if not inflight:  # nothing to run until the next arrival
+            now_ms = max(now_ms, pending[0]) if pending else now_ms + cost.idle_ms
+            continue
+        answered, result, shape = inflight.popleft()
+        now_ms += cost.step_ms(shape)
+        for event in scheduler.update(answered, result):
+            if isinstance(event, Token):
+                token_times.setdefault(event.request_id, []).extend([now_ms] * len(event.token_ids))
+            elif isinstance(event, Done | Error):
+                ended += 1
     ttft: list[float] = []
     tpot: list[float] = []
     itl: list[float] = []
@@ -186,6 +183,14 @@ def simulate(
     return SimResult(total, now_ms, steps, steps_with_prefill, max_beside, ttft, tpot, itl)
 
 
+def inflight_depth(engine: EngineCoreConfig, num_running: int) -> int:
+    """Steps the engine keeps in flight (``StepGroup._inflight_limit``): fewer under light load."""
+    depth = max(1, engine.max_inflight_steps)
+    if engine.light_load_below_running and num_running < engine.light_load_below_running:
+        return min(depth, LIGHT_LOAD_INFLIGHT_STEPS)
+    return depth
+
+
 def parse_variant(text: str) -> tuple[str, SchedulerConfig]:
     """``LABEL=`` or ``LABEL=field=value,field=value`` with ``SchedulerConfig`` integer or true/false fields."""
     label, sep, body = text.partition("=")
@@ -193,21 +198,22 @@ def parse_variant(text: str) -> tuple[str, SchedulerConfig]:
         raise argparse.ArgumentTypeError(f"variant {text!r} is not LABEL=[field=value,...]")
     known = {f.name: f for f in fields(SchedulerConfig)}
     values: dict[str, int | bool] = {}
+    defaults = SchedulerConfig()
     for item in filter(None, body.split(",")):
         name, sep, raw = item.partition("=")
         if not sep or name not in known:
             raise argparse.ArgumentTypeError(
                 f"variant {label}: {item!r} is not a SchedulerConfig field=value"
             )
-        if raw in ("true", "false"):
+        if isinstance(getattr(defaults, name), bool):
+            if raw not in ("true", "false"):
+                raise argparse.ArgumentTypeError(f"variant {label}: {name} is true or false, got {raw!r}")
             values[name] = raw == "true"
-        else:
-            try:
-                values[name] = int(raw)
-            except ValueError:
-                raise argparse.ArgumentTypeError(
-                    f"variant {label}: {name}={raw!r} is not an integer"
-                ) from None
+            continue
+        try:
+            values[name] = int(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"variant {label}: {name}={raw!r} is not an integer") from None
     return label, replace(SchedulerConfig(), **values)  # type: ignore[arg-type]
 
 
@@ -232,7 +238,7 @@ def summary_row(label: str, rate: float, runs: list[SimResult]) -> dict[str, flo
 def cell(value: float | str) -> str:
     if isinstance(value, str):
         return value
-    return f"{value:,.2f}" if abs(value) < 10 else f"{value:,.1f}"
+    return fmt(value, 2 if abs(value) < 10 else 1)
 
 
 def main(argv: list[str] | None = None) -> int:

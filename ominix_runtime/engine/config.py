@@ -26,15 +26,16 @@ class SchedulerConfig:
     preemption_protection_steps: int = 4
     # A step that carries decodes admits waiting requests only up to this many prefill tokens in the step
     # (running prompts' chunks count, but are not cut) while no backlog waits (the waiting prompts would go
-    # in this step and the next under the limit, and each has a free running slot); a prompt held back once
-    # goes beyond the limit in the next step; with chunked prefill only; 0: no limit. A prefill beside
+    # in this step and the next under the limit, and each has a free running slot); a prompt it held back
+    # takes the budget beside it from the next step on; with chunked prefill only; 0: no limit. A prefill beside
     # decodes stalls every decoding stream for its whole duration: steps carrying two 1,024-token prompts
     # ended most ITL p99 gaps at 16 req/s on an H200. With 1,024 (and the worker's early results) ITL p99
     # beside vLLM went from 1.08x to 0.97x at 4 req/s and 0.91x at 8 (bench/RESULTS.md, 2026-11-29). A
     # backlog lifts the limit: holding a queue back only releases it later in one long step.
     prefill_tokens_beside_decodes: int = 1024
     # Token budget of a step that carries decodes (decodes and prefill, running prompts' chunks included),
-    # backlog or not; a step without decodes keeps max_batch_tokens. 0: max_batch_tokens. Under a backlog
+    # backlog or not; a step without decodes keeps max_batch_tokens; only with chunked prefill (without it a
+    # longer prompt could not be admitted while anything decodes). 0: max_batch_tokens. Under a backlog
     # every step admits prompts up to its budget and each decoding stream waits for the whole step; a smaller
     # budget beside decodes trades a few TTFT ms of the prompts behind for shorter longest gaps. Off until
     # measured on a device (bench/policy_sim.py estimates it). Below max_running_requests some decodes wait.

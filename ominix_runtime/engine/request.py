@@ -34,7 +34,7 @@ class EngineRequest:
     num_preemptions: int = 0
     protected_until_step: int = 0  # anti-thrash: not picked as a preemption victim before this step
     num_times_bypassed: int = 0  # anti-starvation: steps in which smaller requests were admitted around it
-    held_by_prefill_limit: bool = False  # kept waiting once by the prefill limit beside decodes: not again
+    held_by_prefill_limit: bool = False  # kept waiting by the prefill limit beside decodes: not again
     prefill_reported: bool = False
     finish_reason: FinishReason | None = None
     error_kind: RuntimeErrorKind | None = None

@@ -263,17 +263,17 @@ class Scheduler:
     def schedule(self) -> DecodeStep | None:
         """Build the next step, or None when there is nothing to send."""
         step_id = self._next_step_id
-        budget = self.max_batch_tokens
-        if self.max_batch_tokens_with_decodes < budget and self._any_decoding():
-            budget = self.max_batch_tokens_with_decodes
         scheduled: list[_Scheduled] = []
         new_requests: list[NewRequestData] = []
         running_requests: list[RunningRequestData] = []
         preempted: list[str] = []
-        plan = BatchPlan(step_id=step_id, token_budget=budget)
 
         self._preempt_for_priority(step_id, preempted)
         num_preempted_for_priority = len(preempted)
+        budget = self.max_batch_tokens
+        if self.max_batch_tokens_with_decodes < budget and self.chunked_prefill and self._any_decoding():
+            budget = self.max_batch_tokens_with_decodes
+        plan = BatchPlan(step_id=step_id, token_budget=budget)
 
         order = sorted(self.running.values(), key=lambda r: r.order_key)
         kv_blocked = False
@@ -308,11 +308,8 @@ class Scheduler:
 
         # No admissions after a KV shortage among running requests: it would only feed the thrash.
         if len(preempted) == num_preempted_for_priority and not kv_blocked:
-            admission = self._admission_budget(budget, plan)
-            self._admit_waiting(step_id, admission, scheduled, new_requests, plan)
-            if admission < budget:  # the prefill limit applied: whoever still waits was held back by it
-                for req in self.waiting:
-                    req.held_by_prefill_limit = True
+            limit_left = self._prefill_limit_left(budget, plan)
+            self._admit_waiting(step_id, budget, limit_left, scheduled, new_requests, plan)
 
         finished_ids = self._pending_finished_ids
         self._pending_finished_ids = []
@@ -330,9 +327,12 @@ class Scheduler:
         return DecodeStep(step_id, new_requests, running_requests, finished_ids)
 
     def _any_decoding(self) -> bool:
-        """Whether a running request is past its prompt: the step will most likely carry a decode (one
-        whose sample could no longer be used is skipped later; the smaller budget then still holds)."""
-        return any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running.values())
+        """Whether a running request is past its prompt with at most one token left to compute: the step
+        will most likely carry its decode. A resumed request recomputing its outputs is not decoding yet; a
+        decode skipped later (its sample could no longer be used) leaves the smaller budget in place."""
+        return any(
+            r.num_computed_tokens >= max(r.num_prompt_tokens, r.num_tokens - 1) for r in self.running.values()
+        )
 
     def _allocate_running(self, req: EngineRequest, n: int) -> list[int] | None:
         return self.registry.allocate(
@@ -379,49 +379,50 @@ class Scheduler:
         else:
             plan.num_decode_tokens += n
 
-    def _admission_budget(self, budget: int, plan: BatchPlan) -> int:
-        """The tokens this step may give waiting requests.
+    def _prefill_limit_left(self, budget: int, plan: BatchPlan) -> int | None:
+        """What the prefill limit beside decodes leaves this step for prompts it has not held back yet, or
+        None when it does not apply.
 
-        ``budget`` unless the prefill limit beside decodes applies: the step carries decodes and the waiting
-        requests are few enough to go in this step and the next one under the limit (their tokens within
-        what is left of ``prefill_tokens_beside_decodes`` after the running requests' prefill chunks, plus
-        the whole limit again; their number within the free running slots). Then what is left of the limit,
-        raised to the tokens of the prompts it already held back once: the limit delays a prompt by one step
-        at most. Only with chunked prefill: without it a prompt longer than the limit could never be admitted
-        while anything decodes."""
+        It applies when the step carries decodes and the waiting requests are few enough to go in this step
+        and the next one under it: their tokens within what is left of ``prefill_tokens_beside_decodes``
+        after the running requests' prefill chunks plus the whole limit again (and within ``budget``), their
+        number within the free running slots. A prompt held back by it goes beside it from the next step on
+        (``_admit_waiting``), so it costs a prompt one step at most. Only with chunked prefill: without it a
+        prompt longer than the limit could never be admitted while anything decodes."""
         limit = self.config.prefill_tokens_beside_decodes
         if limit <= 0 or not self.chunked_prefill or plan.num_decode_tokens == 0:
-            return budget
+            return None
         left = max(0, limit - plan.num_prefill_tokens)
         if left >= budget:
-            return budget
+            return None
         # More waiting than free slots (preempted ones with results in flight counted too): a backlog, and
         # the count below stays short.
         if len(self.waiting) > self.max_running_requests - len(self.running):
-            return budget
+            return None
         # More waiting tokens than this step and the next can take under the limit: holding them back would
         # only queue them until the queue is released at once. With the whole budget as this threshold, at
-        # 32 req/s on an H200 a prompt waited in nearly every step and ITL p50 / p99 went from 17 / 153 ms
+        # 32 req/s on an H200 a prompt waited in nearly every step and ITL p50 / p99 went from 17 / 161 ms
         # without the limit to 36 / 200 ms (bench/RESULTS.md, 2026-11-30).
-        backlog = min(budget, left + limit)
+        threshold = min(budget, left + limit)
         waiting_tokens = 0
-        held_tokens = 0
         for req in self.waiting:  # stops as soon as the backlog shows; prefix hits not subtracted
             waiting_tokens += len(req.all_token_ids)
-            if waiting_tokens > backlog:
-                return budget
-            if req.held_by_prefill_limit:
-                held_tokens += len(req.all_token_ids)
-        return min(budget, left + held_tokens)
+            if waiting_tokens > threshold:
+                return None
+        return left
 
     def _admit_waiting(
         self,
         step_id: int,
         budget: int,
+        limit_left: int | None,
         scheduled: list[_Scheduled],
         new_requests: list[NewRequestData],
         plan: BatchPlan,
     ) -> None:
+        """Admit waiting requests in order while ``budget``, the running slots and KV allow. ``limit_left``
+        (``_prefill_limit_left``): the tokens prompts not yet held back may take; one that gets none is marked
+        held and from then on takes only ``budget``."""
         blocked: list[EngineRequest] = []  # waiting requests skipped this step for lack of KV or budget
         admitted: list[EngineRequest] = []
         for req in self.waiting:
@@ -429,9 +430,17 @@ class Scheduler:
                 break
             if req.num_inflight_steps > 0:
                 continue  # preempted with results still in flight: resume once they are back
+            room = budget
+            limited = limit_left is not None and not req.held_by_prefill_limit
+            if limited:
+                assert limit_left is not None
+                if limit_left <= 0:
+                    req.held_by_prefill_limit = True
+                    continue
+                room = min(budget, limit_left)
             hit = self.registry.find_prefix(req.all_token_ids)
             remaining = req.num_tokens - hit.num_tokens
-            n = min(remaining, budget)
+            n = min(remaining, room)
             blocks = None
             if n == remaining or self.chunked_prefill:
                 blocks = self.registry.allocate(
@@ -466,6 +475,9 @@ class Scheduler:
             )
             self._commit(req, n, scheduled, plan)
             budget -= n
+            if limited:
+                assert limit_left is not None
+                limit_left -= n
         for req in admitted:  # removed after the loop: the queue is not modified while iterated
             self.waiting.remove(req.request_id)
 
@@ -482,6 +494,7 @@ class Scheduler:
         if req.num_preemptions:
             req.protected_until_step = step_id + self.config.preemption_protection_steps
         req.num_times_bypassed = 0
+        req.held_by_prefill_limit = False
         req.num_computed_tokens = hit.num_tokens
         req.worker_has_state = True
         self.running[req.request_id] = req

@@ -17,8 +17,11 @@ sys.path.insert(0, str(REPO))  # bench/ as a namespace package: its modules must
 
 from bench.policy_sim import (  # noqa: E402
     LinearStepCost,
+    SimResult,
     Workload,
+    arrivals_ms,
     capability,
+    inflight_depth,
     main,
     parse_variant,
     simulate,
@@ -29,8 +32,8 @@ CAP = capability(max_batch_tokens=512, max_running=32, kv_blocks=2048)
 COST = LinearStepCost(base_ms=2.0, decode_ms=0.1, prefill_ms=0.01)
 
 
-def _run(config: SchedulerConfig, rate: float, prompts: int = 16) -> object:
-    w = Workload(rate, seconds=2.0, inf_prompts=prompts, input_len=96, output_len=12, seed=3)
+def _run(config: SchedulerConfig, rate: float, prompts: int = 16, seed: int = 3) -> SimResult:
+    w = Workload(rate, seconds=2.0, inf_prompts=prompts, input_len=96, output_len=12, seed=seed)
     return simulate(CAP, config, EngineCoreConfig(), COST, w)
 
 
@@ -54,10 +57,21 @@ def test_the_step_budget_with_decodes_bounds_every_step_that_carries_one() -> No
     assert max(bounded.itl_ms) < max(free.itl_ms)
 
 
-def test_poisson_arrivals_are_seeded() -> None:
+def test_arrivals_are_online_py_s_and_seeded() -> None:
     a = _run(SchedulerConfig(), 20.0)
     b = _run(SchedulerConfig(), 20.0)
-    assert a.requests == b.requests > 20 and a.ttft_ms == b.ttft_ms
+    c = _run(SchedulerConfig(), 20.0, seed=4)
+    assert a.requests == b.requests == c.requests == 40  # 2 s at 20 req/s, as bench/online.py sends
+    assert a.ttft_ms == b.ttft_ms and a.ttft_ms != c.ttft_ms
+    times = arrivals_ms(Workload(20.0, 2.0, 0, 8, 8, seed=3))
+    assert times == sorted(times) and times[-1] == pytest.approx(2_000.0)  # the last at count / rate
+
+
+def test_the_engine_s_in_flight_depth() -> None:
+    engine = EngineCoreConfig()
+    assert inflight_depth(engine, 0) == 2 and inflight_depth(engine, 15) == 2
+    assert inflight_depth(engine, 16) == engine.max_inflight_steps == 3
+    assert inflight_depth(EngineCoreConfig(max_inflight_steps=1), 0) == 1
 
 
 def test_variants_name_scheduler_fields() -> None:
@@ -65,7 +79,7 @@ def test_variants_name_scheduler_fields() -> None:
     assert label == "small"
     assert config.prefill_tokens_beside_decodes == 64 and not config.enable_prefix_caching
     assert parse_variant("default=")[1] == SchedulerConfig()
-    for bad in ("noequals", "x=not_a_field=3", "x=max_bypass_steps=many"):
+    for bad in ("noequals", "x=not_a_field=3", "x=max_bypass_steps=many", "x=enable_prefix_caching=1"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_variant(bad)
 

@@ -160,6 +160,26 @@ def test_a_prompt_held_back_once_goes_beyond_the_limit_in_the_next_step() -> Non
     assert all(isinstance(run.terminal(rid), Done) for rid in ("a", "p0", "p1", "q"))
 
 
+def test_the_held_prompt_goes_beyond_the_limit_even_behind_a_higher_priority_arrival() -> None:
+    config = SchedulerConfig(prefill_tokens_beside_decodes=24)
+    # p0 (40) and p1 (8): 48 tokens, this step's 24 and the next one's: p0 gets a 24-token chunk, p1 is held.
+    run, step = _step_with_a_decode(config, prompts=2, shapes=((40, 0), (8, 11)))
+    assert [(r.request_id, r.num_scheduled_tokens) for r in step.new_requests] == [("p0", 24)]
+    run.record(run.scheduler.update(step, run.backend.execute(step)))
+    rt = request("rt", _prompt(20, base=5), max_tokens=2)
+    rt.priority = Priority.REALTIME  # ahead of p1 in the queue
+    run.scheduler.add_request(rt)
+    following = run.scheduler.schedule()
+    assert following is not None
+    # p0's last 16 tokens leave 8 of the limit: rt (never held) gets those 8, p1 (held) its 8 beyond them.
+    assert ("p0", 16) in [(r.request_id, r.num_scheduled_tokens) for r in following.running_requests]
+    assert [(r.request_id, r.num_scheduled_tokens) for r in following.new_requests] == [("rt", 8), ("p1", 8)]
+    assert not run.scheduler.requests["p1"].held_by_prefill_limit  # admitted: the mark is gone
+    run.record(run.scheduler.update(following, run.backend.execute(following)))
+    drive(run)
+    assert all(isinstance(run.terminal(rid), Done) for rid in ("a", "p0", "p1", "rt"))
+
+
 def test_more_waiting_requests_than_free_running_slots_is_a_backlog() -> None:
     # Prompts of 50 and 30 tokens (80: two steps' worth under the limit) wait for the one slot "a" leaves.
     two_waiting = ((50, 50), (30, 7))
@@ -181,7 +201,7 @@ def test_the_default_limit_holds_prompts_beside_decodes_to_1024_tokens() -> None
     first = s.schedule()
     assert first is not None
     run.record(s.update(first, run.backend.execute(first)))
-    for i in range(2):  # 2,000 waiting tokens: no backlog in a 4,096-token budget
+    for i in range(2):  # 2,000 waiting tokens: within this step's 1,024 and the next one's
         s.add_request(request(f"p{i}", _prompt(1000, base=i * 11), max_tokens=2))
     step = s.schedule()
     assert step is not None
@@ -193,7 +213,7 @@ def test_the_default_limit_holds_prompts_beside_decodes_to_1024_tokens() -> None
 
 def test_a_step_that_carries_decodes_takes_at_most_its_own_budget() -> None:
     config = SchedulerConfig(prefill_tokens_beside_decodes=0, max_batch_tokens_with_decodes=48)
-    run, step = _step_with_a_decode(config, prompts=1, prompt_len=200)  # a backlog: no limit of prompts
+    run, step = _step_with_a_decode(config, prompts=1, prompt_len=200)  # no prefill limit: the budget alone
     assert [r.num_scheduled_tokens for r in step.running_requests] == [1]
     assert [(r.request_id, r.num_scheduled_tokens) for r in step.new_requests] == [("p0", 47)]
     run.record(run.scheduler.update(step, run.backend.execute(step)))
@@ -208,6 +228,10 @@ def test_a_step_that_carries_decodes_takes_at_most_its_own_budget() -> None:
     alone.scheduler.add_request(request("p", _prompt(200), max_tokens=2))
     first = alone.scheduler.schedule()
     assert first is not None and first.num_scheduled_tokens == 128
+    # Without chunked prefill a prompt longer than it could never go beside a decode: the budget stays.
+    whole = SchedulerConfig(max_batch_tokens_with_decodes=48, enable_chunked_prefill=False)
+    _, unchunked = _step_with_a_decode(whole, prompts=1, prompt_len=60)
+    assert [(r.request_id, r.num_scheduled_tokens) for r in unchunked.new_requests] == [("p0", 60)]
 
 
 def test_without_chunked_prefill_the_limit_is_off() -> None:
