@@ -66,6 +66,8 @@ class LinearStepCost(StepCostModel):
         self.prefill_ms = prefill_ms
 
     def step_ms(self, shape: StepShape) -> float:
+        if shape.num_tokens == 0:  # only finished ids: the worker drops state, nothing runs on the device
+            return 0.0
         return self.base_ms + self.decode_ms * shape.decode_tokens + self.prefill_ms * shape.prefill_tokens
 
     @property
@@ -157,13 +159,18 @@ def simulate(
                 plan.num_prefill_tokens, plan.num_decode_tokens, scheduler.registry.num_leased_blocks
             )
             inflight.append((step, worker.execute(step), shape))
-            steps += 1
+            steps += shape.num_tokens > 0
             steps_with_prefill += plan.num_prefill_tokens > 0
             if plan.num_decode_tokens:
                 max_beside = max(max_beside, shape.num_tokens)
             continue  # the engine sends while its depth allows
         if not inflight:  # nothing to run until the next arrival
-            now_ms = max(now_ms, pending[0]) if pending else now_ms + cost.idle_ms
+            if not pending:
+                raise RuntimeError(
+                    f"scheduler stalled: {scheduler.num_waiting} waiting, {scheduler.num_running} running, "
+                    "nothing scheduled and nothing left to arrive"
+                )
+            now_ms = max(now_ms, pending[0])
             continue
         answered, result, shape = inflight.popleft()
         now_ms += cost.step_ms(shape)

@@ -328,8 +328,8 @@ FLAGS: tuple[Flag, ...] = (
         "engine",
         "a step that carries decodes admits new prompt tokens only up to this many prefill tokens in the step "
         "while the waiting prompts would fit in this step and the next under it; running prompts' chunks count "
-        "toward it; a longer prompt's first chunk is cut there; a prompt held back once goes beyond it in the "
-        "next step; a larger backlog lifts the limit; only with chunked prefill (0: no limit)",
+        "toward it; a prompt's first chunk is cut to what is left of it; a prompt it held back takes the budget "
+        "from the next step on; a larger backlog lifts the limit; only with chunked prefill (0: no limit)",
         ("engine.scheduler.prefill_tokens_beside_decodes",),
         non_negative_int,
     ),

@@ -327,11 +327,21 @@ class Scheduler:
         return DecodeStep(step_id, new_requests, running_requests, finished_ids)
 
     def _any_decoding(self) -> bool:
-        """Whether a running request is past its prompt with at most one token left to compute: the step
-        will most likely carry its decode. A resumed request recomputing its outputs is not decoding yet; a
-        decode skipped later (its sample could no longer be used) leaves the smaller budget in place."""
+        """Whether a running request is past its prompt with at most one token left to compute, and its
+        sample still usable: the step will carry its decode (unless KV runs short). A resumed request
+        recomputing its outputs is not decoding yet."""
         return any(
-            r.num_computed_tokens >= max(r.num_prompt_tokens, r.num_tokens - 1) for r in self.running.values()
+            r.num_computed_tokens >= max(r.num_prompt_tokens, r.num_tokens - 1)
+            and not self._sample_unusable(r)
+            for r in self.running.values()
+        )
+
+    def _sample_unusable(self, req: EngineRequest) -> bool:
+        """The token a decode of ``req`` would sample now could not be used: max_tokens or max_model_len is
+        already covered by tokens in flight."""
+        return (
+            req.num_output_tokens + req.num_placeholders >= req.request.sampling.max_tokens
+            or req.num_tokens >= self.max_model_len
         )
 
     def _allocate_running(self, req: EngineRequest, n: int) -> list[int] | None:
@@ -354,12 +364,8 @@ class Scheduler:
         remaining = req.num_tokens - req.num_computed_tokens
         if remaining <= 0:
             return 0
-        if remaining == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
-            # A decode: skip when the token it would sample can no longer be used.
-            if req.num_output_tokens + req.num_placeholders >= req.request.sampling.max_tokens:
-                return 0
-            if req.num_tokens >= self.max_model_len:
-                return 0
+        if remaining == 1 and req.num_computed_tokens >= req.num_prompt_tokens and self._sample_unusable(req):
+            return 0  # a decode whose token could no longer be used
         n = min(remaining, budget)
         if n < remaining and not self.chunked_prefill:
             return 0
@@ -436,6 +442,9 @@ class Scheduler:
                 assert limit_left is not None
                 if limit_left <= 0:
                     req.held_by_prefill_limit = True
+                    if req.num_times_bypassed >= self.config.max_bypass_steps:
+                        break  # anti-starvation, as for KV below
+                    blocked.append(req)  # a held request admitted after it bypasses it
                     continue
                 room = min(budget, limit_left)
             hit = self.registry.find_prefix(req.all_token_ids)

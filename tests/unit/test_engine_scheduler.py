@@ -234,6 +234,23 @@ def test_a_step_that_carries_decodes_takes_at_most_its_own_budget() -> None:
     assert [(r.request_id, r.num_scheduled_tokens) for r in unchunked.new_requests] == [("p0", 60)]
 
 
+def test_a_decode_whose_sample_cannot_be_used_does_not_shrink_the_budget() -> None:
+    config = SchedulerConfig(prefill_tokens_beside_decodes=0, max_batch_tokens_with_decodes=48)
+    run = make(FakeConfig(max_batch_tokens=128, kv_block_size=4, kv_num_blocks=256), config)
+    s = run.scheduler
+    s.add_request(request("a", _prompt(8), max_tokens=1))
+    first = s.schedule()  # a's prompt; its one token is in flight, so a has nothing left to decode
+    assert first is not None
+    s.add_request(request("p", _prompt(200, base=3), max_tokens=2))
+    second = s.schedule()
+    assert second is not None and second.running_requests == []
+    assert [(r.request_id, r.num_scheduled_tokens) for r in second.new_requests] == [("p", 128)]
+    run.record(s.update(first, run.backend.execute(first)))
+    run.record(s.update(second, run.backend.execute(second)))
+    drive(run)
+    assert all(isinstance(run.terminal(rid), Done) for rid in ("a", "p"))
+
+
 def test_without_chunked_prefill_the_limit_is_off() -> None:
     # A prompt longer than the limit could never be admitted whole while anything decodes.
     config = SchedulerConfig(prefill_tokens_beside_decodes=24, enable_chunked_prefill=False)
