@@ -58,6 +58,9 @@ class TickRecord:
     active: int = 0
     kv_blocks_used: int = 0
     step_ms: float = 0.0
+    token_budget: int = (
+        0  # the step's budget (smaller in a step with decodes under max_batch_tokens_with_decodes)
+    )
 
     def decisions(self) -> dict[str, object]:
         """Everything but timing: what the fingerprint covers."""
@@ -204,6 +207,7 @@ class _Replayer:
         if plan is not None:
             record.prefill_tokens = plan.num_prefill_tokens
             record.decode_tokens = plan.num_decode_tokens
+            record.token_budget = plan.token_budget
             record.preempted = list(plan.preempted_request_ids)
         for rid in record.admitted:
             track = self.tracks[rid]

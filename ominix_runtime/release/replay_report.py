@@ -65,6 +65,8 @@ def replay_report(run: ReplayRun, include_trace: bool = True) -> dict[str, objec
             "kv_block_size": registry.block_size,
             "max_batch_tokens": scheduler.max_batch_tokens,
             "max_running_requests": scheduler.max_running_requests,
+            "max_batch_tokens_with_decodes": scheduler.max_batch_tokens_with_decodes,
+            "prefill_tokens_beside_decodes": run.workload.scheduler.prefill_tokens_beside_decodes,
             "max_inflight_steps": run.workload.max_inflight_steps,
             "cost_model": run.workload.cost_model.name,
         },
@@ -87,7 +89,7 @@ def replay_report(run: ReplayRun, include_trace: bool = True) -> dict[str, objec
         "utilisation": {
             "busy_ticks_ratio": _ratio(len(busy), len(ticks)),
             "token_budget": _ratio(
-                sum(t.prefill_tokens + t.decode_tokens for t in busy), len(busy) * scheduler.max_batch_tokens
+                sum(t.prefill_tokens + t.decode_tokens for t in busy), sum(t.token_budget for t in busy)
             ),
             "kv_blocks": _ratio(sum(t.kv_blocks_used for t in busy), len(busy) * registry.num_blocks),
             "running_slots": _ratio(sum(t.active for t in busy), len(busy) * scheduler.max_running_requests),

@@ -260,3 +260,21 @@ def test_the_scheduler_limits_beside_decodes_are_read_and_checked(field: str) ->
     assert getattr(workload_from_json(doc).scheduler, field) == 16
     with pytest.raises(ReleaseInputError, match=field):
         workload_from_json(_doc("small") | {"scheduler": {field: -1}})
+
+
+def test_the_report_names_the_limits_beside_decodes_and_rates_use_against_each_step_s_budget() -> None:
+    doc = _doc("small") | {
+        "scheduler": {"max_batch_tokens_with_decodes": 24, "prefill_tokens_beside_decodes": 0}
+    }
+    run = replay(workload_from_json(doc))
+    report = replay_report(run)
+    backend = report["backend"]
+    assert isinstance(backend, dict)
+    assert backend["max_batch_tokens_with_decodes"] == 24 and backend["prefill_tokens_beside_decodes"] == 0
+    busy = [t for t in run.ticks if t.scheduled]
+    assert any(t.token_budget == 24 for t in busy)
+    assert all(t.prefill_tokens + t.decode_tokens <= t.token_budget for t in busy)
+    used = sum(t.prefill_tokens + t.decode_tokens for t in busy)
+    utilisation = report["utilisation"]
+    assert isinstance(utilisation, dict)
+    assert utilisation["token_budget"] == round(used / sum(t.token_budget for t in busy), 6)
