@@ -23,7 +23,8 @@
 # each with AB_SHARE of its memory, and leaves them running (setsid); ab-run drives them in turn, AB_ROUNDS
 # rounds from AB_FIRST_ROUND, into ab_r<first>.json; ab-stop stops them; ab-table compares every server with
 # AB_BASELINE round by round (ab_table.md, and ab.png with matplotlib). Keep AB_SHARE x servers within the device
-# and the rates low enough that no server runs out of KV.
+# and the rates low enough that no server runs out of KV. AB_VLLM=0 starts our services only (with AB_BASELINE
+# one of their labels), to compare settings of ours at a larger share each.
 set -u
 RESULTS=${RESULTS:-${OUT:-/tmp/ominix_online}}
 WORK=${WORK:-/tmp/ominix_online_work}
@@ -56,6 +57,7 @@ AB_SHARE=${AB_SHARE:-0.3}         # ab-start: each server's share of the GPU's m
 AB_ROUNDS=${AB_ROUNDS:-2}
 AB_FIRST_ROUND=${AB_FIRST_ROUND:-0}
 AB_BASELINE=${AB_BASELINE:-vllm}
+AB_VLLM=${AB_VLLM:-1}             # ab-start: 0 leaves vllm serve out even where vllm imports
 AB_STEPS=${AB_STEPS:-0}           # ab-start: 1 serves our metrics, and ab-run reads every server's step mix
 SAME_SCHEDULE=${SAME_SCHEDULE:-0} # 1: also drive vllm serve with bench/online.py's schedule and prompts
 VLLM_BENCH=${VLLM_BENCH:-1}       # 0: skip `vllm bench serve` (SAME_SCHEDULE=1: only our schedule drives it)
@@ -251,8 +253,11 @@ ab_start() {
   for entry in "${entries[@]}"; do
     [[ $entry =~ ^[A-Za-z0-9_.-]+= ]] || { echo "ab-start: AB_OURS entry '$entry' is not LABEL=LAUNCH-ARGS"; return 1; }
   done
+  if [ "$AB_VLLM" != 1 ] && [ "$AB_BASELINE" = vllm ]; then
+    echo "ab-start: AB_VLLM=0 leaves vllm serve out; set AB_BASELINE to one of AB_OURS's labels"; return 1
+  fi
   : >"$AB_SERVERS"
-  if vllm_importable; then
+  if [ "$AB_VLLM" = 1 ] && vllm_importable; then
     if start_vllm "$AB_SHARE"; then
       vllm_metrics=-  # vLLM keeps its statistics in any case; AB_STEPS=1 reads them
       [ "$AB_STEPS" = 1 ] && vllm_metrics=http://127.0.0.1:$STARTED_PORT/metrics

@@ -378,3 +378,39 @@ def test_online_service_script_runs_our_rates_and_tabulates(tmp_path: Path) -> N
     assert "| ominix | 10 " in table and "| ominix | inf " in table
     assert (results / "online.png").read_bytes()[:8] == PNG_MAGIC
     assert "=== ours: stop" in output and "=== done" in output
+
+
+def test_ab_start_without_vllm_runs_ours_only(tmp_path: Path) -> None:
+    """AB_VLLM=0: ab-start leaves `vllm serve` out though a `vllm` package imports, ab-run drives ours, ab-stop
+    stops it; with AB_BASELINE left at vllm it is refused before anything starts."""
+    pytest.importorskip("torch")
+    site = _stand_in_vllm(tmp_path, "raise SystemExit('the stand-in vllm must not start')\n")
+    common = dict(
+        VLLM_SITE=str(site), AB_VLLM="0", DEVICE="cpu", RATES="10", SECONDS_PER_RATE="0.4", MIN_PROMPTS="4",
+        INPUT_LEN="24", OUTPUT_LEN="6", WARMUP="2", MAX_MODEL_LEN="256", MAX_NUM_SEQS="16",
+        MAX_BATCH_TOKENS="512", OURS_ARGS="--kv-cache-memory 16MiB", AB_ROUNDS="1",
+    )  # fmt: skip
+
+    def stage(stages: str, **extra: str) -> str:
+        env = _script_env(tmp_path, STAGES=stages, **common, **extra)
+        done = subprocess.run(
+            ["bash", "bench/online_service.sh"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        return done.stdout + done.stderr
+
+    refused = stage("ab-start")
+    assert "AB_VLLM=0 leaves vllm serve out" in refused and "vllm: import check" not in refused
+    started = stage("ab-start", AB_BASELINE="a", AB_OURS="a=")
+    servers = (tmp_path / "work" / "ab_servers").read_text().split("\n")
+    assert [line.split()[0] for line in servers if line] == ["a"], started
+    assert "vllm: import check" not in started
+    ran = stage("ab-run", AB_BASELINE="a")
+    runs = json.loads((tmp_path / "results" / "ab_r0.json").read_text())
+    assert [(r["label"], r["result"]["completed"]) for r in runs] == [("a", 4)], ran
+    stopped = stage("ab-stop")
+    assert "ab-stop: a" in stopped and not (tmp_path / "work" / "ab_servers").exists()
