@@ -86,6 +86,9 @@ def drive(
             if step is None:
                 break
             assert step.num_scheduled_tokens <= s.max_batch_tokens
+            plan = s.last_plan
+            assert plan is not None and step.num_scheduled_tokens <= plan.token_budget  # its own budget
+            assert plan.token_budget in (s.max_batch_tokens, s.max_batch_tokens_with_decodes)
             run.steps.append(step)
             inflight.append(step)
         if not inflight:
