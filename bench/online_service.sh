@@ -239,7 +239,7 @@ run_vllm() {
   stop_group "$pid"
 }
 
-# ab-start: vllm serve (when importable), then each AB_OURS service, one after another (each measures the memory
+# ab-start: vllm serve (with AB_VLLM=1, when importable), then each AB_OURS service, one after another (each measures the memory
 # the ones before it hold); the servers file lists LABEL PID ADDRESS LOG METRICS-URL (- without AB_STEPS=1), one
 # server a line.
 AB_SERVERS=$WORK/ab_servers

@@ -58,9 +58,8 @@ class TickRecord:
     active: int = 0
     kv_blocks_used: int = 0
     step_ms: float = 0.0
-    token_budget: int = (
-        0  # the step's budget (smaller in a step with decodes under max_batch_tokens_with_decodes)
-    )
+    # The step's budget: smaller in a step with decodes under max_batch_tokens_with_decodes.
+    token_budget: int = 0
 
     def decisions(self) -> dict[str, object]:
         """Everything but timing: what the fingerprint covers."""

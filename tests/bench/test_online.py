@@ -385,10 +385,12 @@ def test_ab_start_without_vllm_runs_ours_only(tmp_path: Path) -> None:
     stops it; with AB_BASELINE left at vllm it is refused before anything starts."""
     pytest.importorskip("torch")
     site = _stand_in_vllm(tmp_path, "raise SystemExit('the stand-in vllm must not start')\n")
+    servers_file = tmp_path / "work" / "ab_servers"
     common = dict(
         VLLM_SITE=str(site), AB_VLLM="0", DEVICE="cpu", RATES="10", SECONDS_PER_RATE="0.4", MIN_PROMPTS="4",
         INPUT_LEN="24", OUTPUT_LEN="6", WARMUP="2", MAX_MODEL_LEN="256", MAX_NUM_SEQS="16",
-        MAX_BATCH_TOKENS="512", OURS_ARGS="--kv-cache-memory 16MiB", AB_ROUNDS="1",
+        MAX_BATCH_TOKENS="512", OURS_ARGS="--kv-cache-memory 16MiB", AB_ROUNDS="1", READY_S="120",
+        SERVER_LIFETIME_S="600",
     )  # fmt: skip
 
     def stage(stages: str, **extra: str) -> str:
@@ -404,13 +406,23 @@ def test_ab_start_without_vllm_runs_ours_only(tmp_path: Path) -> None:
         return done.stdout + done.stderr
 
     refused = stage("ab-start")
-    assert "AB_VLLM=0 leaves vllm serve out" in refused and "vllm: import check" not in refused
-    started = stage("ab-start", AB_BASELINE="a", AB_OURS="a=")
-    servers = (tmp_path / "work" / "ab_servers").read_text().split("\n")
-    assert [line.split()[0] for line in servers if line] == ["a"], started
-    assert "vllm: import check" not in started
-    ran = stage("ab-run", AB_BASELINE="a")
-    runs = json.loads((tmp_path / "results" / "ab_r0.json").read_text())
-    assert [(r["label"], r["result"]["completed"]) for r in runs] == [("a", 4)], ran
-    stopped = stage("ab-stop")
-    assert "ab-stop: a" in stopped and not (tmp_path / "work" / "ab_servers").exists()
+    assert "AB_VLLM=0 leaves vllm serve out" in refused, refused
+    assert "vllm: import check" not in refused and ": launch" not in refused and not servers_file.exists()
+    try:
+        started = stage("ab-start", AB_BASELINE="a", AB_OURS="a=")
+        assert servers_file.exists(), started
+        servers = [line.split() for line in servers_file.read_text().splitlines() if line]
+        assert [s[0] for s in servers] == ["a"] and "vllm: import check" not in started, started
+        pid = int(servers[0][1])
+        ran = stage("ab-run", AB_BASELINE="a")
+        runs = json.loads((tmp_path / "results" / "ab_r0.json").read_text())
+        assert [(r["label"], r["result"]["completed"], r["result"]["failed"]) for r in runs] == [
+            ("a", 4, 0)
+        ], ran
+    finally:
+        stage("ab-stop")
+    assert not servers_file.exists()
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
