@@ -239,9 +239,9 @@ run_vllm() {
   stop_group "$pid"
 }
 
-# ab-start: vllm serve (with AB_VLLM=1, when importable), then each AB_OURS service, one after another (each measures the memory
-# the ones before it hold); the servers file lists LABEL PID ADDRESS LOG METRICS-URL (- without AB_STEPS=1), one
-# server a line.
+# ab-start: vllm serve (with AB_VLLM=1, when importable), then each AB_OURS service, one after another (each
+# measures the memory the ones before it hold); the servers file lists LABEL PID ADDRESS LOG METRICS-URL (-
+# without AB_STEPS=1), one server a line.
 AB_SERVERS=$WORK/ab_servers
 ab_start() {
   local n=0 entry label args vllm_metrics
