@@ -2,8 +2,8 @@
 
 Reads results in the format `vllm bench serve --save-result` writes (a JSON object per run) and
 ``bench/online.py`` writes (a JSON list of such objects, one per rate); a folder means every ``*.json`` in it.
-Plots TTFT p50/p99, TPOT p50/p99 (with the SLO lines) and goodput against the request rate, one line per
-system, and prints a table with ours/peer ratios beside the first two systems.
+Plots TTFT p50/p99, TPOT p50/p99 (with the SLO lines), ITL p50/p99 and goodput against the request rate, one
+line per system, and prints a table with ours/peer ratios beside the first two systems.
 
     python bench/plot_online.py --series ominix=ours.json --series vllm=vllm_results/ --png online.png
 
@@ -93,10 +93,11 @@ def write_png(path: str | Path, series: Sequence[Series], slo_ttft_ms: float, sl
     positions = _x_positions(series)
     ticks = sorted(positions.values())
     labels = [rate_text(r) for r in sorted(positions, key=lambda r: positions[r])]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 5))
     panels = (
         ("TTFT (ms)", ("median_ttft_ms", "p99_ttft_ms"), slo_ttft_ms, True),
         ("TPOT (ms)", ("median_tpot_ms", "p99_tpot_ms"), slo_tpot_ms, True),
+        ("ITL (ms)", ("median_itl_ms", "p99_itl_ms"), None, True),
         ("goodput (req/s within SLOs)", ("request_goodput",), None, False),
     )
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
