@@ -337,7 +337,8 @@ FLAGS: tuple[Flag, ...] = (
         "--max-batch-tokens-with-decodes",
         "engine",
         "token budget of a step that carries decodes, its decodes and prompt chunks together, backlog or not; "
-        "a step without decodes keeps --max-batch-tokens; only with chunked prefill (0: --max-batch-tokens)",
+        "a step without decodes keeps --max-batch-tokens; at least --max-running-requests, at most "
+        "--max-batch-tokens; only with chunked prefill (0: --max-batch-tokens)",
         ("engine.scheduler.max_batch_tokens_with_decodes",),
         non_negative_int,
     ),

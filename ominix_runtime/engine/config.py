@@ -35,11 +35,13 @@ class SchedulerConfig:
     prefill_tokens_beside_decodes: int = 1024
     # Token budget of a step that carries decodes (decodes and prefill, running prompts' chunks included),
     # backlog or not; a step without decodes keeps max_batch_tokens; only with chunked prefill (without it a
-    # longer prompt could not be admitted while anything decodes). 0: max_batch_tokens. Under a backlog
-    # every step admits prompts up to its budget and each decoding stream waits for the whole step; a smaller
-    # budget beside decodes trades a few TTFT ms of the prompts behind for shorter longest gaps. Off until
-    # measured on a device (bench/policy_sim.py estimates it). Below max_running_requests some decodes wait.
-    max_batch_tokens_with_decodes: int = 0
+    # longer prompt could not be admitted while anything decodes). 0: max_batch_tokens; never below
+    # max_running_requests (every decode fits). Under a backlog every step admits prompts up to its budget and
+    # each decoding stream waits for the whole step; a smaller budget beside decodes trades a little TTFT of
+    # the prompts behind for shorter longest gaps. 6,144 of the CUDA profile's 8,192 took ITL p99 all at once
+    # from 1.02x to 0.80x of vLLM's on an H200, level or ahead at 4 - 32 req/s, W1 unchanged (bench/RESULTS.md,
+    # 2026-11-30). The CPU profile's budget (2,048) is below it, so there it changes nothing.
+    max_batch_tokens_with_decodes: int = 6144
 
 
 # Steps in flight under light load (EngineCoreConfig.light_load_below_running).

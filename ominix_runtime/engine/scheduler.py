@@ -101,8 +101,10 @@ class Scheduler:
         self.max_running_requests = min(
             config.max_running_requests or capability.max_running_requests, capability.max_running_requests
         )
+        # Never below max_running_requests: every running request's decode fits the step.
         self.max_batch_tokens_with_decodes = min(
-            config.max_batch_tokens_with_decodes or self.max_batch_tokens, self.max_batch_tokens
+            max(config.max_batch_tokens_with_decodes or self.max_batch_tokens, self.max_running_requests),
+            self.max_batch_tokens,
         )
         self.chunked_prefill = config.enable_chunked_prefill and capability.supports_chunked_prefill
         self.max_model_len = capability.model.max_model_len

@@ -212,7 +212,9 @@ def test_the_default_limit_holds_prompts_beside_decodes_to_1024_tokens() -> None
 
 
 def test_a_step_that_carries_decodes_takes_at_most_its_own_budget() -> None:
-    config = SchedulerConfig(prefill_tokens_beside_decodes=0, max_batch_tokens_with_decodes=48)
+    config = SchedulerConfig(
+        prefill_tokens_beside_decodes=0, max_batch_tokens_with_decodes=48, max_running_requests=16
+    )
     run, step = _step_with_a_decode(config, prompts=1, prompt_len=200)  # no prefill limit: the budget alone
     assert [r.num_scheduled_tokens for r in step.running_requests] == [1]
     assert [(r.request_id, r.num_scheduled_tokens) for r in step.new_requests] == [("p0", 47)]
@@ -229,13 +231,44 @@ def test_a_step_that_carries_decodes_takes_at_most_its_own_budget() -> None:
     first = alone.scheduler.schedule()
     assert first is not None and first.num_scheduled_tokens == 128
     # Without chunked prefill a prompt longer than it could never go beside a decode: the budget stays.
-    whole = SchedulerConfig(max_batch_tokens_with_decodes=48, enable_chunked_prefill=False)
+    whole = SchedulerConfig(
+        max_batch_tokens_with_decodes=48, max_running_requests=16, enable_chunked_prefill=False
+    )
     _, unchunked = _step_with_a_decode(whole, prompts=1, prompt_len=60)
     assert [(r.request_id, r.num_scheduled_tokens) for r in unchunked.new_requests] == [("p0", 60)]
 
 
+def test_the_budget_with_decodes_never_leaves_a_running_decode_out() -> None:
+    config = SchedulerConfig(
+        prefill_tokens_beside_decodes=0, max_batch_tokens_with_decodes=4, max_running_requests=8
+    )
+    run = make(FakeConfig(max_batch_tokens=128, kv_block_size=4, kv_num_blocks=256), config)
+    s = run.scheduler
+    assert s.max_batch_tokens_with_decodes == 8  # raised to max_running_requests
+    for i in range(7):
+        s.add_request(request(f"d{i}", _prompt(8, base=i * 5), max_tokens=6))
+    first = s.schedule()
+    assert first is not None
+    run.record(s.update(first, run.backend.execute(first)))
+    s.add_request(request("p", _prompt(200, base=90), max_tokens=2))
+    step = s.schedule()
+    assert step is not None
+    assert sorted(r.request_id for r in step.running_requests) == [f"d{i}" for i in range(7)]
+    assert [(r.request_id, r.num_scheduled_tokens) for r in step.new_requests] == [("p", 1)]
+    run.record(s.update(step, run.backend.execute(step)))
+    drive(run)
+    assert all(isinstance(run.terminal(rid), Done) for rid in [*(f"d{i}" for i in range(7)), "p"])
+    # The default (6,144) is capped by the worker's budget.
+    assert (
+        make(FakeConfig(max_batch_tokens=128), SchedulerConfig()).scheduler.max_batch_tokens_with_decodes
+        == 128
+    )
+
+
 def test_a_decode_whose_sample_cannot_be_used_does_not_shrink_the_budget() -> None:
-    config = SchedulerConfig(prefill_tokens_beside_decodes=0, max_batch_tokens_with_decodes=48)
+    config = SchedulerConfig(
+        prefill_tokens_beside_decodes=0, max_batch_tokens_with_decodes=48, max_running_requests=16
+    )
     run = make(FakeConfig(max_batch_tokens=128, kv_block_size=4, kv_num_blocks=256), config)
     s = run.scheduler
     s.add_request(request("a", _prompt(8), max_tokens=1))
