@@ -1,11 +1,12 @@
 """The bf16 linears of one decode step at a batch of M tokens: cuBLAS (``F.linear``, what the model runs)
 against a plain Triton tensor-core GEMM over a sweep of tiles, per projection of the Llama-3.1-8B shape.
 
-Each case replays, from one CUDA graph, the projection over ``--layers`` distinct weight copies (as a step
-reads them: nothing is served from L2 across layers) and reports µs per layer, TFLOP/s and the weight-read
-bandwidth; ``step_ms`` sums the four projections over the layers plus the LM head once. It answers one
-question before any kernel work: at M = 256 (W1's steady decode) is there time left between cuBLAS and what
-the card does with another tile choice? Prints one JSON line per case and a summary; ``--json`` writes them.
+Each case replays, from one CUDA graph, the projection over ``--copies`` distinct weight copies (as a step
+reads its layers' weights: nothing is served from L2 from one to the next; the LM head over at most 4) and
+reports µs per call, TFLOP/s and the weight-read bandwidth; the summary (``step_ms``) sums the four projections
+times the model's 32 layers plus the LM head once over all M rows. It asks one question before any kernel
+work: at M = 256 (W1's steady decode) does another tile choice than cuBLAS's do the step's linears in less
+time? Prints one JSON line per case and per summary; ``--json`` writes them all.
 
     python bench/gemm_tiles.py --tokens 256
     python bench/gemm_tiles.py --tokens 128 256 512 --quick
@@ -29,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_profile import graph_time_us  # noqa: E402
 
 # (name, N, K) of the Llama-3.1-8B shape: fused QKV, O, fused gate/up, down; the LM head runs once a step.
+MODEL_LAYERS = 32
+LM_HEAD_COPIES = 4  # 1 GB each
 LAYER_SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
 LM_HEAD = ("lm_head", 128256, 4096)
 
@@ -88,7 +91,8 @@ def tiles(quick: bool) -> list[tuple[int, ...]]:
             (128, 256, 64, 8, 3, 8),
         ]
     grid = itertools.product((64, 128), (64, 128, 256), (64, 128), (8,), (3, 4), (4, 8))
-    # A 128 x 256 x 128 tile overflows shared memory at 4 stages; Triton refuses it, and the sweep skips it.
+    # A 64 x 64 tile gives each of 8 warps too little of the MMA to keep busy; the large tiles that overflow
+    # shared memory at their stage count are refused by Triton (OutOfResources) and skipped in bench_shape.
     return [t for t in grid if not (t[0] == 64 and t[1] == 64 and t[5] == 8)]
 
 
@@ -148,7 +152,9 @@ def bench_shape(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[256], help="M: tokens in the step")
-    parser.add_argument("--layers", type=int, default=32, help="distinct weight copies per projection")
+    parser.add_argument(
+        "--copies", type=int, default=MODEL_LAYERS, help="distinct weight copies per projection"
+    )
     parser.add_argument("--quick", action="store_true", help="four tiles instead of the sweep")
     parser.add_argument("--json", help="write every row here")
     args = parser.parse_args(argv)
@@ -157,22 +163,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
     sweep = tiles(args.quick)
-    rows = []
+    rows: list[dict[str, object]] = []
     for m in args.tokens:
         per_m = []
         for name, n, k in (*LAYER_SHAPES, LM_HEAD):
-            copies = 1 if name == "lm_head" else args.layers
-            row = bench_shape(name, n, k, m, max(copies, 4), sweep, gen)
+            copies = min(args.copies, LM_HEAD_COPIES) if name == "lm_head" else args.copies
+            row = bench_shape(name, n, k, m, copies, sweep, gen)
             torch.cuda.empty_cache()  # the shape's weight copies are gone with its frame
             print(json.dumps(row), flush=True)
             per_m.append(row)
         for impl in ("cublas", "triton_best"):
-            total = 0.0
+            total, missing = 0.0, []
             for r in per_m:
                 figures = r.get(impl)
                 if isinstance(figures, dict):
-                    total += float(figures["us"]) * (1 if r["shape"] == "lm_head" else args.layers)
-            print(f"M={m}: {impl} linears of one step {total / 1e3:.2f} ms", flush=True)
+                    total += float(figures["us"]) * (1 if r["shape"] == "lm_head" else MODEL_LAYERS)
+                else:
+                    missing.append(r["shape"])
+            summary = {"m": m, "impl": impl, "step_ms": None if missing else round(total / 1e3, 3)}
+            summary |= {"no_tile_for": missing} if missing else {}
+            print(json.dumps(summary), flush=True)
+            per_m.append(summary)
         rows += per_m
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

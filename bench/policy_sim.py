@@ -16,7 +16,7 @@ which setting shortens which gaps, not what a device will measure; a setting is 
 device (bench/online_service.sh, stages ab-start / ab-run).
 
     python bench/policy_sim.py --rates 4,8,16,32,inf --variant default= \\
-        --variant nosplit=prefill_tokens_beside_decodes=0 --variant b6k=max_batch_tokens_with_decodes=6144
+        --variant nosplit=prefill_tokens_beside_decodes=0 --variant whole=max_batch_tokens_with_decodes=0
 """
 
 from __future__ import annotations

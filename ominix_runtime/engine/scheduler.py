@@ -101,7 +101,8 @@ class Scheduler:
         self.max_running_requests = min(
             config.max_running_requests or capability.max_running_requests, capability.max_running_requests
         )
-        # Never below max_running_requests: every running request's decode fits the step.
+        # Never below max_running_requests: a step of decodes alone always fits. (Running prompt chunks of a
+        # higher class or earlier arrival still go first, as under max_batch_tokens.)
         self.max_batch_tokens_with_decodes = min(
             max(config.max_batch_tokens_with_decodes or self.max_batch_tokens, self.max_running_requests),
             self.max_batch_tokens,

@@ -65,8 +65,9 @@ def replay_report(run: ReplayRun, include_trace: bool = True) -> dict[str, objec
             "kv_block_size": registry.block_size,
             "max_batch_tokens": scheduler.max_batch_tokens,
             "max_running_requests": scheduler.max_running_requests,
-            # As set (0: off); both need chunked prefill.
-            "max_batch_tokens_with_decodes": run.workload.scheduler.max_batch_tokens_with_decodes,
+            # The scheduler's budget with decodes (the setting bounded by the running slots and the budget);
+            # the prefill limit as set (0: off). Both need chunked prefill.
+            "max_batch_tokens_with_decodes": scheduler.max_batch_tokens_with_decodes,
             "prefill_tokens_beside_decodes": run.workload.scheduler.prefill_tokens_beside_decodes,
             "chunked_prefill": scheduler.chunked_prefill,
             "max_inflight_steps": run.workload.max_inflight_steps,

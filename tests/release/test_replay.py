@@ -278,3 +278,10 @@ def test_the_report_names_the_limits_beside_decodes_and_rates_use_against_each_s
     utilisation = report["utilisation"]
     assert isinstance(utilisation, dict)
     assert utilisation["token_budget"] == round(used / sum(t.token_budget for t in busy), 6)
+    # The report gives the scheduler's budget, not the setting: 0 means the whole budget.
+    whole = replay_report(
+        replay(workload_from_json(_doc("small") | {"scheduler": {"max_batch_tokens_with_decodes": 0}}))
+    )
+    whole_backend = whole["backend"]
+    assert isinstance(whole_backend, dict)
+    assert whole_backend["max_batch_tokens_with_decodes"] == whole_backend["max_batch_tokens"] > 24

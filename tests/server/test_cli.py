@@ -145,6 +145,8 @@ def test_the_budget_of_a_step_with_decodes_is_6144_by_default_and_set_by_its_fla
     assert default.engine.scheduler.max_batch_tokens_with_decodes == 6144
     config, _ = resolve(LAUNCH, ["--devices", "cpu", "--max-batch-tokens-with-decodes", "0"], env={})
     assert config.engine.scheduler.max_batch_tokens_with_decodes == 0
+    smaller, _ = resolve(SERVE, ["--max-batch-tokens-with-decodes", "4096"], env={})
+    assert smaller.engine.scheduler.max_batch_tokens_with_decodes == 4096
     with pytest.raises(ConfigError, match="expected an integer >= 0"):
         resolve(SERVE, ["--max-batch-tokens-with-decodes", "-1"], env={})
 

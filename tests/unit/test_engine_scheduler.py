@@ -238,7 +238,7 @@ def test_a_step_that_carries_decodes_takes_at_most_its_own_budget() -> None:
     assert [(r.request_id, r.num_scheduled_tokens) for r in unchunked.new_requests] == [("p0", 60)]
 
 
-def test_the_budget_with_decodes_never_leaves_a_running_decode_out() -> None:
+def test_the_budget_with_decodes_is_at_least_the_running_slots_and_at_most_the_budget() -> None:
     config = SchedulerConfig(
         prefill_tokens_beside_decodes=0, max_batch_tokens_with_decodes=4, max_running_requests=8
     )
@@ -258,11 +258,14 @@ def test_the_budget_with_decodes_never_leaves_a_running_decode_out() -> None:
     run.record(s.update(step, run.backend.execute(step)))
     drive(run)
     assert all(isinstance(run.terminal(rid), Done) for rid in [*(f"d{i}" for i in range(7)), "p"])
-    # The default (6,144) is capped by the worker's budget.
-    assert (
-        make(FakeConfig(max_batch_tokens=128), SchedulerConfig()).scheduler.max_batch_tokens_with_decodes
-        == 128
-    )
+    # The default (6,144) is capped by the worker's budget; 0 means the budget; the budget wins over the slots.
+    default = make(FakeConfig(max_batch_tokens=128), SchedulerConfig()).scheduler
+    assert default.max_batch_tokens_with_decodes == 128
+    whole = SchedulerConfig(max_batch_tokens_with_decodes=0, max_running_requests=8)
+    assert make(FakeConfig(max_batch_tokens=128), whole).scheduler.max_batch_tokens_with_decodes == 128
+    few = SchedulerConfig(max_batch_tokens_with_decodes=4)
+    capped = make(FakeConfig(max_batch_tokens=16, max_running_requests=64), few).scheduler
+    assert (capped.max_running_requests, capped.max_batch_tokens_with_decodes) == (64, 16)
 
 
 def test_a_decode_whose_sample_cannot_be_used_does_not_shrink_the_budget() -> None:
