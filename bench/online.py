@@ -129,7 +129,11 @@ def to_vllm_result(
     detailed: bool = False,
 ) -> dict[str, Any]:
     """One rate's run as `vllm bench serve --save-result` writes it (``--save-detailed`` adds the per-request
-    lists). Two fields are this tool's own: ``slo_ttft_ms`` and ``slo_tpot_ms``, the SLOs goodput used."""
+    lists). This tool's own fields: ``slo_ttft_ms`` and ``slo_tpot_ms``, the SLOs goodput used, and over the
+    successful requests ``token_chunks`` and ``multi_token_chunks`` (chunks that carried more than one token:
+    an engine behind its worker sends the tokens of steps it applied together as one, and each such chunk
+    makes one longer gap where there would have been two; None over OpenAI HTTP, whose chunks are counted as
+    one token each)."""
     config = result.config
     metrics = result.metrics
     done = [r for r in result.requests if r.success]
@@ -157,6 +161,10 @@ def to_vllm_result(
         "max_output_tokens_per_s": max(peak.output_tokens_per_s, default=0.0),
         "slo_ttft_ms": config.slo_ttft_ms,
         "slo_tpot_ms": config.slo_tpot_ms,
+        "token_chunks": None if is_openai(result.address) else sum(len(r.chunk_tokens) for r in done),
+        "multi_token_chunks": (
+            None if is_openai(result.address) else sum(n > 1 for r in done for n in r.chunk_tokens)
+        ),
     }
     payload.update(_latency_fields("ttft", [r.ttft_s for r in done if r.ttft_s is not None], percentiles))
     payload.update(_latency_fields("tpot", [r.tpot_s for r in done if r.tpot_s is not None], percentiles))
@@ -187,13 +195,15 @@ def format_rate_line(result: dict[str, Any]) -> str:
     def ms(key: str) -> str:
         return fmt(result.get(key), 1)
 
+    chunks, multi = result.get("token_chunks"), result.get("multi_token_chunks")
+    merged = f", {100.0 * multi / chunks:.1f}% of chunks >1 token" if chunks and multi is not None else ""
     return (
         f"rate {str(result['request_rate']):>4}: {result['completed']}/{result['num_prompts']} ok,"
         f" {fmt(result['duration'], 1)} s, out {fmt(result['output_throughput'], 0)} tok/s,"
         f" TTFT p50/p99 {ms('median_ttft_ms')}/{ms('p99_ttft_ms')} ms,"
         f" TPOT p50/p99 {ms('median_tpot_ms')}/{ms('p99_tpot_ms')} ms,"
         f" ITL p50/p99 {ms('median_itl_ms')}/{ms('p99_itl_ms')} ms,"
-        f" goodput {fmt(result['request_goodput'], 2)} req/s"
+        f" goodput {fmt(result['request_goodput'], 2)} req/s{merged}"
     )
 
 
