@@ -131,9 +131,9 @@ def to_vllm_result(
     """One rate's run as `vllm bench serve --save-result` writes it (``--save-detailed`` adds the per-request
     lists). This tool's own fields: ``slo_ttft_ms`` and ``slo_tpot_ms``, the SLOs goodput used, and over the
     successful requests ``token_chunks`` and ``multi_token_chunks`` (chunks that carried more than one token:
-    an engine behind its worker sends the tokens of steps it applied together as one, and each such chunk
-    makes one longer gap where there would have been two; None over OpenAI HTTP, whose chunks are counted as
-    one token each)."""
+    tokens that were ready together, because the engine applied several steps at once or a stream's reader
+    fell behind, go out as one message, and a chunk of k tokens leaves one gap where there would have been
+    k, so merging raises the mean ITL; None over OpenAI HTTP, whose chunks are counted as one token each)."""
     config = result.config
     metrics = result.metrics
     done = [r for r in result.requests if r.success]

@@ -18,7 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench import online, plot_online  # noqa: E402
+from bench import online, plot_online, serve  # noqa: E402
 from bench.common import launch_service  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,6 +128,31 @@ def test_online_run_against_launched_service(tmp_path: Path) -> None:
     poisson = results[0]
     assert max(poisson["start_times"]) > 0  # spread out, not all at once
     assert results[1]["start_times"] == pytest.approx([0.0] * 4, abs=0.5)
+
+
+def test_merged_chunks_are_counted_over_successful_grpc_requests_only() -> None:
+    def request(i: int, chunks: list[int], success: bool = True) -> serve.RequestResult:
+        times = [0.1 * (k + 1) for k in range(len(chunks))]
+        return serve.RequestResult(
+            i, f"r{i}", send_time=0.0, end_time=times[-1], first_token_time=times[0], chunk_times=times,
+            chunk_tokens=chunks, output_tokens=sum(chunks), prompt_tokens=8, success=success,
+        )  # fmt: skip
+
+    requests = [request(0, [1, 3, 2, 1]), request(1, [1, 1]), request(2, [2, 2], success=False)]
+    config = serve.BenchConfig(num_requests=3, input_len=8, output_len=7)
+
+    def result(address: str) -> dict[str, object]:
+        metrics = serve.compute_metrics(requests, 1.0)
+        timeline = serve.throughput_timeline(requests, 1.0, 0.5)
+        bench = serve.BenchResult(config, address, metrics, timeline, requests, 0.0)
+        return online.to_vllm_result(bench, label="x", model_id="m")
+
+    grpc_result = result("127.0.0.1:50061")
+    assert (grpc_result["token_chunks"], grpc_result["multi_token_chunks"]) == (6, 2)
+    assert online.format_rate_line(grpc_result).endswith(", 33.3% of chunks >1 token")
+    http_result = result("http://127.0.0.1:8000")
+    assert http_result["token_chunks"] is None and http_result["multi_token_chunks"] is None
+    assert online.format_rate_line(http_result).endswith("req/s")
 
 
 def _synthetic(rate: float | str, scale: float, completed: int = 10) -> dict[str, object]:
