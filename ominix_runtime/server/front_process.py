@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import pickle
 import signal
@@ -27,6 +28,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health
 
+from ominix_runtime import memory
 from ominix_runtime.contract import (
     BackendCapability,
     Error,
@@ -269,6 +271,7 @@ class FrontService(EngineServiceBase):
 
 async def serve_front(spec: FrontSpec) -> int:
     config = spec.config
+    memory.map_large_allocations()  # prompts of megabytes arrive here first, as in the engine process
     engine, first = await EngineLink.connect(spec.link_path)
     reading = asyncio.create_task(engine.run(first), name="ominix-front-link")
     service = FrontService(engine, spec)
@@ -280,12 +283,23 @@ async def serve_front(spec: FrontSpec) -> int:
     await set_health(health_servicer, serving=False)
     port = bind_grpc_front(server, config)
     await server.start()
+    # As the engine process does once started: every stream's tokens pass through this process, and with
+    # Python's collector settings it ran two full collections of 33 - 48 ms and ~220 young ones of 0.5 ms or
+    # more in each all-at-once run of 256 streams (bench/RESULTS.md, 2026-11-30), each pause holding back
+    # every stream's tokens.
+    memory.freeze_startup_heap()
     engine.frames.send(link.Bound(spec.index, port))
     terminated = asyncio.Event()
     loop = asyncio.get_running_loop()
     with contextlib.suppress(NotImplementedError):
         loop.add_signal_handler(signal.SIGTERM, terminated.set)
-    _log.info("front serving", front=spec.index, port=port)
+    _log.info(
+        "front serving",
+        front=spec.index,
+        port=port,
+        frozen_objects=gc.get_freeze_count(),
+        gc_threshold=gc.get_threshold()[0],
+    )
     serving = False
     stop_waits = [
         asyncio.ensure_future(engine.stop_requested.wait()),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from e2e_procs import Daemon, run_server
 
+from ominix_runtime import memory
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
 
 
@@ -64,10 +66,19 @@ def _serving_with_two_fronts(model_dir: Path, log_dir: Path) -> Iterator[tuple[D
 
 
 def test_fronts_serve_and_stop_with_the_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
-    with _serving_with_two_fronts(tiny_model_dir, tmp_path) as (_, fronts):
+    with _serving_with_two_fronts(tiny_model_dir, tmp_path) as (daemon, fronts):
         pass  # two fronts served a request (checked on the way in)
     # run_server stopped the engine with SIGTERM: its fronts went with it.
     _wait_gone(fronts, 20)
+    # Each front froze its startup heap and collects young objects at the serving threshold, as the engine
+    # process does: with Python's defaults its full collections held back every stream's tokens.
+    serving = [line for line in daemon.engine.log_path.read_text().splitlines() if "front serving" in line]
+    assert len(serving) == 2, serving
+    for line in serving:
+        frozen = re.search(r"frozen_objects\W+(\d+)", line)
+        threshold = re.search(r"gc_threshold\W+(\d+)", line)
+        assert frozen is not None and int(frozen.group(1)) > 10_000, line
+        assert threshold is not None and int(threshold.group(1)) == memory.SERVING_GC_THRESHOLD[0], line
 
 
 def test_fronts_exit_when_the_engine_is_killed(tiny_model_dir: Path, tmp_path: Path) -> None:
