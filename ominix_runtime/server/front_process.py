@@ -284,9 +284,9 @@ async def serve_front(spec: FrontSpec) -> int:
     port = bind_grpc_front(server, config)
     await server.start()
     # As the engine process does once started: every stream's tokens pass through this process, and with
-    # Python's collector settings it ran two full collections of 33 - 48 ms and ~220 young ones of 0.5 ms or
-    # more in each all-at-once run of 256 streams (bench/RESULTS.md, 2026-11-30), each pause holding back
-    # every stream's tokens.
+    # Python's collector settings it ran two full collections (the longer 33 - 48 ms) and ~220 young ones of
+    # 0.5 ms or more in each all-at-once run of 256 streams (bench/RESULTS.md, 2026-11-30), each pause
+    # holding back every stream's tokens.
     memory.freeze_startup_heap()
     engine.frames.send(link.Bound(spec.index, port))
     terminated = asyncio.Event()
