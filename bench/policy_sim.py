@@ -35,7 +35,7 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from bench.common import fmt, format_table, percentile  # noqa: E402
-from bench.online import num_prompts  # noqa: E402
+from bench.online import num_prompts, parse_rates  # noqa: E402
 from bench.serve import arrival_delays  # noqa: E402
 from ominix_runtime.contract import (  # noqa: E402
     BackendCapability,
@@ -48,7 +48,7 @@ from ominix_runtime.contract import (  # noqa: E402
     StepResult,
     Token,
 )
-from ominix_runtime.engine.config import LIGHT_LOAD_INFLIGHT_STEPS, EngineCoreConfig, SchedulerConfig  # noqa: E402
+from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig  # noqa: E402
 from ominix_runtime.engine.scheduler import Scheduler  # noqa: E402
 from ominix_runtime.release.cost_model import StepCostModel, StepShape  # noqa: E402
 from ominix_runtime.release.simulated_worker import SimulatedWorker  # noqa: E402
@@ -151,7 +151,7 @@ def simulate(
                     arrival_time=arrived[rid] / 1e3,
                 )
             )
-        step = scheduler.schedule() if len(inflight) < inflight_depth(engine, scheduler.num_running) else None
+        step = scheduler.schedule() if len(inflight) < engine.inflight_limit(scheduler.num_running) else None
         if step is not None:
             plan = scheduler.last_plan
             assert plan is not None
@@ -188,14 +188,6 @@ def simulate(
             tpot.append((times[-1] - times[0]) / (len(times) - 1))
             itl.extend(b - a for a, b in zip(times, times[1:], strict=False))
     return SimResult(total, now_ms, steps, steps_with_prefill, max_beside, ttft, tpot, itl)
-
-
-def inflight_depth(engine: EngineCoreConfig, num_running: int) -> int:
-    """Steps the engine keeps in flight (``StepGroup._inflight_limit``): fewer under light load."""
-    depth = max(1, engine.max_inflight_steps)
-    if engine.light_load_below_running and num_running < engine.light_load_below_running:
-        return min(depth, LIGHT_LOAD_INFLIGHT_STEPS)
-    return depth
 
 
 def parse_variant(text: str) -> tuple[str, SchedulerConfig]:
@@ -271,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     cap = capability(args.max_batch_tokens, args.max_running_requests, args.kv_blocks)
     cost = LinearStepCost(args.base_ms, args.decode_ms, args.prefill_ms)
     rows: list[dict[str, float | str]] = []
-    for rate in (math.inf if r == "inf" else float(r) for r in args.rates.split(",")):
+    for rate in parse_rates(args.rates):
         for label, config in variants:
             runs = [
                 simulate(

@@ -76,3 +76,11 @@ class EngineCoreConfig:
     reconnect_backoff_initial: float = 0.5
     reconnect_backoff_max: float = 10.0
     reconnect_rpc_timeout: float = 10.0
+
+    def inflight_limit(self, num_running: int) -> int:
+        """Steps a worker group may have in flight while ``num_running`` requests run on it: the configured
+        depth, less under light load."""
+        depth = max(1, self.max_inflight_steps)
+        if self.light_load_below_running and num_running < self.light_load_below_running:
+            return min(depth, LIGHT_LOAD_INFLIGHT_STEPS)
+        return depth

@@ -434,22 +434,23 @@ class Scheduler:
         held and from then on takes only ``budget``."""
         blocked: list[EngineRequest] = []  # waiting requests skipped this step for lack of KV or budget
         admitted: list[EngineRequest] = []
+        limit_applies = limit_left is not None
+        limit = limit_left or 0
         for req in self.waiting:
             if budget <= 0 or len(self.running) >= self.max_running_requests:
                 break
             if req.num_inflight_steps > 0:
                 continue  # preempted with results still in flight: resume once they are back
             room = budget
-            limited = limit_left is not None and not req.held_by_prefill_limit
+            limited = limit_applies and not req.held_by_prefill_limit
             if limited:
-                assert limit_left is not None
-                if limit_left <= 0:
+                if limit <= 0:
                     req.held_by_prefill_limit = True
                     if req.num_times_bypassed >= self.config.max_bypass_steps:
                         break  # anti-starvation, as for KV below
                     blocked.append(req)  # a held request admitted after it bypasses it
                     continue
-                room = min(budget, limit_left)
+                room = min(budget, limit)
             hit = self.registry.find_prefix(req.all_token_ids)
             remaining = req.num_tokens - hit.num_tokens
             n = min(remaining, room)
@@ -488,8 +489,7 @@ class Scheduler:
             self._commit(req, n, scheduled, plan)
             budget -= n
             if limited:
-                assert limit_left is not None
-                limit_left -= n
+                limit -= n
         for req in admitted:  # removed after the loop: the queue is not modified while iterated
             self.waiting.remove(req.request_id)
 

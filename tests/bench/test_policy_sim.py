@@ -21,7 +21,6 @@ from bench.policy_sim import (  # noqa: E402
     Workload,
     arrivals_ms,
     capability,
-    inflight_depth,
     main,
     parse_variant,
     simulate,
@@ -69,9 +68,9 @@ def test_arrivals_are_online_py_s_and_seeded() -> None:
 
 def test_the_engine_s_in_flight_depth() -> None:
     engine = EngineCoreConfig()
-    assert inflight_depth(engine, 0) == 2 and inflight_depth(engine, 15) == 2
-    assert inflight_depth(engine, 16) == engine.max_inflight_steps == 3
-    assert inflight_depth(EngineCoreConfig(max_inflight_steps=1), 0) == 1
+    assert engine.inflight_limit(0) == 2 and engine.inflight_limit(15) == 2
+    assert engine.inflight_limit(16) == engine.max_inflight_steps == 3
+    assert EngineCoreConfig(max_inflight_steps=1).inflight_limit(0) == 1
 
 
 def test_variants_name_scheduler_fields() -> None:

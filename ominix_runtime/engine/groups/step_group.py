@@ -40,7 +40,7 @@ from ominix_runtime.contract import (
     Usage,
     WorkerEvent,
 )
-from ominix_runtime.engine.config import LIGHT_LOAD_INFLIGHT_STEPS, EngineCoreConfig
+from ominix_runtime.engine.config import EngineCoreConfig
 from ominix_runtime.engine.groups.worker_group import ErrorInfo, GroupHooks, RequestTimes, WorkerGroup
 from ominix_runtime.engine.kv_registry import RegistrySnapshot
 from ominix_runtime.engine.logs import log_event
@@ -367,11 +367,7 @@ class StepWorkerGroup(WorkerGroup):
 
     def _inflight_limit(self) -> int:
         """Steps this group may have in flight now: the configured depth, less under light load."""
-        depth = max(1, self.config.max_inflight_steps)
-        light = self.config.light_load_below_running
-        if light and self.scheduler.num_running < light:
-            return min(depth, LIGHT_LOAD_INFLIGHT_STEPS)
-        return depth
+        return self.config.inflight_limit(self.scheduler.num_running)
 
     def _apply(self, result: StepResult) -> _Applied:
         """Apply a step's result to the scheduler; its events are the caller's to deliver."""
