@@ -32,7 +32,10 @@ export OMINIX_PROFILE_GATE=/tmp/ominix_profile_gate
 rm -f "$OMINIX_PROFILE_GATE"
 # Word-split on use: a quoted default inside ${...:-} would reach offline.py as one argument.
 OVERHEAD_ARGS=${OVERHEAD_ARGS:-"--num-requests 256 --input-len 512 --output-len 160"}
-PROFILE_ARGS=${PROFILE_ARGS:-"--w1 --batch1 --output-len 64 --batch1-trials 1 --warmup-requests 0 --seed 17"}
+# Set to "" for no profiled run after the timed one.
+PROFILE_ARGS=${PROFILE_ARGS-"--w1 --batch1 --output-len 64 --batch1-trials 1 --warmup-requests 0 --seed 17"}
+# What the timed service run measures (offline.py's modes), e.g. "--w1".
+SERVICE_MODES=${SERVICE_MODES:-"--all"}
 
 . bench/carried_wheels.sh
 export PYTHONPATH=$OURS_PATH
@@ -74,13 +77,15 @@ stop_service() {
 
 run_service() {
   if start_service; then
-    timeout "$SERVICE_S" python3 bench/offline.py --address "127.0.0.1:$EPORT" --all --no-progress \
+    timeout "$SERVICE_S" python3 bench/offline.py --address "127.0.0.1:$EPORT" $SERVICE_MODES --no-progress \
       --no-request-details --model-config "$CONFIG_JSON" --out-json "$OUT/offline.json" $BW_ARGS $OFFLINE_ARGS \
       2>&1 | grep -v -E "^(ITL|E2EL|peak|request throughput|total throughput|input tokens)" | tail -60
     # Profiler windows (steady decode at batch 256 and 1, prefill) in a short untimed run after the timed one.
-    touch "$OMINIX_PROFILE_GATE"
-    timeout 120 python3 bench/offline.py --address "127.0.0.1:$EPORT" --no-progress --no-request-details \
-      $PROFILE_ARGS $OFFLINE_ARGS >"$OUT/profile_run.txt" 2>&1 || echo "profile run failed: $(tail -3 "$OUT/profile_run.txt")"
+    if [ -n "$PROFILE_ARGS" ]; then
+      touch "$OMINIX_PROFILE_GATE"
+      timeout 120 python3 bench/offline.py --address "127.0.0.1:$EPORT" --no-progress --no-request-details \
+        $PROFILE_ARGS $OFFLINE_ARGS >"$OUT/profile_run.txt" 2>&1 || echo "profile run failed: $(tail -3 "$OUT/profile_run.txt")"
+    fi
   fi
   stop_service
 }

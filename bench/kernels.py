@@ -115,7 +115,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def bench_decode(batch: int, lo: int, hi: int, bandwidth: float, gen: torch.Generator) -> None:
+def bench_decode(
+    batch: int,
+    lo: int,
+    hi: int,
+    bandwidth: float,
+    gen: torch.Generator,
+    configs: list[tuple[int, int, int] | None] | None = None,
+) -> None:
+    """One decode case; with ``configs``, the graphed time of each (BLOCK_N, num_warps, num_stages) too."""
     seq_lens = torch.randint(lo, hi + 1, (batch,), generator=gen).tolist()
     per_layer_bytes = sum(seq_lens) * KV_BYTES_PER_TOKEN_LAYER
     # 32 layers as in the model, fewer when that would not fit; each layer's KV is far larger than L2 then.
@@ -156,6 +164,23 @@ def bench_decode(batch: int, lo: int, hi: int, bandwidth: float, gen: torch.Gene
         "decode", case, graphed, impl=f"triton graph (splits={splits})", eager_ms=eager,
         gbps=kv_bytes / graphed / 1e6, frac_copy_bw=kv_bytes / (graphed * 1e-3) / bandwidth, **extra,
     )  # fmt: skip
+    for config in configs or []:
+        if config is None:
+            continue
+        backend.decode_config = config
+        try:
+            step()
+            torch.cuda.synchronize()
+            tuned = _ms(_captured(step).replay) / layers
+        except Exception as exc:  # noqa: BLE001 - a tile that does not fit is reported, not fatal
+            _row("decode", case, float("nan"), impl=f"tile {config}: {type(exc).__name__}")
+            continue
+        finally:
+            backend.decode_config = None
+        _row(
+            "decode", case, tuned, impl=f"triton graph, tile {config} (BLOCK_N, warps, stages)",
+            gbps=kv_bytes / tuned / 1e6, frac_copy_bw=kv_bytes / (tuned * 1e-3) / bandwidth,
+        )  # fmt: skip
 
 
 def bench_prefill(
@@ -366,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--sweep-prefill", action="store_true", help="time several prefill tile configs")
     parser.add_argument("--prefix-only", action="store_true", help="only the prefix-hit suffix cases")
+    parser.add_argument(
+        "--sweep-decode",
+        action="store_true",
+        help="only the batch-256 decode cases, each with several (BLOCK_N, num_warps, num_stages) tiles, and "
+        "the read-only bandwidth of a reduction beside the copy bandwidth",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -377,7 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.3f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s"
     )
-    if args.prefix_only:
+    if args.sweep_decode:
+        sweep_decode(bandwidth, gen)
+    elif args.prefix_only:
         for new, prefix in PREFIX_SUFFIX_CASES:
             bench_prefix_suffix(new, prefix, gen)
     else:
@@ -387,6 +420,21 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"device": torch.cuda.get_device_name(), "bandwidth": bandwidth, "flops": flops}
         Path(args.json).write_text(json.dumps({**meta, "rows": ROWS}, indent=2))
     return 0
+
+
+DECODE_TILES: list[tuple[int, int, int] | None] = [
+    (block_n, warps, stages) for block_n in (32, 64, 128) for warps in (2, 4, 8) for stages in (2, 3, 4)
+]
+
+
+def sweep_decode(bandwidth: float, gen: torch.Generator) -> None:
+    """The W1 decode shapes with every tile of DECODE_TILES, and what a plain read reaches on this card."""
+    data = torch.empty(2 << 30, dtype=torch.uint8, device="cuda").view(torch.bfloat16).normal_()
+    read = _ms(lambda: data.sum(dtype=torch.float32))
+    _row("read", "2 GiB bf16 sum", read, impl="torch sum (read only)", gbps=(2 << 30) / read / 1e6)
+    data = torch.empty(0, device="cuda")  # frees the 2 GiB before the decode cases
+    for batch, lo, hi in [(256, 512, 768), (256, 768, 768)]:
+        bench_decode(batch, lo, hi, bandwidth, gen, DECODE_TILES)
 
 
 def run_all(args: argparse.Namespace, bandwidth: float, flops: float, gen: torch.Generator) -> None:

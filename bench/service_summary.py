@@ -159,6 +159,65 @@ def prefix_hops(probe: dict[str, Any], offline: dict[str, Any]) -> dict[str, flo
     return out
 
 
+def run_timeline(probe: dict[str, Any], run: dict[str, Any]) -> dict[str, float] | None:
+    """Where one offline run's wall time went (ms), from its clock span (``clock_s``, bench/serve.py) against
+    the worker's step log and marks on the same clock: from the clock's start to the first step's protobuf
+    taken up (sends, engine admission, scheduling), the steps until the last result left (each step's share is
+    the time from the previous result leaving to its own; split into pure-decode steps and the rest), and from
+    the last result to the client's last token. ``worker_waited`` sums the times the worker had returned from
+    a step before the next step's protobuf had been converted (the engine late; the device may still have been
+    busy with the step in flight)."""
+    clock = run.get("clock_s") or {}
+    if "last_end" not in clock:
+        return None
+    origin, end = clock["origin"], clock["last_end"]
+    steps = [s for s in probe.get("steps", []) if origin <= s["enter"] <= end]
+    result_pb, step_pb = mark_spans(probe, "result_to_pb"), mark_spans(probe, "step_from_pb")
+    steps = [s for s in steps if s["id"] in result_pb and s["id"] in step_pb]
+    if not steps:
+        return None
+    left = [result_pb[s["id"]][1] for s in steps]
+    first_taken = step_pb[steps[0]["id"]][0]
+    shares = [left[0] - first_taken] + [b - a for a, b in zip(left, left[1:], strict=False)]
+    decode_ms = sum(t for s, t in zip(steps, shares, strict=True) if s["decode"]) * 1e3
+    other_ms = sum(t for s, t in zip(steps, shares, strict=True) if not s["decode"]) * 1e3
+    top = max(s["batch"] for s in steps)
+    full = [t for s, t in zip(steps, shares, strict=True) if s["decode"] and s["batch"] == top]
+    waited = sum(
+        max(0.0, step_pb[cur["id"]][1] - prev["exit"]) for prev, cur in zip(steps, steps[1:], strict=False)
+    )
+    return {
+        "wall_ms": (end - origin) * 1e3,
+        "sends_ms": (clock.get("last_send", origin) - origin) * 1e3,
+        "to_first_step_ms": (first_taken - origin) * 1e3,
+        "steps": float(len(steps)),
+        "decode_steps": float(sum(s["decode"] for s in steps)),
+        "decode_steps_ms": decode_ms,
+        "other_steps_ms": other_ms,
+        "full_batch": float(top),
+        "full_batch_from_ms": (step_pb[next(s for s in steps if s["batch"] == top)["id"]][0] - origin) * 1e3,
+        "full_batch_step_median_ms": statistics.median(full) * 1e3 if full else 0.0,
+        "after_last_result_ms": (end - left[-1]) * 1e3,
+        "worker_waited_ms": waited * 1e3,
+    }
+
+
+def print_run_timelines(probe: dict[str, Any], offline: dict[str, Any]) -> None:
+    """One line per timed offline run that has a clock span and steps in the probe's log."""
+    for key, run in offline.get("runs", {}).items():
+        t = run_timeline(probe, run) if isinstance(run, dict) else None
+        if t is None:
+            continue
+        print(
+            f"{key} timeline, ms: wall {t['wall_ms']:.1f} = to first step {t['to_first_step_ms']:.1f} (sends "
+            f"{t['sends_ms']:.1f}) + {int(t['steps'])} steps {t['decode_steps_ms'] + t['other_steps_ms']:.1f} "
+            f"({int(t['decode_steps'])} pure decode {t['decode_steps_ms']:.1f}, the rest "
+            f"{t['other_steps_ms']:.1f}; batch {int(t['full_batch'])} from {t['full_batch_from_ms']:.1f}, its "
+            f"median {t['full_batch_step_median_ms']:.2f}) + after the last result {t['after_last_result_ms']:.1f}; "
+            f"worker waited for the engine {t['worker_waited_ms']:.1f}"
+        )
+
+
 def print_overhead_runs(probe: dict[str, Any], runs: list[str]) -> None:
     """One line per run label and profiled batch size: GPU busy (target >= 97% at batch 256) and the median
     next_ready of that run's steady decode steps of that size (target <= 0.5 ms)."""
@@ -262,6 +321,7 @@ def main(argv: list[str]) -> int:
             f"worker prefill steps (>= {threshold} tokens, n={int(prefill['steps'])}): median "
             f"{prefill['median_ms']:.1f} ms, {prefill['tokens_per_s']:,.0f} tokens/s"
         )
+    print_run_timelines(probe, offline)
     hops = prefix_hops(probe, offline)
     if hops is not None:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in hops.items() if k != "requests")

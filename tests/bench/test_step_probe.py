@@ -212,3 +212,46 @@ def test_prefix_hops_split_a_warm_ttft_by_the_worker_log() -> None:
     parts = sum(hops[k] for k in ("to_worker", "handed_to_step", "step", "handed_back", "back_to_client"))
     assert abs(parts - hops["ttft"]) < 1e-6
     assert prefix_hops(probe, {"runs": {}}) is None
+
+
+def test_run_timeline_splits_a_run_by_the_worker_log() -> None:
+    """A run's wall time: to the first step's protobuf, each step's share from result to result (pure decode
+    apart from the rest), after the last result; a step outside the run's span is left out, and the engine's
+    lateness sums the next protobuf's conversion past the worker's return."""
+    from bench.service_summary import run_timeline
+
+    def logged(step_id: int, enter: float, exit_: float, batch: int, decode: bool) -> dict[str, Any]:
+        return {"id": step_id, "enter": enter, "exit": exit_, "batch": batch, "tokens": 4, "decode": decode}
+
+    probe = {
+        "steps": [
+            logged(9, 4.0, 4.1, 4, True),  # an earlier run's step: outside the span
+            logged(1, 10.010, 10.020, 4, False),  # the prompts
+            logged(2, 10.031, 10.040, 4, True),
+            logged(3, 10.050, 10.060, 4, True),
+        ],
+        "marks": [
+            ["step_from_pb", 9, 3.9, 3.95],
+            ["result_to_pb", 9, 4.1, 4.11],
+            ["step_from_pb", 1, 10.008, 10.009],
+            ["result_to_pb", 1, 10.021, 10.022],
+            ["step_from_pb", 2, 10.029, 10.030],  # 10 ms after step 1 returned: the engine late
+            ["result_to_pb", 2, 10.041, 10.042],
+            ["step_from_pb", 3, 10.038, 10.039],  # ready before step 2 returned
+            ["result_to_pb", 3, 10.061, 10.062],
+        ],
+    }
+    run = {"clock_s": {"origin": 10.0, "last_send": 10.001, "last_end": 10.070, "end": 10.071}}
+    t = run_timeline(probe, run)
+    assert t is not None
+    assert t["steps"] == 3 and t["decode_steps"] == 2 and t["full_batch"] == 4
+    assert abs(t["full_batch_from_ms"] - 8.0) < 1e-6  # the first step already held all four
+    assert abs(t["to_first_step_ms"] - 8.0) < 1e-6
+    assert abs(t["other_steps_ms"] - 14.0) < 1e-6  # 10.008 → 10.022
+    assert abs(t["decode_steps_ms"] - 40.0) < 1e-6  # 10.022 → 10.042 → 10.062
+    assert abs(t["full_batch_step_median_ms"] - 20.0) < 1e-6
+    assert abs(t["after_last_result_ms"] - 8.0) < 1e-6
+    assert abs(t["worker_waited_ms"] - 10.0) < 1e-6  # step 2 only
+    parts = t["to_first_step_ms"] + t["decode_steps_ms"] + t["other_steps_ms"] + t["after_last_result_ms"]
+    assert abs(parts - t["wall_ms"]) < 1e-6
+    assert run_timeline(probe, {"clock_s": {"origin": 10.0}}) is None

@@ -670,6 +670,8 @@ class TritonPagedAttention:
         self.prefill_splits: int | None = None
         # (BLOCK_M, BLOCK_N, num_warps, num_stages) override for the prefill kernel (tuning); None = defaults.
         self.prefill_config: tuple[int, int, int, int] | None = None
+        # (BLOCK_N, num_warps, num_stages) override for the decode kernel (tuning); None = defaults.
+        self.decode_config: tuple[int, int, int] | None = None
         # Let a mixed step's single-token requests ride in the prefill kernel's launch (``_mixed_plan``); off
         # keeps them in the decode kernel (tests, comparisons).
         self.decode_rows_in_prefill = True
@@ -809,7 +811,7 @@ class TritonPagedAttention:
             )
         block_d = next_power_of_2(head_dim)
         ieee = query.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-        block_n = _decode_block_n(head_dim, ieee)
+        block_n, num_warps, num_stages = self.decode_config or (_decode_block_n(head_dim, ieee), 4, 3)
         part_out, part_lse = _partials(num_requests, num_heads, splits, head_dim, out)
         _decode_kernel[(num_requests, num_kv_heads, splits)](
             query,
@@ -846,8 +848,8 @@ class TritonPagedAttention:
             KV_FP8=_is_fp8(kv_cache),
             WINDOWED=meta.sliding_window > 0,
             HAS_SINKS=sinks is not None,
-            num_warps=4,
-            num_stages=3,
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
         if splits > 1:
             _merge(part_out, part_lse, meta, out, num_requests, mixed=mixed)
