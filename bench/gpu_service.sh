@@ -176,6 +176,8 @@ run_gaps() {
     stop_service >/dev/null
     if [ -s "$out/online_$label.json" ] && [ -s "$out/probe_$label.json" ]; then
       python3 bench/step_gaps.py "$out/probe_$label.json" "$out/online_$label.json" 2>&1 | tail -40
+      python3 -c "import json, sys; from bench.service_summary import slowest_steps; \
+print('slowest worker steps:', slowest_steps(json.load(open(sys.argv[1]))['steps'], 6))" "$out/probe_$label.json"
     else
       echo "$label: no run to match; the last lines of the client and the worker:"
       tail -5 "$out/online_$label.txt" "$OUT/worker.log" 2>/dev/null

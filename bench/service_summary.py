@@ -44,11 +44,27 @@ def _gpu_name() -> str:
     return done.stdout.splitlines()[0].strip() if done.stdout.strip() else "?"
 
 
+ALLOCATOR_COUNTS = (("device_allocs", "cudaMalloc"), ("host_allocs", "pinned"), ("alloc_retries", "retries"))
+
+
+def allocator_calls(steps: list[dict[str, Any]], index: int) -> str:
+    """The allocator calls step ``index`` of the log made (its running counts less the step before's), e.g.
+    ", 2 cudaMalloc": what may have held the device thread in a long step. Empty when none or not logged."""
+    if index == 0:
+        return ""
+    cur, prev = steps[index], steps[index - 1]
+    made = [(cur[k] - prev[k], name) for k, name in ALLOCATOR_COUNTS if k in cur and k in prev]
+    return "".join(f", {n} {name}" for n, name in made if n)
+
+
 def slowest_steps(steps: list[dict[str, Any]], count: int = 3) -> str:
-    """The longest worker steps (a Triton compile mid-run shows up here as a step of a second or more)."""
-    timed = sorted(steps, key=lambda s: s["exit"] - s["enter"], reverse=True)[:count]
+    """The longest worker steps (a Triton compile mid-run shows up here as a step of a second or more), with
+    the allocator calls each made."""
+    order = sorted(range(len(steps)), key=lambda i: steps[i]["exit"] - steps[i]["enter"], reverse=True)
     return "; ".join(
-        f"{(s['exit'] - s['enter']) * 1e3:.0f} ms ({s['tokens']} tokens, batch {s['batch']})" for s in timed
+        f"{(steps[i]['exit'] - steps[i]['enter']) * 1e3:.0f} ms ({steps[i]['tokens']} tokens, batch "
+        f"{steps[i]['batch']}{allocator_calls(steps, i)})"
+        for i in order[:count]
     )
 
 

@@ -1,7 +1,9 @@
 """Worker entry point with a step probe: where a worker's step time goes, and how busy the GPU is.
 
 Starts ``ominix_worker.server`` with the same flags, after wrapping ``ModelRunner.execute_step`` (and its phases)
-with host timers. Every step is logged (enter/exit time, batch, tokens, phase times, the run label below).
+with host timers. Every step is logged (enter/exit time, batch, tokens, phase times, the run label below, and on
+CUDA the allocators' running call counts: a cudaMalloc, a pinned host allocation or an allocation retried after
+freeing the cache can hold the device thread).
 
 GPU busy, the definition (bench/RESULTS.md repeats it): for each batch size in ``OMINIX_PROFILE_BATCHES``
 (e.g. ``256,1``), once ``_SKIP_WARM`` pure-decode steps of that size have run, ``torch.profiler`` (device
@@ -250,6 +252,7 @@ class StepProbe:
                 "run": self.label,
                 "profiled": self.active is not None,
             }
+            | _allocator_counts()
             | {k.strip("_"): v for k, v in self.phase.items()}
         )
         if self.active is not None:
@@ -351,6 +354,26 @@ def _union(intervals: list[tuple[float, float]], low: float, high: float) -> flo
     if cur_end is not None and cur_start is not None:
         total += cur_end - cur_start
     return total
+
+
+def _allocator_counts() -> dict[str, int]:
+    """Running counts of the CUDA allocators' calls that may hold the host thread: ``alloc_retries``, device
+    allocations that failed and succeeded only after the cache was freed (the free waits for the device);
+    ``device_allocs`` / ``device_frees``, the caching allocator's own cudaMalloc / cudaFree calls; and
+    ``host_allocs``, the pinned host allocator's (where this torch reports them). Empty off CUDA."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    stats = torch.cuda.memory_stats()
+    counts = {
+        "alloc_retries": int(stats.get("num_alloc_retries", 0)),
+        "device_allocs": int(stats.get("num_device_alloc", 0)),
+        "device_frees": int(stats.get("num_device_free", 0)),
+    }
+    host_stats = getattr(torch.cuda, "host_memory_stats", None)
+    if host_stats is not None:
+        counts["host_allocs"] = int(host_stats().get("num_host_alloc", 0))
+    return counts
 
 
 def idle_gaps(intervals: list[tuple[float, float, str]], num_steps: int, top: int = 6) -> list[list[Any]]:

@@ -255,3 +255,24 @@ def test_run_timeline_splits_a_run_by_the_worker_log() -> None:
     parts = t["to_first_step_ms"] + t["decode_steps_ms"] + t["other_steps_ms"] + t["after_last_result_ms"]
     assert abs(parts - t["wall_ms"]) < 1e-6
     assert run_timeline(probe, {"clock_s": {"origin": 10.0}}) is None
+
+
+def test_slowest_steps_name_the_allocator_calls_each_made() -> None:
+    """The longest steps first, each with the cudaMalloc / pinned / retry calls made during it (its running
+    counts less the step before's); a log without the counts prints none."""
+    from bench.service_summary import slowest_steps
+
+    def logged(step_id: int, took: float, **counts: int) -> dict[str, Any]:
+        return {"id": step_id, "enter": 0.0, "exit": took, "batch": 2, "tokens": 8, "decode": False, **counts}
+
+    steps = [
+        logged(1, 0.010, device_allocs=3, host_allocs=1, alloc_retries=0),
+        logged(2, 0.300, device_allocs=5, host_allocs=1, alloc_retries=0),
+        logged(3, 0.020, device_allocs=5, host_allocs=2, alloc_retries=0),
+    ]
+    assert (
+        slowest_steps(steps, 2)
+        == "300 ms (8 tokens, batch 2, 2 cudaMalloc); 20 ms (8 tokens, batch 2, 1 pinned)"
+    )
+    bare = [logged(1, 0.010), logged(2, 0.300)]
+    assert slowest_steps(bare, 1) == "300 ms (8 tokens, batch 2)"
