@@ -35,12 +35,13 @@ from ominix_runtime.contract import (
 )
 from ominix_worker.attention.base import AttentionBackend, AttentionMetadata
 from ominix_worker.config import AttentionGroup, ModelConfig
+from ominix_worker.cuda_graph import padded_size
 from ominix_worker.kv_cache import kv_tensor_indices
 from ominix_worker.models.llama import LlamaForCausalLM
 from ominix_worker.parallel import SINGLE, TensorParallel
 from ominix_worker.sampler import SamplerOutput, SamplingTensors, greedy, sample
 
-if TYPE_CHECKING:  # imported on CUDA only, when graphs are captured
+if TYPE_CHECKING:  # DecodeGraphs is built on CUDA only, when graphs are captured
     from ominix_worker.cuda_graph import DecodeGraphs
 
 # Block-table widths are padded to a multiple of this on CUDA, so Triton sees one stride specialisation.
@@ -172,6 +173,12 @@ class ModelRunner:
         self.last_step_id = 0
         self._pin = device.type == "cuda"
         self._graphs: DecodeGraphs | None = None  # captured on CUDA
+        # Row counts an eager step's LM head is padded up to (the captured decode sizes once graphs exist): the
+        # LM head GEMM then runs only at row counts the capture already ran. cuBLAS picks its kernel by the row
+        # count, and under CUDA's lazy module loading a kernel's first launch loads it, which may wait for the
+        # device to finish the work already queued; unpadded, every new count of sampled rows in a prefill step
+        # could pick a kernel not loaded yet, in the middle of serving.
+        self.logits_row_sizes: tuple[int, ...] = ()
         # Overlapped decode (set by the server on CUDA): a graph step is launched before the previous step's
         # sampled ids reach the host; results then come out of ``take_results`` (or ``post_result``, below)
         # instead of execute_step.
@@ -613,6 +620,9 @@ class ModelRunner:
             seq_lens.append(row.end)
             if row.samples:
                 logits_indices.append(query_start[-1] - 1)
+        if logits_indices and self.logits_row_sizes:
+            padded = padded_size(len(logits_indices), self.logits_row_sizes) or len(logits_indices)
+            logits_indices += [logits_indices[-1]] * (padded - len(logits_indices))
         max_query_len = max(row.end - row.start for row in rows)
         first = AttentionMetadata(
             query_start_loc=self._to_device(torch.tensor(query_start, dtype=torch.int32)),
@@ -715,7 +725,8 @@ class ModelRunner:
         if inputs.sampling is None:
             return None
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-        return sample(logits, inputs.sampling)
+        # Rows past the sampled ones pad the LM head to a captured size (``logits_row_sizes``).
+        return sample(logits[: len(inputs.sampling_rows)], inputs.sampling)
 
     def _graph_step(self, rows: list[ScheduledRow]) -> bool:
         """A captured graph serves the step: every row decodes exactly one token and the batch fits."""
@@ -854,6 +865,7 @@ class ModelRunner:
         )  # fmt: skip
         graphs.capture()
         self._graphs = graphs
+        self.logits_row_sizes = tuple(graphs.sizes)
         log.info("captured %d decode graphs in %.1f s", len(graphs.graphs), time.perf_counter() - started)
         return True
 
