@@ -150,10 +150,12 @@ run_prefix() {
 run_gaps() {
   local saved_out=$OMINIX_PROFILE_OUT saved_serve=$SERVE_ARGS saved_batches=$OMINIX_PROFILE_BATCHES
   local saved_prefill=$OMINIX_PROFILE_PREFILL_TOKENS saved_worker=$WORKER_ARGS
-  local saved_every=${OMINIX_PROFILE_WRITE_EVERY-unset} out=$OUT/gaps entries entry label args
+  local saved_every=${OMINIX_PROFILE_WRITE_EVERY-unset} saved_alloc=${OMINIX_PROFILE_ALLOCATOR-unset}
+  local out=$OUT/gaps entries entry label args
   mkdir -p "$out"
   # No profiler window, and the probe's log written only at exit: a periodic write stalls the device thread.
   export OMINIX_PROFILE_BATCHES="" OMINIX_PROFILE_PREFILL_TOKENS=0 OMINIX_PROFILE_WRITE_EVERY=0
+  export OMINIX_PROFILE_ALLOCATOR=${OMINIX_PROFILE_ALLOCATOR:-1}  # the slowest steps with their allocator calls
   IFS=';' read -ra entries <<<"${GAPS_VARIANTS:-default=}"
   for entry in "${entries[@]}"; do
     if [[ ! $entry =~ ^[A-Za-z0-9_.-]+= ]]; then
@@ -185,6 +187,7 @@ print('slowest worker steps:', slowest_steps(json.load(open(sys.argv[1]))['steps
   done
   export OMINIX_PROFILE_OUT=$saved_out OMINIX_PROFILE_BATCHES=$saved_batches OMINIX_PROFILE_PREFILL_TOKENS=$saved_prefill
   if [ "$saved_every" = unset ]; then unset OMINIX_PROFILE_WRITE_EVERY; else export OMINIX_PROFILE_WRITE_EVERY=$saved_every; fi
+  if [ "$saved_alloc" = unset ]; then unset OMINIX_PROFILE_ALLOCATOR; else export OMINIX_PROFILE_ALLOCATOR=$saved_alloc; fi
   SERVE_ARGS=$saved_serve WORKER_ARGS=$saved_worker
 }
 

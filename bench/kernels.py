@@ -121,9 +121,10 @@ def bench_decode(
     hi: int,
     bandwidth: float,
     gen: torch.Generator,
-    configs: list[tuple[int, int, int] | None] | None = None,
+    configs: list[tuple[int, int, int]] | None = None,
 ) -> None:
-    """One decode case; with ``configs``, the graphed time of each (BLOCK_N, num_warps, num_stages) too."""
+    """One decode case; with ``configs``, the graphed time of each (BLOCK_N, num_warps, num_stages) too, and its
+    output's error against the default tile's."""
     seq_lens = torch.randint(lo, hi + 1, (batch,), generator=gen).tolist()
     per_layer_bytes = sum(seq_lens) * KV_BYTES_PER_TOKEN_LAYER
     # 32 layers as in the model, fewer when that would not fit; each layer's KV is far larger than L2 then.
@@ -164,13 +165,13 @@ def bench_decode(
         "decode", case, graphed, impl=f"triton graph (splits={splits})", eager_ms=eager,
         gbps=kv_bytes / graphed / 1e6, frac_copy_bw=kv_bytes / (graphed * 1e-3) / bandwidth, **extra,
     )  # fmt: skip
+    reference = outs[0].clone()
     for config in configs or []:
-        if config is None:
-            continue
         backend.decode_config = config
         try:
             step()
             torch.cuda.synchronize()
+            err = rel_err(outs[0], reference)
             tuned = _ms(_captured(step).replay) / layers
         except Exception as exc:  # noqa: BLE001 - a tile that does not fit is reported, not fatal
             _row("decode", case, float("nan"), impl=f"tile {config}: {type(exc).__name__}")
@@ -179,7 +180,7 @@ def bench_decode(
             backend.decode_config = None
         _row(
             "decode", case, tuned, impl=f"triton graph, tile {config} (BLOCK_N, warps, stages)",
-            gbps=kv_bytes / tuned / 1e6, frac_copy_bw=kv_bytes / (tuned * 1e-3) / bandwidth,
+            gbps=kv_bytes / tuned / 1e6, frac_copy_bw=kv_bytes / (tuned * 1e-3) / bandwidth, err_vs_default=err,
         )  # fmt: skip
 
 
@@ -422,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-DECODE_TILES: list[tuple[int, int, int] | None] = [
+DECODE_TILES: list[tuple[int, int, int]] = [
     (block_n, warps, stages) for block_n in (32, 64, 128) for warps in (2, 4, 8) for stages in (2, 3, 4)
 ]
 

@@ -461,19 +461,18 @@ class BenchResult:
 
     def clock_span(self) -> dict[str, float]:
         """The run's bounds as perf_counter readings (CLOCK_MONOTONIC on Linux, shared by every process on the
-        host), to line the run up with a worker's step log: the clock's start, the first and last send, the
-        first token of any request, and the last request's end."""
+        host), to line the run up with a worker's step log: the clock's start, the first and last send and the
+        last end of the requests that succeeded, and the first token of any of them."""
         done = [r for r in self.requests if r.success]
         firsts = [r.first_token_time for r in done if r.first_token_time is not None]
         origin = self.started_perf
         span = {"origin": origin, "end": origin + self.metrics.duration_s}
-        if self.requests:
-            span["first_send"] = origin + min(r.send_time for r in self.requests)
-            span["last_send"] = origin + max(r.send_time for r in self.requests)
+        if done:  # a request that failed may never have been sent (its send time is then 0)
+            span["first_send"] = origin + min(r.send_time for r in done)
+            span["last_send"] = origin + max(r.send_time for r in done)
+            span["last_end"] = origin + max(r.end_time for r in done)
         if firsts:
             span["first_token"] = origin + min(firsts)
-        if done:
-            span["last_end"] = origin + max(r.end_time for r in done)
         return span
 
     def to_json(self, include_requests: bool = True) -> dict[str, object]:

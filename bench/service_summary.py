@@ -9,6 +9,7 @@ Reads offline.json (bench/offline.py), peer_hf.json (bench/peer_hf.py), roofline
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -48,8 +49,9 @@ ALLOCATOR_COUNTS = (("device_allocs", "cudaMalloc"), ("host_allocs", "pinned"), 
 
 
 def allocator_calls(steps: list[dict[str, Any]], index: int) -> str:
-    """The allocator calls step ``index`` of the log made (its running counts less the step before's), e.g.
-    ", 2 cudaMalloc": what may have held the device thread in a long step. Empty when none or not logged."""
+    """The allocator calls made from the step before's exit to step ``index``'s (the running counts' difference,
+    on any thread of the worker), e.g. ", 2 cudaMalloc": what may have held the device thread in a long step.
+    Empty when none or not logged (``OMINIX_PROFILE_ALLOCATOR``)."""
     if index == 0:
         return ""
     cur, prev = steps[index], steps[index - 1]
@@ -187,9 +189,16 @@ def run_timeline(probe: dict[str, Any], run: dict[str, Any]) -> dict[str, float]
     if "last_end" not in clock:
         return None
     origin, end = clock["origin"], clock["last_end"]
-    steps = [s for s in probe.get("steps", []) if origin <= s["enter"] <= end]
     result_pb, step_pb = mark_spans(probe, "result_to_pb"), mark_spans(probe, "step_from_pb")
-    steps = [s for s in steps if s["id"] in result_pb and s["id"] in step_pb]
+    # The run's steps: taken up after its clock started, their result gone before its last token arrived.
+    steps = [
+        s
+        for s in probe.get("steps", [])
+        if s["id"] in result_pb
+        and s["id"] in step_pb
+        and origin <= s["enter"]
+        and result_pb[s["id"]][1] <= end
+    ]
     if not steps:
         return None
     left = [result_pb[s["id"]][1] for s in steps]
@@ -212,7 +221,7 @@ def run_timeline(probe: dict[str, Any], run: dict[str, Any]) -> dict[str, float]
         "other_steps_ms": other_ms,
         "full_batch": float(top),
         "full_batch_from_ms": (step_pb[next(s for s in steps if s["batch"] == top)["id"]][0] - origin) * 1e3,
-        "full_batch_step_median_ms": statistics.median(full) * 1e3 if full else 0.0,
+        "full_batch_step_median_ms": statistics.median(full) * 1e3 if full else math.nan,
         "after_last_result_ms": (end - left[-1]) * 1e3,
         "worker_waited_ms": waited * 1e3,
     }
@@ -224,12 +233,14 @@ def print_run_timelines(probe: dict[str, Any], offline: dict[str, Any]) -> None:
         t = run_timeline(probe, run) if isinstance(run, dict) else None
         if t is None:
             continue
+        median = t["full_batch_step_median_ms"]
+        median_text = "-" if math.isnan(median) else f"{median:.2f}"
         print(
             f"{key} timeline, ms: wall {t['wall_ms']:.1f} = to first step {t['to_first_step_ms']:.1f} (sends "
             f"{t['sends_ms']:.1f}) + {int(t['steps'])} steps {t['decode_steps_ms'] + t['other_steps_ms']:.1f} "
             f"({int(t['decode_steps'])} pure decode {t['decode_steps_ms']:.1f}, the rest "
             f"{t['other_steps_ms']:.1f}; batch {int(t['full_batch'])} from {t['full_batch_from_ms']:.1f}, its "
-            f"median {t['full_batch_step_median_ms']:.2f}) + after the last result {t['after_last_result_ms']:.1f}; "
+            f"median {median_text}) + after the last result {t['after_last_result_ms']:.1f}; "
             f"worker waited for the engine {t['worker_waited_ms']:.1f}"
         )
 

@@ -1,9 +1,9 @@
 """Worker entry point with a step probe: where a worker's step time goes, and how busy the GPU is.
 
 Starts ``ominix_worker.server`` with the same flags, after wrapping ``ModelRunner.execute_step`` (and its phases)
-with host timers. Every step is logged (enter/exit time, batch, tokens, phase times, the run label below, and on
-CUDA the allocators' running call counts: a cudaMalloc, a pinned host allocation or an allocation retried after
-freeing the cache can hold the device thread).
+with host timers. Every step is logged (enter/exit time, batch, tokens, phase times, the run label below, and with
+``OMINIX_PROFILE_ALLOCATOR=1`` on CUDA the allocators' running call counts: a cudaMalloc, a pinned host
+allocation or an allocation retried after freeing the cache can hold the device thread).
 
 GPU busy, the definition (bench/RESULTS.md repeats it): for each batch size in ``OMINIX_PROFILE_BATCHES``
 (e.g. ``256,1``), once ``_SKIP_WARM`` pure-decode steps of that size have run, ``torch.profiler`` (device
@@ -92,6 +92,8 @@ class StepProbe:
         self.marks: list[tuple[str, int, float, float]] = []
         # Profile only once this file exists (the timed runs stay free of profiler stalls); None: always.
         self.gate = os.environ.get("OMINIX_PROFILE_GATE") or None
+        # The allocators' counts cost a dict of ~150 entries per step on the device thread: off unless asked.
+        self.log_allocators = os.environ.get("OMINIX_PROFILE_ALLOCATOR", "0") == "1"
         self.label = ""  # the gate file's content: the run being measured
         self._gate_stamp: float | None = None
         self.gc_pauses: list[tuple[int, float, float]] = []  # (generation, start, ms) of each long collection
@@ -252,7 +254,7 @@ class StepProbe:
                 "run": self.label,
                 "profiled": self.active is not None,
             }
-            | _allocator_counts()
+            | (_allocator_counts() if self.log_allocators else {})
             | {k.strip("_"): v for k, v in self.phase.items()}
         )
         if self.active is not None:

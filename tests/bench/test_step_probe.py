@@ -229,6 +229,7 @@ def test_run_timeline_splits_a_run_by_the_worker_log() -> None:
             logged(1, 10.010, 10.020, 4, False),  # the prompts
             logged(2, 10.031, 10.040, 4, True),
             logged(3, 10.050, 10.060, 4, True),
+            logged(4, 10.062, 10.066, 4, True),  # its result left after the run's last token: not the run's
         ],
         "marks": [
             ["step_from_pb", 9, 3.9, 3.95],
@@ -239,6 +240,8 @@ def test_run_timeline_splits_a_run_by_the_worker_log() -> None:
             ["result_to_pb", 2, 10.041, 10.042],
             ["step_from_pb", 3, 10.038, 10.039],  # ready before step 2 returned
             ["result_to_pb", 3, 10.061, 10.062],
+            ["step_from_pb", 4, 10.060, 10.061],
+            ["result_to_pb", 4, 10.069, 10.071],
         ],
     }
     run = {"clock_s": {"origin": 10.0, "last_send": 10.001, "last_end": 10.070, "end": 10.071}}

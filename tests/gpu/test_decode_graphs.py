@@ -83,6 +83,7 @@ def test_graph_decode_matches_eager(tmp_path: Path, model_config: dict[str, obje
     assert runner.capture_decode_graphs([1, 2, 4, 8])
     graphs = runner._graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
+    assert runner.logits_row_sizes == (1, 2, 4, 8)  # eager LM heads pad to the captured sizes from now on
     rng = random.Random(7)
     free_blocks = list(range(runner.group_num_blocks[0]))
     rng.shuffle(free_blocks)  # non-contiguous block tables

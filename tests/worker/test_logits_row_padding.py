@@ -25,8 +25,12 @@ def _steps(sampling: SamplingParams) -> list[DecodeStep]:
     return steps
 
 
-def _run(runner: ModelRunner, steps: list[DecodeStep]) -> tuple[list[list[int | None]], list[int]]:
-    """The sampled ids of every step, and the row count each LM head call saw."""
+def _run(
+    runner: ModelRunner, steps: list[DecodeStep], overlap: bool = False
+) -> tuple[list[list[int | None]], list[int]]:
+    """The sampled ids of every step, and the row count each LM head call saw; with ``overlap``, every step is
+    launched before the previous one's ids are read (the pipelined eager path) and the results come out of
+    ``take_results``."""
     seen: list[int] = []
     compute_logits = runner.model.compute_logits
 
@@ -35,16 +39,21 @@ def _run(runner: ModelRunner, steps: list[DecodeStep]) -> tuple[list[list[int | 
         return compute_logits(hidden)
 
     runner.model.compute_logits = counting  # type: ignore[method-assign]  # counts the rows in place
+    runner.overlap_steps = overlap
     try:
-        ids = []
+        results = []
         for step in steps:
             result = runner.execute_step(step)
-            assert result is not None  # no overlap on the CPU: every step returns its result
-            ids.append([o.sampled_token_id for o in result.outputs])
+            assert (result is None) == overlap
+            results += [result] if result is not None else runner.take_results()
+        runner.finish_pending()
+        results += runner.take_results()
     finally:
         runner.model.compute_logits = compute_logits  # type: ignore[method-assign]
+        runner.overlap_steps = False
         runner.reset()
-    return ids, seen
+    assert [r.step_id for r in results] == [s.step_id for s in steps]
+    return [[o.sampled_token_id for o in r.outputs] for r in results], seen
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -62,3 +71,13 @@ def test_padded_lm_head_samples_what_the_unpadded_one_does(
     runner.logits_row_sizes = (1, 2)  # no captured size holds three rows: no padding
     _, beyond_rows = _run(runner, steps)
     assert beyond_rows == [3, 3, 3]
+
+
+def test_padded_lm_head_in_overlapped_eager_steps(tiny_model_dir: Callable[[str], Path]) -> None:
+    """Pipelined eager steps (each launched before the previous one's ids are read) pad and sample alike."""
+    runner = build_runner(str(tiny_model_dir("llama")), num_blocks=16, block_size=16)
+    steps = _steps(SamplingParams(temperature=0.0))
+    plain, _ = _run(runner, steps)
+    runner.logits_row_sizes = (1, 2, 4, 8)
+    overlapped, rows = _run(runner, steps, overlap=True)
+    assert rows == [4, 4, 4] and overlapped == plain

@@ -15,7 +15,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,14 +34,11 @@ from ominix_runtime.contract import (
 )
 from ominix_worker.attention.base import AttentionBackend, AttentionMetadata
 from ominix_worker.config import AttentionGroup, ModelConfig
-from ominix_worker.cuda_graph import padded_size
+from ominix_worker.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphs, padded_size
 from ominix_worker.kv_cache import kv_tensor_indices
 from ominix_worker.models.llama import LlamaForCausalLM
 from ominix_worker.parallel import SINGLE, TensorParallel
 from ominix_worker.sampler import SamplerOutput, SamplingTensors, greedy, sample
-
-if TYPE_CHECKING:  # DecodeGraphs is built on CUDA only, when graphs are captured
-    from ominix_worker.cuda_graph import DecodeGraphs
 
 # Block-table widths are padded to a multiple of this on CUDA, so Triton sees one stride specialisation.
 _BLOCK_TABLE_ALIGN = 16
@@ -856,8 +852,6 @@ class ModelRunner:
         """
         if self.device.type != "cuda" or not self.kv_caches:
             return False
-        from ominix_worker.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphs
-
         started = time.perf_counter()
         graphs = DecodeGraphs(
             self.model, self.backend, self.kv_caches, self.device, self.max_model_len,
