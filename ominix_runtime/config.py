@@ -205,6 +205,7 @@ class DebugConfig:
     cuda_graphs: bool = True  # worker: capture decode steps as CUDA graphs
     weight_stream: bool = True  # worker: one token's dense GEMMs on CUDA through the weight-streaming kernel
     triton_fast_launch: bool = True  # worker: repeat Triton launches skip Triton's per-call launch path
+    pad_logits: bool = True  # worker: an eager step's LM head runs at a captured decode size of rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,6 +302,12 @@ DEBUG_VARIABLES: tuple[DebugVariable, ...] = (
         "debug.triton_fast_launch",
         _switch,
         "0: every Triton kernel launched through Triton's own launch path (no fast launch)",
+    ),
+    DebugVariable(
+        "OMINIX_PAD_LOGITS",
+        "debug.pad_logits",
+        _switch,
+        "0: an eager step's LM head runs at its own count of sampled rows, not padded to a captured size",
     ),
 )
 

@@ -237,6 +237,7 @@ def test_debug_variables_are_typed_and_land_in_the_tree() -> None:
         "OMINIX_PIPELINE_EAGER": "0",
         "OMINIX_WEIGHT_STREAM": "0",
         "OMINIX_TRITON_FAST_LAUNCH": "0",
+        "OMINIX_PAD_LOGITS": "0",
     }
     config, _ = resolve(WORKER, [], env=env)
     assert config.debug.log_steps
@@ -244,6 +245,7 @@ def test_debug_variables_are_typed_and_land_in_the_tree() -> None:
     assert not config.debug.weight_stream and not config.debug.triton_fast_launch
     assert RuntimeConfig().debug.pipeline_eager and RuntimeConfig().debug.weight_stream
     assert RuntimeConfig().debug.triton_fast_launch
+    assert not config.debug.pad_logits and RuntimeConfig().debug.pad_logits
     assert RuntimeConfig().debug.pipeline and not RuntimeConfig().debug.log_steps
     with pytest.raises(ConfigError, match="OMINIX_PIPELINE"):
         resolve(WORKER, [], env={"OMINIX_PIPELINE": "maybe"})

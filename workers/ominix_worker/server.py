@@ -281,6 +281,8 @@ def load_worker(
     warming = stage("warming up")
     runner.warm_up(max_batch_tokens)
     graphs = runner.capture_decode_graphs() if debug.cuda_graphs else False
+    if not debug.pad_logits:
+        runner.logits_row_sizes = ()
     runner.pipeline_decode = debug.pipeline
     runner.pipeline_eager = debug.pipeline_eager
     runner.early_results = args.early_results
