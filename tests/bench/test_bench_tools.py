@@ -390,3 +390,11 @@ def test_host_glue_counts_the_launches_of_an_eager_step(tmp_path: Path) -> None:
     # Four projections a layer (QKV, O, gate-up, down) and the LM head; several Triton kernels a layer.
     assert figures["gemms_per_step"] == 4 * 3 + 1
     assert figures["triton_launches_per_step"] >= 5 * 3
+
+
+def test_grpc_intake_times_a_burst_against_a_bare_server() -> None:
+    """Every call of the burst reaches the bare server's handler; the first and last entries are ordered."""
+    from bench.grpc_intake import run_trial
+
+    first, last = run_trial(calls=8, channels=2)
+    assert 0.0 <= first <= last < 30_000.0
