@@ -90,13 +90,15 @@ run_service() {
   stop_service
 }
 
+# The stages below set the probe's variables and the service arguments for themselves: their bodies are
+# subshells, so nothing they export reaches the next stage.
+
 # Engine overhead at batch 256, three consecutive runs on one service after an unprofiled warm-up run: each run
 # is W1-shaped (OVERHEAD_ARGS: 256 requests x 512 prompt tokens x 160 outputs, untimed) and gets its own profiler
 # window (the gate file's label names the run); the summary prints GPU busy and the median next_ready of each run.
-run_overhead() {
+run_overhead() (
   local out=$OUT/overhead
   mkdir -p "$out"
-  local saved_out=$OMINIX_PROFILE_OUT saved_prefill=$OMINIX_PROFILE_PREFILL_TOKENS
   export OMINIX_PROFILE_OUT=$out/probe.json
   export OMINIX_PROFILE_PREFILL_TOKENS=0  # decode windows only: no profiler stop between prefill and decode
   if start_service; then
@@ -115,16 +117,15 @@ run_overhead() {
   fi
   stop_service
   rm -f "$OMINIX_PROFILE_GATE"
-  export OMINIX_PROFILE_OUT=$saved_out OMINIX_PROFILE_PREFILL_TOKENS=$saved_prefill
   python3 bench/service_summary.py "$out" | grep -E "^(overhead|between decode steps at batch 256|GPU busy)" \
     | tee "$out/summary.txt"
-}
+)
 
 # Warm shared-prefix TTFT split by hop: for each front-process count in PREFIX_FRONTS, one service and
 # PREFIX_TRIALS prefix pairs (plus batch-1 TPOT); the client's send / first-token times against the worker's step
 # log (bench/service_summary.py prefix_hops).
-run_prefix() {
-  local saved_out=$OMINIX_PROFILE_OUT saved_serve=$SERVE_ARGS fronts out
+run_prefix() (
+  local fronts out
   for fronts in ${PREFIX_FRONTS:-1 0}; do
     out=$OUT/prefix_front$fronts
     mkdir -p "$out"
@@ -139,19 +140,14 @@ run_prefix() {
     echo "--front-procs $fronts: $(grep -E "TTFT warm|batch-1 TPOT" "$out/offline.txt" | tr -s ' ' | paste -sd';')"
     python3 bench/service_summary.py "$out" | grep -E "^warm shared-prefix" | tee "$out/summary.txt"
   done
-  export OMINIX_PROFILE_OUT=$saved_out
-  SERVE_ARGS=$saved_serve
-}
+)
 
 # The ITL tail at a moderate rate, step by step: for each GAPS_VARIANTS entry (LABEL=SERVE-ARGS[|WORKER-ARGS],
 # ';'-separated), one service (worker through the step probe, no profiler window) driven by bench/online.py at
 # GAPS_RATE req/s with per-request lists; bench/step_gaps.py then matches the longest client gaps with the
 # worker's steps. E.g. GAPS_VARIANTS="default=;late=|--no-early-results;ll0=--light-load-below-running 0".
-run_gaps() {
-  local saved_out=$OMINIX_PROFILE_OUT saved_serve=$SERVE_ARGS saved_batches=$OMINIX_PROFILE_BATCHES
-  local saved_prefill=$OMINIX_PROFILE_PREFILL_TOKENS saved_worker=$WORKER_ARGS
-  local saved_every=${OMINIX_PROFILE_WRITE_EVERY-unset} saved_alloc=${OMINIX_PROFILE_ALLOCATOR-unset}
-  local out=$OUT/gaps entries entry label args
+run_gaps() (
+  local saved_serve=$SERVE_ARGS saved_worker=$WORKER_ARGS out=$OUT/gaps entries entry label args
   mkdir -p "$out"
   # No profiler window, and the probe's log written only at exit: a periodic write stalls the device thread.
   export OMINIX_PROFILE_BATCHES="" OMINIX_PROFILE_PREFILL_TOKENS=0 OMINIX_PROFILE_WRITE_EVERY=0
@@ -185,11 +181,7 @@ print('slowest worker steps:', slowest_steps(json.load(open(sys.argv[1]))['steps
       tail -5 "$out/online_$label.txt" "$OUT/worker.log" 2>/dev/null
     fi
   done
-  export OMINIX_PROFILE_OUT=$saved_out OMINIX_PROFILE_BATCHES=$saved_batches OMINIX_PROFILE_PREFILL_TOKENS=$saved_prefill
-  if [ "$saved_every" = unset ]; then unset OMINIX_PROFILE_WRITE_EVERY; else export OMINIX_PROFILE_WRITE_EVERY=$saved_every; fi
-  if [ "$saved_alloc" = unset ]; then unset OMINIX_PROFILE_ALLOCATOR; else export OMINIX_PROFILE_ALLOCATOR=$saved_alloc; fi
-  SERVE_ARGS=$saved_serve WORKER_ARGS=$saved_worker
-}
+)
 
 BW_ARGS=""
 for stage in $STAGES; do

@@ -204,10 +204,11 @@ def run_timeline(probe: dict[str, Any], run: dict[str, Any]) -> dict[str, float]
     left = [result_pb[s["id"]][1] for s in steps]
     first_taken = step_pb[steps[0]["id"]][0]
     shares = [left[0] - first_taken] + [b - a for a, b in zip(left, left[1:], strict=False)]
-    decode_ms = sum(t for s, t in zip(steps, shares, strict=True) if s["decode"]) * 1e3
-    other_ms = sum(t for s, t in zip(steps, shares, strict=True) if not s["decode"]) * 1e3
+    shared = list(zip(steps, shares, strict=True))
+    decode_ms = sum(t for s, t in shared if s["decode"]) * 1e3
+    other_ms = sum(t for s, t in shared if not s["decode"]) * 1e3
     top = max(s["batch"] for s in steps)
-    full = [t for s, t in zip(steps, shares, strict=True) if s["decode"] and s["batch"] == top]
+    full = [t for s, t in shared if s["decode"] and s["batch"] == top]
     waited = sum(
         max(0.0, step_pb[cur["id"]][1] - prev["exit"]) for prev, cur in zip(steps, steps[1:], strict=False)
     )

@@ -315,7 +315,7 @@ class StepWorkerGroup(WorkerGroup):
         recv: asyncio.Future[StepResult] | None = None
         try:
             while not self._stopping:
-                while len(self._inflight) < self._inflight_limit():
+                while len(self._inflight) < self.config.inflight_limit(self.scheduler.num_running):
                     step = self.scheduler.schedule()
                     self._emit([])
                     if step is None:
@@ -364,10 +364,6 @@ class StepWorkerGroup(WorkerGroup):
                 recv.cancel()
                 with contextlib.suppress(BaseException):  # its failure, if any, was already reported
                     await recv
-
-    def _inflight_limit(self) -> int:
-        """Steps this group may have in flight now: the configured depth, less under light load."""
-        return self.config.inflight_limit(self.scheduler.num_running)
 
     def _apply(self, result: StepResult) -> _Applied:
         """Apply a step's result to the scheduler; its events are the caller's to deliver."""
