@@ -393,6 +393,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-prefill", action="store_true", help="time several prefill tile configs")
     parser.add_argument("--prefix-only", action="store_true", help="only the prefix-hit suffix cases")
     parser.add_argument(
+        "--prefill-only",
+        default=None,
+        metavar="CASES",
+        help="only fresh-prompt prefill cases, e.g. 1x1024,4x1024,12x512 (requests x prompt tokens); with "
+        "--sweep-prefill, each over the tile sweep",
+    )
+    parser.add_argument(
         "--sweep-decode",
         action="store_true",
         help="only the batch-256 decode cases, each with several (BLOCK_N, num_warps, num_stages) tiles, and "
@@ -411,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.sweep_decode:
         sweep_decode(bandwidth, gen)
+    elif args.prefill_only:
+        for case in args.prefill_only.split(","):
+            batch, new = (int(x) for x in case.split("x"))
+            bench_prefill(batch, new, 0, flops, gen, prefill_configs(args.sweep_prefill))
     elif args.prefix_only:
         for new, prefix in PREFIX_SUFFIX_CASES:
             bench_prefix_suffix(new, prefix, gen)
@@ -438,6 +449,15 @@ def sweep_decode(bandwidth: float, gen: torch.Generator) -> None:
         bench_decode(batch, lo, hi, bandwidth, gen, DECODE_TILES)
 
 
+def prefill_configs(sweep: bool) -> list[tuple[int, int, int, int] | None]:
+    """The prefill tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) to time; None is the backend's default."""
+    configs: list[tuple[int, int, int, int] | None] = [None]
+    if sweep:
+        configs += [(64, 64, 4, 2), (64, 64, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3)]
+        configs += [(128, 128, 8, 2), (64, 128, 4, 3), (128, 32, 8, 3), (128, 64, 4, 3), (32, 64, 4, 3)]
+    return configs
+
+
 def run_all(args: argparse.Namespace, bandwidth: float, flops: float, gen: torch.Generator) -> None:
     decode_cases = [(1, 512, 512), (64, 768, 768), (256, 768, 768)]
     if not args.quick:
@@ -445,10 +465,7 @@ def run_all(args: argparse.Namespace, bandwidth: float, flops: float, gen: torch
         decode_cases += [(256, 768, 768), (256, 512, 768), (32, 4096, 4096)]
     for batch, lo, hi in decode_cases:
         bench_decode(batch, lo, hi, bandwidth, gen)
-    configs: list[tuple[int, int, int, int] | None] = [None]
-    if args.sweep_prefill:
-        configs += [(64, 64, 4, 2), (64, 64, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3)]
-        configs += [(128, 128, 8, 2), (64, 128, 4, 3), (128, 32, 8, 3), (128, 64, 4, 3)]
+    configs = prefill_configs(args.sweep_prefill)
     for batch, new, prefix in [(1, 512, 0), (16, 512, 0), (1, 512, 2048), (16, 512, 2048)]:
         bench_prefill(batch, new, prefix, flops, gen, configs)
     for new, prefix in PREFIX_SUFFIX_CASES:

@@ -398,3 +398,20 @@ def test_grpc_intake_times_a_burst_against_a_bare_server() -> None:
 
     first, last = run_trial(calls=8, channels=2)
     assert 0.0 <= first <= last < 30_000.0
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.skipif(_has_cuda(), reason="checks the message of a machine without CUDA")
+@pytest.mark.parametrize("script", ["gemm_rows.py", "gemm_first_call.py"])
+def test_the_cuda_only_benches_exit_2_with_a_message_without_cuda(script: str) -> None:
+    import subprocess
+
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    out = subprocess.run([sys.executable, str(bench / script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "needs a CUDA device" in out.stderr

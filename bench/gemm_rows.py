@@ -1,0 +1,80 @@
+"""cuBLAS bf16 GEMM time by row count at the Llama-3.1-8B linear shapes (qkv, o, gate_up, down), one layer's
+four GEMMs replayed from a CUDA graph 32 times (a step's worth), so the figure is the device's, launches
+excluded. Shows how the step's token count (M) moves cuBLAS's tile choice and its rate: an eager step's M is
+its prompt tokens plus its decode rows, rarely a round number.
+
+    python bench/gemm_rows.py [--rows 1024,1032,...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+# (name, N, K) of the Llama-3.1-8B linears: fused qkv, o, fused gate_up, down.
+SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
+LAYERS = 32
+
+
+def time_rows(m: int, weights: list[torch.Tensor], reps: int) -> float:
+    """Device ms for LAYERS layers' four GEMMs at m rows (median of reps graph replays)."""
+    xs = [torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16) for w in weights]
+    outs = [torch.empty(m, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in weights]
+    for _ in range(2):  # warm-up outside the capture: cuBLAS picks and loads its kernels here
+        for x, w, o in zip(xs, weights, outs, strict=True):
+            torch.matmul(x, w.t(), out=o)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(LAYERS):
+            for x, w, o in zip(xs, weights, outs, strict=True):
+                torch.matmul(x, w.t(), out=o)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--rows", default="1024,1032,1040,1064,1088,1152,1280,2048,2056,4096,4104,6144,6152,8192,8200"
+    )
+    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _, n, k in SHAPES]
+    flop_per_row = 2 * LAYERS * sum(n * k for _, n, k in SHAPES)
+    rows = []
+    for m in (int(r) for r in args.rows.split(",")):
+        ms = time_rows(m, weights, args.reps)
+        rate = m * flop_per_row / ms / 1e9
+        by_shape = {
+            name: round(time_rows(m, [w], args.reps), 3)
+            for (name, _, _), w in zip(SHAPES, weights, strict=True)
+        }
+        rows.append({"rows": m, "ms": round(ms, 3), "tflops": round(rate, 1), "by_shape_ms": by_shape})
+        shapes = " ".join(f"{k} {v:.2f}" for k, v in by_shape.items())
+        print(
+            f"M={m:6d}  {ms:8.3f} ms  {rate:6.1f} TFLOP/s  {1e3 * ms / m:6.3f} us/row  ({shapes})", flush=True
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
