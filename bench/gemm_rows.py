@@ -1,6 +1,6 @@
 """cuBLAS bf16 GEMM time by row count at the Llama-3.1-8B linear shapes (qkv, o, gate_up, down), one layer's
 four GEMMs replayed from a CUDA graph 32 times (a step's worth), so the figure is the device's, launches
-excluded. Shows how the step's token count (M) moves cuBLAS's tile choice and its rate: an eager step's M is
+excluded; then each shape alone, 32 times from its own graph. Shows how the step's token count (M) moves cuBLAS's tile choice and its rate: an eager step's M is
 its prompt tokens plus its decode rows, rarely a round number.
 
     python bench/gemm_rows.py [--rows 1024,1032,...] [--json out.json]
