@@ -5,7 +5,6 @@ queued work. Without CUDA both exit 2 with a message (tests/bench/test_bench_too
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,11 +15,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
 
 def test_gemm_rows_reports_every_row_count_with_its_shapes(tmp_path: Path) -> None:
-    import gemm_rows
+    from bench import gemm_rows
 
     out = tmp_path / "rows.json"
     assert gemm_rows.main(["--rows", "64,200", "--reps", "3", "--json", str(out)]) == 0
@@ -33,7 +30,7 @@ def test_gemm_rows_reports_every_row_count_with_its_shapes(tmp_path: Path) -> No
 
 
 def test_gemm_first_call_times_idle_and_queued_calls(tmp_path: Path) -> None:
-    import gemm_first_call
+    from bench import gemm_first_call
 
     out = tmp_path / "first.json"
     args = ["--rows", "3:12:4", "--queued-rows", "13,21", "--n", "4096", "--k", "512", "--queue-ms", "5"]
@@ -47,6 +44,6 @@ def test_gemm_first_call_times_idle_and_queued_calls(tmp_path: Path) -> None:
 
 
 def test_gemm_first_call_refuses_a_queued_row_count_already_called() -> None:
-    import gemm_first_call
+    from bench import gemm_first_call
 
     assert gemm_first_call.main(["--rows", "3,5", "--queued-rows", "5"]) == 2
