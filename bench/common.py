@@ -28,6 +28,24 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
 
+def parse_counts(spec: str) -> list[int]:
+    """Positive integers from ``START:STOP:STEP`` (a range, STOP excluded) or a comma-separated list; raises
+    ValueError with the reason otherwise."""
+    try:
+        if ":" in spec:
+            start, stop, step = (int(x) for x in spec.split(":"))
+            counts = list(range(start, stop, step))
+        else:
+            counts = [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"{spec!r} is neither START:STOP:STEP nor a comma-separated list of integers"
+        ) from None
+    if not counts or min(counts) < 1:
+        raise ValueError(f"{spec!r} must name at least one count, each at least 1")
+    return counts
+
+
 # ---------------------------------------------------------------- statistics
 
 

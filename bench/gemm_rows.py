@@ -1,9 +1,12 @@
 """cuBLAS bf16 GEMM time by row count at the Llama-3.1-8B linear shapes (qkv, o, gate_up, down), one layer's
 four GEMMs replayed from a CUDA graph 32 times (a step's worth), so the figure is the device's, launches
-excluded; then each shape alone, 32 times from its own graph. Shows how the step's token count (M) moves cuBLAS's tile choice and its rate: an eager step's M is
-its prompt tokens plus its decode rows, rarely a round number.
+excluded; then each shape alone, 32 times from its own graph. One weight per shape serves all 32 layers (the
+``o`` weight, 32 MB, fits in L2; at prefill row counts the GEMMs are compute-bound). Shows how the step's token
+count (M) moves cuBLAS's tile choice and its rate: an eager step's M is its prompt tokens plus its decode rows,
+rarely a round number. The replays run back to back, so the rate is the card's sustained one, below what a
+single profiled step at boost clocks reads.
 
-    python bench/gemm_rows.py [--rows 1024,1032,...] [--json out.json]
+    python bench/gemm_rows.py [--rows 1024,1028,1032 | --rows 1024:1153:8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -11,8 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)  # bench.* from the repository root
 
 import torch
+
+from bench.common import parse_counts
 
 # (name, N, K) of the Llama-3.1-8B linears: fused qkv, o, fused gate_up, down.
 SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
@@ -47,18 +56,24 @@ def time_rows(m: int, weights: list[torch.Tensor], reps: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--rows", default="1024,1032,1040,1064,1088,1152,1280,2048,2056,4096,4104,6144,6152,8192,8200"
+        "--rows",
+        default="1024,1032,1040,1064,1088,1152,1280,2048,2056,4096,4104,6144,6152,8192,8200",
+        help="row counts, START:STOP:STEP or a comma-separated list",
     )
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    try:
+        counts = parse_counts(args.rows)
+    except ValueError as e:
+        p.error(f"--rows: {e}")
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _, n, k in SHAPES]
     flop_per_row = 2 * LAYERS * sum(n * k for _, n, k in SHAPES)
     rows = []
-    for m in (int(r) for r in args.rows.split(",")):
+    for m in counts:
         ms = time_rows(m, weights, args.reps)
         rate = m * flop_per_row / ms / 1e9
         by_shape = {

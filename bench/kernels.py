@@ -391,21 +391,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write every row to this file")
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--sweep-prefill", action="store_true", help="time several prefill tile configs")
-    parser.add_argument("--prefix-only", action="store_true", help="only the prefix-hit suffix cases")
-    parser.add_argument(
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--prefix-only", action="store_true", help="only the prefix-hit suffix cases")
+    only.add_argument(
         "--prefill-only",
         default=None,
         metavar="CASES",
         help="only fresh-prompt prefill cases, e.g. 1x1024,4x1024,12x512 (requests x prompt tokens); with "
         "--sweep-prefill, each over the tile sweep",
     )
-    parser.add_argument(
+    only.add_argument(
         "--sweep-decode",
         action="store_true",
         help="only the batch-256 decode cases, each with several (BLOCK_N, num_warps, num_stages) tiles, and "
         "the read-only bandwidth of a reduction beside the copy bandwidth",
     )
     args = parser.parse_args(argv)
+    prefill_cases = parse_prefill_cases(parser, args.prefill_only) if args.prefill_only else []
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
@@ -418,9 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.sweep_decode:
         sweep_decode(bandwidth, gen)
-    elif args.prefill_only:
-        for case in args.prefill_only.split(","):
-            batch, new = (int(x) for x in case.split("x"))
+    elif prefill_cases:
+        for batch, new in prefill_cases:
             bench_prefill(batch, new, 0, flops, gen, prefill_configs(args.sweep_prefill))
     elif args.prefix_only:
         for new, prefix in PREFIX_SUFFIX_CASES:
@@ -447,6 +448,17 @@ def sweep_decode(bandwidth: float, gen: torch.Generator) -> None:
     data = torch.empty(0, device="cuda")  # frees the 2 GiB before the decode cases
     for batch, lo, hi in [(256, 512, 768), (256, 768, 768)]:
         bench_decode(batch, lo, hi, bandwidth, gen, DECODE_TILES)
+
+
+def parse_prefill_cases(parser: argparse.ArgumentParser, spec: str) -> list[tuple[int, int]]:
+    """``1x1024,12x512`` -> [(1, 1024), (12, 512)] (requests x prompt tokens); a malformed case is a usage error."""
+    cases = []
+    for case in spec.split(","):
+        parts = case.split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            parser.error(f"--prefill-only: {case!r} is not REQUESTSxTOKENS, e.g. 4x1024")
+        cases.append((int(parts[0]), int(parts[1])))
+    return cases
 
 
 def prefill_configs(sweep: bool) -> list[tuple[int, int, int, int] | None]:

@@ -415,3 +415,35 @@ def test_the_cuda_only_benches_exit_2_with_a_message_without_cuda(script: str) -
     out = subprocess.run([sys.executable, str(bench / script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "needs a CUDA device" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        ("gemm_rows.py", ["--rows", "0,8"], "each at least 1"),
+        ("gemm_rows.py", ["--rows", "8:x:1"], "neither START:STOP:STEP"),
+        ("gemm_first_call.py", ["--rows", "2,256"], "called to warm cuBLAS up"),
+        ("gemm_first_call.py", ["--mode", "busy"], "invalid choice"),
+    ],
+)
+def test_the_gemm_benches_refuse_bad_arguments_before_touching_a_device(
+    script: str, args: list[str], message: str
+) -> None:
+    import subprocess
+
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    out = subprocess.run(
+        [sys.executable, str(bench / script), *args], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert message in out.stderr
+
+
+def test_parse_counts_reads_ranges_and_lists() -> None:
+    from bench.common import parse_counts
+
+    assert parse_counts("2:12:3") == [2, 5, 8, 11]
+    assert parse_counts("1024,1032") == [1024, 1032]
+    for bad in ("", "1:2", "a,b", "0,4", "5:1:1"):
+        with pytest.raises(ValueError):
+            parse_counts(bad)

@@ -1,6 +1,6 @@
 """The GEMM diagnostics of bench/ on a real device, at small sizes: ``gemm_rows.py`` times the four linear
-shapes of a layer per row count, ``gemm_first_call.py`` times a GEMM's first and second call idle and behind
-queued work. Without CUDA both exit 2 with a message (tests/bench/test_bench_tools.py)."""
+shapes of a layer per row count, ``gemm_first_call.py`` times a GEMM's first and second call idle or behind
+queued work. Their argument checks and the exit without CUDA are tested on the CPU (tests/bench/test_bench_tools.py)."""
 
 from __future__ import annotations
 
@@ -29,21 +29,15 @@ def test_gemm_rows_reports_every_row_count_with_its_shapes(tmp_path: Path) -> No
         assert all(v > 0 for v in row["by_shape_ms"].values())
 
 
-def test_gemm_first_call_times_idle_and_queued_calls(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["idle", "queued"])
+def test_gemm_first_call_times_first_and_second_calls(tmp_path: Path, mode: str) -> None:
     from bench import gemm_first_call
 
     out = tmp_path / "first.json"
-    args = ["--rows", "3:12:4", "--queued-rows", "13,21", "--n", "4096", "--k", "512", "--queue-ms", "5"]
+    args = ["--mode", mode, "--rows", "3:12:4", "--n", "4096", "--k", "512", "--queue-ms", "5"]
     assert gemm_first_call.main([*args, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert [r["rows"] for r in report["idle"]] == [3, 7, 11]
-    assert [r["rows"] for r in report["queued"]] == [13, 21]
-    assert report["queued_matmuls"] >= 1
-    assert all(r["first_ms"] > 0 and r["second_ms"] > 0 for r in report["idle"])
-    assert all(r["first_host_ms"] > 0 and r["second_host_ms"] > 0 for r in report["queued"])
-
-
-def test_gemm_first_call_refuses_a_queued_row_count_already_called() -> None:
-    from bench import gemm_first_call
-
-    assert gemm_first_call.main(["--rows", "3,5", "--queued-rows", "5"]) == 2
+    assert report["mode"] == mode
+    assert [r["rows"] for r in report["calls"]] == [3, 7, 11]
+    assert all(r["first_ms"] > 0 and r["second_ms"] > 0 for r in report["calls"])
+    assert (report["queued_matmuls"] >= 1) == (mode == "queued")

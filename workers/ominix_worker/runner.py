@@ -171,10 +171,11 @@ class ModelRunner:
         self._graphs: DecodeGraphs | None = None  # captured on CUDA
         # Row counts an eager step's LM head is padded up to (the captured decode sizes once graphs exist): the
         # LM head GEMM then runs only at row counts the capture already ran. On an H200 (torch 2.11, cu130) the
-        # first cuBLAS call at many a new row count (about one in three) blocks the host until the device has
-        # drained the work already queued, with CUDA_MODULE_LOADING=EAGER too; the second call queues at once
+        # first cuBLAS call at a row count new to it (one per bucket of 8 rows, at the LM head's shape) blocks
+        # the host until the device has drained the work already queued; the second call queues at once
         # (bench/gemm_first_call.py). Unpadded, new counts of sampled rows in a fresh server's prefill steps held
-        # the device thread for up to a step each (bench/RESULTS.md, 2026-11-30).
+        # the device thread for up to a step each, with CUDA_MODULE_LOADING=EAGER as without (bench/RESULTS.md,
+        # 2026-11-30).
         self.logits_row_sizes: tuple[int, ...] = ()
         # Overlapped decode (set by the server on CUDA): a graph step is launched before the previous step's
         # sampled ids reach the host; results then come out of ``take_results`` (or ``post_result``, below)
