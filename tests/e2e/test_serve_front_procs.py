@@ -49,6 +49,20 @@ def _generate_once(stub: engine_pb2_grpc.EngineStub) -> None:
     assert events[-1].HasField("done")
 
 
+def _wait_for_fronts_serving(log_path: Path, count: int, timeout: float) -> list[str]:
+    """The engine log's "front serving" lines once ``count`` fronts wrote theirs: a front writes its line after it
+    has told the engine its port, so the engine can serve (and this test go on) before the line is there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [line for line in log_path.read_text().splitlines() if "front serving" in line]
+        if len(lines) >= count:
+            return lines
+        assert time.monotonic() < deadline, (
+            f"{len(lines)} of {count} fronts serving after {timeout} s: {lines}"
+        )
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def _serving_with_two_fronts(model_dir: Path, log_dir: Path) -> Iterator[tuple[Daemon, list[int]]]:
     """The tiny model behind ``serve --front-procs 2`` with one CPU worker, after one request went through."""
@@ -61,6 +75,7 @@ def _serving_with_two_fronts(model_dir: Path, log_dir: Path) -> Iterator[tuple[D
     ) as daemon:
         fronts = _children(daemon.engine.popen.pid)
         assert len(fronts) == 2, fronts
+        _wait_for_fronts_serving(daemon.engine.log_path, 2, 60)
         _generate_once(daemon.stub)
         yield daemon, fronts
 
