@@ -46,6 +46,14 @@ def parse_counts(spec: str) -> list[int]:
     return counts
 
 
+def counts_option(parser: argparse.ArgumentParser, option: str, spec: str) -> list[int]:
+    """``parse_counts`` for a command-line option: a bad spec is the parser's usage error (exit 2)."""
+    try:
+        return parse_counts(spec)
+    except ValueError as e:
+        parser.error(f"{option}: {e}")
+
+
 # ---------------------------------------------------------------- statistics
 
 

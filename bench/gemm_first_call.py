@@ -30,7 +30,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from bench.common import parse_counts
+from bench.common import counts_option
 
 WARM_ROWS = (1, 256)  # called before either sweep
 
@@ -66,10 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--queue-ms", type=float, default=150.0, help="--mode queued: device work queued first")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    try:
-        rows = parse_counts(args.rows)
-    except ValueError as e:
-        p.error(f"--rows: {e}")
+    rows = counts_option(p, "--rows", args.rows)
     warm = sorted(set(rows) & set(WARM_ROWS))
     if warm:
         p.error(f"--rows: {warm} are called to warm cuBLAS up, so not new to it")

@@ -21,7 +21,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from bench.common import parse_counts
+from bench.common import counts_option
 
 # (name, N, K) of the Llama-3.1-8B linears: fused qkv, o, fused gate_up, down.
 SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
@@ -63,10 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    try:
-        counts = parse_counts(args.rows)
-    except ValueError as e:
-        p.error(f"--rows: {e}")
+    counts = counts_option(p, "--rows", args.rows)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
