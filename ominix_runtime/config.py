@@ -206,6 +206,9 @@ class DebugConfig:
     weight_stream: bool = True  # worker: one token's dense GEMMs on CUDA through the weight-streaming kernel
     triton_fast_launch: bool = True  # worker: repeat Triton launches skip Triton's per-call launch path
     pad_logits: bool = True  # worker: an eager step's LM head runs at a captured decode size of rows
+    warm_gemm_rows: int = (
+        0  # worker, CUDA: dense GEMMs warmed at start once per bucket of this many rows; 0 off
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +265,16 @@ def with_paths(tree: T, values: Mapping[str, Any]) -> T:
 # ---- debug variables ------------------------------------------------------------------------------------
 
 
+def _rows(text: str) -> int:
+    try:
+        value = int(text.strip() or "0")
+    except ValueError:
+        raise ValueError(f"expected a row count (0: off), got {text!r}") from None
+    if value < 0:
+        raise ValueError(f"expected a row count (0: off), got {text!r}")
+    return value
+
+
 def _switch(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -308,6 +321,13 @@ DEBUG_VARIABLES: tuple[DebugVariable, ...] = (
         "debug.pad_logits",
         _switch,
         "0: an eager step's LM head runs at its own count of sampled rows, not padded to a captured size",
+    ),
+    DebugVariable(
+        "OMINIX_WARM_GEMM_ROWS",
+        "debug.warm_gemm_rows",
+        _rows,
+        "N: on CUDA, each dense linear's GEMM runs at start once per bucket of N rows up to the step budget "
+        "(a first cuBLAS call at a new row count can wait for the device to drain); 0: off",
     ),
 )
 

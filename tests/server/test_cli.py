@@ -238,6 +238,7 @@ def test_debug_variables_are_typed_and_land_in_the_tree() -> None:
         "OMINIX_WEIGHT_STREAM": "0",
         "OMINIX_TRITON_FAST_LAUNCH": "0",
         "OMINIX_PAD_LOGITS": "0",
+        "OMINIX_WARM_GEMM_ROWS": "8",
     }
     config, _ = resolve(WORKER, [], env=env)
     assert config.debug.log_steps
@@ -246,9 +247,13 @@ def test_debug_variables_are_typed_and_land_in_the_tree() -> None:
     assert RuntimeConfig().debug.pipeline_eager and RuntimeConfig().debug.weight_stream
     assert RuntimeConfig().debug.triton_fast_launch
     assert not config.debug.pad_logits and RuntimeConfig().debug.pad_logits
+    assert config.debug.warm_gemm_rows == 8 and RuntimeConfig().debug.warm_gemm_rows == 0
     assert RuntimeConfig().debug.pipeline and not RuntimeConfig().debug.log_steps
     with pytest.raises(ConfigError, match="OMINIX_PIPELINE"):
         resolve(WORKER, [], env={"OMINIX_PIPELINE": "maybe"})
+    for bad in ("-8", "eight"):
+        with pytest.raises(ConfigError, match="OMINIX_WARM_GEMM_ROWS"):
+            resolve(WORKER, [], env={"OMINIX_WARM_GEMM_ROWS": bad})
 
 
 def test_worker_process_reads_no_environment_itself() -> None:

@@ -37,7 +37,7 @@ from ominix_worker.config import AttentionGroup, ModelConfig
 from ominix_worker.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphs, padded_size
 from ominix_worker.kv_cache import kv_tensor_indices
 from ominix_worker.models.llama import LlamaForCausalLM
-from ominix_worker.parallel import SINGLE, TensorParallel
+from ominix_worker.parallel import SINGLE, PackableLinear, TensorParallel
 from ominix_worker.sampler import SamplerOutput, SamplingTensors, greedy, sample
 
 # Block-table widths are padded to a multiple of this on CUDA, so Triton sees one stride specialisation.
@@ -847,6 +847,43 @@ class ModelRunner:
                 self.mixed_forward(rows, context, tokens)
         return counts
 
+    @torch.inference_mode()
+    def warm_up_gemm_rows(self, max_tokens: int, bucket: int) -> int:
+        """Run each distinct dense linear's GEMM (layer class, weight shape, bias or not; unquantized 16- or
+        32-bit weights on this device) once at the top row count of every bucket of ``bucket`` rows up to
+        ``max_tokens``; returns the calls made. On an H200 a first cuBLAS call at a row count new to it waited
+        for the device to drain its queue, once per bucket of 8 rows at the LM head's shape
+        (bench/RESULTS.md, 2026-11-30); an eager step in the middle of serving then holds the device thread.
+        Whether layer shapes follow the same buckets is not measured: the worker's OMINIX_WARM_GEMM_ROWS, off
+        by default, exists to measure it."""
+        layers: dict[tuple[object, ...], PackableLinear] = {}
+        for module in self.model.modules():
+            weight = getattr(module, "weight", None)
+            if (
+                isinstance(module, PackableLinear)
+                and module.warms_gemm
+                and weight is not None
+                and weight.device == self.device
+                and weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            ):
+                key = (type(module), tuple(weight.shape), weight.dtype, module.bias is not None)
+                layers.setdefault(key, module)
+        if not layers or bucket <= 0:
+            return 0
+        widest = max(layer.weight.shape[1] for layer in layers.values())
+        flat = {
+            dtype: torch.zeros(max_tokens * widest, dtype=dtype, device=self.device)
+            for dtype in {layer.weight.dtype for layer in layers.values()}
+        }
+        calls = 0
+        for rows in gemm_warm_up_rows(max_tokens, bucket):
+            for layer in layers.values():
+                features = layer.weight.shape[1]
+                # A contiguous [rows, features] input, as a step's activations are.
+                layer.warm_gemm(flat[layer.weight.dtype][: rows * features].view(rows, features))
+                calls += 1
+        return calls
+
     def capture_decode_graphs(self, batch_sizes: list[int] | None = None) -> bool:
         """CUDA: capture pure-decode steps for ``batch_sizes`` (default: 1 to 256); other devices capture nothing.
         (The server warms up eager shapes first, ``warm_up``, and skips this call under
@@ -911,6 +948,12 @@ def _plain_greedy(request: CachedRequest) -> bool:
         and not p.presence_penalty
         and len(request.output_token_ids) >= p.min_tokens
     )
+
+
+def gemm_warm_up_rows(max_tokens: int, bucket: int) -> list[int]:
+    """The top row count of each bucket of ``bucket`` rows that a step of at most ``max_tokens`` rows can use:
+    ``bucket``, ``2 * bucket``, ... and ``max_tokens`` for the last, partial one."""
+    return sorted({min(top, max_tokens) for top in range(bucket, max_tokens + bucket, bucket)})
 
 
 def warm_up_token_counts(max_tokens: int, cuda: bool) -> list[int]:

@@ -83,6 +83,13 @@ class PackableLinear(ParallelModule):
     weight: nn.Parameter
     packed: torch.Tensor | None = None
     stream_single_token: ClassVar[bool] = True
+    # Whether ``ModelRunner.warm_up_gemm_rows`` runs this layer's GEMM (the LM head's rows are padded to
+    # captured sizes instead).
+    warms_gemm: ClassVar[bool] = True
+
+    def warm_gemm(self, x: torch.Tensor) -> None:
+        """The GEMM a step runs through this layer for input ``x``, without any reduction across ranks."""
+        self.gemm(x)
 
     def pack_for_cpu(self, keep_dense: bool) -> None:
         if self.packed is not None or not cpu_gemm.can_pack(self.weight):
@@ -147,6 +154,9 @@ class ColumnParallelLinear(PackableLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
+    def warm_gemm(self, x: torch.Tensor) -> None:
+        self.matmul(x, self.bias)
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x Wᵀ (+ bias) with the local weight (quantized layers override it)."""
         return self.gemm(x, bias)
@@ -200,6 +210,9 @@ class RowParallelLinear(PackableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._reduced(self.matmul(x, None))
+
+    def warm_gemm(self, x: torch.Tensor) -> None:
+        self.matmul(x, None)
 
     def forward_gated(
         self, gate_up: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
@@ -272,6 +285,8 @@ class VocabParallelEmbedding(ParallelModule):
 
 class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     """Output projection over the split vocabulary; ``logits`` gathers every rank's share."""
+
+    warms_gemm: ClassVar[bool] = False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits(hidden)
