@@ -206,9 +206,8 @@ class DebugConfig:
     weight_stream: bool = True  # worker: one token's dense GEMMs on CUDA through the weight-streaming kernel
     triton_fast_launch: bool = True  # worker: repeat Triton launches skip Triton's per-call launch path
     pad_logits: bool = True  # worker: an eager step's LM head runs at a captured decode size of rows
-    warm_gemm_rows: int = (
-        0  # worker, CUDA: dense GEMMs warmed at start once per bucket of this many rows; 0 off
-    )
+    # worker, CUDA: each linear's GEMM warmed at start once per bucket of this many rows; 0: off
+    warm_gemm_rows: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,7 +325,7 @@ DEBUG_VARIABLES: tuple[DebugVariable, ...] = (
         "OMINIX_WARM_GEMM_ROWS",
         "debug.warm_gemm_rows",
         _rows,
-        "N: on CUDA, each dense linear's GEMM runs at start once per bucket of N rows up to the step budget "
+        "N: on CUDA, each linear layer's GEMM runs at start once per bucket of N rows up to the step budget "
         "(a first cuBLAS call at a new row count can wait for the device to drain); 0: off",
     ),
 )

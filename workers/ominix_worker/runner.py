@@ -848,39 +848,36 @@ class ModelRunner:
         return counts
 
     @torch.inference_mode()
-    def warm_up_gemm_rows(self, max_tokens: int, bucket: int) -> int:
-        """Run each distinct dense linear's GEMM (layer class, weight shape, bias or not; unquantized 16- or
-        32-bit weights on this device) once at the top row count of every bucket of ``bucket`` rows up to
-        ``max_tokens``; returns the calls made. On an H200 a first cuBLAS call at a row count new to it waited
-        for the device to drain its queue, once per bucket of 8 rows at the LM head's shape
-        (bench/RESULTS.md, 2026-11-30); an eager step in the middle of serving then holds the device thread.
-        Whether layer shapes follow the same buckets is not measured: the worker's OMINIX_WARM_GEMM_ROWS, off
-        by default, exists to measure it."""
+    def warm_up_gemm_rows(self, max_tokens: int, bucket: int, lm_head: bool = False) -> int:
+        """Run each distinct linear layer's GEMM (layer class, weight shape and dtype, bias or not) once at the
+        top row count of every bucket of ``bucket`` rows up to ``max_tokens``, with a zero input in the
+        model's dtype; the LM head only with ``lm_head`` (its rows are otherwise padded to captured sizes), and
+        no layer whose weight was packed for the CPU. Returns the calls made. On an H200 a first cuBLAS call
+        at a row count new to it waited for the device to drain its queue, once per bucket of 8 rows at the
+        LM head's shape (bench/RESULTS.md, 2026-11-30), holding the device thread in the middle of serving.
+        Whether the layers' shapes follow the same buckets is not measured: the worker's
+        OMINIX_WARM_GEMM_ROWS, off by default, exists to measure it."""
+        head = self.model.lm_head
         layers: dict[tuple[object, ...], PackableLinear] = {}
         for module in self.model.modules():
-            weight = getattr(module, "weight", None)
-            if (
-                isinstance(module, PackableLinear)
-                and module.warms_gemm
-                and weight is not None
-                and weight.device == self.device
-                and weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            ):
-                key = (type(module), tuple(weight.shape), weight.dtype, module.bias is not None)
-                layers.setdefault(key, module)
+            if not isinstance(module, PackableLinear) or module.packed is not None:
+                continue
+            if module is head and not lm_head:
+                continue
+            w, bias = module.weight, getattr(module, "bias", None)  # the LM head has none
+            layers.setdefault((type(module), tuple(w.shape), w.dtype, bias is not None), module)
         if not layers or bucket <= 0:
             return 0
-        widest = max(layer.weight.shape[1] for layer in layers.values())
-        flat = {
-            dtype: torch.zeros(max_tokens * widest, dtype=dtype, device=self.device)
-            for dtype in {layer.weight.dtype for layer in layers.values()}
-        }
+        widest = max(int(layer.weight.shape[1]) for layer in layers.values())
+        dtype = self.model.embed_tokens.weight.dtype  # the activations'
+        flat = torch.zeros(max_tokens * widest, dtype=dtype, device=self.device)
         calls = 0
         for rows in gemm_warm_up_rows(max_tokens, bucket):
             for layer in layers.values():
-                features = layer.weight.shape[1]
-                # A contiguous [rows, features] input, as a step's activations are.
-                layer.warm_gemm(flat[layer.weight.dtype][: rows * features].view(rows, features))
+                features = int(layer.weight.shape[1])
+                layer.warm_gemm(
+                    flat[: rows * features].view(rows, features)
+                )  # contiguous, as activations are
                 calls += 1
         return calls
 

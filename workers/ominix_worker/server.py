@@ -282,10 +282,10 @@ def load_worker(
     runner.warm_up(max_batch_tokens)
     if debug.warm_gemm_rows and device.type == "cuda":
         started = time.perf_counter()
-        calls = runner.warm_up_gemm_rows(max_batch_tokens, debug.warm_gemm_rows)
-        _say(
-            f"warmed {calls} GEMMs (buckets of {debug.warm_gemm_rows} rows) in {time.perf_counter() - started:.1f} s"
-        )
+        # Unpadded, the LM head runs at every count of sampled rows: warm it too.
+        calls = runner.warm_up_gemm_rows(max_batch_tokens, debug.warm_gemm_rows, lm_head=not debug.pad_logits)
+        took = time.perf_counter() - started
+        _say(f"warmed {calls} GEMMs (buckets of {debug.warm_gemm_rows} rows) in {took:.1f} s")
     graphs = runner.capture_decode_graphs() if debug.cuda_graphs else False
     if not debug.pad_logits:
         runner.logits_row_sizes = ()

@@ -83,12 +83,10 @@ class PackableLinear(ParallelModule):
     weight: nn.Parameter
     packed: torch.Tensor | None = None
     stream_single_token: ClassVar[bool] = True
-    # Whether ``ModelRunner.warm_up_gemm_rows`` runs this layer's GEMM (the LM head's rows are padded to
-    # captured sizes instead).
-    warms_gemm: ClassVar[bool] = True
 
     def warm_gemm(self, x: torch.Tensor) -> None:
-        """The GEMM a step runs through this layer for input ``x``, without any reduction across ranks."""
+        """The GEMM a step runs through this layer for input ``x`` (the LM head's: no bias), without any
+        reduction across ranks (``ModelRunner.warm_up_gemm_rows``)."""
         self.gemm(x)
 
     def pack_for_cpu(self, keep_dense: bool) -> None:
@@ -285,8 +283,6 @@ class VocabParallelEmbedding(ParallelModule):
 
 class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     """Output projection over the split vocabulary; ``logits`` gathers every rank's share."""
-
-    warms_gemm: ClassVar[bool] = False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits(hidden)
