@@ -71,6 +71,9 @@ def test_padded_lm_head_samples_what_the_unpadded_one_does(
     runner.logits_row_sizes = (1, 2)  # no captured size holds three rows: no padding
     _, beyond_rows = _run(runner, steps)
     assert beyond_rows == [3, 3, 3]
+    runner.logits_row_sizes, runner.pad_logits = (1, 2, 4, 8), False  # OMINIX_PAD_LOGITS=0
+    _, off_rows = _run(runner, steps)
+    assert off_rows == [3, 3, 3]
 
 
 def test_padded_lm_head_in_overlapped_eager_steps(tiny_model_dir: Callable[[str], Path]) -> None:

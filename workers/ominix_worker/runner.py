@@ -177,6 +177,7 @@ class ModelRunner:
         # the device thread for up to a step each, with CUDA_MODULE_LOADING=EAGER as without (bench/RESULTS.md,
         # 2026-11-30).
         self.logits_row_sizes: tuple[int, ...] = ()
+        self.pad_logits = True  # False (debug, ``OMINIX_PAD_LOGITS=0``): the LM head at its own row count
         # Overlapped decode (set by the server on CUDA): a graph step is launched before the previous step's
         # sampled ids reach the host; results then come out of ``take_results`` (or ``post_result``, below)
         # instead of execute_step.
@@ -618,7 +619,7 @@ class ModelRunner:
             seq_lens.append(row.end)
             if row.samples:
                 logits_indices.append(query_start[-1] - 1)
-        if logits_indices and self.logits_row_sizes:
+        if logits_indices and self.pad_logits and self.logits_row_sizes:
             padded = padded_size(len(logits_indices), self.logits_row_sizes) or len(logits_indices)
             logits_indices += [logits_indices[-1]] * (padded - len(logits_indices))
         max_query_len = max(row.end - row.start for row in rows)
@@ -857,6 +858,8 @@ class ModelRunner:
         LM head's shape (bench/RESULTS.md, 2026-11-30), holding the device thread in the middle of serving.
         Whether the layers' shapes follow the same buckets is not measured: the worker's
         OMINIX_WARM_GEMM_ROWS, off by default, exists to measure it."""
+        if bucket <= 0:
+            return 0
         head = self.model.lm_head
         layers: dict[tuple[object, ...], PackableLinear] = {}
         for module in self.model.modules():
@@ -866,7 +869,7 @@ class ModelRunner:
                 continue
             w, bias = module.weight, getattr(module, "bias", None)  # the LM head has none
             layers.setdefault((type(module), tuple(w.shape), w.dtype, bias is not None), module)
-        if not layers or bucket <= 0:
+        if not layers:
             return 0
         widest = max(int(layer.weight.shape[1]) for layer in layers.values())
         dtype = self.model.embed_tokens.weight.dtype  # the activations'
@@ -875,9 +878,8 @@ class ModelRunner:
         for rows in gemm_warm_up_rows(max_tokens, bucket):
             for layer in layers.values():
                 features = int(layer.weight.shape[1])
-                layer.warm_gemm(
-                    flat[: rows * features].view(rows, features)
-                )  # contiguous, as activations are
+                # A contiguous [rows, features] input, as a step's activations are.
+                layer.warm_gemm(flat[: rows * features].view(rows, features))
                 calls += 1
         return calls
 

@@ -287,8 +287,7 @@ def load_worker(
         took = time.perf_counter() - started
         _say(f"warmed {calls} GEMMs (buckets of {debug.warm_gemm_rows} rows) in {took:.1f} s")
     graphs = runner.capture_decode_graphs() if debug.cuda_graphs else False
-    if not debug.pad_logits:
-        runner.logits_row_sizes = ()
+    runner.pad_logits = debug.pad_logits
     runner.pipeline_decode = debug.pipeline
     runner.pipeline_eager = debug.pipeline_eager
     runner.early_results = args.early_results
