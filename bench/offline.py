@@ -96,6 +96,7 @@ def _config(args: argparse.Namespace, label: str, **overrides: Any) -> BenchConf
         seed=args.seed,
         num_channels=args.num_channels,
         client_procs=args.client_procs,
+        batch_submit=args.batch_submit,
         label=label,
         progress=False if args.no_progress else None,
     )
@@ -454,6 +455,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=default_client_procs(),
         help="client processes sharing the W1 requests (default: one per 4 CPUs, at most 4): one process "
         "reading 512 streams runs out of CPU near 15k tokens/s",
+    )
+    parser.add_argument(
+        "--batch-submit",
+        action="store_true",
+        help="W1: each client process sends its requests in one GenerateBatch call, not one call each",
     )
     parser.add_argument(
         "--peer-hf", action="store_true", help="then run bench/peer_hf.py on the same workload"

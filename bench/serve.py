@@ -87,6 +87,8 @@ class BenchConfig:
     progress: bool | None = None  # None: a progress bar only when stderr is a TTY
     label: str = ""
     load_sample_s: float = 0.0  # > 0: poll the engine's GetLoad this often (queue depth, KV use per request)
+    # Every request of a client process in one GenerateBatch call (an infinite rate, no limit, gRPC only).
+    batch_submit: bool = False
 
 
 @dataclass(slots=True)
@@ -247,6 +249,49 @@ class RequestResult:
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
 
 
+def _record(result: RequestResult, event: engine_pb2.GenerateEvent, now: float) -> bool:
+    """Add one event of ``result``'s request, arrived at ``now``; True for its terminal event."""
+    kind = event.WhichOneof("event")
+    if kind == "token":
+        if event.token.token_ids:
+            if result.first_token_time is None:
+                result.first_token_time = now
+            result.chunk_times.append(now)
+            result.chunk_tokens.append(len(event.token.token_ids))
+            result.output_token_ids.extend(event.token.token_ids)
+    elif kind == "prefill_done":
+        result.server_ttft_s = event.prefill_done.ttft_seconds
+        result.prompt_tokens = event.prefill_done.prompt_tokens
+        result.cached_tokens = event.prefill_done.cached_tokens
+    elif kind == "usage":
+        result.prompt_tokens = event.usage.prompt_tokens
+        result.output_tokens = event.usage.completion_tokens
+        result.cached_tokens = event.usage.cached_tokens
+    elif kind == "done":
+        result.finish_reason = common_pb2.FinishReason.Name(event.done.finish_reason)
+        result.success = event.done.finish_reason in (
+            common_pb2.FINISH_REASON_STOP,
+            common_pb2.FINISH_REASON_LENGTH,
+        )
+        if not result.success:
+            result.error = result.finish_reason
+        return True
+    elif kind == "error":
+        result.error = f"{common_pb2.ErrorCode.Name(event.error.code)}: {event.error.message}"
+        result.success = False
+        return True
+    return False
+
+
+def _settle(result: RequestResult, end_time: float) -> None:
+    result.end_time = end_time
+    if result.output_tokens == 0:  # no usage event: count what streamed
+        result.output_tokens = sum(result.chunk_tokens)
+    if result.success and result.first_token_time is None:
+        result.success = False
+        result.error = "finished without any token"
+
+
 async def _send_one(
     client: AsyncEngineClient,
     request: engine_pb2.GenerateRequest,
@@ -257,44 +302,44 @@ async def _send_one(
     result.send_time = time.perf_counter() - start
     try:
         async for event in client.generate(request, timeout=timeout_s):
-            now = time.perf_counter() - start
-            kind = event.WhichOneof("event")
-            if kind == "token":
-                if not event.token.token_ids:
-                    continue
-                if result.first_token_time is None:
-                    result.first_token_time = now
-                result.chunk_times.append(now)
-                result.chunk_tokens.append(len(event.token.token_ids))
-                result.output_token_ids.extend(event.token.token_ids)
-            elif kind == "prefill_done":
-                result.server_ttft_s = event.prefill_done.ttft_seconds
-                result.prompt_tokens = event.prefill_done.prompt_tokens
-                result.cached_tokens = event.prefill_done.cached_tokens
-            elif kind == "usage":
-                result.prompt_tokens = event.usage.prompt_tokens
-                result.output_tokens = event.usage.completion_tokens
-                result.cached_tokens = event.usage.cached_tokens
-            elif kind == "done":
-                result.finish_reason = common_pb2.FinishReason.Name(event.done.finish_reason)
-                result.success = event.done.finish_reason in (
-                    common_pb2.FINISH_REASON_STOP,
-                    common_pb2.FINISH_REASON_LENGTH,
-                )
-                if not result.success:
-                    result.error = result.finish_reason
-            elif kind == "error":
-                result.error = f"{common_pb2.ErrorCode.Name(event.error.code)}: {event.error.message}"
-                result.success = False
+            _record(result, event, time.perf_counter() - start)
     except grpc.aio.AioRpcError as exc:
         result.success = False
         result.error = f"{exc.code().name}: {exc.details()}"
-    result.end_time = time.perf_counter() - start
-    if result.output_tokens == 0:  # no usage event: count what streamed
-        result.output_tokens = sum(result.chunk_tokens)
-    if result.success and result.first_token_time is None:
-        result.success = False
-        result.error = "finished without any token"
+    _settle(result, time.perf_counter() - start)
+
+
+async def _send_batch(
+    client: AsyncEngineClient,
+    requests: list[engine_pb2.GenerateRequest],
+    results: list[RequestResult],
+    start: float,
+    timeout_s: float,
+    progress: _Progress,
+) -> None:
+    """All of ``requests`` in one GenerateBatch call; each result ends at its own terminal event."""
+    by_id = {r.request_id: r for r in results}
+    sent = time.perf_counter() - start
+    for result in results:
+        result.send_time = sent
+    try:
+        async for event in client.generate_batch(requests, timeout=timeout_s):
+            result = by_id[event.request_id]
+            now = time.perf_counter() - start
+            if _record(result, event, now):
+                _settle(result, now)
+                progress.update()
+    except grpc.aio.AioRpcError as exc:
+        for result in results:
+            if not result.end_time:
+                result.success = False
+                result.error = f"{exc.code().name}: {exc.details()}"
+    now = time.perf_counter() - start
+    for result in results:
+        if not result.end_time:
+            if not result.error:
+                result.success, result.error = False, "the call ended without its terminal event"
+            _settle(result, now)
 
 
 async def send_one(
@@ -568,6 +613,8 @@ async def run_benchmark(
     if requests is None:
         requests = build_random_requests(config, await fetch_model_facts(address))
     if is_openai(address):
+        if config.batch_submit:
+            raise ValueError("batch submission is a gRPC call; an OpenAI-compatible server has none")
         return await _run_openai(address, config, requests)
     if config.client_procs > 1 and len(requests) > 1:
         return await _run_split(address, config, requests)
@@ -598,7 +645,19 @@ async def run_benchmark(
             await client.wait_ready(30.0)
         if before_start is not None:
             await before_start()
-        started_at_unix, start, duration = await _drive(config, len(requests), send, sample_load)
+        if config.batch_submit:
+            started_at_unix, start, duration = await _drive_batch(
+                config,
+                clients[0],
+                [
+                    to_pb_request(spec, config, r.request_id)
+                    for spec, r in zip(requests, results, strict=True)
+                ],
+                results,
+                sample_load,
+            )
+        else:
+            started_at_unix, start, duration = await _drive(config, len(requests), send, sample_load)
     finally:
         if sampler is not None:
             sampler.cancel()
@@ -633,6 +692,29 @@ async def _drive(
         if on_start is not None:
             on_start(start)
         await _arrive(delays, one, start)
+        return started_at_unix, start, time.perf_counter() - start
+    finally:
+        progress.close()
+
+
+async def _drive_batch(
+    config: BenchConfig,
+    client: AsyncEngineClient,
+    requests: list[engine_pb2.GenerateRequest],
+    results: list[RequestResult],
+    on_start: Callable[[float], None] | None = None,
+) -> tuple[float, float, float]:
+    """``_drive`` for ``config.batch_submit``: every request at once, in one call."""
+    if config.request_rate != math.inf or config.max_concurrency:
+        raise ValueError("batch submission sends every request at once: no request rate or concurrency limit")
+    show = sys.stderr.isatty() if config.progress is None else config.progress
+    progress = _Progress(len(requests), show, config.label)
+    try:
+        started_at_unix = time.time()
+        start = time.perf_counter()
+        if on_start is not None:
+            on_start(start)
+        await _send_batch(client, requests, results, start, config.request_timeout_s, progress)
         return started_at_unix, start, time.perf_counter() - start
     finally:
         progress.close()
@@ -850,6 +932,11 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="client processes sharing the requests (infinite rate only)",
     )
+    parser.add_argument(
+        "--batch-submit",
+        action="store_true",
+        help="send each client process's requests in one GenerateBatch call (infinite rate only)",
+    )
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -874,6 +961,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         num_channels=args.num_channels,
         client_procs=args.client_procs,
         progress=False if args.no_progress else None,
+        batch_submit=args.batch_submit,
     )
 
 

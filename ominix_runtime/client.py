@@ -8,7 +8,9 @@
                 print(event.token.text, end="", flush=True)
 
 ``generate`` yields the stream's ``GenerateEvent`` messages as they arrive (prefill_done, token, usage,
-then exactly one done or error). :class:`AsyncEngineClient` is the same over ``grpc.aio``.
+then exactly one done or error). ``generate_batch`` sends many requests in one call and yields all their
+events, each request's ending with one done or error. :class:`AsyncEngineClient` is the same over
+``grpc.aio``.
 """
 
 from __future__ import annotations
@@ -137,6 +139,22 @@ class EngineClient:
         finally:
             call.cancel()  # no-op after the stream ended; frees the request when the caller stops early
 
+    def generate_batch(
+        self, requests: Sequence[engine_pb2.GenerateRequest], *, timeout: float | None = None
+    ) -> Iterator[engine_pb2.GenerateEvent]:
+        """Events of many requests sent in one call, as they arrive, told apart by ``request_id``; each
+        request ends with one done or error event. A refused call raises ``grpc.RpcError``."""
+        call = self._stub.GenerateBatch(
+            engine_pb2.GenerateBatchRequest(requests=requests),
+            timeout=timeout or self.options.timeout,
+            metadata=self.options.metadata,
+        )
+        try:
+            for batch in call:
+                yield from batch.events
+        finally:
+            call.cancel()  # stopping early aborts every request still live
+
     def abort(self, request_id: str) -> bool:
         """True when a live request had that id."""
         response = self._stub.Abort(
@@ -209,6 +227,22 @@ class AsyncEngineClient:
         try:
             async for event in call:
                 yield event
+        finally:
+            call.cancel()
+
+    async def generate_batch(
+        self, requests: Sequence[engine_pb2.GenerateRequest], *, timeout: float | None = None
+    ) -> AsyncIterator[engine_pb2.GenerateEvent]:
+        """As :meth:`EngineClient.generate_batch`."""
+        call = self._stub.GenerateBatch(
+            engine_pb2.GenerateBatchRequest(requests=requests),
+            timeout=timeout or self.options.timeout,
+            metadata=self.options.metadata,
+        )
+        try:
+            async for batch in call:
+                for event in batch.events:
+                    yield event
         finally:
             call.cancel()
 

@@ -26,15 +26,15 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from ominix_runtime.pb import common_pb2 as ominix_dot_runtime_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eominix/runtime/v1/engine.proto\x12\x11ominix.runtime.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1eominix/runtime/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"w\n\x0c\x43hatMessages\x12\x30\n\x08messages\x18\x01 \x03(\x0b\x32\x1e.ominix.runtime.v1.ChatMessage\x12\x35\n\x14\x63hat_template_kwargs\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xcf\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12\x33\n\x08messages\x18\x04 \x01(\x0b\x32\x1f.ominix.runtime.v1.ChatMessagesH\x00\x12\x30\n\tinput_ids\x18\x05 \x01(\x0b\x32\x1b.ominix.runtime.v1.TokenIdsH\x00\x12\x33\n\x08sampling\x18\x06 \x01(\x0b\x32!.ominix.runtime.v1.SamplingParams\x12-\n\x08priority\x18\x07 \x01(\x0e\x32\x1b.ominix.runtime.v1.Priority\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x08 \x01(\r\x12\x13\n\x06stream\x18\t \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\t\n\x07_stream\"Q\n\x0bPrefillDone\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x14\n\x0cttft_seconds\x18\x03 \x01(\x01\"c\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x34\n\x08logprobs\x18\x03 \x03(\x0b\x32\".ominix.runtime.v1.SampledLogprobs\"b\n\x04\x44one\x12\x36\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1f.ominix.runtime.v1.FinishReason\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x0cmatched_stop\x18\x03 \x01(\t\"\x97\x02\n\rGenerateEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x36\n\x0cprefill_done\x18\x02 \x01(\x0b\x32\x1e.ominix.runtime.v1.PrefillDoneH\x00\x12.\n\x05token\x18\x03 \x01(\x0b\x32\x1d.ominix.runtime.v1.TokenChunkH\x00\x12)\n\x05usage\x18\x04 \x01(\x0b\x32\x18.ominix.runtime.v1.UsageH\x00\x12\'\n\x04\x64one\x18\x05 \x01(\x0b\x32\x17.ominix.runtime.v1.DoneH\x00\x12-\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x1c.ominix.runtime.v1.ErrorInfoH\x00\x42\x07\n\x05\x65vent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xf9\x02\n\x0b\x42\x61\x63kendLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0fqueued_requests\x18\x02 \x01(\r\x12\x18\n\x10running_requests\x18\x03 \x01(\r\x12\x16\n\x0ewaiting_tokens\x18\x04 \x01(\x04\x12\x15\n\rkv_bytes_used\x18\x05 \x01(\x04\x12\x19\n\x11kv_bytes_capacity\x18\x06 \x01(\x04\x12*\n\"estimated_decode_tokens_per_second\x18\x07 \x01(\x01\x12\x0f\n\x07healthy\x18\x08 \x01(\x08\x12\x30\n\x06health\x18\t \x01(\x0e\x32 .ominix.runtime.v1.BackendHealth\x12\x14\n\x0ctimestamp_ms\x18\n \x01(\x04\x12\x11\n\tmodel_ids\x18\x0b \x03(\t\x12\x16\n\x0eserved_aliases\x18\x0c \x03(\t\x12\x14\n\x0c\x63\x61pabilities\x18\r \x03(\t\x12\x14\n\x0c\x62\x61\x63kend_kind\x18\x0e \x01(\t\"!\n\x0c\x44rainRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"A\n\rDrainResponse\x12\x30\n\x08\x62\x61\x63kends\x18\x01 \x03(\x0b\x32\x1e.ominix.runtime.v1.BackendLoad\"r\n\x0fGetLoadResponse\x12-\n\x05total\x18\x01 \x01(\x0b\x32\x1e.ominix.runtime.v1.BackendLoad\x12\x30\n\x08\x62\x61\x63kends\x18\x02 \x03(\x0b\x32\x1e.ominix.runtime.v1.BackendLoad\"\x11\n\x0fGetStatsRequest\"\xcb\x02\n\x10GetStatsResponse\x12\x19\n\x11requests_accepted\x18\x01 \x01(\x04\x12\x19\n\x11requests_finished\x18\x02 \x01(\x04\x12\x18\n\x10requests_aborted\x18\x03 \x01(\x04\x12\x17\n\x0frequests_failed\x18\x04 \x01(\x04\x12\x19\n\x11requests_rejected\x18\x05 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x07 \x01(\x04\x12\x15\n\rcached_tokens\x18\x08 \x01(\x04\x12\x13\n\x0bpreemptions\x18\t \x01(\x04\x12\r\n\x05steps\x18\n \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\x0b \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\x0c \x01(\x04\x12\x16\n\x0euptime_seconds\x18\r \x01(\x01\"\x15\n\x13ListBackendsRequest\"N\n\x14ListBackendsResponse\x12\x36\n\x08\x62\x61\x63kends\x18\x01 \x03(\x0b\x32$.ominix.runtime.v1.BackendCapability*\xc1\x01\n\rBackendHealth\x12\x1e\n\x1a\x42\x41\x43KEND_HEALTH_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x42\x41\x43KEND_HEALTH_STARTING\x10\x01\x12\x1c\n\x18\x42\x41\x43KEND_HEALTH_AVAILABLE\x10\x02\x12\x1b\n\x17\x42\x41\x43KEND_HEALTH_DRAINING\x10\x03\x12\x1c\n\x18\x42\x41\x43KEND_HEALTH_UNHEALTHY\x10\x04\x12\x1a\n\x16\x42\x41\x43KEND_HEALTH_OFFLINE\x10\x05\x32\xca\x04\n\x06\x45ngine\x12R\n\x08Generate\x12\".ominix.runtime.v1.GenerateRequest\x1a .ominix.runtime.v1.GenerateEvent0\x01\x12J\n\x05\x41\x62ort\x12\x1f.ominix.runtime.v1.AbortRequest\x1a .ominix.runtime.v1.AbortResponse\x12P\n\x07GetLoad\x12!.ominix.runtime.v1.GetLoadRequest\x1a\".ominix.runtime.v1.GetLoadResponse\x12S\n\x08GetStats\x12\".ominix.runtime.v1.GetStatsRequest\x1a#.ominix.runtime.v1.GetStatsResponse\x12_\n\x0cListBackends\x12&.ominix.runtime.v1.ListBackendsRequest\x1a\'.ominix.runtime.v1.ListBackendsResponse\x12J\n\x05\x44rain\x12\x1f.ominix.runtime.v1.DrainRequest\x1a .ominix.runtime.v1.DrainResponse\x12L\n\x07Undrain\x12\x1f.ominix.runtime.v1.DrainRequest\x1a .ominix.runtime.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eominix/runtime/v1/engine.proto\x12\x11ominix.runtime.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1eominix/runtime/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"w\n\x0c\x43hatMessages\x12\x30\n\x08messages\x18\x01 \x03(\x0b\x32\x1e.ominix.runtime.v1.ChatMessage\x12\x35\n\x14\x63hat_template_kwargs\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xcf\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12\x33\n\x08messages\x18\x04 \x01(\x0b\x32\x1f.ominix.runtime.v1.ChatMessagesH\x00\x12\x30\n\tinput_ids\x18\x05 \x01(\x0b\x32\x1b.ominix.runtime.v1.TokenIdsH\x00\x12\x33\n\x08sampling\x18\x06 \x01(\x0b\x32!.ominix.runtime.v1.SamplingParams\x12-\n\x08priority\x18\x07 \x01(\x0e\x32\x1b.ominix.runtime.v1.Priority\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x08 \x01(\r\x12\x13\n\x06stream\x18\t \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\t\n\x07_stream\"L\n\x14GenerateBatchRequest\x12\x34\n\x08requests\x18\x01 \x03(\x0b\x32\".ominix.runtime.v1.GenerateRequest\"F\n\x12GenerateEventBatch\x12\x30\n\x06\x65vents\x18\x01 \x03(\x0b\x32 .ominix.runtime.v1.GenerateEvent\"Q\n\x0bPrefillDone\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x14\n\x0cttft_seconds\x18\x03 \x01(\x01\"c\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x34\n\x08logprobs\x18\x03 \x03(\x0b\x32\".ominix.runtime.v1.SampledLogprobs\"b\n\x04\x44one\x12\x36\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1f.ominix.runtime.v1.FinishReason\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x0cmatched_stop\x18\x03 \x01(\t\"\x97\x02\n\rGenerateEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x36\n\x0cprefill_done\x18\x02 \x01(\x0b\x32\x1e.ominix.runtime.v1.PrefillDoneH\x00\x12.\n\x05token\x18\x03 \x01(\x0b\x32\x1d.ominix.runtime.v1.TokenChunkH\x00\x12)\n\x05usage\x18\x04 \x01(\x0b\x32\x18.ominix.runtime.v1.UsageH\x00\x12\'\n\x04\x64one\x18\x05 \x01(\x0b\x32\x17.ominix.runtime.v1.DoneH\x00\x12-\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x1c.ominix.runtime.v1.ErrorInfoH\x00\x42\x07\n\x05\x65vent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xf9\x02\n\x0b\x42\x61\x63kendLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0fqueued_requests\x18\x02 \x01(\r\x12\x18\n\x10running_requests\x18\x03 \x01(\r\x12\x16\n\x0ewaiting_tokens\x18\x04 \x01(\x04\x12\x15\n\rkv_bytes_used\x18\x05 \x01(\x04\x12\x19\n\x11kv_bytes_capacity\x18\x06 \x01(\x04\x12*\n\"estimated_decode_tokens_per_second\x18\x07 \x01(\x01\x12\x0f\n\x07healthy\x18\x08 \x01(\x08\x12\x30\n\x06health\x18\t \x01(\x0e\x32 .ominix.runtime.v1.BackendHealth\x12\x14\n\x0ctimestamp_ms\x18\n \x01(\x04\x12\x11\n\tmodel_ids\x18\x0b \x03(\t\x12\x16\n\x0eserved_aliases\x18\x0c \x03(\t\x12\x14\n\x0c\x63\x61pabilities\x18\r \x03(\t\x12\x14\n\x0c\x62\x61\x63kend_kind\x18\x0e \x01(\t\"!\n\x0c\x44rainRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"A\n\rDrainResponse\x12\x30\n\x08\x62\x61\x63kends\x18\x01 \x03(\x0b\x32\x1e.ominix.runtime.v1.BackendLoad\"r\n\x0fGetLoadResponse\x12-\n\x05total\x18\x01 \x01(\x0b\x32\x1e.ominix.runtime.v1.BackendLoad\x12\x30\n\x08\x62\x61\x63kends\x18\x02 \x03(\x0b\x32\x1e.ominix.runtime.v1.BackendLoad\"\x11\n\x0fGetStatsRequest\"\xcb\x02\n\x10GetStatsResponse\x12\x19\n\x11requests_accepted\x18\x01 \x01(\x04\x12\x19\n\x11requests_finished\x18\x02 \x01(\x04\x12\x18\n\x10requests_aborted\x18\x03 \x01(\x04\x12\x17\n\x0frequests_failed\x18\x04 \x01(\x04\x12\x19\n\x11requests_rejected\x18\x05 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x07 \x01(\x04\x12\x15\n\rcached_tokens\x18\x08 \x01(\x04\x12\x13\n\x0bpreemptions\x18\t \x01(\x04\x12\r\n\x05steps\x18\n \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\x0b \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\x0c \x01(\x04\x12\x16\n\x0euptime_seconds\x18\r \x01(\x01\"\x15\n\x13ListBackendsRequest\"N\n\x14ListBackendsResponse\x12\x36\n\x08\x62\x61\x63kends\x18\x01 \x03(\x0b\x32$.ominix.runtime.v1.BackendCapability*\xc1\x01\n\rBackendHealth\x12\x1e\n\x1a\x42\x41\x43KEND_HEALTH_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x42\x41\x43KEND_HEALTH_STARTING\x10\x01\x12\x1c\n\x18\x42\x41\x43KEND_HEALTH_AVAILABLE\x10\x02\x12\x1b\n\x17\x42\x41\x43KEND_HEALTH_DRAINING\x10\x03\x12\x1c\n\x18\x42\x41\x43KEND_HEALTH_UNHEALTHY\x10\x04\x12\x1a\n\x16\x42\x41\x43KEND_HEALTH_OFFLINE\x10\x05\x32\xad\x05\n\x06\x45ngine\x12R\n\x08Generate\x12\".ominix.runtime.v1.GenerateRequest\x1a .ominix.runtime.v1.GenerateEvent0\x01\x12\x61\n\rGenerateBatch\x12\'.ominix.runtime.v1.GenerateBatchRequest\x1a%.ominix.runtime.v1.GenerateEventBatch0\x01\x12J\n\x05\x41\x62ort\x12\x1f.ominix.runtime.v1.AbortRequest\x1a .ominix.runtime.v1.AbortResponse\x12P\n\x07GetLoad\x12!.ominix.runtime.v1.GetLoadRequest\x1a\".ominix.runtime.v1.GetLoadResponse\x12S\n\x08GetStats\x12\".ominix.runtime.v1.GetStatsRequest\x1a#.ominix.runtime.v1.GetStatsResponse\x12_\n\x0cListBackends\x12&.ominix.runtime.v1.ListBackendsRequest\x1a\'.ominix.runtime.v1.ListBackendsResponse\x12J\n\x05\x44rain\x12\x1f.ominix.runtime.v1.DrainRequest\x1a .ominix.runtime.v1.DrainResponse\x12L\n\x07Undrain\x12\x1f.ominix.runtime.v1.DrainRequest\x1a .ominix.runtime.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ominix.runtime.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BACKENDHEALTH']._serialized_start=2352
-  _globals['_BACKENDHEALTH']._serialized_end=2545
+  _globals['_BACKENDHEALTH']._serialized_start=2502
+  _globals['_BACKENDHEALTH']._serialized_end=2695
   _globals['_CHATMESSAGE']._serialized_start=115
   _globals['_CHATMESSAGE']._serialized_end=159
   _globals['_CHATMESSAGES']._serialized_start=161
@@ -43,36 +43,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_end=305
   _globals['_GENERATEREQUEST']._serialized_start=308
   _globals['_GENERATEREQUEST']._serialized_end=643
-  _globals['_PREFILLDONE']._serialized_start=645
-  _globals['_PREFILLDONE']._serialized_end=726
-  _globals['_TOKENCHUNK']._serialized_start=728
-  _globals['_TOKENCHUNK']._serialized_end=827
-  _globals['_DONE']._serialized_start=829
-  _globals['_DONE']._serialized_end=927
-  _globals['_GENERATEEVENT']._serialized_start=930
-  _globals['_GENERATEEVENT']._serialized_end=1209
-  _globals['_ABORTREQUEST']._serialized_start=1211
-  _globals['_ABORTREQUEST']._serialized_end=1245
-  _globals['_ABORTRESPONSE']._serialized_start=1247
-  _globals['_ABORTRESPONSE']._serialized_end=1277
-  _globals['_GETLOADREQUEST']._serialized_start=1279
-  _globals['_GETLOADREQUEST']._serialized_end=1295
-  _globals['_BACKENDLOAD']._serialized_start=1298
-  _globals['_BACKENDLOAD']._serialized_end=1675
-  _globals['_DRAINREQUEST']._serialized_start=1677
-  _globals['_DRAINREQUEST']._serialized_end=1710
-  _globals['_DRAINRESPONSE']._serialized_start=1712
-  _globals['_DRAINRESPONSE']._serialized_end=1777
-  _globals['_GETLOADRESPONSE']._serialized_start=1779
-  _globals['_GETLOADRESPONSE']._serialized_end=1893
-  _globals['_GETSTATSREQUEST']._serialized_start=1895
-  _globals['_GETSTATSREQUEST']._serialized_end=1912
-  _globals['_GETSTATSRESPONSE']._serialized_start=1915
-  _globals['_GETSTATSRESPONSE']._serialized_end=2246
-  _globals['_LISTBACKENDSREQUEST']._serialized_start=2248
-  _globals['_LISTBACKENDSREQUEST']._serialized_end=2269
-  _globals['_LISTBACKENDSRESPONSE']._serialized_start=2271
-  _globals['_LISTBACKENDSRESPONSE']._serialized_end=2349
-  _globals['_ENGINE']._serialized_start=2548
-  _globals['_ENGINE']._serialized_end=3134
+  _globals['_GENERATEBATCHREQUEST']._serialized_start=645
+  _globals['_GENERATEBATCHREQUEST']._serialized_end=721
+  _globals['_GENERATEEVENTBATCH']._serialized_start=723
+  _globals['_GENERATEEVENTBATCH']._serialized_end=793
+  _globals['_PREFILLDONE']._serialized_start=795
+  _globals['_PREFILLDONE']._serialized_end=876
+  _globals['_TOKENCHUNK']._serialized_start=878
+  _globals['_TOKENCHUNK']._serialized_end=977
+  _globals['_DONE']._serialized_start=979
+  _globals['_DONE']._serialized_end=1077
+  _globals['_GENERATEEVENT']._serialized_start=1080
+  _globals['_GENERATEEVENT']._serialized_end=1359
+  _globals['_ABORTREQUEST']._serialized_start=1361
+  _globals['_ABORTREQUEST']._serialized_end=1395
+  _globals['_ABORTRESPONSE']._serialized_start=1397
+  _globals['_ABORTRESPONSE']._serialized_end=1427
+  _globals['_GETLOADREQUEST']._serialized_start=1429
+  _globals['_GETLOADREQUEST']._serialized_end=1445
+  _globals['_BACKENDLOAD']._serialized_start=1448
+  _globals['_BACKENDLOAD']._serialized_end=1825
+  _globals['_DRAINREQUEST']._serialized_start=1827
+  _globals['_DRAINREQUEST']._serialized_end=1860
+  _globals['_DRAINRESPONSE']._serialized_start=1862
+  _globals['_DRAINRESPONSE']._serialized_end=1927
+  _globals['_GETLOADRESPONSE']._serialized_start=1929
+  _globals['_GETLOADRESPONSE']._serialized_end=2043
+  _globals['_GETSTATSREQUEST']._serialized_start=2045
+  _globals['_GETSTATSREQUEST']._serialized_end=2062
+  _globals['_GETSTATSRESPONSE']._serialized_start=2065
+  _globals['_GETSTATSRESPONSE']._serialized_end=2396
+  _globals['_LISTBACKENDSREQUEST']._serialized_start=2398
+  _globals['_LISTBACKENDSREQUEST']._serialized_end=2419
+  _globals['_LISTBACKENDSRESPONSE']._serialized_start=2421
+  _globals['_LISTBACKENDSRESPONSE']._serialized_end=2499
+  _globals['_ENGINE']._serialized_start=2698
+  _globals['_ENGINE']._serialized_end=3383
 # @@protoc_insertion_point(module_scope)

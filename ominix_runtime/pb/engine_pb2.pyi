@@ -68,6 +68,18 @@ class GenerateRequest(_message.Message):
     stream: bool
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., deadline_ms: _Optional[int] = ..., stream: _Optional[bool] = ...) -> None: ...
 
+class GenerateBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ...) -> None: ...
+
+class GenerateEventBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[GenerateEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[GenerateEvent, _Mapping]]] = ...) -> None: ...
+
 class PrefillDone(_message.Message):
     __slots__ = ("prompt_tokens", "cached_tokens", "ttft_seconds")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]

@@ -40,6 +40,11 @@ class EngineStub:
                 request_serializer=ominix_dot_runtime_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=ominix_dot_runtime_dot_v1_dot_engine__pb2.GenerateEvent.FromString,
                 _registered_method=True)
+        self.GenerateBatch = channel.unary_stream(
+                '/ominix.runtime.v1.Engine/GenerateBatch',
+                request_serializer=ominix_dot_runtime_dot_v1_dot_engine__pb2.GenerateBatchRequest.SerializeToString,
+                response_deserializer=ominix_dot_runtime_dot_v1_dot_engine__pb2.GenerateEventBatch.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/ominix.runtime.v1.Engine/Abort',
                 request_serializer=ominix_dot_runtime_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
@@ -78,6 +83,16 @@ class EngineServicer:
 
     def Generate(self, request, context):
         """Generate tokens for one request, streamed. Exactly one terminal event (done or error) ends the stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateBatch(self, request, context):
+        """Generate for many requests in one call (an offline batch: one call's cost instead of one per request).
+        Each request ends with exactly one terminal event (done or error) in the one stream; a request refused
+        at admission gets its error event there too, and the others go on. The stream ends after the last
+        terminal event. Cancelling the call aborts every request of it still live.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -132,6 +147,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=ominix_dot_runtime_dot_v1_dot_engine__pb2.GenerateRequest.FromString,
                     response_serializer=ominix_dot_runtime_dot_v1_dot_engine__pb2.GenerateEvent.SerializeToString,
+            ),
+            'GenerateBatch': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateBatch,
+                    request_deserializer=ominix_dot_runtime_dot_v1_dot_engine__pb2.GenerateBatchRequest.FromString,
+                    response_serializer=ominix_dot_runtime_dot_v1_dot_engine__pb2.GenerateEventBatch.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -192,6 +212,33 @@ class Engine:
             '/ominix.runtime.v1.Engine/Generate',
             ominix_dot_runtime_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
             ominix_dot_runtime_dot_v1_dot_engine__pb2.GenerateEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ominix.runtime.v1.Engine/GenerateBatch',
+            ominix_dot_runtime_dot_v1_dot_engine__pb2.GenerateBatchRequest.SerializeToString,
+            ominix_dot_runtime_dot_v1_dot_engine__pb2.GenerateEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

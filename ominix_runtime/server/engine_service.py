@@ -38,6 +38,7 @@ from ominix_runtime.contract import (
 from ominix_runtime.contract.validation import DEFAULT_MAX_CHARS_PER_TOKEN
 from ominix_runtime.engine.core import EngineCore, RequestHandle
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
+from ominix_runtime.server.batch_call import BatchCall, batch_request_ids
 from ominix_runtime.server.front_guard import caller_of
 from ominix_runtime.server.logging import get_logger, request_context
 from ominix_runtime.server.metrics import EngineMetrics
@@ -66,6 +67,9 @@ _log = get_logger("ominix.server")
 
 # The servicer context of each RPC: (request, response) message types.
 _GenerateContext = grpc.aio.ServicerContext[engine_pb2.GenerateRequest, engine_pb2.GenerateEvent]
+_GenerateBatchContext = grpc.aio.ServicerContext[
+    engine_pb2.GenerateBatchRequest, engine_pb2.GenerateEventBatch
+]
 _AbortContext = grpc.aio.ServicerContext[engine_pb2.AbortRequest, engine_pb2.AbortResponse]
 _GetLoadContext = grpc.aio.ServicerContext[engine_pb2.GetLoadRequest, engine_pb2.GetLoadResponse]
 _GetStatsContext = grpc.aio.ServicerContext[engine_pb2.GetStatsRequest, engine_pb2.GetStatsResponse]
@@ -340,6 +344,33 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
                     yield last
             finally:
                 self.release(admitted, finished, last)
+
+    async def GenerateBatch(
+        self, request: engine_pb2.GenerateBatchRequest, context: _GenerateBatchContext
+    ) -> AsyncIterator[engine_pb2.GenerateEventBatch]:
+        try:
+            ids = batch_request_ids(request)
+        except OminixError as exc:
+            self._reject(exc.message, "invalid_batch", counted_by_engine=False)
+            await context.abort(status_for(exc), exc.message, trailing_metadata=error_metadata(exc.kind))
+        if not self._engine.ready:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "the engine is not serving (starting, shutting down, or no worker is up)",
+                trailing_metadata=error_metadata(RuntimeErrorKind.BACKEND_UNAVAILABLE),
+            )
+        large = request.ByteSize() >= memory.LARGE_ALLOCATION_BYTES
+        call = BatchCall(
+            self, caller_of(context), traceparent_from_grpc_metadata(context.invocation_metadata())
+        )
+        events = call.events(list(request.requests), ids)
+        try:
+            async for batch in events:
+                yield batch
+        finally:
+            await events.aclose()
+            if large:
+                asyncio.get_running_loop().run_in_executor(None, memory.trim)
 
     def _forget(self, request_id: str) -> None:
         self._live.discard(request_id)

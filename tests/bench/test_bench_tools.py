@@ -11,6 +11,7 @@ import json
 import math
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -245,7 +246,8 @@ def test_run_benchmark_against_launched_service(tmp_path: Path) -> None:
         backends = await fetch_backends(address)
         requests = build_random_requests(config, await fetch_model_facts(address))
         first = await run_benchmark(address, config, requests)
-        again = await run_benchmark(address, config, requests)
+        # The same prompts again, all in one GenerateBatch call.
+        again = await run_benchmark(address, replace(config, batch_submit=True), requests)
         return first, again, backends.backends[0].kv_block_size
 
     with launch_service(launch_args, ready_timeout_s=60.0, show_progress=False) as service:
@@ -256,6 +258,7 @@ def test_run_benchmark_against_launched_service(tmp_path: Path) -> None:
         assert result.metrics.total_output_tokens == 6 * 8  # ignore_eos: exact lengths
         assert result.metrics.total_input_tokens == 6 * 40
         assert result.metrics.tpot.count == 6 and result.metrics.itl.count >= 6
+    assert len({r.send_time for r in again.requests}) == 1  # one call carried them all
     assert first.metrics.total_cached_tokens == 0  # distinct prompts share no prefix
     if block_size and block_size < 40:
         assert again.metrics.total_cached_tokens >= 6 * block_size  # the same prompts again hit the cache

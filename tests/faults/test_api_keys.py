@@ -70,6 +70,10 @@ def test_engine_api_refuses_calls_without_a_known_key(engine: Engine, metadata: 
         with pytest.raises(grpc.RpcError) as err:
             call(request, metadata=metadata, timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]  # a failed call's RpcError is a grpc.Call
+    batch = engine_pb2.GenerateBatchRequest(requests=[_request("anon-batch")])
+    with pytest.raises(grpc.RpcError) as err:
+        list(engine.stub.GenerateBatch(batch, metadata=metadata, timeout=10))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]  # a failed call's RpcError is a grpc.Call
 
 
 def test_each_configured_key_works(engine: Engine) -> None:

@@ -1,0 +1,193 @@
+"""GenerateBatch over real gRPC, served by the engine process and by front processes (conftest's fixture):
+each request's events match its own Generate stream's, refusals are per request or per call as engine.proto
+says, events share messages, and cancelling the call frees every request's KV."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+import grpc
+import pytest
+from server_harness import RunningDaemon
+from test_front_api import generate, greedy, kinds, wait_kv_free
+
+from ominix_runtime.client import EngineClient
+from ominix_runtime.contract import RuntimeErrorKind
+from ominix_runtime.pb import common_pb2, engine_pb2
+from ominix_runtime.server.batch_call import MAX_BATCH_REQUESTS
+from ominix_runtime.wire import error_code_to_pb
+
+TERMINAL = ("done", "error")
+
+
+def _by_request(events: list[engine_pb2.GenerateEvent]) -> dict[str, list[engine_pb2.GenerateEvent]]:
+    out: dict[str, list[engine_pb2.GenerateEvent]] = defaultdict(list)
+    for event in events:
+        out[event.request_id].append(event)
+    return dict(out)
+
+
+def _batch(
+    daemon: RunningDaemon, requests: list[engine_pb2.GenerateRequest]
+) -> list[engine_pb2.GenerateEvent]:
+    with EngineClient(daemon.address, timeout=60) as client:
+        return list(client.generate_batch(requests))
+
+
+def _ids_request(rid: str, ids: list[int], max_tokens: int) -> engine_pb2.GenerateRequest:
+    return engine_pb2.GenerateRequest(
+        request_id=rid, input_ids=engine_pb2.TokenIds(ids=ids), sampling=greedy(max_tokens, ignore_eos=True)
+    )
+
+
+def test_each_request_streams_as_its_own_generate_would(fake_daemon: RunningDaemon) -> None:
+    requests = [_ids_request(f"b-ids-{i}", [20 + i, 21, 22, 23 + i], 3 + i % 5) for i in range(12)]
+    requests.append(engine_pb2.GenerateRequest(request_id="b-text", prompt="Hello there", sampling=greedy(6)))
+    chat = engine_pb2.ChatMessages(messages=[engine_pb2.ChatMessage(role="user", content="hi")])
+    requests.append(engine_pb2.GenerateRequest(request_id="b-chat", messages=chat, sampling=greedy(4)))
+    requests.append(
+        engine_pb2.GenerateRequest(
+            request_id="b-whole", prompt="Same prompt", sampling=greedy(5), stream=False
+        )
+    )
+    per_request = _by_request(_batch(fake_daemon, requests))
+    assert set(per_request) == {r.request_id for r in requests}
+    for request in requests:
+        alone = generate(
+            fake_daemon,
+            **{
+                "request_id": request.request_id + "-alone",
+                request.WhichOneof("input"): getattr(request, request.WhichOneof("input")),
+                "sampling": request.sampling,
+                "stream": request.stream if request.HasField("stream") else True,
+            },
+        )
+        events = per_request[request.request_id]
+        assert kinds(events) == kinds(alone), request.request_id
+        assert [k for k in kinds(events) if k in TERMINAL] == ["done"]
+        got = [t for e in events if e.HasField("token") for t in e.token.token_ids]
+        assert got == [t for e in alone if e.HasField("token") for t in e.token.token_ids]
+        assert events[-1].done.text == alone[-1].done.text
+        assert events[-2].usage.completion_tokens == alone[-2].usage.completion_tokens
+    wait_kv_free(fake_daemon)
+
+
+def test_a_refused_request_ends_alone_and_the_rest_finish(fake_daemon: RunningDaemon) -> None:
+    requests = [
+        _ids_request("r-good-0", [11, 12, 13], 4),
+        engine_pb2.GenerateRequest(
+            request_id="r-temp", prompt="x", sampling=common_pb2.SamplingParams(temperature=-1)
+        ),
+        engine_pb2.GenerateRequest(request_id="r-model", prompt="x", model="no-such-model"),
+        _ids_request("r-vocab", [10**6], 2),
+        # Fits the context but not the KV cache even alone (64 blocks x 16 tokens).
+        engine_pb2.GenerateRequest(request_id="r-kv", prompt="x", sampling=greedy(1500)),
+        engine_pb2.GenerateRequest(request_id="r-empty"),
+        _ids_request("r-good-1", [14, 15, 16], 6),
+    ]
+    per_request = _by_request(_batch(fake_daemon, requests))
+    codes = {
+        rid: events[-1].error.code for rid, events in per_request.items() if events[-1].HasField("error")
+    }
+    invalid = error_code_to_pb(RuntimeErrorKind.INVALID_ARGUMENT)
+    assert codes == {
+        "r-temp": invalid,
+        "r-model": error_code_to_pb(RuntimeErrorKind.CAPABILITY_MISMATCH),
+        "r-vocab": invalid,
+        "r-kv": error_code_to_pb(RuntimeErrorKind.KV_CAPACITY_EXCEEDED),
+        "r-empty": invalid,
+    }
+    for rid in codes:
+        assert len(per_request[rid]) == 1 and per_request[rid][0].error.message, rid
+    for rid, count in (("r-good-0", 4), ("r-good-1", 6)):
+        events = per_request[rid]
+        assert events[-1].done.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert sum(len(e.token.token_ids) for e in events if e.HasField("token")) == count
+    wait_kv_free(fake_daemon)
+
+
+def test_an_id_live_elsewhere_is_refused_for_that_request_only(fake_daemon: RunningDaemon) -> None:
+    first = fake_daemon.stub.Generate(
+        engine_pb2.GenerateRequest(request_id="held", prompt="x", sampling=greedy(800)), timeout=30
+    )
+    assert next(first).WhichOneof("event") == "prefill_done"
+    per_request = _by_request(
+        _batch(fake_daemon, [_ids_request("held", [11], 2), _ids_request("fresh", [11], 2)])
+    )
+    assert per_request["held"][-1].error.code == error_code_to_pb(RuntimeErrorKind.INVALID_ARGUMENT)
+    assert "already live" in per_request["held"][-1].error.message
+    assert per_request["fresh"][-1].HasField("done")
+    assert fake_daemon.stub.Abort(engine_pb2.AbortRequest(request_id="held"), timeout=5).found
+    assert kinds(list(first))[-1] == "done"
+    wait_kv_free(fake_daemon)
+
+
+@pytest.mark.parametrize(
+    ("requests", "says"),
+    [
+        ([], "requests is empty"),
+        (
+            [_ids_request("same", [11], 1), _ids_request("other", [11], 1), _ids_request("same", [11], 1)],
+            "requests[2]: request_id 'same' appears twice",
+        ),
+        ([_ids_request("ok", [11], 1), _ids_request("bad\nid", [11], 1)], "requests[1]"),
+        ([_ids_request("", [11], 1)] * (MAX_BATCH_REQUESTS + 1), f"at most {MAX_BATCH_REQUESTS}"),
+    ],
+    ids=["empty", "repeated id", "bad id", "too many"],
+)
+def test_a_malformed_call_is_refused_whole(
+    fake_daemon: RunningDaemon, requests: list[engine_pb2.GenerateRequest], says: str
+) -> None:
+    before = fake_daemon.stub.GetStats(engine_pb2.GetStatsRequest(), timeout=5)
+    with pytest.raises(grpc.RpcError) as info:
+        _batch(fake_daemon, requests)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert says in info.value.details()  # type: ignore[attr-defined]
+    after = fake_daemon.stub.GetStats(engine_pb2.GetStatsRequest(), timeout=5)
+    assert after.requests_accepted == before.requests_accepted  # nothing was admitted
+
+
+def test_events_of_one_step_share_a_message(fake_daemon: RunningDaemon) -> None:
+    requests = [_ids_request(f"m-{i}", [30 + i, 31, 32], 16) for i in range(32)]
+    call = fake_daemon.stub.GenerateBatch(engine_pb2.GenerateBatchRequest(requests=requests), timeout=60)
+    messages = list(call)
+    events = [e for m in messages for e in m.events]
+    per_request = _by_request(events)
+    assert [kinds(v).count("done") for v in per_request.values()] == [1] * 32
+    tokens = [sum(len(e.token.token_ids) for e in v if e.HasField("token")) for v in per_request.values()]
+    assert tokens == [16] * 32
+    # 32 requests x (prefill_done, 16 tokens, usage, done) is over 600 events: one message per event would
+    # be as many messages, one per step about 16 - 20.
+    assert len(events) >= 32 * 19
+    assert len(messages) <= len(events) // 8, len(messages)
+    wait_kv_free(fake_daemon)
+
+
+def test_cancelling_the_call_frees_every_request(fake_daemon: RunningDaemon) -> None:
+    requests = [_ids_request(f"c-{i}", [40 + i, 41], 800) for i in range(6)]
+    call = fake_daemon.stub.GenerateBatch(engine_pb2.GenerateBatchRequest(requests=requests), timeout=30)
+    started: set[str] = set()
+    for message in call:
+        started.update(e.request_id for e in message.events if e.HasField("token"))
+        if len(started) == len(requests):
+            break
+    load = fake_daemon.stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=5)
+    assert load.total.running_requests == len(requests)
+    call.cancel()
+    wait_kv_free(fake_daemon, timeout=5.0)
+    # The ids are free again: the requests were aborted, not left running.
+    assert not fake_daemon.stub.Abort(engine_pb2.AbortRequest(request_id="c-0"), timeout=5).found
+
+
+def test_a_batch_does_not_stall_another_stream(fake_daemon: RunningDaemon) -> None:
+    alone: list[engine_pb2.GenerateEvent] = []
+    thread = threading.Thread(
+        target=lambda: alone.extend(generate(fake_daemon, prompt="beside", sampling=greedy(40)))
+    )
+    thread.start()
+    per_request = _by_request(_batch(fake_daemon, [_ids_request(f"s-{i}", [50 + i], 20) for i in range(16)]))
+    thread.join(60)
+    assert kinds(alone)[-1] == "done"
+    assert all(kinds(events)[-1] == "done" for events in per_request.values()) and len(per_request) == 16
+    wait_kv_free(fake_daemon)
