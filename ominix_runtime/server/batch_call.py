@@ -13,6 +13,7 @@ malformed or repeated refuse the whole call before anything is admitted, since n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
@@ -32,9 +33,11 @@ if TYPE_CHECKING:
     from ominix_runtime.server.engine_service import AdmittedRequest, EngineServiceBase
 
 MAX_BATCH_REQUESTS = 4096  # documented in engine.proto
-# Admissions in flight at once: a front process waits one link round trip for each, and text prompts queue
-# for the tokenizer pool, whose own limit (max_pending_tokenizations) other callers share.
-ADMIT_CONCURRENCY = 32
+# Text and chat prompts admitted at once: they queue for the tokenizer pool, whose own limit
+# (max_pending_tokenizations) other callers share. Token-id prompts need no tokenizer and go in all together,
+# so a front process sends their submissions in one frame and the engine takes them before its next step
+# (in windows of 32 they reached the scheduler over ~7 decode steps of an H200, 2026-11-30).
+TOKENIZED_ADMIT_CONCURRENCY = 32
 # A message's size before the next event starts a new one (the clients' default receive limit is 4 MiB).
 MAX_MESSAGE_BYTES = 1 << 20
 _TERMINAL = frozenset({"done", "error"})
@@ -78,9 +81,10 @@ class BatchCall:
     ) -> AsyncGenerator[engine_pb2.GenerateEventBatch, None]:
         """Batches of events until every request has had its terminal one; leaving early (the client went
         away) aborts every request still live."""
-        gate = asyncio.Semaphore(ADMIT_CONCURRENCY)
+        gate = asyncio.Semaphore(TOKENIZED_ADMIT_CONCURRENCY)
         admitting = [
-            asyncio.create_task(self._admit(pb, rid, gate)) for pb, rid in zip(requests, ids, strict=True)
+            asyncio.create_task(self._admit(pb, rid, None if pb.WhichOneof("input") == "input_ids" else gate))
+            for pb, rid in zip(requests, ids, strict=True)
         ]
         self._tasks.update(admitting)
         try:
@@ -106,9 +110,9 @@ class BatchCall:
             self._terminals += 1
         self._queue.put_nowait(event)
 
-    async def _admit(self, pb: engine_pb2.GenerateRequest, rid: str, gate: asyncio.Semaphore) -> None:
+    async def _admit(self, pb: engine_pb2.GenerateRequest, rid: str, gate: asyncio.Semaphore | None) -> None:
         with request_context(rid):
-            async with gate:
+            async with gate or contextlib.nullcontext():
                 try:
                     admitted = await self._service.admit(pb, rid, self._caller, self._traceparent)
                 except OminixError as exc:
