@@ -854,10 +854,12 @@ class ModelRunner:
         top row count of every bucket of ``bucket`` rows up to ``max_tokens``, with a zero input in the
         model's dtype; the LM head only with ``lm_head`` (its rows are otherwise padded to captured sizes), and
         no layer whose weight was packed for the CPU. Returns the calls made. On an H200 a first cuBLAS call
-        at a row count new to it waited for the device to drain its queue, once per bucket of 8 rows at the
-        LM head's shape (bench/RESULTS.md, 2026-11-30), holding the device thread in the middle of serving.
-        Whether the layers' shapes follow the same buckets is not measured: the worker's
-        OMINIX_WARM_GEMM_ROWS, off by default, exists to measure it."""
+        at a row count new to it waited for the device to drain its queue (~85 - 185 ms behind queued work),
+        once per bucket of 8 rows at the LM head's shape and at some counts 7 - 33 rows apart at the gate-up
+        shape (bench/RESULTS.md, 2026-11-30), holding the device thread in the middle of serving. With
+        buckets of 8 (4,096 calls, 2.5 s at start for the Llama-3.1-8B shape) two fresh services had no such
+        stall, but launched their eager steps 4 - 10 ms slower at the median, unexplained; so the worker's
+        OMINIX_WARM_GEMM_ROWS stays off by default."""
         if bucket <= 0:
             return 0
         head = self.model.lm_head
