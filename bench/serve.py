@@ -317,14 +317,17 @@ async def _send_batch(
     timeout_s: float,
     progress: _Progress,
 ) -> None:
-    """All of ``requests`` in one GenerateBatch call; each result ends at its own terminal event."""
+    """All of ``requests`` in one GenerateBatch call; each result ends at its own terminal event.
+    ``timeout_s`` bounds the whole call."""
     by_id = {r.request_id: r for r in results}
     sent = time.perf_counter() - start
     for result in results:
         result.send_time = sent
     try:
         async for event in client.generate_batch(requests, timeout=timeout_s):
-            result = by_id[event.request_id]
+            result = by_id.get(event.request_id)
+            if result is None:
+                continue  # not one of ours: nothing to add it to
             now = time.perf_counter() - start
             if _record(result, event, now):
                 _settle(result, now)
@@ -340,6 +343,7 @@ async def _send_batch(
             if not result.error:
                 result.success, result.error = False, "the call ended without its terminal event"
             _settle(result, now)
+            progress.update()
 
 
 async def send_one(
@@ -935,7 +939,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-submit",
         action="store_true",
-        help="send each client process's requests in one GenerateBatch call (infinite rate only)",
+        help="send each client process's requests in one GenerateBatch call over its first channel "
+        "(infinite rate only; the request timeout bounds the whole call)",
     )
     parser.add_argument("--no-progress", action="store_true")
 

@@ -7,13 +7,16 @@ them all; its events go back in one message per wake-up rather than one per requ
 Every request is admitted, streamed and released exactly as a Generate call's would be (EngineServiceBase:
 ``admit`` / ``stream`` / ``release``), so validation, tokenization, tracing and metrics do not fork. A
 request refused at admission ends with an error event in the stream and the others go on; ids that are
-malformed or repeated refuse the whole call before anything is admitted, since no event could name them.
+malformed or repeated refuse the whole call before anything is admitted, since no event could name them, and
+so do more requests than the engine queues, which could only be refused in part. Events wait in the call's
+queue until the client reads them (a slow reader holds them all, one per token: at most the call's output).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import uuid
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
@@ -33,25 +36,39 @@ if TYPE_CHECKING:
     from ominix_runtime.server.engine_service import AdmittedRequest, EngineServiceBase
 
 MAX_BATCH_REQUESTS = 4096  # documented in engine.proto
-# Text and chat prompts admitted at once: they queue for the tokenizer pool, whose own limit
-# (max_pending_tokenizations) other callers share. Token-id prompts need no tokenizer and go in all together,
-# so a front process sends their submissions in one frame and the engine takes them before its next step
-# (in windows of 32 they reached the scheduler over ~7 decode steps of an H200, 2026-11-30).
-TOKENIZED_ADMIT_CONCURRENCY = 32
-# A message's size before the next event starts a new one (the clients' default receive limit is 4 MiB).
+# Text and chat prompts of batch calls admitted at once, over all calls of a front: they wait for the tokenizer
+# pool, which refuses work beyond its max_pending_tokenizations, so batches take at most half of it and a
+# Generate call beside them still finds room. Token-id prompts need no tokenizer and go in all together, so a
+# front process sends their submissions in one frame and the engine takes them before its next step (in
+# windows of 32 they reached the scheduler over ~7 decode steps of an H200, 2026-11-30).
+MAX_TOKENIZING_ADMISSIONS = 32
+# A message takes events until it holds this many bytes of them (a little over, by the last event and the
+# framing): the clients' default receive limit is 4 MiB.
 MAX_MESSAGE_BYTES = 1 << 20
 _TERMINAL = frozenset({"done", "error"})
 
 _log = get_logger("ominix.server")
 
 
-def batch_request_ids(batch: engine_pb2.GenerateBatchRequest) -> list[str]:
+def max_batch_requests(queue_limit: int) -> int:
+    """Requests one call may carry: MAX_BATCH_REQUESTS, or fewer where the engine queues fewer (0: no limit).
+    A larger call could only be refused in part, so it is refused whole."""
+    return min(MAX_BATCH_REQUESTS, queue_limit) if queue_limit > 0 else MAX_BATCH_REQUESTS
+
+
+def tokenizing_admissions(max_pending_tokenizations: int) -> int:
+    """Batch admissions that may wait for the tokenizer pool at once (see MAX_TOKENIZING_ADMISSIONS)."""
+    return max(1, min(MAX_TOKENIZING_ADMISSIONS, max_pending_tokenizations // 2))
+
+
+def batch_request_ids(batch: engine_pb2.GenerateBatchRequest, limit: int) -> list[str]:
     """Each request's id (generated where empty); InvalidArgument for a bad count, a bad id or a repeat."""
     count = len(batch.requests)
     if count == 0:
         raise InvalidArgument("requests is empty")
-    if count > MAX_BATCH_REQUESTS:
-        raise InvalidArgument(f"{count} requests in one call; at most {MAX_BATCH_REQUESTS}")
+    if count > limit:
+        why = "" if limit == MAX_BATCH_REQUESTS else " (the engine queues no more: --max-queue-len)"
+        raise InvalidArgument(f"{count} requests in one call; at most {limit}{why}")
     ids = [pb.request_id or uuid.uuid4().hex for pb in batch.requests]
     seen: set[str] = set()
     for index, rid in enumerate(ids):
@@ -66,29 +83,37 @@ def batch_request_ids(batch: engine_pb2.GenerateBatchRequest) -> list[str]:
 
 
 class BatchCall:
-    """Admits a call's requests, pumps each one's events into one queue, and hands them out in batches."""
+    """Admits a call's requests, pumps each one's events into one queue, and hands them out in batches.
 
-    def __init__(self, service: EngineServiceBase, caller: str, traceparent: str) -> None:
+    Every request's task ends with its terminal event in the queue: the stream's own, an error event for a
+    refusal, or (a task that failed or was cancelled without one, e.g. by a tokenizer pool closing at
+    shutdown) an error event its done-callback adds, so the call cannot wait forever for a request.
+    """
+
+    def __init__(
+        self, service: EngineServiceBase, caller: str, traceparent: str, tokenizing: asyncio.Semaphore
+    ) -> None:
         self._service = service
         self._caller = caller
         self._traceparent = traceparent
+        self._tokenizing = tokenizing
         self._queue: asyncio.Queue[engine_pb2.GenerateEvent] = asyncio.Queue()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._terminals = 0
+        self._ended: set[str] = set()  # requests whose terminal event is queued
+        self._closing = False
 
     async def events(
         self, requests: list[engine_pb2.GenerateRequest], ids: list[str]
     ) -> AsyncGenerator[engine_pb2.GenerateEventBatch, None]:
         """Batches of events until every request has had its terminal one; leaving early (the client went
         away) aborts every request still live."""
-        gate = asyncio.Semaphore(TOKENIZED_ADMIT_CONCURRENCY)
-        admitting = [
-            asyncio.create_task(self._admit(pb, rid, None if pb.WhichOneof("input") == "input_ids" else gate))
-            for pb, rid in zip(requests, ids, strict=True)
-        ]
-        self._tasks.update(admitting)
+        for pb, rid in zip(requests, ids, strict=True):
+            gate = None if pb.WhichOneof("input") == "input_ids" else self._tokenizing
+            task = asyncio.create_task(self._admit(pb, rid, gate))
+            task.add_done_callback(functools.partial(self._settle, rid))
+            self._tasks.add(task)
         try:
-            while self._terminals < len(ids) or not self._queue.empty():
+            while len(self._ended) < len(ids) or not self._queue.empty():
                 first = await self._queue.get()
                 await asyncio.sleep(0)  # other requests woken by the same step put their events first
                 out = engine_pb2.GenerateEventBatch()
@@ -100,6 +125,7 @@ class BatchCall:
                     out.events.append(event)
                 yield out
         finally:
+            self._closing = True
             for task in self._tasks:
                 task.cancel()
             # Each task's own cleanup (abort, release) runs now, before the call's end is reported.
@@ -107,8 +133,18 @@ class BatchCall:
 
     def _put(self, event: engine_pb2.GenerateEvent) -> None:
         if event.WhichOneof("event") in _TERMINAL:
-            self._terminals += 1
+            if event.request_id in self._ended:
+                return  # one terminal event per request, whatever went wrong
+            self._ended.add(event.request_id)
         self._queue.put_nowait(event)
+
+    def _settle(self, rid: str, task: asyncio.Task[None]) -> None:
+        """A request's task ended: if it left no terminal event (and the call goes on), add one."""
+        if self._closing or rid in self._ended:
+            return
+        why = "cancelled" if task.cancelled() else repr(task.exception())
+        _log.error("batch request ended without a terminal event", reason=why)
+        self._put(_error_event(rid, RuntimeErrorKind.INTERNAL, f"the request ended without a result ({why})"))
 
     async def _admit(self, pb: engine_pb2.GenerateRequest, rid: str, gate: asyncio.Semaphore | None) -> None:
         with request_context(rid):

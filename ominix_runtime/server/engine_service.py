@@ -38,7 +38,12 @@ from ominix_runtime.contract import (
 from ominix_runtime.contract.validation import DEFAULT_MAX_CHARS_PER_TOKEN
 from ominix_runtime.engine.core import EngineCore, RequestHandle
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
-from ominix_runtime.server.batch_call import BatchCall, batch_request_ids
+from ominix_runtime.server.batch_call import (
+    BatchCall,
+    batch_request_ids,
+    max_batch_requests,
+    tokenizing_admissions,
+)
 from ominix_runtime.server.front_guard import caller_of
 from ominix_runtime.server.logging import get_logger, request_context
 from ominix_runtime.server.metrics import EngineMetrics
@@ -108,6 +113,7 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         front: FrontConfig | None = None,
         tracer: RequestTracer | None = None,
         served_names: Sequence[str] = (),
+        queue_limit: int = 0,
     ) -> None:
         self._engine = engine
         self.front = front or FrontConfig()
@@ -122,6 +128,13 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         self._owners: dict[str, str] = {}  # live request id -> the caller that created it (see caller_of)
         self._rejected = 0  # refused at the front edge (never reached the engine's counters)
         self._started = time.monotonic()
+        # GenerateBatch: requests a call may carry (the engine's --max-queue-len bounds it), the admissions
+        # of all calls that may wait for the tokenizer pool at once, and the calls still sending events.
+        self._max_batch_requests = max_batch_requests(queue_limit)
+        self._batch_tokenizing = asyncio.Semaphore(
+            tokenizing_admissions(self.front.max_pending_tokenizations)
+        )
+        self._open_batch_calls = 0
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -142,12 +155,13 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
             self._pool.close()
 
     async def wait_idle(self, timeout: float) -> bool:
-        """Wait until no Generate stream is open (their last events sent); False after ``timeout``."""
+        """Wait until no Generate or GenerateBatch stream is open (their last events sent); False after
+        ``timeout``."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
-        while self._live and loop.time() < end:
+        while (self._live or self._open_batch_calls) and loop.time() < end:
             await asyncio.sleep(0.02)
-        return not self._live
+        return not (self._live or self._open_batch_calls)
 
     # ---- model facts ---------------------------------------------------------------------------------
 
@@ -349,9 +363,9 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         self, request: engine_pb2.GenerateBatchRequest, context: _GenerateBatchContext
     ) -> AsyncIterator[engine_pb2.GenerateEventBatch]:
         try:
-            ids = batch_request_ids(request)
+            ids = batch_request_ids(request, self._max_batch_requests)
         except OminixError as exc:
-            self._reject(exc.message, "invalid_batch", counted_by_engine=False)
+            self._reject(exc.message, exc.kind.name.lower(), counted_by_engine=False)
             await context.abort(status_for(exc), exc.message, trailing_metadata=error_metadata(exc.kind))
         if not self._engine.ready:
             await context.abort(
@@ -360,15 +374,16 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
                 trailing_metadata=error_metadata(RuntimeErrorKind.BACKEND_UNAVAILABLE),
             )
         large = request.ByteSize() >= memory.LARGE_ALLOCATION_BYTES
-        call = BatchCall(
-            self, caller_of(context), traceparent_from_grpc_metadata(context.invocation_metadata())
-        )
+        traceparent = traceparent_from_grpc_metadata(context.invocation_metadata())
+        call = BatchCall(self, caller_of(context), traceparent, self._batch_tokenizing)
         events = call.events(list(request.requests), ids)
+        self._open_batch_calls += 1
         try:
             async for batch in events:
                 yield batch
         finally:
             await events.aclose()
+            self._open_batch_calls -= 1
             if large:
                 asyncio.get_running_loop().run_in_executor(None, memory.trim)
 
@@ -536,7 +551,16 @@ class EngineService(EngineServiceBase):
         tracer: RequestTracer | None = None,
         served_names: Sequence[str] = (),
     ) -> None:
-        super().__init__(engine, tokenizer, model_name, metrics, front, tracer, served_names)
+        super().__init__(
+            engine,
+            tokenizer,
+            model_name,
+            metrics,
+            front,
+            tracer,
+            served_names,
+            queue_limit=engine.config.max_waiting_requests,
+        )
         self._core = engine
 
     def track(self, request_id: str, owner: str) -> None:

@@ -191,6 +191,7 @@ class FrontService(EngineServiceBase):
             None,
             config.front,
             served_names=config.model.served_model_names,
+            queue_limit=config.engine.max_waiting_requests,
         )
         self._link = engine
         self._channel = grpc.aio.insecure_channel(engine.engine_address)

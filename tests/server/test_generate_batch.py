@@ -4,6 +4,7 @@ says, events share messages, and cancelling the call frees every request's KV.""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import defaultdict
 
@@ -13,9 +14,9 @@ from server_harness import RunningDaemon
 from test_front_api import generate, greedy, kinds, wait_kv_free
 
 from ominix_runtime.client import EngineClient
-from ominix_runtime.contract import RuntimeErrorKind
+from ominix_runtime.contract import InvalidArgument, RuntimeErrorKind
 from ominix_runtime.pb import common_pb2, engine_pb2
-from ominix_runtime.server.batch_call import MAX_BATCH_REQUESTS
+from ominix_runtime.server import batch_call
 from ominix_runtime.wire import error_code_to_pb
 
 TERMINAL = ("done", "error")
@@ -132,9 +133,10 @@ def test_an_id_live_elsewhere_is_refused_for_that_request_only(fake_daemon: Runn
             "requests[2]: request_id 'same' appears twice",
         ),
         ([_ids_request("ok", [11], 1), _ids_request("bad\nid", [11], 1)], "requests[1]"),
-        ([_ids_request("", [11], 1)] * (MAX_BATCH_REQUESTS + 1), f"at most {MAX_BATCH_REQUESTS}"),
+        # The engine queues 1,024 requests (--max-queue-len): a larger call could only be refused in part.
+        ([_ids_request("", [11], 1)] * 1025, "at most 1024 (the engine queues no more: --max-queue-len)"),
     ],
-    ids=["empty", "repeated id", "bad id", "too many"],
+    ids=["empty", "repeated id", "bad id", "more than the queue holds"],
 )
 def test_a_malformed_call_is_refused_whole(
     fake_daemon: RunningDaemon, requests: list[engine_pb2.GenerateRequest], says: str
@@ -182,12 +184,146 @@ def test_cancelling_the_call_frees_every_request(fake_daemon: RunningDaemon) -> 
 
 def test_a_batch_does_not_stall_another_stream(fake_daemon: RunningDaemon) -> None:
     alone: list[engine_pb2.GenerateEvent] = []
-    thread = threading.Thread(
-        target=lambda: alone.extend(generate(fake_daemon, prompt="beside", sampling=greedy(40)))
-    )
+    first_token = threading.Event()
+
+    def stream_alone() -> None:
+        for event in fake_daemon.stub.Generate(
+            engine_pb2.GenerateRequest(prompt="beside", sampling=greedy(120)), timeout=60
+        ):
+            alone.append(event)
+            if event.HasField("token"):
+                first_token.set()
+
+    thread = threading.Thread(target=stream_alone)
     thread.start()
+    assert first_token.wait(30)
     per_request = _by_request(_batch(fake_daemon, [_ids_request(f"s-{i}", [50 + i], 20) for i in range(16)]))
     thread.join(60)
-    assert kinds(alone)[-1] == "done"
+    assert kinds(alone)[-1] == "done" and alone[-2].usage.completion_tokens == 120
     assert all(kinds(events)[-1] == "done" for events in per_request.values()) and len(per_request) == 16
     wait_kv_free(fake_daemon)
+
+
+def test_text_batches_share_the_tokenizer_pool(fake_daemon: RunningDaemon) -> None:
+    """Three calls of 100 text prompts at once, against a pool that refuses more than 64 pending: batch
+    admissions wait for the pool together (half of it at most), so none is refused."""
+    results: dict[int, dict[str, list[engine_pb2.GenerateEvent]]] = {}
+
+    def one(k: int) -> None:
+        requests = [
+            engine_pb2.GenerateRequest(
+                request_id=f"t{k}-{i}", prompt=f"prompt {k} number {i}", sampling=greedy(2)
+            )
+            for i in range(100)
+        ]
+        results[k] = _by_request(_batch(fake_daemon, requests))
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    errors = [e[-1].error.message for r in results.values() for e in r.values() if e[-1].HasField("error")]
+    assert not errors, errors[:3]
+    assert [len(r) for r in results.values()] == [100, 100, 100]
+    wait_kv_free(fake_daemon)
+
+
+def test_cancelling_during_admission_frees_every_request(fake_daemon: RunningDaemon) -> None:
+    requests = [
+        engine_pb2.GenerateRequest(
+            request_id=f"ca-{i}", prompt=f"a longer prompt {i} " * 8, sampling=greedy(400)
+        )
+        for i in range(100)
+    ]
+    call = fake_daemon.stub.GenerateBatch(engine_pb2.GenerateBatchRequest(requests=requests), timeout=30)
+    next(call)  # admissions are under way: the first event is out
+    call.cancel()
+    wait_kv_free(fake_daemon, timeout=5.0)
+    assert not any(
+        fake_daemon.stub.Abort(engine_pb2.AbortRequest(request_id=r.request_id), timeout=5).found
+        for r in requests
+    )
+    again = generate(fake_daemon, request_id="ca-0", prompt="x", sampling=greedy(2))  # the id is free
+    assert kinds(again)[-1] == "done"
+
+
+def test_aborting_one_request_ends_it_alone(fake_daemon: RunningDaemon) -> None:
+    requests = [_ids_request("ab-long", [60, 61], 800), _ids_request("ab-short-0", [62], 30)]
+    requests.append(_ids_request("ab-short-1", [63], 30))
+    call = fake_daemon.stub.GenerateBatch(engine_pb2.GenerateBatchRequest(requests=requests), timeout=30)
+    events: list[engine_pb2.GenerateEvent] = []
+    for message in call:
+        events.extend(message.events)
+        if any(e.request_id == "ab-long" and e.HasField("token") for e in message.events):
+            break
+    assert fake_daemon.stub.Abort(engine_pb2.AbortRequest(request_id="ab-long"), timeout=5).found
+    for message in call:
+        events.extend(message.events)
+    per_request = _by_request(events)
+    assert per_request["ab-long"][-1].done.finish_reason == common_pb2.FINISH_REASON_ABORT
+    for rid in ("ab-short-0", "ab-short-1"):
+        assert per_request[rid][-1].done.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert sum(len(e.token.token_ids) for e in per_request[rid] if e.HasField("token")) == 30
+    assert [kinds(v).count("done") + kinds(v).count("error") for v in per_request.values()] == [1, 1, 1]
+    wait_kv_free(fake_daemon)
+
+
+def test_empty_ids_are_generated_and_distinct(fake_daemon: RunningDaemon) -> None:
+    per_request = _by_request(_batch(fake_daemon, [_ids_request("", [70 + i], 3) for i in range(5)]))
+    assert len(per_request) == 5 and all(per_request)
+    assert all(kinds(events)[-1] == "done" for events in per_request.values())
+
+
+def test_the_message_cap_splits_messages_and_keeps_order(
+    fake_daemon: RunningDaemon, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    if "front-procs" in request.node.callspec.id:
+        pytest.skip("the cap is patched in this process; front processes run their own copy")
+    monkeypatch.setattr(batch_call, "MAX_MESSAGE_BYTES", 1)
+    requests = [_ids_request(f"cap-{i}", [80 + i, 81], 6) for i in range(8)]
+    call = fake_daemon.stub.GenerateBatch(engine_pb2.GenerateBatchRequest(requests=requests), timeout=60)
+    messages = list(call)
+    assert all(len(m.events) == 1 for m in messages)
+    per_request = _by_request([e for m in messages for e in m.events])
+    for events in per_request.values():
+        assert kinds(events)[0] == "prefill_done" and kinds(events)[-2:] == ["usage", "done"]
+        assert sum(len(e.token.token_ids) for e in events if e.HasField("token")) == 6
+    assert len(per_request) == 8
+
+
+class _RefusingService:
+    """Stands in for the service: every admission fails, one of them by cancellation (as a tokenizer pool
+    closing at shutdown cancels its pending work) and one by a bug."""
+
+    async def admit(self, pb: engine_pb2.GenerateRequest, rid: str, caller: str, traceparent: str) -> None:
+        if rid == "cancelled":
+            raise asyncio.CancelledError
+        if rid == "bug":
+            raise KeyError("a bug")
+        raise InvalidArgument("refused")
+
+
+def test_a_request_that_ends_without_a_terminal_gets_one() -> None:
+    ids = ["cancelled", "bug", "refused"]
+    requests = [_ids_request(rid, [11], 1) for rid in ids]
+
+    async def run() -> list[engine_pb2.GenerateEvent]:
+        call = batch_call.BatchCall(_RefusingService(), "", "", asyncio.Semaphore(4))  # type: ignore[arg-type]
+        return [e async for batch in call.events(requests, ids) for e in batch.events]
+
+    events = asyncio.run(asyncio.wait_for(run(), timeout=10))
+    assert sorted(e.request_id for e in events) == sorted(ids)  # one terminal each, and the call ended
+    by_id = {e.request_id: e.error for e in events}
+    assert by_id["cancelled"].code == error_code_to_pb(RuntimeErrorKind.INTERNAL)
+    assert "cancelled" in by_id["cancelled"].message
+    assert by_id["bug"].code == error_code_to_pb(RuntimeErrorKind.INTERNAL)
+    assert by_id["refused"].code == error_code_to_pb(RuntimeErrorKind.INVALID_ARGUMENT)
+
+
+def test_a_call_is_bounded_by_the_engine_queue() -> None:
+    assert batch_call.max_batch_requests(0) == batch_call.MAX_BATCH_REQUESTS  # no queue limit
+    assert batch_call.max_batch_requests(100_000) == batch_call.MAX_BATCH_REQUESTS
+    assert batch_call.max_batch_requests(300) == 300
+    assert batch_call.tokenizing_admissions(64) == 32 and batch_call.tokenizing_admissions(8) == 4
+    assert batch_call.tokenizing_admissions(1) == 1
