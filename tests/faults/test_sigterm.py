@@ -43,6 +43,34 @@ def _start_streams(
     return outs, threads
 
 
+class _BatchOutcome:
+    """One GenerateBatch call read in a thread: every event, and the call's status if it failed."""
+
+    def __init__(self, engine: Engine, requests: list[engine_pb2.GenerateRequest]) -> None:
+        self.events: list[engine_pb2.GenerateEvent] = []
+        self.status: grpc.StatusCode | None = None
+        self.first_token = threading.Event()
+        self._call = engine.stub.GenerateBatch(engine_pb2.GenerateBatchRequest(requests=requests), timeout=60)
+        self.thread = threading.Thread(target=self._read)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            for message in self._call:
+                self.events.extend(message.events)
+                if any(e.HasField("token") for e in message.events):
+                    self.first_token.set()
+        except grpc.RpcError as exc:
+            self.status = exc.code()  # type: ignore[attr-defined]  # a failed call's RpcError is a grpc.Call
+
+    def terminals(self) -> dict[str, list[engine_pb2.GenerateEvent]]:
+        out: dict[str, list[engine_pb2.GenerateEvent]] = {}
+        for event in self.events:
+            if event.WhichOneof("event") in ("done", "error"):
+                out.setdefault(event.request_id, []).append(event)
+        return out
+
+
 def _health(address: str) -> int | None:
     with grpc.insecure_channel(address) as channel:
         try:
@@ -80,14 +108,22 @@ def test_sigterm_drains_in_flight_then_ends_the_rest(tmp_path: Path) -> None:
             _req(f"long{i}", 1000, i) for i in range(4)
         ]
         outs, threads = _start_streams(engine, requests)
+        # The same mix in one GenerateBatch call: the drain waits for it as for the streams.
+        batch = _BatchOutcome(engine, [_req(f"b-short{i}", 40, i) for i in range(3)] + [_req("b-long", 1000)])
+        assert batch.first_token.wait(30), engine.logs()
         proc = engine.engine.popen
         proc.send_signal(signal.SIGTERM)
         sent_at = time.monotonic()
         _wait_not_serving(engine)
         assert _refused_while_draining(engine) == grpc.StatusCode.UNAVAILABLE
-        for t in threads:
+        for t in [*threads, batch.thread]:
             t.join(30)
         assert proc.wait(timeout=DRAIN_S + 15) == 0, engine.logs()
+        ends = batch.terminals()
+        assert batch.status is None and sorted(ends) == ["b-long", "b-short0", "b-short1", "b-short2"]
+        assert all(len(v) == 1 for v in ends.values())
+        assert all(ends[f"b-short{i}"][0].HasField("done") for i in range(3))
+        assert ends["b-long"][0].error.code == int(RuntimeErrorKind.BACKEND_UNAVAILABLE)
         assert time.monotonic() - sent_at < DRAIN_S + 10
         for o in outs:
             assert o.status is None and o.num_terminal == 1, (o.request_id, o.status)
