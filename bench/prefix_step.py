@@ -206,6 +206,14 @@ def main() -> None:
         help="launch the wrapped Triton kernels through ominix_worker.ops.launch (fast, the worker's default) "
         "or through Triton's own launch (triton: the worker's OMINIX_TRITON_FAST_LAUNCH=0)",
     )
+    p.add_argument(
+        "--warm-gemm-rows",
+        type=int,
+        default=0,
+        help="with --mixed-decodes: then run the runner's GEMM warm-up in buckets of this many rows (the "
+        "worker's OMINIX_WARM_GEMM_ROWS) and time the mixed steps and their launch again",
+    )
+    p.add_argument("--warm-gemm-max-tokens", type=int, default=8192, help="the warm-up's top row count")
     p.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (float32: checks the script only)")
     args = p.parse_args()
     set_fast_launch(args.triton_launch == "fast")
@@ -336,6 +344,19 @@ def main() -> None:
             more = [mixed_step(args.trials + 3_000 + i) for i in range(args.trials)]
             figures["mixed_step_host_launch_profiled"] = host_launch(runner, more, args.launch_pstats)
         figures["decodes_alone_host_launch"] = host_launch(runner, [alone_step() for _ in range(args.trials)])
+        if args.warm_gemm_rows:
+            # The worker's OMINIX_WARM_GEMM_ROWS, then the same launches again: does the warm-up change them?
+            started = time.perf_counter()
+            calls = runner.warm_up_gemm_rows(args.warm_gemm_max_tokens, args.warm_gemm_rows)
+            figures["gemm_warm_up"] = {"calls": calls, "s": round(time.perf_counter() - started, 2)}
+            again = [mixed_step(args.trials + 4_000 + i) for i in range(args.trials)]
+            figures["mixed_step_host_launch_after_gemm_warm_up"] = host_launch(runner, again)
+            walls = StepClock(runner)
+            for i in range(args.trials + 5):
+                step, finish = mixed_step(args.trials + 5_000 + i)
+                walls.run(step, keep=i >= 5)
+                clock.run(finish, keep=False)
+            figures["mixed_step_after_gemm_warm_up"] = walls.summary()
         if profile:
             figures["mixed_step_kernels"] = step_kernels(mixed_step, args.trials + 5, clock, args.top)
         if args.trace:

@@ -355,13 +355,15 @@ def test_prefix_step_runs_every_step_kind_on_a_tiny_model(tmp_path: Path) -> Non
     argv += [f"dummy:{config}", "--prefix-len", "256", "--suffix-len", "16", "--trials", "3"]
     argv += ["--num-blocks", "2048", "--mixed-decodes", "3", "--mixed-prompt", "64", "--json", str(out)]
     argv += ["--trace", str(tmp_path / "trace.json"), "--launch-pstats", str(tmp_path / "launch.pstats")]
-    argv += ["--triton-launch", "triton"]
+    argv += ["--triton-launch", "triton", "--warm-gemm-rows", "16", "--warm-gemm-max-tokens", "64"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
     figures = json.loads(out.read_text())
     kinds = ("suffix_step", "batch1_decode_step", "mixed_step", "decodes_alone_step")
     launches = ("mixed_step_host_launch", "decodes_alone_host_launch", "mixed_step_host_launch_profiled")
-    for kind in (*kinds, *launches):
+    after = ("mixed_step_host_launch_after_gemm_warm_up", "mixed_step_after_gemm_warm_up")
+    assert figures["gemm_warm_up"]["calls"] >= 0  # the CPU's packed layers are skipped
+    for kind in (*kinds, *launches, *after):
         assert figures[kind]["steps"] == 3
         assert 0 < figures[kind]["min_ms"] <= figures[kind]["median_ms"]
     assert figures["mixed_step"]["decodes"] == 3 and figures["device"] == "cpu"
