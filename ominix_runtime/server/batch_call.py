@@ -8,8 +8,9 @@ Every request is admitted, streamed and released exactly as a Generate call's wo
 ``admit`` / ``stream`` / ``release``), so validation, tokenization, tracing and metrics do not fork. A
 request refused at admission ends with an error event in the stream and the others go on; ids that are
 malformed or repeated refuse the whole call before anything is admitted, since no event could name them, and
-so do more requests than the engine queues, which could only be refused in part. Events wait in the call's
-queue until the client reads them (a slow reader holds them all, one per token: at most the call's output).
+so do more requests than the engine queues, which could only be refused in part. Past MAX_QUEUED_EVENTS
+events waiting for a slow reader, the requests stop taking theirs: their tokens then wait in their handles,
+which merge them into one event each (as a Generate stream's handle does for a slow client).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ MAX_BATCH_REQUESTS = 4096  # documented in engine.proto
 # front process sends their submissions in one frame and the engine takes them before its next step (in
 # windows of 32 they reached the scheduler over ~7 decode steps of an H200, 2026-11-30).
 MAX_TOKENIZING_ADMISSIONS = 32
+# Events waiting for the client before the requests stop taking theirs (about 16 steps of 256 requests).
+MAX_QUEUED_EVENTS = 4096
 # A message takes events until it holds this many bytes of them (a little over, by the last event and the
 # framing): the clients' default receive limit is 4 MiB.
 MAX_MESSAGE_BYTES = 1 << 20
@@ -101,6 +104,8 @@ class BatchCall:
         self._tasks: set[asyncio.Task[None]] = set()
         self._ended: set[str] = set()  # requests whose terminal event is queued
         self._closing = False
+        self._room = asyncio.Event()  # set while fewer than MAX_QUEUED_EVENTS wait
+        self._room.set()
 
     async def events(
         self, requests: list[engine_pb2.GenerateRequest], ids: list[str]
@@ -123,6 +128,8 @@ class BatchCall:
                     event = self._queue.get_nowait()
                     size += event.ByteSize()
                     out.events.append(event)
+                if self._queue.qsize() < MAX_QUEUED_EVENTS:
+                    self._room.set()
                 yield out
         finally:
             self._closing = True
@@ -137,6 +144,8 @@ class BatchCall:
                 return  # one terminal event per request, whatever went wrong
             self._ended.add(event.request_id)
         self._queue.put_nowait(event)
+        if self._queue.qsize() >= MAX_QUEUED_EVENTS:
+            self._room.clear()
 
     def _settle(self, rid: str, task: asyncio.Task[None]) -> None:
         """A request's task ended: if it left no terminal event (and the call goes on), add one."""
@@ -170,6 +179,7 @@ class BatchCall:
                 async for event in self._service.stream(admitted):
                     last = event
                     self._put(event)
+                    await self._room.wait()  # a slow reader: leave the next tokens to the handle
                 finished = True
             except Exception as exc:  # a bug here must still end the request with one terminal event
                 _log.exception("batch stream failed")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import defaultdict
 
 import grpc
@@ -15,7 +16,7 @@ from test_front_api import generate, greedy, kinds, wait_kv_free
 
 from ominix_runtime.client import EngineClient
 from ominix_runtime.contract import InvalidArgument, RuntimeErrorKind
-from ominix_runtime.pb import common_pb2, engine_pb2
+from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
 from ominix_runtime.server import batch_call
 from ominix_runtime.wire import error_code_to_pb
 
@@ -290,6 +291,37 @@ def test_the_message_cap_splits_messages_and_keeps_order(
         assert kinds(events)[0] == "prefill_done" and kinds(events)[-2:] == ["usage", "done"]
         assert sum(len(e.token.token_ids) for e in events if e.HasField("token")) == 6
     assert len(per_request) == 8
+
+
+def test_a_slow_reader_gets_merged_tokens_not_a_growing_queue(
+    fake_daemon: RunningDaemon, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """Past the queue's limit the requests stop taking their events: a reader that pauses finds each request's
+    later tokens merged into few events (every token still there, in order), not one event per token."""
+    if "front-procs" in request.node.callspec.id:
+        pytest.skip("the limit is patched in this process; front processes run their own copy")
+    monkeypatch.setattr(batch_call, "MAX_QUEUED_EVENTS", 4)
+    requests = [_ids_request(f"slow-{i}", [90 + i, 91], 100) for i in range(4)]
+    # A small HTTP/2 window that does not grow: the server's sends stop as soon as the client stops reading,
+    # and the call's queue fills behind them.
+    options = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+    with grpc.insecure_channel(fake_daemon.address, options=options) as channel:
+        call = engine_pb2_grpc.EngineStub(channel).GenerateBatch(
+            engine_pb2.GenerateBatchRequest(requests=requests), timeout=60
+        )
+        events = list(next(call).events)
+        time.sleep(1.0)  # about 500 fake steps: every request finishes meanwhile
+        for message in call:
+            events.extend(message.events)
+    per_request = _by_request(events)
+    alone = generate(fake_daemon, input_ids=requests[0].input_ids, sampling=requests[0].sampling)
+    expected = [t for e in alone if e.HasField("token") for t in e.token.token_ids]
+    for rid, got in per_request.items():
+        chunks = [list(e.token.token_ids) for e in got if e.HasField("token")]
+        assert sum(len(c) for c in chunks) == 100 and kinds(got)[-1] == "done", rid
+        assert len(chunks) < 50, (rid, len(chunks))  # merged while the reader slept
+    assert [t for e in per_request["slow-0"] if e.HasField("token") for t in e.token.token_ids] == expected
+    wait_kv_free(fake_daemon)
 
 
 class _RefusingService:
