@@ -144,6 +144,7 @@ class EngineDaemon:
             config.front,
             self.tracer,
             served_names=config.model.served_model_names,
+            queue_limit=config.engine.max_waiting_requests,
         )
         self._service = service
 

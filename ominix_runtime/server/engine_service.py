@@ -550,17 +550,9 @@ class EngineService(EngineServiceBase):
         front: FrontConfig | None = None,
         tracer: RequestTracer | None = None,
         served_names: Sequence[str] = (),
+        queue_limit: int = 0,
     ) -> None:
-        super().__init__(
-            engine,
-            tokenizer,
-            model_name,
-            metrics,
-            front,
-            tracer,
-            served_names,
-            queue_limit=engine.config.max_waiting_requests,
-        )
+        super().__init__(engine, tokenizer, model_name, metrics, front, tracer, served_names, queue_limit)
         self._core = engine
 
     def track(self, request_id: str, owner: str) -> None:
