@@ -107,6 +107,9 @@ def host_launch(
     stats are written there and summed by function on stdout."""
     cuda = runner.device.type == "cuda"
     times: list[float] = []
+    # The launching thread's CPU time beside each wall time: equal, the host ran the launch's code that long;
+    # less, the launch waited (a lock, another thread holding the GIL, the device).
+    cpu_times: list[float] = []
     profiler = cProfile.Profile() if pstats_path else None
     for step, finish in steps:
         spun: torch.cuda.Event | None = None
@@ -117,6 +120,7 @@ def host_launch(
             spun.record()
         runner.overlap_steps = True
         started = time.perf_counter()
+        cpu_started = time.thread_time()
         try:
             if profiler is not None:
                 profiler.enable()
@@ -124,6 +128,7 @@ def host_launch(
             if profiler is not None:
                 profiler.disable()
             launched = (time.perf_counter() - started) * 1e3
+            cpu_times.append(round((time.thread_time() - cpu_started) * 1e3, 3))
             if not runner.has_pending():
                 raise RuntimeError(f"step {step.step_id} did not take the pipelined path")
             if spun is not None and spun.query():
@@ -143,7 +148,7 @@ def host_launch(
         profiler.dump_stats(str(pstats_path))
         print(f"--- cProfile of {len(steps)} launches (also in {pstats_path})")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-    return summary(times)
+    return summary(times) | {"thread_cpu_ms": cpu_times}
 
 
 def _new(rid: str, prompt: list[int], blocks: list[int], computed: int, scheduled: int) -> NewRequestData:
