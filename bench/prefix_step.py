@@ -247,7 +247,7 @@ def main() -> None:
     # batch-1 decode has its own, the mixed step's decodes and prompts come after.
     # a token per step: each mixed step and each step alone, timed (trials + 5 each) and launched (trials each,
     # trials more with --launch-pstats), and the profiled mixed steps
-    decode_steps = 5 * args.trials + 40
+    decode_steps = 5 * args.trials + 40 + (2 * args.trials + 5 if args.warm_gemm_rows else 0)
     per_decode = -(-(512 + decode_steps) // BLOCK)
     prompt_blocks = -(-(args.mixed_prompt + 1) // BLOCK)
     needed = MIXED_FIRST + (args.mixed_decodes * per_decode + 2 * prompt_blocks if args.mixed_decodes else 0)
