@@ -858,9 +858,9 @@ class ModelRunner:
         once per bucket of 8 rows at the LM head's shape and at some counts 7 - 33 rows apart at the gate-up
         shape (bench/RESULTS.md, 2026-11-30), holding the device thread in the middle of serving. With
         buckets of 8 (4,096 calls, 2.2 - 2.6 s at start for the Llama-3.1-8B shape) three fresh services had
-        no such stall (three unwarmed ones one each, 156 - 176 ms), but their eager launches read 2 - 10 ms
-        slower at the median, which the warm-up alone does not do in one process; ITL p99 moved -1.7 to +5.6
-        ms. So the worker's OMINIX_WARM_GEMM_ROWS stays off by default until an A/B decides."""
+        no such stall (three unwarmed ones one each, 156 - 176 ms); ITL p99 moved -1.7 to +5.6 ms, within
+        what one host's launch speed varies (one eager launch's CPU time ran 14 - 30 ms in one process). The
+        worker's OMINIX_WARM_GEMM_ROWS stays off by default until an online A/B decides."""
         if bucket <= 0:
             return 0
         head = self.model.lm_head
