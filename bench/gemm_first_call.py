@@ -11,7 +11,9 @@ allocated beforehand (so the caching allocator stays out of the figure), twice:
 
 Run each mode in its own process: a row count called in one sweep is no longer new to cuBLAS in the next, and
 neither are the row counts 1 and 256, which warm cuBLAS up before either sweep. On an H200 (bench/RESULTS.md,
-2026-11-30) the first call paid ~3 ms idle, and waited for the queue, once per bucket of 8 row counts.
+2026-11-30) the first call at the LM head's shape paid ~3 ms idle and waited for the queue, once per bucket of
+8 row counts; at the gate-up shape (``--n 28672``) it waited 163 - 185 ms behind ~150 ms of queue, at counts 7
+to 33 rows apart.
 
     python bench/gemm_first_call.py --mode idle --rows 2:260:3 [--n 128256 --k 4096] [--json out.json]
     python bench/gemm_first_call.py --mode queued --rows 11,19,27,35,43 [--queue-ms 150]
@@ -20,9 +22,11 @@ neither are the row counts 1 and 256, which warm cuBLAS up before either sweep. 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -82,13 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}: N={args.n} K={args.k}, mode {args.mode}"
     )
-    results: list[dict[str, float]] = []
     reps = 0
-    if args.mode == "idle":
-        for m, x, out in zip(rows, inputs, outputs, strict=True):
-            first, second = (idle_call_ms(x, w, out) for _ in range(2))
-            results.append({"rows": m, "first_ms": round(first, 3), "second_ms": round(second, 3)})
-    else:
+    call: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], float] = idle_call_ms
+    if args.mode == "queued":
         square = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         torch.matmul(square, square)  # its own first call stays out of the rate below
         torch.cuda.synchronize()
@@ -100,9 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"queue: {reps} matmuls of 8192^3 (~{args.queue_ms:.0f} ms) before each call; host time of the call"
         )
-        for m, x, out in zip(rows, inputs, outputs, strict=True):
-            first, second = (queued_call_ms(x, w, out, square, reps) for _ in range(2))
-            results.append({"rows": m, "first_ms": round(first, 3), "second_ms": round(second, 3)})
+        call = functools.partial(queued_call_ms, square=square, reps=reps)
+    results: list[dict[str, float]] = []
+    for m, x, out in zip(rows, inputs, outputs, strict=True):
+        first, second = (call(x, w, out) for _ in range(2))
+        results.append({"rows": m, "first_ms": round(first, 3), "second_ms": round(second, 3)})
     for r in results:
         costly = " <- first call costs more" if r["first_ms"] > 3 * r["second_ms"] + 0.5 else ""
         print(f"  M={r['rows']:5d}  first {r['first_ms']:8.2f} ms  second {r['second_ms']:7.2f} ms{costly}")

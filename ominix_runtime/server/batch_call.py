@@ -170,23 +170,11 @@ class BatchCall:
             await self._pump(admitted)
 
     async def _pump(self, admitted: AdmittedRequest) -> None:
-        """One request's events into the queue, then its release (an abort unless it finished)."""
-        rid = admitted.request.request_id
-        finished = False
-        last: engine_pb2.GenerateEvent | None = None
-        try:
-            try:
-                async for event in self._service.stream(admitted):
-                    last = event
-                    self._put(event)
-                    await self._room.wait()  # a slow reader: leave the next tokens to the handle
-                finished = True
-            except Exception as exc:  # a bug here must still end the request with one terminal event
-                _log.exception("batch stream failed")
-                last = _error_event(rid, RuntimeErrorKind.INTERNAL, repr(exc))
-                self._put(last)
-        finally:
-            self._service.release(admitted, finished, last)
+        """One request's events into the queue; released at its end (an abort unless it finished)."""
+        async with contextlib.aclosing(self._service.stream_and_release(admitted)) as events:
+            async for event in events:
+                self._put(event)
+                await self._room.wait()  # a slow reader: leave the next tokens to the handle
 
 
 def _error_event(

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, NoReturn, Protocol
 
 import grpc
 import grpc.aio
@@ -248,11 +249,7 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         except OminixError as exc:
             self._reject(exc.message, "invalid_request_id", counted_by_engine=False)
             raise
-        if not self._engine.ready:
-            raise _NotServing(
-                RuntimeErrorKind.BACKEND_UNAVAILABLE,
-                "the engine is not serving (starting, shutting down, or no worker is up)",
-            )
+        self._check_serving()
         if request_id in self._live:
             raise AlreadyLive(f"request_id '{request_id}' is already live")
         # Before any await, so a concurrent duplicate sees it.
@@ -304,6 +301,29 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         """The admitted request's events (detokenized, stop strings applied), ending with one terminal."""
         return self._events(admitted.request, admitted.handle, admitted.span)
 
+    async def stream_and_release(
+        self, admitted: AdmittedRequest
+    ) -> AsyncGenerator[engine_pb2.GenerateEvent, None]:
+        """``stream(admitted)``, ended by an INTERNAL error event if it fails, then ``release``: exactly one
+        terminal event, and the request's end however the consumer stops (which must ``aclose`` it)."""
+        finished = False
+        last: engine_pb2.GenerateEvent | None = None
+        try:
+            try:
+                async for event in self.stream(admitted):
+                    last = event
+                    yield event
+                finished = True
+            except Exception as exc:  # a bug here must still end the stream with one terminal event
+                _log.exception("generate stream failed")
+                last = engine_pb2.GenerateEvent(
+                    request_id=admitted.request.request_id,
+                    error=wire.error_info_to_pb(RuntimeErrorKind.INTERNAL, repr(exc)),
+                )
+                yield last
+        finally:
+            self.release(admitted, finished, last)
+
     def release(
         self, admitted: AdmittedRequest, finished: bool, last: engine_pb2.GenerateEvent | None
     ) -> None:
@@ -340,24 +360,17 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
                 traceparent = traceparent_from_grpc_metadata(context.invocation_metadata())
                 admitted = await self.admit(request, request_id, caller_of(context), traceparent)
             except OminixError as exc:
-                await context.abort(status_for(exc), exc.message, trailing_metadata=error_metadata(exc.kind))
-            finished = False
-            last: engine_pb2.GenerateEvent | None = None
-            try:
-                try:
-                    async for event in self.stream(admitted):
-                        last = event
-                        yield event
-                    finished = True
-                except Exception as exc:  # a bug here must still end the stream with one terminal event
-                    _log.exception("generate stream failed")
-                    last = engine_pb2.GenerateEvent(
-                        request_id=request_id,
-                        error=wire.error_info_to_pb(RuntimeErrorKind.INTERNAL, repr(exc)),
-                    )
-                    yield last
-            finally:
-                self.release(admitted, finished, last)
+                await abort_call(context, exc)
+            async with contextlib.aclosing(self.stream_and_release(admitted)) as events:
+                async for event in events:
+                    yield event
+
+    def _check_serving(self) -> None:
+        if not self._engine.ready:
+            raise _NotServing(
+                RuntimeErrorKind.BACKEND_UNAVAILABLE,
+                "the engine is not serving (starting, shutting down, or no worker is up)",
+            )
 
     async def GenerateBatch(
         self, request: engine_pb2.GenerateBatchRequest, context: _GenerateBatchContext
@@ -366,13 +379,11 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
             ids = batch_request_ids(request, self._max_batch_requests)
         except OminixError as exc:
             self._reject(exc.message, exc.kind.name.lower(), counted_by_engine=False)
-            await context.abort(status_for(exc), exc.message, trailing_metadata=error_metadata(exc.kind))
-        if not self._engine.ready:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                "the engine is not serving (starting, shutting down, or no worker is up)",
-                trailing_metadata=error_metadata(RuntimeErrorKind.BACKEND_UNAVAILABLE),
-            )
+            await abort_call(context, exc)
+        try:
+            self._check_serving()  # as admit refuses one request: not counted as a rejection
+        except OminixError as exc:
+            await abort_call(context, exc)
         large = request.ByteSize() >= memory.LARGE_ALLOCATION_BYTES
         traceparent = traceparent_from_grpc_metadata(context.invocation_metadata())
         call = BatchCall(self, caller_of(context), traceparent, self._batch_tokenizing)
@@ -671,6 +682,11 @@ _STATUS_OF_REFUSAL: dict[type[OminixError], grpc.StatusCode] = {
 def status_for(error: OminixError) -> grpc.StatusCode:
     refusal = _STATUS_OF_REFUSAL.get(type(error))
     return refusal if refusal is not None else STATUS_OF_ERROR.get(error.kind, grpc.StatusCode.INTERNAL)
+
+
+async def abort_call(context: grpc.aio.ServicerContext[Any, Any], error: OminixError) -> NoReturn:
+    """End the call refused with ``error``: its status, message, and the contract's error kind in metadata."""
+    await context.abort(status_for(error), error.message, trailing_metadata=error_metadata(error.kind))
 
 
 def error_metadata(kind: RuntimeErrorKind, tokens_sent: bool = False) -> tuple[tuple[str, str], ...]:
