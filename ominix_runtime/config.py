@@ -208,6 +208,8 @@ class DebugConfig:
     pad_logits: bool = True  # worker: an eager step's LM head runs at a captured decode size of rows
     # worker, CUDA: each linear's GEMM warmed at start once per bucket of this many rows; 0: off
     warm_gemm_rows: int = 0
+    # worker, CUDA: prefill and mixed steps of up to this many tokens replay piecewise CUDA graphs; 0: off
+    eager_graph_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,13 +266,13 @@ def with_paths(tree: T, values: Mapping[str, Any]) -> T:
 # ---- debug variables ------------------------------------------------------------------------------------
 
 
-def _rows(text: str) -> int:
+def _count(text: str) -> int:
     try:
         value = int(text.strip() or "0")
     except ValueError:
-        raise ValueError(f"expected a row count (0: off), got {text!r}") from None
+        raise ValueError(f"expected a count (0: off), got {text!r}") from None
     if value < 0:
-        raise ValueError(f"expected a row count (0: off), got {text!r}")
+        raise ValueError(f"expected a count (0: off), got {text!r}")
     return value
 
 
@@ -324,9 +326,16 @@ DEBUG_VARIABLES: tuple[DebugVariable, ...] = (
     DebugVariable(
         "OMINIX_WARM_GEMM_ROWS",
         "debug.warm_gemm_rows",
-        _rows,
+        _count,
         "N: on CUDA, each linear layer's GEMM runs at start once per bucket of N rows up to the step budget "
         "(a first cuBLAS call at a new row count can wait for the device to drain); 0: off",
+    ),
+    DebugVariable(
+        "OMINIX_EAGER_GRAPH_TOKENS",
+        "debug.eager_graph_tokens",
+        _count,
+        "N: on CUDA, prefill and mixed steps of up to N tokens (at most the step budget) replay CUDA graphs "
+        "captured at start in pieces between the layers' attention, per bucket of 32 tokens; 0: eager",
     ),
 )
 

@@ -287,6 +287,12 @@ def load_worker(
         took = time.perf_counter() - started
         _say(f"warmed {calls} GEMMs (buckets of {debug.warm_gemm_rows} rows) in {took:.1f} s")
     graphs = runner.capture_decode_graphs() if debug.cuda_graphs else False
+    if graphs and debug.eager_graph_tokens:
+        started = time.perf_counter()
+        buckets = runner.capture_eager_graphs(min(debug.eager_graph_tokens, max_batch_tokens))
+        if buckets:
+            took = time.perf_counter() - started
+            _say(f"captured prefill and mixed steps at {buckets} token counts in {took:.1f} s")
     runner.pad_logits = debug.pad_logits
     runner.pipeline_decode = debug.pipeline
     runner.pipeline_eager = debug.pipeline_eager

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ominix_worker.attention.base import UNIT_KV_SCALES, AttentionMetadata, KVScales
+from ominix_worker.attention.base import UNIT_KV_SCALES, AttentionMetadata, KVScales, PiecewiseAttention
 
 ASCEND_BLOCK_SIZE = 128
 ASCEND_KV_DTYPES = (torch.float16, torch.bfloat16)
@@ -293,6 +293,10 @@ class AscendPagedAttention:
         self.ops: NpuOps = ops if ops is not None else TorchNpuOps()
         self._masks: dict[str, torch.Tensor] = {}
         self._last: tuple[AttentionMetadata, AscendInputs] | None = None
+
+    def piecewise_attention(self) -> PiecewiseAttention | None:
+        """Its steps are not captured (no CUDA graphs here)."""
+        return None
 
     def mixed_warm_up_steps(
         self, num_kv_heads: int, max_tokens: int, device: torch.device

@@ -11,6 +11,7 @@ the cache: prefix hit, earlier chunk, or earlier decode steps). Attention is cau
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,11 +64,42 @@ class AttentionMetadata:
         return int(self.seq_lens.shape[0])
 
 
+# A layer's attention call as ``AttentionBackend.forward`` receives it: (query, kv_cache, meta, scale, kv_scales,
+# sinks) -> output.
+AttentionCall = Callable[
+    [torch.Tensor, torch.Tensor, AttentionMetadata, float, KVScales, torch.Tensor | None], torch.Tensor
+]
+
+
+class PiecewiseAttention(Protocol):
+    """What a backend offers the eager steps' piecewise CUDA graphs (``eager_graph.EagerGraphs``): its KV store
+    is capturable and skips slot -1 (a padding row); while ``cut`` is set, ``forward`` hands each call to it
+    instead of attending (the capture ends a piece there); ``forward_into`` attends into a caller's buffer
+    between the replayed pieces."""
+
+    cut: AttentionCall | None
+
+    def forward_into(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+        kv_scales: KVScales = UNIT_KV_SCALES,
+        sinks: torch.Tensor | None = None,
+    ) -> None: ...
+
+
 class AttentionBackend(Protocol):
     name: str
     block_size: int
     supports_sliding_window: bool  # honours AttentionMetadata.sliding_window
     supports_sinks: bool  # takes forward(..., sinks=)
+
+    def piecewise_attention(self) -> PiecewiseAttention | None:
+        """This backend as the eager steps' piecewise CUDA graphs use it; None: its eager steps stay eager."""
+        ...
 
     def mixed_warm_up_steps(
         self, num_kv_heads: int, max_tokens: int, device: torch.device

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ominix_worker.attention.base import UNIT_KV_SCALES, AttentionMetadata, KVScales
+from ominix_worker.attention.base import UNIT_KV_SCALES, AttentionMetadata, KVScales, PiecewiseAttention
 
 
 class TorchReferenceAttention:
@@ -26,6 +26,10 @@ class TorchReferenceAttention:
         self.block_size = block_size
         # The plans of the step's metadata (one per KV group), newest last.
         self._plans: list[tuple[AttentionMetadata, _StepPlan]] = []
+
+    def piecewise_attention(self) -> PiecewiseAttention | None:
+        """Its steps are not captured (no CUDA graphs here)."""
+        return None
 
     def mixed_warm_up_steps(
         self, num_kv_heads: int, max_tokens: int, device: torch.device

@@ -38,7 +38,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ominix_worker.attention.base import UNIT_KV_SCALES, AttentionMetadata, KVScales
+from ominix_worker.attention.base import (
+    UNIT_KV_SCALES,
+    AttentionCall,
+    AttentionMetadata,
+    KVScales,
+    PiecewiseAttention,
+)
 from ominix_worker.attention.mixed_plan import MixedPlan, plan_mixed_step, warm_up_steps
 from ominix_worker.devices import sm_count
 from ominix_worker.ops import cdiv, next_power_of_2
@@ -678,6 +684,12 @@ class TritonPagedAttention:
         # The last plan and what it was worked out from (identities: the KV groups' metadata share the lists).
         self._plan_key: tuple[object, object, int] | None = None
         self._plan = MixedPlan.NONE
+        # Set while an eager step's pieces are captured (``PiecewiseAttention``): ``forward`` hands it the call.
+        self.cut: AttentionCall | None = None
+
+    def piecewise_attention(self) -> PiecewiseAttention | None:
+        """The Triton store skips slot -1; the index-copy store (a comparison path) would fail on it."""
+        return None if self.store_with_index_copy else self
 
     def mixed_warm_up_steps(
         self, num_kv_heads: int, max_tokens: int, device: torch.device
@@ -746,6 +758,8 @@ class TritonPagedAttention:
         kv_scales: KVScales = UNIT_KV_SCALES,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if self.cut is not None:
+            return self.cut(query, kv_cache, meta, scale, kv_scales, sinks)
         out = torch.empty_like(query)
         self.forward_into(query, kv_cache, meta, scale, out, kv_scales, sinks)
         return out

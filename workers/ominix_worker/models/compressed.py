@@ -265,6 +265,8 @@ class LlamaCompressedForCausalLM(LlamaForCausalLM):
     group per ratio; KV tensors: one raw per layer, then one of rows per compressed layer (kv_cache.py)."""
 
     single_rank_reason = "compressed attention runs without tensor parallelism"
+    # Its compressed layers attend through calls of their own, not the backend's forward.
+    piecewise_graphs = False
 
     def __init__(
         self,

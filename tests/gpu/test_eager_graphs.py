@@ -1,0 +1,216 @@
+"""Prefill and mixed steps replayed from piecewise CUDA graphs (``eager_graph.EagerGraphs``) against the eager
+forward on the same runner: same logits, padding rows write no KV, the layers' hook runs between the pieces,
+and execute_step gives the same tokens. The dense Llama shape and a Qwen3-MoE shape both run."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+if TYPE_CHECKING:  # the runner is imported inside the tests, after the CUDA skip
+    from ominix_worker.runner import CachedRequest, ModelRunner, ScheduledRow
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 1000,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+_MOE_CONFIG = {
+    **_CONFIG,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 128,
+    "norm_topk_prob": True,
+}
+CONFIGS = pytest.mark.parametrize("model_config", [_CONFIG, _MOE_CONFIG], ids=["dense", "moe"])
+
+
+def _runner(tmp_path: Path, model_config: dict[str, object] = _CONFIG) -> ModelRunner:
+    from ominix_worker.runner import build_runner
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(model_config))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return build_runner(
+        f"dummy:{config}", device="cuda", dtype=torch.float32, num_blocks=96, max_model_len=512
+    )
+
+
+def _logits(runner: ModelRunner, rows: list[ScheduledRow]) -> tuple[torch.Tensor, int]:
+    """Sampled rows' logits of one forward, and the bucket it replayed (0: eager)."""
+    inputs = runner._prepare_inputs(rows)
+    hidden = runner._forward(inputs)
+    logits = runner.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+    return logits[: len(inputs.sampling_rows)].clone(), inputs.graph_tokens
+
+
+def _request(rng: random.Random, name: str, prompt_len: int, blocks: list[int]) -> CachedRequest:
+    from ominix_runtime.contract import SamplingParams
+    from ominix_worker.runner import CachedRequest
+
+    prompt = [rng.randrange(3, 1000) for _ in range(prompt_len)]
+    return CachedRequest(name, prompt, [], SamplingParams(temperature=0.0), [blocks], 0, 0)
+
+
+@CONFIGS
+def test_pieces_match_eager_forward(tmp_path: Path, model_config: dict[str, object]) -> None:
+    """Two prompts, then their decode rows beside a third prompt's chunks: each step's logits from the pieces
+    match the eager forward's, and replaying the pieces changes no KV slot but the step's own."""
+    from ominix_worker.runner import ScheduledRow
+
+    runner = _runner(tmp_path, model_config)
+    assert runner.capture_eager_graphs(256) == 8
+    graphs = runner._eager_graphs
+    assert graphs is not None and graphs.buckets == (32, 64, 96, 128, 160, 192, 224, 256)
+    rng = random.Random(7)
+    free_blocks = list(
+        range(1, runner.group_num_blocks[0])
+    )  # block 0 stays unused: padding must not touch it
+    rng.shuffle(free_blocks)
+    a = _request(rng, "a", 40, [free_blocks.pop() for _ in range(8)])
+    b = _request(rng, "b", 70, [free_blocks.pop() for _ in range(8)])
+    c = _request(rng, "c", 150, [free_blocks.pop() for _ in range(12)])
+    steps = [
+        [ScheduledRow(a, 0, 40, True), ScheduledRow(b, 0, 70, True)],  # 110 tokens: bucket 128
+        [ScheduledRow(a, 40, 41, True), ScheduledRow(b, 70, 71, True), ScheduledRow(c, 0, 62, False)],  # 64
+        [ScheduledRow(c, 62, 150, True), ScheduledRow(b, 71, 72, True), ScheduledRow(a, 41, 42, True)],  # 96
+    ]
+    for req in (a, b):
+        req.output_token_ids.extend(rng.randrange(3, 1000) for _ in range(2))
+    expected_buckets = [128, 64, 96]
+    for rows, bucket in zip(steps, expected_buckets, strict=True):
+        with torch.inference_mode():
+            runner._eager_graphs = None
+            eager, eager_bucket = _logits(runner, rows)  # writes the step's KV
+            kv_before = [kv.clone() for kv in runner.kv_caches]
+            runner._eager_graphs = graphs
+            pieces, graph_bucket = _logits(runner, rows)  # writes the same KV again, and nothing else
+        assert (eager_bucket, graph_bucket) == (0, bucket)
+        assert pieces.shape == eager.shape and torch.isfinite(pieces).all()
+        err = (pieces - eager).norm() / eager.norm()
+        assert err < 1e-4, f"bucket {bucket}: relative error {err:.2e}"
+        assert torch.equal(pieces.argmax(-1), eager.argmax(-1))
+        for layer, (before, after) in enumerate(zip(kv_before, runner.kv_caches, strict=True)):
+            assert torch.allclose(before, after, rtol=1e-4, atol=1e-5), f"layer {layer}'s KV changed"
+
+
+def test_between_layers_runs_after_each_layer(tmp_path: Path) -> None:
+    """The early-result poll runs once per layer between the pieces, as in the eager forward."""
+    from ominix_worker.runner import ScheduledRow
+
+    runner = _runner(tmp_path)
+    assert runner.capture_eager_graphs(128) == 4
+    rng = random.Random(3)
+    req = _request(rng, "p", 100, list(range(1, 9)))
+    calls: list[int] = []
+    runner.model.between_layers = lambda: calls.append(1)
+    with torch.inference_mode():
+        _, bucket = _logits(runner, [ScheduledRow(req, 0, 100, True)])
+    assert bucket == 128
+    assert len(calls) == _CONFIG["num_hidden_layers"]
+
+
+def test_steps_past_the_budget_and_models_without_pieces_stay_eager(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ominix_worker.models.llama import LlamaForCausalLM
+    from ominix_worker.runner import ScheduledRow
+
+    runner = _runner(tmp_path)
+    assert runner.capture_eager_graphs(64) == 2
+    rng = random.Random(5)
+    req = _request(rng, "p", 100, list(range(1, 9)))
+    with torch.inference_mode():
+        _, bucket = _logits(runner, [ScheduledRow(req, 0, 100, True)])
+    assert bucket == 0  # 100 tokens: past the largest bucket
+
+    monkeypatch.setattr(LlamaForCausalLM, "piecewise_graphs", False)
+    assert _runner(tmp_path).capture_eager_graphs(64) == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_execute_step_same_tokens(tmp_path: Path, overlap: bool) -> None:
+    """A schedule of prompts, decodes and a chunked prompt beside decodes gives the same greedy tokens with the
+    eager steps replayed from pieces as without; overlapped, the mixed steps' placeholder inputs are gathered
+    into the padded ids on the device."""
+    from ominix_runtime.contract import DecodeStep, NewRequestData, RunningRequestData, SamplingParams
+
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (9, 30, 21, 90)]
+
+    def new(i: int, num_scheduled: int = 0) -> NewRequestData:
+        return NewRequestData(
+            request_id=f"q{i}",
+            prompt_token_ids=prompts[i],
+            sampling=SamplingParams(temperature=0.0, max_tokens=64),
+            kv_block_ids=list(range(8 * i + 1, 8 * i + 9)),
+            num_computed_tokens=0,
+            num_scheduled_tokens=num_scheduled or len(prompts[i]),
+            effective_seed=i,
+        )
+
+    def running(ids: list[str]) -> list[RunningRequestData]:
+        return [RunningRequestData(request_id=r, new_kv_block_ids=[], num_scheduled_tokens=1) for r in ids]
+
+    live = ["q0", "q1", "q2"]
+    schedule = [DecodeStep(step_id=1, new_requests=[new(0), new(1), new(2)])]
+    for step_id in range(2, 16):
+        if step_id == 6:  # q3's prompt in two chunks beside the decodes
+            schedule.append(
+                DecodeStep(step_id=step_id, new_requests=[new(3, 50)], running_requests=running(live))
+            )
+        elif step_id == 7:
+            chunk = RunningRequestData(request_id="q3", new_kv_block_ids=[], num_scheduled_tokens=40)
+            schedule.append(DecodeStep(step_id=step_id, running_requests=[*running(live), chunk]))
+            live = [*live, "q3"]
+        else:
+            schedule.append(DecodeStep(step_id=step_id, running_requests=running(live)))
+
+    tokens: dict[bool, dict[str, list[int]]] = {}
+    for pieces in (False, True):
+        runner = _runner(tmp_path)
+        assert runner.capture_decode_graphs([1, 2, 4])
+        if pieces:
+            assert runner.capture_eager_graphs(128) == 4
+        runner.overlap_steps = overlap
+        results = []
+        for step in schedule:
+            result = runner.execute_step(step)
+            if result is not None:
+                results.append(result)
+            results.extend(runner.take_results())
+        runner.finish_pending()
+        results.extend(runner.take_results())
+        assert [r.step_id for r in results] == [s.step_id for s in schedule]
+        out: dict[str, list[int]] = {}
+        for r in results:
+            for o in r.outputs:
+                assert o.error_kind is None, o.error_message
+                if o.sampled_token_id is not None:
+                    out.setdefault(o.request_id, []).append(o.sampled_token_id)
+        tokens[pieces] = out
+    assert tokens[True] == tokens[False]
+    assert len(tokens[True]["q3"]) == 9  # its last chunk sampled, then 8 decodes

@@ -1,0 +1,277 @@
+"""CUDA graphs for the steps decode graphs do not take (prompts, chunks, mixed steps) up to a token budget: each
+step's forward captured in pieces cut at the layers' attention calls, once per bucket of token counts.
+
+An eager 1,024-token step launches ~320 kernels and library calls; on the H200 hosts that launch took 12 - 30
+ms of host CPU time, longer than the step's device time at low load, where it set the ITL tail
+(bench/RESULTS.md, 2026-11-30). Everything in a layer but attention is shaped by the step's token count alone,
+so it is captured once per bucket and replayed; attention depends on how the tokens split into requests and
+runs eagerly between the pieces with the step's own metadata (its own grid and mixed plan), as in an eager
+step. A step of T tokens replays the smallest bucket B >= T: rows T..B-1 are padding (token 0, position 0, KV
+slot -1, which the store skips); attention neither reads nor writes them and no output of theirs is sampled.
+The GEMMs then run only at bucket row counts, all of which the capture ran, so no first cuBLAS call at a new
+count holds the host in the middle of serving either.
+
+Inside the piece before it, each attention call's query is copied into a static buffer (the piece's own
+activations are freed for the next bucket's capture); attention writes a static output buffer the next piece
+reads, and the last piece copies the final hidden states into a static buffer. Every bucket shares these
+buffers and one memory pool: a step replays one bucket's pieces in order on one stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ominix_worker.attention.base import AttentionMetadata, KVScales, PiecewiseAttention
+from ominix_worker.cuda_graph import padded_size
+from ominix_worker.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+# Bucket spacing: a step computes fewer padding rows than this. At 64 a 1,032-token mixed step (1,088 rows) took
+# 0.8 ms more device time than eagerly, ~3% (bench/RESULTS.md, 2026-11-30); at 32 the buckets up to 2,048
+# tokens are 64 captures.
+TOKEN_STEP = 32
+
+
+def token_buckets(max_tokens: int, step: int = TOKEN_STEP) -> tuple[int, ...]:
+    """Every multiple of ``step`` up to ``max_tokens`` (rounded up to one); () when ``max_tokens`` <= 0."""
+    if max_tokens <= 0:
+        return ()
+    top = -(-max_tokens // step) * step
+    return tuple(range(step, top + 1, step))
+
+
+@dataclass(frozen=True, slots=True)
+class _Attend:
+    """One layer's attention between two pieces, as the capture saw it, with static rows for its query and
+    output."""
+
+    query: torch.Tensor  # (bucket, heads, head_dim): rows of a static buffer the piece before fills
+    out: torch.Tensor  # the same shape: rows of a static buffer the piece after reads
+    kv_cache: torch.Tensor
+    group: int  # the KV group whose step metadata it attends with
+    scale: float
+    kv_scales: KVScales
+    sinks: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Captured:
+    pieces: tuple[torch.cuda.CUDAGraph, ...]  # one more than the attention calls
+    attends: tuple[_Attend, ...]
+
+
+class EagerGraphs:
+    """Piecewise-captured forwards of one model for every bucket of ``buckets`` tokens."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        attention: PiecewiseAttention,
+        device: torch.device,
+        buckets: Sequence[int],
+        kv_windows: Sequence[int] = (0,),
+    ) -> None:
+        if not buckets:
+            raise ValueError("no token bucket to capture")
+        self.model = model
+        self.attention = attention
+        self.device = device
+        self.buckets = tuple(sorted({int(b) for b in buckets if b > 0}))
+        self.kv_windows = tuple(kv_windows)
+        n = self.max_tokens = self.buckets[-1]
+        self.ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slots = torch.full((len(self.kv_windows), n), -1, dtype=torch.int64, device=device)
+        # Static buffers, allocated by the first (uncaptured) pass: final hidden states, and per query shape
+        # (heads, head_dim, dtype) the attention's query and output.
+        self.hidden: torch.Tensor | None = None
+        self._io: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._captured: dict[int, _Captured] = {}
+        # Capture state: the metadata the layers see (one per KV group), the piece being captured, and what
+        # the pass has cut so far.
+        self._metas: tuple[AttentionMetadata, ...] = ()
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._pool: tuple[int, int] | None = None
+        self._pieces: list[torch.cuda.CUDAGraph] = []
+        self._attends: list[_Attend] = []
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        """The captured bucket a step of ``num_tokens`` tokens replays; None: it runs eagerly."""
+        if not self._captured:
+            return None
+        return padded_size(num_tokens, self.buckets)
+
+    # ---- capture ------------------------------------------------------------------------------------
+
+    def _capture_metas(self, bucket: int) -> tuple[AttentionMetadata, ...]:
+        """What the layers see while a bucket is captured: the static slots (the KV store is captured); the
+        rest is never read, since every attention call is cut."""
+        qsl = torch.tensor([0, bucket], dtype=torch.int32, device=self.device)
+        lens = torch.tensor([bucket], dtype=torch.int32, device=self.device)
+        tables = torch.zeros((1, 1), dtype=torch.int32, device=self.device)
+        return tuple(
+            AttentionMetadata(
+                query_start_loc=qsl,
+                seq_lens=lens,
+                block_tables=tables,
+                slot_mapping=self.slots[g, :bucket],
+                max_query_len=bucket,
+                max_seq_len=bucket,
+                num_decode_only=False,
+                query_start_loc_cpu=[0, bucket],
+                seq_lens_cpu=[bucket],
+                sliding_window=window,
+            )
+            for g, window in enumerate(self.kv_windows)
+        )
+
+    def _io_buffers(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (int(query.shape[1]), int(query.shape[2]), query.dtype)
+        buffers = self._io.get(key)
+        if buffers is None:
+            if self._graph is not None:
+                raise RuntimeError("a query shape the uncaptured pass did not see")
+            shape = (self.max_tokens, *key[:2])
+            buffers = (
+                torch.empty(shape, dtype=query.dtype, device=self.device),
+                torch.zeros(shape, dtype=query.dtype, device=self.device),
+            )
+            self._io[key] = buffers
+        return buffers
+
+    def _cut(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        kv_scales: KVScales,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """A layer's attention call while capturing: the query goes into its static rows, the piece ends, and
+        the layer goes on (in the next piece) from the static output rows."""
+        rows = query.shape[0]
+        group = next((g for g, m in enumerate(self._metas) if m is meta), None)
+        if group is None:
+            raise RuntimeError("an attention call with metadata that is not its KV group's")
+        query_buffer, out_buffer = self._io_buffers(query)
+        static_query = query_buffer[:rows]
+        static_query.copy_(query)
+        out = out_buffer[:rows]
+        self._attends.append(_Attend(static_query, out, kv_cache, group, scale, kv_scales, sinks))
+        if self._graph is not None:
+            self._end_piece()
+            self._begin_piece()
+        return out
+
+    def _begin_piece(self) -> None:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        self._graph = torch.cuda.CUDAGraph()
+        self._graph.capture_begin(pool=self._pool)
+
+    def _end_piece(self) -> None:
+        assert self._graph is not None
+        self._graph.capture_end()
+        self._pieces.append(self._graph)
+
+    def _abandon_piece(self) -> None:
+        """End a capture that failed part-way; the error that stopped it is the one raised."""
+        graph, self._graph = self._graph, None
+        if graph is not None:
+            try:
+                graph.capture_end()
+            except RuntimeError:
+                log.debug("ending a failed capture", exc_info=True)
+
+    def _pass(self, bucket: int, kv_caches: list[torch.Tensor]) -> None:
+        """One forward of ``bucket`` padding tokens through the cut layers (captured when a piece is open)."""
+        self._attends = []
+        hidden = self.model(self.ids[:bucket], self.positions[:bucket], kv_caches, self._metas)
+        if self.hidden is None:
+            self.hidden = torch.empty(
+                (self.max_tokens, hidden.shape[1]), dtype=hidden.dtype, device=self.device
+            )
+        self.hidden[:bucket].copy_(hidden)
+
+    @torch.inference_mode()
+    def capture(self, kv_caches: list[torch.Tensor]) -> None:
+        """Capture every bucket, largest first (the smaller ones reuse its pool). Raises RuntimeError when the
+        model's forward does not cut into one attention call per layer."""
+        layers = len(self.model.layers)
+        stream = torch.cuda.Stream(self.device)
+        between = self.model.between_layers
+        self.model.between_layers = None
+        self.ids.zero_()
+        self.positions.zero_()
+        self.slots.fill_(-1)
+        self.attention.cut = self._cut
+        try:
+            for bucket in reversed(self.buckets):
+                self._metas = self._capture_metas(bucket)
+                self._pass(bucket, kv_caches)  # builds kernels and settles the allocator outside the graph
+                if len(self._attends) != layers:
+                    raise RuntimeError(
+                        f"the forward made {len(self._attends)} attention calls for {layers} layers"
+                    )
+                torch.cuda.synchronize(self.device)
+                self._pieces = []
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    self._begin_piece()
+                    try:
+                        self._pass(bucket, kv_caches)
+                    except BaseException:
+                        self._abandon_piece()
+                        raise
+                    self._end_piece()
+                    self._graph = None
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                self._captured[bucket] = _Captured(tuple(self._pieces), tuple(self._attends))
+        except BaseException:
+            self._captured.clear()
+            raise
+        finally:
+            self.attention.cut = None
+            self.model.between_layers = between
+            self._metas, self._pieces, self._attends = (), [], []
+        torch.cuda.synchronize(self.device)
+
+    # ---- replay -------------------------------------------------------------------------------------
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metas: Sequence[AttentionMetadata],
+        between: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states (bucket, hidden) of a step whose inputs are padded to a captured bucket
+        (``bucket_for``): ids, positions and each group's slots are copied into the static buffers, then the
+        pieces replay with the step's attention between them. ``between`` runs after each layer's attention
+        (host work only, as ``LlamaForCausalLM.between_layers``)."""
+        rows = int(input_ids.shape[0])
+        captured = self._captured.get(rows)
+        if captured is None:
+            raise ValueError(f"no captured bucket of {rows} tokens")
+        assert self.hidden is not None
+        self.ids[:rows].copy_(input_ids)
+        self.positions[:rows].copy_(positions)
+        for g, meta in enumerate(metas):
+            self.slots[g, :rows].copy_(meta.slot_mapping)
+        attention = self.attention
+        for piece, attend in zip(captured.pieces, captured.attends, strict=False):
+            piece.replay()
+            attention.forward_into(
+                attend.query, attend.kv_cache, metas[attend.group], attend.scale, attend.out,
+                attend.kv_scales, attend.sinks,
+            )  # fmt: skip
+            if between is not None:
+                between()
+        captured.pieces[-1].replay()
+        return self.hidden[:rows]
