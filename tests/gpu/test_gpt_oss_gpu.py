@@ -116,8 +116,8 @@ def test_runner_matches_transformers(folder: Path) -> None:
 
 
 def test_graph_decode_gives_the_eager_tokens(folder: Path) -> None:
-    """execute_step with decode graphs on gives the same greedy tokens as with graphs off (sinks, windows and
-    the biased experts inside the captured graphs)."""
+    """execute_step with decode graphs and the prompts' piecewise graphs on gives the same greedy tokens as with
+    graphs off (sinks, windows and the biased experts inside the captured graphs)."""
     from ominix_runtime.contract import DecodeStep, NewRequestData, RunningRequestData, SamplingParams
     from ominix_worker.runner import build_runner
 
@@ -126,6 +126,8 @@ def test_graph_decode_gives_the_eager_tokens(folder: Path) -> None:
         runner = build_runner(str(folder), device="cuda:0", dtype=torch.float32, num_blocks=96, block_size=BS)
         if use_graphs:
             assert runner.capture_decode_graphs([1, 2, 4])
+            # The prompts' step (60 tokens) from piecewise graphs: sinks in the attention between the pieces.
+            assert runner.capture_eager_graphs(64) == 2
         rng = random.Random(3)
         prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (9, 30, 21)]
         new = [

@@ -347,3 +347,22 @@ def test_graph_decode_gives_the_eager_tokens(hybrid_folder: Path, overlap: bool)
         eager_logits = graphed.model.compute_logits(graphed._forward(inputs))
     err = ((graph_logits - eager_logits).norm() / eager_logits.norm()).item()
     assert err < 1e-4, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_piecewise_steps_give_the_eager_tokens(hybrid_folder: Path, overlap: bool) -> None:
+    """Prompt and mixed steps replayed from piecewise graphs (each KV group's slots in the captured store, its
+    window in the attention between the pieces) give the eager runner's tokens."""
+    eager = _runner(hybrid_folder, "cuda")
+    eager_tokens = tokens(drive(eager, _schedule(eager))[0])
+    pieced = _runner(hybrid_folder, "cuda")
+    assert pieced.capture_decode_graphs([1, 2, 4])
+    assert pieced.capture_eager_graphs(128) == 4
+    graphs = pieced._eager_graphs
+    assert graphs is not None
+    replayed: list[int] = []
+    run = graphs.run
+    graphs.run = lambda *args, **kwargs: (replayed.append(1), run(*args, **kwargs))[1]  # type: ignore[method-assign]
+    pieced.overlap_steps = overlap
+    assert tokens(drive(pieced, _schedule(pieced))[0]) == eager_tokens
+    assert replayed, "no step replayed the pieces"

@@ -1,5 +1,5 @@
-"""Tensor parallelism over NCCL: TP=2 and TP=4 logits against TP=1 in bf16, decode graphs with their collectives
-captured (pipelined graph decode gives the eager tokens), and kill -9 of a rank mid-stream behind a real engine.
+"""Tensor parallelism over NCCL: TP=2 and TP=4 logits against TP=1 in bf16, decode graphs and the eager steps'
+piecewise graphs with their collectives captured (pipelined graph decode gives the eager tokens), and kill -9 of a rank mid-stream behind a real engine.
 
 One command on a 2- or 4-GPU machine: ``NCCL_NVLS_ENABLE=0 python -m pytest -q tests/gpu/test_tensor_parallel_gpu.py``
 (the TP=4 cases skip with fewer than four GPUs).
@@ -77,6 +77,9 @@ def test_tp_decode_graphs_capture_the_collectives(size: int, model_dir: Path, tm
         model_dir, size, tmp_path / "graphs.pt", device="cuda", dtype="float32", check="graphs"
     )
     assert result["num_graphs"] == 3
+    # The prompts' step (46 tokens) from the pieces captured at 32 and 64 tokens, all-reduces inside them.
+    assert result["eager_graph_buckets"] == 2 and result["piece_bucket"] == 64
+    assert result["piece_logit_diff"] < 1e-3, result["piece_logit_diff"]
     assert result["max_logit_diff"] < 1e-3, result["max_logit_diff"]
     assert result["pipelined"] == result["eager"]
     assert all(len(tokens) == 12 for tokens in result["pipelined"].values())

@@ -91,25 +91,34 @@ def greedy_tokens(runner: ModelRunner, num_steps: int, pipelined: bool) -> dict[
 
 @torch.inference_mode()
 def graph_check(runner: ModelRunner) -> dict[str, object]:
-    """Pipelined graph decode vs eager decode on one runner (graphs captured on every rank)."""
+    """Pipelined graph decode (and the prompts' step from piecewise graphs) vs eager steps on one runner (graphs
+    captured on every rank)."""
     assert runner.capture_decode_graphs([1, 2, 4]), "no graphs captured"
     graphs = runner._graphs
     assert graphs is not None
+    buckets = runner.capture_eager_graphs(64)
+    pieces = runner._eager_graphs
     pipelined = greedy_tokens(runner, 12, pipelined=True)
-    saved, runner._graphs = runner._graphs, None
+    runner._graphs = runner._eager_graphs = None
     eager = greedy_tokens(runner, 12, pipelined=False)
-    runner._graphs = saved
+    runner._graphs = graphs
     requests = [
         CachedRequest(
             f"g{i}", list(p), [7], SamplingParams(temperature=0.0), [[3 * i, 3 * i + 1, 3 * i + 2]], 0, 0
         )
         for i, p in enumerate(PROMPTS)
     ]
-    runner.model.compute_logits(
-        runner._forward(
-            runner._prepare_inputs([ScheduledRow(r, 0, r.num_tokens - 1, False) for r in requests])
-        )
-    )
+    prompt_rows = [ScheduledRow(r, 0, r.num_tokens - 1, True) for r in requests]
+
+    def prompt_logits() -> tuple[torch.Tensor, int]:
+        inputs = runner._prepare_inputs(prompt_rows)
+        hidden = runner._forward(inputs).index_select(0, inputs.logits_indices)
+        return runner.model.compute_logits(hidden)[: len(requests)].float(), inputs.graph_tokens
+
+    eager_prompt_logits, _ = prompt_logits()
+    runner._eager_graphs = pieces
+    piece_logits, piece_bucket = prompt_logits()
+    runner._eager_graphs = None
     for r in requests:
         r.num_computed_tokens = r.num_tokens - 1
     rows = [ScheduledRow(r, r.num_tokens - 1, r.num_tokens, samples=True) for r in requests]
@@ -120,6 +129,9 @@ def graph_check(runner: ModelRunner) -> dict[str, object]:
         "eager": eager,
         "max_logit_diff": float((graph_logits - eager_logits).abs().max()),
         "num_graphs": len(graphs.graphs),
+        "eager_graph_buckets": buckets,
+        "piece_bucket": piece_bucket,
+        "piece_logit_diff": float((piece_logits - eager_prompt_logits).abs().max()),
     }
 
 
