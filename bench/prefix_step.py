@@ -8,8 +8,8 @@ which on CUDA runs until the sampled ids are back. A batch-1 decode step is time
 launch each of them while the device is kept busy by a spin kernel (``*_host_launch``): a pipelined worker
 posts the previous step's result only once the next step is launched, so an eager step's launch delays it.
 ``--profile`` adds the device time by kernel of one suffix step and of one mixed step (torch profiler);
-``--trace`` writes one mixed step's host and device timeline; ``--eager-graph-tokens N`` replays the mixed
-steps from piecewise CUDA graphs (the worker's ``OMINIX_EAGER_GRAPH_TOKENS``). ``--device cpu`` runs it all on a tiny model in
+``--trace`` writes one mixed step's host and device timeline; ``--piecewise-graph-tokens N`` replays the mixed
+steps from piecewise CUDA graphs (the worker's ``OMINIX_PIECEWISE_GRAPH_TOKENS``). ``--device cpu`` runs it all on a tiny model in
 float32: a check of the script, not a measurement.
 
     python bench/prefix_step.py --model dummy:bench/configs/llama8b-config.json --profile --json out.json
@@ -221,11 +221,11 @@ def main() -> None:
     )
     p.add_argument("--warm-gemm-max-tokens", type=int, default=8192, help="the warm-up's top row count")
     p.add_argument(
-        "--eager-graph-tokens",
+        "--piecewise-graph-tokens",
         type=int,
         default=0,
         help="capture prefill and mixed steps of up to this many tokens in pieces (the worker's "
-        "OMINIX_EAGER_GRAPH_TOKENS); 0: they run eagerly",
+        "OMINIX_PIECEWISE_GRAPH_TOKENS); 0: they run eagerly",
     )
     p.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (float32: checks the script only)")
     args = p.parse_args()
@@ -246,10 +246,10 @@ def main() -> None:
     runner.warm_up(max(args.prefix_len, args.suffix_len, args.mixed_prompt + args.mixed_decodes))
     runner.capture_decode_graphs()
     started = time.perf_counter()
-    eager_graph_buckets = (
-        runner.capture_eager_graphs(args.eager_graph_tokens) if args.eager_graph_tokens else 0
+    piecewise_graph_buckets = (
+        runner.capture_piecewise_graphs(args.piecewise_graph_tokens) if args.piecewise_graph_tokens else 0
     )
-    eager_graph_capture_s = round(time.perf_counter() - started, 2)
+    piecewise_graph_capture_s = round(time.perf_counter() - started, 2)
     memory.freeze_startup_heap()
     vocab = runner.model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -294,8 +294,8 @@ def main() -> None:
     figures: dict[str, object] = {
         "suffix_step": clock.summary(),
         "prefill_graph_sizes": sorted(graphs.prefill_graphs) if graphs is not None else [],
-        "eager_graph_buckets": eager_graph_buckets,
-        "eager_graph_capture_s": eager_graph_capture_s,
+        "piecewise_graph_buckets": piecewise_graph_buckets,
+        "piecewise_graph_capture_s": piecewise_graph_capture_s,
         "trials": args.trials,
     }
 

@@ -209,11 +209,11 @@ class DebugConfig:
     # worker, CUDA: each linear's GEMM warmed at start once per bucket of this many rows; 0: off
     warm_gemm_rows: int = 0
     # worker, CUDA: prefill and mixed steps of up to this many tokens replay piecewise CUDA graphs; 0: eager.
-    # On an H200 their host launch took 3.1 - 3.8 ms instead of 13.6 - 24.4 for a 1,032-token mixed step, whose
+    # On an H200 their host launch took 3.1 - 3.8 ms instead of 12.6 - 24.4 for a 1,032-token mixed step, whose
     # device time grew 0.7 ms (padding rows, query copies); online ITL p99 moved -0.6 to +1.4 ms against eager
     # runs on the same hosts, whose launches stayed under the device time there (bench/RESULTS.md, 2026-11-30).
     # On, only bucket row counts reach the GEMMs, and a slower host's launch no longer outlasts the step.
-    eager_graph_tokens: int = 2048
+    piecewise_graph_tokens: int = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,8 +335,8 @@ DEBUG_VARIABLES: tuple[DebugVariable, ...] = (
         "(a first cuBLAS call at a new row count can wait for the device to drain); 0: off",
     ),
     DebugVariable(
-        "OMINIX_EAGER_GRAPH_TOKENS",
-        "debug.eager_graph_tokens",
+        "OMINIX_PIECEWISE_GRAPH_TOKENS",
+        "debug.piecewise_graph_tokens",
         _count,
         "N: on CUDA, prefill and mixed steps of up to N tokens (at most the step budget; default 2048) replay "
         "CUDA graphs captured at start in pieces between the layers' attention, per bucket of 32 tokens; 0: eager",

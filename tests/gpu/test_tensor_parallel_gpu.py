@@ -78,7 +78,7 @@ def test_tp_decode_graphs_capture_the_collectives(size: int, model_dir: Path, tm
     )
     assert result["num_graphs"] == 3
     # The prompts' step (46 tokens) from the pieces captured at 32 and 64 tokens, all-reduces inside them.
-    assert result["eager_graph_buckets"] == 2 and result["piece_bucket"] == 64
+    assert result["piecewise_graph_buckets"] == 2 and result["piece_bucket"] == 64
     assert result["piece_logit_diff"] < 1e-3, result["piece_logit_diff"]
     assert result["max_logit_diff"] < 1e-3, result["max_logit_diff"]
     assert result["pipelined"] == result["eager"]

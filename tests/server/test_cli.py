@@ -239,7 +239,7 @@ def test_debug_variables_are_typed_and_land_in_the_tree() -> None:
         "OMINIX_TRITON_FAST_LAUNCH": "0",
         "OMINIX_PAD_LOGITS": "0",
         "OMINIX_WARM_GEMM_ROWS": "8",
-        "OMINIX_EAGER_GRAPH_TOKENS": "0",
+        "OMINIX_PIECEWISE_GRAPH_TOKENS": "0",
     }
     config, _ = resolve(WORKER, [], env=env)
     assert config.debug.log_steps
@@ -249,11 +249,11 @@ def test_debug_variables_are_typed_and_land_in_the_tree() -> None:
     assert RuntimeConfig().debug.triton_fast_launch
     assert not config.debug.pad_logits and RuntimeConfig().debug.pad_logits
     assert config.debug.warm_gemm_rows == 8 and RuntimeConfig().debug.warm_gemm_rows == 0
-    assert config.debug.eager_graph_tokens == 0 and RuntimeConfig().debug.eager_graph_tokens == 2048
+    assert config.debug.piecewise_graph_tokens == 0 and RuntimeConfig().debug.piecewise_graph_tokens == 2048
     assert RuntimeConfig().debug.pipeline and not RuntimeConfig().debug.log_steps
     with pytest.raises(ConfigError, match="OMINIX_PIPELINE"):
         resolve(WORKER, [], env={"OMINIX_PIPELINE": "maybe"})
-    for name in ("OMINIX_WARM_GEMM_ROWS", "OMINIX_EAGER_GRAPH_TOKENS"):
+    for name in ("OMINIX_WARM_GEMM_ROWS", "OMINIX_PIECEWISE_GRAPH_TOKENS"):
         for bad in ("-8", "eight"):
             with pytest.raises(ConfigError, match=name):
                 resolve(WORKER, [], env={name: bad})

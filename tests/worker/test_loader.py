@@ -272,6 +272,10 @@ class FakeAccelerator:
         self.calls.append("forward")
         self.peak = self.allocated + 6 * self.GB
 
+    def graph_forward(self) -> None:
+        self.calls.append("graph forward")
+        self.peak = max(self.peak, self.allocated + 2 * self.GB)
+
     def mem_get_info(self, device: object) -> tuple[int, int]:
         return 80 * self.GB - self.allocated - 1 * self.GB, 80 * self.GB
 
@@ -292,6 +296,18 @@ def test_gpu_kv_budget_reserves_weights_activations_and_headroom() -> None:
     assert accel.calls.index("forward") < len(accel.calls) - 2  # synchronised and emptied after it
     with pytest.raises(ValueError):
         measure_gpu_kv_budget(torch.device("cuda", 0), 1.5, accel.forward, accel=accel)
+
+
+def test_gpu_kv_budget_leaves_room_for_the_piecewise_graphs_pool() -> None:
+    """The pool's forward is measured on its own (peak reset after the largest step), and taken off too."""
+    from ominix_worker.kv_cache import measure_gpu_kv_budget
+
+    accel = FakeAccelerator()
+    budget = measure_gpu_kv_budget(
+        torch.device("cuda", 0), 0.9, accel.forward, accel=accel, graph_forward=accel.graph_forward
+    )
+    assert budget == (49 - 2) * FakeAccelerator.GB
+    assert accel.calls.index("forward") < accel.calls.index("graph forward")
 
 
 def test_torch_dequantizers_equal_the_gguf_package() -> None:

@@ -96,10 +96,10 @@ def graph_check(runner: ModelRunner) -> dict[str, object]:
     assert runner.capture_decode_graphs([1, 2, 4]), "no graphs captured"
     graphs = runner._graphs
     assert graphs is not None
-    buckets = runner.capture_eager_graphs(64)
-    pieces = runner._eager_graphs
+    buckets = runner.capture_piecewise_graphs(64)
+    pieces = runner._piecewise_graphs
     pipelined = greedy_tokens(runner, 12, pipelined=True)
-    runner._graphs = runner._eager_graphs = None
+    runner._graphs = runner._piecewise_graphs = None
     eager = greedy_tokens(runner, 12, pipelined=False)
     runner._graphs = graphs
     requests = [
@@ -113,12 +113,12 @@ def graph_check(runner: ModelRunner) -> dict[str, object]:
     def prompt_logits() -> tuple[torch.Tensor, int]:
         inputs = runner._prepare_inputs(prompt_rows)
         hidden = runner._forward(inputs).index_select(0, inputs.logits_indices)
-        return runner.model.compute_logits(hidden)[: len(requests)].float(), inputs.graph_tokens
+        return runner.model.compute_logits(hidden)[: len(requests)].float(), inputs.piecewise_bucket
 
     eager_prompt_logits, _ = prompt_logits()
-    runner._eager_graphs = pieces
+    runner._piecewise_graphs = pieces
     piece_logits, piece_bucket = prompt_logits()
-    runner._eager_graphs = None
+    runner._piecewise_graphs = None
     for r in requests:
         r.num_computed_tokens = r.num_tokens - 1
     rows = [ScheduledRow(r, r.num_tokens - 1, r.num_tokens, samples=True) for r in requests]
@@ -129,7 +129,7 @@ def graph_check(runner: ModelRunner) -> dict[str, object]:
         "eager": eager,
         "max_logit_diff": float((graph_logits - eager_logits).abs().max()),
         "num_graphs": len(graphs.graphs),
-        "eager_graph_buckets": buckets,
+        "piecewise_graph_buckets": buckets,
         "piece_bucket": piece_bucket,
         "piece_logit_diff": float((piece_logits - eager_prompt_logits).abs().max()),
     }

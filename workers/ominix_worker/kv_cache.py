@@ -67,12 +67,18 @@ def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:
 
 
 def measure_gpu_kv_budget(
-    device: torch.device, utilization: float, profile_forward: Callable[[], None], accel: Any = None
+    device: torch.device,
+    utilization: float,
+    profile_forward: Callable[[], None],
+    accel: Any = None,
+    graph_forward: Callable[[], None] | None = None,
 ) -> int:
     """Bytes left for KV on a GPU: utilization × total, minus what stays in use (weights, context, other
     processes) and minus the activation peak of a forward of the largest step the worker accepts.
 
-    ``accel`` is torch.cuda (or torch.npu); tests pass a stand-in.
+    ``graph_forward``: a forward whose activation peak is taken off too, the memory pool the piecewise graphs
+    of prefill and mixed steps keep for good (eager steps cannot reuse it). ``accel`` is torch.cuda (or
+    torch.npu); tests pass a stand-in.
     """
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
@@ -87,7 +93,14 @@ def measure_gpu_kv_budget(
     free, total = accel.mem_get_info(device)
     peak_activations = accel.max_memory_allocated(device) - accel.memory_allocated(device)
     in_use = total - free
-    return int(total * utilization - in_use - peak_activations)
+    graph_pool = 0
+    if graph_forward is not None:
+        accel.reset_peak_memory_stats(device)
+        graph_forward()
+        accel.synchronize(device)
+        accel.empty_cache()
+        graph_pool = accel.max_memory_allocated(device) - accel.memory_allocated(device)
+    return int(total * utilization - in_use - peak_activations - graph_pool)
 
 
 # Room for blocks that slid out of a window to stay cached for prefix hits: this many windows per running

@@ -35,10 +35,10 @@ from ominix_runtime.contract import (
 from ominix_worker.attention.base import AttentionBackend, AttentionMetadata
 from ominix_worker.config import AttentionGroup, ModelConfig
 from ominix_worker.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphs, padded_size
-from ominix_worker.eager_graph import EagerGraphs, token_buckets
 from ominix_worker.kv_cache import kv_tensor_indices
 from ominix_worker.models.llama import LlamaForCausalLM
 from ominix_worker.parallel import SINGLE, PackableLinear, TensorParallel
+from ominix_worker.piecewise_graph import PiecewiseGraphs, token_buckets
 from ominix_worker.sampler import SamplerOutput, SamplingTensors, greedy, sample
 
 # Block-table widths are padded to a multiple of this on CUDA, so Triton sees one stride specialisation.
@@ -101,8 +101,8 @@ class StepInputs:
     logits_indices: torch.Tensor  # rows of the flattened batch whose logits are sampled
     sampling: SamplingTensors | None
     sampling_rows: list[ScheduledRow] = field(default_factory=list)
-    # The captured bucket the inputs are padded to (``EagerGraphs``); 0: the forward runs eagerly.
-    graph_tokens: int = 0
+    # The captured bucket the inputs are padded to (``PiecewiseGraphs``); 0: the forward runs eagerly.
+    piecewise_bucket: int = 0
 
 
 class _HostDone:
@@ -172,8 +172,8 @@ class ModelRunner:
         self.last_step_id = 0
         self._pin = device.type == "cuda"
         self._graphs: DecodeGraphs | None = None  # captured on CUDA
-        # Prefill and mixed steps up to a token budget, captured in pieces (``capture_eager_graphs``).
-        self._eager_graphs: EagerGraphs | None = None
+        # Prefill and mixed steps up to a token budget, captured in pieces (``capture_piecewise_graphs``).
+        self._piecewise_graphs: PiecewiseGraphs | None = None
         # Row counts an eager step's LM head is padded up to (the captured decode sizes once graphs exist): the
         # LM head GEMM then runs only at row counts the capture already ran. On an H200 (torch 2.11, cu130) the
         # first cuBLAS call at a row count new to it (one per bucket of 8 rows, at the LM head's shape) blocks
@@ -608,7 +608,7 @@ class ModelRunner:
         logits_indices: list[int] = []
         max_blocks = max(-(-row.end // bs) for row in rows)
         num_tokens = sum(row.end - row.start for row in rows)
-        bucket = self._eager_graphs.bucket_for(num_tokens) if self._eager_graphs is not None else None
+        bucket = self._piecewise_graphs.bucket_for(num_tokens) if self._piecewise_graphs is not None else None
         if self.device.type == "cuda":
             max_blocks = -(-max_blocks // _BLOCK_TABLE_ALIGN) * _BLOCK_TABLE_ALIGN
         block_rows: list[list[list[int]]] = [[] for _ in range(num_groups)]
@@ -671,7 +671,7 @@ class ModelRunner:
             logits_indices=self._to_device(torch.tensor(logits_indices, dtype=torch.int64)),
             sampling=self._sampling_tensors(sampling_rows) if sampling_rows else None,
             sampling_rows=sampling_rows,
-            graph_tokens=bucket or 0,
+            piecewise_bucket=bucket or 0,
         )
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -732,9 +732,9 @@ class ModelRunner:
         return t
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        if inputs.graph_tokens:
-            assert self._eager_graphs is not None
-            return self._eager_graphs.run(
+        if inputs.piecewise_bucket:
+            assert self._piecewise_graphs is not None
+            return self._piecewise_graphs.run(
                 inputs.input_ids, inputs.positions, inputs.metas, self.model.between_layers
             )
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metas)
@@ -923,26 +923,39 @@ class ModelRunner:
         log.info("captured %d decode graphs in %.1f s", len(graphs.graphs), time.perf_counter() - started)
         return True
 
-    def capture_eager_graphs(self, max_tokens: int) -> int:
+    def piecewise_capturable(self) -> bool:
+        """Its prefill and mixed steps can be captured in pieces: CUDA, a backend that offers it, a model whose
+        layers attend through the backend's forward."""
+        return (
+            self.device.type == "cuda"
+            and self.backend.piecewise_attention() is not None
+            and self.model.piecewise_graphs
+        )
+
+    def capture_piecewise_graphs(self, max_tokens: int) -> int:
         """CUDA: capture prefill and mixed steps of up to ``max_tokens`` tokens in pieces, per bucket of
-        ``eager_graph.TOKEN_STEP`` tokens; returns the buckets captured (0: none, and the steps stay eager:
-        not CUDA, a backend or model without piecewise capture, or a capture that failed). After the decode
-        graphs (``capture_decode_graphs``), as the server calls it under ``OMINIX_EAGER_GRAPH_TOKENS``."""
+        ``piecewise_graph.TOKEN_STEP`` tokens; returns the buckets captured (0: none, and the steps stay eager:
+        not ``piecewise_capturable``, or a capture that failed on a lone rank; on a rank of a group a failure
+        raises). After the decode graphs (``capture_decode_graphs``), as the server calls it under
+        ``OMINIX_PIECEWISE_GRAPH_TOKENS``."""
         attention = self.backend.piecewise_attention()
         buckets = token_buckets(max_tokens)
-        if self.device.type != "cuda" or not self.kv_caches or attention is None or not buckets:
-            return 0
-        if not self.model.piecewise_graphs:
-            log.info("%s steps stay eager: no piecewise capture", type(self.model).__name__)
+        if not self.piecewise_capturable() or attention is None or not self.kv_caches or not buckets:
             return 0
         started = time.perf_counter()
-        graphs = EagerGraphs(self.model, attention, self.device, buckets, self.kv_windows)
+        graphs = PiecewiseGraphs(self.model, attention, self.device, buckets, self.kv_windows)
         try:
             graphs.capture(self.kv_caches)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+            if self.model.tp.size > 1:
+                # The other ranks may be waiting in a collective of the uncaptured pass, and a rank that went
+                # on eagerly would reduce unpadded rows against their padded ones: the group must not start.
+                raise RuntimeError(
+                    f"the piecewise capture failed on rank {self.model.tp.rank}: {exc}"
+                ) from exc
             log.warning("prefill and mixed steps stay eager: their capture failed (%s)", exc)
             return 0
-        self._eager_graphs = graphs
+        self._piecewise_graphs = graphs
         log.info(
             "captured prefill and mixed steps at %d token counts up to %d in %.1f s",
             len(buckets), buckets[-1], time.perf_counter() - started,

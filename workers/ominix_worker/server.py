@@ -241,12 +241,20 @@ def load_worker(
     )
     _say("sizing the KV cache")
     profiling = stage("profiling the KV cache")
+    # Prefill and mixed steps captured in pieces up to this many tokens (after the decode graphs, below); their
+    # pool holds a forward's activations at the largest bucket for good, which the KV budget leaves room for.
+    piecewise_tokens = 0
+    if debug.cuda_graphs and runner.piecewise_capturable():
+        piecewise_tokens = min(debug.piecewise_graph_tokens, max_batch_tokens)
     if device.type == "cpu":
         budget = parse_bytes(args.kv_cache_memory)
         runner.profile_forward(min(64, max_batch_tokens))  # warm-up only: the CPU budget is explicit
     else:
         budget = measure_gpu_kv_budget(
-            device, args.gpu_memory_utilization, lambda: runner.profile_forward(max_batch_tokens)
+            device,
+            args.gpu_memory_utilization,
+            lambda: runner.profile_forward(max_batch_tokens),
+            graph_forward=(lambda: runner.profile_forward(piecewise_tokens)) if piecewise_tokens else None,
         )
     profiling.close()
     uniform_blocks = num_blocks_for_budget(budget, bytes_per_block)
@@ -287,9 +295,9 @@ def load_worker(
         took = time.perf_counter() - started
         _say(f"warmed {calls} GEMMs (buckets of {debug.warm_gemm_rows} rows) in {took:.1f} s")
     graphs = runner.capture_decode_graphs() if debug.cuda_graphs else False
-    if graphs and debug.eager_graph_tokens:
+    if graphs and piecewise_tokens:
         started = time.perf_counter()
-        buckets = runner.capture_eager_graphs(min(debug.eager_graph_tokens, max_batch_tokens))
+        buckets = runner.capture_piecewise_graphs(piecewise_tokens)
         if buckets:
             took = time.perf_counter() - started
             _say(f"captured prefill and mixed steps at {buckets} token counts in {took:.1f} s")

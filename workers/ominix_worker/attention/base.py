@@ -72,7 +72,7 @@ AttentionCall = Callable[
 
 
 class PiecewiseAttention(Protocol):
-    """What a backend offers the eager steps' piecewise CUDA graphs (``eager_graph.EagerGraphs``): its KV store
+    """What a backend offers the eager steps' piecewise CUDA graphs (``piecewise_graph.PiecewiseGraphs``): its KV store
     is capturable and skips slot -1 (a padding row); while ``cut`` is set, ``forward`` hands each call to it
     instead of attending (the capture ends a piece there); ``forward_into`` attends into a caller's buffer
     between the replayed pieces."""

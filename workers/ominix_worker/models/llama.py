@@ -353,7 +353,7 @@ _KV_SCALE_RE = re.compile(r"^layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])(?:_scal
 class LlamaForCausalLM(nn.Module):
     # Why an architecture cannot be split by tensor parallelism (None: it can); a subclass states it.
     single_rank_reason: ClassVar[str | None] = None
-    # Its eager steps can be captured in pieces cut at each layer's one attention call (``eager_graph``); a
+    # Its eager steps can be captured in pieces cut at each layer's one attention call (``piecewise_graph``); a
     # subclass whose layers attend otherwise turns it off.
     piecewise_graphs: ClassVar[bool] = True
 

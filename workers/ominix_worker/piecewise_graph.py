@@ -31,9 +31,10 @@ from ominix_worker.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
-# Bucket spacing: a step computes fewer padding rows than this. At 64 a 1,032-token mixed step (1,088 rows) took
-# 0.8 ms more device time than eagerly, ~3% (bench/RESULTS.md, 2026-11-30); at 32 the buckets up to 2,048
-# tokens are 64 captures.
+# Bucket spacing: a step computes fewer padding rows than this. A 1,032-token mixed step took 0.7 - 0.9 ms more
+# device time than eagerly with buckets of 64 (1,088 rows) and of 32 (1,056 rows) alike (bench/RESULTS.md,
+# 2026-11-30): most of it is not the padding but each layer's query copy. At 32 the buckets up to 2,048 tokens
+# are 64 captures (2.8 s at start for the Llama-3.1-8B shape).
 TOKEN_STEP = 32
 
 
@@ -64,8 +65,12 @@ class _Captured:
     pieces: tuple[torch.cuda.CUDAGraph, ...]  # one more than the attention calls
     attends: tuple[_Attend, ...]
 
+    def __post_init__(self) -> None:
+        if len(self.pieces) != len(self.attends) + 1:
+            raise RuntimeError(f"{len(self.pieces)} pieces around {len(self.attends)} attention calls")
 
-class EagerGraphs:
+
+class PiecewiseGraphs:
     """Piecewise-captured forwards of one model for every bucket of ``buckets`` tokens."""
 
     def __init__(
@@ -206,12 +211,12 @@ class EagerGraphs:
         layers = len(self.model.layers)
         stream = torch.cuda.Stream(self.device)
         between = self.model.between_layers
-        self.model.between_layers = None
-        self.ids.zero_()
-        self.positions.zero_()
-        self.slots.fill_(-1)
-        self.attention.cut = self._cut
         try:
+            self.model.between_layers = None
+            self.attention.cut = self._cut
+            self.ids.zero_()
+            self.positions.zero_()
+            self.slots.fill_(-1)
             for bucket in reversed(self.buckets):
                 self._metas = self._capture_metas(bucket)
                 self._pass(bucket, kv_caches)  # builds kernels and settles the allocator outside the graph
@@ -265,7 +270,7 @@ class EagerGraphs:
         for g, meta in enumerate(metas):
             self.slots[g, :rows].copy_(meta.slot_mapping)
         attention = self.attention
-        for piece, attend in zip(captured.pieces, captured.attends, strict=False):
+        for piece, attend in zip(captured.pieces, captured.attends, strict=False):  # the last piece follows
             piece.replay()
             attention.forward_into(
                 attend.query, attend.kv_cache, metas[attend.group], attend.scale, attend.out,

@@ -1,11 +1,11 @@
-"""The token buckets the eager steps' piecewise graphs are captured at (``eager_graph.token_buckets``)."""
+"""The token buckets the eager steps' piecewise graphs are captured at (``piecewise_graph.token_buckets``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from ominix_worker.cuda_graph import padded_size
-from ominix_worker.eager_graph import TOKEN_STEP, token_buckets
+from ominix_worker.piecewise_graph import TOKEN_STEP, token_buckets
 
 
 def test_buckets_step_up_to_the_budget_rounded_up() -> None:

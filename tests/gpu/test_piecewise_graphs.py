@@ -1,4 +1,4 @@
-"""Prefill and mixed steps replayed from piecewise CUDA graphs (``eager_graph.EagerGraphs``) against the eager
+"""Prefill and mixed steps replayed from piecewise CUDA graphs (``piecewise_graph.PiecewiseGraphs``) against the eager
 forward on the same runner: same logits, padding rows write no KV, the layers' hook runs between the pieces,
 and execute_step gives the same tokens. The dense Llama shape and a Qwen3-MoE shape both run."""
 
@@ -64,7 +64,7 @@ def _logits(runner: ModelRunner, rows: list[ScheduledRow]) -> tuple[torch.Tensor
     inputs = runner._prepare_inputs(rows)
     hidden = runner._forward(inputs)
     logits = runner.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-    return logits[: len(inputs.sampling_rows)].clone(), inputs.graph_tokens
+    return logits[: len(inputs.sampling_rows)].clone(), inputs.piecewise_bucket
 
 
 def _request(rng: random.Random, name: str, prompt_len: int, blocks: list[int]) -> CachedRequest:
@@ -75,20 +75,25 @@ def _request(rng: random.Random, name: str, prompt_len: int, blocks: list[int]) 
     return CachedRequest(name, prompt, [], SamplingParams(temperature=0.0), [blocks], 0, 0)
 
 
+def _bits(kv: torch.Tensor) -> torch.Tensor:
+    """A float32 KV tensor's slots (2, slots, heads, head_dim) as integers: NaN-safe equality of unwritten
+    (``torch.empty``) memory."""
+    return kv.view(torch.int32).view(2, -1, kv.shape[3], kv.shape[4])
+
+
 @CONFIGS
 def test_pieces_match_eager_forward(tmp_path: Path, model_config: dict[str, object]) -> None:
-    """Two prompts, then their decode rows beside a third prompt's chunks: each step's logits from the pieces
-    match the eager forward's, and replaying the pieces changes no KV slot but the step's own."""
+    """Two prompts, then their decode rows beside a third prompt's chunks. Each step runs from the pieces first:
+    their captured KV store writes the step's slots and no other; then eagerly: the same logits, and the same
+    K/V in those slots."""
     from ominix_worker.runner import ScheduledRow
 
     runner = _runner(tmp_path, model_config)
-    assert runner.capture_eager_graphs(256) == 8
-    graphs = runner._eager_graphs
+    assert runner.capture_piecewise_graphs(256) == 8
+    graphs = runner._piecewise_graphs
     assert graphs is not None and graphs.buckets == (32, 64, 96, 128, 160, 192, 224, 256)
     rng = random.Random(7)
-    free_blocks = list(
-        range(1, runner.group_num_blocks[0])
-    )  # block 0 stays unused: padding must not touch it
+    free_blocks = list(range(1, runner.group_num_blocks[0]))  # block 0 unused: a padding row's slot 0 shows
     rng.shuffle(free_blocks)
     a = _request(rng, "a", 40, [free_blocks.pop() for _ in range(8)])
     b = _request(rng, "b", 70, [free_blocks.pop() for _ in range(8)])
@@ -102,35 +107,99 @@ def test_pieces_match_eager_forward(tmp_path: Path, model_config: dict[str, obje
         req.output_token_ids.extend(rng.randrange(3, 1000) for _ in range(2))
     expected_buckets = [128, 64, 96]
     for rows, bucket in zip(steps, expected_buckets, strict=True):
+        bs = runner.block_size
+        step_slots = torch.tensor(
+            [r.request.block_tables[0][p // bs] * bs + p % bs for r in rows for p in range(r.start, r.end)],
+            device="cuda",
+        )
+        others = torch.ones(_bits(runner.kv_caches[0]).shape[1], dtype=torch.bool, device="cuda")
+        others[step_slots] = False
         with torch.inference_mode():
-            runner._eager_graphs = None
-            eager, eager_bucket = _logits(runner, rows)  # writes the step's KV
             kv_before = [kv.clone() for kv in runner.kv_caches]
-            runner._eager_graphs = graphs
-            pieces, graph_bucket = _logits(runner, rows)  # writes the same KV again, and nothing else
+            pieces, graph_bucket = _logits(runner, rows)
+            kv_pieces = [kv.clone() for kv in runner.kv_caches]
+            runner._piecewise_graphs = None
+            eager, eager_bucket = _logits(runner, rows)  # writes the step's slots again
+            runner._piecewise_graphs = graphs
         assert (eager_bucket, graph_bucket) == (0, bucket)
         assert pieces.shape == eager.shape and torch.isfinite(pieces).all()
         err = (pieces - eager).norm() / eager.norm()
         assert err < 1e-4, f"bucket {bucket}: relative error {err:.2e}"
         assert torch.equal(pieces.argmax(-1), eager.argmax(-1))
-        for layer, (before, after) in enumerate(zip(kv_before, runner.kv_caches, strict=True)):
-            assert torch.allclose(before, after, rtol=1e-4, atol=1e-5), f"layer {layer}'s KV changed"
+        for layer, (before, written, after) in enumerate(
+            zip(kv_before, kv_pieces, runner.kv_caches, strict=True)
+        ):
+            assert torch.equal(_bits(before)[:, others], _bits(written)[:, others]), (
+                f"layer {layer}: padding wrote"
+            )
+            mine, ref = (
+                _bits(written)[:, step_slots].view(torch.float32),
+                _bits(after)[:, step_slots].view(torch.float32),
+            )
+            assert torch.allclose(mine, ref, rtol=1e-4, atol=1e-5), f"layer {layer}: the step's K/V differ"
 
 
 def test_between_layers_runs_after_each_layer(tmp_path: Path) -> None:
-    """The early-result poll runs once per layer between the pieces, as in the eager forward."""
+    """The early-result poll runs once per layer between the pieces, each time after that layer's attention,
+    as in the eager forward."""
     from ominix_worker.runner import ScheduledRow
 
     runner = _runner(tmp_path)
-    assert runner.capture_eager_graphs(128) == 4
+    assert runner.capture_piecewise_graphs(128) == 4
+    graphs = runner._piecewise_graphs
+    assert graphs is not None
     rng = random.Random(3)
     req = _request(rng, "p", 100, list(range(1, 9)))
-    calls: list[int] = []
-    runner.model.between_layers = lambda: calls.append(1)
-    with torch.inference_mode():
-        _, bucket = _logits(runner, [ScheduledRow(req, 0, 100, True)])
+    attended: list[int] = []
+    polled_after: list[int] = []
+    forward_into = graphs.attention.forward_into
+
+    def counting_forward_into(*args: object, **kwargs: object) -> None:
+        attended.append(1)
+        forward_into(*args, **kwargs)  # type: ignore[arg-type]
+
+    graphs.attention.forward_into = counting_forward_into  # type: ignore[method-assign]
+    runner.model.between_layers = lambda: polled_after.append(len(attended))
+    try:
+        with torch.inference_mode():
+            _, bucket = _logits(runner, [ScheduledRow(req, 0, 100, True)])
+    finally:
+        del graphs.attention.forward_into  # type: ignore[attr-defined]
     assert bucket == 128
-    assert len(calls) == _CONFIG["num_hidden_layers"]
+    assert polled_after == list(range(1, _CONFIG["num_hidden_layers"] + 1))  # type: ignore[operator]
+
+
+def test_a_failed_capture_leaves_a_lone_runner_eager_and_stops_a_group_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A capture that fails inside a piece (here at the last bucket) leaves no graphs, the backend's hook and
+    the model's poll as they were, and the runner's steps eager; on a rank of a group it raises instead."""
+    from ominix_worker.parallel import TensorParallel
+    from ominix_worker.piecewise_graph import PiecewiseGraphs
+    from ominix_worker.runner import ScheduledRow
+
+    real_pass = PiecewiseGraphs._pass
+
+    def failing_pass(self: PiecewiseGraphs, bucket: int, kv_caches: list[torch.Tensor]) -> None:
+        if bucket == 32 and self._graph is not None:
+            raise RuntimeError("injected: a capture that fails part-way")
+        real_pass(self, bucket, kv_caches)
+
+    monkeypatch.setattr(PiecewiseGraphs, "_pass", failing_pass)
+    runner = _runner(tmp_path)
+    poll = runner.model.between_layers = lambda: None
+    assert runner.capture_piecewise_graphs(128) == 0
+    assert runner._piecewise_graphs is None
+    assert runner.backend.cut is None  # type: ignore[attr-defined]
+    assert runner.model.between_layers is poll
+    req = _request(random.Random(1), "p", 100, list(range(1, 9)))
+    with torch.inference_mode():
+        logits, bucket = _logits(runner, [ScheduledRow(req, 0, 100, True)])
+    assert bucket == 0 and torch.isfinite(logits).all()
+
+    runner.model.tp = TensorParallel(rank=1, size=2, group=object())  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="rank 1"):
+        runner.capture_piecewise_graphs(128)
 
 
 def test_steps_past_the_budget_and_models_without_pieces_stay_eager(
@@ -140,7 +209,7 @@ def test_steps_past_the_budget_and_models_without_pieces_stay_eager(
     from ominix_worker.runner import ScheduledRow
 
     runner = _runner(tmp_path)
-    assert runner.capture_eager_graphs(64) == 2
+    assert runner.capture_piecewise_graphs(64) == 2
     rng = random.Random(5)
     req = _request(rng, "p", 100, list(range(1, 9)))
     with torch.inference_mode():
@@ -148,7 +217,7 @@ def test_steps_past_the_budget_and_models_without_pieces_stay_eager(
     assert bucket == 0  # 100 tokens: past the largest bucket
 
     monkeypatch.setattr(LlamaForCausalLM, "piecewise_graphs", False)
-    assert _runner(tmp_path).capture_eager_graphs(64) == 0
+    assert _runner(tmp_path).capture_piecewise_graphs(64) == 0
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
@@ -194,7 +263,7 @@ def test_execute_step_same_tokens(tmp_path: Path, overlap: bool) -> None:
         runner = _runner(tmp_path)
         assert runner.capture_decode_graphs([1, 2, 4])
         if pieces:
-            assert runner.capture_eager_graphs(128) == 4
+            assert runner.capture_piecewise_graphs(128) == 4
         runner.overlap_steps = overlap
         results = []
         for step in schedule:
