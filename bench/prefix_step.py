@@ -9,8 +9,8 @@ launch each of them while the device is kept busy by a spin kernel (``*_host_lau
 posts the previous step's result only once the next step is launched, so an eager step's launch delays it.
 ``--profile`` adds the device time by kernel of one suffix step and of one mixed step (torch profiler);
 ``--trace`` writes one mixed step's host and device timeline; ``--piecewise-graph-tokens N`` replays the mixed
-steps from piecewise CUDA graphs (the worker's ``OMINIX_PIECEWISE_GRAPH_TOKENS``). ``--device cpu`` runs it all on a tiny model in
-float32: a check of the script, not a measurement.
+steps from piecewise CUDA graphs (the worker's ``OMINIX_PIECEWISE_GRAPH_TOKENS``). ``--device cpu`` runs it all
+on a tiny model in float32: a check of the script, not a measurement.
 
     python bench/prefix_step.py --model dummy:bench/configs/llama8b-config.json --profile --json out.json
     python bench/prefix_step.py --mixed-decodes 8 --mixed-prompt 1024 --profile

@@ -72,10 +72,10 @@ AttentionCall = Callable[
 
 
 class PiecewiseAttention(Protocol):
-    """What a backend offers the eager steps' piecewise CUDA graphs (``piecewise_graph.PiecewiseGraphs``): its KV store
-    is capturable and skips slot -1 (a padding row); while ``cut`` is set, ``forward`` hands each call to it
-    instead of attending (the capture ends a piece there); ``forward_into`` attends into a caller's buffer
-    between the replayed pieces."""
+    """What a backend offers the piecewise CUDA graphs of prefill and mixed steps
+    (``piecewise_graph.PiecewiseGraphs``): its KV store is capturable and skips slot -1 (a padding row); while
+    ``cut`` is set, ``forward`` hands each call to it instead of attending (the capture ends a piece there);
+    ``forward_into`` attends into a caller's buffer between the replayed pieces."""
 
     cut: AttentionCall | None
 
@@ -98,7 +98,7 @@ class AttentionBackend(Protocol):
     supports_sinks: bool  # takes forward(..., sinks=)
 
     def piecewise_attention(self) -> PiecewiseAttention | None:
-        """This backend as the eager steps' piecewise CUDA graphs use it; None: its eager steps stay eager."""
+        """This backend as the piecewise graphs of prefill and mixed steps use it; None: those steps stay eager."""
         ...
 
     def mixed_warm_up_steps(
