@@ -1,16 +1,21 @@
-"""Prefill and mixed steps replayed from piecewise CUDA graphs (``piecewise_graph.PiecewiseGraphs``) against the eager
-forward on the same runner: same logits, padding rows write no KV, the layers' hook runs between the pieces,
-and execute_step gives the same tokens. The dense Llama shape and a Qwen3-MoE shape both run."""
+"""Prefill and mixed steps replayed from piecewise CUDA graphs (``piecewise_graph.PiecewiseGraphs``) against
+the eager forward on the same runner: same logits, padding rows write no KV, the layers' hook runs between the
+pieces, a failed capture leaves the runner eager, and execute_step gives the same tokens. The dense Llama shape
+and a Qwen3-MoE shape (test_decode_graphs.py's, with three layers) both run."""
 
 from __future__ import annotations
 
-import json
 import random
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from test_decode_graphs import _CONFIG as TWO_LAYERS
+from test_decode_graphs import _MOE_CONFIG as TWO_MOE_LAYERS
+from test_decode_graphs import _runner
+from test_hybrid_layers_gpu import drive, tokens
 
 if TYPE_CHECKING:  # the runner is imported inside the tests, after the CUDA skip
     from ominix_worker.runner import CachedRequest, ModelRunner, ScheduledRow
@@ -20,43 +25,10 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 1000,
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-_MOE_CONFIG = {
-    **_CONFIG,
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "model_type": "qwen3_moe",
-    "num_experts": 32,
-    "num_experts_per_tok": 4,
-    "moe_intermediate_size": 128,
-    "norm_topk_prob": True,
-}
+_CONFIG = {**TWO_LAYERS, "num_hidden_layers": 3}
+_MOE_CONFIG = {**TWO_MOE_LAYERS, "num_hidden_layers": 3}
 CONFIGS = pytest.mark.parametrize("model_config", [_CONFIG, _MOE_CONFIG], ids=["dense", "moe"])
-
-
-def _runner(tmp_path: Path, model_config: dict[str, object] = _CONFIG) -> ModelRunner:
-    from ominix_worker.runner import build_runner
-
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(model_config))
-    torch.backends.cuda.matmul.allow_tf32 = False
-    return build_runner(
-        f"dummy:{config}", device="cuda", dtype=torch.float32, num_blocks=96, max_model_len=512
-    )
+_runner = partial(_runner, model_config=_CONFIG)  # the dense shape unless a test names another
 
 
 def _logits(runner: ModelRunner, rows: list[ScheduledRow]) -> tuple[torch.Tensor, int]:
@@ -88,7 +60,7 @@ def test_pieces_match_eager_forward(tmp_path: Path, model_config: dict[str, obje
     K/V in those slots."""
     from ominix_worker.runner import ScheduledRow
 
-    runner = _runner(tmp_path, model_config)
+    runner = _runner(tmp_path, model_config=model_config)
     assert runner.capture_piecewise_graphs(256) == 8
     graphs = runner._piecewise_graphs
     assert graphs is not None and graphs.buckets == (32, 64, 96, 128, 160, 192, 224, 256)
@@ -258,28 +230,13 @@ def test_execute_step_same_tokens(tmp_path: Path, overlap: bool) -> None:
         else:
             schedule.append(DecodeStep(step_id=step_id, running_requests=running(live)))
 
-    tokens: dict[bool, dict[str, list[int]]] = {}
+    by_pieces: dict[bool, dict[str, list[int]]] = {}
     for pieces in (False, True):
         runner = _runner(tmp_path)
         assert runner.capture_decode_graphs([1, 2, 4])
         if pieces:
             assert runner.capture_piecewise_graphs(128) == 4
         runner.overlap_steps = overlap
-        results = []
-        for step in schedule:
-            result = runner.execute_step(step)
-            if result is not None:
-                results.append(result)
-            results.extend(runner.take_results())
-        runner.finish_pending()
-        results.extend(runner.take_results())
-        assert [r.step_id for r in results] == [s.step_id for s in schedule]
-        out: dict[str, list[int]] = {}
-        for r in results:
-            for o in r.outputs:
-                assert o.error_kind is None, o.error_message
-                if o.sampled_token_id is not None:
-                    out.setdefault(o.request_id, []).append(o.sampled_token_id)
-        tokens[pieces] = out
-    assert tokens[True] == tokens[False]
-    assert len(tokens[True]["q3"]) == 9  # its last chunk sampled, then 8 decodes
+        by_pieces[pieces] = tokens(drive(runner, schedule)[0])  # every step's result in order, no error
+    assert by_pieces[True] == by_pieces[False]
+    assert len(by_pieces[True]["q3"]) == 9  # its last chunk sampled, then 8 decodes
