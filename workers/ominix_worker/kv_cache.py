@@ -84,23 +84,22 @@ def measure_gpu_kv_budget(
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
     if accel is None:
         accel = torch.cuda if device.type == "cuda" else getattr(torch, device.type)
+    peak_activations = _activation_peak(accel, device, profile_forward)
+    free, total = accel.mem_get_info(device)
+    in_use = total - free
+    graph_pool = _activation_peak(accel, device, graph_forward) if graph_forward is not None else 0
+    return int(total * utilization - in_use - peak_activations - graph_pool)
+
+
+def _activation_peak(accel: Any, device: torch.device, forward: Callable[[], None]) -> int:
+    """Bytes ``forward`` allocated at its peak above what stays allocated after it."""
     accel.synchronize(device)
     accel.empty_cache()
     accel.reset_peak_memory_stats(device)
-    profile_forward()
+    forward()
     accel.synchronize(device)
     accel.empty_cache()  # cached activation blocks would otherwise count twice (in use and as the peak)
-    free, total = accel.mem_get_info(device)
-    peak_activations = accel.max_memory_allocated(device) - accel.memory_allocated(device)
-    in_use = total - free
-    graph_pool = 0
-    if graph_forward is not None:
-        accel.reset_peak_memory_stats(device)
-        graph_forward()
-        accel.synchronize(device)
-        accel.empty_cache()
-        graph_pool = accel.max_memory_allocated(device) - accel.memory_allocated(device)
-    return int(total * utilization - in_use - peak_activations - graph_pool)
+    return int(accel.max_memory_allocated(device) - accel.memory_allocated(device))
 
 
 # Room for blocks that slid out of a window to stay cached for prefix hits: this many windows per running
