@@ -37,8 +37,7 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
-    # Run as a script: import ``bench.*`` from the repository root, and keep this folder off the path
-    # (bench/kernels.py would shadow the ``kernels`` package that transformers probes for).
+    # Run as a script: import ``bench.*`` from the repository root.
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from bench.common import (  # noqa: E402

@@ -16,7 +16,7 @@ for stage in $STAGES; do
     tests)
       timeout ${TESTS_S:-200} python3 -m pytest tests/gpu -q -p no:cacheprovider -n ${XDIST:-8} -o addopts="" 2>&1 | tail -40 | tee "$OUT/tests.txt" ;;
     kernels)
-      timeout ${KERNELS_S:-200} python3 bench/kernels.py ${KERNELS_ARGS:-} --json "$OUT/kernels.json" 2>&1 | tail -60 | tee "$OUT/kernels.txt" ;;
+      timeout ${KERNELS_S:-200} python3 bench/attention_kernels.py ${KERNELS_ARGS:-} --json "$OUT/kernels.json" 2>&1 | tail -60 | tee "$OUT/kernels.txt" ;;
     roofline)
       timeout 60 python3 bench/roofline.py --json "$OUT/roofline.json" 2>&1 | tail -12 ;;
     peer)

@@ -22,12 +22,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if __package__ in (None, ""):
-    # Run as a script: keep bench/ off the path, or bench/kernels.py would shadow the ``kernels`` package that
-    # transformers probes for.
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
-
-import torch  # noqa: E402
+import torch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -36,7 +36,7 @@ DEFAULT_PREFILL_SIZES = (16, 32, 64)
 # Context length the split count of each captured size is chosen for (only speed depends on it).
 CAPTURE_SEQ_LEN = 1024
 # The same for the prefill graphs, whose short queries follow a prefix hit: a longer context gets more splits
-# of its keys (bench/kernels.py --prefix-only), and splits past a short context end at once.
+# of its keys (bench/attention_kernels.py --prefix-only), and splits past a short context end at once.
 PREFILL_CAPTURE_SEQ_LEN = 4096
 
 

@@ -2,7 +2,7 @@
 32 query heads, 8 KV heads, head_dim 128, bf16, block size 16) against torch, and reports achieved bandwidth
 against the measured device-to-device copy bandwidth.
 
-    python bench/kernels.py [--json out.json] [--quick] [--prefix-only]
+    python bench/attention_kernels.py [--json out.json] [--quick] [--prefix-only]
 
 Decode cases run the 32 layers of one step back to back from one CUDA graph (each layer owns its KV tensor, as
 in the model, so nothing is served from L2 across layers) and report the time per layer. Torch SDPA baselines
