@@ -140,13 +140,13 @@ def test_early_results_and_the_prefill_limit_beside_decodes_are_on_by_default() 
     assert off.engine.scheduler.prefill_tokens_beside_decodes == 0
 
 
-def test_the_budget_of_a_step_with_decodes_is_6144_by_default_and_set_by_its_flag() -> None:
+def test_the_budget_of_a_step_with_decodes_is_4096_by_default_and_set_by_its_flag() -> None:
     default, _ = resolve(SERVE, [], env={})
-    assert default.engine.scheduler.max_batch_tokens_with_decodes == 6144
+    assert default.engine.scheduler.max_batch_tokens_with_decodes == 4096
     config, _ = resolve(LAUNCH, ["--devices", "cpu", "--max-batch-tokens-with-decodes", "0"], env={})
     assert config.engine.scheduler.max_batch_tokens_with_decodes == 0
-    smaller, _ = resolve(SERVE, ["--max-batch-tokens-with-decodes", "4096"], env={})
-    assert smaller.engine.scheduler.max_batch_tokens_with_decodes == 4096
+    larger, _ = resolve(SERVE, ["--max-batch-tokens-with-decodes", "6144"], env={})
+    assert larger.engine.scheduler.max_batch_tokens_with_decodes == 6144
     with pytest.raises(ConfigError, match="expected an integer >= 0"):
         resolve(SERVE, ["--max-batch-tokens-with-decodes", "-1"], env={})
 

@@ -258,7 +258,7 @@ def test_the_budget_with_decodes_is_at_least_the_running_slots_and_at_most_the_b
     run.record(s.update(step, run.backend.execute(step)))
     drive(run)
     assert all(isinstance(run.terminal(rid), Done) for rid in [*(f"d{i}" for i in range(7)), "p"])
-    # The default (6,144) is capped by the worker's budget; 0 means the budget; the budget wins over the slots.
+    # The default (4,096) is capped by the worker's budget; 0 means the budget; the budget wins over the slots.
     default = make(FakeConfig(max_batch_tokens=128), SchedulerConfig()).scheduler
     assert default.max_batch_tokens_with_decodes == 128
     whole = SchedulerConfig(max_batch_tokens_with_decodes=0, max_running_requests=8)
