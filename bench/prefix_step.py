@@ -9,7 +9,8 @@ launch each of them while the device is kept busy by a spin kernel (``*_host_lau
 posts the previous step's result only once the next step is launched, so an eager step's launch delays it.
 ``--profile`` adds the device time by kernel of one suffix step and of one mixed step (torch profiler);
 ``--trace`` writes one mixed step's host and device timeline; ``--piecewise-graph-tokens N`` replays the mixed
-steps from piecewise CUDA graphs (the worker's ``OMINIX_PIECEWISE_GRAPH_TOKENS``). ``--device cpu`` runs it all
+steps from piecewise CUDA graphs (the worker's ``OMINIX_PIECEWISE_GRAPH_TOKENS``; ``--piecewise-fastest-bucket``
+times the buckets and replays the fastest that holds a step). ``--device cpu`` runs it all
 on a tiny model in float32: a check of the script, not a measurement.
 
     python bench/prefix_step.py --model dummy:bench/configs/llama8b-config.json --profile --json out.json
@@ -227,6 +228,12 @@ def main() -> None:
         help="capture prefill and mixed steps of up to this many tokens in pieces (the worker's "
         "OMINIX_PIECEWISE_GRAPH_TOKENS); 0: they run eagerly",
     )
+    p.add_argument(
+        "--piecewise-fastest-bucket",
+        action="store_true",
+        help="with --piecewise-graph-tokens: time each bucket at capture and replay the fastest that holds a "
+        "step (the worker's OMINIX_PIECEWISE_FASTEST_BUCKET=1); the JSON gets every bucket's ms",
+    )
     p.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (float32: checks the script only)")
     args = p.parse_args()
     set_fast_launch(args.triton_launch == "fast")
@@ -247,7 +254,9 @@ def main() -> None:
     runner.capture_decode_graphs()
     started = time.perf_counter()
     piecewise_graph_buckets = (
-        runner.capture_piecewise_graphs(args.piecewise_graph_tokens) if args.piecewise_graph_tokens else 0
+        runner.capture_piecewise_graphs(args.piecewise_graph_tokens, timed=args.piecewise_fastest_bucket)
+        if args.piecewise_graph_tokens
+        else 0
     )
     piecewise_graph_capture_s = round(time.perf_counter() - started, 2)
     memory.freeze_startup_heap()
@@ -296,8 +305,12 @@ def main() -> None:
         "prefill_graph_sizes": sorted(graphs.prefill_graphs) if graphs is not None else [],
         "piecewise_graph_buckets": piecewise_graph_buckets,
         "piecewise_graph_capture_s": piecewise_graph_capture_s,
+        "piecewise_bucket_ms": {str(b): round(ms, 3) for b, ms in runner.piecewise_bucket_ms.items()},
         "trials": args.trials,
     }
+    if runner._piecewise_graphs is not None and args.mixed_decodes:
+        mixed_tokens = args.mixed_prompt + args.mixed_decodes
+        figures["mixed_step_bucket"] = runner._piecewise_graphs.bucket_for(mixed_tokens)
 
     # Batch-1 decode from a 512-token prompt, one token a step.
     decode = StepClock(runner)

@@ -214,6 +214,9 @@ class DebugConfig:
     # runs on the same hosts, whose launches stayed under the device time there (bench/RESULTS.md, 2026-11-30).
     # On, only bucket row counts reach the GEMMs, and a slower host's launch no longer outlasts the step.
     piecewise_graph_tokens: int = 2048
+    # worker, CUDA, a lone rank: each piecewise bucket timed at start, and a step replays the fastest captured
+    # bucket that holds it (cuBLAS runs some row counts slower than larger ones). Off until measured online.
+    piecewise_fastest_bucket: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,6 +343,13 @@ DEBUG_VARIABLES: tuple[DebugVariable, ...] = (
         _count,
         "N: on CUDA, prefill and mixed steps of up to N tokens (at most the step budget; default 2048) replay "
         "CUDA graphs captured at start in pieces between the layers' attention, per bucket of 32 tokens; 0: eager",
+    ),
+    DebugVariable(
+        "OMINIX_PIECEWISE_FASTEST_BUCKET",
+        "debug.piecewise_fastest_bucket",
+        _switch,
+        "1: on a lone CUDA worker, each piecewise bucket's replay is timed at start and a step replays the "
+        "fastest captured bucket that holds it, not always the smallest",
     ),
 )
 

@@ -1,7 +1,8 @@
 """Prefill and mixed steps replayed from piecewise CUDA graphs (``piecewise_graph.PiecewiseGraphs``) against
 the eager forward on the same runner: same logits, padding rows write no KV, the layers' hook runs between the
-pieces, a failed capture leaves the runner eager, and execute_step gives the same tokens. The dense Llama shape
-and a Qwen3-MoE shape (test_decode_graphs.py's, with three layers) both run."""
+pieces, a failed capture leaves the runner eager, timing the buckets writes no KV and a step routed to a larger
+bucket keeps its logits, and execute_step gives the same tokens. The dense Llama shape and a Qwen3-MoE shape
+(test_decode_graphs.py's, with three layers) both run."""
 
 from __future__ import annotations
 
@@ -172,6 +173,41 @@ def test_a_failed_capture_leaves_a_lone_runner_eager_and_stops_a_group_rank(
     runner.model.tp = TensorParallel(rank=1, size=2, group=object())  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="rank 1"):
         runner.capture_piecewise_graphs(128)
+
+
+def test_timed_buckets_write_no_kv_and_a_step_routed_to_a_larger_bucket_keeps_its_logits(
+    tmp_path: Path,
+) -> None:
+    """Capture with timing replays every bucket's pieces and writes no KV; a step routed to a larger, faster
+    bucket (here by the times given) gives the eager logits."""
+    from ominix_worker.runner import ScheduledRow
+
+    runner = _runner(tmp_path)
+    with torch.inference_mode():
+        kv_before = [kv.clone() for kv in runner.kv_caches]
+    assert runner.capture_piecewise_graphs(128, timed=True) == 4
+    graphs = runner._piecewise_graphs
+    assert graphs is not None
+    assert sorted(runner.piecewise_bucket_ms) == [32, 64, 96, 128]
+    assert all(0.0 < ms < 1_000.0 for ms in runner.piecewise_bucket_ms.values())
+    for before, after in zip(kv_before, runner.kv_caches, strict=True):
+        assert torch.equal(_bits(before), _bits(after))
+    for num_tokens in (1, 32, 33, 100, 128):
+        bucket = graphs.bucket_for(num_tokens)
+        assert bucket in graphs.buckets and bucket >= num_tokens
+
+    with pytest.raises(ValueError, match="captured"):
+        graphs.route_to_fastest({32: 1.0})
+    assert graphs.route_to_fastest({32: 5.0, 64: 4.0, 96: 9.0, 128: 1.0}) == {32: 128, 64: 128, 96: 128}
+    req = _request(random.Random(4), "p", 40, list(range(1, 9)))
+    rows = [ScheduledRow(req, 0, 40, True)]
+    with torch.inference_mode():
+        routed, bucket = _logits(runner, rows)
+        runner._piecewise_graphs = None
+        eager, _ = _logits(runner, rows)
+    assert bucket == 128
+    err = (routed - eager).norm() / eager.norm()
+    assert err < 1e-4 and torch.equal(routed.argmax(-1), eager.argmax(-1))
 
 
 def test_steps_past_the_budget_and_models_without_pieces_stay_eager(

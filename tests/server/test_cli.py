@@ -240,6 +240,7 @@ def test_debug_variables_are_typed_and_land_in_the_tree() -> None:
         "OMINIX_PAD_LOGITS": "0",
         "OMINIX_WARM_GEMM_ROWS": "8",
         "OMINIX_PIECEWISE_GRAPH_TOKENS": "0",
+        "OMINIX_PIECEWISE_FASTEST_BUCKET": "1",
     }
     config, _ = resolve(WORKER, [], env=env)
     assert config.debug.log_steps
@@ -250,6 +251,7 @@ def test_debug_variables_are_typed_and_land_in_the_tree() -> None:
     assert not config.debug.pad_logits and RuntimeConfig().debug.pad_logits
     assert config.debug.warm_gemm_rows == 8 and RuntimeConfig().debug.warm_gemm_rows == 0
     assert config.debug.piecewise_graph_tokens == 0 and RuntimeConfig().debug.piecewise_graph_tokens == 2048
+    assert config.debug.piecewise_fastest_bucket and not RuntimeConfig().debug.piecewise_fastest_bucket
     assert RuntimeConfig().debug.pipeline and not RuntimeConfig().debug.log_steps
     with pytest.raises(ConfigError, match="OMINIX_PIPELINE"):
         resolve(WORKER, [], env={"OMINIX_PIPELINE": "maybe"})

@@ -86,3 +86,26 @@ def test_steps_padded_to_their_bucket_sample_the_eager_tokens(
     decode = pieces.replayed[1]
     assert decode.input_ids[3:] == [0] * 29 and decode.slots[3:] == [-1] * 29
     assert decode.positions[:3] == [17, 17, 17]
+
+
+class RoutedPieces(RecordingPieces):
+    """Steps padded to 64 tokens replay the 96-token bucket, as after ``PiecewiseGraphs.route_to_fastest``."""
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        bucket = super().bucket_for(num_tokens)
+        return 96 if bucket == 64 else bucket
+
+
+def test_a_step_routed_to_a_larger_bucket_samples_the_eager_tokens(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    runner = build_runner(str(tiny_model_dir("llama")), num_blocks=16, block_size=16)
+    steps = _steps(SamplingParams(temperature=0.0))
+    eager, _ = _run(runner, steps, overlap=False)
+    pieces = RoutedPieces(runner)
+    runner._piecewise_graphs = pieces  # type: ignore[assignment]  # the stand-in
+    routed, _ = _run(runner, steps, overlap=False)
+    assert routed == eager
+    assert [len(r.input_ids) for r in pieces.replayed] == [96, 32, 32]
+    first = pieces.replayed[0]
+    assert first.logits_rows == 51 and first.input_ids[51:] == [0] * 45 and first.slots[51:] == [-1] * 45

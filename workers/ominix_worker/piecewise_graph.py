@@ -15,12 +15,18 @@ Inside the piece before it, each attention call's query is copied into a static 
 activations are freed for the next bucket's capture); attention writes a static output buffer the next piece
 reads, and the last piece copies the final hidden states into a static buffer. Every bucket shares these
 buffers and one memory pool: a step replays one bucket's pieces in order on one stream.
+
+cuBLAS picks its kernels by row count, and some counts run slower than larger ones (1,028 - 1,152 rows of the
+Llama-3.1-8B shape's layer GEMMs took 21.45 - 23.85 ms, bench/RESULTS.md, 2026-11-30). ``time_buckets`` times
+every bucket's pieces at start and ``route_to_fastest`` sends a step to the fastest captured bucket that holds
+it: the attention costs the same whatever the padding, so the pieces alone decide.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +44,10 @@ log = logging.getLogger(__name__)
 # Llama-3.1-8B shape).
 TOKEN_STEP = 32
 
+# A larger bucket takes a smaller one's steps only when its pieces ran at least this much faster: timing noise
+# must not buy padding rows.
+FASTER_BY = 0.02
+
 
 def token_buckets(max_tokens: int, step: int = TOKEN_STEP) -> tuple[int, ...]:
     """Every multiple of ``step`` up to ``max_tokens`` (rounded up to one); () when ``max_tokens`` <= 0."""
@@ -45,6 +55,23 @@ def token_buckets(max_tokens: int, step: int = TOKEN_STEP) -> tuple[int, ...]:
         return ()
     top = -(-max_tokens // step) * step
     return tuple(range(step, top + 1, step))
+
+
+def fastest_routes(times_ms: Mapping[int, float], faster_by: float = FASTER_BY) -> dict[int, int]:
+    """For each timed bucket, the bucket a step padded to it replays: the fastest of the larger buckets when it
+    ran more than ``faster_by`` faster than the bucket itself, else the bucket itself (ties go to the smaller).
+    A bucket routed elsewhere routes to a bucket that routes to itself."""
+    routes: dict[int, int] = {}
+    best: int | None = None  # the fastest of the buckets seen, all larger than the next
+    for bucket in sorted(times_ms, reverse=True):
+        own = times_ms[bucket]
+        if best is not None and times_ms[best] < own * (1.0 - faster_by):
+            routes[bucket] = best
+        else:
+            routes[bucket] = bucket
+        if best is None or own <= times_ms[best]:
+            best = bucket
+    return routes
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +125,8 @@ class PiecewiseGraphs:
         self.hidden: torch.Tensor | None = None
         self._io: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._captured: dict[int, _Captured] = {}
+        # Buckets whose steps replay a larger, faster bucket (``route_to_fastest``).
+        self._routes: dict[int, int] = {}
         # Capture state: the metadata the layers see (one per KV group), the piece being captured, and what
         # the pass has cut so far.
         self._metas: tuple[AttentionMetadata, ...] = ()
@@ -110,7 +139,8 @@ class PiecewiseGraphs:
         """The captured bucket a step of ``num_tokens`` tokens replays; None: it runs eagerly."""
         if not self._captured:
             return None
-        return padded_size(num_tokens, self.buckets)
+        bucket = padded_size(num_tokens, self.buckets)
+        return None if bucket is None else self._routes.get(bucket, bucket)
 
     # ---- capture ------------------------------------------------------------------------------------
 
@@ -247,6 +277,44 @@ class PiecewiseGraphs:
             self.model.between_layers = between
             self._metas, self._pieces, self._attends = (), [], []
         torch.cuda.synchronize(self.device)
+
+    # ---- the fastest bucket ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def time_buckets(self, replays: int = 2) -> dict[int, float]:
+        """Device ms of each captured bucket's pieces replayed back to back without the attention between them,
+        the best of ``replays`` after one unmeasured: what the bucket's row count costs. At start only, before
+        any step: the static inputs are reset to padding first (slot -1, so no KV is written), and the
+        attention's output buffers keep what they hold."""
+        if not self._captured:
+            raise RuntimeError("no captured bucket to time")
+        self.ids.zero_()
+        self.positions.zero_()
+        self.slots.fill_(-1)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        times: dict[int, float] = {}
+        for bucket in self.buckets:
+            pieces = self._captured[bucket].pieces
+            best = math.inf
+            for replay in range(replays + 1):
+                start.record()
+                for piece in pieces:
+                    piece.replay()
+                end.record()
+                end.synchronize()
+                if replay:
+                    best = min(best, start.elapsed_time(end))
+            times[bucket] = best
+        return times
+
+    def route_to_fastest(self, times_ms: Mapping[int, float]) -> dict[int, int]:
+        """From now on a step replays the bucket ``fastest_routes`` picks for its own among ``times_ms`` (every
+        captured bucket's); returns the buckets routed to a larger one."""
+        if set(times_ms) != set(self._captured):
+            raise ValueError("times for other buckets than the captured ones")
+        self._routes = {b: r for b, r in fastest_routes(times_ms).items() if r != b}
+        return dict(self._routes)
 
     # ---- replay -------------------------------------------------------------------------------------
 

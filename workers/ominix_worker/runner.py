@@ -174,6 +174,8 @@ class ModelRunner:
         self._graphs: DecodeGraphs | None = None  # captured on CUDA
         # Prefill and mixed steps up to a token budget, captured in pieces (``capture_piecewise_graphs``).
         self._piecewise_graphs: PiecewiseGraphs | None = None
+        # Device ms of each bucket's pieces, when timed at capture (``capture_piecewise_graphs(timed=True)``).
+        self.piecewise_bucket_ms: dict[int, float] = {}
         # Row counts an eager step's LM head is padded up to (the captured decode sizes once graphs exist): the
         # LM head GEMM then runs only at row counts the capture already ran. On an H200 (torch 2.11, cu130) the
         # first cuBLAS call at a row count new to it (one per bucket of 8 rows, at the LM head's shape) blocks
@@ -932,12 +934,14 @@ class ModelRunner:
             and self.model.piecewise_graphs
         )
 
-    def capture_piecewise_graphs(self, max_tokens: int) -> int:
+    def capture_piecewise_graphs(self, max_tokens: int, timed: bool = False) -> int:
         """CUDA: capture prefill and mixed steps of up to ``max_tokens`` tokens in pieces, per bucket of
         ``piecewise_graph.TOKEN_STEP`` tokens; returns the buckets captured (0: none, and the steps stay eager:
         not ``piecewise_capturable``, or a capture that failed on a lone rank; on a rank of a group a failure
         raises). After the decode graphs (``capture_decode_graphs``), as the server calls it under
-        ``OMINIX_PIECEWISE_GRAPH_TOKENS``."""
+        ``OMINIX_PIECEWISE_GRAPH_TOKENS``. ``timed``: on a lone rank, each bucket's pieces are timed and a step
+        replays the fastest captured bucket that holds it (``PiecewiseGraphs.route_to_fastest``); the ranks of
+        a group would each time their own and must pad alike, so they keep the smallest."""
         attention = self.backend.piecewise_attention()
         buckets = token_buckets(max_tokens)
         if not self.piecewise_capturable() or attention is None or not self.kv_caches or not buckets:
@@ -960,6 +964,15 @@ class ModelRunner:
             "captured prefill and mixed steps at %d token counts up to %d in %.1f s",
             len(buckets), buckets[-1], time.perf_counter() - started,
         )  # fmt: skip
+        if timed and self.model.tp.size == 1:
+            started = time.perf_counter()
+            self.piecewise_bucket_ms = graphs.time_buckets()
+            routes = graphs.route_to_fastest(self.piecewise_bucket_ms)
+            log.info(
+                "timed the %d buckets in %.1f s; %d replay a larger, faster one: %s",
+                len(buckets), time.perf_counter() - started, len(routes),
+                ", ".join(f"{b}->{r}" for b, r in sorted(routes.items())) or "none",
+            )  # fmt: skip
         return len(buckets)
 
 

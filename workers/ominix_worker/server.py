@@ -297,10 +297,11 @@ def load_worker(
     graphs = runner.capture_decode_graphs() if debug.cuda_graphs else False
     if graphs and piecewise_tokens:
         started = time.perf_counter()
-        buckets = runner.capture_piecewise_graphs(piecewise_tokens)
+        buckets = runner.capture_piecewise_graphs(piecewise_tokens, timed=debug.piecewise_fastest_bucket)
         if buckets:
             took = time.perf_counter() - started
-            _say(f"captured prefill and mixed steps at {buckets} token counts in {took:.1f} s")
+            timed = f" (timed: {len(runner.piecewise_bucket_ms)})" if runner.piecewise_bucket_ms else ""
+            _say(f"captured prefill and mixed steps at {buckets} token counts{timed} in {took:.1f} s")
     runner.pad_logits = debug.pad_logits
     runner.pipeline_decode = debug.pipeline
     runner.pipeline_eager = debug.pipeline_eager
