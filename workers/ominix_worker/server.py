@@ -179,6 +179,7 @@ def load_worker(
     )
     from ominix_worker.loader import ModelLoadError, load_model
     from ominix_worker.parallel import SINGLE, MoeParallel, PackableLinear
+    from ominix_worker.pinned import step_host_bytes, warm_pinned_memory
     from ominix_worker.progress import stage
     from ominix_worker.runner import ModelRunner
 
@@ -288,6 +289,10 @@ def load_worker(
     _say("warming up")
     warming = stage("warming up")
     runner.warm_up(max_batch_tokens)
+    if device.type == "cuda":
+        largest = step_host_bytes(max_batch_tokens, max_running, max_model_len, block_size)
+        pinned = warm_pinned_memory(largest)
+        _say(f"pinned {pinned / 2**20:.0f} MiB of host memory for the steps' copies")
     if debug.warm_gemm_rows and device.type == "cuda":
         started = time.perf_counter()
         # Unpadded, the LM head runs at every count of sampled rows: warm it too.
