@@ -19,12 +19,13 @@
 # comparison is wanted). DETAILED=1 keeps each request's TTFT, ITLs and send time in the result JSONs (both
 # benches' --save-detailed).
 # Paired A/B (bench/online_ab.py), over several calls of one warm machine: stage ab-start starts `vllm serve`
-# and one service of ours per AB_OURS entry (LABEL=LAUNCH-ARGS, ';'-separated), all on the one GPU at once,
-# each with AB_SHARE of its memory, and leaves them running (setsid); ab-run drives them in turn, AB_ROUNDS
-# rounds from AB_FIRST_ROUND, into ab_r<first>.json; ab-stop stops them; ab-table compares every server with
-# AB_BASELINE round by round (ab_table.md, and ab.png with matplotlib). Keep AB_SHARE x servers within the device
-# and the rates low enough that no server runs out of KV. AB_VLLM=0 starts our services only (with AB_BASELINE
-# one of their labels), to compare settings of ours at a larger share each.
+# and one service of ours per AB_OURS entry (LABEL=LAUNCH-ARGS, ';'-separated; leading NAME=VALUE words of
+# LAUNCH-ARGS are that service's environment, as in "fast=OMINIX_PIECEWISE_FASTEST_BUCKET=1"), all on the one
+# GPU at once, each with AB_SHARE of its memory, and leaves them running (setsid); ab-run drives them in turn,
+# AB_ROUNDS rounds from AB_FIRST_ROUND, into ab_r<first>.json; ab-stop stops them; ab-table compares every
+# server with AB_BASELINE round by round (ab_table.md, and ab.png with matplotlib). Keep AB_SHARE x servers
+# within the device and the rates low enough that no server runs out of KV. AB_VLLM=0 starts our services only
+# (with AB_BASELINE one of their labels), to compare settings of ours at a larger share each.
 set -u
 RESULTS=${RESULTS:-${OUT:-/tmp/ominix_online}}
 WORK=${WORK:-/tmp/ominix_online_work}
@@ -129,7 +130,8 @@ start_ours() {
   read -r port picked wbase <<<"$(free_ports 3)"  # the base last: workers take base + i
   [ "${WITH_METRICS:-0}" = 1 ] && mport=$picked
   part "$label: launch"
-  PYTHONPATH="$OURS_PATH" setsid timeout "$SERVER_LIFETIME_S" python3 -m ominix_runtime launch \
+  # shellcheck disable=SC2086  # OURS_ENV: NAME=VALUE words, one per variable
+  env ${OURS_ENV:-} PYTHONPATH="$OURS_PATH" setsid timeout "$SERVER_LIFETIME_S" python3 -m ominix_runtime launch \
     --model "dummy:$MODEL_DIR" --devices "$DEVICE" --port "$port" --metrics-port "$mport" --worker-base-port "$wbase" \
     --max-model-len "$MAX_MODEL_LEN" --max-running-requests "$MAX_NUM_SEQS" --max-batch-tokens "$MAX_BATCH_TOKENS" \
     --gpu-memory-utilization "$util" --log-level warning "$@" >"$WORK/$label.log" 2>&1 &
@@ -271,10 +273,18 @@ ab_start() {
   fi
   for entry in "${entries[@]}"; do
     label=${entry%%=*}
-    args=${entry#*=}
+    read -ra words <<<"${entry#*=}"
+    # Leading NAME=VALUE words are that service's environment (a debug variable), the rest its launch args.
+    envs=()
+    while [ ${#words[@]} -gt 0 ] && [[ ${words[0]} =~ ^[A-Z_][A-Z0-9_]*= ]]; do
+      envs+=("${words[0]}")
+      words=("${words[@]:1}")
+    done
     n=$((n + 1))
     # Our share counts every byte in use on the device: the servers before it and this one.
-    if WITH_METRICS=$AB_STEPS start_ours "$label" "$(awk "BEGIN { print $AB_SHARE * $n }")" $OURS_ARGS $args; then
+    # shellcheck disable=SC2086  # OURS_ARGS: words
+    if WITH_METRICS=$AB_STEPS OURS_ENV="${envs[*]}" start_ours "$label" "$(awk "BEGIN { print $AB_SHARE * $n }")" \
+      $OURS_ARGS "${words[@]}"; then
       echo "$label $STARTED_PID $STARTED_ADDR $WORK/$label.log $STARTED_METRICS" >>"$AB_SERVERS"
     else
       echo "ab-start: $label never SERVING (see above)"; stop_group "$STARTED_PID" 0; ab_stop; return 1

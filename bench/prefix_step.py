@@ -236,6 +236,8 @@ def main() -> None:
     )
     p.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (float32: checks the script only)")
     args = p.parse_args()
+    if args.piecewise_fastest_bucket and not args.piecewise_graph_tokens:
+        p.error("--piecewise-fastest-bucket times the buckets of --piecewise-graph-tokens N: set N too")
     set_fast_launch(args.triton_launch == "fast")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("prefix_step.py needs a CUDA device (or --device cpu)")

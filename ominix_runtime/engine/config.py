@@ -39,7 +39,7 @@ class SchedulerConfig:
     # max_running_requests (a step of decodes alone fits). Under a backlog every step admits prompts up to
     # its budget and each decoding stream waits for the whole step; a smaller budget beside decodes trades a
     # little TTFT of the prompts behind for shorter longest gaps. Beside vLLM on one H200 (bench/RESULTS.md,
-    # 2026-11-30, 13:40), 4,096 of the CUDA profile's 8,192 read ITL p99 0.69x of vLLM's at 32 req/s and
+    # 2026-11-30, 13:37 - 13:51), 4,096 of the CUDA profile's 8,192 read ITL p99 0.69x of vLLM's at 32 req/s and
     # 0.54x all at once, where 6,144 read 0.96x and 0.79x (and 1.12x at 32 req/s on an earlier machine),
     # for TTFT p50 +4% at 32 req/s, output throughput level, and no change at 4 - 16 req/s. It applies
     # wherever the budget is larger (the CUDA and Ascend profiles; measured on CUDA only); the CPU profile's

@@ -86,7 +86,7 @@ def _servers(tmp_path: Path) -> list[list[str]]:
 
 def test_ab_stages_drive_resident_servers_in_turn(tmp_path: Path) -> None:
     """ab-start leaves a stand-in vllm serve and two services of ours running (two calls of the script, as on a
-    warm GPU machine); ab-run drives them in turn with one schedule per round; ab-table pairs them; a server
+    warm GPU machine; one with a variable in its environment); ab-run drives them in turn with one schedule per round; ab-table pairs them; a server
     that died stops the next ab-run at once; ab-stop stops the rest."""
     pytest.importorskip("torch")
     site = _stand_in_vllm(tmp_path, STAND_IN_VLLM_SERVER)
@@ -94,7 +94,7 @@ def test_ab_stages_drive_resident_servers_in_turn(tmp_path: Path) -> None:
         tmp_path,
         VLLM_SITE=str(site),
         DEVICE="cpu",
-        AB_OURS="fast=;slow=--light-load-below-running 0",
+        AB_OURS="fast=OMINIX_LOG_STEPS=1;slow=--light-load-below-running 0",
         OURS_ARGS="--kv-cache-memory 16MiB",
         RATES="10",
         SECONDS_PER_RATE="0.4",
@@ -126,6 +126,9 @@ def test_ab_stages_drive_resident_servers_in_turn(tmp_path: Path) -> None:
         output = script("ab-start")
         servers = _servers(tmp_path)
         assert [s[0] for s in servers] == ["vllm", "fast", "slow"], output
+        # A leading NAME=VALUE word is that service's environment, not a launch argument.
+        environ = {s[0]: Path(f"/proc/{s[1]}/environ").read_bytes().split(b"\0") for s in servers[1:]}
+        assert b"OMINIX_LOG_STEPS=1" in environ["fast"] and b"OMINIX_LOG_STEPS=1" not in environ["slow"]
         output = script("ab-run ab-table")
         records = json.loads((tmp_path / "results" / "ab_r0.json").read_text())
         assert len(records) == 6, output  # 3 servers x 1 rate x 2 rounds

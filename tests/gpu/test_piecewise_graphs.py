@@ -175,31 +175,36 @@ def test_a_failed_capture_leaves_a_lone_runner_eager_and_stops_a_group_rank(
         runner.capture_piecewise_graphs(128)
 
 
-def test_timed_buckets_write_no_kv_and_a_step_routed_to_a_larger_bucket_keeps_its_logits(
-    tmp_path: Path,
-) -> None:
-    """Capture with timing replays every bucket's pieces and writes no KV; a step routed to a larger, faster
-    bucket (here by the times given) gives the eager logits."""
+def test_timing_the_buckets_writes_no_kv_and_a_routed_step_keeps_its_logits(tmp_path: Path) -> None:
+    """After a real step (its slots in the static buffer), timing every bucket writes no KV; the times cover
+    every bucket and each route goes up to a captured bucket; a step routed to a larger bucket gives the eager
+    logits. An MoE model's buckets are not timed."""
     from ominix_worker.runner import ScheduledRow
 
     runner = _runner(tmp_path)
-    with torch.inference_mode():
-        kv_before = [kv.clone() for kv in runner.kv_caches]
-    assert runner.capture_piecewise_graphs(128, timed=True) == 4
+    assert runner.capture_piecewise_graphs(128) == 4
     graphs = runner._piecewise_graphs
     assert graphs is not None
-    assert sorted(runner.piecewise_bucket_ms) == [32, 64, 96, 128]
-    assert all(0.0 < ms < 1_000.0 for ms in runner.piecewise_bucket_ms.values())
+    rng = random.Random(4)
+    first = _request(rng, "a", 70, list(range(1, 9)))
+    with torch.inference_mode():
+        _, bucket = _logits(runner, [ScheduledRow(first, 0, 70, True)])
+        assert bucket == 96 and int(graphs.slots.max()) >= 0  # the step's slots are in the static buffer
+        kv_before = [kv.clone() for kv in runner.kv_caches]
+    times, routes = graphs.time_buckets(replays=1, rounds=1)
     for before, after in zip(kv_before, runner.kv_caches, strict=True):
         assert torch.equal(_bits(before), _bits(after))
-    for num_tokens in (1, 32, 33, 100, 128):
-        bucket = graphs.bucket_for(num_tokens)
-        assert bucket in graphs.buckets and bucket >= num_tokens
+    assert sorted(times) == [32, 64, 96, 128] and all(0.0 < ms < 1_000.0 for ms in times.values())
+    assert all(target > b and target in graphs.buckets for b, target in routes.items())
+    with pytest.raises(ValueError, match="replays"):
+        graphs.time_buckets(replays=0)
 
-    with pytest.raises(ValueError, match="captured"):
-        graphs.route_to_fastest({32: 1.0})
-    assert graphs.route_to_fastest({32: 5.0, 64: 4.0, 96: 9.0, 128: 1.0}) == {32: 128, 64: 128, 96: 128}
-    req = _request(random.Random(4), "p", 40, list(range(1, 9)))
+    with pytest.raises(ValueError, match="32 -> 48"):
+        graphs.set_routes({32: 48})
+    with pytest.raises(ValueError, match="64 -> 32"):
+        graphs.set_routes({64: 32})
+    graphs.set_routes({32: 128, 64: 128, 96: 128})
+    req = _request(rng, "p", 40, list(range(9, 17)))
     rows = [ScheduledRow(req, 0, 40, True)]
     with torch.inference_mode():
         routed, bucket = _logits(runner, rows)
@@ -208,6 +213,13 @@ def test_timed_buckets_write_no_kv_and_a_step_routed_to_a_larger_bucket_keeps_it
     assert bucket == 128
     err = (routed - eager).norm() / eager.norm()
     assert err < 1e-4 and torch.equal(routed.argmax(-1), eager.argmax(-1))
+
+    timed = _runner(tmp_path)
+    assert timed.capture_piecewise_graphs(128, timed=True) == 4
+    assert sorted(timed.piecewise_bucket_ms) == [32, 64, 96, 128]
+    moe = _runner(tmp_path, model_config=_MOE_CONFIG)
+    assert moe.capture_piecewise_graphs(128, timed=True) == 4
+    assert moe.piecewise_bucket_ms == {}
 
 
 def test_steps_past_the_budget_and_models_without_pieces_stay_eager(

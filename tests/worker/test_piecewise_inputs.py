@@ -89,7 +89,7 @@ def test_steps_padded_to_their_bucket_sample_the_eager_tokens(
 
 
 class RoutedPieces(RecordingPieces):
-    """Steps padded to 64 tokens replay the 96-token bucket, as after ``PiecewiseGraphs.route_to_fastest``."""
+    """Steps padded to 64 tokens replay the 96-token bucket, as after ``PiecewiseGraphs.set_routes``."""
 
     def bucket_for(self, num_tokens: int) -> int | None:
         bucket = super().bucket_for(num_tokens)

@@ -18,8 +18,8 @@ buffers and one memory pool: a step replays one bucket's pieces in order on one 
 
 cuBLAS picks its kernels by row count, and some counts run slower than larger ones (1,028 - 1,152 rows of the
 Llama-3.1-8B shape's layer GEMMs took 21.45 - 23.85 ms, bench/RESULTS.md, 2026-11-30). ``time_buckets`` times
-every bucket's pieces at start and ``route_to_fastest`` sends a step to the fastest captured bucket that holds
-it: the attention costs the same whatever the padding, so the pieces alone decide.
+every bucket's pieces at start and ``set_routes`` sends a step to the fastest captured bucket that holds it:
+the attention costs the same whatever the padding, so the pieces alone decide.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class PiecewiseGraphs:
         self.hidden: torch.Tensor | None = None
         self._io: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._captured: dict[int, _Captured] = {}
-        # Buckets whose steps replay a larger, faster bucket (``route_to_fastest``).
+        # Buckets whose steps replay a larger, faster bucket (``set_routes``).
         self._routes: dict[int, int] = {}
         # Capture state: the metadata the layers see (one per KV group), the piece being captured, and what
         # the pass has cut so far.
@@ -280,12 +280,26 @@ class PiecewiseGraphs:
 
     # ---- the fastest bucket ---------------------------------------------------------------------------
 
+    def _replay_ms(self, bucket: int, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        """Device ms of one replay of ``bucket``'s pieces back to back, without the attention between them."""
+        start.record()
+        for piece in self._captured[bucket].pieces:
+            piece.replay()
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end))
+
     @torch.inference_mode()
-    def time_buckets(self, replays: int = 2) -> dict[int, float]:
-        """Device ms of each captured bucket's pieces replayed back to back without the attention between them,
-        the best of ``replays`` after one unmeasured: what the bucket's row count costs. At start only, before
-        any step: the static inputs are reset to padding first (slot -1, so no KV is written), and the
-        attention's output buffers keep what they hold."""
+    def time_buckets(self, replays: int = 2, rounds: int = 4) -> tuple[dict[int, float], dict[int, int]]:
+        """Each captured bucket's device ms (the best of ``replays`` after one unmeasured), and the routes to
+        larger buckets that held when timed again: every route ``fastest_routes`` proposes is re-timed over
+        ``rounds`` interleaved replays of both buckets, and kept only when the larger one's best is still
+        faster by ``FASTER_BY`` (a bucket's one best against the best of many larger ones favours those by
+        noise alone). The largest bucket replays first, unmeasured, so the clocks have risen before any
+        time is taken. At start only, before any step: the static inputs are reset to padding (slot -1, so
+        no KV is written); the attention's output buffers keep what they hold."""
+        if replays < 1 or rounds < 1:
+            raise ValueError("replays and rounds must be at least 1")
         if not self._captured:
             raise RuntimeError("no captured bucket to time")
         self.ids.zero_()
@@ -293,28 +307,33 @@ class PiecewiseGraphs:
         self.slots.fill_(-1)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
+        for _ in range(3):
+            self._replay_ms(self.buckets[-1], start, end)
         times: dict[int, float] = {}
         for bucket in self.buckets:
-            pieces = self._captured[bucket].pieces
-            best = math.inf
-            for replay in range(replays + 1):
-                start.record()
-                for piece in pieces:
-                    piece.replay()
-                end.record()
-                end.synchronize()
-                if replay:
-                    best = min(best, start.elapsed_time(end))
-            times[bucket] = best
-        return times
+            self._replay_ms(bucket, start, end)
+            times[bucket] = min(self._replay_ms(bucket, start, end) for _ in range(replays))
+        routes: dict[int, int] = {}
+        for bucket, target in fastest_routes(times).items():
+            if target == bucket:
+                continue
+            own, other = math.inf, math.inf
+            for _ in range(rounds):
+                own = min(own, self._replay_ms(bucket, start, end))
+                other = min(other, self._replay_ms(target, start, end))
+            if other < own * (1.0 - FASTER_BY):
+                routes[bucket] = target
+        return times, routes
 
-    def route_to_fastest(self, times_ms: Mapping[int, float]) -> dict[int, int]:
-        """From now on a step replays the bucket ``fastest_routes`` picks for its own among ``times_ms`` (every
-        captured bucket's); returns the buckets routed to a larger one."""
-        if set(times_ms) != set(self._captured):
-            raise ValueError("times for other buckets than the captured ones")
-        self._routes = {b: r for b, r in fastest_routes(times_ms).items() if r != b}
-        return dict(self._routes)
+    def set_routes(self, routes: Mapping[int, int]) -> None:
+        """From now on a step padded to bucket ``b`` replays ``routes[b]``, a larger captured bucket (a step's
+        attention costs the same in either: padding rows neither read nor write KV)."""
+        for bucket, target in routes.items():
+            if bucket not in self._captured or target not in self._captured or target <= bucket:
+                raise ValueError(
+                    f"route {bucket} -> {target}: not a captured bucket to a larger captured one"
+                )
+        self._routes = dict(routes)
 
     # ---- replay -------------------------------------------------------------------------------------
 

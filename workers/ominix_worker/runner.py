@@ -940,8 +940,9 @@ class ModelRunner:
         not ``piecewise_capturable``, or a capture that failed on a lone rank; on a rank of a group a failure
         raises). After the decode graphs (``capture_decode_graphs``), as the server calls it under
         ``OMINIX_PIECEWISE_GRAPH_TOKENS``. ``timed``: on a lone rank, each bucket's pieces are timed and a step
-        replays the fastest captured bucket that holds it (``PiecewiseGraphs.route_to_fastest``); the ranks of
-        a group would each time their own and must pad alike, so they keep the smallest."""
+        replays the fastest captured bucket that holds it (``PiecewiseGraphs.time_buckets``); the ranks of a
+        group would each time their own and must pad alike, and an MoE model's padding rows do not cost what
+        its tokens do, so they keep the smallest."""
         attention = self.backend.piecewise_attention()
         buckets = token_buckets(max_tokens)
         if not self.piecewise_capturable() or attention is None or not self.kv_caches or not buckets:
@@ -964,16 +965,35 @@ class ModelRunner:
             "captured prefill and mixed steps at %d token counts up to %d in %.1f s",
             len(buckets), buckets[-1], time.perf_counter() - started,
         )  # fmt: skip
-        if timed and self.model.tp.size == 1:
-            started = time.perf_counter()
-            self.piecewise_bucket_ms = graphs.time_buckets()
-            routes = graphs.route_to_fastest(self.piecewise_bucket_ms)
-            log.info(
-                "timed the %d buckets in %.1f s; %d replay a larger, faster one: %s",
-                len(buckets), time.perf_counter() - started, len(routes),
-                ", ".join(f"{b}->{r}" for b, r in sorted(routes.items())) or "none",
-            )  # fmt: skip
+        if timed:
+            self._route_piecewise_steps(graphs)
         return len(buckets)
+
+    def _route_piecewise_steps(self, graphs: PiecewiseGraphs) -> None:
+        """Time the captured buckets and send steps to larger, faster ones where that held
+        (``capture_piecewise_graphs(timed=True)``); otherwise each step keeps the smallest that holds it."""
+        if self.model.tp.size > 1:
+            log.warning("piecewise buckets not timed: the ranks of a group must pad their steps alike")
+            return
+        if not self.model.piecewise_bucket_timing:
+            log.warning(
+                "piecewise buckets not timed: %s's timed pieces do not stand for its steps",
+                type(self.model).__name__,
+            )
+            return
+        started = time.perf_counter()
+        try:
+            times, routes = graphs.time_buckets()
+        except RuntimeError as exc:
+            log.warning("piecewise buckets not timed (%s): each step replays the smallest that holds it", exc)
+            return
+        graphs.set_routes(routes)
+        self.piecewise_bucket_ms = times
+        log.info(
+            "timed %d piecewise buckets in %.1f s; %d replay a larger, faster one: %s",
+            len(times), time.perf_counter() - started, len(routes),
+            ", ".join(f"{b}->{r}" for b, r in sorted(routes.items())) or "none",
+        )  # fmt: skip
 
 
 def _kind(group: AttentionGroup) -> AttentionKind:

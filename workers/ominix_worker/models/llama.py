@@ -356,6 +356,9 @@ class LlamaForCausalLM(nn.Module):
     # Its eager steps can be captured in pieces cut at each layer's one attention call (``piecewise_graph``); a
     # subclass whose layers attend otherwise turns it off.
     piecewise_graphs: ClassVar[bool] = True
+    # Its pieces' time at a bucket's row count stands for any step padded there (``PiecewiseGraphs.time_buckets``
+    # replays them with padding rows only), so a step may be sent to a larger, faster bucket.
+    piecewise_bucket_timing: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -18,6 +18,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from types import ModuleType
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -357,6 +358,9 @@ class MoeForCausalLM(LlamaForCausalLM):
     """A Llama-family decoder whose sparse layers (``config.moe_layers``) use ``moe_block_class``."""
 
     moe_block_class: type[SparseMoeBlock] = SparseMoeBlock
+    # Padding rows all route to the same experts, unlike a step's tokens, and each added row costs expert work:
+    # a bucket's timed pieces do not stand for the steps padded to it.
+    piecewise_bucket_timing: ClassVar[bool] = False
 
     def build_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module | None:
         if layer_index not in config.moe_layers:
