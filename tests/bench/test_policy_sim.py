@@ -17,6 +17,7 @@ sys.path.insert(0, str(REPO))  # bench/ as a namespace package: its modules must
 
 from bench.policy_sim import (  # noqa: E402
     LinearStepCost,
+    OverlappedStepCost,
     SimResult,
     Workload,
     arrivals_ms,
@@ -95,3 +96,31 @@ def test_the_command_writes_one_row_per_rate_and_variant(
     assert [(r["variant"], r["rate"]) for r in rows] == [("a", "20"), ("b", "20"), ("a", "inf"), ("b", "inf")]
     assert rows[3]["max_tokens_beside_decodes"] <= 64 < rows[2]["max_tokens_beside_decodes"]
     assert "itl_p99" in capsys.readouterr().out
+
+
+def test_the_overlapped_cost_takes_the_larger_of_the_weights_and_the_prefill() -> None:
+    from ominix_runtime.release.cost_model import StepShape
+
+    def shape(decodes: int, prefill: int) -> StepShape:
+        return StepShape(prefill_tokens=prefill, decode_tokens=decodes, kv_blocks_in_use=0)
+
+    overlapped = OverlappedStepCost(base_ms=5.0, decode_ms=0.05, prefill_ms=0.02)
+    linear = LinearStepCost(base_ms=5.0, decode_ms=0.05, prefill_ms=0.02)
+    assert overlapped.step_ms(shape(8, 1024)) == pytest.approx(20.48 + 0.4)
+    assert linear.step_ms(shape(8, 1024)) == pytest.approx(5.0 + 20.48 + 0.4)
+    assert overlapped.step_ms(shape(8, 100)) == pytest.approx(5.0 + 0.4)  # the weights' floor
+    assert overlapped.step_ms(shape(0, 0)) == 0.0
+    # A prompt in two chunks costs the decode rows of one more step, not a second fixed part as well.
+    assert 2 * overlapped.step_ms(shape(8, 512)) == pytest.approx(overlapped.step_ms(shape(8, 1024)) + 0.4)
+
+
+def test_the_cost_option_picks_the_model(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    args = ["--rates", "4", "--seconds", "1", "--seeds", "1", "--input-len", "64", "--output-len", "4"]
+    assert main([*args, "--cost", "overlapped", "--out-json", str(out)]) == 0
+    overlapped = json.loads(out.read_text())
+    assert main([*args, "--cost", "linear", "--out-json", str(out)]) == 0
+    linear = json.loads(out.read_text())
+    assert overlapped != linear  # 64-token prompts: the overlapped steps lose their prefill cost
+    with pytest.raises(SystemExit):
+        main([*args, "--cost", "quadratic"])
