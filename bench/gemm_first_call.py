@@ -61,6 +61,18 @@ def queued_call_ms(
     return host
 
 
+def queue_of(queue_ms: float) -> tuple[torch.Tensor, int]:
+    """A square bf16 matrix and how many of its 8,192³ matmuls queue about ``queue_ms`` of device work."""
+    square = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.matmul(square, square)  # its own first call stays out of the rate below
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        torch.matmul(square, square)
+    torch.cuda.synchronize()
+    return square, max(1, round(queue_ms / ((time.perf_counter() - start) * 1e3 / 10)))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("idle", "queued"), default="idle")
@@ -89,14 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     reps = 0
     call: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], float] = idle_call_ms
     if args.mode == "queued":
-        square = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-        torch.matmul(square, square)  # its own first call stays out of the rate below
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(10):
-            torch.matmul(square, square)
-        torch.cuda.synchronize()
-        reps = max(1, round(args.queue_ms / ((time.perf_counter() - start) * 1e3 / 10)))
+        square, reps = queue_of(args.queue_ms)
         print(
             f"queue: {reps} matmuls of 8192^3 (~{args.queue_ms:.0f} ms) before each call; host time of the call"
         )

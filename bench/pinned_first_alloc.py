@@ -24,6 +24,7 @@ if __package__ in (None, ""):
 import torch
 
 from bench.common import counts_option
+from bench.gemm_first_call import queue_of
 
 
 def empty_host_cache() -> bool:
@@ -62,14 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
-    square = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    torch.matmul(square, square)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        torch.matmul(square, square)
-    torch.cuda.synchronize()
-    reps = max(1, round(args.queue_ms / ((time.perf_counter() - start) * 1e3 / 10)))
+    square, reps = queue_of(args.queue_ms)
     emptied = empty_host_cache()
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}: {reps} matmuls of 8192^3 "

@@ -13,6 +13,8 @@ import torch
 from test_decode_graphs import _runner
 from test_hybrid_layers_gpu import drive
 
+from bench.pinned_first_alloc import empty_host_cache
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -24,15 +26,6 @@ def _host_allocations() -> int:
     if "num_host_alloc" not in stats:
         pytest.skip("this torch reports no pinned allocator counters")
     return int(stats["num_host_alloc"])
-
-
-def _empty_host_cache() -> bool:
-    for name in ("_accelerator_emptyHostCache", "_host_emptyCache"):
-        empty = getattr(torch._C, name, None)
-        if empty is not None:
-            empty()
-            return True
-    return False
 
 
 def _schedule() -> list[object]:
@@ -69,7 +62,7 @@ def _schedule() -> list[object]:
 def test_a_warmed_cache_serves_every_step_without_a_pinned_allocation(tmp_path: Path) -> None:
     from ominix_worker.pinned import step_host_bytes, warm_pinned_memory
 
-    emptied = _empty_host_cache()
+    emptied = empty_host_cache()
     runner = _runner(tmp_path)
     runner.overlap_steps = True
     before = _host_allocations()
@@ -79,7 +72,7 @@ def test_a_warmed_cache_serves_every_step_without_a_pinned_allocation(tmp_path: 
         assert cold > 0, "from a cold cache the schedule allocated no pinned memory: the check sees nothing"
 
     if emptied:
-        _empty_host_cache()
+        empty_host_cache()
     runner = _runner(tmp_path)
     runner.overlap_steps = True
     warm_pinned_memory(step_host_bytes(512, 8, runner.max_model_len, runner.block_size))
