@@ -246,7 +246,7 @@ run_vllm() {
 # without AB_STEPS=1), one server a line.
 AB_SERVERS=$WORK/ab_servers
 ab_start() {
-  local n=0 entry label args vllm_metrics
+  local n=0 entry label vllm_metrics words envs
   if [ -s "$AB_SERVERS" ]; then
     echo "ab-start: servers of an earlier ab-start still listed in $AB_SERVERS (run ab-stop first):"
     cat "$AB_SERVERS"; return 1

@@ -62,17 +62,17 @@ def _schedule() -> list[object]:
 def test_a_warmed_cache_serves_every_step_without_a_pinned_allocation(tmp_path: Path) -> None:
     from ominix_worker.pinned import step_host_bytes, warm_pinned_memory
 
-    emptied = empty_host_cache()
+    if not empty_host_cache():
+        pytest.skip("this torch has no entry point to empty the pinned cache: a cold cache cannot be had")
     runner = _runner(tmp_path)
     runner.overlap_steps = True
     before = _host_allocations()
     drive(runner, _schedule())  # type: ignore[arg-type]
-    cold = _host_allocations() - before
-    if emptied:
-        assert cold > 0, "from a cold cache the schedule allocated no pinned memory: the check sees nothing"
+    assert _host_allocations() > before, (
+        "from a cold cache the schedule allocated nothing: the check sees nothing"
+    )
 
-    if emptied:
-        empty_host_cache()
+    empty_host_cache()
     runner = _runner(tmp_path)
     runner.overlap_steps = True
     warm_pinned_memory(step_host_bytes(512, 8, runner.max_model_len, runner.block_size))
@@ -88,5 +88,5 @@ def test_the_first_allocation_bench_times_both_allocations(tmp_path: Path) -> No
     assert pinned_first_alloc.main(["--sizes", "3000,70000", "--queue-ms", "5", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert [a["bytes"] for a in report["allocations"]] == [3000, 70000]
-    assert all(a["first_ms"] > 0 and a["second_ms"] > 0 for a in report["allocations"])
+    assert all(a["first_ms"] > 0 and a["second_ms"] >= 0 for a in report["allocations"])
     assert report["queued_matmuls"] >= 1

@@ -13,7 +13,6 @@ from ominix_worker.pinned import (
     HUGE_BLOCKS,
     LARGE_BLOCKS,
     SMALL_BLOCKS,
-    TABLE_ALIGN,
     pinned_size_classes,
     step_host_bytes,
     warm_pinned_memory,
@@ -30,6 +29,9 @@ def test_classes_are_every_power_of_two_up_to_the_largest_tensor() -> None:
     assert counts[2**21] == counts[2**22] == HUGE_BLOCKS
     assert pinned_size_classes(1) == [(1, SMALL_BLOCKS)]
     assert pinned_size_classes(4096)[-1] == (4096, SMALL_BLOCKS)
+    # A block table and a slot mapping per KV group: the larger sizes scale with the groups.
+    two = dict(pinned_size_classes(3 * 2**20, kv_groups=2))
+    assert two[1] == SMALL_BLOCKS and two[2**20] == 2 * LARGE_BLOCKS and two[2**22] == 2 * HUGE_BLOCKS
 
 
 def test_every_block_is_held_until_all_are_allocated() -> None:
@@ -43,7 +45,7 @@ def test_every_block_is_held_until_all_are_allocated() -> None:
         allocated.append(weakref.ref(tensor))
         return tensor
 
-    total = warm_pinned_memory(1000, allocate)
+    total = warm_pinned_memory(1000, allocate=allocate)
     classes = pinned_size_classes(1000)
     assert total == sum(size * blocks for size, blocks in classes)
     assert len(allocated) == sum(blocks for _, blocks in classes)
@@ -53,4 +55,5 @@ def test_every_block_is_held_until_all_are_allocated() -> None:
 
 def test_the_largest_step_tensor_is_token_ids_or_the_block_tables() -> None:
     assert step_host_bytes(8192, 64, 2048, 16) == 8192 * 8  # 64 tables of 144 int32 columns are less
-    assert step_host_bytes(2048, 256, 131072, 16) == 256 * (8192 + TABLE_ALIGN) * 4
+    assert step_host_bytes(2048, 256, 131072, 16) == 256 * 8192 * 4  # 8,192 columns: aligned already
+    assert step_host_bytes(16, 4, 1000, 16) == 4 * 64 * 4  # 63 blocks, aligned to 64 columns

@@ -296,8 +296,8 @@ class PiecewiseGraphs:
         ``rounds`` interleaved replays of both buckets, and kept only when the larger one's best is still
         faster by ``FASTER_BY`` (a bucket's one best against the best of many larger ones favours those by
         noise alone). The largest bucket replays first, unmeasured, so the clocks have risen before any
-        time is taken. At start only, before any step: the static inputs are reset to padding (slot -1, so
-        no KV is written); the attention's output buffers keep what they hold."""
+        time is taken. At start, before serving: the static inputs are reset to padding (slot -1, so no KV
+        is written); the attention's output buffers keep what they hold."""
         if replays < 1 or rounds < 1:
             raise ValueError("replays and rounds must be at least 1")
         if not self._captured:

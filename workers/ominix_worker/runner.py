@@ -42,7 +42,7 @@ from ominix_worker.piecewise_graph import PiecewiseGraphs, token_buckets
 from ominix_worker.sampler import SamplerOutput, SamplingTensors, greedy, sample
 
 # Block-table widths are padded to a multiple of this on CUDA, so Triton sees one stride specialisation.
-_BLOCK_TABLE_ALIGN = 16
+BLOCK_TABLE_ALIGN = 16
 
 log = logging.getLogger(__name__)
 
@@ -612,7 +612,7 @@ class ModelRunner:
         num_tokens = sum(row.end - row.start for row in rows)
         bucket = self._piecewise_graphs.bucket_for(num_tokens) if self._piecewise_graphs is not None else None
         if self.device.type == "cuda":
-            max_blocks = -(-max_blocks // _BLOCK_TABLE_ALIGN) * _BLOCK_TABLE_ALIGN
+            max_blocks = -(-max_blocks // BLOCK_TABLE_ALIGN) * BLOCK_TABLE_ALIGN
         block_rows: list[list[list[int]]] = [[] for _ in range(num_groups)]
         for row in rows:
             req = row.request

@@ -289,10 +289,6 @@ def load_worker(
     _say("warming up")
     warming = stage("warming up")
     runner.warm_up(max_batch_tokens)
-    if device.type == "cuda":
-        largest = step_host_bytes(max_batch_tokens, max_running, max_model_len, block_size)
-        pinned = warm_pinned_memory(largest)
-        _say(f"pinned {pinned / 2**20:.0f} MiB of host memory for the steps' copies")
     if debug.warm_gemm_rows and device.type == "cuda":
         started = time.perf_counter()
         # Unpadded, the LM head runs at every count of sampled rows: warm it too.
@@ -307,6 +303,10 @@ def load_worker(
             took = time.perf_counter() - started
             timed = f" (timed: {len(runner.piecewise_bucket_ms)})" if runner.piecewise_bucket_ms else ""
             _say(f"captured prefill and mixed steps at {buckets} token counts{timed} in {took:.1f} s")
+    if device.type == "cuda":  # after the graphs, whose pinned buffers are their own for good
+        largest = step_host_bytes(max_batch_tokens, max_running, max_model_len, block_size)
+        pinned = warm_pinned_memory(largest, len(runner.attention_groups))
+        _say(f"pinned {pinned / 2**20:.0f} MiB of host memory for the steps' copies")
     runner.pad_logits = debug.pad_logits
     runner.pipeline_decode = debug.pipeline
     runner.pipeline_eager = debug.pipeline_eager
