@@ -334,6 +334,14 @@ FLAGS: tuple[Flag, ...] = (
         non_negative_int,
     ),
     Flag(
+        "--prefill-backlog-tokens",
+        "engine",
+        "waiting prompt tokens past what is left of --prefill-tokens-beside-decodes in a step that the limit "
+        "still holds back; more is a backlog, which lifts it (0: the limit itself, one more step under it)",
+        ("engine.scheduler.prefill_backlog_tokens",),
+        non_negative_int,
+    ),
+    Flag(
         "--max-batch-tokens-with-decodes",
         "engine",
         "token budget of a step that carries decodes, its decodes and prompt chunks together, backlog or not; "

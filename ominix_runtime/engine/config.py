@@ -33,6 +33,12 @@ class SchedulerConfig:
     # beside vLLM went from 1.08x to 0.97x at 4 req/s and 0.91x at 8 (bench/RESULTS.md, 2026-11-29). A
     # backlog lifts the limit: holding a queue back only releases it later in one long step.
     prefill_tokens_beside_decodes: int = 1024
+    # Waiting prompt tokens past what is left of the limit in this step that the limit still holds back; more
+    # is a backlog, which lifts it. 0: the limit itself (what one more step under it takes). With a limit of
+    # 512, 2,048 here halved ITL p99 at 4 - 8 req/s in the scheduler model for TTFT p99 +11% at 16 req/s,
+    # where 512 alone lifted the limit at most second prompts and doubled ITL p99 (bench/RESULTS.md,
+    # 2026-11-30, bench/policy_sim.py; not yet measured on a device).
+    prefill_backlog_tokens: int = 0
     # Token budget of a step that carries decodes (decodes and prefill, running prompts' chunks included),
     # backlog or not; a step without decodes keeps max_batch_tokens; only with chunked prefill (without it a
     # longer prompt could not be admitted while anything decodes). 0: max_batch_tokens; never below

@@ -117,6 +117,7 @@ def _scheduler(f: Fields) -> SchedulerConfig:
         prefill_tokens_beside_decodes=f.integer(
             "prefill_tokens_beside_decodes", d.prefill_tokens_beside_decodes, minimum=0
         ),
+        prefill_backlog_tokens=f.integer("prefill_backlog_tokens", d.prefill_backlog_tokens, minimum=0),
         max_batch_tokens_with_decodes=f.integer(
             "max_batch_tokens_with_decodes", d.max_batch_tokens_with_decodes, minimum=0
         ),

@@ -138,6 +138,17 @@ def test_early_results_and_the_prefill_limit_beside_decodes_are_on_by_default() 
     assert child.worker.early_results
     off, _ = resolve(SERVE, ["--prefill-tokens-beside-decodes", "0"], env={})
     assert off.engine.scheduler.prefill_tokens_beside_decodes == 0
+    assert config.engine.scheduler.prefill_backlog_tokens == 0
+    held, _ = resolve(
+        SERVE, ["--prefill-tokens-beside-decodes", "512", "--prefill-backlog-tokens", "2048"], env={}
+    )
+    assert (
+        held.engine.scheduler.prefill_tokens_beside_decodes,
+        held.engine.scheduler.prefill_backlog_tokens,
+    ) == (
+        512,
+        2048,
+    )
 
 
 def test_the_budget_of_a_step_with_decodes_is_4096_by_default_and_set_by_its_flag() -> None:

@@ -129,6 +129,22 @@ def test_the_limit_applies_while_the_waiting_tokens_fit_two_limited_steps() -> N
     assert [r.num_scheduled_tokens for r in three.new_requests] == [30, 30, 30]
 
 
+def test_the_backlog_tokens_set_how_much_waiting_the_limit_still_holds_back() -> None:
+    # Limit 20: by default 40 waiting tokens (this step's 20 and the next one's) keep it; 60 are a backlog.
+    _, lifted = _step_with_a_decode(
+        SchedulerConfig(prefill_tokens_beside_decodes=20), prompts=3, prompt_len=20
+    )
+    assert [r.num_scheduled_tokens for r in lifted.new_requests] == [20, 20, 20]
+    config = SchedulerConfig(prefill_tokens_beside_decodes=20, prefill_backlog_tokens=40)
+    run, held = _step_with_a_decode(config, prompts=3, prompt_len=20)  # 60 <= 20 + 40: still held
+    assert [(r.request_id, r.num_scheduled_tokens) for r in held.new_requests] == [("p0", 20)]
+    run.record(run.scheduler.update(held, run.backend.execute(held)))
+    drive(run)
+    assert all(isinstance(run.terminal(rid), Done) for rid in ("a", "p0", "p1", "p2"))
+    _, backlog = _step_with_a_decode(config, prompts=4, prompt_len=20)  # 80 > 60: a backlog
+    assert [r.num_scheduled_tokens for r in backlog.new_requests] == [20, 20, 20, 20]
+
+
 def test_the_limit_cuts_only_a_long_prompts_first_chunk() -> None:
     config = SchedulerConfig(prefill_tokens_beside_decodes=24)
     run, step = _step_with_a_decode(config, prompts=1, prompt_len=48)
