@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from ominix_runtime.contract import (
     DecodeStep,
@@ -282,3 +283,28 @@ def test_a_placeholder_needs_the_pending_ids(runner: ModelRunner) -> None:
     finally:
         runner.overlap_steps, runner.pipeline_eager = saved
         runner.reset()
+
+
+def test_penalty_and_min_tokens_tensors_are_built_from_each_rows_ids(runner: ModelRunner) -> None:
+    """The sampler's rows x vocabulary tensors: output counts (repeats counted), the prompt mask, and the ids
+    banned before min_tokens (eos and stop ids within the vocabulary, only in rows still under it)."""
+    from ominix_worker.runner import CachedRequest, ScheduledRow
+
+    vocab = runner.vocab_size
+    eos = runner.config.eos_token_ids[0]
+    penalised = SamplingParams(repetition_penalty=1.3, min_tokens=5, stop_token_ids=[7, vocab + 3])
+    rows = [
+        ScheduledRow(CachedRequest("a", [5, 6, 6], [9, 9, 4], penalised, [[0]], 6, 0), 5, 6, True),
+        ScheduledRow(CachedRequest("b", [8], [], SamplingParams(), [[1]], 1, 0), 0, 1, True),
+        ScheduledRow(CachedRequest("c", [2, 3], [1] * 6, penalised, [[2]], 8, 0), 7, 8, True),
+    ]
+    t = runner._sampling_tensors(rows)
+    assert t.output_counts is not None and t.prompt_mask is not None and t.banned_mask is not None
+    counts = torch.zeros((3, vocab))
+    counts[0, 9], counts[0, 4], counts[2, 1] = 2.0, 1.0, 6.0
+    assert torch.equal(t.output_counts, counts)
+    assert sorted(t.prompt_mask.nonzero().tolist()) == [[0, 5], [0, 6], [1, 8], [2, 2], [2, 3]]
+    # Only "a" is still under its 5 min_tokens (3 out); vocab + 3 is past the vocabulary and dropped.
+    assert sorted(t.banned_mask.nonzero().tolist()) == sorted([[0, eos], [0, 7]])
+    plain = runner._sampling_tensors(rows[1:2])
+    assert plain.output_counts is None and plain.prompt_mask is None and plain.banned_mask is None

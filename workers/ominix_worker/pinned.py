@@ -8,8 +8,8 @@ the host can wait there while the device works through what is queued. In a serv
 first step of each new size, with two or three steps queued before it (every fresh H200 service had one step
 whose input preparation took 47 - 98 ms, bench/RESULTS.md, 2026-11-30; ``bench/pinned_first_alloc.py``
 measures the wait). ``warm_pinned_memory`` allocates enough blocks of every size a step can use and frees them
-into the cache, so serving finds them there. Not covered: the rows x vocabulary masks of repetition penalties
-and ``min_tokens`` (up to tens of MiB a step), whose steps may still allocate.
+into the cache, so serving finds them there. Not covered: the (row, id) indices of repetition penalties and
+``min_tokens``, as long as the rows' prompts and outputs together, whose steps may still allocate.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def warm_pinned_memory(
 
 
 def step_host_bytes(max_batch_tokens: int, max_running: int, max_model_len: int, block_size: int) -> int:
-    """The largest pinned tensor a step stages (penalty masks aside): a token-sized int64 tensor (ids,
+    """The largest pinned tensor a step stages (penalty indices aside): a token-sized int64 tensor (ids,
     positions, slots) or the int32 block table of every running request at the longest context, whichever is
     larger."""
     blocks_per_request = -(-max_model_len // block_size)
