@@ -395,9 +395,10 @@ class Scheduler:
         It applies when the step carries decodes and the waiting requests are few enough to go in this step
         and the next one under it: their tokens within what is left of ``prefill_tokens_beside_decodes``
         after the running requests' prefill chunks plus the whole limit again (``prefill_backlog_tokens``
-        instead, when set; and within ``budget``), their number within the free running slots. A prompt held back by it goes beside it from the next step on
-        (``_admit_waiting``), so it costs a prompt one step at most. Only with chunked prefill: without it a
-        prompt longer than the limit could never be admitted while anything decodes."""
+        instead, when set; and within ``budget``), their number within the free running slots. A prompt
+        held back by it goes beside it from the next step on (``_admit_waiting``), so it costs a prompt one
+        step at most. Only with chunked prefill: without it a prompt longer than the limit could never be
+        admitted while anything decodes."""
         limit = self.config.prefill_tokens_beside_decodes
         if limit <= 0 or not self.chunked_prefill or plan.num_decode_tokens == 0:
             return None
@@ -408,8 +409,9 @@ class Scheduler:
         # the count below stays short.
         if len(self.waiting) > self.max_running_requests - len(self.running):
             return None
-        # More waiting tokens than this step and the next can take under the limit: holding them back would
-        # only queue them until the queue is released at once. With the whole budget as this threshold, at
+        # More waiting tokens than this step and the next can take under the limit (or than
+        # ``prefill_backlog_tokens`` past this step's share): holding them back would only queue them until the
+        # queue is released at once. With the whole budget as this threshold, at
         # 32 req/s on an H200 a prompt waited in nearly every step and ITL p50 / p99 went from 17 / 161 ms
         # without the limit to 36 / 200 ms (bench/RESULTS.md, 2026-11-30).
         threshold = min(budget, left + (self.config.prefill_backlog_tokens or limit))

@@ -254,7 +254,9 @@ def test_random_workloads_end_every_request_and_return_every_block(seed: int) ->
     assert _report(doc)["trace_fingerprint"] == report["trace_fingerprint"]  # deterministic
 
 
-@pytest.mark.parametrize("field", ["prefill_tokens_beside_decodes", "max_batch_tokens_with_decodes"])
+@pytest.mark.parametrize(
+    "field", ["prefill_tokens_beside_decodes", "prefill_backlog_tokens", "max_batch_tokens_with_decodes"]
+)
 def test_the_scheduler_limits_beside_decodes_are_read_and_checked(field: str) -> None:
     doc = _doc("small") | {"scheduler": {field: 16}}
     assert getattr(workload_from_json(doc).scheduler, field) == 16
@@ -271,6 +273,7 @@ def test_the_report_names_the_limits_beside_decodes_and_rates_use_against_each_s
     backend = report["backend"]
     assert isinstance(backend, dict)
     assert backend["max_batch_tokens_with_decodes"] == 24 and backend["prefill_tokens_beside_decodes"] == 0
+    assert backend["prefill_backlog_tokens"] == 0
     busy = [t for t in run.ticks if t.scheduled]
     assert any(t.token_budget == 24 for t in busy)
     assert all(t.prefill_tokens + t.decode_tokens <= t.token_budget for t in busy)

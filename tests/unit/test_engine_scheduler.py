@@ -143,6 +143,14 @@ def test_the_backlog_tokens_set_how_much_waiting_the_limit_still_holds_back() ->
     assert all(isinstance(run.terminal(rid), Done) for rid in ("a", "p0", "p1", "p2"))
     _, backlog = _step_with_a_decode(config, prompts=4, prompt_len=20)  # 80 > 60: a backlog
     assert [r.num_scheduled_tokens for r in backlog.new_requests] == [20, 20, 20, 20]
+    # Fewer than the limit tightens it: 40 waiting tokens, which the default holds, are a backlog past 20 + 10.
+    _, default = _step_with_a_decode(
+        SchedulerConfig(prefill_tokens_beside_decodes=20), prompts=2, prompt_len=20
+    )
+    assert [r.num_scheduled_tokens for r in default.new_requests] == [20]
+    tight = SchedulerConfig(prefill_tokens_beside_decodes=20, prefill_backlog_tokens=10)
+    _, lifted = _step_with_a_decode(tight, prompts=2, prompt_len=20)
+    assert [r.num_scheduled_tokens for r in lifted.new_requests] == [20, 20]
 
 
 def test_the_limit_cuts_only_a_long_prompts_first_chunk() -> None:

@@ -704,6 +704,8 @@ class ModelRunner:
             all_greedy=all(p.temperature == 0.0 for p in params),
         )
         if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
+            # The output ids are all on the host: a penalised row never runs overlapped (``_overlappable``),
+            # so none is a pending step's placeholder.
             shape = (len(rows), vocab)
             out_rows, out_ids = self._row_ids([row.request.output_token_ids for row in rows])
             counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
