@@ -35,9 +35,9 @@ class SchedulerConfig:
     prefill_tokens_beside_decodes: int = 1024
     # Waiting prompt tokens past what is left of the limit in this step that the limit still holds back; more
     # is a backlog, which lifts it. 0: the limit itself (what one more step under it takes). With a limit of
-    # 512, 2,048 here halved ITL p99 at 4 - 8 req/s in the scheduler model for TTFT p99 +11% at 16 req/s,
-    # where 512 alone took a second waiting prompt for a backlog and nearly doubled ITL p99
-    # (bench/policy_sim.py, bench/RESULTS.md, 2026-11-30; not yet measured on a device).
+    # 512, 2,048 here halved ITL p99 at 4 - 8 req/s in the scheduler model, and at 16 req/s gave 27 - 37 ms
+    # by the seeds against 27 (512 alone: 50, a second waiting prompt taken for a backlog); bench/RESULTS.md,
+    # 2026-11-30, bench/policy_sim.py; not yet measured on a device.
     prefill_backlog_tokens: int = 0
     # Token budget of a step that carries decodes (decodes and prefill, running prompts' chunks included),
     # backlog or not; a step without decodes keeps max_batch_tokens; only with chunked prefill (without it a
