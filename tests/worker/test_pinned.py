@@ -13,6 +13,7 @@ from ominix_worker.pinned import (
     HUGE_BLOCKS,
     LARGE_BLOCKS,
     SMALL_BLOCKS,
+    WARM_MAX_BYTES,
     pinned_size_classes,
     step_host_bytes,
     warm_pinned_memory,
@@ -28,6 +29,7 @@ def test_classes_are_every_power_of_two_up_to_the_largest_tensor() -> None:
     assert counts[128 * 1024] == counts[2**20] == LARGE_BLOCKS
     assert counts[2**21] == counts[2**22] == HUGE_BLOCKS
     assert pinned_size_classes(1) == [(1, SMALL_BLOCKS)]
+    assert pinned_size_classes(2**30)[-1] == (WARM_MAX_BYTES, HUGE_BLOCKS)  # larger sizes are not warmed
     assert pinned_size_classes(4096)[-1] == (4096, SMALL_BLOCKS)
     # A block table and a slot mapping per KV group: the larger sizes scale with the groups.
     two = dict(pinned_size_classes(3 * 2**20, kv_groups=2))

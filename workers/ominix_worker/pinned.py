@@ -31,10 +31,14 @@ LARGE_BLOCKS = 12
 # stays pinned for good.
 HUGE_BYTES = 1024 * 1024
 HUGE_BLOCKS = 2
+# No size past this is warmed: block tables that large (256 requests at over 250K tokens each) would pin
+# hundreds of MiB for steps that seldom come; such a step allocates at its first use.
+WARM_MAX_BYTES = 16 * 1024 * 1024
 
 
 def pinned_size_classes(max_bytes: int, kv_groups: int = 1) -> list[tuple[int, int]]:
-    """(bytes, blocks) for every power-of-two size up to the one that holds ``max_bytes``."""
+    """(bytes, blocks) for every power-of-two size up to the one that holds ``max_bytes``, at most
+    ``WARM_MAX_BYTES``."""
     classes: list[tuple[int, int]] = []
     size = 1
     while True:
@@ -45,7 +49,7 @@ def pinned_size_classes(max_bytes: int, kv_groups: int = 1) -> list[tuple[int, i
         else:
             blocks = HUGE_BLOCKS * kv_groups
         classes.append((size, blocks))
-        if size >= max_bytes:
+        if size >= min(max_bytes, WARM_MAX_BYTES):
             return classes
         size *= 2
 
