@@ -19,6 +19,7 @@ from test_decode_graphs import _runner
 from test_hybrid_layers_gpu import drive, tokens
 
 if TYPE_CHECKING:  # the runner is imported inside the tests, after the CUDA skip
+    from ominix_worker.piecewise_graph import PiecewiseGraphs
     from ominix_worker.runner import CachedRequest, ModelRunner, ScheduledRow
 
 pytestmark = [
@@ -38,6 +39,15 @@ def _logits(runner: ModelRunner, rows: list[ScheduledRow]) -> tuple[torch.Tensor
     hidden = runner._forward(inputs)
     logits = runner.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
     return logits[: len(inputs.sampling_rows)].clone(), inputs.piecewise_bucket
+
+
+def _captured(tmp_path: Path, max_tokens: int = 128) -> tuple[ModelRunner, PiecewiseGraphs]:
+    """A dense runner with its prefill and mixed steps captured in pieces up to ``max_tokens``."""
+    runner = _runner(tmp_path)
+    assert runner.capture_piecewise_graphs(max_tokens) == max_tokens // 32
+    graphs = runner._piecewise_graphs
+    assert graphs is not None
+    return runner, graphs
 
 
 def _request(rng: random.Random, name: str, prompt_len: int, blocks: list[int]) -> CachedRequest:
@@ -117,10 +127,7 @@ def test_between_layers_runs_after_each_layer(tmp_path: Path) -> None:
     as in the eager forward."""
     from ominix_worker.runner import ScheduledRow
 
-    runner = _runner(tmp_path)
-    assert runner.capture_piecewise_graphs(128) == 4
-    graphs = runner._piecewise_graphs
-    assert graphs is not None
+    runner, graphs = _captured(tmp_path)
     rng = random.Random(3)
     req = _request(rng, "p", 100, list(range(1, 9)))
     attended: list[int] = []
@@ -181,10 +188,7 @@ def test_timing_the_buckets_writes_no_kv_and_a_routed_step_keeps_its_logits(tmp_
     logits. An MoE model's buckets are not timed."""
     from ominix_worker.runner import ScheduledRow
 
-    runner = _runner(tmp_path)
-    assert runner.capture_piecewise_graphs(128) == 4
-    graphs = runner._piecewise_graphs
-    assert graphs is not None
+    runner, graphs = _captured(tmp_path)
     rng = random.Random(4)
     first = _request(rng, "a", 70, list(range(1, 9)))
     with torch.inference_mode():

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from ominix_worker.ops import cdiv
 from ominix_worker.runner import BLOCK_TABLE_ALIGN
 
 # Live blocks of one size a serving worker may hold at once: a step stages about a dozen tensors (most of them
@@ -76,6 +77,7 @@ def step_host_bytes(max_batch_tokens: int, max_running: int, max_model_len: int,
     """The largest pinned tensor a step stages (penalty indices aside): a token-sized int64 tensor (ids,
     positions, slots) or the int32 block table of every running request at the longest context, whichever is
     larger."""
-    blocks_per_request = -(-max_model_len // block_size)
-    width = -(-blocks_per_request // BLOCK_TABLE_ALIGN) * BLOCK_TABLE_ALIGN  # as the runner aligns a table
+    width = (
+        cdiv(cdiv(max_model_len, block_size), BLOCK_TABLE_ALIGN) * BLOCK_TABLE_ALIGN
+    )  # as the runner aligns it
     return max(max_batch_tokens * 8, max_running * width * 4)

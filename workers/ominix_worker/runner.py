@@ -953,9 +953,9 @@ class ModelRunner:
         replays the fastest captured bucket that holds it (``PiecewiseGraphs.time_buckets``); the ranks of a
         group would each time their own and must pad alike, and an MoE model's padding rows do not cost what
         its tokens do, so they keep the smallest."""
-        attention = self.backend.piecewise_attention()
+        attention = self.backend.piecewise_attention() if self.piecewise_capturable() else None
         buckets = token_buckets(max_tokens)
-        if not self.piecewise_capturable() or attention is None or not self.kv_caches or not buckets:
+        if attention is None or not self.kv_caches or not buckets:
             return 0
         started = time.perf_counter()
         graphs = PiecewiseGraphs(self.model, attention, self.device, buckets, self.kv_windows)
