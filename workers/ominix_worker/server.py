@@ -179,7 +179,6 @@ def load_worker(
     )
     from ominix_worker.loader import ModelLoadError, load_model
     from ominix_worker.parallel import SINGLE, MoeParallel, PackableLinear
-    from ominix_worker.pinned import step_host_bytes, warm_pinned_memory
     from ominix_worker.progress import stage
     from ominix_worker.runner import ModelRunner
 
@@ -303,14 +302,6 @@ def load_worker(
             took = time.perf_counter() - started
             timed = f" (timed: {len(runner.piecewise_bucket_ms)})" if runner.piecewise_bucket_ms else ""
             _say(f"captured prefill and mixed steps at {buckets} token counts{timed} in {took:.1f} s")
-    if device.type == "cuda":  # after the graphs, whose pinned buffers are their own for good
-        largest = step_host_bytes(max_batch_tokens, max_running, max_model_len, block_size)
-        try:
-            pinned = warm_pinned_memory(largest, len(runner.attention_groups))
-        except RuntimeError as exc:  # a host short of lockable memory serves as before, allocating on demand
-            log.warning("the steps' pinned host memory was not allocated ahead: %s", exc)
-        else:
-            _say(f"pinned {pinned / 2**20:.0f} MiB of host memory for the steps' copies")
     runner.pad_logits = debug.pad_logits
     runner.pipeline_decode = debug.pipeline
     runner.pipeline_eager = debug.pipeline_eager
