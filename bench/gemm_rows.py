@@ -6,7 +6,11 @@ count (M) moves cuBLAS's tile choice and its rate: an eager step's M is its prom
 rarely a round number. The replays run back to back, so the rate is the card's sustained one, below what a
 single profiled step at boost clocks reads.
 
-    python bench/gemm_rows.py [--rows 1024,1028,1032 | --rows 1024:1153:8] [--json out.json]
+``--orientation w_xt`` computes each product the other way round, ``W @ X^T`` into an (N, M) output: cuBLAS then
+sees the row count as the other dimension of its problem and picks its kernel by other rules. The figure is the
+GEMMs' alone; a model would still have to read the transposed output.
+
+    python bench/gemm_rows.py [--rows 1024,1028,1032 | --rows 1024:1153:8] [--orientation w_xt] [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,19 +32,32 @@ SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("do
 LAYERS = 32
 
 
-def time_rows(m: int, weights: list[torch.Tensor], reps: int) -> float:
+ORIENTATIONS = ("x_wt", "w_xt")  # the model's X @ W^T, or the same product as W @ X^T (transposed output)
+
+
+def time_rows(m: int, weights: list[torch.Tensor], reps: int, orientation: str = "x_wt") -> float:
     """Device ms for LAYERS layers' four GEMMs at m rows (median of reps graph replays)."""
     xs = [torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16) for w in weights]
-    outs = [torch.empty(m, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in weights]
-    for _ in range(2):  # warm-up outside the capture: cuBLAS picks and loads its kernels here
+    swapped = orientation == "w_xt"
+    outs = [
+        torch.empty(*((w.shape[0], m) if swapped else (m, w.shape[0])), device="cuda", dtype=torch.bfloat16)
+        for w in weights
+    ]
+
+    def run() -> None:
         for x, w, o in zip(xs, weights, outs, strict=True):
-            torch.matmul(x, w.t(), out=o)
+            if swapped:
+                torch.matmul(w, x.t(), out=o)
+            else:
+                torch.matmul(x, w.t(), out=o)
+
+    for _ in range(2):  # warm-up outside the capture: cuBLAS picks and loads its kernels here
+        run()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(LAYERS):
-            for x, w, o in zip(xs, weights, outs, strict=True):
-                torch.matmul(x, w.t(), out=o)
+            run()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -61,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         help="row counts, START:STOP:STEP or a comma-separated list",
     )
     p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--orientation", choices=ORIENTATIONS, default="x_wt")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     counts = counts_option(p, "--rows", args.rows)
@@ -71,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     flop_per_row = 2 * LAYERS * sum(n * k for _, n, k in SHAPES)
     rows = []
     for m in counts:
-        ms = time_rows(m, weights, args.reps)
+        ms = time_rows(m, weights, args.reps, args.orientation)
         rate = m * flop_per_row / ms / 1e9
         by_shape = {
-            name: round(time_rows(m, [w], args.reps), 3)
+            name: round(time_rows(m, [w], args.reps, args.orientation), 3)
             for (name, _, _), w in zip(SHAPES, weights, strict=True)
         }
         rows.append({"rows": m, "ms": round(ms, 3), "tflops": round(rate, 1), "by_shape_ms": by_shape})
@@ -84,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump(
+                {"device": torch.cuda.get_device_name(), "orientation": args.orientation, "rows": rows},
+                f,
+                indent=1,
+            )
     return 0
 
 

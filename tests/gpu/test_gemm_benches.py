@@ -16,12 +16,15 @@ pytestmark = [
 ]
 
 
-def test_gemm_rows_reports_every_row_count_with_its_shapes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("orientation", ["x_wt", "w_xt"])
+def test_gemm_rows_reports_every_row_count_with_its_shapes(tmp_path: Path, orientation: str) -> None:
     from bench import gemm_rows
 
     out = tmp_path / "rows.json"
-    assert gemm_rows.main(["--rows", "64,200", "--reps", "3", "--json", str(out)]) == 0
+    args = ["--rows", "64,200", "--reps", "3", "--orientation", orientation, "--json", str(out)]
+    assert gemm_rows.main(args) == 0
     report = json.loads(out.read_text())
+    assert report["orientation"] == orientation
     assert [r["rows"] for r in report["rows"]] == [64, 200]
     for row in report["rows"]:
         assert row["ms"] > 0 and row["tflops"] > 0
