@@ -229,6 +229,13 @@ def main() -> None:
         "OMINIX_PIECEWISE_GRAPH_TOKENS); 0: they run eagerly",
     )
     p.add_argument(
+        "--piecewise-token-step",
+        type=int,
+        default=32,
+        help="with --piecewise-graph-tokens: a bucket every this many tokens (the worker's "
+        "OMINIX_PIECEWISE_TOKEN_STEP)",
+    )
+    p.add_argument(
         "--piecewise-fastest-bucket",
         action="store_true",
         help="with --piecewise-graph-tokens: time each bucket at capture and replay the fastest that holds a "
@@ -238,6 +245,8 @@ def main() -> None:
     args = p.parse_args()
     if args.piecewise_fastest_bucket and not args.piecewise_graph_tokens:
         p.error("--piecewise-fastest-bucket times the buckets of --piecewise-graph-tokens N: set N too")
+    if args.piecewise_token_step < 1:
+        p.error("--piecewise-token-step must be at least 1")
     set_fast_launch(args.triton_launch == "fast")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("prefix_step.py needs a CUDA device (or --device cpu)")
@@ -256,7 +265,9 @@ def main() -> None:
     runner.capture_decode_graphs()
     started = time.perf_counter()
     piecewise_graph_buckets = (
-        runner.capture_piecewise_graphs(args.piecewise_graph_tokens, timed=args.piecewise_fastest_bucket)
+        runner.capture_piecewise_graphs(
+            args.piecewise_graph_tokens, timed=args.piecewise_fastest_bucket, step=args.piecewise_token_step
+        )
         if args.piecewise_graph_tokens
         else 0
     )

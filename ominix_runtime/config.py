@@ -214,6 +214,10 @@ class DebugConfig:
     # runs on the same hosts, whose launches stayed under the device time there (bench/RESULTS.md, 2026-11-30).
     # On, only bucket row counts reach the GEMMs, and a slower host's launch no longer outlasts the step.
     piecewise_graph_tokens: int = 2048
+    # worker, CUDA: the pieces' bucket spacing in tokens (a step computes fewer padding rows than this). cuBLAS
+    # runs some row counts much slower than a few rows fewer: a 1,032-row mixed step's GEMMs took 21.9 ms and
+    # its 1,056 bucket's 24.0 on an H200 (bench/RESULTS.md, 2026-11-30); finer spacing means more captures.
+    piecewise_token_step: int = 32
     # worker, CUDA, a lone rank: each piecewise bucket timed at start, and a step replays the fastest captured
     # bucket that holds it (cuBLAS runs some row counts slower than larger ones). Off until measured online.
     piecewise_fastest_bucket: bool = False
@@ -283,6 +287,16 @@ def _count(text: str) -> int:
     return value
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise ValueError(f"expected a whole number of at least 1, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
 def _switch(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -343,6 +357,12 @@ DEBUG_VARIABLES: tuple[DebugVariable, ...] = (
         _count,
         "N: on CUDA, prefill and mixed steps of up to N tokens (at most the step budget; default 2048) replay "
         "CUDA graphs captured at start in pieces between the layers' attention, per bucket of 32 tokens; 0: eager",
+    ),
+    DebugVariable(
+        "OMINIX_PIECEWISE_TOKEN_STEP",
+        "debug.piecewise_token_step",
+        _positive,
+        "N: the piecewise graphs' buckets every N tokens (default 32; smaller: fewer padding rows, more captures)",
     ),
     DebugVariable(
         "OMINIX_PIECEWISE_FASTEST_BUCKET",

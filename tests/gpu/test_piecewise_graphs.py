@@ -1,8 +1,9 @@
 """Prefill and mixed steps replayed from piecewise CUDA graphs (``piecewise_graph.PiecewiseGraphs``) against
 the eager forward on the same runner: same logits, padding rows write no KV, the layers' hook runs between the
-pieces, a failed capture leaves the runner eager, timing the buckets writes no KV and a step routed to a larger
-bucket keeps its logits, and execute_step gives the same tokens. The dense Llama shape and a Qwen3-MoE shape
-(test_decode_graphs.py's, with three layers) both run."""
+pieces, a finer bucket spacing pads a step to its own next bucket, a failed capture leaves the runner eager,
+timing the buckets writes no KV and a step routed to a larger bucket keeps its logits, and execute_step gives
+the same tokens. The dense Llama shape and a Qwen3-MoE shape (test_decode_graphs.py's, with three layers) both
+run."""
 
 from __future__ import annotations
 
@@ -242,6 +243,26 @@ def test_steps_past_the_budget_and_models_without_pieces_stay_eager(
 
     monkeypatch.setattr(LlamaForCausalLM, "piecewise_graphs", False)
     assert _runner(tmp_path).capture_piecewise_graphs(64) == 0
+
+
+def test_a_finer_spacing_captures_its_buckets_and_a_step_pads_to_the_next(tmp_path: Path) -> None:
+    """``step`` (the worker's ``OMINIX_PIECEWISE_TOKEN_STEP``): buckets every 8 tokens, a 42-token step replays
+    the 48 bucket with the eager forward's logits."""
+    from ominix_worker.runner import ScheduledRow
+
+    runner = _runner(tmp_path)
+    assert runner.capture_piecewise_graphs(64, step=8) == 8
+    graphs = runner._piecewise_graphs
+    assert graphs is not None and graphs.buckets == (8, 16, 24, 32, 40, 48, 56, 64)
+    req = _request(random.Random(11), "p", 42, list(range(1, 9)))
+    rows = [ScheduledRow(req, 0, 42, True)]
+    with torch.inference_mode():
+        pieces, bucket = _logits(runner, rows)
+        runner._piecewise_graphs = None
+        eager, _ = _logits(runner, rows)
+    assert bucket == 48
+    assert (pieces - eager).norm() / eager.norm() < 1e-4
+    assert torch.equal(pieces.argmax(-1), eager.argmax(-1))
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])

@@ -252,6 +252,7 @@ def test_debug_variables_are_typed_and_land_in_the_tree() -> None:
         "OMINIX_WARM_GEMM_ROWS": "8",
         "OMINIX_PIECEWISE_GRAPH_TOKENS": "0",
         "OMINIX_PIECEWISE_FASTEST_BUCKET": "1",
+        "OMINIX_PIECEWISE_TOKEN_STEP": "8",
     }
     config, _ = resolve(WORKER, [], env=env)
     assert config.debug.log_steps
@@ -263,6 +264,7 @@ def test_debug_variables_are_typed_and_land_in_the_tree() -> None:
     assert config.debug.warm_gemm_rows == 8 and RuntimeConfig().debug.warm_gemm_rows == 0
     assert config.debug.piecewise_graph_tokens == 0 and RuntimeConfig().debug.piecewise_graph_tokens == 2048
     assert config.debug.piecewise_fastest_bucket and not RuntimeConfig().debug.piecewise_fastest_bucket
+    assert config.debug.piecewise_token_step == 8 and RuntimeConfig().debug.piecewise_token_step == 32
     assert RuntimeConfig().debug.pipeline and not RuntimeConfig().debug.log_steps
     with pytest.raises(ConfigError, match="OMINIX_PIPELINE"):
         resolve(WORKER, [], env={"OMINIX_PIPELINE": "maybe"})
@@ -270,6 +272,9 @@ def test_debug_variables_are_typed_and_land_in_the_tree() -> None:
         for bad in ("-8", "eight"):
             with pytest.raises(ConfigError, match=name):
                 resolve(WORKER, [], env={name: bad})
+    for bad in ("0", "-8", "eight", ""):  # a spacing has no off
+        with pytest.raises(ConfigError, match="OMINIX_PIECEWISE_TOKEN_STEP"):
+            resolve(WORKER, [], env={"OMINIX_PIECEWISE_TOKEN_STEP": bad})
 
 
 def test_worker_process_reads_no_environment_itself() -> None:

@@ -38,7 +38,7 @@ from ominix_worker.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphs, padded_s
 from ominix_worker.kv_cache import kv_tensor_indices
 from ominix_worker.models.llama import LlamaForCausalLM
 from ominix_worker.parallel import SINGLE, PackableLinear, TensorParallel
-from ominix_worker.piecewise_graph import PiecewiseGraphs, token_buckets
+from ominix_worker.piecewise_graph import TOKEN_STEP, PiecewiseGraphs, token_buckets
 from ominix_worker.sampler import SamplerOutput, SamplingTensors, greedy, sample
 
 # Block-table widths are padded to a multiple of this on CUDA, so Triton sees one stride specialisation.
@@ -944,9 +944,9 @@ class ModelRunner:
             and self.model.piecewise_graphs
         )
 
-    def capture_piecewise_graphs(self, max_tokens: int, timed: bool = False) -> int:
-        """CUDA: capture prefill and mixed steps of up to ``max_tokens`` tokens in pieces, per bucket of
-        ``piecewise_graph.TOKEN_STEP`` tokens; returns the buckets captured (0: none, and the steps stay eager:
+    def capture_piecewise_graphs(self, max_tokens: int, timed: bool = False, step: int = TOKEN_STEP) -> int:
+        """CUDA: capture prefill and mixed steps of up to ``max_tokens`` tokens in pieces, per bucket of ``step``
+        tokens; returns the buckets captured (0: none, and the steps stay eager:
         not ``piecewise_capturable``, or a capture that failed on a lone rank; on a rank of a group a failure
         raises). After the decode graphs (``capture_decode_graphs``), as the server calls it under
         ``OMINIX_PIECEWISE_GRAPH_TOKENS``. ``timed``: on a lone rank, each bucket's pieces are timed and a step
@@ -954,7 +954,7 @@ class ModelRunner:
         group would each time their own and must pad alike, and an MoE model's padding rows do not cost what
         its tokens do, so they keep the smallest."""
         attention = self.backend.piecewise_attention() if self.piecewise_capturable() else None
-        buckets = token_buckets(max_tokens)
+        buckets = token_buckets(max_tokens, step)
         if attention is None or not self.kv_caches or not buckets:
             return 0
         started = time.perf_counter()

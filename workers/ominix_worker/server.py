@@ -179,6 +179,7 @@ def load_worker(
     )
     from ominix_worker.loader import ModelLoadError, load_model
     from ominix_worker.parallel import SINGLE, MoeParallel, PackableLinear
+    from ominix_worker.piecewise_graph import token_buckets
     from ominix_worker.progress import stage
     from ominix_worker.runner import ModelRunner
 
@@ -243,9 +244,11 @@ def load_worker(
     profiling = stage("profiling the KV cache")
     # Prefill and mixed steps captured in pieces up to this many tokens (after the decode graphs, below); their
     # pool holds a forward's activations at the largest bucket for good, which the KV budget leaves room for.
-    piecewise_tokens = 0
+    piecewise_tokens = piecewise_top = 0
     if debug.cuda_graphs and runner.piecewise_capturable():
         piecewise_tokens = min(debug.piecewise_graph_tokens, max_batch_tokens)
+        # The largest bucket rounds the budget up to the spacing: the pool is that bucket's forward.
+        piecewise_top = max(token_buckets(piecewise_tokens, debug.piecewise_token_step), default=0)
     if device.type == "cpu":
         budget = parse_bytes(args.kv_cache_memory)
         runner.profile_forward(min(64, max_batch_tokens))  # warm-up only: the CPU budget is explicit
@@ -254,7 +257,7 @@ def load_worker(
             device,
             args.gpu_memory_utilization,
             lambda: runner.profile_forward(max_batch_tokens),
-            graph_forward=(lambda: runner.profile_forward(piecewise_tokens)) if piecewise_tokens else None,
+            graph_forward=(lambda: runner.profile_forward(piecewise_top)) if piecewise_top else None,
         )
     profiling.close()
     uniform_blocks = num_blocks_for_budget(budget, bytes_per_block)
@@ -297,7 +300,9 @@ def load_worker(
     graphs = runner.capture_decode_graphs() if debug.cuda_graphs else False
     if graphs and piecewise_tokens:
         started = time.perf_counter()
-        buckets = runner.capture_piecewise_graphs(piecewise_tokens, timed=debug.piecewise_fastest_bucket)
+        buckets = runner.capture_piecewise_graphs(
+            piecewise_tokens, timed=debug.piecewise_fastest_bucket, step=debug.piecewise_token_step
+        )
         if buckets:
             took = time.perf_counter() - started
             timed = f" (timed: {len(runner.piecewise_bucket_ms)})" if runner.piecewise_bucket_ms else ""
