@@ -13,9 +13,10 @@ Llama-3.1-8B shape in bf16 (bench/RESULTS.md, 2026-11-30): ITL p50 about 5 ms wi
 at 32 req/s without the prefill limit (256 decodes a step), ITL p99 204 ms with 256 prompts at once (256 decodes
 beside a 7,936-token prefill). ``--cost overlapped`` takes the larger of the fixed part and the prefill instead
 of their sum, as the GEMMs of a prefill of a few hundred rows or more hide the weight reads (closer for a step
-of one prompt beside a few decodes). Neither knows attention length, kernels or the host, so the figures say
-which setting shortens which gaps, not what a device will measure; a setting is kept only after an A/B on a
-device (bench/online_service.sh, stages ab-start / ab-run).
+of one prompt beside a few decodes). ``--cost measured --bucket-ms FILE`` takes a step's rows from a table
+measured on the device, padded as the worker pads them (``MeasuredRowsCost``). None knows attention length or
+the host, so the figures say which setting shortens which gaps, not what a device will measure; a setting is
+kept only after an A/B on a device (bench/online_service.sh, stages ab-start / ab-run).
 
     python bench/policy_sim.py --rates 4,8,16,32,inf --variant default= \\
         --variant nosplit=prefill_tokens_beside_decodes=0 --variant whole=max_batch_tokens_with_decodes=0
@@ -24,6 +25,7 @@ device (bench/online_service.sh, stages ab-start / ab-run).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import random
@@ -92,6 +94,57 @@ class OverlappedStepCost(LinearStepCost):
         return (
             max(self.base_ms, self.prefill_ms * shape.prefill_tokens) + self.decode_ms * shape.decode_tokens
         )
+
+
+class MeasuredRowsCost(LinearStepCost):
+    """The step's rows (prompt tokens and decodes) cost what a measured table says for the smallest row count
+    in it that holds them, as the worker pads a step to its piecewise bucket; past the table's largest count,
+    its rate per row. cuBLAS runs some row counts much slower than a few rows fewer (an H200 timed the 544-row
+    bucket at 13.25 ms and the 512 at 10.29), which is what a split prompt pays for and no straight line
+    shows. The weights' floor and the decodes' cost are as in ``overlapped``: a step takes the larger of the
+    fixed part and its rows' time, plus its decodes (their attention; their rows' GEMMs count twice, ~0.02 ms
+    a row). The table: ``--bucket-ms FILE``, bench/prefix_step.py's JSON (``piecewise_bucket_ms``, with
+    ``--piecewise-fastest-bucket``) or a plain {rows: ms} object."""
+
+    name = "measured"
+
+    def __init__(
+        self, base_ms: float, decode_ms: float, prefill_ms: float, rows_ms: dict[int, float]
+    ) -> None:
+        super().__init__(base_ms, decode_ms, prefill_ms)
+        if not rows_ms or min(rows_ms) < 1 or min(rows_ms.values()) <= 0:
+            raise ValueError("the measured table needs positive row counts with positive times")
+        self.rows = sorted(rows_ms)
+        self.rows_ms = dict(rows_ms)
+
+    def rows_time_ms(self, rows: int) -> float:
+        """What ``rows`` rows cost: the smallest measured count that holds them, or past the table the largest
+        count's rate per row."""
+        at = bisect.bisect_left(self.rows, rows)
+        if at < len(self.rows):
+            return self.rows_ms[self.rows[at]]
+        top = self.rows[-1]
+        return self.rows_ms[top] * rows / top
+
+    def step_ms(self, shape: StepShape) -> float:
+        if shape.num_tokens == 0:
+            return 0.0
+        rows = self.rows_time_ms(shape.num_tokens) if shape.prefill_tokens else 0.0
+        return max(self.base_ms, rows) + self.decode_ms * shape.decode_tokens
+
+
+def read_rows_ms(path: Path) -> dict[int, float]:
+    """{rows: ms} from bench/prefix_step.py's JSON (its ``piecewise_bucket_ms``) or from a plain object."""
+    data = json.loads(path.read_text())
+    table = data.get("piecewise_bucket_ms", data) if isinstance(data, dict) else None
+    if not isinstance(table, dict) or not table:
+        raise ValueError(
+            f"{path}: no {{rows: ms}} table (run prefix_step.py with --piecewise-fastest-bucket)"
+        )
+    try:
+        return {int(rows): float(ms) for rows, ms in table.items()}
+    except (TypeError, ValueError):
+        raise ValueError(f"{path}: the table's keys must be row counts and its values milliseconds") from None
 
 
 COSTS: dict[str, type[LinearStepCost]] = {c.name: c for c in (LinearStepCost, OverlappedStepCost)}
@@ -281,15 +334,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-ms", type=float, default=0.0235)
     p.add_argument(
         "--cost",
-        choices=sorted(COSTS),
+        choices=sorted([*COSTS, MeasuredRowsCost.name]),
         default="linear",
-        help="linear: base + decodes + prefill; overlapped: max(base, prefill) + decodes",
+        help="linear: base + decodes + prefill; overlapped: max(base, prefill) + decodes; measured: max(base, "
+        "the step's rows from --bucket-ms) + decodes",
+    )
+    p.add_argument(
+        "--bucket-ms", type=Path, help="with --cost measured: the {rows: ms} table (see MeasuredRowsCost)"
     )
     p.add_argument("--out-json", type=Path)
     args = p.parse_args(argv)
     variants = args.variant or [("default", SchedulerConfig())]
     cap = capability(args.max_batch_tokens, args.max_running_requests, args.kv_blocks)
-    cost = COSTS[args.cost](args.base_ms, args.decode_ms, args.prefill_ms)
+    if (args.cost == MeasuredRowsCost.name) != (args.bucket_ms is not None):
+        p.error("--cost measured and --bucket-ms FILE go together")
+    cost: LinearStepCost
+    if args.bucket_ms is not None:
+        try:
+            rows_ms = read_rows_ms(args.bucket_ms)
+            cost = MeasuredRowsCost(args.base_ms, args.decode_ms, args.prefill_ms, rows_ms)
+        except (OSError, ValueError) as exc:
+            p.error(str(exc))
+    else:
+        cost = COSTS[args.cost](args.base_ms, args.decode_ms, args.prefill_ms)
     rows: list[dict[str, float | str]] = []
     for rate in parse_rates(args.rates):
         for label, config in variants:

@@ -35,9 +35,9 @@ class SchedulerConfig:
     prefill_tokens_beside_decodes: int = 1024
     # Waiting prompt tokens past what is left of the limit in this step that the limit still holds back; more
     # is a backlog, which lifts it. 0: the limit itself (what one more step under it takes). With a limit of
-    # 512, 2,048 here halved ITL p99 at 4 - 8 req/s in the scheduler model, and at 16 req/s gave 27 - 37 ms
-    # by the seeds against 27 (512 alone: 50, a second waiting prompt taken for a backlog); bench/RESULTS.md,
-    # 2026-11-30, bench/policy_sim.py; not yet measured on a device.
+    # 512 and 2,048 here, on an H200 beside vLLM, ITL p99 fell to 0.66x / 0.61x vLLM's at 4 / 8 req/s but TTFT
+    # p50 rose 3.4 / 4.3 ms over the defaults (two halves replay slower buckets than the whole), and at 16 req/s
+    # both were behind (bench/RESULTS.md, 2026-11-30 15:52): a deployment's choice, not a default.
     prefill_backlog_tokens: int = 0
     # Token budget of a step that carries decodes (decodes and prefill, running prompts' chunks included),
     # backlog or not; a step without decodes keeps max_batch_tokens; only with chunked prefill (without it a

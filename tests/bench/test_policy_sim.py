@@ -1,6 +1,6 @@
 """bench/policy_sim.py: the engine's scheduler under simulated arrivals ends every request with the workload's
-output, its clock follows the cost model, each setting shows in the steps it shapes, and a variant that names
-no SchedulerConfig field is refused."""
+output, its clock follows the cost model (a measured table of row counts included), each setting shows in the
+steps it shapes, and a variant that names no SchedulerConfig field is refused."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ sys.path.insert(0, str(REPO))  # bench/ as a namespace package: its modules must
 
 from bench.policy_sim import (  # noqa: E402
     LinearStepCost,
+    MeasuredRowsCost,
     OverlappedStepCost,
     SimResult,
     Workload,
@@ -24,6 +25,7 @@ from bench.policy_sim import (  # noqa: E402
     capability,
     main,
     parse_variant,
+    read_rows_ms,
     simulate,
 )
 from ominix_runtime.engine.config import EngineCoreConfig, SchedulerConfig  # noqa: E402
@@ -124,3 +126,54 @@ def test_the_cost_option_picks_the_model(tmp_path: Path) -> None:
     assert overlapped != linear  # 64-token prompts: the overlapped steps lose their prefill cost
     with pytest.raises(SystemExit):
         main([*args, "--cost", "quadratic"])
+
+
+def test_the_measured_cost_pads_a_step_to_the_table_and_extends_it_past_its_end() -> None:
+    from ominix_runtime.release.cost_model import StepShape
+
+    def shape(decodes: int, prefill: int) -> StepShape:
+        return StepShape(prefill_tokens=prefill, decode_tokens=decodes, kv_blocks_in_use=0)
+
+    cost = MeasuredRowsCost(5.0, 0.05, 0.02, {512: 10.0, 544: 13.0, 1024: 19.5, 1056: 21.5})
+    assert cost.rows_time_ms(520) == 13.0  # padded to the next measured count, not interpolated
+    assert cost.rows_time_ms(512) == 10.0 and cost.rows_time_ms(1) == 10.0
+    assert cost.rows_time_ms(2112) == pytest.approx(43.0)  # past the table: the largest count's rate per row
+    assert cost.step_ms(shape(8, 1024)) == pytest.approx(21.5 + 0.4)  # 1,032 rows: the 1,056 entry
+    assert cost.step_ms(shape(8, 504)) == pytest.approx(10.0 + 0.4)  # 512 rows exactly
+    # A prompt split in halves pays the slow count twice: what the straight lines never showed.
+    assert 2 * cost.step_ms(shape(8, 512)) > cost.step_ms(shape(8, 1024)) + 4.0
+    assert cost.step_ms(shape(200, 0)) == pytest.approx(5.0 + 10.0)  # decodes alone: the weights' floor
+    assert cost.step_ms(shape(0, 0)) == 0.0
+    for bad in ({}, {0: 1.0}, {64: 0.0}):
+        with pytest.raises(ValueError, match="positive"):
+            MeasuredRowsCost(5.0, 0.05, 0.02, bad)
+
+
+def test_the_measured_table_is_read_from_prefix_step_json_or_a_plain_object(tmp_path: Path) -> None:
+    stored = read_rows_ms(REPO / "bench" / "configs" / "h200-llama8b-bucket-ms.json")
+    assert len(stored) == 64 and min(stored) == 32 and max(stored) == 2048
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"64": 5.0, "128": 6.5}))
+    assert read_rows_ms(plain) == {64: 5.0, 128: 6.5}
+    for text in (json.dumps({"piecewise_bucket_ms": {}}), json.dumps([1, 2]), json.dumps({"x": 1.0})):
+        plain.write_text(text)
+        with pytest.raises(ValueError, match=str(plain)):
+            read_rows_ms(plain)
+
+
+def test_the_measured_cost_needs_its_table_and_the_table_its_cost(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    table = tmp_path / "rows.json"
+    table.write_text(json.dumps({"256": 6.0, "1024": 20.0, "2048": 41.0}))
+    args = ["--rates", "4", "--seconds", "1", "--seeds", "1", "--input-len", "64", "--output-len", "4"]
+    out = tmp_path / "sim.json"
+    assert main([*args, "--cost", "measured", "--bucket-ms", str(table), "--out-json", str(out)]) == 0
+    assert json.loads(out.read_text())[0]["variant"] == "default"
+    for extra in (["--cost", "measured"], ["--bucket-ms", str(table)]):
+        with pytest.raises(SystemExit):
+            main([*args, *extra])
+        assert "go together" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*args, "--cost", "measured", "--bucket-ms", str(tmp_path / "missing.json")])
+    assert "missing.json" in capsys.readouterr().err
