@@ -4,8 +4,8 @@ Each size (rounded by the caching host allocator to a power of two, one size per
 ``--queue-ms`` of 8,192³ matmuls queued before each, timing the host's time in the allocation alone: the first
 comes from the driver (page-locked memory, which CUDA lists among the implicitly synchronizing calls), the
 second from the cache, the first block having been freed into it. A first allocation that takes about the
-queue's time waited for the device, and would hold a serving worker's step as long; the worker allocates its
-steps' pinned memory at start for that reason (``workers/ominix_worker/pinned.py``).
+queue's time waited for the device, and would hold a serving worker's step as long. On an H200 (2026-11-30,
+bench/RESULTS.md) none did, at 64 B to 1 MiB.
 
     python bench/pinned_first_alloc.py [--sizes 64,4096,65536,1048576] [--queue-ms 150] [--json out.json]
 """

@@ -91,12 +91,14 @@ class OverlappedStepCost(LinearStepCost):
     def step_ms(self, shape: StepShape) -> float:
         if shape.num_tokens == 0:
             return 0.0
-        return (
-            max(self.base_ms, self.prefill_ms * shape.prefill_tokens) + self.decode_ms * shape.decode_tokens
-        )
+        return max(self.base_ms, self.prefill_time_ms(shape)) + self.decode_ms * shape.decode_tokens
+
+    def prefill_time_ms(self, shape: StepShape) -> float:
+        """What the step's prefill costs beside the fixed part it overlaps."""
+        return self.prefill_ms * shape.prefill_tokens
 
 
-class MeasuredRowsCost(LinearStepCost):
+class MeasuredRowsCost(OverlappedStepCost):
     """The step's rows (prompt tokens and decodes) cost what a measured table says for the smallest row count
     in it that holds them, as the worker pads a step to its piecewise bucket; past the table's largest count,
     its rate per row. cuBLAS runs some row counts much slower than a few rows fewer (an H200 timed the 544-row
@@ -112,8 +114,8 @@ class MeasuredRowsCost(LinearStepCost):
         self, base_ms: float, decode_ms: float, prefill_ms: float, rows_ms: dict[int, float]
     ) -> None:
         super().__init__(base_ms, decode_ms, prefill_ms)
-        if not rows_ms or min(rows_ms) < 1 or min(rows_ms.values()) <= 0:
-            raise ValueError("the measured table needs positive row counts with positive times")
+        if not rows_ms or min(rows_ms) < 1 or not all(0 < ms < math.inf for ms in rows_ms.values()):
+            raise ValueError("the measured table needs positive row counts with positive, finite times")
         self.rows = sorted(rows_ms)
         self.rows_ms = dict(rows_ms)
 
@@ -126,17 +128,16 @@ class MeasuredRowsCost(LinearStepCost):
         top = self.rows[-1]
         return self.rows_ms[top] * rows / top
 
-    def step_ms(self, shape: StepShape) -> float:
-        if shape.num_tokens == 0:
-            return 0.0
-        rows = self.rows_time_ms(shape.num_tokens) if shape.prefill_tokens else 0.0
-        return max(self.base_ms, rows) + self.decode_ms * shape.decode_tokens
+    def prefill_time_ms(self, shape: StepShape) -> float:
+        return self.rows_time_ms(shape.num_tokens) if shape.prefill_tokens else 0.0
 
 
 def read_rows_ms(path: Path) -> dict[int, float]:
     """{rows: ms} from bench/prefix_step.py's JSON (its ``piecewise_bucket_ms``) or from a plain object."""
     data = json.loads(path.read_text())
     table = data.get("piecewise_bucket_ms", data) if isinstance(data, dict) else None
+    if isinstance(data, dict) and "piecewise_bucket_ms" not in data and "suffix_step" in data:
+        table = None  # prefix_step's JSON without the buckets' times
     if not isinstance(table, dict) or not table:
         raise ValueError(
             f"{path}: no {{rows: ms}} table (run prefix_step.py with --piecewise-fastest-bucket)"

@@ -45,6 +45,7 @@ from ominix_runtime.contract import (  # noqa: E402
     StepResult,
 )
 from ominix_worker.ops.launch import KERNELS, set_fast_launch  # noqa: E402
+from ominix_worker.piecewise_graph import TOKEN_STEP  # noqa: E402
 from ominix_worker.runner import ModelRunner, build_runner  # noqa: E402
 
 BLOCK = 16
@@ -231,9 +232,9 @@ def main() -> None:
     p.add_argument(
         "--piecewise-token-step",
         type=int,
-        default=32,
+        default=None,
         help="with --piecewise-graph-tokens: a bucket every this many tokens (the worker's "
-        "OMINIX_PIECEWISE_TOKEN_STEP)",
+        "OMINIX_PIECEWISE_TOKEN_STEP; 32 unless set)",
     )
     p.add_argument(
         "--piecewise-fastest-bucket",
@@ -245,7 +246,9 @@ def main() -> None:
     args = p.parse_args()
     if args.piecewise_fastest_bucket and not args.piecewise_graph_tokens:
         p.error("--piecewise-fastest-bucket times the buckets of --piecewise-graph-tokens N: set N too")
-    if args.piecewise_token_step < 1:
+    if args.piecewise_token_step is not None and not args.piecewise_graph_tokens:
+        p.error("--piecewise-token-step spaces the buckets of --piecewise-graph-tokens N: set N too")
+    if args.piecewise_token_step is not None and args.piecewise_token_step < 1:
         p.error("--piecewise-token-step must be at least 1")
     set_fast_launch(args.triton_launch == "fast")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -264,9 +267,10 @@ def main() -> None:
     runner.warm_up(max(args.prefix_len, args.suffix_len, args.mixed_prompt + args.mixed_decodes))
     runner.capture_decode_graphs()
     started = time.perf_counter()
+    token_step = args.piecewise_token_step or TOKEN_STEP
     piecewise_graph_buckets = (
         runner.capture_piecewise_graphs(
-            args.piecewise_graph_tokens, timed=args.piecewise_fastest_bucket, step=args.piecewise_token_step
+            args.piecewise_graph_tokens, timed=args.piecewise_fastest_bucket, step=token_step
         )
         if args.piecewise_graph_tokens
         else 0
@@ -317,6 +321,7 @@ def main() -> None:
         "suffix_step": clock.summary(),
         "prefill_graph_sizes": sorted(graphs.prefill_graphs) if graphs is not None else [],
         "piecewise_graph_buckets": piecewise_graph_buckets,
+        "piecewise_token_step": token_step if piecewise_graph_buckets else 0,
         "piecewise_graph_capture_s": piecewise_graph_capture_s,
         "piecewise_bucket_ms": {str(b): round(ms, 3) for b, ms in runner.piecewise_bucket_ms.items()},
         "trials": args.trials,

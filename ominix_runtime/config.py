@@ -214,12 +214,14 @@ class DebugConfig:
     # runs on the same hosts, whose launches stayed under the device time there (bench/RESULTS.md, 2026-11-30).
     # On, only bucket row counts reach the GEMMs, and a slower host's launch no longer outlasts the step.
     piecewise_graph_tokens: int = 2048
-    # worker, CUDA: the pieces' bucket spacing in tokens (a step computes fewer padding rows than this). cuBLAS
-    # runs some row counts much slower than a few rows fewer: a 1,032-row mixed step's GEMMs took 21.9 ms and
-    # its 1,056 bucket's 24.0 on an H200 (bench/RESULTS.md, 2026-11-30); finer spacing means more captures.
+    # worker, CUDA: the pieces' bucket spacing in tokens (a step computes fewer padding rows than this; the last
+    # bucket is the budget). cuBLAS runs some row counts much slower than a few rows fewer: a layer's four
+    # GEMMs x 32 took 21.9 ms at 1,032 rows and 24.0 at 1,056 on an H200 (bench/gemm_rows.py, bench/RESULTS.md,
+    # 2026-11-30); finer spacing means more captures, each one bucket. The worker's piecewise_graph.TOKEN_STEP.
     piecewise_token_step: int = 32
     # worker, CUDA, a lone rank: each piecewise bucket timed at start, and a step replays the fastest captured
-    # bucket that holds it (cuBLAS runs some row counts slower than larger ones). Off until measured online.
+    # bucket that holds it (cuBLAS runs some row counts slower than larger ones). Off: online beside vLLM it
+    # moved nothing, as no larger bucket was faster than a 1,032-row step's (bench/RESULTS.md, 2026-11-30).
     piecewise_fastest_bucket: bool = False
 
 
@@ -277,24 +279,22 @@ def with_paths(tree: T, values: Mapping[str, Any]) -> T:
 # ---- debug variables ------------------------------------------------------------------------------------
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text.strip() or "0")
-    except ValueError:
-        raise ValueError(f"expected a count (0: off), got {text!r}") from None
-    if value < 0:
-        raise ValueError(f"expected a count (0: off), got {text!r}")
-    return value
-
-
-def _positive(text: str) -> int:
+def _whole(text: str, minimum: int, expected: str) -> int:
     try:
         value = int(text.strip())
     except ValueError:
-        raise ValueError(f"expected a whole number of at least 1, got {text!r}") from None
-    if value < 1:
-        raise ValueError(f"expected a whole number of at least 1, got {text!r}")
+        raise ValueError(f"expected {expected}, got {text!r}") from None
+    if value < minimum:
+        raise ValueError(f"expected {expected}, got {text!r}")
     return value
+
+
+def _count(text: str) -> int:
+    return _whole(text, 0, "a count (0: off)") if text.strip() else 0
+
+
+def _positive(text: str) -> int:
+    return _whole(text, 1, "a whole number of at least 1")
 
 
 def _switch(text: str) -> bool:
@@ -356,13 +356,15 @@ DEBUG_VARIABLES: tuple[DebugVariable, ...] = (
         "debug.piecewise_graph_tokens",
         _count,
         "N: on CUDA, prefill and mixed steps of up to N tokens (at most the step budget; default 2048) replay "
-        "CUDA graphs captured at start in pieces between the layers' attention, per bucket of 32 tokens; 0: eager",
+        "CUDA graphs captured at start in pieces between the layers' attention, per bucket of "
+        "OMINIX_PIECEWISE_TOKEN_STEP tokens; 0: eager",
     ),
     DebugVariable(
         "OMINIX_PIECEWISE_TOKEN_STEP",
         "debug.piecewise_token_step",
         _positive,
-        "N: the piecewise graphs' buckets every N tokens (default 32; smaller: fewer padding rows, more captures)",
+        "N: the piecewise graphs' buckets every N tokens, the last at the budget (default 32; smaller: fewer "
+        "padding rows, more captures: 2048 / N of them at the default budget)",
     ),
     DebugVariable(
         "OMINIX_PIECEWISE_FASTEST_BUCKET",

@@ -368,6 +368,9 @@ def test_prefix_step_runs_every_step_kind_on_a_tiny_model(tmp_path: Path) -> Non
         assert 0 < figures[kind]["min_ms"] <= figures[kind]["median_ms"]
     assert figures["mixed_step"]["decodes"] == 3 and figures["device"] == "cpu"
     assert figures["triton_launch"] == "triton"
+    assert (
+        figures["piecewise_graph_buckets"] == 0 and figures["piecewise_token_step"] == 0
+    )  # no pieces on a CPU
     trace = json.loads((tmp_path / "trace.json").read_text())
     ops = [e for e in trace["traceEvents"] if str(e.get("name", "")).startswith("aten::")]
     assert len(ops) > 10  # the step's host ops are in the timeline
@@ -376,6 +379,23 @@ def test_prefix_step_runs_every_step_kind_on_a_tiny_model(tmp_path: Path) -> Non
     profiled = pstats.Stats(str(tmp_path / "launch.pstats"))
     assert any(name == "execute_step" for (_, _, name) in profiled.stats)  # type: ignore[attr-defined]
     assert "cProfile of 3 launches" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--piecewise-token-step", "8"], "set N too"),
+        (["--piecewise-graph-tokens", "64", "--piecewise-token-step", "0"], "at least 1"),
+        (["--piecewise-fastest-bucket"], "set N too"),
+    ],
+)
+def test_prefix_step_refuses_piecewise_options_without_their_pieces(args: list[str], says: str) -> None:
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    argv = [sys.executable, str(root / "bench" / "prefix_step.py"), "--device", "cpu", *args]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=root)
+    assert done.returncode == 2 and says in done.stderr, done.stderr[-2000:]
 
 
 def test_host_glue_counts_the_launches_of_an_eager_step(tmp_path: Path) -> None:

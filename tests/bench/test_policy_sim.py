@@ -144,7 +144,7 @@ def test_the_measured_cost_pads_a_step_to_the_table_and_extends_it_past_its_end(
     assert 2 * cost.step_ms(shape(8, 512)) > cost.step_ms(shape(8, 1024)) + 4.0
     assert cost.step_ms(shape(200, 0)) == pytest.approx(5.0 + 10.0)  # decodes alone: the weights' floor
     assert cost.step_ms(shape(0, 0)) == 0.0
-    for bad in ({}, {0: 1.0}, {64: 0.0}):
+    for bad in ({}, {0: 1.0}, {64: 0.0}, {64: math.nan}, {64: math.inf}):
         with pytest.raises(ValueError, match="positive"):
             MeasuredRowsCost(5.0, 0.05, 0.02, bad)
 
@@ -155,7 +155,13 @@ def test_the_measured_table_is_read_from_prefix_step_json_or_a_plain_object(tmp_
     plain = tmp_path / "plain.json"
     plain.write_text(json.dumps({"64": 5.0, "128": 6.5}))
     assert read_rows_ms(plain) == {64: 5.0, 128: 6.5}
-    for text in (json.dumps({"piecewise_bucket_ms": {}}), json.dumps([1, 2]), json.dumps({"x": 1.0})):
+    no_buckets = json.dumps({"suffix_step": {"median_ms": 6.1}, "trials": 15})  # run without the timing
+    for text in (
+        json.dumps({"piecewise_bucket_ms": {}}),
+        no_buckets,
+        json.dumps([1, 2]),
+        json.dumps({"x": 1.0}),
+    ):
         plain.write_text(text)
         with pytest.raises(ValueError, match=str(plain)):
             read_rows_ms(plain)
@@ -169,7 +175,13 @@ def test_the_measured_cost_needs_its_table_and_the_table_its_cost(
     args = ["--rates", "4", "--seconds", "1", "--seeds", "1", "--input-len", "64", "--output-len", "4"]
     out = tmp_path / "sim.json"
     assert main([*args, "--cost", "measured", "--bucket-ms", str(table), "--out-json", str(out)]) == 0
-    assert json.loads(out.read_text())[0]["variant"] == "default"
+    measured = json.loads(out.read_text())
+    assert main([*args, "--cost", "overlapped", "--out-json", str(out)]) == 0
+    # 64-token prompts: the table's smallest count (256 rows, 6 ms) lifts their steps above the 5 ms floor.
+    assert (
+        measured[0]["variant"] == "default"
+        and measured[0]["ttft_p50"] > json.loads(out.read_text())[0]["ttft_p50"]
+    )
     for extra in (["--cost", "measured"], ["--bucket-ms", str(table)]):
         with pytest.raises(SystemExit):
             main([*args, *extra])

@@ -11,13 +11,23 @@ from ominix_worker.cuda_graph import padded_size
 from ominix_worker.piecewise_graph import FASTER_BY, TOKEN_STEP, fastest_routes, token_buckets
 
 
-def test_buckets_step_up_to_the_budget_rounded_up() -> None:
+def test_buckets_step_up_to_the_budget_which_is_the_last() -> None:
     assert token_buckets(128, 32) == (32, 64, 96, 128)
-    assert token_buckets(100, 32) == (32, 64, 96, 128)  # the budget's own step has a bucket
-    assert token_buckets(1, 64) == (64,)
+    assert token_buckets(100, 32) == (32, 64, 96, 100)  # no step holds more than the budget
+    assert token_buckets(1, 64) == (1,) and token_buckets(2048, 5000) == (2048,)
     assert token_buckets(0) == () and token_buckets(-5) == ()
     buckets = token_buckets(2048)
     assert buckets[0] == TOKEN_STEP and buckets[-1] == 2048 and len(buckets) == 2048 // TOKEN_STEP
+    assert token_buckets(2048, 8) == tuple(range(8, 2049, 8))
+    assert token_buckets(2048, 100)[-2:] == (2000, 2048)
+    with pytest.raises(ValueError, match="at least 1"):
+        token_buckets(2048, 0)
+
+
+def test_the_configured_spacing_is_the_workers() -> None:
+    from ominix_runtime.config import DebugConfig
+
+    assert DebugConfig().piecewise_token_step == TOKEN_STEP
 
 
 @pytest.mark.parametrize("num_tokens", [1, 31, 32, 33, 1032, 2047, 2048])

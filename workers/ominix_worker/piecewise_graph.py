@@ -50,11 +50,13 @@ FASTER_BY = 0.02
 
 
 def token_buckets(max_tokens: int, step: int = TOKEN_STEP) -> tuple[int, ...]:
-    """Every multiple of ``step`` up to ``max_tokens`` (rounded up to one); () when ``max_tokens`` <= 0."""
+    """Every multiple of ``step`` below ``max_tokens``, then ``max_tokens`` itself (no step holds more, and the
+    KV budget leaves room for that bucket's forward); () when ``max_tokens`` <= 0."""
+    if step < 1:
+        raise ValueError(f"a bucket spacing must be at least 1 token, got {step}")
     if max_tokens <= 0:
         return ()
-    top = -(-max_tokens // step) * step
-    return tuple(range(step, top + 1, step))
+    return (*range(step, max_tokens, step), max_tokens)
 
 
 def fastest_routes(times_ms: Mapping[int, float], faster_by: float = FASTER_BY) -> dict[int, int]:

@@ -179,7 +179,6 @@ def load_worker(
     )
     from ominix_worker.loader import ModelLoadError, load_model
     from ominix_worker.parallel import SINGLE, MoeParallel, PackableLinear
-    from ominix_worker.piecewise_graph import token_buckets
     from ominix_worker.progress import stage
     from ominix_worker.runner import ModelRunner
 
@@ -244,11 +243,9 @@ def load_worker(
     profiling = stage("profiling the KV cache")
     # Prefill and mixed steps captured in pieces up to this many tokens (after the decode graphs, below); their
     # pool holds a forward's activations at the largest bucket for good, which the KV budget leaves room for.
-    piecewise_tokens = piecewise_top = 0
+    piecewise_tokens = 0
     if debug.cuda_graphs and runner.piecewise_capturable():
-        piecewise_tokens = min(debug.piecewise_graph_tokens, max_batch_tokens)
-        # The largest bucket rounds the budget up to the spacing: the pool is that bucket's forward.
-        piecewise_top = max(token_buckets(piecewise_tokens, debug.piecewise_token_step), default=0)
+        piecewise_tokens = min(debug.piecewise_graph_tokens, max_batch_tokens)  # the largest bucket
     if device.type == "cpu":
         budget = parse_bytes(args.kv_cache_memory)
         runner.profile_forward(min(64, max_batch_tokens))  # warm-up only: the CPU budget is explicit
@@ -257,7 +254,7 @@ def load_worker(
             device,
             args.gpu_memory_utilization,
             lambda: runner.profile_forward(max_batch_tokens),
-            graph_forward=(lambda: runner.profile_forward(piecewise_top)) if piecewise_top else None,
+            graph_forward=(lambda: runner.profile_forward(piecewise_tokens)) if piecewise_tokens else None,
         )
     profiling.close()
     uniform_blocks = num_blocks_for_budget(budget, bytes_per_block)
