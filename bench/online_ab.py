@@ -249,8 +249,8 @@ def format_ab_table(records: Sequence[dict[str, Any]], baseline: str) -> str:
 
 def format_steps_table(records: Sequence[dict[str, Any]]) -> str | None:
     """Per rate and server with step readings: the runs read and not read, and the median over the runs read
-    (range) of the steps run, steps a second, tokens per step and preemptions; None when no run tried a
-    reading."""
+    (range) of the steps run, steps a second, tokens per step, preemptions and the KV capacity in tokens; None
+    when no run tried a reading."""
     tried = [r for r in records if "steps" in r]
     if not tried:
         return None
@@ -269,6 +269,7 @@ def format_steps_table(records: Sequence[dict[str, Any]]) -> str | None:
                 r["steps"]["tokens_per_step"] for r in read if r["steps"]["tokens_per_step"] is not None
             ]
             preempted = [r["steps"]["preemptions"] for r in read if r["steps"].get("preemptions") is not None]
+            kv_tokens = [r["steps"]["kv_tokens"] for r in read if r["steps"].get("kv_tokens") is not None]
             rows.append(
                 [
                     label,
@@ -279,9 +280,12 @@ def format_steps_table(records: Sequence[dict[str, Any]]) -> str | None:
                     median_range(per_s, 1),
                     median_range(tokens, 1),
                     median_range(preempted, 0),
+                    median_range(kv_tokens, 0),
                 ]
             )
-    header = ["server", "rate", "runs read", "not read", "steps", "steps/s", "tokens/step", "preemptions"]
+    header = [
+        "server", "rate", "runs read", "not read", "steps", "steps/s", "tokens/step", "preemptions", "KV tokens",
+    ]  # fmt: skip
     return format_table(rows, header)
 
 

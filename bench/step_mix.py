@@ -11,7 +11,9 @@ before and after a run; the difference is the run's. They do not count alike:
   count there, not in steps of their own).
 So step counts compare; tokens per step compare only roughly. The readings also take each engine's count of
 requests preempted to free KV (recomputed later: each is a long gap in its stream); ours refreshes it from the
-workers every half second, so a preemption in a run's last moments may count in the next run.
+workers every half second, so a preemption in a run's last moments may count in the next run. And each
+server's KV capacity in tokens, which decides when it must preempt: ours ``ominix_kv_capacity_tokens`` (summed
+over workers), vLLM's ``vllm:cache_config_info`` labels (``num_gpu_blocks`` x ``block_size``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 # The first of these an endpoint has is read: ours, then vLLM's name for the same kind of histogram.
 STEP_TOKEN_HISTOGRAMS = ("ominix_scheduler_step_tokens", "vllm:iteration_tokens_total")
@@ -38,6 +41,20 @@ class StepTotals:
     steps: float
     tokens: float
     preemptions: float | None = None  # None: the endpoint has no preemption counter
+    kv_tokens: float | None = None  # the KV capacity in tokens; None: the endpoint does not state it
+
+
+def kv_capacity_tokens(samples: list[Sample]) -> float | None:
+    """Ours: ``ominix_kv_capacity_tokens`` over every worker; vLLM: its cache config's blocks x block size."""
+    ours = [s.value for s in samples if s.name == "ominix_kv_capacity_tokens"]
+    if ours:
+        return sum(ours)
+    for s in samples:
+        if s.name == "vllm:cache_config_info":
+            blocks, size = s.labels.get("num_gpu_blocks", ""), s.labels.get("block_size", "")
+            if blocks.isdigit() and size.isdigit():
+                return float(int(blocks) * int(size))
+    return None
 
 
 def parse_step_totals(text: str) -> StepTotals | None:
@@ -50,7 +67,8 @@ def parse_step_totals(text: str) -> StepTotals | None:
         if counts or any(family.name == name for family in families):
             tokens = sum(s.value for s in samples if s.name == f"{name}_sum")
             preempted = [s.value for s in samples if s.name == PREEMPTION_COUNTERS[name]]
-            return StepTotals(name, sum(counts), tokens, sum(preempted) if preempted else None)
+            preemptions = sum(preempted) if preempted else None
+            return StepTotals(name, sum(counts), tokens, preemptions, kv_capacity_tokens(samples))
     return None
 
 
@@ -79,4 +97,5 @@ def step_mix(before: StepTotals, after: StepTotals) -> dict[str, float | str | N
         "tokens": tokens,
         "tokens_per_step": tokens / steps if steps > 0 else None,
         "preemptions": preemptions,
+        "kv_tokens": after.kv_tokens,
     }

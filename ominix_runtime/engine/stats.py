@@ -100,6 +100,7 @@ class WorkerStats:
     preempted_requests: int  # waiting to resume after a preemption
     kv_known: bool
     kv_blocks_capacity: int
+    kv_block_size: int  # tokens per block
     kv_blocks_used: int  # leased by live requests
     kv_blocks_cached: int  # unleased blocks that hold prefix-cache content (evictable)
     kv_blocks_free: int  # unleased and empty

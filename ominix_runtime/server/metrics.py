@@ -289,6 +289,11 @@ class WorkerCollector(Collector):
             "capacity": GaugeMetricFamily(
                 "ominix_kv_blocks_capacity", "KV cache blocks the worker holds in all.", labels=wid
             ),
+            "capacity_tokens": GaugeMetricFamily(
+                "ominix_kv_capacity_tokens",
+                "Tokens the worker's KV blocks hold in all (blocks x tokens per block).",
+                labels=wid,
+            ),
             "used": GaugeMetricFamily(
                 "ominix_kv_blocks_used", "KV blocks leased by live requests.", labels=wid
             ),
@@ -324,6 +329,7 @@ class WorkerCollector(Collector):
             gauges["preempted"].add_metric([w.worker_id], w.preempted_requests)
             if w.kv_known:
                 kv["capacity"].add_metric([w.worker_id], w.kv_blocks_capacity)
+                kv["capacity_tokens"].add_metric([w.worker_id], w.kv_blocks_capacity * w.kv_block_size)
                 kv["used"].add_metric([w.worker_id], w.kv_blocks_used)
                 kv["cached"].add_metric([w.worker_id], w.kv_blocks_cached)
                 kv["free"].add_metric([w.worker_id], w.kv_blocks_free)

@@ -315,6 +315,8 @@ async def metrics(request):
         f"{name}_sum{{{series}}} {steps['tokens']}.0",
         "# TYPE vllm:num_preemptions_total counter",
         f"vllm:num_preemptions_total{{{series}}} 0.0",
+        "# TYPE vllm:cache_config_info gauge",
+        f'vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="512"}} 1.0',
     ]
     return web.Response(text="\\n".join(lines) + "\\n")
 

@@ -145,8 +145,10 @@ def test_ab_stages_drive_resident_servers_in_turn(tmp_path: Path) -> None:
             steps, result = record["steps"], record["result"]
             assert steps["steps"] > 0 and steps["tokens_per_step"] == steps["tokens"] / steps["steps"], record
             assert steps["preemptions"] == 0, record  # KV enough for every request: nothing preempted
+            assert steps["kv_tokens"] > 0, record  # each server states its KV capacity
             if record["label"] == "vllm":  # the stand-in counts a step per generated token
                 assert steps["histogram"] == "vllm:iteration_tokens_total"
+                assert steps["kv_tokens"] == 512 * 16  # its cache config's blocks x block size
                 assert steps["steps"] == result["total_output_tokens"]
                 assert steps["tokens"] == result["total_output_tokens"] + result["total_input_tokens"]
             else:  # the engine's own histogram: each request's 5 tokens take at least 4 decode steps after its prefill
@@ -221,7 +223,7 @@ def test_step_totals_are_read_from_either_engines_histogram() -> None:
     the difference of two readings; an endpoint that cannot be read leaves the run a reason, not a crash."""
     import asyncio
 
-    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
     from bench import step_mix
 
@@ -245,7 +247,12 @@ def test_step_totals_are_read_from_either_engines_histogram() -> None:
         "tokens": 100,
         "tokens_per_step": 100,
         "preemptions": 1,
+        "kv_tokens": None,  # this endpoint states no capacity
     }
+    capacity = Gauge("ominix_kv_capacity_tokens", "c", ["worker_id"], registry=registry)
+    capacity.labels(worker_id="0").set(4096)
+    capacity.labels(worker_id="1").set(1024)
+    assert step_mix.parse_step_totals(generate_latest(registry).decode()).kv_tokens == 5120  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="went back"):  # a server that started again between the readings
         step_mix.step_mix(after, before)  # type: ignore[arg-type]
     # declared, no series yet (no step run): zero steps, not "no histogram"
@@ -264,6 +271,10 @@ def test_step_totals_are_read_from_either_engines_histogram() -> None:
     assert reading == step_mix.StepTotals("vllm:iteration_tokens_total", 7, 70)  # no preemption counter
     counted = step_mix.parse_step_totals(vllm + 'vllm:num_preemptions_total{engine="0",model_name="m"} 4.0\n')
     assert counted == step_mix.StepTotals("vllm:iteration_tokens_total", 7, 70, 4)
+    config = 'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="2000"} 1.0\n'
+    assert step_mix.parse_step_totals(vllm + config).kv_tokens == 32_000  # type: ignore[union-attr]
+    unsized = 'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="None"} 1.0\n'
+    assert step_mix.parse_step_totals(vllm + unsized).kv_tokens is None  # type: ignore[union-attr]
     assert step_mix.step_mix(reading, counted)["preemptions"] is None  # type: ignore[arg-type]
     assert step_mix.step_mix(reading, reading)["tokens_per_step"] is None  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="different histograms"):
@@ -286,7 +297,8 @@ def test_steps_table_counts_unread_runs_and_runs_without_a_step(tmp_path: Path) 
     for record in records:
         record["result"]["duration"] = 10.0  # type: ignore[index]
     records[0]["steps"] = {
-        "histogram": "h", "steps": 500.0, "tokens": 5000.0, "tokens_per_step": 10.0, "preemptions": 3.0
+        "histogram": "h", "steps": 500.0, "tokens": 5000.0, "tokens_per_step": 10.0, "preemptions": 3.0,
+        "kv_tokens": 90_000.0,
     }  # fmt: skip
     records[1]["steps"] = {
         "histogram": "h", "steps": 0.0, "tokens": 0.0, "tokens_per_step": None, "preemptions": None
@@ -305,6 +317,7 @@ def test_steps_table_counts_unread_runs_and_runs_without_a_step(tmp_path: Path) 
     assert ours[header.index("steps")] == "250 (0–500)" and ours[header.index("steps/s")] == "25.0 (0.0–50.0)"
     assert ours[header.index("tokens/step")] == "10.0"  # the run without a step has no tokens per step
     assert ours[header.index("preemptions")] == "3"  # nor a preemption count
+    assert ours[header.index("KV tokens")] == "90,000"  # nor a capacity (a record of before the column: none)
     vllm = [c.strip() for c in rows[("vllm", "4")].split("|")]
     assert vllm[header.index("runs read")] == "0" and vllm[header.index("not read")] == "1"
     assert online_ab.format_steps_table([_record("ours", 0, 4.0, 30.0, 1000.0)]) is None

@@ -82,6 +82,7 @@ def test_scraped_figures_match_what_was_served(served: Scraped) -> None:
     capacity = _value(s, "ominix_kv_blocks_capacity", worker_id=wid)
     parts = sum(_value(s, f"ominix_kv_blocks_{k}", worker_id=wid) for k in ("used", "cached", "free"))
     assert capacity > 0 and parts == capacity
+    assert _value(s, "ominix_kv_capacity_tokens", worker_id=wid) == capacity * 16  # the CPU worker's blocks
     # Requests 2..5 share their prompt with an earlier one: the prefix cache served full blocks of it.
     hits = _value(s, "ominix_prefix_cache_hit_tokens_total", worker_id=wid)
     assert 0 < hits < _value(s, "ominix_prefix_cache_queried_tokens_total", worker_id=wid)

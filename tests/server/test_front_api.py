@@ -265,6 +265,7 @@ def test_metrics_families_and_counts_move(fake_daemon: RunningDaemon) -> None:
         "ominix_kv_blocks_cached",
         "ominix_kv_blocks_free",
         "ominix_kv_blocks_capacity",
+        "ominix_kv_capacity_tokens",
         "ominix_kv_usage_ratio",
         "ominix_prefix_cache_queried_tokens",
         "ominix_prefix_cache_hit_tokens",
@@ -285,6 +286,7 @@ def test_metrics_families_and_counts_move(fake_daemon: RunningDaemon) -> None:
     worker_ids = {s.labels.get("worker_id") for s in after["ominix_scheduler_step_duration_seconds"]}
     assert "fake-0" in worker_ids
     assert worker_value(after, "ominix_kv_blocks_capacity") == 64
+    assert worker_value(after, "ominix_kv_capacity_tokens") == 64 * 16  # the fake's 16-token blocks
     assert worker_value(after, "ominix_worker_up") == 1
     queried = worker_value(after, "ominix_prefix_cache_queried_tokens")
     assert 0 < hits <= queried

@@ -218,6 +218,7 @@ class WorkerGroup(ABC):
             preempted_requests=self.num_preempted,
             kv_known=kv is not None,
             kv_blocks_capacity=kv.num_blocks if kv else 0,
+            kv_block_size=kv.block_size if kv else 0,
             kv_blocks_used=kv.num_leased_blocks if kv else 0,
             kv_blocks_cached=kv.num_cached_evictable_blocks if kv else 0,
             kv_blocks_free=kv.num_free_blocks if kv else 0,
