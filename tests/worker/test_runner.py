@@ -17,7 +17,13 @@ from ominix_runtime.contract import (
     SamplingParams,
     StepResult,
 )
-from ominix_worker.runner import ModelRunner, _extend_slots, build_runner, warm_up_token_counts
+from ominix_worker.runner import (
+    ModelRunner,
+    _extend_slots,
+    build_runner,
+    resolve_placeholders,
+    warm_up_token_counts,
+)
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +156,27 @@ def test_warm_up_covers_every_power_of_two_prefill_size_on_cuda() -> None:
     assert warm_up_token_counts(8, cuda=False) == [8]
 
 
-def test_warm_up_runs_its_forwards(runner: ModelRunner) -> None:
+def test_warm_up_runs_its_forwards_and_the_placeholder_gather(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ominix_worker import runner as runner_module
+
+    gathered: list[list[int]] = []
+
+    def spy(ids: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+        out = resolve_placeholders(ids, prev_tokens)
+        gathered.append(out.tolist())
+        return out
+
+    monkeypatch.setattr(runner_module, "resolve_placeholders", spy)
     assert runner.warm_up(64) == [16]
+    assert gathered == [[0, 1]]  # the placeholder -1 took the pending id 0; the real id 1 stayed
+
+
+def test_placeholders_take_the_pending_steps_ids() -> None:
+    ids = torch.tensor([-2, 7, -1, -3, 9])
+    pending = torch.tensor([100, 200, 300])
+    assert resolve_placeholders(ids, pending).tolist() == [200, 7, 100, 300, 9]
 
 
 def test_a_mixed_warm_up_step_leaves_generation_unchanged(runner: ModelRunner) -> None:

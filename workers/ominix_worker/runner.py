@@ -665,7 +665,7 @@ class ModelRunner:
         if min(input_ids) < 0:
             if prev_tokens is None:
                 raise RuntimeError("a placeholder input token without the pending step's ids")
-            ids = torch.where(ids < 0, prev_tokens.index_select(0, (-1 - ids).clamp(min=0)), ids)
+            ids = resolve_placeholders(ids, prev_tokens)
         return StepInputs(
             input_ids=ids,
             positions=self._to_device(torch.tensor(positions, dtype=torch.int64)),
@@ -877,6 +877,10 @@ class ModelRunner:
                 num_kv_heads, max_tokens, self.device
             ):
                 self.mixed_forward(rows, context, tokens)
+        # An eager step launched behind a pending one gathers its placeholders first; its kernels are first
+        # needed in serving (a prompt beside a few decodes), so they run once here, with nothing queued.
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        resolve_placeholders(torch.tensor([-1, 1], dtype=torch.int64, device=self.device), zero)
         return counts
 
     @torch.inference_mode()
@@ -1004,6 +1008,12 @@ class ModelRunner:
             len(times), time.perf_counter() - started, len(routes),
             ", ".join(f"{b}->{r}" for b, r in sorted(routes.items())) or "none",
         )  # fmt: skip
+
+
+def resolve_placeholders(ids: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+    """``ids`` (int64, on the device) with each placeholder ``-(1 + j)`` replaced by ``prev_tokens[j]``, the
+    pending step's sampled id, without waiting for it on the host."""
+    return torch.where(ids < 0, prev_tokens.index_select(0, (-1 - ids).clamp(min=0)), ids)
 
 
 def _kind(group: AttentionGroup) -> AttentionKind:
