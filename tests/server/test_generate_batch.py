@@ -160,10 +160,9 @@ def test_events_of_one_step_share_a_message(fake_daemon: RunningDaemon) -> None:
     assert [kinds(v).count("done") for v in per_request.values()] == [1] * 32
     tokens = [sum(len(e.token.token_ids) for e in v if e.HasField("token")) for v in per_request.values()]
     assert tokens == [16] * 32
-    # 32 requests x (prefill_done, 16 tokens, usage, done) is over 600 events: one message per event would
-    # be as many messages, one per step about 16 - 20.
-    assert len(events) >= 32 * 19
-    assert len(messages) <= len(events) // 8, len(messages)
+    # 32 requests x (prefill_done, 16 tokens, usage, done) is over 600 events, fewer when a lagging stream
+    # merges its tokens (a loaded host): one message per event would be hundreds, one per step about 16 - 20.
+    assert len(messages) <= 32 * 16 // 8, (len(messages), len(events))
     wait_kv_free(fake_daemon)
 
 
