@@ -136,16 +136,16 @@ def read_rows_ms(path: Path) -> dict[int, float]:
     """{rows: ms} from bench/prefix_step.py's JSON (its ``piecewise_bucket_ms``) or from a plain object."""
     data = json.loads(path.read_text())
     table = data.get("piecewise_bucket_ms", data) if isinstance(data, dict) else None
-    if isinstance(data, dict) and "piecewise_bucket_ms" not in data and "suffix_step" in data:
-        table = None  # prefix_step's JSON without the buckets' times
+    refused = ValueError(
+        f"{path}: no {{rows: ms}} table of row counts and milliseconds (prefix_step.py writes one with "
+        "--piecewise-fastest-bucket)"
+    )
     if not isinstance(table, dict) or not table:
-        raise ValueError(
-            f"{path}: no {{rows: ms}} table (run prefix_step.py with --piecewise-fastest-bucket)"
-        )
+        raise refused
     try:
         return {int(rows): float(ms) for rows, ms in table.items()}
     except (TypeError, ValueError):
-        raise ValueError(f"{path}: the table's keys must be row counts and its values milliseconds") from None
+        raise refused from None
 
 
 COSTS: dict[str, type[LinearStepCost]] = {c.name: c for c in (LinearStepCost, OverlappedStepCost)}
