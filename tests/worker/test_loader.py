@@ -276,7 +276,12 @@ class FakeAccelerator:
         self.calls.append("graph forward")
         self.peak = max(self.peak, self.allocated + 2 * self.GB)
 
+    def release_profile_kv(self) -> None:
+        self.calls.append("release")
+        self.allocated -= 1 * self.GB
+
     def mem_get_info(self, device: object) -> tuple[int, int]:
+        self.calls.append("free memory read")
         return 80 * self.GB - self.allocated - 1 * self.GB, 80 * self.GB
 
     def max_memory_allocated(self, device: object) -> int:
@@ -308,6 +313,26 @@ def test_gpu_kv_budget_leaves_room_for_the_piecewise_graphs_pool() -> None:
     )
     assert budget == (49 - 2) * FakeAccelerator.GB
     assert accel.calls.index("forward") < accel.calls.index("graph forward")
+
+
+def test_gpu_kv_budget_does_not_count_the_profile_kv_it_replaces() -> None:
+    """The forwards' own small KV (1 GB here) is dropped, and the cache emptied, before free memory is read:
+    it is not in use once the sized KV replaces it, so the budget is 1 GB larger than with it counted."""
+    from ominix_worker.kv_cache import measure_gpu_kv_budget
+
+    accel = FakeAccelerator()
+    budget = measure_gpu_kv_budget(
+        torch.device("cuda", 0),
+        0.9,
+        accel.forward,
+        accel=accel,
+        graph_forward=accel.graph_forward,
+        release=accel.release_profile_kv,
+    )
+    assert budget == (49 - 2 + 1) * FakeAccelerator.GB
+    calls = accel.calls
+    assert calls.index("graph forward") < calls.index("release") < calls.index("free memory read")
+    assert "empty" in calls[calls.index("release") : calls.index("free memory read")]
 
 
 def test_torch_dequantizers_equal_the_gguf_package() -> None:

@@ -72,22 +72,29 @@ def measure_gpu_kv_budget(
     profile_forward: Callable[[], None],
     accel: Any = None,
     graph_forward: Callable[[], None] | None = None,
+    release: Callable[[], None] | None = None,
 ) -> int:
     """Bytes left for KV on a GPU: utilization × total, minus what stays in use (weights, context, other
     processes) and minus the activation peak of a forward of the largest step the worker accepts.
 
     ``graph_forward``: a forward whose activation peak is taken off too, the memory pool the piecewise graphs
-    of prefill and mixed steps keep for good (eager steps cannot reuse it). ``accel`` is torch.cuda (or
-    torch.npu); tests pass a stand-in.
+    of prefill and mixed steps keep for good (eager steps cannot reuse it). ``release``: drops what only the
+    forwards needed (the small KV they wrote into) before the device's free memory is read; counted as in
+    use, that KV (one step's worth: 1 GiB for an 8,192-token step of a Llama-8B shape) came off the budget
+    though the sized KV replaces it. ``accel`` is torch.cuda (or torch.npu); tests pass a stand-in.
     """
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
     if accel is None:
         accel = torch.cuda if device.type == "cuda" else getattr(torch, device.type)
     peak_activations = _activation_peak(accel, device, profile_forward)
+    graph_pool = _activation_peak(accel, device, graph_forward) if graph_forward is not None else 0
+    if release is not None:
+        release()
+        accel.synchronize(device)
+        accel.empty_cache()
     free, total = accel.mem_get_info(device)
     in_use = total - free
-    graph_pool = _activation_peak(accel, device, graph_forward) if graph_forward is not None else 0
     return int(total * utilization - in_use - peak_activations - graph_pool)
 
 

@@ -255,6 +255,7 @@ def load_worker(
             args.gpu_memory_utilization,
             lambda: runner.profile_forward(max_batch_tokens),
             graph_forward=(lambda: runner.profile_forward(piecewise_tokens)) if piecewise_tokens else None,
+            release=lambda: runner.set_kv_caches([]),
         )
     profiling.close()
     uniform_blocks = num_blocks_for_budget(budget, bytes_per_block)
