@@ -234,7 +234,7 @@ def main() -> None:
         type=int,
         default=None,
         help="with --piecewise-graph-tokens: a bucket every this many tokens (the worker's "
-        "OMINIX_PIECEWISE_TOKEN_STEP; 32 unless set)",
+        "OMINIX_PIECEWISE_TOKEN_STEP; 8 unless set)",
     )
     p.add_argument(
         "--piecewise-fastest-bucket",

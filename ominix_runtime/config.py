@@ -215,10 +215,9 @@ class DebugConfig:
     # On, only bucket row counts reach the GEMMs, and a slower host's launch no longer outlasts the step.
     piecewise_graph_tokens: int = 2048
     # worker, CUDA: the pieces' bucket spacing in tokens (a step computes fewer padding rows than this; the last
-    # bucket is the budget). cuBLAS runs some row counts much slower than a few rows fewer: a layer's four
-    # GEMMs x 32 took 21.9 ms at 1,032 rows and 24.0 at 1,056 on an H200 (bench/gemm_rows.py, bench/RESULTS.md,
-    # 2026-11-30); finer spacing means more captures, each one bucket. The worker's piecewise_graph.TOKEN_STEP.
-    piecewise_token_step: int = 32
+    # bucket is the budget); finer spacing means more captures at start, each one bucket. Why 8, measured: the
+    # worker's piecewise_graph.TOKEN_STEP, which this equals.
+    piecewise_token_step: int = 8
     # worker, CUDA, a lone rank: each piecewise bucket timed at start, and a step replays the fastest captured
     # bucket that holds it (cuBLAS runs some row counts slower than larger ones). Off: online beside vLLM it
     # moved nothing, as no larger bucket was faster than a 1,032-row step's (bench/RESULTS.md, 2026-11-30).
@@ -363,7 +362,7 @@ DEBUG_VARIABLES: tuple[DebugVariable, ...] = (
         "OMINIX_PIECEWISE_TOKEN_STEP",
         "debug.piecewise_token_step",
         _positive,
-        "N: the piecewise graphs' buckets every N tokens, the last at the budget (default 32; smaller: fewer "
+        "N: the piecewise graphs' buckets every N tokens, the last at the budget (default 8; smaller: fewer "
         "padding rows, more captures: 2048 / N of them at the default budget)",
     ),
     DebugVariable(

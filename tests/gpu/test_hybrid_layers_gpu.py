@@ -357,7 +357,7 @@ def test_piecewise_steps_give_the_eager_tokens(hybrid_folder: Path, overlap: boo
     eager_tokens = tokens(drive(eager, _schedule(eager))[0])
     pieced = _runner(hybrid_folder, "cuda")
     assert pieced.capture_decode_graphs([1, 2, 4])
-    assert pieced.capture_piecewise_graphs(128) == 4
+    assert pieced.capture_piecewise_graphs(128, step=32) == 4
     graphs = pieced._piecewise_graphs
     assert graphs is not None
     replayed: list[int] = []

@@ -45,7 +45,7 @@ def _logits(runner: ModelRunner, rows: list[ScheduledRow]) -> tuple[torch.Tensor
 def _captured(tmp_path: Path, max_tokens: int = 128) -> tuple[ModelRunner, PiecewiseGraphs]:
     """A dense runner with its prefill and mixed steps captured in pieces up to ``max_tokens``."""
     runner = _runner(tmp_path)
-    assert runner.capture_piecewise_graphs(max_tokens) == max_tokens // 32
+    assert runner.capture_piecewise_graphs(max_tokens, step=32) == max_tokens // 32
     graphs = runner._piecewise_graphs
     assert graphs is not None
     return runner, graphs
@@ -73,7 +73,7 @@ def test_pieces_match_eager_forward(tmp_path: Path, model_config: dict[str, obje
     from ominix_worker.runner import ScheduledRow
 
     runner = _runner(tmp_path, model_config=model_config)
-    assert runner.capture_piecewise_graphs(256) == 8
+    assert runner.capture_piecewise_graphs(256, step=32) == 8
     graphs = runner._piecewise_graphs
     assert graphs is not None and graphs.buckets == (32, 64, 96, 128, 160, 192, 224, 256)
     rng = random.Random(7)
@@ -220,10 +220,10 @@ def test_timing_the_buckets_writes_no_kv_and_a_routed_step_keeps_its_logits(tmp_
     assert err < 1e-4 and torch.equal(routed.argmax(-1), eager.argmax(-1))
 
     timed = _runner(tmp_path)
-    assert timed.capture_piecewise_graphs(128, timed=True) == 4
+    assert timed.capture_piecewise_graphs(128, timed=True, step=32) == 4
     assert sorted(timed.piecewise_bucket_ms) == [32, 64, 96, 128]
     moe = _runner(tmp_path, model_config=_MOE_CONFIG)
-    assert moe.capture_piecewise_graphs(128, timed=True) == 4
+    assert moe.capture_piecewise_graphs(128, timed=True, step=32) == 4
     assert moe.piecewise_bucket_ms == {}
 
 
@@ -234,7 +234,7 @@ def test_steps_past_the_budget_and_models_without_pieces_stay_eager(
     from ominix_worker.runner import ScheduledRow
 
     runner = _runner(tmp_path)
-    assert runner.capture_piecewise_graphs(64) == 2
+    assert runner.capture_piecewise_graphs(64, step=32) == 2
     rng = random.Random(5)
     req = _request(rng, "p", 100, list(range(1, 9)))
     with torch.inference_mode():
@@ -308,7 +308,7 @@ def test_execute_step_same_tokens(tmp_path: Path, overlap: bool) -> None:
         runner = _runner(tmp_path)
         assert runner.capture_decode_graphs([1, 2, 4])
         if pieces:
-            assert runner.capture_piecewise_graphs(128) == 4
+            assert runner.capture_piecewise_graphs(128, step=32) == 4
         runner.overlap_steps = overlap
         by_pieces[pieces] = tokens(drive(runner, schedule)[0])  # every step's result in order, no error
     assert by_pieces[True] == by_pieces[False]

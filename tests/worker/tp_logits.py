@@ -96,7 +96,7 @@ def graph_check(runner: ModelRunner) -> dict[str, object]:
     assert runner.capture_decode_graphs([1, 2, 4]), "no graphs captured"
     graphs = runner._graphs
     assert graphs is not None
-    buckets = runner.capture_piecewise_graphs(64)
+    buckets = runner.capture_piecewise_graphs(64, step=32)
     pieces = runner._piecewise_graphs
     pipelined = greedy_tokens(runner, 12, pipelined=True)
     runner._graphs = runner._piecewise_graphs = None

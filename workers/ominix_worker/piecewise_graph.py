@@ -37,12 +37,13 @@ from ominix_worker.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
-# Bucket spacing: a step computes fewer padding rows than this. A 1,032-token mixed step took 0.7 - 0.9 ms more
-# device time than eagerly with buckets of 64 (1,088 rows) and of 32 (1,056 rows) alike (bench/RESULTS.md,
-# 2026-11-30). Its profile put 0.9 ms on the GEMMs at the bucket's count (cuBLAS picks other kernels there) and
-# 0.3 ms on the query copies. At 32 the buckets up to 2,048 tokens are 64 captures (2.8 s at start for the
-# Llama-3.1-8B shape).
-TOKEN_STEP = 32
+# Bucket spacing: a step computes fewer padding rows than this. cuBLAS runs some row counts much slower than a
+# few rows fewer (a layer's four GEMMs x 32: 21.9 ms at 1,032 rows, 24.0 at 1,056). On an H200, Llama-3.1-8B
+# shape (bench/RESULTS.md, 2026-11-30 18:41 - 18:57): a mixed step of 8 decodes and a 1,024-token prompt took
+# 25.30 ms at a spacing of 8 (the 1,032 bucket) against 27.14 at 32 (1,056); online beside vLLM, 8 read TTFT
+# p50 and ITL p99 2 - 5% lower than 32 at 4, 8 and 16 req/s, both rounds. The cost is at start: 256 captures
+# up to 2,048 tokens in 13.0 s, against 64 in 3.5 s.
+TOKEN_STEP = 8
 
 # A larger bucket takes a smaller one's steps only when its pieces ran at least this much faster: timing noise
 # must not buy padding rows.
