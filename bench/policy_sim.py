@@ -5,7 +5,7 @@ Each variant is a set of ``SchedulerConfig`` fields. Requests arrive as bench/on
 count and gaps: ``--seconds`` of Poisson arrivals at each rate, or ``--inf-prompts`` at once for ``inf``), each
 with ``--input-len`` random prompt tokens and exactly ``--output-len`` output tokens. Steps go out as the engine
 sends them: while fewer than its in-flight depth are out (``max_inflight_steps``, ``LIGHT_LOAD_INFLIGHT_STEPS``
-while fewer than ``light_load_below_running`` requests run), else the oldest is answered and the clock advances
+while fewer than ``light_load_below_running`` requests run and none waits), else the oldest is answered and the clock advances
 by its cost. A token's time is its step's answer.
 
 The default cost (``--base-ms 5 --decode-ms 0.047 --prefill-ms 0.0235``) is fitted to an H200 serving the
@@ -227,7 +227,11 @@ def simulate(
                     arrival_time=arrived[rid] / 1e3,
                 )
             )
-        step = scheduler.schedule() if len(inflight) < engine.inflight_limit(scheduler.num_running) else None
+        step = (
+            scheduler.schedule()
+            if len(inflight) < engine.inflight_limit(scheduler.num_running, scheduler.num_waiting)
+            else None
+        )
         if step is not None:
             plan = scheduler.last_plan
             assert plan is not None

@@ -361,8 +361,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--light-load-below-running",
         "engine",
-        "while fewer requests than this run on a worker, at most 2 steps are in flight: a new request joins a "
-        "step one device step sooner, the steps that bring new prompts may leave the device waiting "
+        "while fewer requests than this run on a worker and none waits for admission, at most 2 steps are in "
+        "flight: a new request joins a step one device step sooner, the device may wait for a step "
         "(0: always --max-inflight-steps)",
         ("engine.light_load_below_running",),
         non_negative_int,

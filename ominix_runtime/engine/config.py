@@ -66,12 +66,17 @@ class EngineCoreConfig:
     # builds it from N-1's, a whole device step earlier. 1: none.
     max_inflight_steps: int = 3
     # The third step costs a request that arrives one device step of TTFT: it joins the first step not yet
-    # sent. Two cost the running requests instead: the eager step that brings the new prompt reaches the worker
-    # later, and its host launch can outlast the step before it, leaving the device waiting (ITL and TPOT of
-    # every running request). So at most LIGHT_LOAD_INFLIGHT_STEPS while fewer requests than this run on a
-    # worker. H200, Llama-8B shape, one run per setting (bench/RESULTS.md): two took 8.5 - 14% off TTFT p50
-    # at 4 to 16 req/s, and cost ITL p99 at 4 and 16 req/s and TPOT at 16. 0: always max_inflight_steps.
-    light_load_below_running: int = 16
+    # sent. Two cost the running requests instead when the engine's turnaround or an eager step's host launch
+    # outlasts a device step (ITL and TPOT of every running request). So at most LIGHT_LOAD_INFLIGHT_STEPS
+    # while fewer requests than this run on a worker and none waits for admission after the step just built:
+    # with nothing waiting a third step would be built before the arrivals it should carry; with a backlog
+    # (prompts held back, KV exhausted) it carries waiting work and keeps the device fed. H200, Llama-8B
+    # shape (bench/RESULTS.md, 2026-11-30 18:48 - 19:08): 2 in flight below 128 running, waiting or not, took
+    # 18 - 20% off TTFT p50 at 16 req/s, TPOT level, where 16 (the default before) kept 3. At 32 req/s, where
+    # the KV ran out and prompts waited, those servers read 4% less output, but they also held 8% less KV than
+    # the one they were compared with: not a measure of the depth. A backlog keeps the 3 those runs had before.
+    # 0: always max_inflight_steps.
+    light_load_below_running: int = 128
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S
     deadline_check_interval: float = 0.05  # seconds between deadline sweeps while idle
     idle_integrity_check_interval: float = 1.0  # registry check_integrity() while idle, at most this often
@@ -84,10 +89,11 @@ class EngineCoreConfig:
     reconnect_backoff_max: float = 10.0
     reconnect_rpc_timeout: float = 10.0
 
-    def inflight_limit(self, num_running: int) -> int:
-        """Steps a worker group may have in flight while ``num_running`` requests run on it: the configured
-        depth, less under light load."""
+    def inflight_limit(self, num_running: int, num_waiting: int) -> int:
+        """Steps a worker group may have in flight while ``num_running`` requests run on it and ``num_waiting``
+        wait for admission: the configured depth, less under light load (few running, none waiting)."""
         depth = max(1, self.max_inflight_steps)
-        if self.light_load_below_running and num_running < self.light_load_below_running:
+        light = num_running < self.light_load_below_running and num_waiting == 0
+        if self.light_load_below_running and light:
             return min(depth, LIGHT_LOAD_INFLIGHT_STEPS)
         return depth

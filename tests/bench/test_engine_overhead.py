@@ -36,7 +36,7 @@ def test_engine_overhead_bench_reports_every_phase(
     clients, engine, window = result["clients"], result["engine"], result["window"]
     assert clients["requests"] == 8 * groups and clients["processes"] == client_procs
     assert clients["all_done_once"] and clients["tokens_per_request"] == [64]
-    assert result["max_inflight_steps"] == 3 and result["light_load_below_running"] == 16  # the defaults
+    assert result["max_inflight_steps"] == 3 and result["light_load_below_running"] == 128  # the defaults
     # 64 tokens a request, all 8 of each group decoding together after their prefill. Some of the steps fall
     # in the window the clients' tokens set (10% to 90% received): how many depends on how far the engine,
     # sending the tokens of results it applied together as one message, runs ahead of its clients.

@@ -71,9 +71,11 @@ def test_arrivals_are_online_py_s_and_seeded() -> None:
 
 def test_the_engine_s_in_flight_depth() -> None:
     engine = EngineCoreConfig()
-    assert engine.inflight_limit(0) == 2 and engine.inflight_limit(15) == 2
-    assert engine.inflight_limit(16) == engine.max_inflight_steps == 3
-    assert EngineCoreConfig(max_inflight_steps=1).inflight_limit(0) == 1
+    assert engine.inflight_limit(0, 0) == 2 and engine.inflight_limit(127, 0) == 2
+    assert engine.inflight_limit(128, 0) == engine.max_inflight_steps == 3
+    assert engine.inflight_limit(5, 1) == 3  # a request waits for admission: a backlog, not light load
+    assert EngineCoreConfig(light_load_below_running=0).inflight_limit(0, 0) == 3
+    assert EngineCoreConfig(max_inflight_steps=1).inflight_limit(0, 0) == 1
 
 
 def test_variants_name_scheduler_fields() -> None:

@@ -25,6 +25,7 @@ from ominix_runtime.contract import (
     is_terminal,
 )
 from ominix_runtime.engine import EngineCore, EngineCoreConfig, RequestHandle, RunReport, StepReport
+from ominix_runtime.engine.config import SchedulerConfig
 from ominix_runtime.engine.groups.step_group import StepWorkerGroup
 from ominix_runtime.engine.negotiation import ServingTerms
 from ominix_runtime.testing.fake_backend import FakeConfig, FakeRequestBackend, FakeStepBackend
@@ -424,6 +425,45 @@ def test_steps_in_flight_follow_the_load(
         assert all(depth <= 2 for running, depth in sends if running < 4)
     if light_load_below_running == 64:
         assert all(depth <= 2 for _, depth in sends)
+
+
+def test_a_backlog_keeps_three_steps_in_flight_under_light_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below the running threshold the depth is two only while nothing waits for admission: with eight
+    requests and room for two, steps built while some waited go out three deep, and those built with
+    nothing waiting at most two; every request still ends with its tokens."""
+    from ominix_runtime.testing.fake_backend import FakeStepStream
+
+    sends: list[tuple[int, int]] = []  # (requests waiting before the step was built, steps in flight)
+    groups: list[StepWorkerGroup] = []
+    send = FakeStepStream.send
+
+    async def counting_send(self: FakeStepStream, step: DecodeStep) -> None:
+        await send(self, step)
+        waited = (
+            groups[0].scheduler.num_waiting + len(step.new_requests) if groups else 0
+        )  # admitted ones waited
+        sends.append((waited, len(self._pending)))
+
+    monkeypatch.setattr(FakeStepStream, "send", counting_send)
+    lengths = {f"r{i}": 6 + i for i in range(8)}
+
+    async def body(core: EngineCore) -> None:
+        groups[:] = [g for g in core._groups if isinstance(g, StepWorkerGroup)]
+        handles = [
+            core.submit(_req(rid, max_tokens=n, base=10 + i)) for i, (rid, n) in enumerate(lengths.items())
+        ]
+        for rid, events in zip(lengths, await asyncio.gather(*(_collect(h) for h in handles)), strict=True):
+            _check_stream(events)
+            assert len(_tokens(events)) == lengths[rid]
+
+    backend = FakeStepBackend(FakeConfig(step_latency=0.002))
+    config = EngineCoreConfig(
+        scheduler=SchedulerConfig(max_running_requests=2), max_inflight_steps=3, light_load_below_running=64
+    )
+    _run([backend], body, config)
+    assert not backend.violations
+    assert max(depth for waiting, depth in sends if waiting) == 3
+    assert all(depth <= 2 for waiting, depth in sends if not waiting)
 
 
 def test_reader_waker_wakes_in_slices_in_order_and_each_reader_once() -> None:

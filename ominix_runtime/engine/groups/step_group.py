@@ -3,7 +3,8 @@
 The loop keeps up to ``max_inflight_steps`` steps in flight (default 3: step N+1 is sent once step N-2's
 result is back, so a pipelined worker has it a whole device step before it is due; the scheduler's
 placeholders make that safe), and at most ``LIGHT_LOAD_INFLIGHT_STEPS`` (2) while fewer than
-``light_load_below_running`` requests run, so a request that arrives joins a step one device step sooner.
+``light_load_below_running`` requests run and none waits, so a request that arrives joins a step one device
+step sooner.
 A cheap registry integrity check runs now and then while idle; deadlines are the base class's (the
 engine core sweeps them).
 
@@ -315,7 +316,9 @@ class StepWorkerGroup(WorkerGroup):
         recv: asyncio.Future[StepResult] | None = None
         try:
             while not self._stopping:
-                while len(self._inflight) < self.config.inflight_limit(self.scheduler.num_running):
+                while len(self._inflight) < self.config.inflight_limit(
+                    self.scheduler.num_running, self.scheduler.num_waiting
+                ):
                     step = self.scheduler.schedule()
                     self._emit([])
                     if step is None:
