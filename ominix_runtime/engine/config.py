@@ -72,7 +72,7 @@ class EngineCoreConfig:
     # with nothing waiting a third step would be built before the arrivals it should carry; with a backlog
     # (prompts held back, KV exhausted) it carries waiting work and keeps the device fed. H200, Llama-8B
     # shape (bench/RESULTS.md, 2026-11-30 18:48 - 19:08): 2 in flight below 128 running, waiting or not, took
-    # 18 - 20% off TTFT p50 at 16 req/s, TPOT level, where 16 (the default before) kept 3. At 32 req/s, where
+    # 18 - 19% off TTFT p50 at 16 req/s, TPOT level, where 16 (the default before) kept 3. At 32 req/s, where
     # the KV ran out and prompts waited, those servers read 4% less output, but they also held 8% less KV than
     # the one they were compared with: not a measure of the depth. A backlog keeps the 3 those runs had before.
     # 0: always max_inflight_steps.
