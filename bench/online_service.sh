@@ -55,6 +55,10 @@ VLLM_ARGS=${VLLM_ARGS:-}
 SERVER_LIFETIME_S=${SERVER_LIFETIME_S:-1200} # a server started here stops itself after this long
 AB_OURS=${AB_OURS:-"ominix="}     # ab-start: our services, LABEL=LAUNCH-ARGS separated by ';'
 AB_SHARE=${AB_SHARE:-0.3}         # ab-start: each server's share of the GPU's memory
+# ab-start: every server's KV cache in bytes (--kv-cache-memory to vllm serve and ours), so all hold the same
+# capacity whatever their start order; empty: each sizes its own from its share, and a server started later
+# reads less (each one's use past its share comes off the next one's measure).
+AB_KV_BYTES=${AB_KV_BYTES:-}
 AB_ROUNDS=${AB_ROUNDS:-2}
 AB_FIRST_ROUND=${AB_FIRST_ROUND:-0}
 AB_BASELINE=${AB_BASELINE:-vllm}
@@ -259,8 +263,10 @@ ab_start() {
     echo "ab-start: AB_VLLM=0 leaves vllm serve out; set AB_BASELINE to one of AB_OURS's labels"; return 1
   fi
   : >"$AB_SERVERS"
+  local kv_args=()
+  [ -n "$AB_KV_BYTES" ] && kv_args=(--kv-cache-memory "$AB_KV_BYTES")
   if [ "$AB_VLLM" = 1 ] && vllm_importable; then
-    if start_vllm "$AB_SHARE"; then
+    if VLLM_ARGS="$VLLM_ARGS ${kv_args[*]}" start_vllm "$AB_SHARE"; then
       vllm_metrics=-  # vLLM keeps its statistics in any case; AB_STEPS=1 reads them
       [ "$AB_STEPS" = 1 ] && vllm_metrics=http://127.0.0.1:$STARTED_PORT/metrics
       echo "vllm $STARTED_PID http://127.0.0.1:$STARTED_PORT $WORK/vllm.log $vllm_metrics" >>"$AB_SERVERS"
@@ -284,7 +290,7 @@ ab_start() {
     # Our share counts every byte in use on the device: the servers before it and this one.
     # shellcheck disable=SC2086  # OURS_ARGS: words
     if WITH_METRICS=$AB_STEPS OURS_ENV="${envs[*]}" start_ours "$label" "$(awk "BEGIN { print $AB_SHARE * $n }")" \
-      $OURS_ARGS "${words[@]}"; then
+      $OURS_ARGS "${kv_args[@]}" "${words[@]}"; then
       echo "$label $STARTED_PID $STARTED_ADDR $WORK/$label.log $STARTED_METRICS" >>"$AB_SERVERS"
     else
       echo "ab-start: $label never SERVING (see above)"; stop_group "$STARTED_PID" 0; ab_stop; return 1

@@ -40,6 +40,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_ENGINE_PORT = 50061
 DEFAULT_WORKER_PORT = 50071
 DEFAULT_METRICS_PORT = 9400
+CPU_KV_CACHE_MEMORY = "1GiB"  # a CPU worker's KV cache unless --kv-cache-memory says otherwise
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # one GenerateRequest on the engine port (gRPC's own default)
 DEFAULT_DIST_TIMEOUT_S = 30.0  # a tensor-parallel group's collectives and control messages
 # A worker silent (no result, no heartbeat) this long is marked unhealthy and its requests fail over.
@@ -148,7 +149,8 @@ class WorkerConfig:
     dtype: str = "auto"
     quantization: str = "none"  # fp8: quantize a float checkpoint's projections and experts at load
     kv_cache_dtype: str = "auto"  # auto: the run dtype; fp8_e4m3: K and V stored in FP8
-    kv_cache_memory: str = "1GiB"  # CPU: bytes for the KV cache
+    # Bytes for the KV cache; "": CPU_KV_CACHE_MEMORY on a CPU, sized from gpu_memory_utilization on a GPU.
+    kv_cache_memory: str = ""
     gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory for weights, activations and KV
     block_size: int = 16
     max_batch_tokens: int | None = None  # None: the device profile's

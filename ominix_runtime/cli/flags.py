@@ -522,7 +522,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--kv-cache-memory",
         "worker",
-        "CPU only: bytes for the KV cache (e.g. 1073741824, 512MiB, 1GiB)",
+        "bytes for the KV cache (e.g. 1073741824, 512MiB, 1GiB); default: 1GiB on a CPU, on a GPU what "
+        "--gpu-memory-utilization leaves (given, it replaces that measure)",
         ("worker.kv_cache_memory",),
     ),
     Flag(

@@ -95,7 +95,7 @@ def test_ab_stages_drive_resident_servers_in_turn(tmp_path: Path) -> None:
         VLLM_SITE=str(site),
         DEVICE="cpu",
         AB_OURS="fast=OMINIX_LOG_STEPS=1;slow=--light-load-below-running 0",
-        OURS_ARGS="--kv-cache-memory 16MiB",
+        AB_KV_BYTES=str(16 * 2**20),  # every server's KV, vllm serve's included
         RATES="10",
         SECONDS_PER_RATE="0.4",
         MIN_PROMPTS="4",
@@ -129,6 +129,9 @@ def test_ab_stages_drive_resident_servers_in_turn(tmp_path: Path) -> None:
         # A leading NAME=VALUE word is that service's environment, not a launch argument.
         environ = {s[0]: Path(f"/proc/{s[1]}/environ").read_bytes().split(b"\0") for s in servers[1:]}
         assert b"OMINIX_LOG_STEPS=1" in environ["fast"] and b"OMINIX_LOG_STEPS=1" not in environ["slow"]
+        for label, pid, *_ in servers:  # AB_KV_BYTES reaches every server's command line
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            assert argv[argv.index(b"--kv-cache-memory") + 1] == str(16 * 2**20).encode(), (label, argv)
         output = script("ab-run ab-table")
         records = json.loads((tmp_path / "results" / "ab_r0.json").read_text())
         assert len(records) == 6, output  # 3 servers x 1 rate x 2 rounds
@@ -154,6 +157,7 @@ def test_ab_stages_drive_resident_servers_in_turn(tmp_path: Path) -> None:
             else:  # the engine's own histogram: each request's 5 tokens take at least 4 decode steps after its prefill
                 assert steps["histogram"] == "ominix_scheduler_step_tokens" and steps["steps"] >= 5, record
                 assert steps["tokens"] <= result["total_input_tokens"] + result["total_output_tokens"], record
+        assert len({r["steps"]["kv_tokens"] for r in records if r["label"] != "vllm"}) == 1  # the same KV
         table = (tmp_path / "results" / "ab_table.md").read_text().splitlines()
         for label in ("fast", "slow"):
             pair = next(line for line in table if line.startswith(f"| {label}/vllm "))

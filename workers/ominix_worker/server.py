@@ -34,7 +34,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ominix_runtime import memory, wire
 from ominix_runtime.bind_probe import probe_bind
-from ominix_runtime.config import RuntimeConfig, TLSConfig
+from ominix_runtime.config import CPU_KV_CACHE_MEMORY, RuntimeConfig, TLSConfig
 from ominix_runtime.contract import (
     AttentionKind,
     BackendCapability,
@@ -247,8 +247,11 @@ def load_worker(
     if debug.cuda_graphs and runner.piecewise_capturable():
         piecewise_tokens = min(debug.piecewise_graph_tokens, max_batch_tokens)  # the largest bucket
     if device.type == "cpu":
-        budget = parse_bytes(args.kv_cache_memory)
+        budget = parse_bytes(args.kv_cache_memory or CPU_KV_CACHE_MEMORY)
         runner.profile_forward(min(64, max_batch_tokens))  # warm-up only: the CPU budget is explicit
+    elif args.kv_cache_memory:  # a given budget (e.g. every server of an A/B alike): no share measured
+        budget = parse_bytes(args.kv_cache_memory)
+        runner.profile_forward(max_batch_tokens)  # warm-up, as the measured path's profile
     else:
         budget = measure_gpu_kv_budget(
             device,
@@ -526,7 +529,8 @@ def check_args(settings: RuntimeConfig) -> str:
         device = parse_device(args.device)
         resolve_model(settings.model.path)
         resolve_kv_cache_dtype(args.kv_cache_dtype, resolve_dtype(args.dtype, device), device)
-        parse_bytes(args.kv_cache_memory)
+        if args.kv_cache_memory:
+            parse_bytes(args.kv_cache_memory)
         if args.tp_size < 1 or not 0 <= args.tp_rank < args.tp_size:
             raise ValueError(f"--tp-rank {args.tp_rank} is not a rank of --tp-size {args.tp_size}")
         if args.tp_size > 1:
