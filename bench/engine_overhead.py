@@ -787,7 +787,8 @@ def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
     mode = "instant worker" if args.step_ms == 0 else f"worker step {args.step_ms:g} ms"
     mode += f", {result['max_inflight_steps']} steps in flight"
     if result["light_load_below_running"]:
-        mode += f" (at most {LIGHT_LOAD_INFLIGHT_STEPS} below {result['light_load_below_running']} running)"
+        below = result["light_load_below_running"]
+        mode += f" (at most {LIGHT_LOAD_INFLIGHT_STEPS} below {below} running while none waits)"
     stream = "non-streaming" if args.no_stream else "streaming"
     groups = f"{args.groups} groups × " if args.groups > 1 else ""
     print(
@@ -850,8 +851,8 @@ def main(argv: list[str] | None = None) -> int:
         "--light-load-below-running",
         type=int,
         default=-1,
-        help=f"at most {LIGHT_LOAD_INFLIGHT_STEPS} steps in flight below this many running requests (0: never; "
-        "-1: the engine's default)",
+        help=f"at most {LIGHT_LOAD_INFLIGHT_STEPS} steps in flight below this many running requests while none "
+        "waits (0: never; -1: the engine's default)",
     )
     parser.add_argument(
         "--no-gc-freeze", action="store_true", help="leave the collector as the process started"

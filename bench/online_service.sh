@@ -263,10 +263,15 @@ ab_start() {
     echo "ab-start: AB_VLLM=0 leaves vllm serve out; set AB_BASELINE to one of AB_OURS's labels"; return 1
   fi
   : >"$AB_SERVERS"
-  local kv_args=()
-  [ -n "$AB_KV_BYTES" ] && kv_args=(--kv-cache-memory "$AB_KV_BYTES")
+  local kv_args=() vllm_kv=
+  if [ -n "$AB_KV_BYTES" ]; then
+    # A plain count: the two servers read size suffixes differently (ours G = 10^9, vLLM's G = 2^30).
+    [[ $AB_KV_BYTES =~ ^[0-9]+$ ]] || { echo "ab-start: AB_KV_BYTES must be a number of bytes, got '$AB_KV_BYTES'"; return 1; }
+    kv_args=(--kv-cache-memory "$AB_KV_BYTES")
+    vllm_kv="--kv-cache-memory-bytes $AB_KV_BYTES"
+  fi
   if [ "$AB_VLLM" = 1 ] && vllm_importable; then
-    if VLLM_ARGS="$VLLM_ARGS ${kv_args[*]}" start_vllm "$AB_SHARE"; then
+    if VLLM_ARGS="$VLLM_ARGS $vllm_kv" start_vllm "$AB_SHARE"; then
       vllm_metrics=-  # vLLM keeps its statistics in any case; AB_STEPS=1 reads them
       [ "$AB_STEPS" = 1 ] && vllm_metrics=http://127.0.0.1:$STARTED_PORT/metrics
       echo "vllm $STARTED_PID http://127.0.0.1:$STARTED_PORT $WORK/vllm.log $vllm_metrics" >>"$AB_SERVERS"

@@ -525,6 +525,7 @@ FLAGS: tuple[Flag, ...] = (
         "bytes for the KV cache (e.g. 1073741824, 512MiB, 1GiB); default: 1GiB on a CPU, on a GPU what "
         "--gpu-memory-utilization leaves (given, it replaces that measure)",
         ("worker.kv_cache_memory",),
+        aliases=("--kv-cache-memory-bytes",),
     ),
     Flag(
         "--gpu-memory-utilization",

@@ -50,7 +50,7 @@ def base_tree(command: Command) -> RuntimeConfig:
 
 
 def _default_text(value: Any) -> str | None:
-    if value is None or value == ():
+    if value is None or value == () or value == "":
         return None
     if isinstance(value, bool):
         return None

@@ -129,9 +129,10 @@ def test_ab_stages_drive_resident_servers_in_turn(tmp_path: Path) -> None:
         # A leading NAME=VALUE word is that service's environment, not a launch argument.
         environ = {s[0]: Path(f"/proc/{s[1]}/environ").read_bytes().split(b"\0") for s in servers[1:]}
         assert b"OMINIX_LOG_STEPS=1" in environ["fast"] and b"OMINIX_LOG_STEPS=1" not in environ["slow"]
-        for label, pid, *_ in servers:  # AB_KV_BYTES reaches every server's command line
+        for label, pid, *_ in servers:  # AB_KV_BYTES reaches every server's command line, in its own flag
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            assert argv[argv.index(b"--kv-cache-memory") + 1] == str(16 * 2**20).encode(), (label, argv)
+            flag = b"--kv-cache-memory-bytes" if label == "vllm" else b"--kv-cache-memory"
+            assert argv[argv.index(flag) + 1] == str(16 * 2**20).encode(), (label, argv)
         output = script("ab-run ab-table")
         records = json.loads((tmp_path / "results" / "ab_r0.json").read_text())
         assert len(records) == 6, output  # 3 servers x 1 rate x 2 rounds

@@ -169,7 +169,7 @@ def test_a_failed_capture_leaves_a_lone_runner_eager_and_stops_a_group_rank(
     monkeypatch.setattr(PiecewiseGraphs, "_pass", failing_pass)
     runner = _runner(tmp_path)
     poll = runner.model.between_layers = lambda: None
-    assert runner.capture_piecewise_graphs(128) == 0
+    assert runner.capture_piecewise_graphs(128, step=32) == 0
     assert runner._piecewise_graphs is None
     assert runner.backend.cut is None  # type: ignore[attr-defined]
     assert runner.model.between_layers is poll
@@ -180,7 +180,7 @@ def test_a_failed_capture_leaves_a_lone_runner_eager_and_stops_a_group_rank(
 
     runner.model.tp = TensorParallel(rank=1, size=2, group=object())  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="rank 1"):
-        runner.capture_piecewise_graphs(128)
+        runner.capture_piecewise_graphs(128, step=32)
 
 
 def test_timing_the_buckets_writes_no_kv_and_a_routed_step_keeps_its_logits(tmp_path: Path) -> None:

@@ -291,48 +291,58 @@ class FakeAccelerator:
         return self.allocated
 
 
+CUDA0 = torch.device("cuda", 0)
+
+
 def test_gpu_kv_budget_reserves_weights_activations_and_headroom() -> None:
-    from ominix_worker.kv_cache import measure_gpu_kv_budget
+    from ominix_worker.kv_cache import measure_device_room
 
     accel = FakeAccelerator()
-    budget = measure_gpu_kv_budget(torch.device("cuda", 0), 0.9, accel.forward, accel=accel)
+    room = measure_device_room(CUDA0, accel.forward, accel=accel)
     # 0.9 × 80 − 16 (weights) − 1 (others) − 6 (activation peak) = 49 GB
-    assert budget == 49 * FakeAccelerator.GB
+    assert room.budget_at(0.9) == 49 * FakeAccelerator.GB
     assert accel.calls.index("forward") < len(accel.calls) - 2  # synchronised and emptied after it
-    with pytest.raises(ValueError):
-        measure_gpu_kv_budget(torch.device("cuda", 0), 1.5, accel.forward, accel=accel)
+    with pytest.raises(ValueError, match="gpu-memory-utilization"):
+        room.budget_at(1.5)
 
 
 def test_gpu_kv_budget_leaves_room_for_the_piecewise_graphs_pool() -> None:
     """The pool's forward is measured on its own (peak reset after the largest step), and taken off too."""
-    from ominix_worker.kv_cache import measure_gpu_kv_budget
+    from ominix_worker.kv_cache import measure_device_room
 
     accel = FakeAccelerator()
-    budget = measure_gpu_kv_budget(
-        torch.device("cuda", 0), 0.9, accel.forward, accel=accel, graph_forward=accel.graph_forward
-    )
-    assert budget == (49 - 2) * FakeAccelerator.GB
+    room = measure_device_room(CUDA0, accel.forward, accel=accel, graph_forward=accel.graph_forward)
+    assert room.budget_at(0.9) == (49 - 2) * FakeAccelerator.GB
     assert accel.calls.index("forward") < accel.calls.index("graph forward")
 
 
 def test_gpu_kv_budget_does_not_count_the_profile_kv_it_replaces() -> None:
     """The forwards' own small KV (1 GB here) is dropped, and the cache emptied, before free memory is read:
     it is not in use once the sized KV replaces it, so the budget is 1 GB larger than with it counted."""
-    from ominix_worker.kv_cache import measure_gpu_kv_budget
+    from ominix_worker.kv_cache import measure_device_room
 
     accel = FakeAccelerator()
-    budget = measure_gpu_kv_budget(
-        torch.device("cuda", 0),
-        0.9,
-        accel.forward,
-        accel=accel,
-        graph_forward=accel.graph_forward,
-        release=accel.release_profile_kv,
+    room = measure_device_room(
+        CUDA0, accel.forward, accel=accel, graph_forward=accel.graph_forward, release=accel.release_profile_kv
     )
-    assert budget == (49 - 2 + 1) * FakeAccelerator.GB
+    assert room.budget_at(0.9) == (49 - 2 + 1) * FakeAccelerator.GB
     calls = accel.calls
     assert calls.index("graph forward") < calls.index("release") < calls.index("free memory read")
     assert "empty" in calls[calls.index("release") : calls.index("free memory read")]
+
+
+def test_a_given_gpu_kv_budget_must_fit_beside_the_activations() -> None:
+    """--kv-cache-memory on a GPU: up to the free memory less the activations (80 − 15 − 1 − 8 = 56 GB
+    here), refused past it with the figures."""
+    from ominix_worker.kv_cache import measure_device_room
+
+    accel = FakeAccelerator()
+    room = measure_device_room(
+        CUDA0, accel.forward, accel=accel, graph_forward=accel.graph_forward, release=accel.release_profile_kv
+    )
+    room.check_given(56 * FakeAccelerator.GB)
+    with pytest.raises(ValueError, match="does not fit: 56000000000 bytes are free"):
+        room.check_given(56 * FakeAccelerator.GB + 1)
 
 
 def test_torch_dequantizers_equal_the_gguf_package() -> None:

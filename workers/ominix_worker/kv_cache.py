@@ -1,9 +1,11 @@
-"""Size and allocate the paged KV cache: from a byte budget on the CPU, from measured free memory on GPUs."""
+"""Size and allocate the paged KV cache: from a byte budget (always on the CPU, when given on a GPU), else
+from measured free memory on GPUs."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -66,36 +68,57 @@ def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:
     return max(0, budget_bytes // bytes_per_block)
 
 
-def measure_gpu_kv_budget(
+@dataclass(frozen=True, slots=True)
+class DeviceRoom:
+    """A GPU's memory as the KV sizing sees it: free and total bytes once the profile forwards' own KV is
+    dropped, and the activations a step needs beside the KV (the largest eager forward's peak and the
+    piecewise graphs' pool)."""
+
+    free: int
+    total: int
+    activations: int
+
+    def budget_at(self, utilization: float) -> int:
+        """Bytes left for KV at ``utilization`` of the device: that share less what is in use (weights,
+        context, other processes) and the activations."""
+        if not 0.0 < utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+        return int(self.total * utilization - (self.total - self.free) - self.activations)
+
+    def check_given(self, budget: int) -> None:
+        """Raises ValueError unless a given KV budget fits beside the activations in the free memory."""
+        room = self.free - self.activations
+        if budget > room:
+            raise ValueError(
+                f"--kv-cache-memory {budget} bytes does not fit: {max(room, 0)} bytes are free beside the "
+                f"weights and a step's activations ({self.activations} bytes)"
+            )
+
+
+def measure_device_room(
     device: torch.device,
-    utilization: float,
     profile_forward: Callable[[], None],
     accel: Any = None,
     graph_forward: Callable[[], None] | None = None,
     release: Callable[[], None] | None = None,
-) -> int:
-    """Bytes left for KV on a GPU: utilization × total, minus what stays in use (weights, context, other
-    processes) and minus the activation peak of a forward of the largest step the worker accepts.
-
-    ``graph_forward``: a forward whose activation peak is taken off too, the memory pool the piecewise graphs
-    of prefill and mixed steps keep for good (eager steps cannot reuse it). ``release``: drops what only the
-    forwards needed (the small KV they wrote into) before the device's free memory is read; counted as in
-    use, that KV (one step's worth: 1 GiB for an 8,192-token step of a Llama-8B shape) came off the budget
-    though the sized KV replaces it. ``accel`` is torch.cuda (or torch.npu); tests pass a stand-in.
-    """
-    if not 0.0 < utilization <= 1.0:
-        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+) -> DeviceRoom:
+    """Profile a GPU for KV sizing: the activation peak of ``profile_forward`` (a forward of the largest step
+    the worker accepts), then that of ``graph_forward`` if given (the memory pool the piecewise graphs of
+    prefill and mixed steps keep for good; eager steps cannot reuse it), then ``release`` (drops what only the
+    forwards needed, the small KV they wrote into: counted as in use, that KV, one step's worth, 1 GiB for an
+    8,192-token step of a Llama-8B shape, came off the budget though the sized KV replaces it), then the
+    device's free memory. ``accel`` is torch.cuda (or torch.npu); tests pass a stand-in."""
     if accel is None:
         accel = torch.cuda if device.type == "cuda" else getattr(torch, device.type)
-    peak_activations = _activation_peak(accel, device, profile_forward)
-    graph_pool = _activation_peak(accel, device, graph_forward) if graph_forward is not None else 0
+    activations = _activation_peak(accel, device, profile_forward)
+    if graph_forward is not None:
+        activations += _activation_peak(accel, device, graph_forward)
     if release is not None:
         release()
         accel.synchronize(device)
         accel.empty_cache()
     free, total = accel.mem_get_info(device)
-    in_use = total - free
-    return int(total * utilization - in_use - peak_activations - graph_pool)
+    return DeviceRoom(int(free), int(total), activations)
 
 
 def _activation_peak(accel: Any, device: torch.device, forward: Callable[[], None]) -> int:

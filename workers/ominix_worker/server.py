@@ -172,7 +172,7 @@ def load_worker(
         allocate_kv_cache,
         group_block_counts,
         kv_bytes_per_block,
-        measure_gpu_kv_budget,
+        measure_device_room,
         num_blocks_for_budget,
         parse_bytes,
         resolve_kv_cache_dtype,
@@ -249,17 +249,21 @@ def load_worker(
     if device.type == "cpu":
         budget = parse_bytes(args.kv_cache_memory or CPU_KV_CACHE_MEMORY)
         runner.profile_forward(min(64, max_batch_tokens))  # warm-up only: the CPU budget is explicit
-    elif args.kv_cache_memory:  # a given budget (e.g. every server of an A/B alike): no share measured
-        budget = parse_bytes(args.kv_cache_memory)
-        runner.profile_forward(max_batch_tokens)  # warm-up, as the measured path's profile
     else:
-        budget = measure_gpu_kv_budget(
+        room = measure_device_room(
             device,
-            args.gpu_memory_utilization,
             lambda: runner.profile_forward(max_batch_tokens),
             graph_forward=(lambda: runner.profile_forward(piecewise_tokens)) if piecewise_tokens else None,
             release=lambda: runner.set_kv_caches([]),
         )
+        if args.kv_cache_memory:  # a given budget (e.g. every server of an A/B alike) replaces the share
+            budget = parse_bytes(args.kv_cache_memory)
+            try:
+                room.check_given(budget)
+            except ValueError as exc:
+                raise StartupError(str(exc)) from None
+        else:
+            budget = room.budget_at(args.gpu_memory_utilization)
     profiling.close()
     uniform_blocks = num_blocks_for_budget(budget, bytes_per_block)
     if group is not None:  # one block table for the group: the rank with the least room decides
