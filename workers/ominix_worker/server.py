@@ -319,6 +319,13 @@ def load_worker(
     warming.close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        # What the KV sizing did not see (graph objects, the decode graphs' pool, the sampler's buffers) shows
+        # as this process's memory past its share.
+        free, total = torch.cuda.mem_get_info(device)
+        _say(
+            f"device memory after start: this process {torch.cuda.memory_reserved(device) / 2**30:.2f} GiB "
+            f"reserved by torch, {(total - free) / 2**30:.2f} of {total / 2**30:.2f} GiB in use on the device"
+        )
     # Everything loaded so far lives as long as the process: keep it out of the collector's scans, so the
     # per-step garbage (outputs, messages) is collected without walking the model's objects; and the engine's
     # thresholds (memory.SERVING_GC_THRESHOLD) make full collections rarer: with Python's, the worker's paused
