@@ -5,8 +5,8 @@ Each variant is a set of ``SchedulerConfig`` fields. Requests arrive as bench/on
 count and gaps: ``--seconds`` of Poisson arrivals at each rate, or ``--inf-prompts`` at once for ``inf``), each
 with ``--input-len`` random prompt tokens and exactly ``--output-len`` output tokens. Steps go out as the engine
 sends them: while fewer than its in-flight depth are out (``max_inflight_steps``, ``LIGHT_LOAD_INFLIGHT_STEPS``
-while fewer than ``light_load_below_running`` requests run and none waits), else the oldest is answered and the clock advances
-by its cost. A token's time is its step's answer.
+while fewer than ``light_load_below_running`` requests run and none waits), else the oldest is answered and the
+clock advances by its cost. A token's time is its step's answer.
 
 The default cost (``--base-ms 5 --decode-ms 0.047 --prefill-ms 0.0235``) is fitted to an H200 serving the
 Llama-3.1-8B shape in bf16 (bench/RESULTS.md, 2026-11-30): ITL p50 about 5 ms with a few decodes a step, 17 ms

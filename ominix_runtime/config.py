@@ -217,8 +217,8 @@ class DebugConfig:
     # On, only bucket row counts reach the GEMMs, and a slower host's launch no longer outlasts the step.
     piecewise_graph_tokens: int = 2048
     # worker, CUDA: the pieces' bucket spacing in tokens (a step computes fewer padding rows than this; the last
-    # bucket is the budget); finer spacing means more captures at start, each one bucket. Why 8, measured: the
-    # worker's piecewise_graph.TOKEN_STEP, which this equals.
+    # bucket is the budget); finer spacing means more captures at start, each one bucket. Equal to the worker's
+    # piecewise_graph.TOKEN_STEP, whose comment has the measurements behind 8.
     piecewise_token_step: int = 8
     # worker, CUDA, a lone rank: each piecewise bucket timed at start, and a step replays the fastest captured
     # bucket that holds it (cuBLAS runs some row counts slower than larger ones). Off: online beside vLLM it

@@ -68,13 +68,13 @@ class EngineCoreConfig:
     # The third step costs a request that arrives one device step of TTFT: it joins the first step not yet
     # sent. Two cost the running requests instead when the engine's turnaround or an eager step's host launch
     # outlasts a device step (ITL and TPOT of every running request). So at most LIGHT_LOAD_INFLIGHT_STEPS
-    # while fewer requests than this run on a worker and none waits for admission after the step just built:
-    # with nothing waiting a third step would be built before the arrivals it should carry; with a backlog
-    # (prompts held back, KV exhausted) it carries waiting work and keeps the device fed. H200, Llama-8B
-    # shape (bench/RESULTS.md, 2026-11-30 18:48 - 19:08): 2 in flight below 128 running, waiting or not, took
-    # 18 - 19% off TTFT p50 at 16 req/s, TPOT level, where 16 (the default before) kept 3. At 32 req/s, where
-    # the KV ran out and prompts waited, those servers read 4% less output, but they also held 8% less KV than
-    # the one they were compared with: not a measure of the depth. A backlog keeps the 3 those runs had before.
+    # while fewer requests than this run on a worker and none waits for admission: with nothing waiting a
+    # third step would be built before the arrivals it should carry; with a backlog (prompts held back, KV
+    # exhausted) it carries waiting work and keeps the device fed. H200, Llama-8B shape (bench/RESULTS.md,
+    # 2026-11-30 18:48 - 19:08): 2 in flight below 128 running, waiting or not, took 18 - 19% off TTFT p50 at
+    # 16 req/s, TPOT level, where 16 (the default before) kept 3. At 32 req/s, where the KV ran out and prompts
+    # waited, those servers read 4% less output, but they also held 8% less KV than the one they were compared
+    # with: not a measure of the depth. A backlog keeps the 3 those runs had before.
     # 0: always max_inflight_steps.
     light_load_below_running: int = 128
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S
