@@ -217,8 +217,12 @@ class DebugConfig:
     # On, only bucket row counts reach the GEMMs, and a slower host's launch no longer outlasts the step.
     piecewise_graph_tokens: int = 2048
     # worker, CUDA: the pieces' bucket spacing in tokens (a step computes fewer padding rows than this; the last
-    # bucket is the budget); finer spacing means more captures at start, each one bucket. Equal to the worker's
-    # piecewise_graph.TOKEN_STEP, whose comment has the measurements behind 8.
+    # bucket is the budget); finer spacing means more captures at start, each one bucket. cuBLAS runs some row
+    # counts much slower than a few rows fewer (a layer's four GEMMs x 32: 21.9 ms at 1,032 rows, 24.0 at
+    # 1,056). On an H200, Llama-3.1-8B shape (bench/RESULTS.md, 2026-11-30 18:41 - 18:57): a mixed step of 8
+    # decodes and a 1,024-token prompt took 25.30 ms at 8 (the 1,032 bucket) against 27.14 at 32 (1,056); online
+    # beside vLLM, 8 read TTFT p50 and ITL p99 4 - 5% lower than 32 at 4, 8 and 16 req/s, both rounds. The cost
+    # is at start: 256 captures up to 2,048 tokens in 13.0 s, against 64 in 3.5 s.
     piecewise_token_step: int = 8
     # worker, CUDA, a lone rank: each piecewise bucket timed at start, and a step replays the fastest captured
     # bucket that holds it (cuBLAS runs some row counts slower than larger ones). Off: online beside vLLM it

@@ -31,19 +31,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ominix_runtime.config import DebugConfig
 from ominix_worker.attention.base import AttentionMetadata, KVScales, PiecewiseAttention
 from ominix_worker.cuda_graph import padded_size
 from ominix_worker.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
-# Bucket spacing: a step computes fewer padding rows than this. cuBLAS runs some row counts much slower than a
-# few rows fewer (a layer's four GEMMs x 32: 21.9 ms at 1,032 rows, 24.0 at 1,056). On an H200, Llama-3.1-8B
-# shape (bench/RESULTS.md, 2026-11-30 18:41 - 18:57): a mixed step of 8 decodes and a 1,024-token prompt took
-# 25.30 ms at a spacing of 8 (the 1,032 bucket) against 27.14 at 32 (1,056); online beside vLLM, 8 read TTFT
-# p50 and ITL p99 4 - 5% lower than 32 at 4, 8 and 16 req/s, both rounds. The cost is at start: 256 captures
-# up to 2,048 tokens in 13.0 s, against 64 in 3.5 s.
-TOKEN_STEP = 8
+# Bucket spacing, the one default of OMINIX_PIECEWISE_TOKEN_STEP (its comment has the measurements behind it).
+TOKEN_STEP = DebugConfig().piecewise_token_step
 
 # A larger bucket takes a smaller one's steps only when its pieces ran at least this much faster: timing noise
 # must not buy padding rows.
