@@ -8,9 +8,13 @@ single profiled step at boost clocks reads.
 
 ``--orientation w_xt`` computes each product the other way round, ``W @ X^T`` into an (N, M) output: cuBLAS then
 sees the row count as the other dimension of its problem and picks its kernel by other rules. The figure is the
-GEMMs' alone; a model would still have to read the transposed output.
+GEMMs' alone; a model would still have to read the transposed output. ``--orientation x_w`` keeps each weight
+stored (K, N), transposed once at load, so cuBLAS runs the "NN" form instead of the model's "TN".
+``--blas-library cublaslt`` routes torch's matmuls through cuBLASLt (``torch.backends.cuda.preferred_blas_library``;
+cublas, torch's default for a bf16 matmul without bias, otherwise).
 
-    python bench/gemm_rows.py [--rows 1024,1028,1032 | --rows 1024:1153:8] [--orientation w_xt] [--json out.json]
+    python bench/gemm_rows.py [--rows 1024,1028,1032 | --rows 1024:1153:8] [--orientation w_xt|x_w]
+        [--blas-library cublaslt] [--json out.json]
 """
 
 from __future__ import annotations
@@ -32,22 +36,27 @@ SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("do
 LAYERS = 32
 
 
-ORIENTATIONS = ("x_wt", "w_xt")  # the model's X @ W^T, or the same product as W @ X^T (transposed output)
+# The model's X @ W^T; the same product as W @ X^T (transposed output); X @ W with W stored (K, N).
+ORIENTATIONS = ("x_wt", "w_xt", "x_w")
+BLAS_LIBRARIES = ("cublas", "cublaslt")
 
 
 def time_rows(m: int, weights: list[torch.Tensor], reps: int, orientation: str = "x_wt") -> float:
     """Device ms for LAYERS layers' four GEMMs at m rows (median of reps graph replays)."""
     xs = [torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16) for w in weights]
     swapped = orientation == "w_xt"
+    stored_kn = [w.t().contiguous() for w in weights] if orientation == "x_w" else weights
     outs = [
         torch.empty(*((w.shape[0], m) if swapped else (m, w.shape[0])), device="cuda", dtype=torch.bfloat16)
         for w in weights
     ]
 
     def run() -> None:
-        for x, w, o in zip(xs, weights, outs, strict=True):
+        for x, w, w_kn, o in zip(xs, weights, stored_kn, outs, strict=True):
             if swapped:
                 torch.matmul(w, x.t(), out=o)
+            elif orientation == "x_w":
+                torch.matmul(x, w_kn, out=o)
             else:
                 torch.matmul(x, w.t(), out=o)
 
@@ -79,12 +88,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--orientation", choices=ORIENTATIONS, default="x_wt")
+    p.add_argument("--blas-library", choices=BLAS_LIBRARIES, default="cublas")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     counts = counts_option(p, "--rows", args.rows)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(args.blas_library)
+    try:
+        return _measure(args, counts)
+    finally:  # a process-wide setting: main() may run inside a test process
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+def _measure(args: argparse.Namespace, counts: list[int]) -> int:
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _, n, k in SHAPES]
     flop_per_row = 2 * LAYERS * sum(n * k for _, n, k in SHAPES)
     rows = []
@@ -103,7 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"device": torch.cuda.get_device_name(), "orientation": args.orientation, "rows": rows},
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "orientation": args.orientation,
+                    "blas_library": args.blas_library,
+                    "rows": rows,
+                },
                 f,
                 indent=1,
             )

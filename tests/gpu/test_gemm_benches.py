@@ -16,15 +16,22 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("orientation", ["x_wt", "w_xt"])
-def test_gemm_rows_reports_every_row_count_with_its_shapes(tmp_path: Path, orientation: str) -> None:
+@pytest.mark.parametrize(
+    ("orientation", "library"),
+    [("x_wt", "cublas"), ("w_xt", "cublas"), ("x_w", "cublas"), ("x_wt", "cublaslt")],
+)
+def test_gemm_rows_reports_every_row_count_with_its_shapes(
+    tmp_path: Path, orientation: str, library: str
+) -> None:
     from bench import gemm_rows
 
     out = tmp_path / "rows.json"
-    args = ["--rows", "64,200", "--reps", "3", "--orientation", orientation, "--json", str(out)]
-    assert gemm_rows.main(args) == 0
+    before = torch.backends.cuda.preferred_blas_library()
+    args = ["--rows", "64,200", "--reps", "3", "--orientation", orientation, "--blas-library", library]
+    assert gemm_rows.main([*args, "--json", str(out)]) == 0
+    assert torch.backends.cuda.preferred_blas_library() == before  # the process-wide choice is put back
     report = json.loads(out.read_text())
-    assert report["orientation"] == orientation
+    assert report["orientation"] == orientation and report["blas_library"] == library
     assert [r["rows"] for r in report["rows"]] == [64, 200]
     for row in report["rows"]:
         assert row["ms"] > 0 and row["tflops"] > 0
