@@ -432,7 +432,9 @@ def _has_cuda() -> bool:
 
 
 @pytest.mark.skipif(_has_cuda(), reason="checks the message of a machine without CUDA")
-@pytest.mark.parametrize("script", ["gemm_rows.py", "gemm_first_call.py", "pinned_first_alloc.py"])
+@pytest.mark.parametrize(
+    "script", ["gemm_rows.py", "gemm_algos.py", "gemm_first_call.py", "pinned_first_alloc.py"]
+)
 def test_the_cuda_only_benches_exit_2_with_a_message_without_cuda(script: str) -> None:
     import subprocess
 
@@ -447,6 +449,8 @@ def test_the_cuda_only_benches_exit_2_with_a_message_without_cuda(script: str) -
     [
         ("gemm_rows.py", ["--rows", "0,8"], "each at least 1"),
         ("gemm_rows.py", ["--rows", "8:x:1"], "neither START:STOP:STEP"),
+        ("gemm_algos.py", ["--rows", "0,8"], "each at least 1"),
+        ("gemm_algos.py", ["--candidates", "0"], "must each be at least 1"),
         ("gemm_first_call.py", ["--rows", "2,256"], "called to warm cuBLAS up"),
         ("gemm_first_call.py", ["--mode", "busy"], "invalid choice"),
         ("pinned_first_alloc.py", ["--sizes", "100,120"], "share a power-of-two class"),

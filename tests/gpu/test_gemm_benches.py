@@ -1,5 +1,6 @@
 """The GEMM diagnostics of bench/ on a real device, at small sizes: ``gemm_rows.py`` times the four linear
-shapes of a layer per row count, ``gemm_first_call.py`` times a GEMM's first and second call idle or behind
+shapes of a layer per row count, ``gemm_algos.py`` times cuBLASLt's candidate algorithms for them against
+torch's own product, ``gemm_first_call.py`` times a GEMM's first and second call idle or behind
 queued work. Their argument checks and the exit without CUDA are tested on the CPU (tests/bench/test_bench_tools.py)."""
 
 from __future__ import annotations
@@ -37,6 +38,23 @@ def test_gemm_rows_reports_every_row_count_with_its_shapes(
         assert row["ms"] > 0 and row["tflops"] > 0
         assert set(row["by_shape_ms"]) == {"qkv", "o", "gate_up", "down"}
         assert all(v > 0 for v in row["by_shape_ms"].values())
+
+
+def test_gemm_algos_checks_and_times_every_candidate_against_torch(tmp_path: Path) -> None:
+    from bench import gemm_algos
+
+    out = tmp_path / "algos.json"
+    args = ["--rows", "64,200", "--candidates", "4", "--reps", "3", "--trials", "3", "--json", str(out)]
+    assert gemm_algos.main(args) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["rows"], r["shape"]) for r in results] == [
+        (m, name) for m in (64, 200) for name in ("qkv", "o", "gate_up", "down")
+    ]
+    for r in results:
+        # Every candidate computed the product torch did: the descriptors' layouts and transposes are right.
+        assert r["candidates"] >= 1 and r["wrong"] == 0
+        assert r["torch_us"] > 0 and 0 < r["best_us"] <= r["first_us"]
+        assert 0 <= r["best_index"] < r["candidates"]
 
 
 @pytest.mark.parametrize("mode", ["idle", "queued"])
