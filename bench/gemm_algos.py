@@ -2,12 +2,15 @@
 
 For each row count M and each of the four linear shapes (qkv, o, gate_up, down: Y = X @ W^T, bf16, fp32
 accumulation), asks cuBLASLt's heuristic for up to ``--candidates`` algorithms (``cublasLtMatmulAlgoGetHeuristic``
-through ctypes on the libcublasLt torch loaded), runs each into its own output, checks it against torch's
-product (a candidate whose result differs by more than ``--tolerance`` of the output's largest magnitude is
-reported and not timed), and times every candidate and torch's own ``F.linear`` the same way: ``--reps``
-calls captured in one CUDA graph, the median of ``--trials`` replays, so the figure is the device's, launches
-excluded. Reports per shape torch's time, the heuristic's first pick and the fastest candidate, and per row
-count the four shapes' sum: what picking the fastest algorithm per shape at start would take off a layer.
+through ctypes on the libcublasLt torch loaded, with the workspace torch gives its own GEMMs on Hopper), runs
+each into its own output and checks it against torch's product (a candidate off by more than ``--tolerance`` of
+the output's largest magnitude, or whose call fails, is counted and not timed), then times each the same way as
+torch's own ``F.linear``: ``--reps`` calls captured in one CUDA graph, cycling through copies of the weight that
+together exceed the L2 cache (as 32 layers' distinct weights would), the median of ``--trials`` replays. The
+fastest candidate and torch are then timed again in alternation (``--retimes`` each), so one noisy reading in the
+search cannot make a winner. Reports per shape torch's time, the heuristic's first pick and the fastest
+candidate, and per row count the four shapes' sum: what picking the fastest algorithm per shape at start would
+take off a layer.
 
     python bench/gemm_algos.py [--rows 256,1032,4096] [--candidates 32] [--json out.json]
 """
@@ -42,7 +45,11 @@ CUBLAS_OP_T = 1
 CUBLASLT_MATMUL_DESC_TRANSA = 3
 CUBLASLT_MATMUL_DESC_TRANSB = 4
 CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1
-WORKSPACE_BYTES = 64 << 20
+# What torch's CUDA context gives its own cuBLAS GEMMs on Hopper by default, so a candidate that needs more
+# could not replace torch's pick as the worker calls it.
+WORKSPACE_BYTES = 32 << 20
+# The weight copies a graph cycles through exceed this (the H100 / H200 L2 is 50 MiB).
+L2_BYTES = 64 << 20
 
 
 class HeuristicResult(ctypes.Structure):
@@ -68,7 +75,12 @@ def load_cublaslt() -> ctypes.CDLL:
             path = line.split()[-1]
             if "libcublasLt.so" in path:
                 return ctypes.CDLL(path)
-    return ctypes.CDLL("libcublasLt.so")  # not mapped by name: the loader's search path
+    for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):  # not mapped: the search path
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise RuntimeError("no libcublasLt found (not mapped by torch, none on the loader's path)")
 
 
 class CublasLt:
@@ -78,6 +90,9 @@ class CublasLt:
         self.lib = lib
         self.handle = ctypes.c_void_p()
         self._check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+
+    def close(self) -> None:
+        self.lib.cublasLtDestroy(self.handle)
 
     @staticmethod
     def _check(status: int, what: str) -> None:
@@ -95,81 +110,90 @@ class CublasLt:
         self._check(status, "SetAttribute")
 
     def plan(self, m: int, n: int, k: int, candidates: int) -> tuple[Plan, list[HeuristicResult]]:
-        """Descriptors for Y (m, n) = X (m, k) @ W (n, k)^T in row-major torch terms (column-major: Y^T = W^T^T
-        X^T, i.e. A = W with op T, B = X with op N) and the heuristic's candidates, best guess first."""
+        """Descriptors for Y (m, n) = X (m, k) @ W (n, k)^T in row-major torch terms (column-major: Y^T = W X^T,
+        i.e. A = W stored (k, n) with op T, B = X^T stored (k, m) with op N) and the heuristic's usable
+        candidates, its best guess first."""
         lib = self.lib
         desc = ctypes.c_void_p()
         status = lib.cublasLtMatmulDescCreate(
             ctypes.byref(desc), ctypes.c_int(CUBLAS_COMPUTE_32F), ctypes.c_int(CUDA_R_32F)
         )
         self._check(status, "DescCreate")
-        self._set(
-            lib.cublasLtMatmulDescSetAttribute, desc, CUBLASLT_MATMUL_DESC_TRANSA, ctypes.c_int32(CUBLAS_OP_T)
-        )
-        self._set(
-            lib.cublasLtMatmulDescSetAttribute, desc, CUBLASLT_MATMUL_DESC_TRANSB, ctypes.c_int32(CUBLAS_OP_N)
-        )
-        layouts = []
-        for rows, cols in (
-            (k, n),
-            (k, m),
-            (n, m),
-        ):  # A = W^T stored (k, n); B = X^T (k, m); C = D = Y^T (n, m)
-            layout = ctypes.c_void_p()
-            status = lib.cublasLtMatrixLayoutCreate(
-                ctypes.byref(layout),
-                ctypes.c_int(CUDA_R_16BF),
-                ctypes.c_uint64(rows),
-                ctypes.c_uint64(cols),
-                ctypes.c_int64(rows),
-            )
-            self._check(status, "MatrixLayoutCreate")
-            layouts.append(layout)
+        plan = Plan(self, desc)
         pref = ctypes.c_void_p()
-        self._check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "PreferenceCreate")
-        self._set(
-            lib.cublasLtMatmulPreferenceSetAttribute,
-            pref,
-            CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-            ctypes.c_uint64(WORKSPACE_BYTES),
-        )
-        results = (HeuristicResult * candidates)()
-        found = ctypes.c_int(0)
-        a, b, c = layouts
-        status = lib.cublasLtMatmulAlgoGetHeuristic(
-            self.handle, desc, a, b, c, c, pref, ctypes.c_int(candidates), results, ctypes.byref(found)
-        )
-        self._check(status, "AlgoGetHeuristic")
-        lib.cublasLtMatmulPreferenceDestroy(pref)
-        return Plan(self, desc, a, b, c), [results[i] for i in range(found.value) if results[i].state == 0]
+        try:
+            self._set(
+                lib.cublasLtMatmulDescSetAttribute,
+                desc,
+                CUBLASLT_MATMUL_DESC_TRANSA,
+                ctypes.c_int32(CUBLAS_OP_T),
+            )
+            self._set(
+                lib.cublasLtMatmulDescSetAttribute,
+                desc,
+                CUBLASLT_MATMUL_DESC_TRANSB,
+                ctypes.c_int32(CUBLAS_OP_N),
+            )
+            for rows, cols in ((k, n), (k, m), (n, m)):  # A = W^T (k, n); B = X^T (k, m); C = D = Y^T (n, m)
+                layout = ctypes.c_void_p()
+                status = lib.cublasLtMatrixLayoutCreate(
+                    ctypes.byref(layout),
+                    ctypes.c_int(CUDA_R_16BF),
+                    ctypes.c_uint64(rows),
+                    ctypes.c_uint64(cols),
+                    ctypes.c_int64(rows),
+                )
+                self._check(status, "MatrixLayoutCreate")
+                plan.layouts.append(layout)
+            self._check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "PreferenceCreate")
+            self._set(
+                lib.cublasLtMatmulPreferenceSetAttribute,
+                pref,
+                CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                ctypes.c_uint64(WORKSPACE_BYTES),
+            )
+            results = (HeuristicResult * candidates)()
+            found = ctypes.c_int(0)
+            a, b, c = plan.layouts
+            status = lib.cublasLtMatmulAlgoGetHeuristic(
+                self.handle, desc, a, b, c, c, pref, ctypes.c_int(candidates), results, ctypes.byref(found)
+            )
+            self._check(status, "AlgoGetHeuristic")
+        except BaseException:
+            plan.close()
+            raise
+        finally:
+            if pref.value:
+                lib.cublasLtMatmulPreferenceDestroy(pref)
+        return plan, [results[i] for i in range(found.value) if results[i].state == 0]
 
 
 class Plan:
     """One problem's descriptors; ``run`` launches one candidate on the current stream."""
 
-    def __init__(
-        self, lt: CublasLt, desc: ctypes.c_void_p, a: ctypes.c_void_p, b: ctypes.c_void_p, c: ctypes.c_void_p
-    ) -> None:
-        self.lt, self.desc, self.a, self.b, self.c = lt, desc, a, b, c
+    def __init__(self, lt: CublasLt, desc: ctypes.c_void_p) -> None:
+        self.lt, self.desc = lt, desc
+        self.layouts: list[ctypes.c_void_p] = []  # A, B, C (= D)
         self.alpha = ctypes.c_float(1.0)
         self.beta = ctypes.c_float(0.0)
 
     def run(
         self, algo: HeuristicResult, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, ws: torch.Tensor
     ) -> None:
+        a, b, c = self.layouts
         status = self.lt.lib.cublasLtMatmul(
             self.lt.handle,
             self.desc,
             ctypes.byref(self.alpha),
             ctypes.c_void_p(w.data_ptr()),
-            self.a,
+            a,
             ctypes.c_void_p(x.data_ptr()),
-            self.b,
+            b,
             ctypes.byref(self.beta),
             ctypes.c_void_p(y.data_ptr()),
-            self.c,
+            c,
             ctypes.c_void_p(y.data_ptr()),
-            self.c,
+            c,
             ctypes.byref(algo.algo),
             ctypes.c_void_p(ws.data_ptr()),
             ctypes.c_size_t(ws.numel()),
@@ -179,9 +203,16 @@ class Plan:
 
     def close(self) -> None:
         lib = self.lt.lib
-        for layout in (self.a, self.b, self.c):
+        for layout in self.layouts:
             lib.cublasLtMatrixLayoutDestroy(layout)
         lib.cublasLtMatmulDescDestroy(self.desc)
+
+
+def product_off(out: torch.Tensor, expected: torch.Tensor, tolerance: float) -> bool:
+    """Whether ``out`` differs from ``expected`` by more than ``tolerance`` of expected's largest magnitude (a
+    candidate computing another product, or garbage)."""
+    scale = expected.abs().max().item()
+    return bool((out.float() - expected.float()).abs().max().item() > tolerance * max(scale, 1e-30))
 
 
 def graph_us(fn: Callable[[], object], reps: int, trials: int) -> float:
@@ -211,18 +242,35 @@ def graph_us(fn: Callable[[], object], reps: int, trials: int) -> float:
 class ShapeResult:
     rows: int
     shape: str
-    torch_us: float
-    first_us: float  # the heuristic's first pick
-    best_us: float
-    best_index: int  # its place in the heuristic's list
+    torch_us: float  # F.linear, median of the alternating re-times
+    first_us: float  # the heuristic's first pick, in the search (NaN if it was off or failed)
+    best_us: float  # the fastest candidate of the search, median of the alternating re-times
+    best_index: int  # its place among the heuristic's usable candidates
+    best_workspace: int  # bytes it needs
     candidates: int
-    wrong: int  # candidates whose result was off (not timed)
+    wrong: int  # candidates whose product was off (not timed)
+    failed: int  # candidates whose call returned an error (not timed)
 
 
 def _runner(
-    plan: Plan, algo: HeuristicResult, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: torch.Tensor
+    plan: Plan,
+    algo: HeuristicResult,
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    out: torch.Tensor,
+    ws: torch.Tensor,
 ) -> Callable[[], None]:
-    return lambda: plan.run(algo, x, w, out, ws)
+    turn = iter(range(1 << 62))
+
+    def run() -> None:  # each call the next weight copy, as each layer reads its own
+        plan.run(algo, x, weights[next(turn) % len(weights)], out, ws)
+
+    return run
+
+
+def _torch_runner(x: torch.Tensor, weights: list[torch.Tensor]) -> Callable[[], object]:
+    turn = iter(range(1 << 62))
+    return lambda: torch.nn.functional.linear(x, weights[next(turn) % len(weights)])
 
 
 def search(
@@ -230,29 +278,55 @@ def search(
 ) -> ShapeResult:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    copies = max(1, -(-L2_BYTES // (w.numel() * w.element_size())))
+    weights = [w] + [w.clone() for _ in range(copies - 1)]
     expected = torch.nn.functional.linear(x, w)
-    scale = expected.abs().max().item()
     out = torch.empty_like(expected)
-    torch_us = graph_us(lambda: torch.nn.functional.linear(x, w), args.reps, args.trials)
     plan, algos = lt.plan(m, n, k, args.candidates)
     times: list[tuple[float, int]] = []
-    wrong = 0
+    wrong = failed = 0
     try:
         for index, algo in enumerate(algos):
             out.zero_()
-            plan.run(algo, x, w, out, ws)
-            torch.cuda.synchronize()
-            if (out.float() - expected.float()).abs().max().item() > args.tolerance * scale:
-                wrong += 1
-                continue
-            times.append((graph_us(_runner(plan, algo, x, w, out, ws), args.reps, args.trials), index))
+            try:
+                plan.run(algo, x, w, out, ws)
+                torch.cuda.synchronize()
+                if product_off(out, expected, args.tolerance):
+                    wrong += 1
+                    continue
+                times.append(
+                    (graph_us(_runner(plan, algo, x, weights, out, ws), args.reps, args.trials), index)
+                )
+            except RuntimeError:  # this candidate's call failed (a cuBLAS status): count it, try the next
+                failed += 1
+        if not times:
+            raise RuntimeError(
+                f"{name} at {m} rows: no cuBLASLt candidate ran correctly ({len(algos)} offered, {wrong} off, "
+                f"{failed} failed)"
+            )
+        _, best_index = min(times)
+        first_us = next((t for t, i in times if i == 0), float("nan"))
+        torch_times: list[float] = []
+        best_times: list[float] = []
+        for _ in range(args.retimes):
+            torch_times.append(graph_us(_torch_runner(x, weights), args.reps, args.trials))
+            best_times.append(
+                graph_us(_runner(plan, algos[best_index], x, weights, out, ws), args.reps, args.trials)
+            )
     finally:
         plan.close()
-    if not times:
-        raise RuntimeError(f"{name} at {m} rows: no cuBLASLt candidate ran correctly ({len(algos)} offered)")
-    best_us, best_index = min(times)
-    first_us = next((t for t, i in times if i == 0), float("nan"))
-    return ShapeResult(m, name, torch_us, first_us, best_us, best_index, len(algos), wrong)
+    return ShapeResult(
+        rows=m,
+        shape=name,
+        torch_us=statistics.median(torch_times),
+        first_us=first_us,
+        best_us=statistics.median(best_times),
+        best_index=best_index,
+        best_workspace=int(algos[best_index].workspace_size),
+        candidates=len(algos),
+        wrong=wrong,
+        failed=failed,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--candidates", type=int, default=32, help="algorithms to ask the heuristic for")
     p.add_argument("--reps", type=int, default=20, help="calls per captured graph")
     p.add_argument("--trials", type=int, default=7, help="graph replays; the median is kept")
+    p.add_argument("--retimes", type=int, default=3, help="alternating re-times of torch and the fastest")
     p.add_argument(
         "--tolerance",
         type=float,
@@ -270,20 +345,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     counts = counts_option(p, "--rows", args.rows)
-    if args.candidates < 1 or args.reps < 1 or args.trials < 1:
-        p.error("--candidates, --reps and --trials must each be at least 1")
+    if min(args.candidates, args.reps, args.trials, args.retimes) < 1:
+        p.error("--candidates, --reps, --trials and --retimes must each be at least 1")
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
     lt = CublasLt(load_cublaslt())
     ws = torch.empty(WORKSPACE_BYTES, device="cuda", dtype=torch.uint8)
     results = []
-    for m in counts:
-        row = [search(lt, m, name, n, k, args, ws) for name, n, k in SHAPES]
+    try:
+        rows_by_count = [[search(lt, m, name, n, k, args, ws) for name, n, k in SHAPES] for m in counts]
+    finally:
+        lt.close()
+    for m, row in zip(counts, rows_by_count, strict=True):
         results.extend(row)
         shapes = "; ".join(
             f"{r.shape} {r.torch_us:.1f} / {r.first_us:.1f} / {r.best_us:.1f} (#{r.best_index} of {r.candidates}"
             + (f", {r.wrong} off" if r.wrong else "")
+            + (f", {r.failed} failed" if r.failed else "")
             + ")"
             for r in row
         )

@@ -63,6 +63,13 @@ def time_rows(m: int, weights: list[torch.Tensor], reps: int, orientation: str =
     for _ in range(2):  # warm-up outside the capture: cuBLAS picks and loads its kernels here
         run()
     torch.cuda.synchronize()
+    for x, w, o in zip(xs, weights, outs, strict=True):  # each orientation computes the model's product
+        expected = torch.nn.functional.linear(x, w)
+        got = o.t() if swapped else o
+        if not torch.allclose(
+            got.float(), expected.float(), rtol=0.02, atol=0.02 * expected.abs().max().item()
+        ):
+            raise RuntimeError(f"--orientation {orientation} computed another product at {m} rows")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(LAYERS):

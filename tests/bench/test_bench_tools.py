@@ -432,6 +432,21 @@ def _has_cuda() -> bool:
 
 
 @pytest.mark.skipif(_has_cuda(), reason="checks the message of a machine without CUDA")
+def test_gemm_algos_counts_a_candidate_with_another_product_as_off() -> None:
+    """The check that keeps a wrong cuBLASLt candidate out of the timings (the GPU test shows none is off)."""
+    import torch
+
+    from bench.gemm_algos import product_off
+
+    x = torch.randn(16, 32)
+    w = torch.randn(24, 32)
+    expected = x @ w.t()
+    assert not product_off(expected.clone(), expected, 0.02)
+    assert not product_off(expected + 0.001 * expected.abs().max(), expected, 0.02)  # rounding-sized error
+    assert product_off((x @ w[torch.randperm(24)].t()), expected, 0.02)  # another product
+    assert product_off(torch.zeros_like(expected), expected, 0.02)  # nothing written
+
+
 @pytest.mark.parametrize(
     "script", ["gemm_rows.py", "gemm_algos.py", "gemm_first_call.py", "pinned_first_alloc.py"]
 )
