@@ -32,6 +32,7 @@ if __package__ in (None, ""):
 import torch
 
 from bench.common import counts_option
+from bench.gemm_rows import median_replay_ms, product_off
 
 # (name, N, K) of the Llama-3.1-8B linears: fused qkv, o, fused gate_up, down.
 SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
@@ -208,13 +209,6 @@ class Plan:
         lib.cublasLtMatmulDescDestroy(self.desc)
 
 
-def product_off(out: torch.Tensor, expected: torch.Tensor, tolerance: float) -> bool:
-    """Whether ``out`` differs from ``expected`` by more than ``tolerance`` of expected's largest magnitude (a
-    candidate computing another product, or garbage)."""
-    scale = expected.abs().max().item()
-    return bool((out.float() - expected.float()).abs().max().item() > tolerance * max(scale, 1e-30))
-
-
 def graph_us(fn: Callable[[], object], reps: int, trials: int) -> float:
     """Device µs of one ``fn`` call: ``reps`` calls in one CUDA graph, the median of ``trials`` replays."""
     stream = torch.cuda.Stream()
@@ -227,15 +221,7 @@ def graph_us(fn: Callable[[], object], reps: int, trials: int) -> float:
     with torch.cuda.graph(graph):
         for _ in range(reps):
             fn()
-    times = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(times)
+    return median_replay_ms(graph, trials) * 1e3 / reps
 
 
 @dataclass

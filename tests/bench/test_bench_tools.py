@@ -432,11 +432,12 @@ def _has_cuda() -> bool:
 
 
 @pytest.mark.skipif(_has_cuda(), reason="checks the message of a machine without CUDA")
-def test_gemm_algos_counts_a_candidate_with_another_product_as_off() -> None:
-    """The check that keeps a wrong cuBLASLt candidate out of the timings (the GPU test shows none is off)."""
+def test_the_gemm_product_check_counts_another_product_as_off() -> None:
+    """The check that keeps a wrong cuBLASLt candidate out of gemm_algos' timings and a wrong orientation out of
+    gemm_rows' (the GPU tests show none is off)."""
     import torch
 
-    from bench.gemm_algos import product_off
+    from bench.gemm_rows import product_off
 
     x = torch.randn(16, 32)
     w = torch.randn(24, 32)
