@@ -3,8 +3,9 @@ tokens is prefilled once, then each trial is a new request whose first ``--prefi
 whose ``--suffix-len`` new tokens run as one step through ``ModelRunner.execute_step`` (the captured prefill
 graph when one holds them), sampling one token. Reports the step's wall time on the host (median and minimum),
 which on CUDA runs until the sampled ids are back. A batch-1 decode step is timed the same way for comparison.
-``--mixed-decodes D`` also times a step of D running decodes beside a new ``--mixed-prompt``-token prefill
-(eager, as an online step runs when a request arrives), and the same D decodes alone; also the host time to
+``--mixed-decodes D`` also times a step of D running decodes beside the prefill of ``--mixed-prompts`` new
+prompts of ``--mixed-prompt`` tokens each (one by default: an online step when a request arrives; 8 x 512 is
+a W1 prefill step), eager, and the same D decodes alone; also the host time to
 launch each of them while the device is kept busy by a spin kernel (``*_host_launch``): a pipelined worker
 posts the previous step's result only once the next step is launched, so an eager step's launch delays it.
 ``--profile`` adds the device time by kernel of one suffix step and of one mixed step (torch profiler);
@@ -200,6 +201,13 @@ def main() -> None:
         help="also time a step of this many running decodes beside a new prompt's prefill (0: off)",
     )
     p.add_argument("--mixed-prompt", type=int, default=1024, help="the new prompt's tokens in that step")
+    p.add_argument(
+        "--mixed-prompts",
+        type=int,
+        default=1,
+        help="new prompts of --mixed-prompt tokens each in that step (8 x 512 beside up to 248 decodes: a W1 "
+        "prefill step under the 4,096-token budget)",
+    )
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--trace", help="write a Chrome trace (host and device) of one mixed step here")
@@ -250,6 +258,8 @@ def main() -> None:
         p.error("--piecewise-token-step spaces the buckets of --piecewise-graph-tokens N: set N too")
     if args.piecewise_token_step is not None and args.piecewise_token_step < 1:
         p.error("--piecewise-token-step must be at least 1")
+    if args.mixed_prompts < 1:
+        p.error("--mixed-prompts must be at least 1")
     set_fast_launch(args.triton_launch == "fast")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("prefix_step.py needs a CUDA device (or --device cpu)")
@@ -264,7 +274,8 @@ def main() -> None:
     runner.overlap_steps = False
     # As the worker starts: eager warm-up (Triton's compiles and variants), graphs, then the heap frozen, so
     # that collections during the trials skip the model's and the kernels' objects.
-    runner.warm_up(max(args.prefix_len, args.suffix_len, args.mixed_prompt + args.mixed_decodes))
+    mixed_tokens = args.mixed_prompts * args.mixed_prompt + args.mixed_decodes
+    runner.warm_up(max(args.prefix_len, args.suffix_len, mixed_tokens))
     runner.capture_decode_graphs()
     started = time.perf_counter()
     token_step = args.piecewise_token_step or TOKEN_STEP
@@ -289,7 +300,9 @@ def main() -> None:
     decode_steps = 5 * args.trials + 40 + (2 * args.trials + 5 if args.warm_gemm_rows else 0)
     per_decode = -(-(512 + decode_steps) // BLOCK)
     prompt_blocks = -(-(args.mixed_prompt + 1) // BLOCK)
-    needed = MIXED_FIRST + (args.mixed_decodes * per_decode + 2 * prompt_blocks if args.mixed_decodes else 0)
+    needed = MIXED_FIRST + (
+        args.mixed_decodes * per_decode + 2 * args.mixed_prompts * prompt_blocks if args.mixed_decodes else 0
+    )
     if len(free) < needed:
         sys.exit(
             f"--num-blocks {args.num_blocks} holds too few KV blocks: at least {len(prefix_blocks) + needed}"
@@ -327,7 +340,6 @@ def main() -> None:
         "trials": args.trials,
     }
     if runner._piecewise_graphs is not None and args.mixed_decodes:
-        mixed_tokens = args.mixed_prompt + args.mixed_decodes
         figures["mixed_step_bucket"] = runner._piecewise_graphs.bucket_for(mixed_tokens)
 
     # Batch-1 decode from a 512-token prompt, one token a step.
@@ -363,15 +375,19 @@ def main() -> None:
 
         def mixed_step(i: int) -> tuple[DecodeStep, DecodeStep]:
             nonlocal step_id
-            prompt = torch.randint(3, vocab, (args.mixed_prompt,), generator=gen).tolist()
-            first = (i % 2) * prompt_blocks
-            rid = f"p{i}"
+            # Consecutive steps' prompts take alternate halves of the pool (the one before is finished after).
+            half = (i % 2) * args.mixed_prompts * prompt_blocks
+            prompts = []
+            for j in range(args.mixed_prompts):
+                prompt = torch.randint(3, vocab, (args.mixed_prompt,), generator=gen).tolist()
+                first = half + j * prompt_blocks
+                blocks = prompt_pool[first : first + prompt_blocks]
+                prompts.append(_new(f"p{i}.{j}", prompt, blocks, 0, args.mixed_prompt))
             running = [RunningRequestData(r, [], 1) for r in running_ids]
-            blocks = prompt_pool[first : first + prompt_blocks]
             step_id += 1
-            step = DecodeStep(step_id, [_new(rid, prompt, blocks, 0, args.mixed_prompt)], running)
+            step = DecodeStep(step_id, prompts, running)
             step_id += 1
-            return step, DecodeStep(step_id, finished_request_ids=[rid])
+            return step, DecodeStep(step_id, finished_request_ids=[n.request_id for n in prompts])
 
         def alone_step() -> tuple[DecodeStep, None]:
             nonlocal step_id
@@ -387,6 +403,7 @@ def main() -> None:
         figures["mixed_step"] = mixed.summary() | {
             "decodes": args.mixed_decodes,
             "prompt_tokens": args.mixed_prompt,
+            "prompts": args.mixed_prompts,
         }
         figures["decodes_alone_step"] = alone.summary()
         launched = [mixed_step(args.trials + 2_000 + i) for i in range(args.trials)]

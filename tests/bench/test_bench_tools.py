@@ -353,7 +353,8 @@ def test_prefix_step_runs_every_step_kind_on_a_tiny_model(tmp_path: Path) -> Non
     out = tmp_path / "figures.json"
     argv = [sys.executable, str(root / "bench" / "prefix_step.py"), "--device", "cpu", "--model"]
     argv += [f"dummy:{config}", "--prefix-len", "256", "--suffix-len", "16", "--trials", "3"]
-    argv += ["--num-blocks", "2048", "--mixed-decodes", "3", "--mixed-prompt", "64", "--json", str(out)]
+    argv += ["--num-blocks", "2048", "--mixed-decodes", "3", "--mixed-prompt", "64", "--mixed-prompts", "2"]
+    argv += ["--json", str(out)]
     argv += ["--trace", str(tmp_path / "trace.json"), "--launch-pstats", str(tmp_path / "launch.pstats")]
     argv += ["--triton-launch", "triton", "--warm-gemm-rows", "16", "--warm-gemm-max-tokens", "64"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=root)
@@ -367,6 +368,7 @@ def test_prefix_step_runs_every_step_kind_on_a_tiny_model(tmp_path: Path) -> Non
         assert figures[kind]["steps"] == 3
         assert 0 < figures[kind]["min_ms"] <= figures[kind]["median_ms"]
     assert figures["mixed_step"]["decodes"] == 3 and figures["device"] == "cpu"
+    assert figures["mixed_step"]["prompts"] == 2 and figures["mixed_step"]["prompt_tokens"] == 64
     assert figures["triton_launch"] == "triton"
     assert (
         figures["piecewise_graph_buckets"] == 0 and figures["piecewise_token_step"] == 0
@@ -387,6 +389,7 @@ def test_prefix_step_runs_every_step_kind_on_a_tiny_model(tmp_path: Path) -> Non
         (["--piecewise-token-step", "8"], "set N too"),
         (["--piecewise-graph-tokens", "64", "--piecewise-token-step", "0"], "at least 1"),
         (["--piecewise-fastest-bucket"], "set N too"),
+        (["--mixed-prompts", "0"], "--mixed-prompts must be at least 1"),
     ],
 )
 def test_prefix_step_refuses_piecewise_options_without_their_pieces(args: list[str], says: str) -> None:
