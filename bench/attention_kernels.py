@@ -3,6 +3,7 @@
 against the measured device-to-device copy bandwidth.
 
     python bench/attention_kernels.py [--json out.json] [--quick] [--prefix-only]
+    python bench/attention_kernels.py --overlap-decode   # can a decode step's attention hide under its GEMMs?
 
 Decode cases run the 32 layers of one step back to back from one CUDA graph (each layer owns its KV tensor, as
 in the model, so nothing is served from L2 across layers) and report the time per layer. Torch SDPA baselines
@@ -401,6 +402,12 @@ def main(argv: list[str] | None = None) -> int:
         "--sweep-prefill, each over the tile sweep",
     )
     only.add_argument(
+        "--overlap-decode",
+        action="store_true",
+        help="only a decode step's two halves (B=256, 32 layers): its attention, its layer GEMMs, and both "
+        "launched at once on two streams, as two micro-batches would overlap them",
+    )
+    only.add_argument(
         "--sweep-decode",
         action="store_true",
         help="only the batch-256 decode cases, each with several (BLOCK_N, num_warps, num_stages) tiles, and "
@@ -420,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.sweep_decode:
         sweep_decode(bandwidth, gen)
+    elif args.overlap_decode:
+        overlap_decode(gen)
     elif prefill_cases:
         for batch, new in prefill_cases:
             bench_prefill(batch, new, 0, flops, gen, prefill_configs(args.sweep_prefill))
@@ -448,6 +457,76 @@ def sweep_decode(bandwidth: float, gen: torch.Generator) -> None:
     data = torch.empty(0, device="cuda")  # frees the 2 GiB before the decode cases
     for batch, lo, hi in [(256, 512, 768), (256, 768, 768)]:
         bench_decode(batch, lo, hi, bandwidth, gen, DECODE_TILES)
+
+
+# (N, K) of the Llama-3.1-8B linears: fused qkv, o, fused gate_up, down.
+LINEAR_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+
+
+def overlap_decode(
+    gen: torch.Generator, batch: int = 256, layers: int = 32, lo: int = 512, hi: int = 768
+) -> None:
+    """Whether a decode step's two halves can overlap: its paged attention reads the KV at the card's bandwidth,
+    its layer GEMMs (M = batch) are nearer the tensor cores' rate, and a step split into two micro-batches could
+    run one half's attention beside the other half's GEMMs. Times, each from one CUDA graph of ``layers``
+    layers (distinct weights and KV per layer, as in the model): the attention alone, the GEMMs alone (at M =
+    batch and at two M = batch / 2), and the attention and the GEMMs launched at once on two streams with no
+    dependency between them (an upper bound on what the split could hide; the real one also waits per layer).
+    ``hidden`` is the share of the shorter part that the concurrent run saved."""
+    seq_lens = torch.randint(lo, hi + 1, (batch,), generator=gen).tolist()
+    caches, meta, query = paged_batch([1] * batch, seq_lens, layers, gen)
+    backend = TritonPagedAttention(BLOCK)
+    scale = HEAD_DIM**-0.5
+    outs = [torch.empty_like(query) for _ in range(layers)]
+    weights = [
+        [torch.randn(n, k, device="cuda", dtype=DTYPE) / k**0.5 for n, k in LINEAR_SHAPES]
+        for _ in range(layers)
+    ]
+    xs = {
+        m: [torch.randn(m, k, device="cuda", dtype=DTYPE) for _, k in LINEAR_SHAPES]
+        for m in (batch, batch // 2)
+    }
+
+    def attention() -> None:
+        for layer in range(layers):
+            backend.forward_into(query, caches[layer], meta, scale, outs[layer])
+
+    def gemms(m: int) -> Callable[[], None]:
+        def run() -> None:
+            for layer in range(layers):
+                for x, w in zip(xs[m], weights[layer], strict=True):
+                    torch.nn.functional.linear(x, w)
+
+        return run
+
+    def halves() -> None:
+        gemms(batch // 2)()
+        gemms(batch // 2)()
+
+    side = torch.cuda.Stream()
+
+    def concurrent() -> None:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            attention()
+        gemms(batch)()
+        torch.cuda.current_stream().wait_stream(side)
+
+    attention()
+    torch.cuda.synchronize()
+    a = _ms(_captured(attention).replay)
+    g = _ms(_captured(gemms(batch)).replay)
+    g2 = _ms(_captured(halves).replay)
+    both = _ms(_captured(concurrent).replay)
+    case = f"B={batch} ctx={lo}-{hi}, {layers} layers"
+    _row("overlap", case, a, impl="paged attention alone")
+    _row("overlap", case, g, impl=f"layer GEMMs alone, M={batch}")
+    _row("overlap", case, g2, impl=f"layer GEMMs alone, 2 x M={batch // 2}")
+    _row("overlap", case, a + g, impl="attention then GEMMs (sum)")
+    _row(
+        "overlap", case, both, impl="attention beside GEMMs, two streams",
+        hidden=(a + g - both) / min(a, g),
+    )  # fmt: skip
 
 
 def parse_prefill_cases(parser: argparse.ArgumentParser, spec: str) -> list[tuple[int, int]]:
