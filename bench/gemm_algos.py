@@ -2,7 +2,7 @@
 
 For each row count M and each of the four linear shapes (qkv, o, gate_up, down: Y = X @ W^T, bf16, fp32
 accumulation), asks cuBLASLt's heuristic for up to ``--candidates`` algorithms (``cublasLtMatmulAlgoGetHeuristic``
-through ctypes on the libcublasLt torch loaded, with the workspace torch gives its own GEMMs on Hopper), runs
+through ctypes on the libcublasLt torch loaded, within the 32 MiB workspace cuBLAS recommends on Hopper), runs
 each into its own output and checks it against torch's product (a candidate off by more than ``--tolerance`` of
 the output's largest magnitude, or whose call fails, is counted and not timed), then times each the same way as
 torch's own ``F.linear``: ``--reps`` calls captured in one CUDA graph, cycling through copies of the weight that
@@ -46,8 +46,8 @@ CUBLAS_OP_T = 1
 CUBLASLT_MATMUL_DESC_TRANSA = 3
 CUBLASLT_MATMUL_DESC_TRANSB = 4
 CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1
-# What torch's CUDA context gives its own cuBLAS GEMMs on Hopper by default, so a candidate that needs more
-# could not replace torch's pick as the worker calls it.
+# The workspace cuBLAS's documentation recommends on Hopper: a candidate needing more is not offered, as one
+# that only runs with a larger workspace than a worker gives its GEMMs could not replace torch's pick.
 WORKSPACE_BYTES = 32 << 20
 # The weight copies a graph cycles through exceed this (the H100 / H200 L2 is 50 MiB).
 L2_BYTES = 64 << 20
