@@ -24,10 +24,12 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.* from the repository root
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "gpu"))
 import conftest  # noqa: E402,F401  (makes ominix_worker importable from a bare checkout)
 from roofline import measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
 
+from bench.gemm_rows import SHAPES as LINEAR_SHAPES  # noqa: E402
 from ominix_worker.attention.base import AttentionMetadata  # noqa: E402
 from ominix_worker.attention.triton_paged import TritonPagedAttention, decode_num_splits  # noqa: E402
 from ominix_worker.ops import fused  # noqa: E402
@@ -459,10 +461,6 @@ def sweep_decode(bandwidth: float, gen: torch.Generator) -> None:
         bench_decode(batch, lo, hi, bandwidth, gen, DECODE_TILES)
 
 
-# (N, K) of the Llama-3.1-8B linears: fused qkv, o, fused gate_up, down.
-LINEAR_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
-
-
 def overlap_decode(
     gen: torch.Generator, batch: int = 256, layers: int = 32, lo: int = 512, hi: int = 768
 ) -> None:
@@ -479,11 +477,11 @@ def overlap_decode(
     scale = HEAD_DIM**-0.5
     outs = [torch.empty_like(query) for _ in range(layers)]
     weights = [
-        [torch.randn(n, k, device="cuda", dtype=DTYPE) / k**0.5 for n, k in LINEAR_SHAPES]
+        [torch.randn(n, k, device="cuda", dtype=DTYPE) / k**0.5 for _, n, k in LINEAR_SHAPES]
         for _ in range(layers)
     ]
     xs = {
-        m: [torch.randn(m, k, device="cuda", dtype=DTYPE) for _, k in LINEAR_SHAPES]
+        m: [torch.randn(m, k, device="cuda", dtype=DTYPE) for _, _, k in LINEAR_SHAPES]
         for m in (batch, batch // 2)
     }
 

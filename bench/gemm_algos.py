@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import statistics
 import sys
@@ -30,12 +31,10 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)  # bench.* from the repository root
 
 import torch
+import torch.nn.functional as F
 
 from bench.common import counts_option
-from bench.gemm_rows import median_replay_ms, product_off
-
-# (name, N, K) of the Llama-3.1-8B linears: fused qkv, o, fused gate_up, down.
-SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
+from bench.gemm_rows import SHAPES, median_replay_ms, product_off
 
 # cublasLt.h / library_types.h values.
 CUDA_R_32F = 0
@@ -238,25 +237,10 @@ class ShapeResult:
     failed: int  # candidates whose call returned an error (not timed)
 
 
-def _runner(
-    plan: Plan,
-    algo: HeuristicResult,
-    x: torch.Tensor,
-    weights: list[torch.Tensor],
-    out: torch.Tensor,
-    ws: torch.Tensor,
-) -> Callable[[], None]:
-    turn = iter(range(1 << 62))
-
-    def run() -> None:  # each call the next weight copy, as each layer reads its own
-        plan.run(algo, x, weights[next(turn) % len(weights)], out, ws)
-
-    return run
-
-
-def _torch_runner(x: torch.Tensor, weights: list[torch.Tensor]) -> Callable[[], object]:
-    turn = iter(range(1 << 62))
-    return lambda: torch.nn.functional.linear(x, weights[next(turn) % len(weights)])
+def _cycling(weights: list[torch.Tensor], call: Callable[[torch.Tensor], object]) -> Callable[[], object]:
+    """``call`` with the next weight copy each time, as each layer reads its own."""
+    turn = itertools.count()
+    return lambda: call(weights[next(turn) % len(weights)])
 
 
 def search(
@@ -266,7 +250,7 @@ def search(
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     copies = max(1, -(-L2_BYTES // (w.numel() * w.element_size())))
     weights = [w] + [w.clone() for _ in range(copies - 1)]
-    expected = torch.nn.functional.linear(x, w)
+    expected = F.linear(x, w)
     out = torch.empty_like(expected)
     plan, algos = lt.plan(m, n, k, args.candidates)
     times: list[tuple[float, int]] = []
@@ -280,9 +264,8 @@ def search(
                 if product_off(out, expected, args.tolerance):
                     wrong += 1
                     continue
-                times.append(
-                    (graph_us(_runner(plan, algo, x, weights, out, ws), args.reps, args.trials), index)
-                )
+                run = _cycling(weights, lambda weight, a=algo: plan.run(a, x, weight, out, ws))
+                times.append((graph_us(run, args.reps, args.trials), index))
             except RuntimeError:  # this candidate's call failed (a cuBLAS status): count it, try the next
                 failed += 1
         if not times:
@@ -295,10 +278,11 @@ def search(
         torch_times: list[float] = []
         best_times: list[float] = []
         for _ in range(args.retimes):
-            torch_times.append(graph_us(_torch_runner(x, weights), args.reps, args.trials))
-            best_times.append(
-                graph_us(_runner(plan, algos[best_index], x, weights, out, ws), args.reps, args.trials)
+            best = _cycling(weights, lambda weight: plan.run(algos[best_index], x, weight, out, ws))
+            torch_times.append(
+                graph_us(_cycling(weights, lambda weight: F.linear(x, weight)), args.reps, args.trials)
             )
+            best_times.append(graph_us(best, args.reps, args.trials))
     finally:
         plan.close()
     return ShapeResult(
