@@ -458,6 +458,45 @@ def test_mixed_step_picks_where_decode_rows_attend(
     assert len(launched) == 2 * decode_launches
 
 
+@pytest.mark.parametrize(
+    ("q_lens", "seq_lens", "prefill_grid"),
+    [
+        ([300, 40] + [1] * _MANY, [300, 90] + [50] * _MANY, 2),  # prompt-side first: the grid spans those
+        ([300] + [1] * _MANY + [40], [300] + [50] * _MANY + [90], 2 + _MANY),  # one after a decode row: all
+        ([300, 40, 1, 1], [300, 90, 301, 20], 2),  # a decode context past every prompt's: the decode kernel
+    ],
+    ids=["prompts-first", "prompt-after-decode", "one-past-reach"],
+)
+def test_prefill_grid_spans_the_leading_prompt_side_requests_when_the_decode_kernel_serves(
+    q_lens: list[int], seq_lens: list[int], prefill_grid: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the decode kernel attends for a mixed step's single-token requests, the prefill launch covers only
+    the prompt-side requests the runner put first (each of a decode row's programs would start only to
+    return); when they are not all first, it covers every request. The output is right either way."""
+    from ominix_worker.attention import triton_paged
+
+    dtype = torch.float32
+    gen = torch.Generator().manual_seed(sum(seq_lens) + len(q_lens))
+    backend = TritonPagedAttention(block_size=16)
+    batch = make_batch(gen, q_lens, seq_lens, 8, 2, 64, 16, dtype, backend)
+    backend.write_kv(batch.kv_cache, batch.new_key, batch.new_value, batch.meta)
+    grids: list[tuple[int, ...]] = []
+    kernel = triton_paged._prefill_kernel
+
+    class Recording:
+        def __getitem__(self, grid: tuple[int, ...]) -> object:
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(triton_paged, "_prefill_kernel", Recording())
+    out = torch.full_like(batch.query, float("nan"))
+    backend.forward_into(batch.query, batch.kv_cache, batch.meta, 1.0 / math.sqrt(64), out)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    check(batch, out, dtype)
+    assert [g[0] for g in grids] == [prefill_grid]
+
+
 def test_metadata_without_single_token_requests_skips_the_decode_launch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -4,11 +4,18 @@ on any machine (the GPU test ``tests/gpu/test_mixed_warm_up.py`` counts the comp
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from ominix_worker.attention.base import AttentionMetadata
-from ominix_worker.attention.mixed_plan import MixedPlan, plan_mixed_step, warm_up_steps
+from ominix_worker.attention.mixed_plan import (
+    MixedPlan,
+    plan_mixed_step,
+    prompt_side_requests,
+    warm_up_steps,
+)
 
 # An eager step splits a decode row's keys only past this many (triton_paged's _EAGER_MIN_TOKENS_PER_SPLIT).
 EAGER_SPLIT_FROM = 1025
@@ -59,6 +66,26 @@ def test_decode_rows_ride_in_the_prefill_launch_only_within_its_reach(
 def test_without_host_offsets_the_decode_kernel_serves_unless_the_metadata_rules_decode_rows_out() -> None:
     assert plan_mixed_step(_meta([1, 30], [20, 30], host=False), 16) == MixedPlan.DECODE_KERNEL
     assert plan_mixed_step(_meta([40], [300], host=False, no_single=True), 16) == MixedPlan.NONE
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "want"),
+    [
+        ([300, 40, 1, 1, 1], 2),  # the runner's order: the prefill grid spans the first two
+        ([300, 40], 2),  # no decode row
+        ([2, 1], 1),
+        ([300, 1, 40], 3),  # a prompt-side request after a decode row: every request
+        ([1, 300, 1], 3),
+    ],
+)
+def test_prefill_grid_spans_the_leading_prompt_side_requests(q_lens: list[int], want: int) -> None:
+    assert prompt_side_requests(_meta(q_lens, [q + 10 for q in q_lens])) == want
+
+
+def test_without_host_offsets_the_prefill_grid_spans_every_request() -> None:
+    meta = _meta([300, 1], [300, 20], host=False)
+    meta = replace(meta, seq_lens=torch.zeros(2, dtype=torch.int32))
+    assert prompt_side_requests(meta) == 2
 
 
 def _variant(rows: int, context: int, prompt: int, max_rows: int) -> tuple[MixedPlan, bool] | None:

@@ -235,6 +235,75 @@ def test_overlapped_eager_steps_match_the_synchronous_ones(runner: ModelRunner) 
     assert all(token is None or token >= 0 for _, outs in overlapped for _, token in outs)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])
+def test_a_mixed_steps_rows_run_prompt_side_first_and_report_in_the_steps_order(
+    runner: ModelRunner, overlap: bool
+) -> None:
+    """The runner runs a mixed step's prompt-side rows before its single-token ones (the paged-attention
+    prefill launch then spans only those), whatever order the step lists them in: the tokens are the same for
+    either order, and each result lists its requests in its step's order."""
+
+    def steps(decodes_first: bool) -> list[DecodeStep]:
+        def mixed(step_id: int, chunk: int) -> DecodeStep:
+            running = [RunningRequestData("a", [], 1), RunningRequestData("c", [], 1)]
+            rows = [*running, RunningRequestData("b", [], chunk)]
+            return DecodeStep(step_id, running_requests=rows if decodes_first else rows[::-1])
+
+        return [
+            DecodeStep(
+                1,
+                new_requests=[
+                    NewRequestData("a", list(range(10, 30)), seeded(5), [1, 2], 0, 20, 0),
+                    NewRequestData("c", list(range(80, 90)), seeded(8), [7], 0, 10, 0),
+                ],
+            ),
+            DecodeStep(
+                2,
+                new_requests=[NewRequestData("b", list(range(40, 70)), seeded(6), [3, 4], 0, 10, 0)],
+                running_requests=[RunningRequestData("a", [], 1), RunningRequestData("c", [], 1)],
+            ),
+            mixed(3, 10),
+            mixed(4, 10),
+            mixed(5, 1),
+        ]
+
+    saved = runner.overlap_steps, runner.pipeline_eager
+    runner.overlap_steps, runner.pipeline_eager = overlap, overlap
+    try:
+        rows_seen: list[list[str]] = []
+        prepare = runner._prepare_inputs
+
+        def recording_prepare(rows, *args, **kwargs):  # type: ignore[no-untyped-def]
+            rows_seen.append([row.request.request_id for row in rows])
+            return prepare(rows, *args, **kwargs)
+
+        runner._prepare_inputs = recording_prepare  # type: ignore[method-assign]
+        try:
+            decodes_first = run_steps(runner, steps(True))
+            listed_order = rows_seen[:]
+            prompt_first = run_steps(runner, steps(False))
+        finally:
+            del runner._prepare_inputs
+    finally:
+        runner.overlap_steps, runner.pipeline_eager = saved
+    # Steps 3 and 4 list b's chunks after the decode rows; the rows ran with b first.
+    assert listed_order[2:4] == [["b", "a", "c"], ["b", "a", "c"]]
+
+    def by_request(results: list[tuple[int, list[tuple[str, int | None]]]]) -> dict[str, list[int]]:
+        tokens: dict[str, list[int]] = {}
+        for _, outs in results:
+            for rid, token in outs:
+                if token is not None:
+                    tokens.setdefault(rid, []).append(token)
+        return tokens
+
+    assert by_request(decodes_first) == by_request(prompt_first)
+    assert [len(t) for t in by_request(decodes_first).values()] == [5, 5, 2]  # a, c; b from step 4
+    assert [rid for rid, _ in decodes_first[2][1]] == ["a", "c", "b"]
+    assert [rid for rid, _ in prompt_first[2][1]] == ["b", "c", "a"]
+    assert dict(decodes_first[4][1])["b"] is not None  # b's last chunk sampled its first token
+
+
 def test_a_pending_result_leaves_during_the_next_eager_launch(runner: ModelRunner) -> None:
     """With ``post_result`` set, the step before an overlapped eager step is finished between that step's
     layers, once its ids are on the host (here at once), and handed out before ``execute_step`` returns; the

@@ -390,6 +390,8 @@ class ModelRunner:
         order, rows, errors = self._apply_step(step)
         active = [row for row in rows if row is not None]
         num_tokens = sum(row.end - row.start for row in active)
+        if len(active) < num_tokens:
+            active = _prompt_side_first(active)
         graph_step = bool(active) and self._graph_step(active)
         overlap = self.overlap_steps and all(_overlappable(row.request) for row in active)
         # A decode graph step overlaps; an eager one too with ``pipeline_eager`` (a prefill graph does not).
@@ -1112,3 +1114,14 @@ def build_runner(
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device)
     kv = allocate_kv_cache(backend, config, num_blocks, kv_dtype, device, kv_heads)
     return ModelRunner(loaded.model, loaded.config, backend, kv, device, max_len)
+
+
+def _prompt_side_first(rows: list[ScheduledRow]) -> list[ScheduledRow]:
+    """The rows computing several tokens (prompts, chunks, prefix-hit suffixes), then the single-token ones, each
+    part in its own order. A step's row order is the worker's own (outputs go back by request id); this one lets
+    a paged-attention prefill launch span the leading prompt-side requests only
+    (``mixed_plan.prompt_side_requests``)."""
+    prompt_side = [row for row in rows if row.end - row.start > 1]
+    if len(prompt_side) == len(rows):
+        return rows
+    return prompt_side + [row for row in rows if row.end - row.start == 1]

@@ -45,7 +45,12 @@ from ominix_worker.attention.base import (
     KVScales,
     PiecewiseAttention,
 )
-from ominix_worker.attention.mixed_plan import MixedPlan, plan_mixed_step, warm_up_steps
+from ominix_worker.attention.mixed_plan import (
+    MixedPlan,
+    plan_mixed_step,
+    prompt_side_requests,
+    warm_up_steps,
+)
 from ominix_worker.devices import sm_count
 from ominix_worker.ops import cdiv, next_power_of_2
 from ominix_worker.ops.launch import fast_kernel
@@ -684,6 +689,7 @@ class TritonPagedAttention:
         # The last plan and what it was worked out from (identities: the KV groups' metadata share the lists).
         self._plan_key: tuple[object, object, int] | None = None
         self._plan = MixedPlan.NONE
+        self._plan_prompt_side = 0
         # Set while an eager step's pieces are captured (``PiecewiseAttention``): ``forward`` hands it the call.
         self.cut: AttentionCall | None = None
 
@@ -782,24 +788,28 @@ class TritonPagedAttention:
         if meta.num_decode_only:
             self._decode(query, kv_cache, meta, scale, out, kv_scales, mixed=False, sinks=sinks)
             return
-        plan = self._mixed_plan(meta, kv_cache.shape[3], sm_count(query.device, off_gpu=132))
+        plan, prompt_side = self._mixed_plan(meta, kv_cache.shape[3], sm_count(query.device, off_gpu=132))
         if plan == MixedPlan.DECODE_KERNEL:
             self._decode(query, kv_cache, meta, scale, out, kv_scales, mixed=True, sinks=sinks)
         if meta.max_query_len > 1:
-            self._prefill(query, kv_cache, meta, scale, out, kv_scales, sinks, plan == MixedPlan.IN_PREFILL)
+            in_prefill = plan == MixedPlan.IN_PREFILL
+            grid_requests = meta.num_requests if in_prefill else prompt_side
+            self._prefill(query, kv_cache, meta, scale, out, kv_scales, sinks, in_prefill, grid_requests)
 
-    def _mixed_plan(self, meta: AttentionMetadata, num_kv_heads: int, num_sms: int) -> MixedPlan:
-        """Where a step's single-token requests attend (``mixed_plan.plan_mixed_step``), worked out once per step:
-        its KV groups' metadata share the host lists, which are never changed once built."""
+    def _mixed_plan(self, meta: AttentionMetadata, num_kv_heads: int, num_sms: int) -> tuple[MixedPlan, int]:
+        """Where a step's single-token requests attend (``mixed_plan.plan_mixed_step``) and how many leading
+        requests the prefill grid spans (``mixed_plan.prompt_side_requests``), worked out once per step: its KV
+        groups' metadata share the host lists, which are never changed once built."""
         max_rows = num_sms // num_kv_heads if self.decode_rows_in_prefill else 0
         starts = meta.query_start_loc_cpu
         if starts is None or meta.no_single_token_requests:
-            return plan_mixed_step(meta, max_rows)  # no loop over the requests
+            return plan_mixed_step(meta, max_rows), meta.num_requests  # no loop over the requests
         key = (starts, meta.seq_lens_cpu, max_rows)
         cached = self._plan_key
         if cached is None or cached[0] is not key[0] or cached[1] is not key[1] or cached[2] != max_rows:
             self._plan_key, self._plan = key, plan_mixed_step(meta, max_rows)
-        return self._plan
+            self._plan_prompt_side = prompt_side_requests(meta)
+        return self._plan, self._plan_prompt_side
 
     def _decode(
         self,
@@ -890,7 +900,10 @@ class TritonPagedAttention:
         kv_scales: KVScales,
         sinks: torch.Tensor | None = None,
         decode_rows: bool = False,
+        grid_requests: int | None = None,
     ) -> None:
+        """The prefill kernel over the first ``grid_requests`` requests (all by default); with ``decode_rows``
+        the single-token ones among them attend here too."""
         num_requests = meta.num_requests
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         num_heads = query.shape[1]
@@ -910,7 +923,7 @@ class TritonPagedAttention:
                 _MIN_TOKENS_PER_PREFILL_SPLIT if capturing else _EAGER_MIN_TOKENS_PER_SPLIT,
             )
         part_out, part_lse = _partials(query.shape[0], num_heads, splits, head_dim, out)
-        grid = (num_requests, num_heads * splits, tiles)
+        grid = (num_requests if grid_requests is None else grid_requests, num_heads * splits, tiles)
         _prefill_kernel[grid](
             query,
             kv_cache,
