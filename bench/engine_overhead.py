@@ -78,7 +78,15 @@ WINDOW = (0.1, 0.9)  # tokens/s and CPU per token between these shares of all to
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
     """Answers steps from their protobuf alone: a row samples once it has computed every token it knows."""
 
-    def __init__(self, model_name: str, step_s: float, batch: int, stats_path: str, worker_id: str) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        step_s: float,
+        batch: int,
+        stats_path: str,
+        worker_id: str,
+        hold_s: float = HOLD_S,
+    ) -> None:
         from ominix_runtime.contract import Granularity
         from ominix_runtime.testing.fake_backend import FakeConfig, fake_capability
 
@@ -102,9 +110,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.stats_path = stats_path
         # request id -> [tokens known, tokens computed]
         self.lengths: dict[str, list[int]] = {}
-        self.steps: list[tuple[float, float, float, bool]] = []  # arrival, start, end, steady decode
-        # The first result is held for HOLD_S, so that every client's request is in the engine's queue by
-        # then and decode runs at the full batch, as it does behind a long prefill on a GPU.
+        # arrival, start, end, steady decode, new requests in the step
+        self.steps: list[tuple[float, float, float, bool, int]] = []
+        # The first result is held for hold_s (HOLD_S by default), so that every client's request is in the
+        # engine's queue by then and decode runs at the full batch, as it does behind a long prefill on a GPU.
+        # 0 holds nothing: the steps see the requests as the engine takes them in (``intake_view``).
+        self.hold_s = hold_s
         self.seen: set[str] = set()
 
     async def Describe(self, request: Any, context: Any) -> Any:  # noqa: ANN401
@@ -162,7 +173,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                         gpu_free = start + self.step_s
                     else:
                         gpu_free = start
-                    self.steps.append((arrival, start, gpu_free, steady))
+                    self.steps.append((arrival, start, gpu_free, steady, len(step.new_requests)))
                     outbox.put_nowait((gpu_free, self._answer(step)))
             finally:
                 outbox.put_nowait(None)
@@ -178,7 +189,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     yield worker_pb2.WorkerMessage(
                         heartbeat=worker_pb2.Heartbeat(worker_time=time.monotonic())
                     )
-            held_until = loop.time() + HOLD_S
+            held_until = loop.time() + self.hold_s
             while len(self.seen) < self.batch and loop.time() < held_until:
                 await asyncio.sleep(0.1)
                 yield worker_pb2.WorkerMessage(heartbeat=worker_pb2.Heartbeat(worker_time=time.monotonic()))
@@ -207,7 +218,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 async def serve_fake_worker(args: argparse.Namespace) -> None:
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServicer_to_server(
-        FakeWorker(args.model_name, args.step_ms / 1e3, args.concurrency, args.stats, args.worker_id), server
+        FakeWorker(
+            args.model_name, args.step_ms / 1e3, args.concurrency, args.stats, args.worker_id, args.hold_s
+        ),
+        server,
     )
     server.add_insecure_port(f"127.0.0.1:{args.port}")
     await server.start()
@@ -233,6 +247,29 @@ def worker_view(stats: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def intake_view(stats: dict[str, Any], clients_started: float, total: int) -> dict[str, Any]:
+    """How the engine took in a burst, as the worker saw it: from the clients' start (the earliest client
+    process's, on the machine's one perf_counter clock) to the first step, and to the step that brought the
+    last of ``total`` requests; the steps that took, and the new requests in each."""
+    steps = [
+        tuple(s) for s in stats["steps"] if s[0] >= clients_started
+    ]  # a warm-up burst's steps are earlier
+    if not steps:
+        return {"incomplete": 0}
+    news = [int(s[4]) for s in steps]
+    seen = 0
+    for k, n in enumerate(news):
+        seen += n
+        if seen >= total:
+            return {
+                "first_step_ms": (steps[0][0] - clients_started) * 1e3,
+                "all_in_ms": (steps[k][0] - clients_started) * 1e3,
+                "steps": k + 1,
+                "new_per_step": news[: k + 1],
+            }
+    return {"first_step_ms": (steps[0][0] - clients_started) * 1e3, "incomplete": seen}
+
+
 # ---------------------------------------------------------------- the clients
 
 
@@ -243,12 +280,13 @@ def prompt_of(i: int, prompt_len: int) -> list[int]:
 
 def client_report(
     counts: list[int], chunks: list[int], terminals: list[str], times: list[float], sizes: list[int],
-    tpots: list[float], wall: float,
+    tpots: list[float], wall: float, started: float,
 ) -> dict[str, Any]:  # fmt: skip
     """What one client process hands back: per request counts, and every token chunk's arrival (perf_counter,
     which is the same clock in every process of the machine) so that several processes can be merged."""
     return {
         "wall_s": wall,
+        "started_perf": started,
         "requests": len(counts),
         "all_done_once": all(t == "done" for t in terminals),
         "tokens_per_request": sorted(set(counts)),
@@ -304,7 +342,7 @@ async def run_lean_clients(args: argparse.Namespace) -> dict[str, Any]:
     await asyncio.gather(*(one(args.first_request + i) for i in range(args.concurrency)))
     wall = clock() - started
     await channel.close()
-    return client_report(counts, messages, terminals, times, sizes, tpots, wall)
+    return client_report(counts, messages, terminals, times, sizes, tpots, wall, started)
 
 
 async def run_w1_clients(args: argparse.Namespace) -> dict[str, Any]:
@@ -317,6 +355,7 @@ async def run_w1_clients(args: argparse.Namespace) -> dict[str, Any]:
         output_len=args.output_len,
         num_channels=args.num_channels,
         progress=False,
+        batch_submit=args.batch_submit,
     )
     specs = [
         RequestSpec(max_tokens=args.output_len, prompt_ids=prompt_of(args.first_request + i, args.prompt_len))
@@ -331,7 +370,7 @@ async def run_w1_clients(args: argparse.Namespace) -> dict[str, Any]:
         [sum(r.chunk_tokens) for r in result.requests],
         [len(r.chunk_tokens) for r in result.requests],
         ["done" if r.success else r.error for r in result.requests],
-        times, sizes, tpots, result.metrics.duration_s,
+        times, sizes, tpots, result.metrics.duration_s, origin,
     )  # fmt: skip
 
 
@@ -605,6 +644,7 @@ def merge_clients(reports: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "processes": len(reports),
         "wall_s": max(r["wall_s"] for r in reports),
+        "started_perf": min(r["started_perf"] for r in reports),
         "requests": sum(r["requests"] for r in reports),
         "all_done_once": all(r["all_done_once"] for r in reports),
         "tokens_per_request": sorted({n for r in reports for n in r["tokens_per_request"]}),
@@ -649,6 +689,8 @@ def spawn_clients(
                     "--num-channels",
                     str(args.num_channels),
                     *(["--no-stream"] if args.no_stream else []),
+                    *(["--batch-submit"] if args.batch_submit else []),
+                    *(["--again"] if args.again else []),
                 ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -659,11 +701,12 @@ def spawn_clients(
     return procs
 
 
-def go(procs: list[subprocess.Popen[bytes]]) -> None:
+def go(procs: list[subprocess.Popen[bytes]], signal: bytes = b"ready") -> None:
+    """Wait for every client process's ``signal`` line, then start them all together."""
     for proc in procs:
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        if line.strip() != b"ready":
+        if line.strip() != signal:
             raise RuntimeError(f"a client process did not start (exit {proc.poll()}): {line!r}")
     for proc in procs:
         assert proc.stdin is not None
@@ -720,6 +763,8 @@ async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str
                 model_name,
                 "--worker-id",
                 f"fake-{g}",
+                "--hold-s",
+                str(args.hold_s),
             ],
             env=env,
         )  # fmt: skip
@@ -747,6 +792,8 @@ async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str
         if not args.no_gc_freeze:
             memory.freeze_startup_heap()  # as `ominix-runtime serve` does once started
         await asyncio.to_thread(go, clients)
+        if args.again:
+            await asyncio.to_thread(go, clients, b"warm")  # the timed burst finds its prompts cached
         pids = {"clients": [c.pid for c in clients], "workers": [w.pid for w in workers]}
         if args.front_procs:
             pids["fronts"] = daemon.front_pids()
@@ -775,10 +822,13 @@ async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str
         "max_inflight_steps": config.engine.max_inflight_steps,
         "light_load_below_running": config.engine.light_load_below_running,
     }
-    views = [worker_view(json.loads(p.read_text())) for p in stats_paths if p.exists()]
+    stats = [json.loads(p.read_text()) for p in stats_paths if p.exists()]
+    views = [worker_view(s) for s in stats]
     if views:
         result["worker"] = views[0]
         result["workers"] = views
+    if len(stats) == 1:
+        result["intake"] = intake_view(stats[0], result["clients"]["started_perf"], args.concurrency)
     return result
 
 
@@ -830,6 +880,14 @@ def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
             f"  garbage collection: {eng['gc_pauses_per_step']:.2f} runs and {eng['gc_ms_per_step']:.3f} ms per step, "
             f"longest {eng['gc_max_ms']:.2f} ms, runs by generation {eng['gc_by_generation']}"
         )
+    intake = result.get("intake", {})
+    if "all_in_ms" in intake:
+        shown = intake["new_per_step"][:16]
+        print(
+            f"  intake: first step {intake['first_step_ms']:.1f} ms after the clients started, every request in a "
+            f"step after {intake['all_in_ms']:.1f} ms ({intake['steps']} steps; new requests per step "
+            f"{', '.join(map(str, shown))}{', ...' if len(intake['new_per_step']) > 16 else ''})"
+        )
     if wrk and args.step_ms > 0:
         print(
             f"  as the worker saw it ({wrk['steps']:.0f} steps): next_ready p50 {wrk['next_ready_p50_ms']:.2f} ms, "
@@ -877,6 +935,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--num-channels", type=int, default=4, help="gRPC connections per client process (w1)"
     )
+    parser.add_argument(
+        "--batch-submit",
+        action="store_true",
+        help="w1: each client process sends its requests in one GenerateBatch call (bench/offline.py --batch-submit)",
+    )
+    parser.add_argument(
+        "--again",
+        action="store_true",
+        help="w1: each client process first sends its requests untimed, then, once all are done, the same "
+        "prompts again (W1 again: the engine's prefix cache holds them); the report is the second burst's",
+    )
+    parser.add_argument(
+        "--hold-s",
+        type=float,
+        default=HOLD_S,
+        help="the fake worker holds its first result this long or until every request was in a step, so decode "
+        "starts at the full batch; 0: no hold, the steps take the requests as the engine admits them (the "
+        "intake line)",
+    )
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--profile", default="", help="write a cProfile of the steady steps here (pstats)")
     parser.add_argument("--json", default="")
@@ -891,6 +968,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.no_stream:
         args.client = "lean"
+    if (args.batch_submit or args.again) and args.client != "w1":
+        parser.error("--batch-submit and --again are the w1 client's")
     try:
         import uvloop
     except ImportError:  # plain asyncio then
@@ -903,6 +982,10 @@ def main(argv: list[str] | None = None) -> int:
         print("ready", flush=True)
         sys.stdin.readline()  # the go: every client process starts together
         if args.client == "w1":
+            if args.again:  # the same prompts once untimed, then, once every process is done, timed
+                asyncio.run(run_w1_clients(args))
+                print("warm", flush=True)
+                sys.stdin.readline()
             report = asyncio.run(run_w1_clients(args))  # as bench/offline.py runs it
         else:
             report = runner(run_lean_clients(args))

@@ -53,3 +53,38 @@ def test_engine_overhead_bench_reports_every_phase(
         worker = result["worker"]
         assert worker["steps"] >= 5 and 0.0 < worker["busy_share"] <= 1.0 + 1e-9
         assert "next_ready p50" in done.stdout
+
+
+@pytest.mark.parametrize("again", [False, True], ids=["cold", "again"])
+def test_intake_of_a_batch_submitted_burst(tmp_path: Path, again: bool) -> None:
+    """With ``--batch-submit`` (one GenerateBatch a client process) and no held first result, the bench reports
+    how the engine took the burst in: every request reached a step once, after the first step. With
+    ``--again`` the timed burst is the second (its prompts cached): the first burst's steps are not counted."""
+    out = tmp_path / "intake.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "engine_overhead.py"), "--concurrency", "24", "--prompt-len", "64",
+         "--output-len", "8", "--step-ms", "2", "--client-procs", "2", "--batch-submit", "--hold-s", "0",
+         *(["--again"] if again else []), "--work-dir", str(tmp_path), "--json", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["clients"]["all_done_once"] and result["clients"]["tokens_per_request"] == [8]
+    intake = result["intake"]
+    assert sum(intake["new_per_step"]) == 24 and intake["steps"] == len(intake["new_per_step"])
+    assert 0.0 < intake["first_step_ms"] <= intake["all_in_ms"]
+    assert "every request in a step after" in done.stdout
+
+
+def test_intake_view_counts_new_requests_up_to_the_last() -> None:
+    sys.path.insert(0, str(REPO))
+    from bench.engine_overhead import intake_view
+
+    # (arrival, start, end, steady, new requests): 3 then 0 then 5 new; clients started at 9.990 s
+    stats = {
+        "steps": [[10.0, 10.0, 10.01, False, 3], [10.01, 10.01, 10.02, False, 0], [10.02, 0, 0, False, 5]]
+    }
+    view = intake_view(stats, 9.990, 8)
+    assert view["steps"] == 3 and view["new_per_step"] == [3, 0, 5]
+    assert abs(view["first_step_ms"] - 10.0) < 1e-6 and abs(view["all_in_ms"] - 30.0) < 1e-6
+    assert intake_view(stats, 9.990, 9) == {"first_step_ms": view["first_step_ms"], "incomplete": 8}
