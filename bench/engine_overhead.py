@@ -110,8 +110,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.stats_path = stats_path
         # request id -> [tokens known, tokens computed]
         self.lengths: dict[str, list[int]] = {}
-        # arrival, start, end, steady decode, new requests in the step
-        self.steps: list[tuple[float, float, float, bool, int]] = []
+        # arrival, start, end, steady decode, new requests in the step, their tokens already computed (a prefix
+        # cache hit)
+        self.steps: list[tuple[float, float, float, bool, int, int]] = []
         # The first result is held for hold_s (HOLD_S by default), so that every client's request is in the
         # engine's queue by then and decode runs at the full batch, as it does behind a long prefill on a GPU.
         # 0 holds nothing: the steps see the requests as the engine takes them in (``intake_view``).
@@ -173,7 +174,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                         gpu_free = start + self.step_s
                     else:
                         gpu_free = start
-                    self.steps.append((arrival, start, gpu_free, steady, len(step.new_requests)))
+                    cached = sum(new.num_computed_tokens for new in step.new_requests)
+                    self.steps.append((arrival, start, gpu_free, steady, len(step.new_requests), cached))
                     outbox.put_nowait((gpu_free, self._answer(step)))
             finally:
                 outbox.put_nowait(None)
@@ -228,9 +230,10 @@ async def serve_fake_worker(args: argparse.Namespace) -> None:
     await server.wait_for_termination()
 
 
-def worker_view(stats: dict[str, Any]) -> dict[str, float]:
-    """What a GPU would have seen over the steady decode steps (all but the first two)."""
-    steps = [tuple(s) for s in stats["steps"]]
+def worker_view(stats: dict[str, Any], since: float = 0.0) -> dict[str, float]:
+    """What a GPU would have seen over the steady decode steps (all but the first two) that arrived at or after
+    ``since`` (perf_counter: the timed burst's start, so that an untimed one before it stays out)."""
+    steps = [tuple(s) for s in stats["steps"] if s[0] >= since]
     pairs = [(p, c) for p, c in zip(steps, steps[1:], strict=False) if p[3] and c[3]][2:]
     if not pairs:
         return {}
@@ -249,23 +252,24 @@ def worker_view(stats: dict[str, Any]) -> dict[str, float]:
 
 def intake_view(stats: dict[str, Any], clients_started: float, total: int) -> dict[str, Any]:
     """How the engine took in a burst, as the worker saw it: from the clients' start (the earliest client
-    process's, on the machine's one perf_counter clock) to the first step, and to the step that brought the
-    last of ``total`` requests; the steps that took, and the new requests in each."""
-    steps = [
-        tuple(s) for s in stats["steps"] if s[0] >= clients_started
-    ]  # a warm-up burst's steps are earlier
-    if not steps:
+    process's, on the machine's one perf_counter clock) to the first step that brought a new request, and to the
+    step that brought the last of ``total``; the steps that took, the new requests in each, and how many of
+    their prompt tokens a prefix-cache hit spared."""
+    steps = [tuple(s) for s in stats["steps"] if s[0] >= clients_started]  # an untimed burst's are earlier
+    first = next((k for k, s in enumerate(steps) if s[4] > 0), None)
+    if first is None:
         return {"incomplete": 0}
-    news = [int(s[4]) for s in steps]
+    steps = steps[first:]
     seen = 0
-    for k, n in enumerate(news):
-        seen += n
+    for k, step in enumerate(steps):
+        seen += int(step[4])
         if seen >= total:
             return {
                 "first_step_ms": (steps[0][0] - clients_started) * 1e3,
-                "all_in_ms": (steps[k][0] - clients_started) * 1e3,
+                "all_in_ms": (step[0] - clients_started) * 1e3,
                 "steps": k + 1,
-                "new_per_step": news[: k + 1],
+                "new_per_step": [int(s[4]) for s in steps[: k + 1]],
+                "cached_tokens": sum(int(s[5]) for s in steps[: k + 1]),
             }
     return {"first_step_ms": (steps[0][0] - clients_started) * 1e3, "incomplete": seen}
 
@@ -411,6 +415,18 @@ class EngineTimers:
         self.cpu_window: list[float] = []  # process CPU, wall at the window's start and at its last step
         self.profile: cProfile.Profile | None = None
         self.profile_path = ""
+
+    def restart(self) -> None:
+        """Forget every step so far (an untimed burst's): the window may open again, for the timed one."""
+        self.samples = {p: [] for p in self.PHASES}
+        self.window_open = self.window_closed = False
+        self.admitted = self.steady_steps = 0
+        self.cpu_window = []
+        self.gc_pauses.clear()
+        for state in self.drivers.values():
+            state.steady = False
+            state.current = {}
+            state.last_arrival = 0.0
 
     def driver(self) -> DriverState:
         """The state of the group whose driver (or result reader) task is running; a throwaway one for a task
@@ -701,13 +717,22 @@ def spawn_clients(
     return procs
 
 
-def go(procs: list[subprocess.Popen[bytes]], signal: bytes = b"ready") -> None:
-    """Wait for every client process's ``signal`` line, then start them all together."""
+def wait_for_line(procs: list[subprocess.Popen[bytes]], signal: bytes) -> None:
+    """Wait for every client process's ``signal`` line."""
     for proc in procs:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         if line.strip() != signal:
             raise RuntimeError(f"a client process did not start (exit {proc.poll()}): {line!r}")
+
+
+def go(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Once every client process is ready, start them all together."""
+    wait_for_line(procs, b"ready")
+    release(procs)
+
+
+def release(procs: list[subprocess.Popen[bytes]]) -> None:
     for proc in procs:
         assert proc.stdin is not None
         proc.stdin.write(b"go\n")
@@ -792,8 +817,10 @@ async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str
         if not args.no_gc_freeze:
             memory.freeze_startup_heap()  # as `ominix-runtime serve` does once started
         await asyncio.to_thread(go, clients)
-        if args.again:
-            await asyncio.to_thread(go, clients, b"warm")  # the timed burst finds its prompts cached
+        if args.again:  # the timed burst finds its prompts cached; the untimed one's steps are forgotten
+            await asyncio.to_thread(wait_for_line, clients, b"warm")
+            timers.restart()
+            release(clients)
         pids = {"clients": [c.pid for c in clients], "workers": [w.pid for w in workers]}
         if args.front_procs:
             pids["fronts"] = daemon.front_pids()
@@ -823,7 +850,8 @@ async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str
         "light_load_below_running": config.engine.light_load_below_running,
     }
     stats = [json.loads(p.read_text()) for p in stats_paths if p.exists()]
-    views = [worker_view(s) for s in stats]
+    since = result["clients"]["started_perf"]
+    views = [worker_view(s, since) for s in stats]
     if views:
         result["worker"] = views[0]
         result["workers"] = views
@@ -886,7 +914,8 @@ def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
         print(
             f"  intake: first step {intake['first_step_ms']:.1f} ms after the clients started, every request in a "
             f"step after {intake['all_in_ms']:.1f} ms ({intake['steps']} steps; new requests per step "
-            f"{', '.join(map(str, shown))}{', ...' if len(intake['new_per_step']) > 16 else ''})"
+            f"{', '.join(map(str, shown))}{', ...' if len(intake['new_per_step']) > 16 else ''}; "
+            f"{intake['cached_tokens']:,} of their prompt tokens cached)"
         )
     if wrk and args.step_ms > 0:
         print(

@@ -27,7 +27,7 @@ HOST_CATEGORIES = frozenset({"cpu_op", "python_function", "user_annotation", "cu
 class Gap:
     us: float  # idle time before ``before``
     before: str  # the device event that ended the gap
-    at_ms: float  # its start, from the first device event
+    at_ms: float  # when ``before`` started (the gap's end), from the first device event
 
 
 @dataclass(frozen=True, slots=True)

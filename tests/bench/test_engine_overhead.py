@@ -73,18 +73,31 @@ def test_intake_of_a_batch_submitted_burst(tmp_path: Path, again: bool) -> None:
     intake = result["intake"]
     assert sum(intake["new_per_step"]) == 24 and intake["steps"] == len(intake["new_per_step"])
     assert 0.0 < intake["first_step_ms"] <= intake["all_in_ms"]
+    # The timed burst of --again finds every prompt's full blocks cached (64 tokens: 4 blocks of 16, the last
+    # one computed again for its logits); a cold burst finds none.
+    assert intake["cached_tokens"] == (24 * 48 if again else 0)
     assert "every request in a step after" in done.stdout
+    # The decode steps the stand-in device saw are the timed burst's only (8 tokens a request).
+    assert result["worker"].get("steps", 0.0) <= 8
 
 
 def test_intake_view_counts_new_requests_up_to_the_last() -> None:
     sys.path.insert(0, str(REPO))
     from bench.engine_overhead import intake_view
 
-    # (arrival, start, end, steady, new requests): 3 then 0 then 5 new; clients started at 9.990 s
+    # (arrival, start, end, steady, new requests, their cached tokens): an earlier burst's step, a step that only
+    # finishes requests, then 3, 0 and 5 new; the clients started at 9.990 s
     stats = {
-        "steps": [[10.0, 10.0, 10.01, False, 3], [10.01, 10.01, 10.02, False, 0], [10.02, 0, 0, False, 5]]
+        "steps": [
+            [9.5, 9.5, 9.51, False, 8, 0],
+            [9.995, 9.995, 9.995, False, 0, 0],
+            [10.0, 10.0, 10.01, False, 3, 96],
+            [10.01, 10.01, 10.02, False, 0, 0],
+            [10.02, 0, 0, False, 5, 160],
+        ]
     }
     view = intake_view(stats, 9.990, 8)
-    assert view["steps"] == 3 and view["new_per_step"] == [3, 0, 5]
+    assert view["steps"] == 3 and view["new_per_step"] == [3, 0, 5] and view["cached_tokens"] == 256
     assert abs(view["first_step_ms"] - 10.0) < 1e-6 and abs(view["all_in_ms"] - 30.0) < 1e-6
     assert intake_view(stats, 9.990, 9) == {"first_step_ms": view["first_step_ms"], "incomplete": 8}
+    assert intake_view(stats, 10.5, 8) == {"incomplete": 0}

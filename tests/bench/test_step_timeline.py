@@ -1,7 +1,7 @@
 """bench/step_timeline.py on a synthetic step log: runs are cut at idle stretches, short runs are left out, and
-each run's wall time is split into prompt-side and pure-decode steps (a step lasting until the next one's entry),
-with the batch's ramp, the median decode step at the largest batch and the time between step calls; a file
-that is not a step log is refused with a message."""
+each run's wall time is split into prompt-side, pure-decode and empty steps (pipelined or synchronous), with the
+batch's ramp, the median decode step at the largest batch and the time between step calls; a file that is not a
+step log is refused with a message."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ def _run(start: float, batches: list[int], tokens: list[int], every_s: float) ->
 # A burst: two prompt-side steps while the batch fills (64 then 256 requests), then 10 decode steps at 256.
 BURST = _run(10.0, [64, 256] + [256] * 10, [4096, 3000] + [256] * 10, 0.010)
 WARM_UP = _run(1.0, [1, 1], [5, 1], 0.010)  # a short run: left out by --min-steps
+# The step after the last decode: it only finishes the requests (no request in it).
+FINISH = [{"id": 12, "enter": 10.12, "exit": 10.121, "batch": 0, "tokens": 0, "decode": False}]
 
 
 def test_runs_are_cut_at_idle_stretches() -> None:
@@ -38,27 +40,36 @@ def test_runs_are_cut_at_idle_stretches() -> None:
     assert [s["id"] for s in runs[1]] == list(range(12))
 
 
-def test_a_runs_wall_time_by_step_kind() -> None:
-    t = run_timeline(BURST)
-    assert t.steps == 12
-    assert t.wall_ms == pytest.approx(111.0)  # 11 intervals of 10 ms, then the last call's 1 ms
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "synchronous"])
+def test_a_runs_wall_time_by_step_kind(pipelined: bool) -> None:
+    """Pipelined, step k ran from call k's exit to call k+1's (the first also gets its own call); synchronous,
+    from its entry to the next entry. Either way the steps' times add up to the wall time."""
+    t = run_timeline(BURST + FINISH, pipelined)
+    assert t.steps == 13
+    assert t.wall_ms == pytest.approx(121.0)  # 12 intervals of 10 ms, then the last call's 1 ms
     assert (t.prompt_steps, t.prompt_tokens) == (2, [4096, 3000])
-    assert t.prompt_ms == pytest.approx(20.0)
-    assert t.decode_steps == 10 and t.decode_ms == pytest.approx(91.0)
-    assert t.prompt_ms + t.decode_ms == pytest.approx(t.wall_ms)
+    assert (t.empty_steps, t.decode_steps) == (1, 10)
+    assert t.prompt_ms + t.decode_ms + t.empty_ms == pytest.approx(t.wall_ms)
+    if pipelined:  # 11 + 10 ms; the ten decode steps 10 ms each; the empty step's call ends the run
+        assert (t.prompt_ms, t.decode_ms, t.empty_ms) == pytest.approx((21.0, 100.0, 0.0))
+    else:  # 10 + 10 ms; 10 ms each; the empty step's 1 ms call
+        assert (t.prompt_ms, t.decode_ms, t.empty_ms) == pytest.approx((20.0, 100.0, 1.0))
     assert t.max_batch == 256 and t.decode_median_ms_at_max_batch == pytest.approx(10.0)
-    assert (t.ramp_steps, t.ramp_ms) == (1, pytest.approx(10.0))
-    assert t.between_calls_ms == pytest.approx(11 * 9.0)
+    assert t.ramp_steps == 1 and t.ramp_ms == pytest.approx(11.0 if pipelined else 10.0)
+    assert t.between_calls_ms == pytest.approx(12 * 9.0)
 
 
 def test_main_reports_the_long_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     probe = tmp_path / "probe.json"
-    probe.write_text(json.dumps({"steps": WARM_UP + BURST}))
+    probe.write_text(json.dumps({"steps": WARM_UP + BURST + FINISH}))
     out = tmp_path / "timeline.json"
     assert main([str(probe), "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert printed.startswith("run 0: 12 steps in 111.0 ms") and "batch 256 reached after 1 steps" in printed
-    assert [r["steps"] for r in json.loads(out.read_text())] == [12]
+    assert (
+        printed.startswith("run 0: 13 steps in 121.0 ms")
+        and "batch 256 first in the step after 1 steps" in printed
+    )
+    assert [r["steps"] for r in json.loads(out.read_text())] == [13]
 
 
 def test_a_file_that_is_not_a_step_log_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -301,7 +301,7 @@ def test_a_mixed_steps_rows_run_prompt_side_first_and_report_in_the_steps_order(
     assert [len(t) for t in by_request(decodes_first).values()] == [5, 5, 2]  # a, c; b from step 4
     assert [rid for rid, _ in decodes_first[2][1]] == ["a", "c", "b"]
     assert [rid for rid, _ in prompt_first[2][1]] == ["b", "c", "a"]
-    assert dict(decodes_first[4][1])["b"] is not None  # b's last chunk sampled its first token
+    assert dict(decodes_first[3][1])["b"] is not None  # b's last chunk (step 4) sampled its first token
 
 
 def test_a_pending_result_leaves_during_the_next_eager_launch(runner: ModelRunner) -> None:

@@ -11,7 +11,7 @@ prompt-side request's context), so they finish inside its time. Many rows keep t
 them fit on an SM than beside the prefill kernel's larger tiles.
 
 When the decode rows take their own launch, the prefill launch need not cover them: every program of a
-single-token request in it would start only to return, and a batch of 248 decode rows beside 8 prompts of 512
+single-token request in it would start only to return, and a batch of 248 decode rows beside 7 prompts of 512
 tokens starts 63,488 of them, which doubled that kernel's time (185 against 90 µs a layer on an H200). The
 runner puts a step's prompt-side requests first, so the prefill grid spans just those (``prompt_side_requests``).
 """

@@ -64,7 +64,7 @@ _MAX_SPLITS = 32
 # Keys per split below which a prefill split stops paying for its partial outputs and the merge.
 _MIN_TOKENS_PER_PREFILL_SPLIT = 256
 # Prefill tile (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs and head_dim <= 128.
-_PREFILL_CONFIG = (64, 64, 4, 3)
+PREFILL_CONFIG = (64, 64, 4, 3)
 
 
 @fast_kernel
@@ -888,7 +888,7 @@ class TritonPagedAttention:
             return (32, 32, 4, 2)
         if meta.max_query_len <= 16:  # short chunks: small query tiles waste less
             return (16, 64, 4, 3)
-        return _PREFILL_CONFIG
+        return PREFILL_CONFIG
 
     def _prefill(
         self,
