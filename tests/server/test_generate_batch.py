@@ -30,6 +30,11 @@ def _by_request(events: list[engine_pb2.GenerateEvent]) -> dict[str, list[engine
     return dict(out)
 
 
+def _runs(event_kinds: list[str]) -> list[str]:
+    """The event kinds with each run of repeated kinds (a stream's token events) as one."""
+    return [k for i, k in enumerate(event_kinds) if i == 0 or k != event_kinds[i - 1]]
+
+
 def _batch(
     daemon: RunningDaemon, requests: list[engine_pb2.GenerateRequest]
 ) -> list[engine_pb2.GenerateEvent]:
@@ -66,7 +71,9 @@ def test_each_request_streams_as_its_own_generate_would(fake_daemon: RunningDaem
             },
         )
         events = per_request[request.request_id]
-        assert kinds(events) == kinds(alone), request.request_id
+        # A stream's tokens may come merged into fewer events when its reader lags (a loaded host), so the
+        # events' shape is compared with each run of tokens as one, and the tokens themselves below.
+        assert _runs(kinds(events)) == _runs(kinds(alone)), request.request_id
         assert [k for k in kinds(events) if k in TERMINAL] == ["done"]
         got = [t for e in events if e.HasField("token") for t in e.token.token_ids]
         assert got == [t for e in alone if e.HasField("token") for t in e.token.token_ids]
