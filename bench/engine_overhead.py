@@ -856,7 +856,7 @@ async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str
         result["worker"] = views[0]
         result["workers"] = views
     if len(stats) == 1:
-        result["intake"] = intake_view(stats[0], result["clients"]["started_perf"], args.concurrency)
+        result["intake"] = intake_view(stats[0], since, args.concurrency)
     return result
 
 

@@ -340,7 +340,8 @@ class StepProbe:
         partial.replace(self.out)
 
 
-def _union(intervals: list[tuple[float, float]], low: float, high: float) -> float:
+def union_length(intervals: list[tuple[float, float]], low: float, high: float) -> float:
+    """The length of the union of ``intervals`` inside [low, high]: overlapping activity counted once."""
     total = 0.0
     cur_start = cur_end = None
     for start, end in sorted(intervals):
@@ -418,7 +419,7 @@ def summarize(prof: Any, num_steps: int) -> dict[str, Any]:  # noqa: ANN401
     low, high = min(s for s, _, _ in device), max(e for _, e, _ in device)
     n = num_steps
     wall = high - low
-    busy = _union([(s, e) for s, e, _ in device], low, high)
+    busy = union_length([(s, e) for s, e, _ in device], low, high)
     totals: dict[str, float] = {}
     for s, e, name in device:
         totals[name] = totals.get(name, 0.0) + (e - s)

@@ -18,6 +18,13 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+if __package__ in (None, ""):
+    sys.path[0] = str(
+        Path(__file__).resolve().parent.parent
+    )  # run as a script: bench.* from the repository root
+
+from bench.step_probe import union_length  # noqa: E402
+
 # Device-side event categories in torch profiler traces.
 DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 HOST_CATEGORIES = frozenset({"cpu_op", "python_function", "user_annotation", "cuda_runtime", "cuda_driver"})
@@ -57,20 +64,15 @@ def timeline(events: list[dict[str, object]], min_gap_us: float = 20.0) -> Timel
     )
     if not device:
         raise ValueError("the trace holds no device events (kernels, copies, memsets)")
-    first = float(device[0]["ts"])  # type: ignore[arg-type]
+    intervals = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in device]  # type: ignore[arg-type]
+    first = intervals[0][0]
     covered_to = first
-    busy = 0.0
     gaps: list[Gap] = []
-    for event in device:
-        start = float(event["ts"])  # type: ignore[arg-type]
-        end = start + float(event.get("dur", 0.0))  # type: ignore[arg-type]
-        if start > covered_to:
-            if start - covered_to >= min_gap_us:
-                gaps.append(Gap(start - covered_to, str(event.get("name", "")), (start - first) / 1e3))
-            busy += end - start
-        elif end > covered_to:
-            busy += end - covered_to
+    for event, (start, end) in zip(device, intervals, strict=True):
+        if start - covered_to >= min_gap_us:
+            gaps.append(Gap(start - covered_to, str(event.get("name", "")), (start - first) / 1e3))
         covered_to = max(covered_to, end)
+    busy = union_length(intervals, first, covered_to)
     host_starts = [float(e["ts"]) for e in events if e.get("cat") in HOST_CATEGORIES]  # type: ignore[arg-type]
     host_lead = max(0.0, first - min(host_starts)) if host_starts else 0.0
     span = covered_to - first
