@@ -351,6 +351,15 @@ FLAGS: tuple[Flag, ...] = (
         non_negative_int,
     ),
     Flag(
+        "--backlog-admission-slots",
+        "engine",
+        "under a backlog (more waiting than free running slots), a step that carries decodes admits waiting "
+        "requests only once this many running slots are free, or after 4 steps of waiting with a slot free; "
+        "fewer steps then carry a prompt beside the decodes (0 or 1: each slot is filled as it frees)",
+        ("engine.scheduler.backlog_admission_slots",),
+        non_negative_int,
+    ),
+    Flag(
         "--max-inflight-steps",
         "engine",
         "steps sent to a worker ahead of its results (1: none; 3: step N+1 reaches a pipelined GPU worker about "

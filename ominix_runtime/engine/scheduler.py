@@ -121,6 +121,7 @@ class Scheduler:
         self._pending_finished_ids: list[str] = []
         self._inflight: dict[int, list[_Scheduled]] = {}
         self._next_step_id = 1
+        self._admission_wait_steps = 0  # steps in a row that backlog_admission_slots held admission
         self._arrival_seq = 0
         self._rng = random.Random(seed)
 
@@ -309,8 +310,10 @@ class Scheduler:
             self._commit(req, n, scheduled, plan)
             budget -= n
 
-        # No admissions after a KV shortage among running requests: it would only feed the thrash.
-        if len(preempted) == num_preempted_for_priority and not kv_blocked:
+        # No admissions after a KV shortage among running requests: it would only feed the thrash. A slot
+        # just freed for a higher class is filled at once, whatever backlog_admission_slots says.
+        kv_short = len(preempted) > num_preempted_for_priority or kv_blocked
+        if not kv_short and (num_preempted_for_priority > 0 or not self._holds_admission(plan)):
             limit_left = self._prefill_limit_left(budget, plan)
             self._admit_waiting(step_id, budget, limit_left, scheduled, new_requests, plan)
 
@@ -387,6 +390,25 @@ class Scheduler:
             plan.num_prefill_tokens += n
         else:
             plan.num_decode_tokens += n
+
+    def _holds_admission(self, plan: BatchPlan) -> bool:
+        """Whether this step leaves the waiting requests waiting for more free slots
+        (``backlog_admission_slots``): only under a backlog, in a step that carries decodes, with fewer slots
+        free than the setting and for at most ``backlog_admission_max_wait_steps`` steps in a row."""
+        free = self.max_running_requests - len(self.running)
+        if (
+            self.config.backlog_admission_slots > 1
+            and plan.num_decode_tokens > 0
+            and 0 < free < self.config.backlog_admission_slots
+            and len(self.waiting) > free
+            and self._admission_wait_steps < self.config.backlog_admission_max_wait_steps
+        ):
+            self._admission_wait_steps += 1
+            plan.admission_held = True
+            return True
+        if free > 0:
+            self._admission_wait_steps = 0
+        return False
 
     def _prefill_limit_left(self, budget: int, plan: BatchPlan) -> int | None:
         """What the prefill limit beside decodes leaves this step for prompts it has not held back yet, or

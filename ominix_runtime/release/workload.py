@@ -121,6 +121,10 @@ def _scheduler(f: Fields) -> SchedulerConfig:
         max_batch_tokens_with_decodes=f.integer(
             "max_batch_tokens_with_decodes", d.max_batch_tokens_with_decodes, minimum=0
         ),
+        backlog_admission_slots=f.integer("backlog_admission_slots", d.backlog_admission_slots, minimum=0),
+        backlog_admission_max_wait_steps=f.integer(
+            "backlog_admission_max_wait_steps", d.backlog_admission_max_wait_steps, minimum=0
+        ),
     )
 
 

@@ -1,0 +1,125 @@
+"""backlog_admission_slots: under a backlog, waiting requests go in once several running slots are free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sched_helpers import Run, drive, make, request
+
+from ominix_runtime.contract import Done, Priority
+from ominix_runtime.engine.config import SchedulerConfig
+from ominix_runtime.testing.fake_backend import FakeConfig
+
+
+@dataclass(frozen=True, slots=True)
+class StepView:
+    free_slots: int  # running slots free as the step was built
+    admitted: tuple[str, ...]
+    held: bool
+
+
+def _run(config: SchedulerConfig, running_tokens: list[int], waiting: int) -> tuple[Run, list[StepView]]:
+    """Requests r0.. that run (each with its max_tokens) beside a queue of ``waiting`` more (w0..), one step
+    in flight at a time, until everything has ended."""
+    run = make(FakeConfig(max_batch_tokens=256, kv_block_size=4, kv_num_blocks=512), config)
+    s = run.scheduler
+    for i, max_tokens in enumerate(running_tokens):
+        s.add_request(request(f"r{i}", [10 + i] * 8, max_tokens=max_tokens))
+    first = s.schedule()
+    assert first is not None and len(first.new_requests) == len(running_tokens)
+    run.record(s.update(first, run.backend.execute(first)))
+    for i in range(waiting):
+        s.add_request(request(f"w{i}", [60 + i] * 12, max_tokens=2))
+    views: list[StepView] = []
+    while s.requests:
+        free = s.max_running_requests - s.num_running
+        step = s.schedule()
+        assert step is not None
+        plan = s.last_plan
+        assert plan is not None
+        views.append(StepView(free, tuple(r.request_id for r in step.new_requests), plan.admission_held))
+        run.record(s.update(step, run.backend.execute(step)))
+        s.check_integrity()
+    assert s.registry.num_leased_blocks == 0
+    return run, views
+
+
+def _first_admission(views: list[StepView]) -> int:
+    return next(i for i, v in enumerate(views) if v.admitted)
+
+
+def test_a_backlog_waits_for_two_free_slots_and_they_fill_in_one_step() -> None:
+    config = SchedulerConfig(
+        max_running_requests=4, backlog_admission_slots=2, prefill_tokens_beside_decodes=0
+    )
+    # r0 ends two steps before r1: one slot is free for two steps, then two.
+    run, views = _run(config, running_tokens=[3, 5, 30, 30], waiting=3)
+    first = _first_admission(views)
+    held = [v for v in views[:first] if v.held]
+    assert len(held) == 2 and all(v.free_slots == 1 for v in held)
+    assert views[first].free_slots == 2 and views[first].admitted == ("w0", "w1")
+    assert all(
+        isinstance(run.terminal(rid), Done) for rid in [*(f"r{i}" for i in range(4)), "w0", "w1", "w2"]
+    )
+
+
+def test_each_slot_fills_as_it_frees_without_the_setting() -> None:
+    config = SchedulerConfig(max_running_requests=4, prefill_tokens_beside_decodes=0)
+    _, views = _run(config, running_tokens=[3, 5, 30, 30], waiting=3)
+    first = _first_admission(views)
+    assert views[first].free_slots == 1 and views[first].admitted == ("w0",)
+    assert not any(v.held for v in views)
+
+
+def test_admission_waits_at_most_the_wait_steps() -> None:
+    config = SchedulerConfig(
+        max_running_requests=4,
+        backlog_admission_slots=2,
+        backlog_admission_max_wait_steps=1,
+        prefill_tokens_beside_decodes=0,
+    )
+    # r0 ends long before anything else: after one held step its slot is filled alone.
+    _, views = _run(config, running_tokens=[3, 20, 30, 30], waiting=3)
+    first = _first_admission(views)
+    assert [v.held for v in views[:first]].count(True) == 1
+    assert views[first].free_slots == 1 and views[first].admitted == ("w0",)
+    # The count starts again for the next slot.
+    second = next(i for i, v in enumerate(views) if i > first and v.admitted)
+    assert views[second - 1].held and views[second].admitted == ("w1",)
+
+
+def test_no_backlog_no_wait() -> None:
+    config = SchedulerConfig(
+        max_running_requests=4, backlog_admission_slots=2, prefill_tokens_beside_decodes=0
+    )
+    # One request waits for the one free slot: not a backlog, so it goes in at once.
+    _, views = _run(config, running_tokens=[3, 30, 30, 30], waiting=1)
+    first = _first_admission(views)
+    assert views[first].free_slots == 1 and views[first].admitted == ("w0",)
+    assert not any(v.held for v in views)
+
+
+def test_a_slot_freed_for_a_higher_class_is_filled_at_once() -> None:
+    config = SchedulerConfig(
+        max_running_requests=2, backlog_admission_slots=2, prefill_tokens_beside_decodes=0
+    )
+    run = make(FakeConfig(max_batch_tokens=256, kv_block_size=4, kv_num_blocks=512), config)
+    s = run.scheduler
+    for i in range(2):
+        low = request(f"low{i}", [10 + i] * 8, max_tokens=20)
+        low.priority = Priority.BATCH
+        s.add_request(low)
+    first = s.schedule()
+    assert first is not None
+    run.record(s.update(first, run.backend.execute(first)))
+    queued = request("low-queued", [40] * 8, max_tokens=2)
+    queued.priority = Priority.BATCH
+    s.add_request(queued)
+    s.add_request(request("urgent", [50] * 8, max_tokens=2))  # INTERACTIVE, ahead of the BATCH class
+    step = s.schedule()
+    assert step is not None and s.last_plan is not None
+    assert s.last_plan.preempted_request_ids == ["low1"]
+    assert [r.request_id for r in step.new_requests] == ["urgent"]
+    run.record(s.update(step, run.backend.execute(step)))
+    drive(run)
+    assert all(isinstance(run.terminal(rid), Done) for rid in ("low0", "low1", "low-queued", "urgent"))
