@@ -355,7 +355,7 @@ FLAGS: tuple[Flag, ...] = (
         "engine",
         "under a backlog (more waiting than free running slots), a step that carries decodes admits waiting "
         "requests only once this many running slots are free, or after 4 steps of waiting with a slot free; "
-        "fewer steps then carry a prompt beside the decodes (0 or 1: each slot is filled as it frees)",
+        "fewer steps then carry a prompt beside the decodes (default 2; 0 or 1: each slot is filled as it frees)",
         ("engine.scheduler.backlog_admission_slots",),
         non_negative_int,
     ),

@@ -53,13 +53,13 @@ class SchedulerConfig:
     max_batch_tokens_with_decodes: int = 4096
     # Under a backlog (more requests waiting than free running slots), a step that carries decodes admits
     # waiting requests only once this many running slots are free, or once admission has waited
-    # backlog_admission_max_wait_steps steps with a slot free. At saturation about one request ends a step,
-    # so admitting into each slot as it frees puts one prompt beside the decodes in nearly every step, and the
-    # median gap of every stream becomes a prefill step's; two at a time leaves most steps decode-only for the
-    # same work. In bench/policy_sim.py at 32 req/s (1,024 / 256 tokens, 256 slots) ITL p50 went from 29.6 to
-    # 17.0 ms, TTFT p50 +0.3%, ITL p99 and throughput level; no change at 16 and 24 req/s or all at once
-    # (bench/RESULTS.md, 2026-12-01). 0 or 1: admit into each slot as it frees.
-    backlog_admission_slots: int = 0
+    # backlog_admission_max_wait_steps steps with a slot free. At saturation about one request ends a step;
+    # filling each slot as it frees put a prompt beside the decodes in about half the steps, and the median gap
+    # of every stream flipped between a decode step's and a prefill step's. Two at a time leaves most steps
+    # decode-only for the same work: on one H200 at 32 req/s (1,024 / 256 tokens) ITL p50 went from 25.6 to
+    # 17.6 ms (0.69x) for TTFT p50 +4%, TTFT p99 +2% and ITL p99 +3%, output level; 16 req/s and all at once
+    # did not move (bench/RESULTS.md, 2026-12-01). 0 or 1: each slot is filled as it frees.
+    backlog_admission_slots: int = 2
     backlog_admission_max_wait_steps: int = 4
 
 

@@ -162,6 +162,15 @@ def test_the_budget_of_a_step_with_decodes_is_4096_by_default_and_set_by_its_fla
         resolve(SERVE, ["--max-batch-tokens-with-decodes", "-1"], env={})
 
 
+def test_a_backlog_is_admitted_two_slots_at_a_time_by_default_and_set_by_its_flag() -> None:
+    default, _ = resolve(SERVE, [], env={})
+    assert default.engine.scheduler.backlog_admission_slots == 2
+    config, _ = resolve(LAUNCH, ["--devices", "cpu", "--backlog-admission-slots", "0"], env={})
+    assert config.engine.scheduler.backlog_admission_slots == 0
+    with pytest.raises(ConfigError, match="expected an integer >= 0"):
+        resolve(SERVE, ["--backlog-admission-slots", "-1"], env={})
+
+
 def test_launch_groups_devices_for_tensor_parallelism() -> None:
     argv = ["--devices", "cpu,cpu,cpu,cpu", "--tensor-parallel-size", "2", "--max-model-len", "256"]
     config, _ = resolve(LAUNCH, argv, env={})

@@ -63,8 +63,10 @@ def test_a_backlog_waits_for_two_free_slots_and_they_fill_in_one_step() -> None:
     )
 
 
-def test_each_slot_fills_as_it_frees_without_the_setting() -> None:
-    config = SchedulerConfig(max_running_requests=4, prefill_tokens_beside_decodes=0)
+def test_each_slot_fills_as_it_frees_with_the_setting_off() -> None:
+    config = SchedulerConfig(
+        max_running_requests=4, backlog_admission_slots=0, prefill_tokens_beside_decodes=0
+    )
     _, views = _run(config, running_tokens=[3, 5, 30, 30], waiting=3)
     first = _first_admission(views)
     assert views[first].free_slots == 1 and views[first].admitted == ("w0",)

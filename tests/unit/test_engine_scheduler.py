@@ -207,7 +207,10 @@ def test_the_held_prompt_goes_beyond_the_limit_even_behind_a_higher_priority_arr
 def test_more_waiting_requests_than_free_running_slots_is_a_backlog() -> None:
     # Prompts of 50 and 30 tokens (80: two steps' worth under the limit) wait for the one slot "a" leaves.
     two_waiting = ((50, 50), (30, 7))
-    config = SchedulerConfig(prefill_tokens_beside_decodes=40, max_running_requests=2)
+    # (backlog_admission_slots off: with its default the one free slot would wait for a second.)
+    config = SchedulerConfig(
+        prefill_tokens_beside_decodes=40, max_running_requests=2, backlog_admission_slots=0
+    )
     run, step = _step_with_a_decode(config, prompts=2, shapes=two_waiting)
     assert [(r.request_id, r.num_scheduled_tokens) for r in step.new_requests] == [("p0", 50)]
     run.record(run.scheduler.update(step, run.backend.execute(step)))
