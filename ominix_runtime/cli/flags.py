@@ -354,7 +354,8 @@ FLAGS: tuple[Flag, ...] = (
         "--backlog-admission-slots",
         "engine",
         "under a backlog (more waiting than free running slots), a step that carries decodes admits waiting "
-        "requests only once this many running slots are free, or after 4 steps of waiting with a slot free; "
+        "requests only once this many running slots are free, or after backlog_admission_max_wait_steps (4) "
+        "steps of waiting with a slot free, and never holds a request of a higher class than a running one; "
         "fewer steps then carry a prompt beside the decodes (default 2; 0 or 1: each slot is filled as it frees)",
         ("engine.scheduler.backlog_admission_slots",),
         non_negative_int,

@@ -51,14 +51,13 @@ class SchedulerConfig:
     # wherever the budget is larger (the CUDA and Ascend profiles; measured on CUDA only); the CPU profile's
     # budget (2,048) is below it.
     max_batch_tokens_with_decodes: int = 4096
-    # Under a backlog (more requests waiting than free running slots), a step that carries decodes admits
-    # waiting requests only once this many running slots are free, or once admission has waited
-    # backlog_admission_max_wait_steps steps with a slot free. At saturation about one request ends a step;
-    # filling each slot as it frees put a prompt beside the decodes in about half the steps, and the median gap
-    # of every stream flipped between a decode step's and a prefill step's. Two at a time leaves most steps
-    # decode-only for the same work: on one H200 at 32 req/s (1,024 / 256 tokens) ITL p50 went from 25.6 to
-    # 17.6 ms (0.69x) for TTFT p50 +4%, TTFT p99 +2% and ITL p99 +3%, output level; 16 req/s and all at once
-    # did not move (bench/RESULTS.md, 2026-12-01). 0 or 1: each slot is filled as it frees.
+    # Under a backlog (more admissible waiting requests than free running slots), a step that carries decodes
+    # admits waiting requests only once this many running slots are free (at most max_running_requests - 1), or
+    # once admission has waited backlog_admission_max_wait_steps steps with a slot free; a waiting request of a
+    # higher class than a running one is never held. At saturation about one request ends a step, and filling
+    # each slot as it frees puts a prompt beside the decodes in about every other step, so the median gap of
+    # every stream can be a prefill step's; two at a time keeps most steps decode-only for the same work (on
+    # one H200 at 32 req/s: ITL p50 0.69x for TTFT p50 +4%; docs/SCHEDULER.md). 0 or 1: off.
     backlog_admission_slots: int = 2
     backlog_admission_max_wait_steps: int = 4
 

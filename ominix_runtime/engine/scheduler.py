@@ -25,6 +25,7 @@ Overlap (steps in flight). The driver may send step N+1 before step N's result i
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections.abc import Callable
@@ -313,7 +314,8 @@ class Scheduler:
         # No admissions after a KV shortage among running requests: it would only feed the thrash. A slot
         # just freed for a higher class is filled at once, whatever backlog_admission_slots says.
         kv_short = len(preempted) > num_preempted_for_priority or kv_blocked
-        if not kv_short and (num_preempted_for_priority > 0 or not self._holds_admission(plan)):
+        if not kv_short and (num_preempted_for_priority > 0 or not self._hold_admission_this_step(budget, plan)):
+            self._admission_wait_steps = 0
             limit_left = self._prefill_limit_left(budget, plan)
             self._admit_waiting(step_id, budget, limit_left, scheduled, new_requests, plan)
 
@@ -391,24 +393,36 @@ class Scheduler:
         else:
             plan.num_decode_tokens += n
 
-    def _holds_admission(self, plan: BatchPlan) -> bool:
-        """Whether this step leaves the waiting requests waiting for more free slots
-        (``backlog_admission_slots``): only under a backlog, in a step that carries decodes, with fewer slots
-        free than the setting and for at most ``backlog_admission_max_wait_steps`` steps in a row."""
+    def _hold_admission_this_step(self, budget: int, plan: BatchPlan) -> bool:
+        """Whether this step leaves the waiting requests waiting for more free running slots
+        (``backlog_admission_slots``), counting the step when it does.
+
+        Only under a backlog (more admissible waiting requests, those without results in flight, than free
+        slots), in a step that carries decodes and has budget left, with a slot free but fewer than the
+        setting (at most ``max_running_requests`` - 1), for at most ``backlog_admission_max_wait_steps`` steps
+        in a row, and never while the first admissible request is of a higher class than some running one
+        (with no slot free it would displace that one at once)."""
+        # More slots than can be free while something decodes would only delay every admission.
+        slots = min(self.config.backlog_admission_slots, self.max_running_requests - 1)
         free = self.max_running_requests - len(self.running)
         if (
-            self.config.backlog_admission_slots > 1
-            and plan.num_decode_tokens > 0
-            and 0 < free < self.config.backlog_admission_slots
-            and len(self.waiting) > free
-            and self._admission_wait_steps < self.config.backlog_admission_max_wait_steps
+            slots <= 1
+            or plan.num_decode_tokens == 0
+            or budget <= 0
+            or not 0 < free < slots
+            or self._admission_wait_steps >= self.config.backlog_admission_max_wait_steps
         ):
-            self._admission_wait_steps += 1
-            plan.admission_held = True
-            return True
-        if free > 0:
-            self._admission_wait_steps = 0
-        return False
+            return False
+        admissible = (r for r in self.waiting if r.num_inflight_steps == 0)
+        head = next(admissible, None)
+        if head is None or sum(1 for _ in itertools.islice(admissible, free)) < free:
+            return False  # the head and at most free - 1 others: every one of them has a slot
+        if any(r.priority > head.priority for r in self.running.values()):
+            return False
+        self._admission_wait_steps += 1
+        self.counters.admission_held_steps += 1
+        plan.admission_held = True
+        return True
 
     def _prefill_limit_left(self, budget: int, plan: BatchPlan) -> int | None:
         """What the prefill limit beside decodes leaves this step for prompts it has not held back yet, or

@@ -21,6 +21,7 @@ class SchedulerCounters:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     computed_tokens: int = 0  # tokens scheduled for computation (prefill + decode, recompute included)
     preemptions: int = 0
+    admission_held_steps: int = 0  # steps that left a backlog waiting for more free slots
     steps: int = 0
     discarded_outputs: int = 0  # outputs for requests that ended while their step was in flight
     unexpected_outputs: int = 0  # outputs naming a request the step did not schedule
@@ -109,6 +110,7 @@ class WorkerStats:
     prompt_tokens: int  # of requests admitted here
     generation_tokens: int
     preemptions: int
+    admission_held_steps: int  # steps that left a backlog waiting for more free slots
     failovers: int  # times this group failed and its live requests were failed over
     restarts: int  # times the engine reconnected to this worker after a failure
     resumed_requests: int  # requests taken over here from a failed group

@@ -71,6 +71,7 @@ def replay_report(run: ReplayRun, include_trace: bool = True) -> dict[str, objec
             "prefill_tokens_beside_decodes": run.workload.scheduler.prefill_tokens_beside_decodes,
             "prefill_backlog_tokens": run.workload.scheduler.prefill_backlog_tokens,
             "backlog_admission_slots": run.workload.scheduler.backlog_admission_slots,
+            "backlog_admission_max_wait_steps": run.workload.scheduler.backlog_admission_max_wait_steps,
             "chunked_prefill": scheduler.chunked_prefill,
             "max_inflight_steps": run.workload.max_inflight_steps,
             "cost_model": run.workload.cost_model.name,

@@ -355,6 +355,10 @@ _COUNTER_FAMILIES: dict[str, tuple[str, str]] = {
         "Prompt tokens found in the prefix cache at admission (not recomputed).",
     ),
     "preemptions": ("ominix_preemptions", "Requests preempted to free KV (recomputed later)."),
+    "admission_held_steps": (
+        "ominix_backlog_admission_held_steps",
+        "Steps that left a backlog waiting for more free running slots (--backlog-admission-slots).",
+    ),
     "failovers": (
         "ominix_worker_failovers",
         "Times the worker failed (stream broken, heartbeat or step missed) and its requests failed over.",

@@ -255,7 +255,14 @@ def test_random_workloads_end_every_request_and_return_every_block(seed: int) ->
 
 
 @pytest.mark.parametrize(
-    "field", ["prefill_tokens_beside_decodes", "prefill_backlog_tokens", "max_batch_tokens_with_decodes"]
+    "field",
+    [
+        "prefill_tokens_beside_decodes",
+        "prefill_backlog_tokens",
+        "max_batch_tokens_with_decodes",
+        "backlog_admission_slots",
+        "backlog_admission_max_wait_steps",
+    ],
 )
 def test_the_scheduler_limits_beside_decodes_are_read_and_checked(field: str) -> None:
     doc = _doc("small") | {"scheduler": {field: 16}}

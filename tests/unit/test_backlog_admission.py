@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from sched_helpers import Run, drive, make, request
 
-from ominix_runtime.contract import Done, Priority
+from ominix_runtime.contract import BatchPlan, Done, Priority
 from ominix_runtime.engine.config import SchedulerConfig
 from ominix_runtime.testing.fake_backend import FakeConfig
 
@@ -57,6 +57,7 @@ def test_a_backlog_waits_for_two_free_slots_and_they_fill_in_one_step() -> None:
     first = _first_admission(views)
     held = [v for v in views[:first] if v.held]
     assert len(held) == 2 and all(v.free_slots == 1 for v in held)
+    assert run.scheduler.counters.admission_held_steps == sum(v.held for v in views) >= 2
     assert views[first].free_slots == 2 and views[first].admitted == ("w0", "w1")
     assert all(
         isinstance(run.terminal(rid), Done) for rid in [*(f"r{i}" for i in range(4)), "w0", "w1", "w2"]
@@ -103,11 +104,11 @@ def test_no_backlog_no_wait() -> None:
 
 def test_a_slot_freed_for_a_higher_class_is_filled_at_once() -> None:
     config = SchedulerConfig(
-        max_running_requests=2, backlog_admission_slots=2, prefill_tokens_beside_decodes=0
+        max_running_requests=3, backlog_admission_slots=2, prefill_tokens_beside_decodes=0
     )
     run = make(FakeConfig(max_batch_tokens=256, kv_block_size=4, kv_num_blocks=512), config)
     s = run.scheduler
-    for i in range(2):
+    for i in range(3):
         low = request(f"low{i}", [10 + i] * 8, max_tokens=20)
         low.priority = Priority.BATCH
         s.add_request(low)
@@ -120,8 +121,88 @@ def test_a_slot_freed_for_a_higher_class_is_filled_at_once() -> None:
     s.add_request(request("urgent", [50] * 8, max_tokens=2))  # INTERACTIVE, ahead of the BATCH class
     step = s.schedule()
     assert step is not None and s.last_plan is not None
-    assert s.last_plan.preempted_request_ids == ["low1"]
+    assert s.last_plan.preempted_request_ids == ["low2"]
     assert [r.request_id for r in step.new_requests] == ["urgent"]
     run.record(s.update(step, run.backend.execute(step)))
     drive(run)
-    assert all(isinstance(run.terminal(rid), Done) for rid in ("low0", "low1", "low-queued", "urgent"))
+    assert all(
+        isinstance(run.terminal(rid), Done) for rid in ("low0", "low1", "low2", "low-queued", "urgent")
+    )
+
+
+def test_a_waiting_request_of_a_higher_class_than_a_running_one_is_not_held() -> None:
+    config = SchedulerConfig(
+        max_running_requests=3, backlog_admission_slots=2, prefill_tokens_beside_decodes=0
+    )
+
+    def held_steps(running: Priority, waiting: Priority) -> int:
+        """Steps held before w0 went in, the waiting requests added once r0 has ended (r1, r2 run on)."""
+        run = make(FakeConfig(max_batch_tokens=256, kv_block_size=4, kv_num_blocks=512), config)
+        s = run.scheduler
+        for i, max_tokens in enumerate((3, 30, 30)):
+            r = request(f"r{i}", [10 + i] * 8, max_tokens=max_tokens)
+            r.priority = running
+            s.add_request(r)
+        while s.num_running > 2 or not s.requests["r1"].output_token_ids:  # until r0 has ended
+            step = s.schedule()
+            assert step is not None
+            run.record(s.update(step, run.backend.execute(step)))
+        for i in range(2):  # with a slot free: no preemption for a higher class
+            w = request(f"w{i}", [60 + i] * 12, max_tokens=2)
+            w.priority = waiting
+            s.add_request(w)
+        held = 0
+        while True:
+            step = s.schedule()
+            assert step is not None and s.last_plan is not None
+            held += s.last_plan.admission_held
+            run.record(s.update(step, run.backend.execute(step)))
+            if step.new_requests:
+                assert [r.request_id for r in step.new_requests] == ["w0"]
+                return held
+
+    # A BATCH backlog behind INTERACTIVE running requests waits for a second slot, here in vain: the steps'
+    # limit, then the one free slot...
+    assert held_steps(Priority.INTERACTIVE, Priority.BATCH) == 4
+    # ...an INTERACTIVE one behind BATCH running requests goes into the first free slot.
+    assert held_steps(Priority.BATCH, Priority.INTERACTIVE) == 0
+
+
+def test_the_wait_needs_decodes_and_budget_left_in_the_step() -> None:
+    config = SchedulerConfig(
+        max_running_requests=3, backlog_admission_slots=2, prefill_tokens_beside_decodes=0
+    )
+    run = make(FakeConfig(max_batch_tokens=256, kv_block_size=4, kv_num_blocks=512), config)
+    s = run.scheduler
+    for i in range(2):
+        s.add_request(request(f"r{i}", [10 + i] * 8, max_tokens=30))
+    first = s.schedule()
+    assert first is not None
+    run.record(s.update(first, run.backend.execute(first)))
+    for i in range(2):
+        s.add_request(request(f"w{i}", [60 + i] * 12, max_tokens=2))  # a backlog for the one free slot
+    # Each case asks the scheduler as schedule() would, with a plan of the step's running part.
+    assert not s._hold_admission_this_step(100, BatchPlan(step_id=9, num_prefill_tokens=40))  # no decodes
+    assert not s._hold_admission_this_step(0, BatchPlan(step_id=9, num_decode_tokens=2))  # no budget left
+    assert s.counters.admission_held_steps == 0
+    plan = BatchPlan(step_id=9, num_decode_tokens=2)
+    assert s._hold_admission_this_step(100, plan) and plan.admission_held
+    assert s.counters.admission_held_steps == 1
+
+
+def test_no_wait_when_the_setting_cannot_be_met_or_allows_no_steps() -> None:
+    # Two slots of two can only be free with nothing decoding: the setting is capped at one, i.e. off.
+    capped = SchedulerConfig(
+        max_running_requests=2, backlog_admission_slots=2, prefill_tokens_beside_decodes=0
+    )
+    _, views = _run(capped, running_tokens=[3, 30], waiting=3)
+    assert not any(v.held for v in views)
+    assert views[_first_admission(views)].free_slots == 1
+    no_steps = SchedulerConfig(
+        max_running_requests=4,
+        backlog_admission_slots=2,
+        backlog_admission_max_wait_steps=0,
+        prefill_tokens_beside_decodes=0,
+    )
+    _, views = _run(no_steps, running_tokens=[3, 5, 30, 30], waiting=3)
+    assert not any(v.held for v in views)

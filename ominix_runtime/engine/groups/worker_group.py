@@ -227,6 +227,7 @@ class WorkerGroup(ABC):
             prompt_tokens=counters.prompt_tokens,
             generation_tokens=counters.generated_tokens,
             preemptions=counters.preemptions,
+            admission_held_steps=counters.admission_held_steps,
             failovers=self.num_failures,
             restarts=self.num_reconnects,
             resumed_requests=counters.resumed,
