@@ -314,7 +314,9 @@ class Scheduler:
         # No admissions after a KV shortage among running requests: it would only feed the thrash. A slot
         # just freed for a higher class is filled at once, whatever backlog_admission_slots says.
         kv_short = len(preempted) > num_preempted_for_priority or kv_blocked
-        if not kv_short and (num_preempted_for_priority > 0 or not self._hold_admission_this_step(budget, plan)):
+        if not kv_short and (
+            num_preempted_for_priority > 0 or not self._hold_admission_this_step(budget, plan)
+        ):
             self._admission_wait_steps = 0
             limit_left = self._prefill_limit_left(budget, plan)
             self._admit_waiting(step_id, budget, limit_left, scheduled, new_requests, plan)
