@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 from sched_helpers import Run, drive, make, request
 
 from ominix_runtime.contract import BatchPlan, Done, Priority
@@ -64,11 +65,26 @@ def test_a_backlog_waits_for_two_free_slots_and_they_fill_in_one_step() -> None:
     )
 
 
-def test_each_slot_fills_as_it_frees_with_the_setting_off() -> None:
+@pytest.mark.parametrize(
+    ("slots", "max_wait_steps", "max_running", "running_tokens", "waiting"),
+    [
+        pytest.param(0, 4, 4, [3, 5, 30, 30], 3, id="setting-off"),
+        pytest.param(2, 0, 4, [3, 5, 30, 30], 3, id="no-wait-steps"),
+        pytest.param(2, 4, 4, [3, 30, 30, 30], 1, id="no-backlog"),  # one waiting for the one free slot
+        # Two slots of two are only free with nothing decoding: the setting is capped at one, i.e. off.
+        pytest.param(2, 4, 2, [3, 30], 3, id="capped"),
+    ],
+)
+def test_the_first_free_slot_is_filled_at_once(
+    slots: int, max_wait_steps: int, max_running: int, running_tokens: list[int], waiting: int
+) -> None:
     config = SchedulerConfig(
-        max_running_requests=4, backlog_admission_slots=0, prefill_tokens_beside_decodes=0
+        max_running_requests=max_running,
+        backlog_admission_slots=slots,
+        backlog_admission_max_wait_steps=max_wait_steps,
+        prefill_tokens_beside_decodes=0,
     )
-    _, views = _run(config, running_tokens=[3, 5, 30, 30], waiting=3)
+    _, views = _run(config, running_tokens=running_tokens, waiting=waiting)
     first = _first_admission(views)
     assert views[first].free_slots == 1 and views[first].admitted == ("w0",)
     assert not any(v.held for v in views)
@@ -91,66 +107,54 @@ def test_admission_waits_at_most_the_wait_steps() -> None:
     assert views[second - 1].held and views[second].admitted == ("w1",)
 
 
-def test_no_backlog_no_wait() -> None:
-    config = SchedulerConfig(
-        max_running_requests=4, backlog_admission_slots=2, prefill_tokens_beside_decodes=0
-    )
-    # One request waits for the one free slot: not a backlog, so it goes in at once.
-    _, views = _run(config, running_tokens=[3, 30, 30, 30], waiting=1)
-    first = _first_admission(views)
-    assert views[first].free_slots == 1 and views[first].admitted == ("w0",)
-    assert not any(v.held for v in views)
-
-
-def test_a_slot_freed_for_a_higher_class_is_filled_at_once() -> None:
+def _three_slots(running: list[tuple[int, Priority]]) -> Run:
+    """Slots for three, two at a time under a backlog; requests r0.. (max_tokens, class) after their first
+    step."""
     config = SchedulerConfig(
         max_running_requests=3, backlog_admission_slots=2, prefill_tokens_beside_decodes=0
     )
     run = make(FakeConfig(max_batch_tokens=256, kv_block_size=4, kv_num_blocks=512), config)
-    s = run.scheduler
-    for i in range(3):
-        low = request(f"low{i}", [10 + i] * 8, max_tokens=20)
-        low.priority = Priority.BATCH
-        s.add_request(low)
-    first = s.schedule()
+    for i, (max_tokens, priority) in enumerate(running):
+        r = request(f"r{i}", [10 + i] * 8, max_tokens=max_tokens)
+        r.priority = priority
+        run.scheduler.add_request(r)
+    first = run.scheduler.schedule()
     assert first is not None
-    run.record(s.update(first, run.backend.execute(first)))
-    queued = request("low-queued", [40] * 8, max_tokens=2)
-    queued.priority = Priority.BATCH
-    s.add_request(queued)
+    run.record(run.scheduler.update(first, run.backend.execute(first)))
+    return run
+
+
+def _add_waiting(run: Run, count: int, priority: Priority = Priority.INTERACTIVE) -> None:
+    for i in range(count):
+        w = request(f"w{i}", [60 + i] * 12, max_tokens=2)
+        w.priority = priority
+        run.scheduler.add_request(w)
+
+
+def test_a_slot_freed_for_a_higher_class_is_filled_at_once() -> None:
+    run = _three_slots([(20, Priority.BATCH)] * 3)
+    s = run.scheduler
+    _add_waiting(run, 1, Priority.BATCH)
     s.add_request(request("urgent", [50] * 8, max_tokens=2))  # INTERACTIVE, ahead of the BATCH class
     step = s.schedule()
     assert step is not None and s.last_plan is not None
-    assert s.last_plan.preempted_request_ids == ["low2"]
+    assert s.last_plan.preempted_request_ids == ["r2"]
     assert [r.request_id for r in step.new_requests] == ["urgent"]
     run.record(s.update(step, run.backend.execute(step)))
     drive(run)
-    assert all(
-        isinstance(run.terminal(rid), Done) for rid in ("low0", "low1", "low2", "low-queued", "urgent")
-    )
+    assert all(isinstance(run.terminal(rid), Done) for rid in ("r0", "r1", "r2", "w0", "urgent"))
 
 
 def test_a_waiting_request_of_a_higher_class_than_a_running_one_is_not_held() -> None:
-    config = SchedulerConfig(
-        max_running_requests=3, backlog_admission_slots=2, prefill_tokens_beside_decodes=0
-    )
-
     def held_steps(running: Priority, waiting: Priority) -> int:
         """Steps held before w0 went in, the waiting requests added once r0 has ended (r1, r2 run on)."""
-        run = make(FakeConfig(max_batch_tokens=256, kv_block_size=4, kv_num_blocks=512), config)
+        run = _three_slots([(3, running), (30, running), (30, running)])
         s = run.scheduler
-        for i, max_tokens in enumerate((3, 30, 30)):
-            r = request(f"r{i}", [10 + i] * 8, max_tokens=max_tokens)
-            r.priority = running
-            s.add_request(r)
-        while s.num_running > 2 or not s.requests["r1"].output_token_ids:  # until r0 has ended
+        while s.num_running > 2:  # until r0 has ended
             step = s.schedule()
             assert step is not None
             run.record(s.update(step, run.backend.execute(step)))
-        for i in range(2):  # with a slot free: no preemption for a higher class
-            w = request(f"w{i}", [60 + i] * 12, max_tokens=2)
-            w.priority = waiting
-            s.add_request(w)
+        _add_waiting(run, 2, waiting)  # with a slot free: no preemption for a higher class
         held = 0
         while True:
             step = s.schedule()
@@ -169,18 +173,9 @@ def test_a_waiting_request_of_a_higher_class_than_a_running_one_is_not_held() ->
 
 
 def test_the_wait_needs_decodes_and_budget_left_in_the_step() -> None:
-    config = SchedulerConfig(
-        max_running_requests=3, backlog_admission_slots=2, prefill_tokens_beside_decodes=0
-    )
-    run = make(FakeConfig(max_batch_tokens=256, kv_block_size=4, kv_num_blocks=512), config)
+    run = _three_slots([(30, Priority.INTERACTIVE)] * 2)
     s = run.scheduler
-    for i in range(2):
-        s.add_request(request(f"r{i}", [10 + i] * 8, max_tokens=30))
-    first = s.schedule()
-    assert first is not None
-    run.record(s.update(first, run.backend.execute(first)))
-    for i in range(2):
-        s.add_request(request(f"w{i}", [60 + i] * 12, max_tokens=2))  # a backlog for the one free slot
+    _add_waiting(run, 2)  # a backlog for the one free slot
     # Each case asks the scheduler as schedule() would, with a plan of the step's running part.
     assert not s._hold_admission_this_step(100, BatchPlan(step_id=9, num_prefill_tokens=40))  # no decodes
     assert not s._hold_admission_this_step(0, BatchPlan(step_id=9, num_decode_tokens=2))  # no budget left
@@ -188,21 +183,3 @@ def test_the_wait_needs_decodes_and_budget_left_in_the_step() -> None:
     plan = BatchPlan(step_id=9, num_decode_tokens=2)
     assert s._hold_admission_this_step(100, plan) and plan.admission_held
     assert s.counters.admission_held_steps == 1
-
-
-def test_no_wait_when_the_setting_cannot_be_met_or_allows_no_steps() -> None:
-    # Two slots of two can only be free with nothing decoding: the setting is capped at one, i.e. off.
-    capped = SchedulerConfig(
-        max_running_requests=2, backlog_admission_slots=2, prefill_tokens_beside_decodes=0
-    )
-    _, views = _run(capped, running_tokens=[3, 30], waiting=3)
-    assert not any(v.held for v in views)
-    assert views[_first_admission(views)].free_slots == 1
-    no_steps = SchedulerConfig(
-        max_running_requests=4,
-        backlog_admission_slots=2,
-        backlog_admission_max_wait_steps=0,
-        prefill_tokens_beside_decodes=0,
-    )
-    _, views = _run(no_steps, running_tokens=[3, 5, 30, 30], waiting=3)
-    assert not any(v.held for v in views)
