@@ -120,6 +120,21 @@ def _latency_fields(name: str, values_s: Sequence[float], percentiles: Sequence[
     return fields
 
 
+# ITL tail thresholds (ms): the share of gaps at or above each tells fewer long gaps from shorter ones, e.g. which
+# of two servers stalls fewer streams for a prefill step and which stalls them for less time.
+ITL_TAIL_MS = (10, 15, 20, 25, 30, 50, 100, 200)
+
+
+def itl_tail(gaps_s: Sequence[float]) -> dict[str, float | int]:
+    """``itl_tail``: the number of gaps and, per threshold of ITL_TAIL_MS, the share of them at or above it."""
+    tail: dict[str, float | int] = {"gaps": len(gaps_s)}
+    for ms in ITL_TAIL_MS:
+        tail[f"share_at_least_{ms}ms"] = (
+            sum(g * 1000.0 >= ms for g in gaps_s) / len(gaps_s) if gaps_s else 0.0
+        )
+    return tail
+
+
 def to_vllm_result(
     result: BenchResult,
     *,
@@ -129,8 +144,8 @@ def to_vllm_result(
     detailed: bool = False,
 ) -> dict[str, Any]:
     """One rate's run as `vllm bench serve --save-result` writes it (``--save-detailed`` adds the per-request
-    lists). This tool's own fields: ``slo_ttft_ms`` and ``slo_tpot_ms``, the SLOs goodput used, and over the
-    successful requests ``token_chunks`` and ``multi_token_chunks`` (chunks that carried more than one token:
+    lists). This tool's own fields: ``slo_ttft_ms`` and ``slo_tpot_ms``, the SLOs goodput used, ``itl_tail``
+    (``itl_tail()`` of every gap), and over the successful requests ``token_chunks`` and ``multi_token_chunks`` (chunks that carried more than one token:
     tokens that were ready together, because the engine applied several steps at once or a stream's reader
     fell behind, go out as one message, and a chunk of k tokens leaves one gap where there would have been
     k, so merging raises the mean ITL; None over OpenAI HTTP, whose chunks are counted as one token each)."""
@@ -169,6 +184,7 @@ def to_vllm_result(
     payload.update(_latency_fields("ttft", [r.ttft_s for r in done if r.ttft_s is not None], percentiles))
     payload.update(_latency_fields("tpot", [r.tpot_s for r in done if r.tpot_s is not None], percentiles))
     payload.update(_latency_fields("itl", [gap for r in done for gap in r.itls_s], percentiles))
+    payload["itl_tail"] = itl_tail([gap for r in done for gap in r.itls_s])
     payload.update(_latency_fields("e2el", [r.e2el_s for r in done], percentiles))
     if detailed:
         payload.update(

@@ -9,7 +9,9 @@ the servers turns by one each rate and round, so none always runs first (each st
 neighbour). ``table`` compares each server with
 the baseline round by round: the median of the paired ratios, their range, and in how many rounds the
 server was at least as good. With ``--steps LABEL=URL`` (a server's Prometheus endpoint) each run of that
-server also records the steps it ran and their tokens (bench/step_mix.py), and the table adds them.
+server also records the steps it ran and their tokens (bench/step_mix.py), and the table adds them. Every
+run's result carries its ``itl_tail`` (bench/online.py: the share of gaps at or above 10 – 200 ms), and the
+table adds those too: two servers with one ITL p99 can stall more gaps or stall them for longer.
 
     python bench/online_ab.py run --server ominix=127.0.0.1:50061 --server vllm=http://127.0.0.1:8000 \\
         --steps ominix=http://127.0.0.1:9400/metrics --steps vllm=http://127.0.0.1:8000/metrics \\
@@ -46,6 +48,7 @@ from bench.common import (  # noqa: E402
     write_json,
 )
 from bench.online import (  # noqa: E402
+    ITL_TAIL_MS,
     add_load_arguments,
     parse_rates,
     rate_label,
@@ -289,6 +292,29 @@ def format_steps_table(records: Sequence[dict[str, Any]]) -> str | None:
     return format_table(rows, header)
 
 
+def format_itl_tail_table(records: Sequence[dict[str, Any]]) -> str | None:
+    """Per rate and server: the median over rounds (range) of the share of ITL gaps at or above each threshold of
+    ITL_TAIL_MS, in percent, and the gaps counted; None when no run recorded its ``itl_tail``. Two servers with
+    one ITL p99 can differ here: one stalls more gaps, the other stalls them for longer."""
+    kept = [r for r in records if "itl_tail" in r["result"]]
+    if not kept:
+        return None
+    rows = []
+    for rate in sorted({rate_of(r["result"]) for r in kept}):
+        for label in dict.fromkeys(r["label"] for r in kept):
+            tails = [
+                r["result"]["itl_tail"] for r in kept if r["label"] == label and rate_of(r["result"]) == rate
+            ]
+            if not tails:
+                continue
+            shares = [
+                median_range([100.0 * t[f"share_at_least_{ms}ms"] for t in tails], 2) for ms in ITL_TAIL_MS
+            ]
+            rows.append([label, rate_label(rate), median_range([t["gaps"] for t in tails], 0), *shares])
+    header = ["server", "rate", "gaps", *(f"≥ {ms} ms, %" for ms in ITL_TAIL_MS)]
+    return format_table(rows, header)
+
+
 def median_series(records: Sequence[dict[str, Any]]) -> list[Series]:
     """One plot series per server: at each rate, the median over rounds of every figure the table shows."""
     series = []
@@ -354,6 +380,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps = format_steps_table(records)
         if steps is not None:
             text += "\n\nSteps each server ran (from its metrics endpoint; bench/step_mix.py):\n\n" + steps
+        tail = format_itl_tail_table(records)
+        if tail is not None:
+            text += "\n\nShare of ITL gaps at or above each length (median over rounds, range):\n\n" + tail
         print(text)
         if args.out_md:
             Path(args.out_md).write_text(text + "\n")

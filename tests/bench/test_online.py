@@ -155,6 +155,30 @@ def test_merged_chunks_are_counted_over_successful_grpc_requests_only() -> None:
     assert online.format_rate_line(http_result).endswith("req/s")
 
 
+def test_the_itl_tail_counts_the_share_of_gaps_at_or_above_each_length() -> None:
+    def request(i: int, gaps_ms: list[float], success: bool = True) -> serve.RequestResult:
+        times = [0.05]
+        for gap in gaps_ms:
+            times.append(times[-1] + gap / 1000.0)
+        return serve.RequestResult(
+            i, f"r{i}", send_time=0.0, end_time=times[-1], first_token_time=times[0], chunk_times=times,
+            chunk_tokens=[1] * len(times), output_tokens=len(times), prompt_tokens=8, success=success,
+        )  # fmt: skip
+
+    # Six gaps over the successful requests: 5, 5, 12, 22 and 120 ms, and 30 ms (exactly at a threshold).
+    requests = [request(0, [5.0, 12.0, 120.0]), request(1, [5.0, 22.0, 30.0]), request(2, [500.0], False)]
+    config = serve.BenchConfig(num_requests=3, input_len=8, output_len=4)
+    metrics = serve.compute_metrics(requests, 1.0)
+    bench = serve.BenchResult(config, "127.0.0.1:50061", metrics, [], requests, 0.0)
+    tail = online.to_vllm_result(bench, label="x", model_id="m")["itl_tail"]
+    assert tail["gaps"] == 6
+    expected = {10: 4, 15: 3, 20: 3, 25: 2, 30: 2, 50: 1, 100: 1, 200: 0}  # gaps at or above each length
+    assert list(expected) == list(online.ITL_TAIL_MS)
+    for ms, count in expected.items():
+        assert tail[f"share_at_least_{ms}ms"] == pytest.approx(count / 6), ms
+    assert online.itl_tail([]) == {"gaps": 0, **{f"share_at_least_{ms}ms": 0.0 for ms in expected}}
+
+
 def _synthetic(rate: float | str, scale: float, completed: int = 10) -> dict[str, object]:
     return {
         "request_rate": rate,

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_online import STAND_IN_VLLM_SERVER, _script_env, _stand_in_vllm  # noqa: E402
 
-from bench import online_ab  # noqa: E402
+from bench import online, online_ab  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -165,8 +165,11 @@ def test_ab_stages_drive_resident_servers_in_turn(tmp_path: Path) -> None:
             assert pair.count("/2") == 8, pair  # every figure paired in both rounds
             ran = next(line for line in table if line.startswith(f"| {label} "))
             assert "| 2 " in ran and "| 0 " in ran, ran  # two rounds, nothing failed
-        steps_at = next(i for i, line in enumerate(table) if line.startswith("Steps each server ran"))
-        assert {line.split("|")[1].strip() for line in table[steps_at + 4 :]} == {"vllm", "fast", "slow"}
+        for title in ("Steps each server ran", "Share of ITL gaps at or above"):
+            at = next(i for i, line in enumerate(table) if line.startswith(title))
+            rows = table[at + 4 :]
+            rows = rows[: rows.index("")] if "" in rows else rows
+            assert {line.split("|")[1].strip() for line in rows} == {"vllm", "fast", "slow"}, title
         # Servers still up: a second ab-start refuses (it would lose track of them); a run over the same rounds
         # refuses (same seeds: it could be served from the prefix caches the first one filled).
         output = script("ab-start")
@@ -207,6 +210,34 @@ def test_table_command_plots_the_medians(tmp_path: Path) -> None:
     assert (ours.name, vllm.name) == ("ours", "vllm")
     assert ours.results[0]["median_ttft_ms"] == 40.0 and vllm.results[0]["median_ttft_ms"] == 42.0
     assert "| ours/vllm " in table.read_text()
+
+
+def test_the_itl_tail_table_shows_each_servers_shares_over_its_rounds(tmp_path: Path) -> None:
+    def with_tail(record: dict[str, object], share_20: float) -> dict[str, object]:
+        shares = {f"share_at_least_{ms}ms": share_20 if ms <= 20 else 0.0 for ms in online.ITL_TAIL_MS}
+        record["result"]["itl_tail"] = {"gaps": 1000, **shares}  # type: ignore[index]
+        return record
+
+    records = [
+        with_tail(_record("ours", 0, 4.0, 30.0, 1000.0), 0.02),
+        with_tail(_record("ours", 1, 4.0, 30.0, 1000.0), 0.04),
+        with_tail(_record("vllm", 0, 4.0, 40.0, 1000.0), 0.01),
+        _record("vllm", 1, 4.0, 40.0, 1000.0),  # recorded before the tail was: left out of it
+    ]
+    table = online_ab.format_itl_tail_table(records)
+    assert table is not None
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
+    ours = [cell.strip() for cell in rows["ours"].split("|")[1:-1]]
+    assert ours[:4] == ["ours", "4", "1,000 (1,000–1,000)", "3.00 (2.00–4.00)"]  # median, range of rounds, %
+    assert ours[-1] == "0.00 (0.00–0.00)"
+    vllm = [cell.strip() for cell in rows["vllm"].split("|")[1:-1]]
+    assert vllm[2:4] == ["1,000", "1.00"]  # its one round with a tail
+    assert online_ab.format_itl_tail_table([_record("ours", 0, 4.0, 30.0, 1000.0)]) is None
+    runs = tmp_path / "ab.json"
+    runs.write_text(json.dumps(records))
+    out = tmp_path / "ab.md"
+    assert online_ab.main(["table", str(runs), "--baseline", "vllm", "--out-md", str(out)]) == 0
+    assert "Share of ITL gaps at or above each length" in out.read_text()
 
 
 def test_records_of_one_round_twice_are_refused_and_a_zero_baseline_compares(tmp_path: Path) -> None:
