@@ -183,3 +183,15 @@ def test_the_wait_needs_decodes_and_budget_left_in_the_step() -> None:
     plan = BatchPlan(step_id=9, num_decode_tokens=2)
     assert s._hold_admission_this_step(100, plan) and plan.admission_held
     assert s.counters.admission_held_steps == 1
+
+
+def test_a_preempted_request_with_results_in_flight_is_no_backlog() -> None:
+    run = _three_slots([(30, Priority.INTERACTIVE)] * 2)
+    s = run.scheduler
+    _add_waiting(run, 2)
+    # w0 stands for a request preempted while a step of it was still in flight: admission skips it until its
+    # results are back, so w1 alone waits for the one free slot and is not held.
+    s.requests["w0"].num_inflight_steps = 1
+    assert not s._hold_admission_this_step(100, BatchPlan(step_id=9, num_decode_tokens=2))
+    s.requests["w0"].num_inflight_steps = 0
+    assert s._hold_admission_this_step(100, BatchPlan(step_id=9, num_decode_tokens=2))
