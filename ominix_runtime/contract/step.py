@@ -99,7 +99,6 @@ class BatchPlan:
     num_running_requests: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
     token_budget: int = 0
-    admission_held: bool = False  # waiting requests held for more free slots (backlog_admission_slots)
 
     @property
     def num_tokens(self) -> int:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ominix_runtime.contract import (
@@ -395,6 +395,11 @@ class Scheduler:
         else:
             plan.num_decode_tokens += n
 
+    def _admissible_waiting(self) -> Iterator[EngineRequest]:
+        """Waiting requests in scheduling order, less those preempted with results still in flight (they
+        resume once their results are back)."""
+        return (r for r in self.waiting if r.num_inflight_steps == 0)
+
     def _hold_admission_this_step(self, budget: int, plan: BatchPlan) -> bool:
         """Whether this step leaves the waiting requests waiting for more free running slots
         (``backlog_admission_slots``), counting the step when it does.
@@ -415,7 +420,7 @@ class Scheduler:
             or self._admission_wait_steps >= self.config.backlog_admission_max_wait_steps
         ):
             return False
-        admissible = (r for r in self.waiting if r.num_inflight_steps == 0)
+        admissible = self._admissible_waiting()
         head = next(admissible, None)
         if head is None or sum(1 for _ in itertools.islice(admissible, free)) < free:
             return False  # the head and at most free - 1 others: every one of them has a slot
@@ -423,7 +428,6 @@ class Scheduler:
             return False
         self._admission_wait_steps += 1
         self.counters.admission_held_steps += 1
-        plan.admission_held = True
         return True
 
     def _prefill_limit_left(self, budget: int, plan: BatchPlan) -> int | None:
@@ -580,7 +584,7 @@ class Scheduler:
         Only when displacing them all would make room for it; otherwise they would be preempted for nothing
         (and re-admitted and preempted again, step after step).
         """
-        head = next((r for r in self.waiting if r.num_inflight_steps == 0), None)
+        head = next(self._admissible_waiting(), None)
         if head is None or not self.running:
             return
         # Per KV group: what the head's first chunk would take (a sliding group's window is part of it).

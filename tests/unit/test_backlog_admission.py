@@ -34,11 +34,11 @@ def _run(config: SchedulerConfig, running_tokens: list[int], waiting: int) -> tu
     views: list[StepView] = []
     while s.requests:
         free = s.max_running_requests - s.num_running
+        held_before = s.counters.admission_held_steps
         step = s.schedule()
         assert step is not None
-        plan = s.last_plan
-        assert plan is not None
-        views.append(StepView(free, tuple(r.request_id for r in step.new_requests), plan.admission_held))
+        held = s.counters.admission_held_steps > held_before
+        views.append(StepView(free, tuple(r.request_id for r in step.new_requests), held))
         run.record(s.update(step, run.backend.execute(step)))
         s.check_integrity()
     assert s.registry.num_leased_blocks == 0
@@ -155,15 +155,14 @@ def test_a_waiting_request_of_a_higher_class_than_a_running_one_is_not_held() ->
             assert step is not None
             run.record(s.update(step, run.backend.execute(step)))
         _add_waiting(run, 2, waiting)  # with a slot free: no preemption for a higher class
-        held = 0
+        held_before = s.counters.admission_held_steps
         while True:
             step = s.schedule()
-            assert step is not None and s.last_plan is not None
-            held += s.last_plan.admission_held
+            assert step is not None
             run.record(s.update(step, run.backend.execute(step)))
             if step.new_requests:
                 assert [r.request_id for r in step.new_requests] == ["w0"]
-                return held
+                return s.counters.admission_held_steps - held_before
 
     # A BATCH backlog behind INTERACTIVE running requests waits for a second slot, here in vain: the steps'
     # limit, then the one free slot...
@@ -180,8 +179,7 @@ def test_the_wait_needs_decodes_and_budget_left_in_the_step() -> None:
     assert not s._hold_admission_this_step(100, BatchPlan(step_id=9, num_prefill_tokens=40))  # no decodes
     assert not s._hold_admission_this_step(0, BatchPlan(step_id=9, num_decode_tokens=2))  # no budget left
     assert s.counters.admission_held_steps == 0
-    plan = BatchPlan(step_id=9, num_decode_tokens=2)
-    assert s._hold_admission_this_step(100, plan) and plan.admission_held
+    assert s._hold_admission_this_step(100, BatchPlan(step_id=9, num_decode_tokens=2))
     assert s.counters.admission_held_steps == 1
 
 

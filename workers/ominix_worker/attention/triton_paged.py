@@ -688,8 +688,7 @@ class TritonPagedAttention:
         self.decode_rows_in_prefill = True
         # The last plan and what it was worked out from (identities: the KV groups' metadata share the lists).
         self._plan_key: tuple[object, object, int] | None = None
-        self._plan = MixedPlan.NONE
-        self._plan_prompt_side = 0
+        self._plan: tuple[MixedPlan, int] = (MixedPlan.NONE, 0)  # and the prefill grid's leading requests
         # Set while an eager step's pieces are captured (``PiecewiseAttention``): ``forward`` hands it the call.
         self.cut: AttentionCall | None = None
 
@@ -807,9 +806,9 @@ class TritonPagedAttention:
         key = (starts, meta.seq_lens_cpu, max_rows)
         cached = self._plan_key
         if cached is None or cached[0] is not key[0] or cached[1] is not key[1] or cached[2] != max_rows:
-            self._plan_key, self._plan = key, plan_mixed_step(meta, max_rows)
-            self._plan_prompt_side = prompt_side_requests(meta)
-        return self._plan, self._plan_prompt_side
+            self._plan_key = key
+            self._plan = (plan_mixed_step(meta, max_rows), prompt_side_requests(meta))
+        return self._plan
 
     def _decode(
         self,
