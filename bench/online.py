@@ -26,6 +26,7 @@ import bisect
 import json
 import math
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -136,6 +137,48 @@ def itl_tail(gaps_s: Sequence[float]) -> dict[str, float | int]:
     return tail
 
 
+# A stall: a run of consecutive gaps of one stream, each at least STALL_FACTOR times that stream's median gap (a
+# step that carried a prompt, a host hiccup). A server that delivers a stalled step's tokens late and the next
+# ones early spreads one stall over two gaps: a lower ITL p99 for the same stall. Counting the run as one stall,
+# with its excess over the median gaps it spans, compares what the streams waited, not how the wait was cut.
+STALL_FACTOR = 1.5
+STALL_PERCENTILES = (50, 90, 99)
+
+
+def itl_stalls(streams_s: Sequence[Sequence[float]]) -> dict[str, float | int | None]:
+    """``itl_stalls`` of every stream's gaps (seconds; streams of fewer than 3 gaps are left out, their median
+    says nothing): the gaps counted, the stalls and stalls per 1,000 gaps, each stall's excess (its gaps' time
+    beyond as many of the stream's median gaps) and its longest gap at STALL_PERCENTILES in ms (None without a
+    stall), and the share of stalls that spanned more than one gap."""
+    excess_ms: list[float] = []
+    longest_ms: list[float] = []
+    spread = gaps = 0
+    for stream in streams_s:
+        if len(stream) < 3:
+            continue
+        gaps += len(stream)
+        median = statistics.median(stream)
+        run: list[float] = []
+        for gap in (*stream, None):  # None closes a stall that runs to the stream's end
+            if gap is not None and gap >= STALL_FACTOR * median:
+                run.append(gap)
+            elif run:
+                excess_ms.append(1000.0 * (sum(run) - median * len(run)))
+                longest_ms.append(1000.0 * max(run))
+                spread += len(run) > 1
+                run = []
+    stalls: dict[str, float | int | None] = {
+        "gaps": gaps,
+        "stalls": len(excess_ms),
+        "stalls_per_1k_gaps": 1000.0 * len(excess_ms) / gaps if gaps else 0.0,
+        "multi_gap_share": spread / len(excess_ms) if excess_ms else 0.0,
+    }
+    for q in STALL_PERCENTILES:
+        stalls[f"p{q}_excess_ms"] = percentile(excess_ms, q) if excess_ms else None
+        stalls[f"p{q}_longest_ms"] = percentile(longest_ms, q) if longest_ms else None
+    return stalls
+
+
 def to_vllm_result(
     result: BenchResult,
     *,
@@ -146,7 +189,7 @@ def to_vllm_result(
 ) -> dict[str, Any]:
     """One rate's run as `vllm bench serve --save-result` writes it (``--save-detailed`` adds the per-request
     lists). This tool's own fields: ``slo_ttft_ms`` and ``slo_tpot_ms``, the SLOs goodput used, ``itl_tail``
-    (``itl_tail()`` of every gap), and over the successful requests ``token_chunks`` and ``multi_token_chunks`` (chunks that carried more than one token:
+    (``itl_tail()`` of every gap), ``itl_stalls`` (``itl_stalls()`` of every successful stream), and over the successful requests ``token_chunks`` and ``multi_token_chunks`` (chunks that carried more than one token:
     tokens that were ready together, because the engine applied several steps at once or a stream's reader
     fell behind, go out as one message, and a chunk of k tokens leaves one gap where there would have been
     k, so merging raises the mean ITL; None over OpenAI HTTP, whose chunks are counted as one token each)."""
@@ -186,6 +229,7 @@ def to_vllm_result(
     payload.update(_latency_fields("tpot", [r.tpot_s for r in done if r.tpot_s is not None], percentiles))
     payload.update(_latency_fields("itl", [gap for r in done for gap in r.itls_s], percentiles))
     payload["itl_tail"] = itl_tail([gap for r in done for gap in r.itls_s])
+    payload["itl_stalls"] = itl_stalls([r.itls_s for r in done])
     payload.update(_latency_fields("e2el", [r.e2el_s for r in done], percentiles))
     if detailed:
         payload.update(

@@ -11,7 +11,9 @@ the baseline round by round: the median of the paired ratios, their range, and i
 server was at least as good. With ``--steps LABEL=URL`` (a server's Prometheus endpoint) each run of that
 server also records the steps it ran and their tokens (bench/step_mix.py), and the table adds them. Every
 run's result carries its ``itl_tail`` (bench/online.py: the share of gaps at or above 10 – 200 ms), and the
-table adds those too: two servers with one ITL p99 can stall more gaps or stall them for longer.
+table adds those too: two servers with one ITL p99 can stall more gaps or stall them for longer; and its
+``itl_stalls`` (runs of long gaps counted as one stall each), which tells a server that spreads one stall over
+two gaps (a lower ITL p99) from one that stalls its streams for less.
 
     python bench/online_ab.py run --server ominix=127.0.0.1:50061 --server vllm=http://127.0.0.1:8000 \\
         --steps ominix=http://127.0.0.1:9400/metrics --steps vllm=http://127.0.0.1:8000/metrics \\
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import http.client
 import json
 import math
@@ -49,7 +52,9 @@ from bench.common import (  # noqa: E402
 )
 from bench.online import (  # noqa: E402
     ITL_TAIL_MS,
+    STALL_FACTOR,
     add_load_arguments,
+    itl_stalls,
     parse_rates,
     rate_label,
     run_rate,
@@ -171,12 +176,14 @@ async def run_rounds(servers: Sequence[Server], args: argparse.Namespace) -> lis
 
 
 def load_records(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
-    """Every run of the given files; a server, round and rate found twice is an error (two runs that reused
-    round numbers, hence seeds: the second could be served from the first's prefix cache)."""
+    """Every run of the given files (gzip-compressed where the name ends in .gz: ``--save-detailed`` runs are
+    large); a server, round and rate found twice is an error (two runs that reused round numbers, hence seeds:
+    the second could be served from the first's prefix cache)."""
     records: list[dict[str, Any]] = []
     seen: dict[tuple[str, int, float], str] = {}
     for path in paths:
-        for record in json.loads(Path(path).read_text()):
+        raw = Path(path).read_bytes()
+        for record in json.loads(gzip.decompress(raw) if str(path).endswith(".gz") else raw):
             run = (record["label"], record["round"], rate_of(record["result"]))
             if run in seen:
                 raise SystemExit(
@@ -315,6 +322,57 @@ def format_itl_tail_table(records: Sequence[dict[str, Any]]) -> str | None:
     return format_table(rows, header)
 
 
+def stalls_of(result: dict[str, Any]) -> dict[str, Any] | None:
+    """A run's ``itl_stalls``; from its per-request gaps (``--save-detailed``, failed requests left out) where
+    it was recorded before that field was; None when it has neither."""
+    if "itl_stalls" in result:
+        return dict(result["itl_stalls"])
+    if "itls" not in result:
+        return None
+    errors = result.get("errors") or [""] * len(result["itls"])
+    return itl_stalls([gaps for gaps, error in zip(result["itls"], errors, strict=True) if not error])
+
+
+def format_itl_stalls_table(records: Sequence[dict[str, Any]]) -> str | None:
+    """Per rate and server, the median over rounds (range) of its ``itl_stalls`` (bench/online.py): stalls per
+    1,000 gaps, a stall's excess and its longest gap at p50 and p90, and the share of stalls spread over more
+    than one gap, in percent; None when no run recorded them. A server that splits each stall over two gaps reads
+    a lower ITL p99 than one that keeps it in one gap, for as long a wait."""
+    kept = [(r, stalls_of(r["result"])) for r in records]
+    kept = [(r, s) for r, s in kept if s is not None]
+    if not kept:
+        return None
+    rows = []
+    for rate in sorted({rate_of(r["result"]) for r, _ in kept}):
+        for label in dict.fromkeys(r["label"] for r, _ in kept):
+            found = [s for r, s in kept if r["label"] == label and rate_of(r["result"]) == rate]
+            if not found:
+                continue
+
+            def cell(
+                key: str, scale: float = 1.0, digits: int = 1, runs: list[dict[str, Any]] = found
+            ) -> str:
+                return median_range([scale * s[key] for s in runs if s[key] is not None], digits)
+
+            rows.append(
+                [
+                    label,
+                    rate_label(rate),
+                    cell("stalls_per_1k_gaps"),
+                    cell("p50_excess_ms"),
+                    cell("p90_excess_ms"),
+                    cell("p50_longest_ms"),
+                    cell("p90_longest_ms"),
+                    cell("multi_gap_share", 100.0, 0),
+                ]
+            )
+    header = [
+        "server", "rate", "stalls / 1k gaps", "excess p50, ms", "excess p90, ms", "longest gap p50, ms",
+        "longest gap p90, ms", "over 2+ gaps, %",
+    ]  # fmt: skip
+    return format_table(rows, header)
+
+
 def median_series(records: Sequence[dict[str, Any]]) -> list[Series]:
     """One plot series per server: at each rate, the median over rounds of every figure the table shows."""
     series = []
@@ -383,6 +441,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         tail = format_itl_tail_table(records)
         if tail is not None:
             text += "\n\nShare of ITL gaps at or above each length (median over rounds, range):\n\n" + tail
+        stalls = format_itl_stalls_table(records)
+        if stalls is not None:
+            text += (
+                f"\n\nStalls: runs of gaps of at least {STALL_FACTOR:g}x the stream's median gap, one stall each"
+                " (median over rounds, range):\n\n" + stalls
+            )
         print(text)
         if args.out_md:
             Path(args.out_md).write_text(text + "\n")

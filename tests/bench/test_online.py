@@ -179,6 +179,60 @@ def test_the_itl_tail_counts_the_share_of_gaps_at_or_above_each_length() -> None
     assert online.itl_tail([]) == {"gaps": 0, **{f"share_at_least_{ms}ms": 0.0 for ms in expected}}
 
 
+def test_a_stall_is_a_run_of_long_gaps_counted_once_with_its_excess_over_the_median() -> None:
+    ms = 0.001
+    streams = [
+        [5 * ms, 5 * ms, 5 * ms, 20 * ms, 5 * ms, 5 * ms],  # median 5: one stall of one gap, excess 15
+        [
+            4 * ms,
+            4 * ms,
+            14 * ms,
+            12 * ms,
+            4 * ms,
+            4 * ms,
+            4 * ms,
+        ],  # median 4: one stall over two gaps, excess 18
+        [10 * ms, 10 * ms],  # too few gaps for a median: left out
+        [5 * ms, 5 * ms, 5 * ms, 5 * ms, 9 * ms],  # a stall that runs to the end (excess 4)
+        [6 * ms, 6 * ms, 8.9 * ms],  # just under 1.5x its median: no stall
+    ]
+    stalls = online.itl_stalls(streams)
+    assert online.STALL_FACTOR == 1.5
+    assert (stalls["gaps"], stalls["stalls"]) == (21, 3)
+    assert stalls["stalls_per_1k_gaps"] == pytest.approx(3000 / 21)
+    assert stalls["multi_gap_share"] == pytest.approx(1 / 3)
+    assert stalls["p50_excess_ms"] == pytest.approx(15.0)  # excesses 4, 15, 18
+    assert stalls["p90_excess_ms"] == pytest.approx(15.0 + 0.8 * 3.0)
+    assert stalls["p50_longest_ms"] == pytest.approx(14.0)  # longest gaps 9, 14, 20
+    assert stalls["p99_longest_ms"] == pytest.approx(14.0 + 0.98 * 6.0)
+    none = online.itl_stalls([[5 * ms] * 4])
+    assert (none["gaps"], none["stalls"], none["multi_gap_share"]) == (4, 0, 0.0)
+    assert none["p50_excess_ms"] is None and none["p90_longest_ms"] is None
+    assert online.itl_stalls([])["stalls_per_1k_gaps"] == 0.0
+
+
+def test_every_run_records_the_stalls_of_its_successful_streams() -> None:
+    def request(i: int, gaps_ms: list[float], success: bool = True) -> serve.RequestResult:
+        times = [0.05]
+        for gap in gaps_ms:
+            times.append(times[-1] + gap / 1000.0)
+        return serve.RequestResult(
+            i, f"r{i}", send_time=0.0, end_time=times[-1], first_token_time=times[0], chunk_times=times,
+            chunk_tokens=[1] * len(times), output_tokens=len(times), prompt_tokens=8, success=success,
+        )  # fmt: skip
+
+    # The failed request's long gaps would be a stall of their own: only the first request's one stall counts.
+    requests = [request(0, [5.0, 5.0, 30.0, 5.0]), request(1, [5.0, 5.0, 90.0, 90.0], False)]
+    config = serve.BenchConfig(num_requests=2, input_len=8, output_len=5)
+    bench = serve.BenchResult(
+        config, "127.0.0.1:50061", serve.compute_metrics(requests, 1.0), [], requests, 0.0
+    )
+    stalls = online.to_vllm_result(bench, label="x", model_id="m")["itl_stalls"]
+    assert (stalls["gaps"], stalls["stalls"]) == (4, 1)
+    assert stalls["p50_excess_ms"] == pytest.approx(25.0)
+    assert stalls["multi_gap_share"] == 0.0
+
+
 def _synthetic(rate: float | str, scale: float, completed: int = 10) -> dict[str, object]:
     return {
         "request_rate": rate,

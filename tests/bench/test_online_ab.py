@@ -4,6 +4,7 @@ seeds, the paired table on synthetic records, and the stages on CPU against two 
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -357,3 +358,33 @@ def test_steps_table_counts_unread_runs_and_runs_without_a_step(tmp_path: Path) 
     vllm = [c.strip() for c in rows[("vllm", "4")].split("|")]
     assert vllm[header.index("runs read")] == "0" and vllm[header.index("not read")] == "1"
     assert online_ab.format_steps_table([_record("ours", 0, 4.0, 30.0, 1000.0)]) is None
+
+
+def test_the_stalls_table_reads_recorded_stalls_or_counts_them_from_detailed_gaps(tmp_path: Path) -> None:
+    ms = 0.001
+    recorded = _record("ours", 0, 4.0, 30.0, 1000.0)
+    recorded["result"]["itl_stalls"] = online.itl_stalls([[5 * ms, 5 * ms, 25 * ms, 5 * ms]])  # type: ignore[index]
+    detailed = _record("vllm", 0, 4.0, 40.0, 1000.0)
+    # A stall spread over two gaps (14 + 12 ms around a 5 ms median); the failed request's gaps are left out.
+    detailed["result"].update(  # type: ignore[attr-defined]
+        {
+            "itls": [[5 * ms, 5 * ms, 14 * ms, 12 * ms, 5 * ms], [5 * ms, 5 * ms, 50 * ms]],
+            "errors": ["", "cut"],
+        }
+    )
+    records = [recorded, detailed, _record("vllm", 1, 4.0, 40.0, 1000.0)]  # neither field: left out
+    assert online_ab.stalls_of(records[2]["result"]) is None  # type: ignore[arg-type]
+    table = online_ab.format_itl_stalls_table(records)
+    assert table is not None
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
+        for line in table.splitlines()[2:]
+    }
+    assert rows["ours"][1:8] == ["4", "250.0", "20.0", "20.0", "25.0", "25.0", "0"]
+    assert rows["vllm"][1:8] == ["4", "200.0", "16.0", "16.0", "14.0", "14.0", "100"]
+    assert online_ab.format_itl_stalls_table([_record("ours", 0, 4.0, 30.0, 1000.0)]) is None
+    runs = tmp_path / "ab.json.gz"
+    runs.write_bytes(gzip.compress(json.dumps(records).encode()))
+    out = tmp_path / "ab.md"
+    assert online_ab.main(["table", str(runs), "--baseline", "vllm", "--out-md", str(out)]) == 0
+    assert "Stalls: runs of gaps of at least 1.5x the stream's median gap" in out.read_text()
