@@ -160,7 +160,7 @@ def itl_stalls(streams_s: Sequence[Sequence[float]]) -> dict[str, float | int | 
         median = statistics.median(stream)
         run: list[float] = []
         for gap in (*stream, None):  # None closes a stall that runs to the stream's end
-            if gap is not None and gap >= STALL_FACTOR * median:
+            if gap is not None and gap >= STALL_FACTOR * median and gap > median:  # > : a median of 0
                 run.append(gap)
             elif run:
                 excess_ms.append(1000.0 * (sum(run) - median * len(run)))

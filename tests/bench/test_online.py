@@ -209,6 +209,9 @@ def test_a_stall_is_a_run_of_long_gaps_counted_once_with_its_excess_over_the_med
     assert (none["gaps"], none["stalls"], none["multi_gap_share"]) == (4, 0, 0.0)
     assert none["p50_excess_ms"] is None and none["p90_longest_ms"] is None
     assert online.itl_stalls([])["stalls_per_1k_gaps"] == 0.0
+    # Tokens sent in bursts (a median gap of 0): only the gaps between bursts are stalls.
+    bursts = online.itl_stalls([[0.0, 0.0, 0.0, 30 * ms, 0.0, 0.0, 0.0]])
+    assert (bursts["stalls"], bursts["p50_excess_ms"]) == (1, pytest.approx(30.0))
 
 
 def test_every_run_records_the_stalls_of_its_successful_streams() -> None:
