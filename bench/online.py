@@ -137,45 +137,59 @@ def itl_tail(gaps_s: Sequence[float]) -> dict[str, float | int]:
     return tail
 
 
-# A stall: a run of consecutive gaps of one stream, each at least STALL_FACTOR times that stream's median gap (a
-# step that carried a prompt, a host hiccup). A server that delivers a stalled step's tokens late and the next
-# ones early spreads one stall over two gaps: a lower ITL p99 for the same stall. Counting the run as one stall,
-# with its excess over the median gaps it spans, compares what the streams waited, not how the wait was cut.
+# A stall: a run of consecutive gaps of one stream, each at least STALL_FACTOR times that stream's median gap and
+# STALL_MIN_EXCESS_S above it (a step that carried a prompt, a host hiccup; a chunk of k tokens also leaves one
+# gap of about k median gaps: ``multi_token_chunks`` counts those). A server that delivers a stalled step's tokens
+# late and the next ones early spreads one stall over two gaps: a lower ITL p99 for the same wait. Counting the run
+# as one stall, net of the short gaps right after it that make some of it up, compares what the streams waited,
+# not how the wait was cut.
 STALL_FACTOR = 1.5
+STALL_MIN_EXCESS_S = 0.001  # a stream of sub-millisecond gaps has no stall of a fraction of one
 STALL_PERCENTILES = (50, 90, 99)
+
+
+def _stalls_of_stream(stream: Sequence[float]) -> list[tuple[float, float, int]]:
+    """Each stall of one stream's gaps (seconds): its net excess (its gaps' time beyond as many median gaps, less
+    what the gaps shorter than the median right after it made up), its longest gap, and how many gaps it spans."""
+    median = statistics.median(stream)
+
+    def long(gap: float) -> bool:
+        return gap >= STALL_FACTOR * median and gap - median >= STALL_MIN_EXCESS_S
+
+    stalls = []
+    i = 0
+    while i < len(stream):
+        if not long(stream[i]):
+            i += 1
+            continue
+        end = i
+        while end < len(stream) and long(stream[end]):
+            end += 1
+        caught_up = end
+        while caught_up < len(stream) and stream[caught_up] < median:
+            caught_up += 1
+        net = sum(stream[i:caught_up]) - median * (caught_up - i)
+        stalls.append((net, max(stream[i:end]), end - i))
+        i = caught_up
+    return stalls
 
 
 def itl_stalls(streams_s: Sequence[Sequence[float]]) -> dict[str, float | int | None]:
     """``itl_stalls`` of every stream's gaps (seconds; streams of fewer than 3 gaps are left out, their median
-    says nothing): the gaps counted, the stalls and stalls per 1,000 gaps, each stall's excess (its gaps' time
-    beyond as many of the stream's median gaps) and its longest gap at STALL_PERCENTILES in ms (None without a
-    stall), and the share of stalls that spanned more than one gap."""
-    excess_ms: list[float] = []
-    longest_ms: list[float] = []
-    spread = gaps = 0
-    for stream in streams_s:
-        if len(stream) < 3:
-            continue
-        gaps += len(stream)
-        median = statistics.median(stream)
-        run: list[float] = []
-        for gap in (*stream, None):  # None closes a stall that runs to the stream's end
-            if gap is not None and gap >= STALL_FACTOR * median and gap > median:  # > : a median of 0
-                run.append(gap)
-            elif run:
-                excess_ms.append(1000.0 * (sum(run) - median * len(run)))
-                longest_ms.append(1000.0 * max(run))
-                spread += len(run) > 1
-                run = []
+    says nothing): the gaps counted, the stalls and stalls per 1,000 gaps, each stall's net excess and its
+    longest gap at STALL_PERCENTILES in ms, and the share of stalls that spanned more than one gap (None where
+    there is nothing to take them of)."""
+    found = [stall for stream in streams_s if len(stream) >= 3 for stall in _stalls_of_stream(stream)]
+    gaps = sum(len(stream) for stream in streams_s if len(stream) >= 3)
     stalls: dict[str, float | int | None] = {
         "gaps": gaps,
-        "stalls": len(excess_ms),
-        "stalls_per_1k_gaps": 1000.0 * len(excess_ms) / gaps if gaps else 0.0,
-        "multi_gap_share": spread / len(excess_ms) if excess_ms else 0.0,
+        "stalls": len(found),
+        "stalls_per_1k_gaps": 1000.0 * len(found) / gaps if gaps else None,
+        "multi_gap_share": sum(spans > 1 for _, _, spans in found) / len(found) if found else None,
     }
     for q in STALL_PERCENTILES:
-        stalls[f"p{q}_excess_ms"] = percentile(excess_ms, q) if excess_ms else None
-        stalls[f"p{q}_longest_ms"] = percentile(longest_ms, q) if longest_ms else None
+        stalls[f"p{q}_excess_ms"] = percentile([1000.0 * n for n, _, _ in found], q) if found else None
+        stalls[f"p{q}_longest_ms"] = percentile([1000.0 * g for _, g, _ in found], q) if found else None
     return stalls
 
 
@@ -188,8 +202,10 @@ def to_vllm_result(
     detailed: bool = False,
 ) -> dict[str, Any]:
     """One rate's run as `vllm bench serve --save-result` writes it (``--save-detailed`` adds the per-request
-    lists). This tool's own fields: ``slo_ttft_ms`` and ``slo_tpot_ms``, the SLOs goodput used, ``itl_tail``
-    (``itl_tail()`` of every gap), ``itl_stalls`` (``itl_stalls()`` of every successful stream), and over the successful requests ``token_chunks`` and ``multi_token_chunks`` (chunks that carried more than one token:
+    lists, and ``successes``). This tool's own fields: ``slo_ttft_ms`` and ``slo_tpot_ms``, the SLOs goodput
+    used, ``itl_tail`` (``itl_tail()`` of every gap), ``itl_stalls`` (``itl_stalls()`` of every successful
+    stream), and over the successful requests ``token_chunks`` and ``multi_token_chunks`` (chunks that carried
+    more than one token:
     tokens that were ready together, because the engine applied several steps at once or a stream's reader
     fell behind, go out as one message, and a chunk of k tokens leaves one gap where there would have been
     k, so merging raises the mean ITL; None over OpenAI HTTP, whose chunks are counted as one token each)."""
@@ -244,6 +260,9 @@ def to_vllm_result(
                 # (one clock for every process of the host: bench/step_gaps.py reads a worker's step log by it).
                 "started_perf": result.started_perf,
                 "errors": [r.error for r in result.requests],
+                "successes": [
+                    r.success for r in result.requests
+                ],  # a stream can end unsuccessful with no error
             }
         )
     return payload

@@ -323,20 +323,29 @@ def format_itl_tail_table(records: Sequence[dict[str, Any]]) -> str | None:
 
 
 def stalls_of(result: dict[str, Any]) -> dict[str, Any] | None:
-    """A run's ``itl_stalls``; from its per-request gaps (``--save-detailed``, failed requests left out) where
-    it was recorded before that field was; None when it has neither."""
+    """A run's ``itl_stalls``; where it was recorded before that field was, from its per-request gaps
+    (``--save-detailed``) of the successful requests (``successes``, or in older files those without an
+    ``errors`` message); None when it has neither."""
     if "itl_stalls" in result:
         return dict(result["itl_stalls"])
     if "itls" not in result:
         return None
-    errors = result.get("errors") or [""] * len(result["itls"])
-    return itl_stalls([gaps for gaps, error in zip(result["itls"], errors, strict=True) if not error])
+    itls = result["itls"]
+    if "successes" in result:
+        kept = result["successes"]
+    else:
+        kept = [not error for error in result.get("errors") or [""] * len(itls)]
+    if len(kept) != len(itls):
+        raise SystemExit(
+            f"a run at {rate_label(rate_of(result))} req/s lists {len(itls)} requests' gaps but {len(kept)} outcomes"
+        )
+    return itl_stalls([gaps for gaps, ok in zip(itls, kept, strict=True) if ok])
 
 
 def format_itl_stalls_table(records: Sequence[dict[str, Any]]) -> str | None:
     """Per rate and server, the median over rounds (range) of its ``itl_stalls`` (bench/online.py): stalls per
-    1,000 gaps, a stall's excess and its longest gap at p50 and p90, and the share of stalls spread over more
-    than one gap, in percent; None when no run recorded them. A server that splits each stall over two gaps reads
+    1,000 gaps, a stall's net excess and its longest gap at p50 and p90, and the share of stalls spread over
+    more than one gap, in percent; None when no run recorded them. A server that splits each stall over two gaps reads
     a lower ITL p99 than one that keeps it in one gap, for as long a wait."""
     kept = [(r, stalls_of(r["result"])) for r in records]
     kept = [(r, s) for r, s in kept if s is not None]
@@ -367,7 +376,7 @@ def format_itl_stalls_table(records: Sequence[dict[str, Any]]) -> str | None:
                 ]
             )
     header = [
-        "server", "rate", "stalls / 1k gaps", "excess p50, ms", "excess p90, ms", "longest gap p50, ms",
+        "server", "rate", "stalls / 1k gaps", "net excess p50, ms", "net excess p90, ms", "longest gap p50, ms",
         "longest gap p90, ms", "over 2+ gaps, %",
     ]  # fmt: skip
     return format_table(rows, header)

@@ -364,13 +364,12 @@ def test_the_stalls_table_reads_recorded_stalls_or_counts_them_from_detailed_gap
     ms = 0.001
     recorded = _record("ours", 0, 4.0, 30.0, 1000.0)
     recorded["result"]["itl_stalls"] = online.itl_stalls([[5 * ms, 5 * ms, 25 * ms, 5 * ms]])  # type: ignore[index]
+    # A stall spread over two gaps (14 + 12 ms around a 5 ms median); the unsuccessful request's gaps are left
+    # out by ``successes`` though it has no error message.
     detailed = _record("vllm", 0, 4.0, 40.0, 1000.0)
-    # A stall spread over two gaps (14 + 12 ms around a 5 ms median); the failed request's gaps are left out.
+    stall_gaps = [5 * ms, 5 * ms, 14 * ms, 12 * ms, 5 * ms]
     detailed["result"].update(  # type: ignore[attr-defined]
-        {
-            "itls": [[5 * ms, 5 * ms, 14 * ms, 12 * ms, 5 * ms], [5 * ms, 5 * ms, 50 * ms]],
-            "errors": ["", "cut"],
-        }
+        {"itls": [stall_gaps, [5 * ms, 5 * ms, 50 * ms]], "errors": ["", ""], "successes": [True, False]}
     )
     records = [recorded, detailed, _record("vllm", 1, 4.0, 40.0, 1000.0)]  # neither field: left out
     assert online_ab.stalls_of(records[2]["result"]) is None  # type: ignore[arg-type]
@@ -382,6 +381,11 @@ def test_the_stalls_table_reads_recorded_stalls_or_counts_them_from_detailed_gap
     }
     assert rows["ours"][1:8] == ["4", "250.0", "20.0", "20.0", "25.0", "25.0", "0"]
     assert rows["vllm"][1:8] == ["4", "200.0", "16.0", "16.0", "14.0", "14.0", "100"]
+    # Files from before ``successes``: a request with an error message is left out.
+    older = {"request_rate": 4.0, "itls": [stall_gaps, [5 * ms, 5 * ms, 50 * ms]], "errors": ["", "cut"]}
+    assert online_ab.stalls_of(older) == online.itl_stalls([stall_gaps])
+    with pytest.raises(SystemExit, match="lists 2 requests' gaps but 1 outcomes"):
+        online_ab.stalls_of({**older, "errors": [""]})
     assert online_ab.format_itl_stalls_table([_record("ours", 0, 4.0, 30.0, 1000.0)]) is None
     runs = tmp_path / "ab.json.gz"
     runs.write_bytes(gzip.compress(json.dumps(records).encode()))
