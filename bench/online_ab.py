@@ -337,7 +337,8 @@ def stalls_of(result: dict[str, Any]) -> dict[str, Any] | None:
         kept = [not error for error in result.get("errors") or [""] * len(itls)]
     if len(kept) != len(itls):
         raise SystemExit(
-            f"a run at {rate_label(rate_of(result))} req/s lists {len(itls)} requests' gaps but {len(kept)} outcomes"
+            f"a run at {rate_label(rate_of(result))} req/s lists {len(itls)} requests' gaps"
+            f" but {len(kept)} outcomes"
         )
     return itl_stalls([gaps for gaps, ok in zip(itls, kept, strict=True) if ok])
 
@@ -345,8 +346,8 @@ def stalls_of(result: dict[str, Any]) -> dict[str, Any] | None:
 def format_itl_stalls_table(records: Sequence[dict[str, Any]]) -> str | None:
     """Per rate and server, the median over rounds (range) of its ``itl_stalls`` (bench/online.py): stalls per
     1,000 gaps, a stall's net excess and its longest gap at p50 and p90, and the share of stalls spread over
-    more than one gap, in percent; None when no run recorded them. A server that splits each stall over two gaps reads
-    a lower ITL p99 than one that keeps it in one gap, for as long a wait."""
+    more than one gap, in percent; None when no run recorded them. A server that splits each stall over two
+    gaps reads a lower ITL p99 than one that keeps it in one gap, for as long a wait."""
     kept = [(r, stalls_of(r["result"])) for r in records]
     kept = [(r, s) for r, s in kept if s is not None]
     if not kept:

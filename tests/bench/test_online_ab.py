@@ -363,7 +363,8 @@ def test_steps_table_counts_unread_runs_and_runs_without_a_step(tmp_path: Path) 
 def test_the_stalls_table_reads_recorded_stalls_or_counts_them_from_detailed_gaps(tmp_path: Path) -> None:
     ms = 0.001
     recorded = _record("ours", 0, 4.0, 30.0, 1000.0)
-    recorded["result"]["itl_stalls"] = online.itl_stalls([[5 * ms, 5 * ms, 25 * ms, 5 * ms]])  # type: ignore[index]
+    one_stall = online.itl_stalls([[5 * ms, 5 * ms, 25 * ms, 5 * ms]])
+    recorded["result"]["itl_stalls"] = one_stall  # type: ignore[index]
     # A stall spread over two gaps (14 + 12 ms around a 5 ms median); the unsuccessful request's gaps are left
     # out by ``successes`` though it has no error message.
     detailed = _record("vllm", 0, 4.0, 40.0, 1000.0)
