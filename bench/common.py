@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gzip
 import json
 import math
 import os
@@ -134,9 +135,15 @@ def to_jsonable(value: Any) -> Any:
 
 
 def write_json(path: str | Path, payload: Any) -> Path:
+    """``payload`` as indented JSON; gzip-compressed where the name ends in .gz (per-request lists run to tens
+    of MB, more than a device call brings back)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(to_jsonable(payload), indent=2, allow_nan=False) + "\n")
+    text = json.dumps(to_jsonable(payload), indent=2, allow_nan=False) + "\n"
+    if out.name.endswith(".gz"):
+        out.write_bytes(gzip.compress(text.encode(), mtime=0))
+    else:
+        out.write_text(text)
     return out
 
 

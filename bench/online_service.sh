@@ -17,7 +17,8 @@
 # online_table_one_schedule.md (and online_one_schedule.png), a comparison the two benches' different random
 # draws do not blur. VLLM_BENCH=0 leaves `vllm bench serve` out (a shorter call when only the one-schedule
 # comparison is wanted). DETAILED=1 keeps each request's TTFT, ITLs and send time in the result JSONs (both
-# benches' --save-detailed).
+# benches' --save-detailed; the A/B's run files are then written gzipped, ab_r<first>.json.gz: ~24 MB a round of
+# the issue's rates uncompressed, more than a device call brings back).
 # Paired A/B (bench/online_ab.py), over several calls of one warm machine: stage ab-start starts `vllm serve`
 # and one service of ours per AB_OURS entry (LABEL=LAUNCH-ARGS, ';'-separated; leading NAME=VALUE words of
 # LAUNCH-ARGS are that service's environment, as in "fast=OMINIX_PIECEWISE_FASTEST_BUCKET=1"), all on the one
@@ -317,7 +318,7 @@ ab_run() {
   timeout $((RATE_S * $(echo $RATES | wc -w) * count * AB_ROUNDS + 120)) env PYTHONPATH="$OURS_PATH" \
     python3 bench/online_ab.py run "${servers[@]}" "${watches[@]}" --model-config "$MODEL_DIR/config.json" \
     "${LOAD_ARGS[@]}" --rounds "$AB_ROUNDS" --first-round "$AB_FIRST_ROUND" \
-    --out-json "$RESULTS/ab_r$AB_FIRST_ROUND.json" \
+    --out-json "$RESULTS/ab_r$AB_FIRST_ROUND.json$([ "$DETAILED" = 1 ] && echo .gz)" \
     || echo "ab-run: failed or timed out (exit $?)"
 }
 
@@ -360,7 +361,7 @@ for stage in $STAGES; do
     ab-table)
       part "ab-table"
       png=$(ours_py -c "import matplotlib" 2>/dev/null && echo yes)
-      ours_py bench/online_ab.py table "$RESULTS"/ab_r*.json --baseline "$AB_BASELINE" --out-md "$RESULTS/ab_table.md" \
+      ours_py bench/online_ab.py table "$RESULTS"/ab_r*.json* --baseline "$AB_BASELINE" --out-md "$RESULTS/ab_table.md" \
         --slo-ttft-ms "$SLO_TTFT_MS" --slo-tpot-ms "$SLO_TPOT_MS" ${png:+--png "$RESULTS/ab.png"} ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -171,6 +171,16 @@ def test_ab_stages_drive_resident_servers_in_turn(tmp_path: Path) -> None:
             rows = table[at + 4 :]
             rows = rows[: rows.index("")] if "" in rows else rows
             assert {line.split("|")[1].strip() for line in rows} == {"vllm", "fast", "slow"}, title
+        # DETAILED=1: every request's gaps and outcome kept, the run file gzipped, and the table reads it too.
+        output = script("ab-run ab-table", DETAILED="1", AB_FIRST_ROUND="4", AB_ROUNDS="1")
+        detailed = json.loads(gzip.decompress((tmp_path / "results" / "ab_r4.json.gz").read_bytes()))
+        assert sorted(r["label"] for r in detailed) == ["fast", "slow", "vllm"], output
+        for record in detailed:
+            result = record["result"]
+            assert result["successes"] == [True] * 4 and len(result["itls"]) == 4, record
+            assert result["itl_stalls"]["gaps"] == sum(len(gaps) for gaps in result["itls"]), record
+        table = (tmp_path / "results" / "ab_table.md").read_text()
+        assert "| fast/vllm " in table and "Stalls: runs of gaps" in table, output
         # Servers still up: a second ab-start refuses (it would lose track of them); a run over the same rounds
         # refuses (same seeds: it could be served from the prefix caches the first one filled).
         output = script("ab-start")
