@@ -277,12 +277,19 @@ def format_rate_line(result: dict[str, Any]) -> str:
 
     chunks, multi = result.get("token_chunks"), result.get("multi_token_chunks")
     merged = f", {100.0 * multi / chunks:.1f}% of chunks >1 token" if chunks and multi is not None else ""
+    stalls = ""
+    if found := result.get("itl_stalls"):
+        split = found["multi_gap_share"]
+        stalls = (
+            f" stalls {fmt(found['stalls_per_1k_gaps'], 1)}/1k gaps (net p50 {fmt(found['p50_excess_ms'], 1)}"
+            f" ms, {fmt(None if split is None else 100.0 * split, 0)}% over 2+ gaps),"
+        )
     return (
         f"rate {str(result['request_rate']):>4}: {result['completed']}/{result['num_prompts']} ok,"
         f" {fmt(result['duration'], 1)} s, out {fmt(result['output_throughput'], 0)} tok/s,"
         f" TTFT p50/p99 {ms('median_ttft_ms')}/{ms('p99_ttft_ms')} ms,"
         f" TPOT p50/p99 {ms('median_tpot_ms')}/{ms('p99_tpot_ms')} ms,"
-        f" ITL p50/p99 {ms('median_itl_ms')}/{ms('p99_itl_ms')} ms,"
+        f" ITL p50/p99 {ms('median_itl_ms')}/{ms('p99_itl_ms')} ms,{stalls}"
         f" goodput {fmt(result['request_goodput'], 2)} req/s{merged}"
     )
 

@@ -248,10 +248,14 @@ def test_every_run_records_the_stalls_of_its_successful_streams() -> None:
     bench = serve.BenchResult(
         config, "127.0.0.1:50061", serve.compute_metrics(requests, 1.0), [], requests, 0.0
     )
-    stalls = online.to_vllm_result(bench, label="x", model_id="m")["itl_stalls"]
+    result = online.to_vllm_result(bench, label="x", model_id="m")
+    stalls = result["itl_stalls"]
     assert (stalls["gaps"], stalls["stalls"]) == (4, 1)
     assert stalls["p50_excess_ms"] == pytest.approx(25.0)
     assert stalls["multi_gap_share"] == 0.0
+    assert "ms, stalls 250.0/1k gaps (net p50 25.0 ms, 0% over 2+ gaps), goodput" in online.format_rate_line(
+        result
+    )
 
 
 def _synthetic(rate: float | str, scale: float, completed: int = 10) -> dict[str, object]:
