@@ -155,18 +155,24 @@ def test_merged_chunks_are_counted_over_successful_grpc_requests_only() -> None:
     assert online.format_rate_line(http_result).endswith("req/s")
 
 
-def test_the_itl_tail_counts_the_share_of_gaps_at_or_above_each_length() -> None:
-    def request(i: int, gaps_ms: list[float], success: bool = True) -> serve.RequestResult:
-        times = [0.05]
-        for gap in gaps_ms:
-            times.append(times[-1] + gap / 1000.0)
-        return serve.RequestResult(
-            i, f"r{i}", send_time=0.0, end_time=times[-1], first_token_time=times[0], chunk_times=times,
-            chunk_tokens=[1] * len(times), output_tokens=len(times), prompt_tokens=8, success=success,
-        )  # fmt: skip
+def _streamed(i: int, gaps_ms: list[float], success: bool = True) -> serve.RequestResult:
+    """A streamed request whose first token came at 50 ms, one token a chunk, then one chunk after each gap."""
+    times = [0.05]
+    for gap in gaps_ms:
+        times.append(times[-1] + gap / 1000.0)
+    return serve.RequestResult(
+        i, f"r{i}", send_time=0.0, end_time=times[-1], first_token_time=times[0], chunk_times=times,
+        chunk_tokens=[1] * len(times), output_tokens=len(times), prompt_tokens=8, success=success,
+    )  # fmt: skip
 
+
+def test_the_itl_tail_counts_the_share_of_gaps_at_or_above_each_length() -> None:
     # Six gaps over the successful requests: 5, 5, 12, 22 and 120 ms, and 30 ms (exactly at a threshold).
-    requests = [request(0, [5.0, 12.0, 120.0]), request(1, [5.0, 22.0, 30.0]), request(2, [500.0], False)]
+    requests = [
+        _streamed(0, [5.0, 12.0, 120.0]),
+        _streamed(1, [5.0, 22.0, 30.0]),
+        _streamed(2, [500.0], False),
+    ]
     config = serve.BenchConfig(num_requests=3, input_len=8, output_len=4)
     metrics = serve.compute_metrics(requests, 1.0)
     bench = serve.BenchResult(config, "127.0.0.1:50061", metrics, [], requests, 0.0)
@@ -233,17 +239,8 @@ def test_a_stall_is_a_run_of_long_gaps_counted_once_net_of_the_short_gaps_after_
 
 
 def test_every_run_records_the_stalls_of_its_successful_streams() -> None:
-    def request(i: int, gaps_ms: list[float], success: bool = True) -> serve.RequestResult:
-        times = [0.05]
-        for gap in gaps_ms:
-            times.append(times[-1] + gap / 1000.0)
-        return serve.RequestResult(
-            i, f"r{i}", send_time=0.0, end_time=times[-1], first_token_time=times[0], chunk_times=times,
-            chunk_tokens=[1] * len(times), output_tokens=len(times), prompt_tokens=8, success=success,
-        )  # fmt: skip
-
     # The failed request's long gaps would be a stall of their own: only the first request's one stall counts.
-    requests = [request(0, [5.0, 5.0, 30.0, 5.0]), request(1, [5.0, 5.0, 90.0, 90.0], False)]
+    requests = [_streamed(0, [5.0, 5.0, 30.0, 5.0]), _streamed(1, [5.0, 5.0, 90.0, 90.0], False)]
     config = serve.BenchConfig(num_requests=2, input_len=8, output_len=5)
     bench = serve.BenchResult(
         config, "127.0.0.1:50061", serve.compute_metrics(requests, 1.0), [], requests, 0.0
