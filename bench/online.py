@@ -177,8 +177,8 @@ def _stalls_of_stream(stream: Sequence[float]) -> list[tuple[float, float, int]]
 def itl_stalls(streams_s: Sequence[Sequence[float]]) -> dict[str, float | int | None]:
     """``itl_stalls`` of every stream's gaps (seconds; streams of fewer than 3 gaps are left out, their median
     says nothing): the gaps counted, the stalls and stalls per 1,000 gaps, each stall's net excess and its
-    longest gap at STALL_PERCENTILES in ms, and the share of stalls that spanned more than one gap (None where
-    there is nothing to take them of)."""
+    longest gap at STALL_PERCENTILES in ms, and the share of stalls that spanned more than one gap (each None
+    without the gaps or stalls it is taken over)."""
     found = [stall for stream in streams_s if len(stream) >= 3 for stall in _stalls_of_stream(stream)]
     gaps = sum(len(stream) for stream in streams_s if len(stream) >= 3)
     stalls: dict[str, float | int | None] = {
@@ -205,10 +205,10 @@ def to_vllm_result(
     lists, and ``successes``). This tool's own fields: ``slo_ttft_ms`` and ``slo_tpot_ms``, the SLOs goodput
     used, ``itl_tail`` (``itl_tail()`` of every gap), ``itl_stalls`` (``itl_stalls()`` of every successful
     stream), and over the successful requests ``token_chunks`` and ``multi_token_chunks`` (chunks that carried
-    more than one token:
-    tokens that were ready together, because the engine applied several steps at once or a stream's reader
-    fell behind, go out as one message, and a chunk of k tokens leaves one gap where there would have been
-    k, so merging raises the mean ITL; None over OpenAI HTTP, whose chunks are counted as one token each)."""
+    more than one token: tokens that were ready together, because the engine applied several steps at once or
+    a stream's reader fell behind, go out as one message, and a chunk of k tokens leaves one gap where there
+    would have been k, so merging raises the mean ITL; None over OpenAI HTTP, whose chunks are counted as one
+    token each)."""
     config = result.config
     metrics = result.metrics
     done = [r for r in result.requests if r.success]
@@ -260,9 +260,8 @@ def to_vllm_result(
                 # (one clock for every process of the host: bench/step_gaps.py reads a worker's step log by it).
                 "started_perf": result.started_perf,
                 "errors": [r.error for r in result.requests],
-                "successes": [
-                    r.success for r in result.requests
-                ],  # a stream can end unsuccessful with no error
+                # This tool's own too: a stream can end unsuccessfully with no error message.
+                "successes": [r.success for r in result.requests],
             }
         )
     return payload
