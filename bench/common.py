@@ -134,6 +134,12 @@ def to_jsonable(value: Any) -> Any:
     return value
 
 
+def read_json(path: str | Path) -> Any:
+    """A JSON file as ``write_json`` writes it (gzip-compressed where the name ends in .gz)."""
+    raw = Path(path).read_bytes()
+    return json.loads(gzip.decompress(raw) if str(path).endswith(".gz") else raw)
+
+
 def write_json(path: str | Path, payload: Any) -> Path:
     """``payload`` as indented JSON; gzip-compressed where the name ends in .gz (per-request lists run to tens
     of MB, more than a device call brings back)."""

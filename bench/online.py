@@ -179,8 +179,9 @@ def itl_stalls(streams_s: Sequence[Sequence[float]]) -> dict[str, float | int | 
     says nothing): the gaps counted, the stalls and stalls per 1,000 gaps, each stall's net excess and its
     longest gap at STALL_PERCENTILES in ms, and the share of stalls that spanned more than one gap (each None
     without the gaps or stalls it is taken over)."""
-    found = [stall for stream in streams_s if len(stream) >= 3 for stall in _stalls_of_stream(stream)]
-    gaps = sum(len(stream) for stream in streams_s if len(stream) >= 3)
+    kept = [stream for stream in streams_s if len(stream) >= 3]
+    found = [stall for stream in kept for stall in _stalls_of_stream(stream)]
+    gaps = sum(len(stream) for stream in kept)
     stalls: dict[str, float | int | None] = {
         "gaps": gaps,
         "stalls": len(found),

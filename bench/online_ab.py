@@ -27,16 +27,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gzip
 import http.client
-import json
 import math
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
@@ -46,6 +44,7 @@ from bench.common import (  # noqa: E402
     exit_code_of,
     format_table,
     median_range,
+    read_json,
     run_while_all_alive,
     watch_spec,
     write_json,
@@ -64,6 +63,8 @@ from bench.online import (  # noqa: E402
 from bench.plot_online import COLUMNS, Series, rate_of, write_png  # noqa: E402
 from bench.serve import ModelFacts  # noqa: E402
 from bench.step_mix import StepTotals, scrape_step_totals, step_mix  # noqa: E402
+
+T = TypeVar("T")
 
 ROUND_SEED_STRIDE = 1000  # round r, rate i: seed + 1000 * r + i (no two runs of a round share prompts)
 HIGHER_IS_BETTER = frozenset({"output_throughput", "request_goodput"})
@@ -182,8 +183,7 @@ def load_records(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     seen: dict[tuple[str, int, float], str] = {}
     for path in paths:
-        raw = Path(path).read_bytes()
-        for record in json.loads(gzip.decompress(raw) if str(path).endswith(".gz") else raw):
+        for record in read_json(path):
             run = (record["label"], record["round"], rate_of(record["result"]))
             if run in seen:
                 raise SystemExit(
@@ -257,42 +257,44 @@ def format_ab_table(records: Sequence[dict[str, Any]], baseline: str) -> str:
     return format_table(rows, header)
 
 
+def by_rate_and_server(items: Sequence[tuple[dict[str, Any], T]]) -> Iterator[tuple[float, str, list[T]]]:
+    """(rate, server, values) of (record, value) pairs: rates ascending, servers in the order first seen, and
+    only where a server has values at that rate."""
+    for rate in sorted({rate_of(r["result"]) for r, _ in items}):
+        for label in dict.fromkeys(r["label"] for r, _ in items):
+            values = [v for r, v in items if r["label"] == label and rate_of(r["result"]) == rate]
+            if values:
+                yield rate, label, values
+
+
 def format_steps_table(records: Sequence[dict[str, Any]]) -> str | None:
     """Per rate and server with step readings: the runs read and not read, and the median over the runs read
     (range) of the steps run, steps a second, tokens per step, preemptions and the KV capacity in tokens; None
     when no run tried a reading."""
-    tried = [r for r in records if "steps" in r]
+    tried = [(r, r) for r in records if "steps" in r]
     if not tried:
         return None
     rows = []
-    for rate in sorted({rate_of(r["result"]) for r in tried}):
-        for label in dict.fromkeys(r["label"] for r in tried):
-            runs = [r for r in tried if r["label"] == label and rate_of(r["result"]) == rate]
-            if not runs:
-                continue
-            read = [r for r in runs if "error" not in r["steps"]]
-            steps = [r["steps"]["steps"] for r in read]
-            per_s = [
-                r["steps"]["steps"] / r["result"]["duration"] for r in read if r["result"].get("duration")
+    for rate, label, runs in by_rate_and_server(tried):
+        read = [r for r in runs if "error" not in r["steps"]]
+        steps = [r["steps"]["steps"] for r in read]
+        per_s = [r["steps"]["steps"] / r["result"]["duration"] for r in read if r["result"].get("duration")]
+        tokens = [r["steps"]["tokens_per_step"] for r in read if r["steps"]["tokens_per_step"] is not None]
+        preempted = [r["steps"]["preemptions"] for r in read if r["steps"].get("preemptions") is not None]
+        kv_tokens = [r["steps"]["kv_tokens"] for r in read if r["steps"].get("kv_tokens") is not None]
+        rows.append(
+            [
+                label,
+                rate_label(rate),
+                str(len(read)),
+                str(len(runs) - len(read)),
+                median_range(steps, 0),
+                median_range(per_s, 1),
+                median_range(tokens, 1),
+                median_range(preempted, 0),
+                median_range(kv_tokens, 0),
             ]
-            tokens = [
-                r["steps"]["tokens_per_step"] for r in read if r["steps"]["tokens_per_step"] is not None
-            ]
-            preempted = [r["steps"]["preemptions"] for r in read if r["steps"].get("preemptions") is not None]
-            kv_tokens = [r["steps"]["kv_tokens"] for r in read if r["steps"].get("kv_tokens") is not None]
-            rows.append(
-                [
-                    label,
-                    rate_label(rate),
-                    str(len(read)),
-                    str(len(runs) - len(read)),
-                    median_range(steps, 0),
-                    median_range(per_s, 1),
-                    median_range(tokens, 1),
-                    median_range(preempted, 0),
-                    median_range(kv_tokens, 0),
-                ]
-            )
+        )
     header = [
         "server", "rate", "runs read", "not read", "steps", "steps/s", "tokens/step", "preemptions", "KV tokens",
     ]  # fmt: skip
@@ -303,21 +305,13 @@ def format_itl_tail_table(records: Sequence[dict[str, Any]]) -> str | None:
     """Per rate and server: the median over rounds (range) of the share of ITL gaps at or above each threshold of
     ITL_TAIL_MS, in percent, and the gaps counted; None when no run recorded its ``itl_tail``. Two servers with
     one ITL p99 can differ here: one stalls more gaps, the other stalls them for longer."""
-    kept = [r for r in records if "itl_tail" in r["result"]]
+    kept = [(r, r["result"]["itl_tail"]) for r in records if "itl_tail" in r["result"]]
     if not kept:
         return None
     rows = []
-    for rate in sorted({rate_of(r["result"]) for r in kept}):
-        for label in dict.fromkeys(r["label"] for r in kept):
-            tails = [
-                r["result"]["itl_tail"] for r in kept if r["label"] == label and rate_of(r["result"]) == rate
-            ]
-            if not tails:
-                continue
-            shares = [
-                median_range([100.0 * t[f"share_at_least_{ms}ms"] for t in tails], 2) for ms in ITL_TAIL_MS
-            ]
-            rows.append([label, rate_label(rate), median_range([t["gaps"] for t in tails], 0), *shares])
+    for rate, label, tails in by_rate_and_server(kept):
+        shares = [median_range([100.0 * t[f"share_at_least_{ms}ms"] for t in tails], 2) for ms in ITL_TAIL_MS]
+        rows.append([label, rate_label(rate), median_range([t["gaps"] for t in tails], 0), *shares])
     header = ["server", "rate", "gaps", *(f"≥ {ms} ms, %" for ms in ITL_TAIL_MS)]
     return format_table(rows, header)
 
@@ -348,34 +342,27 @@ def format_itl_stalls_table(records: Sequence[dict[str, Any]]) -> str | None:
     1,000 gaps, a stall's net excess and its longest gap at p50 and p90, and the share of stalls spread over
     more than one gap, in percent; None when no run recorded them. A server that splits each stall over two
     gaps reads a lower ITL p99 than one that keeps it in one gap, for as long a wait."""
-    kept = [(r, stalls_of(r["result"])) for r in records]
-    kept = [(r, s) for r, s in kept if s is not None]
+    kept = [(r, found) for r in records if (found := stalls_of(r["result"])) is not None]
     if not kept:
         return None
     rows = []
-    for rate in sorted({rate_of(r["result"]) for r, _ in kept}):
-        for label in dict.fromkeys(r["label"] for r, _ in kept):
-            found = [s for r, s in kept if r["label"] == label and rate_of(r["result"]) == rate]
-            if not found:
-                continue
+    for rate, label, found in by_rate_and_server(kept):
 
-            def cell(
-                key: str, scale: float = 1.0, digits: int = 1, runs: list[dict[str, Any]] = found
-            ) -> str:
-                return median_range([scale * s[key] for s in runs if s[key] is not None], digits)
+        def cell(key: str, scale: float = 1.0, digits: int = 1, runs: list[dict[str, Any]] = found) -> str:
+            return median_range([scale * s[key] for s in runs if s[key] is not None], digits)
 
-            rows.append(
-                [
-                    label,
-                    rate_label(rate),
-                    cell("stalls_per_1k_gaps"),
-                    cell("p50_excess_ms"),
-                    cell("p90_excess_ms"),
-                    cell("p50_longest_ms"),
-                    cell("p90_longest_ms"),
-                    cell("multi_gap_share", 100.0, 0),
-                ]
-            )
+        rows.append(
+            [
+                label,
+                rate_label(rate),
+                cell("stalls_per_1k_gaps"),
+                cell("p50_excess_ms"),
+                cell("p90_excess_ms"),
+                cell("p50_longest_ms"),
+                cell("p90_longest_ms"),
+                cell("multi_gap_share", 100.0, 0),
+            ]
+        )
     header = [
         "server", "rate", "stalls / 1k gaps", "net excess p50, ms", "net excess p90, ms", "longest gap p50, ms",
         "longest gap p90, ms", "over 2+ gaps, %",

@@ -18,10 +18,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path[0] = str(
-        Path(__file__).resolve().parent.parent
-    )  # run as a script: bench.* from the repository root
+if __package__ in (None, ""):  # run as a script: bench.* from the repository root
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from bench.step_probe import union_length  # noqa: E402
 
