@@ -407,7 +407,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write every row to this file")
     parser.add_argument("--quick", action="store_true", help="fewer cases")
-    parser.add_argument("--sweep-prefill", action="store_true", help="time several prefill tile configs")
+    tiles = parser.add_mutually_exclusive_group()
+    tiles.add_argument("--sweep-prefill", action="store_true", help="time several prefill tile configs")
+    tiles.add_argument(
+        "--prefill-tiles",
+        default=None,
+        metavar="TILES",
+        help="time these prefill tiles beside the default, e.g. 64,32,4,2;128,32,4,3 (BLOCK_M,BLOCK_N,warps,stages)",
+    )
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--prefix-only", action="store_true", help="only the prefix-hit suffix cases")
     only.add_argument(
@@ -431,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     prefill_cases = parse_prefill_cases(parser, args.prefill_only) if args.prefill_only else []
+    tile_list = parse_prefill_tiles(parser, args.prefill_tiles) if args.prefill_tiles else None
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
@@ -447,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         overlap_decode(gen)
     elif prefill_cases:
         for batch, new, prefix in prefill_cases:
-            bench_prefill(batch, new, prefix, flops, gen, prefill_configs(args.sweep_prefill))
+            bench_prefill(batch, new, prefix, flops, gen, prefill_configs(args.sweep_prefill, tile_list))
     elif args.prefix_only:
         for new, prefix in PREFIX_SUFFIX_CASES:
             bench_prefix_suffix(new, prefix, gen)
@@ -565,10 +573,23 @@ def parse_prefill_cases(parser: argparse.ArgumentParser, spec: str) -> list[tupl
 PrefillVariant = tuple[tuple[int, int, int, int] | None, bool]
 
 
-def prefill_configs(sweep: bool) -> list[PrefillVariant]:
-    """The prefill variants to time: the default tile packed and not, and with ``sweep`` every other tile of
-    the sweep both ways."""
-    tiles: list[tuple[int, int, int, int] | None] = [None]
+def parse_prefill_tiles(parser: argparse.ArgumentParser, spec: str) -> list[tuple[int, int, int, int]]:
+    """``64,32,4,2;128,32,4,3`` -> [(64, 32, 4, 2), (128, 32, 4, 3)]; a malformed tile is a usage error."""
+    tiles = []
+    for tile in spec.split(";"):
+        parts = tile.split(",")
+        if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+            parser.error(f"--prefill-tiles: {tile!r} is not BLOCK_M,BLOCK_N,WARPS,STAGES, e.g. 64,32,4,2")
+        tiles.append((int(parts[0]), int(parts[1]), int(parts[2]), int(parts[3])))
+    return tiles
+
+
+def prefill_configs(
+    sweep: bool, chosen: list[tuple[int, int, int, int]] | None = None
+) -> list[PrefillVariant]:
+    """The prefill variants to time: the default tile packed and not, then ``chosen`` tiles or with ``sweep``
+    every other tile of the sweep, both ways."""
+    tiles: list[tuple[int, int, int, int] | None] = [None, *(chosen or [])]
     if sweep:
         tiles += [
             (block_m, block_n, warps, stages)
