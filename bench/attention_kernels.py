@@ -193,13 +193,12 @@ def bench_prefill(
     prefix: int,
     flops: float,
     gen: torch.Generator,
-    configs: list[PrefillVariant],
+    configs: list[tuple[int, int, int, int] | None],
 ) -> None:
     """``batch`` prompts of ``new`` tokens after ``prefix`` cached keys each. SDPA on contiguous K/V is the
-    reference (eager, one layer timed again and again, so its K/V stays in L2); each tile, with and without GQA
-    packing, is timed as a step runs it, 32 layers (a cache each, so the KV is not in L2 from the layer before)
-    captured in one CUDA graph, per layer. One request's keys split as under capture, which splits shorter
-    contexts than an eager step."""
+    reference (eager, one layer timed again and again, so its K/V stays in L2); each tile is timed as a step
+    runs it, 32 layers (a cache each, so the KV is not in L2 from the layer before) captured in one CUDA graph,
+    per layer. One request's keys split as under capture, which splits shorter contexts than an eager step."""
     layers = 32
     q_lens = [new] * batch
     seq_lens = [prefix + new] * batch
@@ -221,11 +220,9 @@ def bench_prefill(
     ref = sdpa_fn()
     sdpa = _ms(sdpa_fn)
     _row("prefill", case, sdpa, impl="torch sdpa (contiguous KV)", tflops=work / sdpa / 1e9)
-    for config, pack in configs:
+    for config in configs:
         backend = TritonPagedAttention(BLOCK)
         backend.prefill_config = config
-        backend.pack_gqa = pack
-        label = f"triton paged{'' if config is None else f' {config}'}{' packed' if pack else ''}"
         out = torch.full_like(query, float("nan"))
 
         def step(b: TritonPagedAttention = backend, o: torch.Tensor = out) -> None:
@@ -235,7 +232,7 @@ def bench_prefill(
         try:
             graph = _captured(step)
         except Exception as exc:  # noqa: BLE001 - a tile that does not fit is reported, not fatal
-            _row("prefill", case, float("nan"), impl=f"{label}: {type(exc).__name__}")
+            _row("prefill", case, float("nan"), impl=f"triton paged {config}: {type(exc).__name__}")
             continue
         backend.forward_into(query, caches[0], meta, scale, out)
         err = rel_err(out.view(batch, new, HEADS, HEAD_DIM).transpose(1, 2), ref)
@@ -244,7 +241,7 @@ def bench_prefill(
             "prefill",
             case,
             ms,
-            impl=label,
+            impl="triton paged" if config is None else f"triton paged {config}",
             tflops=work / ms / 1e9,
             frac_matmul=work / (ms * 1e-3) / flops,
             err_vs_sdpa=err,
@@ -568,11 +565,6 @@ def parse_prefill_cases(parser: argparse.ArgumentParser, spec: str) -> list[tupl
     return cases
 
 
-# A prefill tile (BLOCK_M, BLOCK_N, num_warps, num_stages), None for the backend's default, and whether the
-# query heads of a KV head share its rows (``TritonPagedAttention.pack_gqa``).
-PrefillVariant = tuple[tuple[int, int, int, int] | None, bool]
-
-
 def parse_prefill_tiles(parser: argparse.ArgumentParser, spec: str) -> list[tuple[int, int, int, int]]:
     """``64,32,4,2;128,32,4,3`` -> [(64, 32, 4, 2), (128, 32, 4, 3)]; a malformed tile is a usage error."""
     tiles = []
@@ -586,12 +578,12 @@ def parse_prefill_tiles(parser: argparse.ArgumentParser, spec: str) -> list[tupl
 
 def prefill_configs(
     sweep: bool, chosen: list[tuple[int, int, int, int]] | None = None
-) -> list[PrefillVariant]:
-    """The prefill variants to time: the default tile packed and not, then ``chosen`` tiles or with ``sweep``
-    every other tile of the sweep, both ways."""
-    tiles: list[tuple[int, int, int, int] | None] = [None, *(chosen or [])]
+) -> list[tuple[int, int, int, int] | None]:
+    """The prefill tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) to time, None for the backend's default:
+    the default, then ``chosen`` or with ``sweep`` every other tile of the sweep."""
+    configs: list[tuple[int, int, int, int] | None] = [None, *(chosen or [])]
     if sweep:
-        tiles += [
+        configs += [
             (block_m, block_n, warps, stages)
             for block_m in (64, 128)
             for block_n in (32, 64, 128)
@@ -599,7 +591,7 @@ def prefill_configs(
             for stages in (1, 2, 3)
             if (block_m, block_n, warps, stages) != PREFILL_CONFIG  # the default, timed as None
         ]
-    return [(tile, pack) for tile in tiles for pack in (True, False)]
+    return configs
 
 
 def run_all(args: argparse.Namespace, bandwidth: float, flops: float, gen: torch.Generator) -> None:

@@ -228,9 +228,6 @@ class DebugConfig:
     # bucket that holds it (cuBLAS runs some row counts slower than larger ones). Off: online beside vLLM it
     # moved nothing, as no larger bucket was faster than a 1,032-row step's (bench/RESULTS.md, 2026-11-30).
     piecewise_fastest_bucket: bool = False
-    # worker, CUDA: the Triton prefill kernel packs the query heads of one KV head into a tile's rows (groups of
-    # a power of two heads), so each K/V tile is loaded once per group; off: one query head a program.
-    prefill_pack_gqa: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,13 +377,6 @@ DEBUG_VARIABLES: tuple[DebugVariable, ...] = (
         _switch,
         "1: on a lone CUDA worker, each piecewise bucket's replay is timed at start and a step replays the "
         "fastest captured bucket that holds it, not always the smallest",
-    ),
-    DebugVariable(
-        "OMINIX_PREFILL_PACK_GQA",
-        "debug.prefill_pack_gqa",
-        _switch,
-        "0: on CUDA, the prefill kernel attends one query head a program instead of packing a KV head's group "
-        "of query heads into its rows",
     ),
 )
 

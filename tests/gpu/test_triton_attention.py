@@ -267,18 +267,14 @@ PREFILL_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("pack", [True, False], ids=["packed", "unpacked"])
 @pytest.mark.parametrize("config", PREFILL_CONFIGS, ids=str)
 @pytest.mark.parametrize("splits", [None, 4, "in-prefill"])
-def test_mixed_batch_tile_configs(
-    config: tuple[int, int, int, int], splits: int | str | None, pack: bool
-) -> None:
-    """Every prefill tile shape the benchmark may pick, with the query heads of a KV head packed into a tile's
-    rows and not, with decode rows beside it: split and unsplit in the decode kernel, and in the prefill
-    kernel's launch."""
+def test_mixed_batch_tile_configs(config: tuple[int, int, int, int], splits: int | str | None) -> None:
+    """Every prefill tile shape the benchmark may pick, with decode rows beside it: split and unsplit in the
+    decode kernel, and in the prefill kernel's launch."""
     if INTERPRET and config[0] > 64:
         pytest.skip("slow in the interpreter")
-    seed = zlib.crc32(f"{config}{splits}{pack}".encode()) % 10_000
+    seed = zlib.crc32(f"{config}{splits}".encode()) % 10_000
     gen = torch.Generator().manual_seed(seed)
     n = 12
     q_lens = [1 if i % 3 else int(q) for i, q in enumerate(_ragged(gen, n, 2, 60 if INTERPRET else 700))]
@@ -288,43 +284,9 @@ def test_mixed_batch_tile_configs(
     if in_prefill:  # no decode row's context longer than the longest prompt-side request's
         longest = max(s for q, s in zip(q_lens, seq_lens, strict=True) if q > 1)
         seq_lens = [min(s, longest) if q == 1 else s for q, s in zip(q_lens, seq_lens, strict=True)]
-    attrs: dict[str, object] = {
-        "prefill_config": config,
-        "decode_rows_in_prefill": in_prefill,
-        "pack_gqa": pack,
-    }
+    attrs: dict[str, object] = {"prefill_config": config, "decode_rows_in_prefill": in_prefill}
     decode_splits = splits if isinstance(splits, int) else None
     run_case(seed, q_lens, seq_lens, 32, 8, 128, 16, torch.float16, decode_splits, backend_attrs=attrs)
-
-
-@pytest.mark.parametrize(
-    ("shape", "config"),
-    [((12, 4, 64), None), ((24, 8, 64), (32, 64, 4, 2)), ((32, 1, 64), (16, 64, 4, 2)), ((32, 2, 64), None)],
-    ids=["group-3", "group-3-small-tile", "group-32-over-16-rows", "group-16"],
-)
-def test_prefill_groups_that_do_not_pack(
-    shape: tuple[int, int, int], config: tuple[int, int, int, int] | None
-) -> None:
-    """Groups of query heads that are no power of two, or larger than a tile's rows, attend one head a program;
-    a group of 16 packs into 4 query positions of a 64-row tile."""
-    seed = zlib.crc32(f"{shape}{config}".encode()) % 10_000
-    gen = torch.Generator().manual_seed(seed)
-    n = 4
-    q_lens = [1 if i == 1 else int(q) for i, q in enumerate(_ragged(gen, n, 2, 40 if INTERPRET else 300))]
-    prefix = _ragged(gen, n, 0, 40 if INTERPRET else 500)
-    seq_lens = [p + q for p, q in zip(prefix, q_lens, strict=True)]
-    attrs: dict[str, object] = {"prefill_config": config}
-    run_case(seed, q_lens, seq_lens, *shape, 16, torch.float16, backend_attrs=attrs)
-
-
-def test_gqa_packing_picks_power_of_two_groups_within_a_tile() -> None:
-    backend = TritonPagedAttention()
-    assert backend._packs_gqa(4) and backend._packs_gqa(8, 64) and backend._packs_gqa(64, 64)
-    assert not backend._packs_gqa(1)  # one head a KV head: nothing to pack
-    assert not backend._packs_gqa(3) and not backend._packs_gqa(6, 64)
-    assert not backend._packs_gqa(32, 16)  # more heads than the tile has rows
-    backend.pack_gqa = False
-    assert not backend._packs_gqa(4)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")

@@ -262,7 +262,6 @@ def test_debug_variables_are_typed_and_land_in_the_tree() -> None:
         "OMINIX_PIECEWISE_GRAPH_TOKENS": "0",
         "OMINIX_PIECEWISE_FASTEST_BUCKET": "1",
         "OMINIX_PIECEWISE_TOKEN_STEP": "32",
-        "OMINIX_PREFILL_PACK_GQA": "0",
     }
     config, _ = resolve(WORKER, [], env=env)
     assert config.debug.log_steps
@@ -275,7 +274,6 @@ def test_debug_variables_are_typed_and_land_in_the_tree() -> None:
     assert config.debug.piecewise_graph_tokens == 0 and RuntimeConfig().debug.piecewise_graph_tokens == 2048
     assert config.debug.piecewise_fastest_bucket and not RuntimeConfig().debug.piecewise_fastest_bucket
     assert config.debug.piecewise_token_step == 32 and RuntimeConfig().debug.piecewise_token_step == 8
-    assert not config.debug.prefill_pack_gqa and RuntimeConfig().debug.prefill_pack_gqa
     assert RuntimeConfig().debug.pipeline and not RuntimeConfig().debug.log_steps
     with pytest.raises(ConfigError, match="OMINIX_PIPELINE"):
         resolve(WORKER, [], env={"OMINIX_PIPELINE": "maybe"})

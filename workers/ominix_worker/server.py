@@ -192,11 +192,9 @@ def load_worker(
     dtype = resolve_dtype(args.dtype, device)
     PackableLinear.stream_single_token = debug.weight_stream
     if device.type == "cuda":
-        from ominix_worker.attention.triton_paged import TritonPagedAttention
         from ominix_worker.ops.launch import set_fast_launch
 
         set_fast_launch(debug.triton_fast_launch)
-        TritonPagedAttention.pack_gqa = debug.prefill_pack_gqa
     kind = backend_kind(device)
     profile = stated_profile(kind)
     block_size = ASCEND_BLOCK_SIZE if device.type == "npu" else args.block_size

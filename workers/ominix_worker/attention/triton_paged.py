@@ -63,8 +63,7 @@ _EAGER_MIN_TOKENS_PER_SPLIT = 1024
 _MAX_SPLITS = 32
 # Keys per split below which a prefill split stops paying for its partial outputs and the merge.
 _MIN_TOKENS_PER_PREFILL_SPLIT = 256
-# Prefill tile (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs and head_dim <= 128; BLOCK_M counts
-# a tile's rows, which under GQA packing are BLOCK_M // group query positions of every head of the group.
+# Prefill tile (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs and head_dim <= 128.
 PREFILL_CONFIG = (64, 64, 4, 3)
 
 
@@ -422,18 +421,12 @@ def _prefill_kernel(
     WINDOWED: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     SPLIT: tl.constexpr,
-    PACK_GQA: tl.constexpr,
 ):
     b = tl.program_id(0)
-    # Axis 1 is a query head, or with PACK_GQA a KV head whose GROUP query heads share each tile's rows: row r
-    # is query position r // GROUP of head r % GROUP, so each K/V tile is loaded once for the whole group.
-    # Split-K (SPLIT): axis 1 is split * HEAD_SLOTS + slot; each split attends to its own range of whole BLOCK_N
+    # Split-K (SPLIT): axis 1 is split * num_heads + head; each split attends to its own range of whole BLOCK_N
     # key tiles and writes a partial output and its log-sum-exp for _merge_splits_kernel.
-    HEAD_SLOTS: tl.constexpr = NUM_KV_HEADS if PACK_GQA else NUM_KV_HEADS * GROUP
-    ROWS_PER_POS: tl.constexpr = GROUP if PACK_GQA else 1
-    BLOCK_Q: tl.constexpr = BLOCK_M // ROWS_PER_POS  # query positions per tile
-    h = tl.program_id(1) % HEAD_SLOTS
-    split = tl.program_id(1) // HEAD_SLOTS
+    h = tl.program_id(1) % (NUM_KV_HEADS * GROUP)
+    split = tl.program_id(1) // (NUM_KV_HEADS * GROUP)
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + b)
@@ -454,26 +447,20 @@ def _prefill_kernel(
         return
     # Axis 2 counts a request's query tiles from its last: the last tile sees the most keys, and the GPU hands
     # out programs in grid order (axis 2 slowest), so the longest programs start first instead of trailing.
-    tiles = tl.cdiv(q_len, BLOCK_Q)
+    tiles = tl.cdiv(q_len, BLOCK_M)
     if tl.program_id(2) >= tiles:
         return
     tile = tiles - 1 - tl.program_id(2)
     context_len = seq_len - q_len
-    offs_r = tl.arange(0, BLOCK_M)
-    if PACK_GQA:
-        kvh = h
-        heads = h * GROUP + offs_r % GROUP  # each row's query head
-    else:
-        kvh = h // GROUP
-        heads = tl.zeros([BLOCK_M], dtype=tl.int32) + h
+    kvh = h // GROUP
 
-    offs_m = tile * BLOCK_Q + offs_r // ROWS_PER_POS  # each row's query position within the request
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_mask = offs_m < q_len
     d_mask = offs_d < HEAD_DIM
     q_rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(
-        q_ptr + q_rows[:, None] * q_stride_t + heads[:, None] * q_stride_h + offs_d[None, :],
+        q_ptr + q_rows[:, None] * q_stride_t + h * q_stride_h + offs_d[None, :],
         mask=m_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
@@ -482,8 +469,9 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_SINKS:  # every row starts from its head's sink: a key of that logit whose value is zero
-        m_i = tl.load(sinks_ptr + heads).to(tl.float32) * 1.4426950408889634
+    if HAS_SINKS:  # every row starts from the head's sink: a key of that logit whose value is zero
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
         l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
@@ -491,16 +479,16 @@ def _prefill_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = block_tables_ptr + b.to(tl.int64) * bt_stride
     # Keys past the tile's last query position are masked for every row, so the loop stops there.
-    kv_end = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_Q)
+    kv_end = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)
     # Tiles wholly before the tile's first query position need no causal mask.
-    full_end = tl.minimum(context_len + tile * BLOCK_Q, kv_end)
+    full_end = tl.minimum(context_len + tile * BLOCK_M, kv_end)
     full_end = (full_end // BLOCK_N) * BLOCK_N
     masked_start = full_end
     first_key = 0
     if WINDOWED:
         # Every tile is masked, from the one holding the first key the tile's first query sees; block-table
         # entries before it may be null (-1) and are never loaded.
-        first_key = tl.maximum(context_len + tile * BLOCK_Q - window + 1, 0)
+        first_key = tl.maximum(context_len + tile * BLOCK_M - window + 1, 0)
         masked_start = (first_key // BLOCK_N) * BLOCK_N
         full_end = 0
     key_lo = 0
@@ -569,7 +557,7 @@ def _prefill_kernel(
     o = acc / l_safe[:, None]
     if SPLIT:
         # Partials (T, H, S, D) and lse (T, H, S) per query row; a split that saw no key leaves lse = -inf.
-        part = (q_rows * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split
+        part = (q_rows * (NUM_KV_HEADS * GROUP) + h) * num_splits + split
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # base 2
         tl.store(
             part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
@@ -579,7 +567,7 @@ def _prefill_kernel(
         tl.store(part_lse_ptr + part, lse, mask=m_mask)
     else:
         tl.store(
-            out_ptr + q_rows[:, None] * out_stride_t + heads[:, None] * out_stride_h + offs_d[None, :],
+            out_ptr + q_rows[:, None] * out_stride_t + h * out_stride_h + offs_d[None, :],
             o.to(out_ptr.dtype.element_ty),
             mask=m_mask[:, None] & d_mask[None, :],
         )
@@ -677,9 +665,6 @@ class TritonPagedAttention:
     """Attention backend for CUDA devices (name "triton-paged"); see the module docstring for the grids."""
 
     name = "triton-paged"
-    # The prefill kernel packs the query heads of one KV head into each program's rows (a group of a power of
-    # two heads, at most BLOCK_M): each K/V tile is then loaded once per group instead of once per head.
-    pack_gqa = True
     # The kernels attend within AttentionMetadata.sliding_window (one metadata per KV group, so each layer
     # gets its group's window; tests/gpu/test_triton_sliding_window.py, tests/gpu/test_hybrid_layers_gpu.py).
     supports_sliding_window = True
@@ -893,22 +878,16 @@ class TritonPagedAttention:
             _merge(part_out, part_lse, meta, out, num_requests, mixed=mixed)
 
     def _prefill_config(
-        self, meta: AttentionMetadata, head_dim: int, ieee: bool, rows_per_pos: int
+        self, meta: AttentionMetadata, head_dim: int, ieee: bool
     ) -> tuple[int, int, int, int]:
-        """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel, ``rows_per_pos`` rows a query
-        position (the group size when packed, else 1)."""
+        """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel."""
         if self.prefill_config is not None:
             return self.prefill_config
         if ieee or head_dim > 128:
             return (32, 32, 4, 2)
         if meta.max_query_len <= 16:  # short chunks: small query tiles waste less
-            return (min(128, 16 * rows_per_pos), 64, 4, 3)
+            return (16, 64, 4, 3)
         return PREFILL_CONFIG
-
-    def _packs_gqa(self, group: int, block_m: int | None = None) -> bool:
-        """Whether the prefill kernel packs a group of ``group`` query heads into a tile's rows."""
-        fits = block_m is None or group <= block_m
-        return self.pack_gqa and group > 1 and group & (group - 1) == 0 and fits
 
     def _prefill(
         self,
@@ -927,15 +906,9 @@ class TritonPagedAttention:
         num_requests = meta.num_requests
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         num_heads = query.shape[1]
-        group = num_heads // num_kv_heads
         ieee = query.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-        pack = self._packs_gqa(group)
-        block_m, block_n, num_warps, num_stages = self._prefill_config(
-            meta, head_dim, ieee, group if pack else 1
-        )
-        pack = pack and self._packs_gqa(group, block_m)
-        head_slots = num_kv_heads if pack else num_heads
-        tiles = cdiv(meta.max_query_len, block_m // group if pack else block_m)
+        block_m, block_n, num_warps, num_stages = self._prefill_config(meta, head_dim, ieee)
+        tiles = cdiv(meta.max_query_len, block_m)
         splits = 1
         if num_requests == 1 and sinks is None and meta.sliding_window == 0:
             # One request's rows, none of them a single-token request's, so every output row is merged.
@@ -943,13 +916,13 @@ class TritonPagedAttention:
             if self.prefill_splits is not None and not 1 <= self.prefill_splits <= _MAX_SPLITS:
                 raise ValueError(f"prefill_splits must be in [1, {_MAX_SPLITS}], got {self.prefill_splits}")
             splits = self.prefill_splits or prefill_num_splits(
-                tiles * head_slots,
+                tiles * num_heads,
                 meta.max_seq_len,
                 sm_count(query.device, off_gpu=132),
                 _MIN_TOKENS_PER_PREFILL_SPLIT if capturing else _EAGER_MIN_TOKENS_PER_SPLIT,
             )
         part_out, part_lse = _partials(query.shape[0], num_heads, splits, head_dim, out)
-        grid = (num_requests if grid_requests is None else grid_requests, head_slots * splits, tiles)
+        grid = (num_requests if grid_requests is None else grid_requests, num_heads * splits, tiles)
         _prefill_kernel[grid](
             query,
             kv_cache,
@@ -972,21 +945,20 @@ class TritonPagedAttention:
             meta.sliding_window,
             splits,
             NUM_KV_HEADS=num_kv_heads,
-            GROUP=group,
+            GROUP=num_heads // num_kv_heads,
             HEAD_DIM=head_dim,
             BLOCK_D=next_power_of_2(head_dim),
             BLOCK_SIZE=block_size,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             DECODE_ROWS=decode_rows,
-            BLOCK_G=max(16, next_power_of_2(group)),
+            BLOCK_G=max(16, next_power_of_2(num_heads // num_kv_heads)),
             DECODE_BLOCK_N=_decode_block_n(head_dim, ieee),
             IEEE=ieee,
             KV_FP8=_is_fp8(kv_cache),
             WINDOWED=meta.sliding_window > 0,
             HAS_SINKS=sinks is not None,
             SPLIT=splits > 1,
-            PACK_GQA=pack,
             num_warps=num_warps,
             num_stages=num_stages,
         )
