@@ -4,6 +4,7 @@ against the measured device-to-device copy bandwidth.
 
     python bench/attention_kernels.py [--json out.json] [--quick] [--prefix-only]
     python bench/attention_kernels.py --overlap-decode   # can a decode step's attention hide under its GEMMs?
+    python bench/attention_kernels.py --prefill-only 1x1024,8x512 --prefill-tiles '64,32,4,2;128,32,4,3'
 
 Decode cases run the 32 layers of one step back to back from one CUDA graph (each layer owns its KV tensor, as
 in the model, so nothing is served from L2 across layers) and report the time per layer. Torch SDPA baselines
@@ -410,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         "--prefill-tiles",
         default=None,
         metavar="TILES",
-        help="time these prefill tiles beside the default, e.g. 64,32,4,2;128,32,4,3 (BLOCK_M,BLOCK_N,warps,stages)",
+        help="time these prefill tiles beside the default, e.g. '64,32,4,2;128,32,4,3' "
+        "(BLOCK_M,BLOCK_N,warps,stages; quoted: ; ends a shell command)",
     )
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--prefix-only", action="store_true", help="only the prefix-hit suffix cases")
@@ -419,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="CASES",
         help="only these prefill cases, e.g. 1x1024,4x1024,12x512,1x512+2048 (requests x prompt tokens, + "
-        "cached prefix tokens); with --sweep-prefill, each over the tile sweep",
+        "cached prefix tokens); with --sweep-prefill or --prefill-tiles, each over those tiles",
     )
     only.add_argument(
         "--overlap-decode",
@@ -434,8 +436,10 @@ def main(argv: list[str] | None = None) -> int:
         "the read-only bandwidth of a reduction beside the copy bandwidth",
     )
     args = parser.parse_args(argv)
-    prefill_cases = parse_prefill_cases(parser, args.prefill_only) if args.prefill_only else []
-    tile_list = parse_prefill_tiles(parser, args.prefill_tiles) if args.prefill_tiles else None
+    prefill_cases = parse_prefill_cases(parser, args.prefill_only) if args.prefill_only is not None else []
+    tile_list = parse_prefill_tiles(parser, args.prefill_tiles) if args.prefill_tiles is not None else None
+    if tile_list and (args.prefix_only or args.sweep_decode or args.overlap_decode):
+        parser.error("--prefill-tiles times prefill cases: the default run's or --prefill-only's")
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
@@ -457,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         for new, prefix in PREFIX_SUFFIX_CASES:
             bench_prefix_suffix(new, prefix, gen)
     else:
-        run_all(args, bandwidth, flops, gen)
+        run_all(args, bandwidth, flops, gen, tile_list)
     _print_rows()
     if args.json:
         meta = {"device": torch.cuda.get_device_name(), "bandwidth": bandwidth, "flops": flops}
@@ -546,6 +550,12 @@ def overlap_decode(
     )  # fmt: skip
 
 
+def _is_count(text: str) -> bool:
+    """ASCII digits, spaces around them allowed (``str.isdigit`` alone also takes digits ``int`` refuses)."""
+    text = text.strip()
+    return text.isascii() and text.isdigit()
+
+
 def parse_prefill_cases(parser: argparse.ArgumentParser, spec: str) -> list[tuple[int, int, int]]:
     """``1x1024,12x512,1x512+2048`` -> [(1, 1024, 0), (12, 512, 0), (1, 512, 2048)] (requests x prompt tokens,
     + cached prefix tokens); a malformed case is a usage error."""
@@ -555,8 +565,8 @@ def parse_prefill_cases(parser: argparse.ArgumentParser, spec: str) -> list[tupl
         parts = shape.split("x")
         if (
             len(parts) != 2
-            or not all(p.isdigit() and int(p) > 0 for p in parts)
-            or (prefix and not prefix.isdigit())
+            or not all(_is_count(p) and int(p) > 0 for p in parts)
+            or (prefix and not _is_count(prefix))
         ):
             parser.error(
                 f"--prefill-only: {case!r} is not REQUESTSxTOKENS[+PREFIX], e.g. 4x1024 or 1x512+2048"
@@ -570,7 +580,7 @@ def parse_prefill_tiles(parser: argparse.ArgumentParser, spec: str) -> list[tupl
     tiles = []
     for tile in spec.split(";"):
         parts = tile.split(",")
-        if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        if len(parts) != 4 or not all(_is_count(p) and int(p) > 0 for p in parts):
             parser.error(f"--prefill-tiles: {tile!r} is not BLOCK_M,BLOCK_N,WARPS,STAGES, e.g. 64,32,4,2")
         tiles.append((int(parts[0]), int(parts[1]), int(parts[2]), int(parts[3])))
     return tiles
@@ -581,7 +591,8 @@ def prefill_configs(
 ) -> list[tuple[int, int, int, int] | None]:
     """The prefill tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) to time, None for the backend's default:
     the default, then ``chosen`` or with ``sweep`` every other tile of the sweep."""
-    configs: list[tuple[int, int, int, int] | None] = [None, *(chosen or [])]
+    configs: list[tuple[int, int, int, int] | None] = [None]
+    configs += [tile for tile in dict.fromkeys(chosen or []) if tile != PREFILL_CONFIG]  # the default once
     if sweep:
         configs += [
             (block_m, block_n, warps, stages)
@@ -594,14 +605,20 @@ def prefill_configs(
     return configs
 
 
-def run_all(args: argparse.Namespace, bandwidth: float, flops: float, gen: torch.Generator) -> None:
+def run_all(
+    args: argparse.Namespace,
+    bandwidth: float,
+    flops: float,
+    gen: torch.Generator,
+    tiles: list[tuple[int, int, int, int]] | None = None,
+) -> None:
     decode_cases = [(1, 512, 512), (64, 768, 768), (256, 768, 768)]
     if not args.quick:
         decode_cases = [(1, 512, 512), (1, 768, 768), (64, 512, 512), (64, 768, 768), (256, 512, 512)]
         decode_cases += [(256, 768, 768), (256, 512, 768), (32, 4096, 4096)]
     for batch, lo, hi in decode_cases:
         bench_decode(batch, lo, hi, bandwidth, gen)
-    configs = prefill_configs(args.sweep_prefill)
+    configs = prefill_configs(args.sweep_prefill, tiles)
     for batch, new, prefix in [(1, 512, 0), (16, 512, 0), (1, 512, 2048), (16, 512, 2048)]:
         bench_prefill(batch, new, prefix, flops, gen, configs)
     for new, prefix in PREFIX_SUFFIX_CASES:

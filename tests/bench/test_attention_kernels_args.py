@@ -41,3 +41,32 @@ def test_prefill_cases_parse() -> None:
     assert cases == [(1, 1024, 0), (12, 512, 0), (1, 512, 2048)]
     with pytest.raises(SystemExit):
         attention_kernels.parse_prefill_cases(_parser(), "1024")
+
+
+def test_the_default_tile_is_timed_once_and_a_repeat_once() -> None:
+    default = attention_kernels.PREFILL_CONFIG
+    configs = attention_kernels.prefill_configs(False, [default, (64, 32, 4, 2), (64, 32, 4, 2)])
+    assert configs == [None, (64, 32, 4, 2)]
+
+
+def test_a_non_ascii_digit_is_a_usage_error() -> None:
+    with pytest.raises(SystemExit):
+        attention_kernels.parse_prefill_tiles(_parser(), "64,32,4,²")
+    with pytest.raises(SystemExit):
+        attention_kernels.parse_prefill_cases(_parser(), "1x²")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--sweep-prefill", "--prefill-tiles", "64,32,4,2"],  # one or the other
+        ["--prefill-tiles", ""],
+        ["--prefill-only", ""],
+        ["--prefix-only", "--prefill-tiles", "64,32,4,2"],  # no prefill case to time them on
+        ["--sweep-decode", "--prefill-tiles", "64,32,4,2"],
+    ],
+)
+def test_main_refuses_arguments_before_touching_a_device(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        attention_kernels.main(argv)
+    assert exc.value.code == 2
