@@ -337,6 +337,11 @@ def stalls_of(result: dict[str, Any]) -> dict[str, Any] | None:
     return itl_stalls([gaps for gaps, ok in zip(itls, kept, strict=True) if ok])
 
 
+def _median_of(runs: Sequence[dict[str, Any]], key: str, scale: float = 1.0, digits: int = 1) -> str:
+    """``median_range`` of ``key`` over the runs that have a value for it, times ``scale``."""
+    return median_range([scale * run[key] for run in runs if run[key] is not None], digits)
+
+
 def format_itl_stalls_table(records: Sequence[dict[str, Any]]) -> str | None:
     """Per rate and server, the median over rounds (range) of its ``itl_stalls`` (bench/online.py): stalls per
     1,000 gaps, a stall's net excess and its longest gap at p50 and p90, and the share of stalls spread over
@@ -345,24 +350,11 @@ def format_itl_stalls_table(records: Sequence[dict[str, Any]]) -> str | None:
     kept = [(r, found) for r in records if (found := stalls_of(r["result"])) is not None]
     if not kept:
         return None
+    keys = ("stalls_per_1k_gaps", "p50_excess_ms", "p90_excess_ms", "p50_longest_ms", "p90_longest_ms")
     rows = []
     for rate, label, found in by_rate_and_server(kept):
-
-        def cell(key: str, scale: float = 1.0, digits: int = 1, runs: list[dict[str, Any]] = found) -> str:
-            return median_range([scale * s[key] for s in runs if s[key] is not None], digits)
-
-        rows.append(
-            [
-                label,
-                rate_label(rate),
-                cell("stalls_per_1k_gaps"),
-                cell("p50_excess_ms"),
-                cell("p90_excess_ms"),
-                cell("p50_longest_ms"),
-                cell("p90_longest_ms"),
-                cell("multi_gap_share", 100.0, 0),
-            ]
-        )
+        cells = [_median_of(found, key) for key in keys]
+        rows.append([label, rate_label(rate), *cells, _median_of(found, "multi_gap_share", 100.0, 0)])
     header = [
         "server", "rate", "stalls / 1k gaps", "net excess p50, ms", "net excess p90, ms", "longest gap p50, ms",
         "longest gap p90, ms", "over 2+ gaps, %",
