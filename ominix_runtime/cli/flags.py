@@ -361,15 +361,6 @@ FLAGS: tuple[Flag, ...] = (
         non_negative_int,
     ),
     Flag(
-        "--prefill-first",
-        "engine",
-        "prompts before decodes: while a prompt can go, a step carries prompts only (up to --max-batch-tokens) "
-        "and every decoding stream waits; for batch jobs whose requests arrive together, not for interactive "
-        "serving",
-        ("engine.scheduler.prefill_first",),
-        switch=True,
-    ),
-    Flag(
         "--max-inflight-steps",
         "engine",
         "steps sent to a worker ahead of its results (1: none; 3: step N+1 reaches a pipelined GPU worker about "

@@ -60,13 +60,6 @@ class SchedulerConfig:
     # one H200 at 32 req/s: ITL p50 0.69x for TTFT p50 +4%; docs/SCHEDULER.md). 0 or 1: off.
     backlog_admission_slots: int = 2
     backlog_admission_max_wait_steps: int = 4
-    # Prompts before decodes: while a prompt can go (a running prompt's next chunk, or a waiting request with a
-    # running slot free and the KV it needs), a step carries prompts only, up to max_batch_tokens, and the
-    # decodes wait. For batch jobs whose requests arrive together: every decode step then runs at the batch's
-    # full size, and the decodes that would have ridden in the prompt steps (paying their attention and rows
-    # in each) are not run early. Every stream stalls for as long as prompts keep coming, so it is off for
-    # interactive serving, and the limits above (beside decodes, backlog admission) do not apply in those steps.
-    prefill_first: bool = False
 
 
 # Steps in flight under light load (EngineCoreConfig.light_load_below_running).

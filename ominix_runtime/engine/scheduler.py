@@ -275,64 +275,8 @@ class Scheduler:
 
         self._preempt_for_priority(step_id, preempted)
         num_preempted_for_priority = len(preempted)
-        plan: BatchPlan | None = None
-        if self.config.prefill_first and self._prompt_work_ready():
-            plan = self._fill_step(
-                step_id,
-                True,
-                preempted,
-                num_preempted_for_priority,
-                scheduled,
-                new_requests,
-                running_requests,
-            )
-        if not scheduled:  # the usual step; with prefill_first, when no prompt work could go (KV short)
-            plan = self._fill_step(
-                step_id,
-                False,
-                preempted,
-                num_preempted_for_priority,
-                scheduled,
-                new_requests,
-                running_requests,
-            )
-        assert plan is not None
-
-        finished_ids = self._pending_finished_ids
-        self._pending_finished_ids = []
-        if not scheduled and not finished_ids:
-            return None
-        self._next_step_id += 1
-        for s in scheduled:
-            self.registry.cache_blocks(s.req.request_id, s.req.all_token_ids, s.req.num_computed_tokens)
-        if scheduled:
-            self._inflight[step_id] = scheduled
-        plan.num_new_requests = len(new_requests)
-        plan.num_running_requests = len(running_requests)
-        plan.preempted_request_ids = preempted
-        self.last_plan = plan
-        return DecodeStep(step_id, new_requests, running_requests, finished_ids)
-
-    def _fill_step(
-        self,
-        step_id: int,
-        prompts_only: bool,
-        preempted: list[str],
-        num_preempted_for_priority: int,
-        scheduled: list[_Scheduled],
-        new_requests: list[NewRequestData],
-        running_requests: list[RunningRequestData],
-    ) -> BatchPlan:
-        """Running requests first (their order), then admissions, within the step's token budget.
-        ``prompts_only`` (``prefill_first``): the decodes are left out and the budget is max_batch_tokens. A
-        pass that schedules nothing changes no request but by preempting it (which stands for the next pass)."""
         budget = self.max_batch_tokens
-        if (
-            not prompts_only
-            and self.max_batch_tokens_with_decodes < budget
-            and self.chunked_prefill
-            and self._any_decoding()
-        ):
+        if self.max_batch_tokens_with_decodes < budget and self.chunked_prefill and self._any_decoding():
             budget = self.max_batch_tokens_with_decodes
         plan = BatchPlan(step_id=step_id, token_budget=budget)
 
@@ -344,8 +288,6 @@ class Scheduler:
                 break
             if req.request_id not in self.running:
                 continue  # preempted earlier in this loop
-            if prompts_only and self._is_decoding(req):
-                continue
             n = self._num_to_schedule(req, budget)
             if n <= 0:
                 continue
@@ -378,31 +320,31 @@ class Scheduler:
             self._admission_wait_steps = 0
             limit_left = self._prefill_limit_left(budget, plan)
             self._admit_waiting(step_id, budget, limit_left, scheduled, new_requests, plan)
-        return plan
 
-    def _prompt_work_ready(self) -> bool:
-        """Whether a prompt could go in the next step: a running request's next prompt chunk (or recompute
-        after preemption), or an admissible waiting request with a running slot free (KV is not checked: a
-        pass that finds none leaves the step to the decodes)."""
-        if any(
-            not self._is_decoding(r) and r.num_tokens > r.num_computed_tokens for r in self.running.values()
-        ):
-            return True
-        return (
-            len(self.running) < self.max_running_requests
-            and next(self._admissible_waiting(), None) is not None
-        )
-
-    def _is_decoding(self, req: EngineRequest) -> bool:
-        """Past its prompt with at most one token left to compute (a resumed request recomputing its outputs
-        is not)."""
-        return req.num_computed_tokens >= max(req.num_prompt_tokens, req.num_tokens - 1)
+        finished_ids = self._pending_finished_ids
+        self._pending_finished_ids = []
+        if not scheduled and not finished_ids:
+            return None
+        self._next_step_id += 1
+        for s in scheduled:
+            self.registry.cache_blocks(s.req.request_id, s.req.all_token_ids, s.req.num_computed_tokens)
+        if scheduled:
+            self._inflight[step_id] = scheduled
+        plan.num_new_requests = len(new_requests)
+        plan.num_running_requests = len(running_requests)
+        plan.preempted_request_ids = preempted
+        self.last_plan = plan
+        return DecodeStep(step_id, new_requests, running_requests, finished_ids)
 
     def _any_decoding(self) -> bool:
         """Whether a running request is past its prompt with at most one token left to compute, and its
         sample still usable: the step will carry its decode (unless KV runs short). A resumed request
         recomputing its outputs is not decoding yet."""
-        return any(self._is_decoding(r) and not self._sample_unusable(r) for r in self.running.values())
+        return any(
+            r.num_computed_tokens >= max(r.num_prompt_tokens, r.num_tokens - 1)
+            and not self._sample_unusable(r)
+            for r in self.running.values()
+        )
 
     def _sample_unusable(self, req: EngineRequest) -> bool:
         """The token a decode of ``req`` would sample now could not be used: max_tokens or max_model_len is

@@ -171,13 +171,6 @@ def test_a_backlog_is_admitted_two_slots_at_a_time_by_default_and_set_by_its_fla
         resolve(SERVE, ["--backlog-admission-slots", "-1"], env={})
 
 
-def test_prompts_go_before_decodes_only_with_the_flag() -> None:
-    default, _ = resolve(SERVE, [], env={})
-    assert default.engine.scheduler.prefill_first is False
-    config, _ = resolve(LAUNCH, ["--devices", "cpu", "--prefill-first"], env={})
-    assert config.engine.scheduler.prefill_first is True
-
-
 def test_launch_groups_devices_for_tensor_parallelism() -> None:
     argv = ["--devices", "cpu,cpu,cpu,cpu", "--tensor-parallel-size", "2", "--max-model-len", "256"]
     config, _ = resolve(LAUNCH, argv, env={})

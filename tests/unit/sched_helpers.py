@@ -7,7 +7,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ominix_runtime.contract import (
-    BatchPlan,
     DecodeStep,
     Done,
     Error,
@@ -28,7 +27,6 @@ class Run:
     backend: FakeStepBackend
     events: dict[str, list[WorkerEvent]] = field(default_factory=dict)
     steps: list[DecodeStep] = field(default_factory=list)
-    plans: list[BatchPlan] = field(default_factory=list)  # the scheduler's plan of each step, in order
 
     def tokens(self, request_id: str) -> list[int]:
         return [t for e in self.events.get(request_id, []) if isinstance(e, Token) for t in e.token_ids]
@@ -92,7 +90,6 @@ def drive(
             assert plan is not None and step.num_scheduled_tokens <= plan.token_budget  # its own budget
             assert plan.token_budget in (s.max_batch_tokens, s.max_batch_tokens_with_decodes)
             run.steps.append(step)
-            run.plans.append(plan)
             inflight.append(step)
         if not inflight:
             if not s.requests and not feeding:

@@ -1,5 +1,5 @@
 """Random workloads: the fake worker accepts every step, integrity holds, and tokens never depend on KV
-pressure, overlap, chunking, limits on the tokens beside decodes, prompts first or aborts of other requests."""
+pressure, overlap, chunking, limits on the tokens beside decodes or aborts of other requests."""
 
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ def _run(
     beside_decodes: int = 0,
     arrivals: list[int] | None = None,
     with_decodes: int = 0,
-    prefill_first: bool = False,
 ) -> Run:
     """``arrivals[i]``: the loop turn at which job i is submitted (None: all before the first step)."""
     run = make(
@@ -42,7 +41,6 @@ def _run(
             max_bypass_steps=3,
             prefill_tokens_beside_decodes=beside_decodes,
             max_batch_tokens_with_decodes=with_decodes,
-            prefill_first=prefill_first,
         ),
     )
     due = arrivals or [0] * len(jobs)
@@ -86,7 +84,6 @@ def _run(
         [0, 6, 9, 24]
     ),  # at least the 6 running slots: below, the scheduler raises it
     arrivals=st.lists(st.integers(0, 30), min_size=12, max_size=12),  # loop turn of each job's submission
-    prefill_first=st.booleans(),
 )
 def test_random_workloads_match_an_unconstrained_run(
     jobs: list[tuple[int, int, int, Priority, bool]],
@@ -96,16 +93,13 @@ def test_random_workloads_match_an_unconstrained_run(
     beside_decodes: int,
     with_decodes: int,
     arrivals: list[int],
-    prefill_first: bool,
 ) -> None:
     bs = 4
     jobs = [(f, min(n, blocks * bs - m), m, p, a) for f, n, m, p, a in jobs if m < blocks * bs]
     jobs = [j for j in jobs if j[1] >= 1]
     if not jobs:
         return
-    tight = _run(
-        jobs, blocks, budget, inflight, bs, beside_decodes, arrivals[: len(jobs)], with_decodes, prefill_first
-    )
+    tight = _run(jobs, blocks, budget, inflight, bs, beside_decodes, arrivals[: len(jobs)], with_decodes)
     loose = _run([(f, n, m, p, False) for f, n, m, p, _ in jobs], 4096, 512, 1, bs)
     for i, job in enumerate(jobs):
         rid = f"r{i}"
