@@ -351,6 +351,22 @@ FLAGS: tuple[Flag, ...] = (
         non_negative_int,
     ),
     Flag(
+        "--burst-backlog-tokens",
+        "engine",
+        "waiting prompt tokens that make a burst when every waiting request has a free running slot: a step "
+        "with decodes then takes up to --max-batch-tokens-in-burst (default 16,384; 0: off)",
+        ("engine.scheduler.burst_backlog_tokens",),
+        non_negative_int,
+    ),
+    Flag(
+        "--max-batch-tokens-in-burst",
+        "engine",
+        "token budget of a step with decodes while a burst is taken in (--burst-backlog-tokens); at least "
+        "--max-batch-tokens-with-decodes, at most --max-batch-tokens (default 6,144; 0: off)",
+        ("engine.scheduler.max_batch_tokens_in_burst",),
+        non_negative_int,
+    ),
+    Flag(
         "--backlog-admission-slots",
         "engine",
         "under a backlog (more waiting than free running slots), a step that carries decodes admits waiting "

@@ -51,6 +51,15 @@ class SchedulerConfig:
     # wherever the budget is larger (the CUDA and Ascend profiles; measured on CUDA only); the CPU profile's
     # budget (2,048) is below it.
     max_batch_tokens_with_decodes: int = 4096
+    # A burst being taken in: at least burst_backlog_tokens prompt tokens wait and every waiting request has
+    # a free running slot (the batch is filling, not queueing for slots). Each step with decodes then delays
+    # the last prompt's first token by the decodes' share of it, and the streams that decode were mostly
+    # admitted moments ago from the same burst, so such a step takes up to max_batch_tokens_in_burst (never
+    # fewer than max_batch_tokens_with_decodes, never more than max_batch_tokens). A queue at saturation
+    # (more waiting than free slots) and the few prompts of an arrival cluster keep the budget above.
+    # 0 in either: off. Only with chunked prefill, as the budget above.
+    burst_backlog_tokens: int = 16384
+    max_batch_tokens_in_burst: int = 6144
     # Under a backlog (more admissible waiting requests than free running slots), a step that carries decodes
     # admits waiting requests only once this many running slots are free (at most max_running_requests - 1), or
     # once admission has waited backlog_admission_max_wait_steps steps with a slot free; a waiting request of a

@@ -108,6 +108,13 @@ class Scheduler:
             max(config.max_batch_tokens_with_decodes or self.max_batch_tokens, self.max_running_requests),
             self.max_batch_tokens,
         )
+        # A burst's budget (see SchedulerConfig): at least the budget with decodes, at most max_batch_tokens.
+        self.max_batch_tokens_in_burst = self.max_batch_tokens_with_decodes
+        if config.burst_backlog_tokens > 0 and config.max_batch_tokens_in_burst > 0:
+            self.max_batch_tokens_in_burst = min(
+                max(config.max_batch_tokens_in_burst, self.max_batch_tokens_with_decodes),
+                self.max_batch_tokens,
+            )
         self.chunked_prefill = config.enable_chunked_prefill and capability.supports_chunked_prefill
         self.max_model_len = capability.model.max_model_len
         self.vocab_size = capability.model.vocab_size
@@ -278,6 +285,8 @@ class Scheduler:
         budget = self.max_batch_tokens
         if self.max_batch_tokens_with_decodes < budget and self.chunked_prefill and self._any_decoding():
             budget = self.max_batch_tokens_with_decodes
+            if self.max_batch_tokens_in_burst > budget and self._taking_in_a_burst():
+                budget = self.max_batch_tokens_in_burst
         plan = BatchPlan(step_id=step_id, token_budget=budget)
 
         order = sorted(self.running.values(), key=lambda r: r.order_key)
@@ -335,6 +344,18 @@ class Scheduler:
         plan.preempted_request_ids = preempted
         self.last_plan = plan
         return DecodeStep(step_id, new_requests, running_requests, finished_ids)
+
+    def _taking_in_a_burst(self) -> bool:
+        """At least ``burst_backlog_tokens`` prompt tokens wait (prefix hits not subtracted) and every waiting
+        request has a free running slot."""
+        if len(self.waiting) > self.max_running_requests - len(self.running):
+            return False
+        tokens = 0
+        for req in self.waiting:  # stops at the threshold
+            tokens += len(req.all_token_ids)
+            if tokens >= self.config.burst_backlog_tokens:
+                return True
+        return False
 
     def _any_decoding(self) -> bool:
         """Whether a running request is past its prompt with at most one token left to compute, and its

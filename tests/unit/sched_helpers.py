@@ -88,7 +88,11 @@ def drive(
             assert step.num_scheduled_tokens <= s.max_batch_tokens
             plan = s.last_plan
             assert plan is not None and step.num_scheduled_tokens <= plan.token_budget  # its own budget
-            assert plan.token_budget in (s.max_batch_tokens, s.max_batch_tokens_with_decodes)
+            assert plan.token_budget in (
+                s.max_batch_tokens,
+                s.max_batch_tokens_with_decodes,
+                s.max_batch_tokens_in_burst,
+            )
             run.steps.append(step)
             inflight.append(step)
         if not inflight:
