@@ -58,7 +58,8 @@ class TickRecord:
     active: int = 0
     kv_blocks_used: int = 0
     step_ms: float = 0.0
-    # The step's budget: smaller in a step with decodes under max_batch_tokens_with_decodes.
+    # The step's budget: smaller in a step with decodes under max_batch_tokens_with_decodes (or
+    # max_batch_tokens_in_burst while a burst is taken in).
     token_budget: int = 0
 
     def decisions(self) -> dict[str, object]:

@@ -65,9 +65,11 @@ def replay_report(run: ReplayRun, include_trace: bool = True) -> dict[str, objec
             "kv_block_size": registry.block_size,
             "max_batch_tokens": scheduler.max_batch_tokens,
             "max_running_requests": scheduler.max_running_requests,
-            # The scheduler's budget with decodes (the setting bounded by the running slots and the budget);
-            # the prefill limit as set (0: off). Both need chunked prefill.
+            # The scheduler's budgets with decodes, outside and inside a burst (the settings bounded by the
+            # running slots and the budget); the prefill limit as set (0: off). All need chunked prefill.
             "max_batch_tokens_with_decodes": scheduler.max_batch_tokens_with_decodes,
+            "max_batch_tokens_in_burst": scheduler.max_batch_tokens_in_burst,
+            "burst_backlog_tokens": run.workload.scheduler.burst_backlog_tokens,
             "prefill_tokens_beside_decodes": run.workload.scheduler.prefill_tokens_beside_decodes,
             "prefill_backlog_tokens": run.workload.scheduler.prefill_backlog_tokens,
             "backlog_admission_slots": run.workload.scheduler.backlog_admission_slots,

@@ -121,6 +121,10 @@ def _scheduler(f: Fields) -> SchedulerConfig:
         max_batch_tokens_with_decodes=f.integer(
             "max_batch_tokens_with_decodes", d.max_batch_tokens_with_decodes, minimum=0
         ),
+        burst_backlog_tokens=f.integer("burst_backlog_tokens", d.burst_backlog_tokens, minimum=0),
+        max_batch_tokens_in_burst=f.integer(
+            "max_batch_tokens_in_burst", d.max_batch_tokens_in_burst, minimum=0
+        ),
         backlog_admission_slots=f.integer("backlog_admission_slots", d.backlog_admission_slots, minimum=0),
         backlog_admission_max_wait_steps=f.integer(
             "backlog_admission_max_wait_steps", d.backlog_admission_max_wait_steps, minimum=0

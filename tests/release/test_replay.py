@@ -260,6 +260,8 @@ def test_random_workloads_end_every_request_and_return_every_block(seed: int) ->
         "prefill_tokens_beside_decodes",
         "prefill_backlog_tokens",
         "max_batch_tokens_with_decodes",
+        "burst_backlog_tokens",
+        "max_batch_tokens_in_burst",
         "backlog_admission_slots",
         "backlog_admission_max_wait_steps",
     ],
@@ -295,3 +297,21 @@ def test_the_report_names_the_limits_beside_decodes_and_rates_use_against_each_s
     whole_backend = whole["backend"]
     assert isinstance(whole_backend, dict)
     assert whole_backend["max_batch_tokens_with_decodes"] == whole_backend["max_batch_tokens"] > 24
+
+
+def test_the_report_gives_the_scheduler_s_burst_budget_and_the_threshold_as_set() -> None:
+    def backend_of(scheduler: dict[str, int]) -> dict[str, object]:
+        backend = replay_report(replay(workload_from_json(_doc("small") | {"scheduler": scheduler})))[
+            "backend"
+        ]
+        assert isinstance(backend, dict)
+        return backend
+
+    # A burst budget between the one with decodes and the whole budget stays as set.
+    between = backend_of({"max_batch_tokens_with_decodes": 24, "max_batch_tokens_in_burst": 40})
+    assert between["max_batch_tokens_in_burst"] == 40 and between["burst_backlog_tokens"] == 16384
+    # Off (threshold 0): the budget with decodes; above the whole budget: the whole budget.
+    off = backend_of({"max_batch_tokens_with_decodes": 24, "burst_backlog_tokens": 0})
+    assert off["max_batch_tokens_in_burst"] == 24 and off["burst_backlog_tokens"] == 0
+    big = backend_of({"max_batch_tokens_with_decodes": 24, "max_batch_tokens_in_burst": 10**6})
+    assert big["max_batch_tokens_in_burst"] == big["max_batch_tokens"] > 40

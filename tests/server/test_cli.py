@@ -171,6 +171,19 @@ def test_a_backlog_is_admitted_two_slots_at_a_time_by_default_and_set_by_its_fla
         resolve(SERVE, ["--backlog-admission-slots", "-1"], env={})
 
 
+def test_a_burst_budget_is_on_by_default_and_set_by_its_flags() -> None:
+    def burst(config: RuntimeConfig) -> tuple[int, int]:
+        return config.engine.scheduler.burst_backlog_tokens, config.engine.scheduler.max_batch_tokens_in_burst
+
+    assert burst(resolve(SERVE, [], env={})[0]) == (16384, 6144)
+    argv = ["--devices", "cpu", "--burst-backlog-tokens", "2048", "--max-batch-tokens-in-burst", "3072"]
+    assert burst(resolve(LAUNCH, argv, env={})[0]) == (2048, 3072)
+    assert burst(resolve(LAUNCH, ["--devices", "cpu", "--burst-backlog-tokens", "0"], env={})[0]) == (0, 6144)
+    for flag in ("--burst-backlog-tokens", "--max-batch-tokens-in-burst"):
+        with pytest.raises(ConfigError, match="expected an integer >= 0"):
+            resolve(SERVE, [flag, "-1"], env={})
+
+
 def test_launch_groups_devices_for_tensor_parallelism() -> None:
     argv = ["--devices", "cpu,cpu,cpu,cpu", "--tensor-parallel-size", "2", "--max-model-len", "256"]
     config, _ = resolve(LAUNCH, argv, env={})

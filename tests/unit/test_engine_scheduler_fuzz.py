@@ -1,5 +1,6 @@
 """Random workloads: the fake worker accepts every step, integrity holds, and tokens never depend on KV
-pressure, overlap, chunking, limits on the tokens beside decodes or aborts of other requests."""
+pressure, overlap, chunking, limits on the tokens beside decodes, a burst's budget or aborts of other
+requests."""
 
 from __future__ import annotations
 
@@ -33,14 +34,18 @@ def _run(
     beside_decodes: int = 0,
     arrivals: list[int] | None = None,
     with_decodes: int = 0,
+    burst: tuple[int, int] = (0, 0),
 ) -> Run:
-    """``arrivals[i]``: the loop turn at which job i is submitted (None: all before the first step)."""
+    """``arrivals[i]``: the loop turn at which job i is submitted (None: all before the first step);
+    ``burst``: (burst_backlog_tokens, max_batch_tokens_in_burst)."""
     run = make(
         FakeConfig(kv_num_blocks=blocks, kv_block_size=bs, max_batch_tokens=budget, max_running_requests=6),
         SchedulerConfig(
             max_bypass_steps=3,
             prefill_tokens_beside_decodes=beside_decodes,
             max_batch_tokens_with_decodes=with_decodes,
+            burst_backlog_tokens=burst[0],
+            max_batch_tokens_in_burst=burst[1],
         ),
     )
     due = arrivals or [0] * len(jobs)
@@ -84,6 +89,9 @@ def _run(
         [0, 6, 9, 24]
     ),  # at least the 6 running slots: below, the scheduler raises it
     arrivals=st.lists(st.integers(0, 30), min_size=12, max_size=12),  # loop turn of each job's submission
+    # (burst_backlog_tokens, max_batch_tokens_in_burst): off, a burst budget at or above the one with
+    # decodes (clamped to the step budget), one below it (raised to it)
+    burst=st.sampled_from([(0, 0), (8, 24), (40, 48), (16, 4)]),
 )
 def test_random_workloads_match_an_unconstrained_run(
     jobs: list[tuple[int, int, int, Priority, bool]],
@@ -93,13 +101,17 @@ def test_random_workloads_match_an_unconstrained_run(
     beside_decodes: int,
     with_decodes: int,
     arrivals: list[int],
+    burst: tuple[int, int],
 ) -> None:
     bs = 4
     jobs = [(f, min(n, blocks * bs - m), m, p, a) for f, n, m, p, a in jobs if m < blocks * bs]
     jobs = [j for j in jobs if j[1] >= 1]
     if not jobs:
         return
-    tight = _run(jobs, blocks, budget, inflight, bs, beside_decodes, arrivals[: len(jobs)], with_decodes)
+    tight = _run(
+        jobs, blocks, budget, inflight, bs, beside_decodes, arrivals[: len(jobs)], with_decodes, burst
+    )
+    # The reference: one step in flight, nothing short, no budget with decodes (so no burst budget either).
     loose = _run([(f, n, m, p, False) for f, n, m, p, _ in jobs], 4096, 512, 1, bs)
     for i, job in enumerate(jobs):
         rid = f"r{i}"
