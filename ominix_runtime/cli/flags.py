@@ -344,7 +344,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--max-batch-tokens-with-decodes",
         "engine",
-        "token budget of a step that carries decodes, its decodes and prompt chunks together, backlog or not; "
+        "token budget of a step that carries decodes, its decodes and prompt chunks together, backlog or not "
+        "(a burst: --max-batch-tokens-in-burst); "
         "a step without decodes keeps --max-batch-tokens; at least --max-running-requests, at most "
         "--max-batch-tokens; only with chunked prefill (0: --max-batch-tokens)",
         ("engine.scheduler.max_batch_tokens_with_decodes",),
@@ -353,8 +354,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--burst-backlog-tokens",
         "engine",
-        "waiting prompt tokens that make a burst when every waiting request has a free running slot: a step "
-        "with decodes then takes up to --max-batch-tokens-in-burst (default 16,384; 0: off)",
+        "waiting tokens that make a burst when every waiting request has a free running slot and the free KV "
+        "holds them all (and no running request is of a higher class): a step with decodes then takes up to "
+        "--max-batch-tokens-in-burst; only with chunked prefill, and only where --max-batch-tokens is above "
+        "--max-batch-tokens-with-decodes (default 16,384; 0: off)",
         ("engine.scheduler.burst_backlog_tokens",),
         non_negative_int,
     ),

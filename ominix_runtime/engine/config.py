@@ -40,24 +40,28 @@ class SchedulerConfig:
     # both were behind (bench/RESULTS.md, 2026-11-30 15:52): a deployment's choice, not a default.
     prefill_backlog_tokens: int = 0
     # Token budget of a step that carries decodes (decodes and prefill, running prompts' chunks included),
-    # backlog or not; a step without decodes keeps max_batch_tokens; only with chunked prefill (without it a
-    # longer prompt could not be admitted while anything decodes). 0: max_batch_tokens; never below
-    # max_running_requests (a step of decodes alone fits). Under a backlog every step admits prompts up to
-    # its budget and each decoding stream waits for the whole step; a smaller budget beside decodes trades a
-    # little TTFT of the prompts behind for shorter longest gaps. Beside vLLM on one H200 (bench/RESULTS.md,
-    # 2026-11-30, 13:37 - 13:51), 4,096 of the CUDA profile's 8,192 read ITL p99 0.69x of vLLM's at 32 req/s and
-    # 0.54x all at once, where 6,144 read 0.96x and 0.79x (and 1.12x at 32 req/s on an earlier machine),
-    # for TTFT p50 +4% at 32 req/s, output throughput level, and no change at 4 - 16 req/s. It applies
-    # wherever the budget is larger (the CUDA and Ascend profiles; measured on CUDA only); the CPU profile's
-    # budget (2,048) is below it.
+    # backlog or not, but for a burst (below); a step without decodes keeps max_batch_tokens; only with chunked
+    # prefill (without it a longer prompt could not be admitted while anything decodes). 0: max_batch_tokens;
+    # never below max_running_requests (a step of decodes alone fits). Under a backlog every step admits
+    # prompts up to its budget and each decoding stream waits for the whole step; a smaller budget beside
+    # decodes trades a little TTFT of the prompts behind for shorter longest gaps. Beside vLLM on one H200
+    # (bench/RESULTS.md, 2026-11-30, 13:37 - 13:51, before the burst budget), 4,096 of the CUDA profile's 8,192
+    # read ITL p99 0.69x of vLLM's at 32 req/s and 0.54x all at once, where 6,144 read 0.96x and 0.79x (and
+    # 1.12x at 32 req/s on an earlier machine), for TTFT p50 +4% at 32 req/s, output throughput level, and no
+    # change at 4 - 16 req/s. It applies wherever the budget is larger (the CUDA and Ascend profiles; measured
+    # on CUDA only); the CPU profile's budget (2,048) is below it.
     max_batch_tokens_with_decodes: int = 4096
-    # A burst being taken in: at least burst_backlog_tokens prompt tokens wait and every waiting request has
-    # a free running slot (the batch is filling, not queueing for slots). Each step with decodes then delays
-    # the last prompt's first token by the decodes' share of it, and the streams that decode were mostly
-    # admitted moments ago from the same burst, so such a step takes up to max_batch_tokens_in_burst (never
-    # fewer than max_batch_tokens_with_decodes, never more than max_batch_tokens). A queue at saturation
-    # (more waiting than free slots) and the few prompts of an arrival cluster keep the budget above.
-    # 0 in either: off. Only with chunked prefill, as the budget above.
+    # A burst being taken in: every waiting request has a free running slot, together they hold at least
+    # burst_backlog_tokens tokens (prefix hits not subtracted), the free KV holds them all, and no running
+    # request is of a higher class than the first of them. The batch is filling after many requests came at
+    # once, and each step with decodes puts the decodes' share of it between the last prompt and its first
+    # token, so such a step takes up to max_batch_tokens_in_burst (never fewer than
+    # max_batch_tokens_with_decodes, never more than max_batch_tokens). Not a burst: a queue for slots (more
+    # waiting than free slots: their first tokens wait for requests to end, which longer steps do not hasten),
+    # a queue for KV, or the few prompts of an arrival cluster; one waiting prompt of that many tokens is, for
+    # its first chunk. With 256 requests at once on one H200 (bench/RESULTS.md, 2026-12-01 08:03 - 08:13) it
+    # took TTFT p99 3% lower than without it on the same machine, for ITL p99 1.46x (157.6 against 108.1 ms;
+    # vLLM's there: 204 - 226 ms); the scheduler model moved nothing at 4 - 32 req/s. 0 in either: off.
     burst_backlog_tokens: int = 16384
     max_batch_tokens_in_burst: int = 6144
     # Under a backlog (more admissible waiting requests than free running slots), a step that carries decodes

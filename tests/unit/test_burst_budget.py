@@ -1,5 +1,6 @@
-"""A burst's budget: a step with decodes takes up to max_batch_tokens_in_burst while at least
-burst_backlog_tokens prompt tokens wait and every waiting request has a free running slot."""
+"""A burst's budget: a step with decodes takes up to max_batch_tokens_in_burst while every waiting request has a
+free running slot, together they hold at least burst_backlog_tokens tokens, the free KV holds them, and no
+running request is of a higher class than the first of them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 from sched_helpers import Run, make, request
 
-from ominix_runtime.contract import Done, FinishReason
+from ominix_runtime.contract import Done, FinishReason, Priority
 from ominix_runtime.engine.config import SchedulerConfig
 from ominix_runtime.testing.fake_backend import FakeConfig
 
@@ -20,6 +21,7 @@ class StepView:
     waiting: int  # requests waiting as the step was built
     waiting_tokens: int  # their tokens
     free_slots: int  # running slots free as the step was built
+
     budget: int
     prefill: int
     decode: int
@@ -31,7 +33,8 @@ class StepView:
     @property
     def a_burst(self) -> bool:
         """A step with decodes while THRESHOLD or more prompt tokens wait, every waiting request with a free
-        slot: the burst's budget, when the rule is on."""
+        slot (KV is ample and every request of one class in these runs): the burst's budget, when the rule
+        is on."""
         return self.decode > 0 and self.waiting_tokens >= THRESHOLD and self.waiting <= self.free_slots
 
 
@@ -55,14 +58,18 @@ def _run(
     waiting: list[int] | None = None,
     running_max_tokens: int = 30,
     waiting_max_tokens: int = 4,
+    kv_num_blocks: int = 512,
+    running_priority: Priority = Priority.INTERACTIVE,
 ) -> tuple[Run, list[StepView]]:
     """``running`` requests r0.. (8-token prompts) decode after their first step, then requests w0.. with
     prompts of ``waiting`` tokens (eight of 12 by default) arrive together; one step in flight at a time
     until everything has ended. Returns the run and a view of every step after the first."""
-    run = make(FakeConfig(max_batch_tokens=WHOLE, kv_block_size=4, kv_num_blocks=512), config)
+    run = make(FakeConfig(max_batch_tokens=WHOLE, kv_block_size=4, kv_num_blocks=kv_num_blocks), config)
     s = run.scheduler
     for i in range(running):
-        s.add_request(request(f"r{i}", [10 + i] * 8, max_tokens=running_max_tokens, seed=i))
+        req = request(f"r{i}", [10 + i] * 8, max_tokens=running_max_tokens, seed=i)
+        req.priority = running_priority
+        s.add_request(req)
     first = s.schedule()
     assert first is not None and len(first.new_requests) == running
     run.record(s.update(first, run.backend.execute(first)))
@@ -81,7 +88,12 @@ def _run(
         assert plan is not None and step.num_scheduled_tokens == plan.num_tokens <= plan.token_budget
         views.append(
             StepView(
-                num_waiting, queued, free, plan.token_budget, plan.num_prefill_tokens, plan.num_decode_tokens
+                num_waiting,
+                queued,
+                free,
+                plan.token_budget,
+                plan.num_prefill_tokens,
+                plan.num_decode_tokens,
             )
         )
         run.record(s.update(step, run.backend.execute(step)))
@@ -155,6 +167,40 @@ def test_every_waiting_request_needs_a_free_slot_for_the_burst_budget(max_runnin
 
 
 @pytest.mark.parametrize(
+    ("kv_num_blocks", "budget"),
+    [
+        # Two decoders hold 4 blocks (8 tokens + outputs); eight waiting prompts of 12 tokens need 24 more.
+        pytest.param(27, WITH_DECODES, id="the-free-kv-cannot-hold-the-waiting-prompts"),
+        pytest.param(40, IN_BURST, id="the-free-kv-holds-them"),
+    ],
+)
+def test_a_burst_needs_free_kv_for_its_waiting_prompts(kv_num_blocks: int, budget: int) -> None:
+    run, views = _run(_config(), kv_num_blocks=kv_num_blocks)
+    first = views[0]
+    assert first.decode > 0 and first.waiting_tokens == 96 and first.waiting <= first.free_slots
+    assert first.budget == budget
+    assert all(isinstance(run.terminal(rid), Done) for rid in _ids())
+
+
+@pytest.mark.parametrize(
+    ("running_priority", "budget"),
+    [
+        pytest.param(Priority.REALTIME, WITH_DECODES, id="a-higher-class-decodes"),
+        pytest.param(Priority.INTERACTIVE, IN_BURST, id="the-same-class-decodes"),
+        pytest.param(Priority.BATCH, IN_BURST, id="a-lower-class-decodes"),
+    ],
+)
+def test_streams_of_a_higher_class_than_the_burst_keep_the_budget_with_decodes(
+    running_priority: Priority, budget: int
+) -> None:
+    run, views = _run(_config(), running_priority=running_priority)
+    first = views[0]
+    assert first.decode > 0 and first.waiting_tokens == 96 and first.waiting <= first.free_slots
+    assert first.budget == budget
+    assert all(isinstance(run.terminal(rid), Done) for rid in _ids())
+
+
+@pytest.mark.parametrize(
     ("waiting", "budget"),
     [
         pytest.param([12, 12, 12], WITH_DECODES, id="36-tokens"),
@@ -201,6 +247,26 @@ def test_a_burst_budget_above_max_batch_tokens_is_clamped_to_it() -> None:
     assert run.scheduler.max_batch_tokens_in_burst == WHOLE
     # 96 tokens wait beside two decodes: the whole budget, 62 of them admitted.
     assert views[0].a_burst and views[0].budget == WHOLE and views[0].tokens == WHOLE
+
+
+def test_where_the_budget_with_decodes_is_the_whole_budget_a_burst_changes_nothing() -> None:
+    # As on the CPU profile (2,048 tokens a step, below the budget with decodes): one budget for every step.
+    run = make(FakeConfig(max_batch_tokens=WITH_DECODES, kv_block_size=4, kv_num_blocks=512), _config())
+    s = run.scheduler
+    assert (
+        s.max_batch_tokens == s.max_batch_tokens_with_decodes == s.max_batch_tokens_in_burst == WITH_DECODES
+    )
+    s.add_request(request("r0", [10] * 8, max_tokens=12, seed=1))
+    for i in range(8):
+        s.add_request(request(f"w{i}", [100 + i] * 12, max_tokens=4, seed=50 + i))
+    budgets: set[int] = set()
+    while s.requests:
+        step = s.schedule()
+        assert step is not None and s.last_plan is not None
+        budgets.add(s.last_plan.token_budget)
+        run.record(s.update(step, run.backend.execute(step)))
+        s.check_integrity()
+    assert budgets == {WITH_DECODES} and s.registry.num_leased_blocks == 0
 
 
 def test_a_step_without_decodes_keeps_max_batch_tokens_whatever_waits() -> None:
