@@ -287,6 +287,7 @@ class Scheduler:
             budget = self.max_batch_tokens_with_decodes
             if self.max_batch_tokens_in_burst > budget and self._taking_in_a_burst():
                 budget = self.max_batch_tokens_in_burst
+                self.counters.burst_budget_steps += 1
         plan = BatchPlan(step_id=step_id, token_budget=budget)
 
         order = sorted(self.running.values(), key=lambda r: r.order_key)

@@ -22,6 +22,7 @@ class SchedulerCounters:
     computed_tokens: int = 0  # tokens scheduled for computation (prefill + decode, recompute included)
     preemptions: int = 0
     admission_held_steps: int = 0  # steps that left a backlog waiting for more free slots
+    burst_budget_steps: int = 0  # steps beside decodes that took a burst's budget
     steps: int = 0
     discarded_outputs: int = 0  # outputs for requests that ended while their step was in flight
     unexpected_outputs: int = 0  # outputs naming a request the step did not schedule
@@ -111,6 +112,7 @@ class WorkerStats:
     generation_tokens: int
     preemptions: int
     admission_held_steps: int  # steps that left a backlog waiting for more free slots
+    burst_budget_steps: int  # steps beside decodes that took a burst's budget
     failovers: int  # times this group failed and its live requests were failed over
     restarts: int  # times the engine reconnected to this worker after a failure
     resumed_requests: int  # requests taken over here from a failed group

@@ -359,6 +359,10 @@ _COUNTER_FAMILIES: dict[str, tuple[str, str]] = {
         "ominix_backlog_admission_held_steps",
         "Steps that left a backlog waiting for more free running slots (--backlog-admission-slots).",
     ),
+    "burst_budget_steps": (
+        "ominix_burst_budget_steps",
+        "Steps beside decodes that took a burst's token budget (--max-batch-tokens-in-burst).",
+    ),
     "failovers": (
         "ominix_worker_failovers",
         "Times the worker failed (stream broken, heartbeat or step missed) and its requests failed over.",

@@ -271,6 +271,7 @@ def test_metrics_families_and_counts_move(fake_daemon: RunningDaemon) -> None:
         "ominix_prefix_cache_hit_tokens",
         "ominix_preemptions",
         "ominix_backlog_admission_held_steps",
+        "ominix_burst_budget_steps",
         "ominix_scheduler_step_duration_seconds",
         "ominix_scheduler_batch_size",
         "ominix_integrity_violations",

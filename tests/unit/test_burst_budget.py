@@ -119,6 +119,7 @@ def test_a_burst_beside_decodes_takes_the_burst_budget_until_fewer_tokens_wait_w
     # and those steps fill the burst's budget.
     burst = [v for v in views if v.a_burst]
     assert len(burst) == 2 and views[:2] == burst
+    assert run.scheduler.counters.burst_budget_steps == 2  # what ominix_burst_budget_steps_total exports
     assert [(v.waiting_tokens, v.budget, v.tokens) for v in burst] == [
         (96, IN_BURST, IN_BURST),
         (60, IN_BURST, IN_BURST),
@@ -233,6 +234,7 @@ def test_either_setting_0_turns_the_burst_budget_off(burst_tokens: int, in_burst
     assert run.scheduler.max_batch_tokens_in_burst == WITH_DECODES
     assert any(v.a_burst for v in views)
     assert all(v.budget == WITH_DECODES for v in views)
+    assert run.scheduler.counters.burst_budget_steps == 0
 
 
 def test_a_burst_budget_below_the_budget_with_decodes_never_lowers_it() -> None:

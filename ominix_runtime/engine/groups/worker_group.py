@@ -228,6 +228,7 @@ class WorkerGroup(ABC):
             generation_tokens=counters.generated_tokens,
             preemptions=counters.preemptions,
             admission_held_steps=counters.admission_held_steps,
+            burst_budget_steps=counters.burst_budget_steps,
             failovers=self.num_failures,
             restarts=self.num_reconnects,
             resumed_requests=counters.resumed,
