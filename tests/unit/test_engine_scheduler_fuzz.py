@@ -89,9 +89,9 @@ def _run(
         [0, 6, 9, 24]
     ),  # at least the 6 running slots: below, the scheduler raises it
     arrivals=st.lists(st.integers(0, 30), min_size=12, max_size=12),  # loop turn of each job's submission
-    # (burst_backlog_tokens, max_batch_tokens_in_burst): off, a burst whenever a waiting request has a slot
-    # and KV, a burst budget at or above the one with decodes (clamped to the step budget), one below it
-    # (raised to it)
+    # (burst_backlog_tokens, max_batch_tokens_in_burst): off, a burst whenever every waiting request has a
+    # slot and the KV holds them, a burst budget at or above the one with decodes (clamped to the step
+    # budget), one below it (raised to it)
     burst=st.sampled_from([(0, 0), (1, 64), (8, 24), (40, 48), (16, 4)]),
 )
 def test_random_workloads_match_an_unconstrained_run(
