@@ -167,6 +167,15 @@ def test_every_waiting_request_needs_a_free_slot_for_the_burst_budget(max_runnin
     assert first.decode > 0 and first.budget == budget and first.tokens == budget
 
 
+def _first_step_of_eight_waiting_takes(budget: int, run: Run, views: list[StepView]) -> None:
+    """The first step after the burst arrives (eight 12-token prompts, a slot for each, beside two decodes)
+    has ``budget``, and every request ends."""
+    first = views[0]
+    assert first.decode > 0 and first.waiting_tokens == 96 and first.waiting <= first.free_slots
+    assert first.budget == budget
+    assert all(isinstance(run.terminal(rid), Done) for rid in _ids())
+
+
 @pytest.mark.parametrize(
     ("kv_num_blocks", "budget"),
     [
@@ -176,11 +185,7 @@ def test_every_waiting_request_needs_a_free_slot_for_the_burst_budget(max_runnin
     ],
 )
 def test_a_burst_needs_free_kv_for_its_waiting_prompts(kv_num_blocks: int, budget: int) -> None:
-    run, views = _run(_config(), kv_num_blocks=kv_num_blocks)
-    first = views[0]
-    assert first.decode > 0 and first.waiting_tokens == 96 and first.waiting <= first.free_slots
-    assert first.budget == budget
-    assert all(isinstance(run.terminal(rid), Done) for rid in _ids())
+    _first_step_of_eight_waiting_takes(budget, *_run(_config(), kv_num_blocks=kv_num_blocks))
 
 
 @pytest.mark.parametrize(
@@ -194,11 +199,7 @@ def test_a_burst_needs_free_kv_for_its_waiting_prompts(kv_num_blocks: int, budge
 def test_streams_of_a_higher_class_than_the_burst_keep_the_budget_with_decodes(
     running_priority: Priority, budget: int
 ) -> None:
-    run, views = _run(_config(), running_priority=running_priority)
-    first = views[0]
-    assert first.decode > 0 and first.waiting_tokens == 96 and first.waiting <= first.free_slots
-    assert first.budget == budget
-    assert all(isinstance(run.terminal(rid), Done) for rid in _ids())
+    _first_step_of_eight_waiting_takes(budget, *_run(_config(), running_priority=running_priority))
 
 
 @pytest.mark.parametrize(
