@@ -298,3 +298,29 @@ def test_a_step_without_decodes_keeps_max_batch_tokens_whatever_waits() -> None:
         s.check_integrity()
     assert s.registry.num_leased_blocks == 0
     assert all(isinstance(run.terminal(f"w{i}"), Done) for i in range(8))
+
+
+def test_a_sliding_window_group_counts_a_waiting_prompt_as_its_window_and_one_chunk() -> None:
+    # One sliding-window group of 40 blocks of 4 (a window of 8 tokens): two waiting 200-token prompts would
+    # take 100 blocks whole, but such a group only ever holds the window and a chunk of each.
+    fake = FakeConfig(max_batch_tokens=WHOLE, kv_block_size=4, kv_num_blocks=40, sliding_window=8)
+    run = make(fake, _config())
+    s = run.scheduler
+    s.add_request(request("r0", [10] * 8, max_tokens=30, seed=1))
+    first = s.schedule()
+    assert first is not None
+    run.record(s.update(first, run.backend.execute(first)))
+    for i in range(2):
+        s.add_request(request(f"w{i}", [100 + i + k % 5 for k in range(200)], max_tokens=4, seed=50 + i))
+    step = s.schedule()
+    assert step is not None and s.last_plan is not None
+    assert s.last_plan.num_decode_tokens == 1 and s.last_plan.token_budget == IN_BURST
+    run.record(s.update(step, run.backend.execute(step)))
+    while s.requests:
+        step = s.schedule()
+        assert step is not None
+        run.record(s.update(step, run.backend.execute(step)))
+        s.check_integrity()
+        assert not run.backend.violations, run.backend.violations
+    assert s.registry.num_leased_blocks == 0 and s.counters.preemptions == 0
+    assert all(isinstance(run.terminal(rid), Done) for rid in ("r0", "w0", "w1"))
