@@ -52,16 +52,18 @@ class SchedulerConfig:
     # on CUDA only); the CPU profile's budget (2,048) is below it.
     max_batch_tokens_with_decodes: int = 4096
     # A burst being taken in: every waiting request has a free running slot, together they hold at least
-    # burst_backlog_tokens tokens (prefix hits not subtracted), the free KV holds them all, and no running
-    # request is of a higher class than the first of them. The batch is filling after many requests came at
-    # once, and each step with decodes puts the decodes' share of it between the last prompt and its first
-    # token, so such a step takes up to max_batch_tokens_in_burst (never fewer than
-    # max_batch_tokens_with_decodes, never more than max_batch_tokens). Not a burst: a queue for slots (more
-    # waiting than free slots: their first tokens wait for requests to end, which longer steps do not hasten),
-    # a queue for KV, or the few prompts of an arrival cluster; one waiting prompt of that many tokens is, for
-    # its first chunk. With 256 requests at once on one H200 (bench/RESULTS.md, 2026-12-01 08:03 - 08:13) it
-    # took TTFT p99 3% lower than without it on the same machine, for ITL p99 1.46x (157.6 against 108.1 ms;
-    # vLLM's there: 204 - 226 ms); the scheduler model moved nothing at 4 - 32 req/s. 0 in either: off.
+    # burst_backlog_tokens tokens (prefix hits not subtracted), the free or reusable (prefix-cached) KV holds them
+    # all beside what the running requests still need, and no running request is of a higher class than the first
+    # of them. The batch is filling after many requests came at once, and each step with decodes puts the decodes'
+    # share of it between the last prompt and its first token, so such a step takes up to
+    # max_batch_tokens_in_burst (never fewer than max_batch_tokens_with_decodes, never more than
+    # max_batch_tokens). Not a burst: a queue for slots (more waiting than free slots: their first tokens wait for
+    # requests to end, which longer steps do not hasten), a queue for KV, or the few prompts of an arrival
+    # cluster; one waiting prompt of that many tokens is, for its first chunk. With 256 requests at once on one
+    # H200 (bench/RESULTS.md, 2026-12-01 08:11 to 08:13, the rule before its KV and class conditions, which make
+    # the same steps there in the scheduler model) it took TTFT p99 3% lower than without it on the same machine,
+    # for ITL p99 1.46x (157.6 against 108.1 ms; vLLM's there: 204 to 226 ms); the scheduler model moved nothing
+    # at 4 to 32 req/s. 0 in either: off.
     burst_backlog_tokens: int = 16384
     max_batch_tokens_in_burst: int = 6144
     # Under a backlog (more admissible waiting requests than free running slots), a step that carries decodes
