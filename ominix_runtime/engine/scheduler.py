@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from ominix_runtime.contract import (
@@ -71,6 +71,11 @@ class _Scheduled:
     req: EngineRequest
     num_tokens: int
     expects_sample: bool  # this step computes the request's last known token, so the worker samples one
+
+
+def _fits(available: Sequence[int], *demands: Sequence[int]) -> bool:
+    """Per KV group: whether the available blocks cover the sum of the demands."""
+    return all(a >= sum(d) for a, *d in zip(available, *demands, strict=True))
 
 
 class Scheduler:
@@ -358,7 +363,7 @@ class Scheduler:
         # which longer steps do not hasten.
         if not self.waiting or len(self.waiting) > self.max_running_requests - len(self.running):
             return False
-        if sum(len(r.all_token_ids) for r in self.waiting) < self.config.burst_backlog_tokens:
+        if self.waiting.num_waiting_tokens < self.config.burst_backlog_tokens:
             return False
         # A higher class's streams would pay for a lower one's first tokens.
         head = next(iter(self.waiting))
@@ -366,14 +371,14 @@ class Scheduler:
             return False
         # Requests that must wait for KV, not for slots: longer steps would only reach that limit sooner. A
         # sliding group holds a prompt's window and one chunk; a shared prefix counts once per request here.
-        need = list(self._running_growth_blocks())
+        need = [0] * self.registry.num_groups
         for req in self.waiting:
             n = len(req.all_token_ids)
             for g, blocks in enumerate(
                 self.registry.footprint(n, max(0, n - self.max_batch_tokens_in_burst))
             ):
                 need[g] += blocks
-        return all(n <= a for n, a in zip(need, self.registry.available_blocks(), strict=True))
+        return _fits(self.registry.available_blocks(), need, self._running_growth_blocks())
 
     def _any_decoding(self) -> bool:
         """Whether a running request is past its prompt with at most one token left to compute, and its
@@ -630,7 +635,7 @@ class Scheduler:
         need = self.registry.footprint(min(head.num_tokens, self.max_batch_tokens))
 
         def lacks(available: tuple[int, ...], growth: tuple[int, ...]) -> bool:
-            return any(a < n + g for a, n, g in zip(available, need, growth, strict=True))
+            return not _fits(available, need, growth)
 
         def short_of_room() -> bool:
             return len(self.running) >= self.max_running_requests or lacks(

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from sched_helpers import Run, make, request
+from sched_helpers import Run, drive, make, request
 
 from ominix_runtime.contract import Done, FinishReason, Priority
 from ominix_runtime.engine.config import SchedulerConfig
@@ -80,7 +80,7 @@ def _run(
     views: list[StepView] = []
     while s.requests:
         free = s.max_running_requests - s.num_running
-        queued = sum(len(r.all_token_ids) for r in s.waiting)
+        queued = s.waiting.num_waiting_tokens
         num_waiting = s.num_waiting
         step = s.schedule()
         assert step is not None
@@ -291,11 +291,7 @@ def test_a_step_without_decodes_keeps_max_batch_tokens_whatever_waits() -> None:
     assert plan.num_decode_tokens > 0 and plan.token_budget == WITH_DECODES
     run.record(s.update(step, run.backend.execute(step)))
     s.check_integrity()
-    while s.requests:
-        step = s.schedule()
-        assert step is not None
-        run.record(s.update(step, run.backend.execute(step)))
-        s.check_integrity()
+    drive(run, max_inflight=1)  # the rest, integrity and the fake worker's checks after every step
     assert s.registry.num_leased_blocks == 0
     assert all(isinstance(run.terminal(f"w{i}"), Done) for i in range(8))
 
@@ -316,11 +312,6 @@ def test_a_sliding_window_group_counts_a_waiting_prompt_as_its_window_and_one_ch
     assert step is not None and s.last_plan is not None
     assert s.last_plan.num_decode_tokens == 1 and s.last_plan.token_budget == IN_BURST
     run.record(s.update(step, run.backend.execute(step)))
-    while s.requests:
-        step = s.schedule()
-        assert step is not None
-        run.record(s.update(step, run.backend.execute(step)))
-        s.check_integrity()
-        assert not run.backend.violations, run.backend.violations
+    drive(run, max_inflight=1)  # the rest, integrity and the fake worker's checks after every step
     assert s.registry.num_leased_blocks == 0 and s.counters.preemptions == 0
     assert all(isinstance(run.terminal(rid), Done) for rid in ("r0", "w0", "w1"))
