@@ -356,9 +356,8 @@ FLAGS: tuple[Flag, ...] = (
         "engine",
         "waiting tokens that make a burst when every waiting request has a free running slot and the free or "
         "reusable KV holds them all (and no running request is of a higher class): a step with decodes then "
-        "takes up to "
-        "--max-batch-tokens-in-burst; only with chunked prefill, and only where --max-batch-tokens is above "
-        "--max-batch-tokens-with-decodes (default 16,384; 0: off)",
+        "takes up to --max-batch-tokens-in-burst; only with chunked prefill, and only where --max-batch-tokens "
+        "is above --max-batch-tokens-with-decodes (default 16,384; 0: off)",
         ("engine.scheduler.burst_backlog_tokens",),
         non_negative_int,
     ),

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 from sched_helpers import Run, drive, make, request
 
-from ominix_runtime.contract import Done, FinishReason, Priority
+from ominix_runtime.contract import BatchPlan, Done, FinishReason, Priority
 from ominix_runtime.engine.config import SchedulerConfig
 from ominix_runtime.testing.fake_backend import FakeConfig
 
@@ -21,21 +21,18 @@ class StepView:
     waiting: int  # requests waiting as the step was built
     waiting_tokens: int  # their tokens
     free_slots: int  # running slots free as the step was built
-
-    budget: int
-    prefill: int
-    decode: int
-
-    @property
-    def tokens(self) -> int:
-        return self.prefill + self.decode
+    plan: BatchPlan  # what the scheduler decided for the step
 
     @property
     def a_burst(self) -> bool:
         """A step with decodes while THRESHOLD or more prompt tokens wait, every waiting request with a free
         slot (KV is ample and every request of one class in these runs): the burst's budget, when the rule
         is on."""
-        return self.decode > 0 and self.waiting_tokens >= THRESHOLD and self.waiting <= self.free_slots
+        return (
+            self.plan.num_decode_tokens > 0
+            and self.waiting_tokens >= THRESHOLD
+            and self.waiting <= self.free_slots
+        )
 
 
 def _config(
@@ -86,16 +83,7 @@ def _run(
         assert step is not None
         plan = s.last_plan
         assert plan is not None and step.num_scheduled_tokens == plan.num_tokens <= plan.token_budget
-        views.append(
-            StepView(
-                num_waiting,
-                queued,
-                free,
-                plan.token_budget,
-                plan.num_prefill_tokens,
-                plan.num_decode_tokens,
-            )
-        )
+        views.append(StepView(num_waiting, queued, free, plan))
         run.record(s.update(step, run.backend.execute(step)))
         s.check_integrity()
         assert not run.backend.violations, run.backend.violations
@@ -120,19 +108,22 @@ def test_a_burst_beside_decodes_takes_the_burst_budget_until_fewer_tokens_wait_w
     burst = [v for v in views if v.a_burst]
     assert len(burst) == 2 and views[:2] == burst
     assert run.scheduler.counters.burst_budget_steps == 2  # what ominix_burst_budget_steps_total exports
-    assert [(v.waiting_tokens, v.budget, v.tokens) for v in burst] == [
+    assert [(v.waiting_tokens, v.plan.token_budget, v.plan.num_tokens) for v in burst] == [
         (96, IN_BURST, IN_BURST),
         (60, IN_BURST, IN_BURST),
     ]
     # Then fewer than 48 wait (later none): the budget with decodes, prompts still going in beside them.
     rest = views[2:]
-    assert all(v.decode > 0 and v.waiting_tokens < THRESHOLD and v.budget == WITH_DECODES for v in rest)
-    assert rest[0].waiting_tokens > 0 and rest[0].prefill > 0
+    assert all(
+        v.plan.num_decode_tokens > 0 and v.waiting_tokens < THRESHOLD and v.plan.token_budget == WITH_DECODES
+        for v in rest
+    )
+    assert rest[0].waiting_tokens > 0 and rest[0].plan.num_prefill_tokens > 0
 
     # The same workload with the rule off: the budget with decodes throughout, the prompts in later...
     off, off_views = _run(_config(burst_tokens=0))
     assert off.scheduler.max_batch_tokens_in_burst == WITH_DECODES
-    assert [v.budget for v in off_views] == [WITH_DECODES] * len(off_views)
+    assert [v.plan.token_budget for v in off_views] == [WITH_DECODES] * len(off_views)
     assert sum(v.a_burst for v in off_views) > 2  # the same conditions held for longer
     assert _prompts_done_at(views) < _prompts_done_at(off_views)
     # ...and the same tokens: every request runs to its max_tokens.
@@ -146,9 +137,9 @@ def test_a_burst_beside_decodes_takes_the_burst_budget_until_fewer_tokens_wait_w
 def test_a_queue_for_running_slots_keeps_the_budget_with_decodes() -> None:
     # Four long decodes of six slots: at most two free while 96 prompt tokens (eight requests) wait.
     run, views = _run(_config(max_running=6), running=4, running_max_tokens=40)
-    queued = [v for v in views if v.decode and v.waiting_tokens >= THRESHOLD]
+    queued = [v for v in views if v.plan.num_decode_tokens and v.waiting_tokens >= THRESHOLD]
     assert len(queued) >= 5 and all(v.waiting > v.free_slots for v in queued)
-    assert all(v.budget == WITH_DECODES for v in views)
+    assert all(v.plan.token_budget == WITH_DECODES for v in views)
     assert all(isinstance(run.terminal(rid), Done) for rid in _ids(running=4))
 
 
@@ -164,15 +155,21 @@ def test_every_waiting_request_needs_a_free_slot_for_the_burst_budget(max_runnin
     first = views[0]
     # Eight requests (96 tokens) wait beside the two that decode.
     assert (first.waiting, first.free_slots, first.waiting_tokens) == (8, max_running - 2, 96)
-    assert first.decode > 0 and first.budget == budget and first.tokens == budget
+    assert (
+        first.plan.num_decode_tokens > 0
+        and first.plan.token_budget == budget
+        and first.plan.num_tokens == budget
+    )
 
 
 def _first_step_of_eight_waiting_takes(budget: int, run: Run, views: list[StepView]) -> None:
     """The first step after the burst arrives (eight 12-token prompts, a slot for each, beside two decodes)
     has ``budget``, and every request ends."""
     first = views[0]
-    assert first.decode > 0 and first.waiting_tokens == 96 and first.waiting <= first.free_slots
-    assert first.budget == budget
+    assert (
+        first.plan.num_decode_tokens > 0 and first.waiting_tokens == 96 and first.waiting <= first.free_slots
+    )
+    assert first.plan.token_budget == budget
     assert all(isinstance(run.terminal(rid), Done) for rid in _ids())
 
 
@@ -215,10 +212,10 @@ def test_the_burst_budget_needs_the_threshold_of_waiting_prompt_tokens(
     waiting: list[int], budget: int
 ) -> None:
     run, views = _run(_config(), waiting=waiting)
-    assert views[0].waiting_tokens == sum(waiting) and views[0].decode > 0
-    assert views[0].budget == budget and views[0].tokens == budget
+    assert views[0].waiting_tokens == sum(waiting) and views[0].plan.num_decode_tokens > 0
+    assert views[0].plan.token_budget == budget and views[0].plan.num_tokens == budget
     if budget == WITH_DECODES:
-        assert all(v.budget == WITH_DECODES for v in views)
+        assert all(v.plan.token_budget == WITH_DECODES for v in views)
     assert all(isinstance(run.terminal(rid), Done) for rid in _ids(waiting=len(waiting)))
 
 
@@ -234,22 +231,26 @@ def test_either_setting_0_turns_the_burst_budget_off(burst_tokens: int, in_burst
     run, views = _run(_config(burst_tokens=burst_tokens, in_burst=in_burst))
     assert run.scheduler.max_batch_tokens_in_burst == WITH_DECODES
     assert any(v.a_burst for v in views)
-    assert all(v.budget == WITH_DECODES for v in views)
+    assert all(v.plan.token_budget == WITH_DECODES for v in views)
     assert run.scheduler.counters.burst_budget_steps == 0
 
 
 def test_a_burst_budget_below_the_budget_with_decodes_never_lowers_it() -> None:
     run, views = _run(_config(in_burst=8))
     assert run.scheduler.max_batch_tokens_in_burst == WITH_DECODES
-    assert views[0].a_burst and views[0].budget == WITH_DECODES and views[0].tokens == WITH_DECODES
-    assert all(v.budget == WITH_DECODES for v in views)
+    assert (
+        views[0].a_burst
+        and views[0].plan.token_budget == WITH_DECODES
+        and views[0].plan.num_tokens == WITH_DECODES
+    )
+    assert all(v.plan.token_budget == WITH_DECODES for v in views)
 
 
 def test_a_burst_budget_above_max_batch_tokens_is_clamped_to_it() -> None:
     run, views = _run(_config(in_burst=1000))
     assert run.scheduler.max_batch_tokens_in_burst == WHOLE
     # 96 tokens wait beside two decodes: the whole budget, 62 of them admitted.
-    assert views[0].a_burst and views[0].budget == WHOLE and views[0].tokens == WHOLE
+    assert views[0].a_burst and views[0].plan.token_budget == WHOLE and views[0].plan.num_tokens == WHOLE
 
 
 def test_where_the_budget_with_decodes_is_the_whole_budget_a_burst_changes_nothing() -> None:
