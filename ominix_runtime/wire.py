@@ -198,6 +198,7 @@ def capability_to_pb(cap: BackendCapability) -> common_pb2.BackendCapability:
         kv_cache_dtype=cap.kv_cache_dtype,
         moe_parallel=cap.moe_parallel,
         supports_prefill_decode_split=cap.supports_prefill_decode_split,
+        supports_whole_prompt_hits=cap.supports_whole_prompt_hits,
         contract_kind=cap.kind.contract_name,
     )
 
@@ -261,6 +262,7 @@ def capability_from_pb(pb: common_pb2.BackendCapability) -> BackendCapability:
         kv_cache_dtype=pb.kv_cache_dtype,
         moe_parallel=pb.moe_parallel,
         supports_prefill_decode_split=pb.supports_prefill_decode_split,
+        supports_whole_prompt_hits=pb.supports_whole_prompt_hits,
     )
 
 
@@ -340,6 +342,7 @@ def step_to_pb(step: DecodeStep) -> worker_pb2.DecodeStep:
             effective_seed=r.effective_seed,
             traceparent=r.traceparent,
             group_kv_block_ids=block_tables_to_pb(r.group_kv_block_ids),
+            num_cached_kv_tokens=r.num_cached_kv_tokens,
         )
     add_running = pb.running_requests.add
     for run in step.running_requests:
@@ -378,6 +381,7 @@ def step_from_pb(pb: worker_pb2.DecodeStep) -> DecodeStep:
                 output_token_ids=int_list(r.output_token_ids),
                 traceparent=r.traceparent,
                 group_kv_block_ids=block_tables_from_pb(r.group_kv_block_ids),
+                num_cached_kv_tokens=r.num_cached_kv_tokens,
             )
             for r in pb.new_requests
         ],

@@ -118,6 +118,9 @@ class BackendCapability:
     weight_dtype: str = ""
     kv_cache_dtype: str = ""
     supports_prefill_decode_split: bool = False
+    # Honours NewRequestData.num_cached_kv_tokens: a prompt found whole in the prefix cache then computes its
+    # last token alone (no KV written), not its whole last block.
+    supports_whole_prompt_hits: bool = False
     # How a group splits MoE layers: "tensor" (a slice of every expert per rank) or "expert" (whole experts,
     # num_experts / tensor_parallel_size per rank); empty for a dense model (or a backend that does not say).
     moe_parallel: str = ""

@@ -16,7 +16,8 @@ class KVLease:
     # Most tokens every group's blocks can hold (a full or sliding table: len * block_size; a compressed one:
     # its rows' complete chunks plus a partial one).
     num_tokens_reserved: int = 0
-    num_prefix_hit_tokens: int = 0  # prompt tokens found in the prefix cache at admission to the worker
+    # Tokens whose KV the prefix hit's blocks held at admission (read, never written by this request).
+    num_prefix_hit_tokens: int = 0
 
     @property
     def kv_block_ids(self) -> list[int]:

@@ -26,6 +26,14 @@ class NewRequestData:
     traceparent: str = ""  # W3C trace context of the engine's request span ("" when not traced)
     # Block tables of KV groups 1..n-1 of a hybrid layout (group 0's is kv_block_ids); empty for one group.
     group_kv_block_ids: list[list[int]] = field(default_factory=list)
+    # Leading tokens whose KV the blocks already hold; 0: num_computed_tokens. Larger only for a prompt found
+    # whole in the prefix cache: its last token is computed again for its logits, and its KV is not written.
+    num_cached_kv_tokens: int = 0
+
+    @property
+    def kv_cached_until(self) -> int:
+        """Positions below this hold their KV already: the worker writes none of them."""
+        return max(self.num_cached_kv_tokens, self.num_computed_tokens)
 
 
 @dataclass(slots=True)

@@ -71,10 +71,18 @@ class PrefixHit:
     """Cached leading blocks found for a token sequence (not yet leased): one tuple per KV group."""
 
     group_block_ids: tuple[tuple[int, ...], ...] = ()
-    num_tokens: int = 0
+    num_tokens: int = 0  # tokens the request need not compute
     # Per group: the chained hash of the hit's last block (the parent of the first block after it), so the lease
     # registers its later blocks without hashing the hit's again. Derived from the blocks: not compared.
     group_chain_ends: tuple[int, ...] = field(default=(), compare=False)
+    # The blocks hold the whole sequence; num_tokens stops one short, as its last token's logits are needed
+    # (computed again, its KV not written).
+    whole: bool = False
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens whose KV the hit's blocks hold."""
+        return self.num_tokens + 1 if self.whole else self.num_tokens
 
     @property
     def kv_block_ids(self) -> tuple[int, ...]:
@@ -277,6 +285,7 @@ class KVRegistry:
         block_size: int,
         enable_prefix_caching: bool = True,
         layout: Sequence[KVGroup] = (),
+        whole_prompt_hits: bool = False,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be > 0")
@@ -296,6 +305,11 @@ class KVRegistry:
         self.hit_granularity = math.lcm(*(g.tokens_per_block for g in self.layout))
         # Nothing ever slides without a sliding group: the per-step hot path skips the walk.
         self._slides = any(g.is_sliding for g in self.layout)
+        # A sequence cached whole may hit every block (the worker computes its last token again without
+        # writing KV): full-attention groups only, where a block's KV is a row per token and nothing slides.
+        self.whole_prompt_hits = whole_prompt_hits and all(
+            not g.is_sliding and not g.is_compressed for g in self.layout
+        )
         self._leases: dict[str, _LeaseState] = {}
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -377,11 +391,13 @@ class KVRegistry:
         """Longest run of leading blocks every group can serve from its cache, capped so the last token is
         recomputed. A full group must hold every block of the run; a sliding group only the blocks the next
         token's window reads (the others come back as NULL_BLOCK_ID), so a window pool far smaller than the
-        prefix still serves it."""
+        prefix still serves it. With ``whole_prompt_hits`` a sequence cached whole hits every block (``whole``):
+        only its last token is computed again, not its last block."""
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return PrefixHit()
         step = self.hit_granularity
-        limit = self._hit_limit(len(token_ids))
+        whole = self.whole_prompt_hits and len(token_ids) % step == 0
+        limit = len(token_ids) if whole else self._hit_limit(len(token_ids))
         # Each group chains its hashes over the tokens its blocks cover, as far as a lookup reaches: a prompt
         # with nothing cached hashes one block.
         chains = [_HashChain(token_ids, pool.group.tokens_per_block) for pool in self._pools]
@@ -423,14 +439,16 @@ class KVRegistry:
                 assert block_id is not None  # every group holds the blocks of the run it was settled on
                 ids.append(block_id)
             per_group.append(tuple(ids))
-        if record:
-            self.prefix_query_tokens += len(token_ids)
-            self.prefix_hit_tokens += num_hit
         ends = tuple(
             chain.parent_of(num_hit // pool.group.tokens_per_block)
             for chain, pool in zip(chains, self._pools, strict=True)
         )
-        return PrefixHit(tuple(per_group), num_hit, ends)
+        whole = num_hit == len(token_ids)
+        hit = PrefixHit(tuple(per_group), num_hit - 1 if whole else num_hit, ends, whole)
+        if record:
+            self.prefix_query_tokens += len(token_ids)
+            self.prefix_hit_tokens += hit.num_tokens
+        return hit
 
     # ---- allocation -----------------------------------------------------------------------------------
 
@@ -491,10 +509,10 @@ class KVRegistry:
                     if b != NULL_BLOCK_ID:  # a sliding group's block before the window: not held
                         pool.ref(b)
                     table.append(b)
-            state.lease.num_prefix_hit_tokens = prefix.num_tokens if prefix is not None else 0
+            state.lease.num_prefix_hit_tokens = prefix.num_kv_tokens if prefix is not None else 0
             if prefix is not None and prefix.group_chain_ends:  # the hit's blocks are registered already
                 for g, pool in enumerate(self._pools):
-                    state.num_hashed_blocks[g] = prefix.num_tokens // pool.group.tokens_per_block
+                    state.num_hashed_blocks[g] = prefix.num_kv_tokens // pool.group.tokens_per_block
                     state.last_hashes[g] = prefix.group_chain_ends[g]
         added = list(groups_prefix[0])
         for g, (pool, table) in enumerate(zip(self._pools, state.lease.block_tables, strict=True)):

@@ -100,6 +100,7 @@ class Scheduler:
             capability.kv_block_size,
             enable_prefix_caching=config.enable_prefix_caching and capability.supports_prefix_caching,
             layout=capability.kv_groups,
+            whole_prompt_hits=capability.supports_whole_prompt_hits,
         )
         self.max_batch_tokens = min(
             config.max_batch_tokens or capability.max_batch_tokens, capability.max_batch_tokens
@@ -572,6 +573,7 @@ class Scheduler:
                     output_token_ids=req.output_token_ids,
                     traceparent=req.request.traceparent,
                     group_kv_block_ids=[list(t) for t in lease.block_tables[1:]],
+                    num_cached_kv_tokens=hit.num_kv_tokens if hit.whole else 0,
                 )
             )
             self._commit(req, n, scheduled, plan)

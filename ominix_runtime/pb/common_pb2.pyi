@@ -208,7 +208,7 @@ class RankInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., device: _Optional[str] = ..., host: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_num_heads: _Optional[int] = ...) -> None: ...
 
 class BackendCapability(_message.Message):
-    __slots__ = ("worker_id", "kind", "device", "dtype", "supported_dtypes", "kv_block_size", "kv_num_blocks", "kv_bytes_per_block", "max_batch_tokens", "max_running_requests", "granularity", "supports_paged_kv", "supports_prefix_caching", "supports_chunked_prefill", "supports_graph_capture", "supports_fp8_kv", "tensor_parallel_size", "collective_backend", "custom_all_reduce", "attention_backend", "model", "version", "ranks", "kv_groups", "weight_dtype", "kv_cache_dtype", "supports_prefill_decode_split", "contract_kind", "moe_parallel")
+    __slots__ = ("worker_id", "kind", "device", "dtype", "supported_dtypes", "kv_block_size", "kv_num_blocks", "kv_bytes_per_block", "max_batch_tokens", "max_running_requests", "granularity", "supports_paged_kv", "supports_prefix_caching", "supports_chunked_prefill", "supports_graph_capture", "supports_fp8_kv", "tensor_parallel_size", "collective_backend", "custom_all_reduce", "attention_backend", "model", "version", "ranks", "kv_groups", "weight_dtype", "kv_cache_dtype", "supports_prefill_decode_split", "contract_kind", "moe_parallel", "supports_whole_prompt_hits")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,7 @@ class BackendCapability(_message.Message):
     SUPPORTS_PREFILL_DECODE_SPLIT_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_KIND_FIELD_NUMBER: _ClassVar[int]
     MOE_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_WHOLE_PROMPT_HITS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     kind: BackendKind
     device: str
@@ -267,7 +268,8 @@ class BackendCapability(_message.Message):
     supports_prefill_decode_split: bool
     contract_kind: str
     moe_parallel: str
-    def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[_Union[BackendKind, str]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., supported_dtypes: _Optional[_Iterable[str]] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., supports_paged_kv: _Optional[bool] = ..., supports_prefix_caching: _Optional[bool] = ..., supports_chunked_prefill: _Optional[bool] = ..., supports_graph_capture: _Optional[bool] = ..., supports_fp8_kv: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., collective_backend: _Optional[str] = ..., custom_all_reduce: _Optional[bool] = ..., attention_backend: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., version: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., kv_groups: _Optional[_Iterable[_Union[KVGroup, _Mapping]]] = ..., weight_dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., supports_prefill_decode_split: _Optional[bool] = ..., contract_kind: _Optional[str] = ..., moe_parallel: _Optional[str] = ...) -> None: ...
+    supports_whole_prompt_hits: bool
+    def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[_Union[BackendKind, str]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., supported_dtypes: _Optional[_Iterable[str]] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., granularity: _Optional[_Union[Granularity, str]] = ..., supports_paged_kv: _Optional[bool] = ..., supports_prefix_caching: _Optional[bool] = ..., supports_chunked_prefill: _Optional[bool] = ..., supports_graph_capture: _Optional[bool] = ..., supports_fp8_kv: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., collective_backend: _Optional[str] = ..., custom_all_reduce: _Optional[bool] = ..., attention_backend: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., version: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., kv_groups: _Optional[_Iterable[_Union[KVGroup, _Mapping]]] = ..., weight_dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., supports_prefill_decode_split: _Optional[bool] = ..., contract_kind: _Optional[str] = ..., moe_parallel: _Optional[str] = ..., supports_whole_prompt_hits: _Optional[bool] = ...) -> None: ...
 
 class KVGroup(_message.Message):
     __slots__ = ("kind", "layer_indices", "block_size", "num_blocks", "bytes_per_token_per_layer", "sliding_window", "compress_ratio")

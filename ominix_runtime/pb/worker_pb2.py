@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ominix_runtime.pb import common_pb2 as ominix_dot_runtime_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eominix/runtime/v1/worker.proto\x12\x11ominix.runtime.v1\x1a\x1eominix/runtime/v1/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"\x0f\n\rHealthRequest\"n\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r\x12\x14\n\x0clast_step_id\x18\x03 \x01(\x04\x12\x14\n\x0claunch_nonce\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\r\"\xc2\x02\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.ominix.runtime.v1.SamplingParams\x12\x14\n\x0ckv_block_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\x12\x16\n\x0e\x65\x66\x66\x65\x63tive_seed\x18\x08 \x01(\x04\x12\x13\n\x0btraceparent\x18\t \x01(\t\x12\x39\n\x12group_kv_block_ids\x18\n \x03(\x0b\x32\x1d.ominix.runtime.v1.BlockTable\"\x9b\x01\n\x0eRunningRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10new_kv_block_ids\x18\x02 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\r\x12=\n\x16new_group_kv_block_ids\x18\x04 \x03(\x0b\x32\x1d.ominix.runtime.v1.BlockTable\"\xad\x01\n\nDecodeStep\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x33\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1d.ominix.runtime.v1.NewRequest\x12;\n\x10running_requests\x18\x03 \x03(\x0b\x32!.ominix.runtime.v1.RunningRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\"\xba\x01\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1d\n\x10sampled_token_id\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x34\n\x08logprobs\x18\x03 \x01(\x0b\x32\".ominix.runtime.v1.SampledLogprobs\x12+\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1c.ominix.runtime.v1.ErrorInfoB\x13\n\x11_sampled_token_id\"}\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x31\n\x07outputs\x18\x02 \x03(\x0b\x32 .ominix.runtime.v1.RequestOutput\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\" \n\tHeartbeat\x12\x13\n\x0bworker_time\x18\x01 \x01(\x01\"\xb5\x01\n\rWorkerMessage\x12\x34\n\x0bstep_result\x18\x01 \x01(\x0b\x32\x1d.ominix.runtime.v1.StepResultH\x00\x12\x31\n\theartbeat\x18\x02 \x01(\x0b\x32\x1c.ominix.runtime.v1.HeartbeatH\x00\x12\x33\n\x0b\x66\x61tal_error\x18\x03 \x01(\x0b\x32\x1c.ominix.runtime.v1.ErrorInfoH\x00\x42\x06\n\x04kind2\xf9\x01\n\x06Worker\x12T\n\x08\x44\x65scribe\x12\".ominix.runtime.v1.DescribeRequest\x1a$.ominix.runtime.v1.BackendCapability\x12J\n\x03Run\x12\x1d.ominix.runtime.v1.DecodeStep\x1a .ominix.runtime.v1.WorkerMessage(\x01\x30\x01\x12M\n\x06Health\x12 .ominix.runtime.v1.HealthRequest\x1a!.ominix.runtime.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eominix/runtime/v1/worker.proto\x12\x11ominix.runtime.v1\x1a\x1eominix/runtime/v1/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"\x0f\n\rHealthRequest\"n\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r\x12\x14\n\x0clast_step_id\x18\x03 \x01(\x04\x12\x14\n\x0claunch_nonce\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\r\"\xe0\x02\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.ominix.runtime.v1.SamplingParams\x12\x14\n\x0ckv_block_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\x12\x16\n\x0e\x65\x66\x66\x65\x63tive_seed\x18\x08 \x01(\x04\x12\x13\n\x0btraceparent\x18\t \x01(\t\x12\x39\n\x12group_kv_block_ids\x18\n \x03(\x0b\x32\x1d.ominix.runtime.v1.BlockTable\x12\x1c\n\x14num_cached_kv_tokens\x18\x0b \x01(\r\"\x9b\x01\n\x0eRunningRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10new_kv_block_ids\x18\x02 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\r\x12=\n\x16new_group_kv_block_ids\x18\x04 \x03(\x0b\x32\x1d.ominix.runtime.v1.BlockTable\"\xad\x01\n\nDecodeStep\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x33\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1d.ominix.runtime.v1.NewRequest\x12;\n\x10running_requests\x18\x03 \x03(\x0b\x32!.ominix.runtime.v1.RunningRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\"\xba\x01\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1d\n\x10sampled_token_id\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x34\n\x08logprobs\x18\x03 \x01(\x0b\x32\".ominix.runtime.v1.SampledLogprobs\x12+\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1c.ominix.runtime.v1.ErrorInfoB\x13\n\x11_sampled_token_id\"}\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x31\n\x07outputs\x18\x02 \x03(\x0b\x32 .ominix.runtime.v1.RequestOutput\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\" \n\tHeartbeat\x12\x13\n\x0bworker_time\x18\x01 \x01(\x01\"\xb5\x01\n\rWorkerMessage\x12\x34\n\x0bstep_result\x18\x01 \x01(\x0b\x32\x1d.ominix.runtime.v1.StepResultH\x00\x12\x31\n\theartbeat\x18\x02 \x01(\x0b\x32\x1c.ominix.runtime.v1.HeartbeatH\x00\x12\x33\n\x0b\x66\x61tal_error\x18\x03 \x01(\x0b\x32\x1c.ominix.runtime.v1.ErrorInfoH\x00\x42\x06\n\x04kind2\xf9\x01\n\x06Worker\x12T\n\x08\x44\x65scribe\x12\".ominix.runtime.v1.DescribeRequest\x1a$.ominix.runtime.v1.BackendCapability\x12J\n\x03Run\x12\x1d.ominix.runtime.v1.DecodeStep\x1a .ominix.runtime.v1.WorkerMessage(\x01\x30\x01\x12M\n\x06Health\x12 .ominix.runtime.v1.HealthRequest\x1a!.ominix.runtime.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,19 +39,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEALTHRESPONSE']._serialized_start=121
   _globals['_HEALTHRESPONSE']._serialized_end=231
   _globals['_NEWREQUEST']._serialized_start=234
-  _globals['_NEWREQUEST']._serialized_end=556
-  _globals['_RUNNINGREQUEST']._serialized_start=559
-  _globals['_RUNNINGREQUEST']._serialized_end=714
-  _globals['_DECODESTEP']._serialized_start=717
-  _globals['_DECODESTEP']._serialized_end=890
-  _globals['_REQUESTOUTPUT']._serialized_start=893
-  _globals['_REQUESTOUTPUT']._serialized_end=1079
-  _globals['_STEPRESULT']._serialized_start=1081
-  _globals['_STEPRESULT']._serialized_end=1206
-  _globals['_HEARTBEAT']._serialized_start=1208
-  _globals['_HEARTBEAT']._serialized_end=1240
-  _globals['_WORKERMESSAGE']._serialized_start=1243
-  _globals['_WORKERMESSAGE']._serialized_end=1424
-  _globals['_WORKER']._serialized_start=1427
-  _globals['_WORKER']._serialized_end=1676
+  _globals['_NEWREQUEST']._serialized_end=586
+  _globals['_RUNNINGREQUEST']._serialized_start=589
+  _globals['_RUNNINGREQUEST']._serialized_end=744
+  _globals['_DECODESTEP']._serialized_start=747
+  _globals['_DECODESTEP']._serialized_end=920
+  _globals['_REQUESTOUTPUT']._serialized_start=923
+  _globals['_REQUESTOUTPUT']._serialized_end=1109
+  _globals['_STEPRESULT']._serialized_start=1111
+  _globals['_STEPRESULT']._serialized_end=1236
+  _globals['_HEARTBEAT']._serialized_start=1238
+  _globals['_HEARTBEAT']._serialized_end=1270
+  _globals['_WORKERMESSAGE']._serialized_start=1273
+  _globals['_WORKERMESSAGE']._serialized_end=1454
+  _globals['_WORKER']._serialized_start=1457
+  _globals['_WORKER']._serialized_end=1706
 # @@protoc_insertion_point(module_scope)

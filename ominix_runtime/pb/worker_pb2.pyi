@@ -30,7 +30,7 @@ class HealthResponse(_message.Message):
     def __init__(self, ready: _Optional[bool] = ..., num_requests: _Optional[int] = ..., last_step_id: _Optional[int] = ..., launch_nonce: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "kv_block_ids", "num_computed_tokens", "num_scheduled_tokens", "effective_seed", "traceparent", "group_kv_block_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "kv_block_ids", "num_computed_tokens", "num_scheduled_tokens", "effective_seed", "traceparent", "group_kv_block_ids", "num_cached_kv_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class NewRequest(_message.Message):
     EFFECTIVE_SEED_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     GROUP_KV_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -51,7 +52,8 @@ class NewRequest(_message.Message):
     effective_seed: int
     traceparent: str
     group_kv_block_ids: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTable]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., effective_seed: _Optional[int] = ..., traceparent: _Optional[str] = ..., group_kv_block_ids: _Optional[_Iterable[_Union[_common_pb2.BlockTable, _Mapping]]] = ...) -> None: ...
+    num_cached_kv_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., effective_seed: _Optional[int] = ..., traceparent: _Optional[str] = ..., group_kv_block_ids: _Optional[_Iterable[_Union[_common_pb2.BlockTable, _Mapping]]] = ..., num_cached_kv_tokens: _Optional[int] = ...) -> None: ...
 
 class RunningRequest(_message.Message):
     __slots__ = ("request_id", "new_kv_block_ids", "num_scheduled_tokens", "new_group_kv_block_ids")

@@ -46,7 +46,7 @@ class SimulatedWorker:
                 seed=zlib.crc32(new.request_id.encode("utf-8")),
             )
             self.requests[new.request_id] = fresh
-            self._take_blocks(new.request_id, fresh, new.kv_block_ids, shared=new.num_computed_tokens)
+            self._take_blocks(new.request_id, fresh, new.kv_block_ids, shared=new.kv_cached_until)
             outputs.append(self._run(step.step_id, new.request_id, fresh, new.num_scheduled_tokens))
         for running in step.running_requests:
             req = self.requests.get(running.request_id)

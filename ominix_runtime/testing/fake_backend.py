@@ -80,6 +80,8 @@ class FakeConfig:
     max_batch_tokens: int = 512
     max_running_requests: int = 64
     supports_prefix_caching: bool = True
+    # A prompt cached whole computes its last token alone (NewRequestData.num_cached_kv_tokens).
+    supports_whole_prompt_hits: bool = True
     step_latency: float = 0.0  # seconds per step
     # > 0: every layer attends to this many tokens; the fake states one sliding-window KV group and checks
     # that every position a step reads is still intact.
@@ -111,6 +113,7 @@ def fake_capability(c: FakeConfig, granularity: Granularity) -> BackendCapabilit
         max_batch_tokens=c.max_batch_tokens,
         max_running_requests=c.max_running_requests,
         supports_prefix_caching=c.supports_prefix_caching,
+        supports_whole_prompt_hits=c.supports_whole_prompt_hits,
         version=FAKE_PROFILE.version or "fake",
         kv_groups=(
             KVGroup(
@@ -135,6 +138,7 @@ class _FakeRequest:
     effective_seed: int
     kv_block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    kv_cached_until: int = 0  # positions below hold their KV from a prefix hit: read, never written
     failed: bool = False  # a per-request error was returned; kept until the engine drops it
 
 
@@ -272,15 +276,23 @@ class FakeStepBackend:
             self.requests[new.request_id] = req
             self._add_blocks(req, list(new.kv_block_ids))
             bs = c.kv_block_size
-            if new.num_computed_tokens % bs:
-                self._violation(
-                    f"{new.request_id}: prefix hit of {new.num_computed_tokens} tokens is not block-aligned"
-                )
+            cached = new.kv_cached_until
+            if cached % bs:
+                self._violation(f"{new.request_id}: prefix hit of {cached} tokens is not block-aligned")
             if new.num_computed_tokens >= len(req.token_ids):
                 self._violation(
                     f"{new.request_id}: prefix hit covers the last token, nothing left to sample from"
                 )
-            for pos in range(self._first_read(new.num_computed_tokens), new.num_computed_tokens):
+            if cached > new.num_computed_tokens and (
+                not c.supports_whole_prompt_hits
+                or cached != len(req.token_ids)
+                or new.num_computed_tokens != cached - 1
+            ):
+                self._violation(
+                    f"{new.request_id}: {cached} cached KV tokens with {new.num_computed_tokens} computed of "
+                    f"{len(req.token_ids)} is not a whole-prompt hit this worker takes"
+                )
+            for pos in range(self._first_read(new.num_computed_tokens), cached):
                 block = req.kv_block_ids[pos // bs]
                 if self.block_contents.get(block, {}).get(pos % bs) != req.token_ids[pos]:
                     self._violation(
@@ -288,6 +300,7 @@ class FakeStepBackend:
                     )
                     break
             req.num_computed_tokens = new.num_computed_tokens
+            req.kv_cached_until = cached
             scheduled.append((req, new.num_scheduled_tokens))
         for run in step.running_requests:
             known = self.requests.get(run.request_id)
@@ -334,7 +347,7 @@ class FakeStepBackend:
             )
         if c.sliding_window:
             self._slide(req, start)
-        for pos in range(start, end):
+        for pos in range(max(start, req.kv_cached_until), end):  # a whole-prompt hit's last token: no write
             block = req.kv_block_ids[pos // bs]
             others = self.block_holders[block] - {req.request_id}
             if others:

@@ -102,7 +102,8 @@ def test_wire_round_trips() -> None:
         new_requests=[
             NewRequestData(
                 "a", [1, 2, 3], SamplingParams(seed=5, logprobs=2, stop=["x"]), [4, 9], 0, 3, 11, [7]
-            )
+            ),
+            NewRequestData("w", [1] * 16, SamplingParams(), [4], 15, 1, 3, num_cached_kv_tokens=16),
         ],
         running_requests=[RunningRequestData("b", [12], 1)],
         finished_request_ids=["c"],
@@ -122,6 +123,8 @@ def test_wire_round_trips() -> None:
         BackendKind.CUDA, worker_id="w", model=MODEL, kv_num_blocks=10, kv_bytes_per_block=64
     )
     assert wire.capability_from_pb(wire.capability_to_pb(cap)) == cap
+    whole = replace(cap, supports_whole_prompt_hits=True)
+    assert wire.capability_from_pb(wire.capability_to_pb(whole)) == whole
     assert wire.sampling_from_pb(wire.sampling_to_pb(SamplingParams(temperature=0.0))).temperature == 0.0
 
 

@@ -273,3 +273,44 @@ def test_overlapped_decode_matches_synchronous(tmp_path: Path, pipeline_eager: b
             assert all(t >= 0 for req in runner.requests.values() for t in req.output_token_ids)
         tokens[overlap] = out
     assert tokens[True] == tokens[False]
+
+
+@pytest.mark.parametrize("graphs", ["eager", "decode", "piecewise"])
+def test_a_whole_prompt_hit_samples_what_the_whole_prompt_did(tmp_path: Path, graphs: str) -> None:
+    """A prompt found whole in the cache computes its last token alone, beside a fresh prompt (a prefill or
+    mixed step) and alone (a step of one-token rows), and the Triton store leaves the shared blocks as they
+    were; eagerly, with decode graphs, and with the piecewise graphs of prefill and mixed steps."""
+    from ominix_runtime.contract import DecodeStep, NewRequestData, SamplingParams
+
+    runner = _runner(tmp_path)
+    assert runner.supports_whole_prompt_hits
+    if graphs != "eager":
+        assert runner.capture_decode_graphs([1, 2, 4])
+    if graphs == "piecewise":
+        assert runner.capture_piecewise_graphs(128) > 0
+    rng = random.Random(7)
+    prompt = [rng.randrange(3, 1000) for _ in range(32)]  # two whole blocks of 16
+    other = [rng.randrange(3, 1000) for _ in range(20)]
+    greedy = SamplingParams(temperature=0.0, logprobs=5)
+    first = runner.execute_step(
+        DecodeStep(1, new_requests=[NewRequestData("a", prompt, greedy, [3, 4], 0, 32, 0)])
+    ).outputs[0]
+    cached = [cache[:, [3, 4]].clone() for cache in runner.kv_caches]
+
+    def whole_hit(rid: str) -> NewRequestData:
+        return NewRequestData(rid, prompt, greedy, [3, 4], 31, 1, 0, num_cached_kv_tokens=32)
+
+    beside = NewRequestData("c", other, greedy, [5, 6], 0, 20, 0)
+    mixed = runner.execute_step(
+        DecodeStep(2, new_requests=[whole_hit("b"), beside], finished_request_ids=["a"])
+    )
+    alone = runner.execute_step(DecodeStep(3, new_requests=[whole_hit("d")], finished_request_ids=["b", "c"]))
+    assert first.logprobs is not None
+    for out in (mixed.outputs[0], alone.outputs[0]):
+        assert out.error_kind is None, out.error_message
+        assert out.sampled_token_id == first.sampled_token_id and out.logprobs is not None
+        assert [t.token_id for t in out.logprobs.top] == [t.token_id for t in first.logprobs.top]
+        for got, want in zip(out.logprobs.top, first.logprobs.top, strict=True):
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-3)
+    for before, cache in zip(cached, runner.kv_caches, strict=True):
+        assert torch.equal(before, cache[:, [3, 4]])

@@ -134,11 +134,11 @@ def test_integrity_check_catches_corruption() -> None:
 class RegistryMachine(RuleBasedStateMachine):
     """Random interleavings; a model of the worker's KV checks every prefix hit is real content."""
 
-    @initialize(num_blocks=st.integers(2, 24))
-    def setup(self, num_blocks: int) -> None:
-        self.reg = KVRegistry("w", num_blocks=num_blocks, block_size=BS)
+    @initialize(num_blocks=st.integers(2, 24), whole_hits=st.booleans())
+    def setup(self, num_blocks: int, whole_hits: bool) -> None:
+        self.reg = KVRegistry("w", num_blocks=num_blocks, block_size=BS, whole_prompt_hits=whole_hits)
         self.tokens: dict[str, list[int]] = {}  # live request -> its tokens
-        self.computed: dict[str, int] = {}
+        self.computed: dict[str, int] = {}  # positions below hold KV: written, or found whole in the cache
         self.content: dict[int, dict[int, int]] = {}  # block -> slot -> token written (worker's view)
         self.n = 0
 
@@ -166,9 +166,12 @@ class RegistryMachine(RuleBasedStateMachine):
             assert self.reg.lease(rid) is None
             return
         self.tokens[rid] = list(prompt)
-        self.computed[rid] = hit.num_tokens if hit else 0
+        # A whole-prompt hit's last token is computed again but not written: its KV is in the shared block.
+        self.computed[rid] = hit.num_kv_tokens if hit else 0
         if hit:
             assert hit.num_tokens < len(prompt)
+            assert hit.whole == (hit.num_kv_tokens == len(prompt))
+            assert not hit.whole or self.reg.whole_prompt_hits
             for i, b in enumerate(hit.kv_block_ids):  # a hit must hold exactly this request's tokens
                 written = self.content[b]
                 assert [written.get(j) for j in range(BS)] == prompt[i * BS : (i + 1) * BS]

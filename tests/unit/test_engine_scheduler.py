@@ -478,8 +478,9 @@ def test_a_long_request_is_not_starved_by_a_stream_of_short_ones() -> None:
     assert without_rule is not None and without_rule > 0.8 * total > 5 * with_rule
 
 
-def test_prefix_hit_skips_computed_tokens_but_recomputes_the_last_prompt_token() -> None:
-    run = make(FakeConfig(kv_block_size=4, kv_num_blocks=64))
+@pytest.mark.parametrize("whole_hits", [False, True])
+def test_prefix_hit_skips_computed_tokens_but_recomputes_the_last_prompt_token(whole_hits: bool) -> None:
+    run = make(FakeConfig(kv_block_size=4, kv_num_blocks=64, supports_whole_prompt_hits=whole_hits))
     s = run.scheduler
     prompt = _prompt(16)  # 4 full blocks
     s.add_request(request("a", prompt, max_tokens=2))
@@ -489,13 +490,55 @@ def test_prefix_hit_skips_computed_tokens_but_recomputes_the_last_prompt_token()
     step = s.schedule()
     assert step is not None
     by_id = {r.request_id: r for r in step.new_requests}
-    assert by_id["b"].num_computed_tokens == 12 and by_id["b"].num_scheduled_tokens == 4
+    a_blocks = run.scheduler.registry.find_prefix(prompt).kv_block_ids
+    if whole_hits:  # every block shared; the last token alone is computed, its KV not written
+        assert (by_id["b"].num_computed_tokens, by_id["b"].num_scheduled_tokens) == (15, 1)
+        assert by_id["b"].num_cached_kv_tokens == 16 and by_id["b"].kv_block_ids == list(a_blocks)
+    else:  # the last block is computed again, into a block of its own
+        assert (by_id["b"].num_computed_tokens, by_id["b"].num_scheduled_tokens) == (12, 4)
+        assert by_id["b"].num_cached_kv_tokens == 0 and by_id["b"].kv_block_ids[:3] == list(a_blocks[:3])
     assert by_id["c"].num_computed_tokens == 16 and by_id["c"].num_scheduled_tokens == 2
-    run.record(s.update(step, run.backend.execute(step)))  # the fake checks the hit blocks' content
+    assert by_id["c"].num_cached_kv_tokens == 0
+    # The fake checks the hit blocks' content and that no step writes a block another live request holds.
+    run.record(s.update(step, run.backend.execute(step)))
     drive(run)
     usage_b = next(e for e in run.events["b"] if isinstance(e, Usage))
-    assert usage_b.cached_tokens == 12
+    assert usage_b.cached_tokens == (15 if whole_hits else 12)
     assert run.tokens("b") == run.tokens("a")  # same prompt, same seed
+    assert run.backend.violations == []
+    s.registry.check_integrity()
+    s.registry.check_quiescent()  # every lease freed, every block reusable
+
+
+def test_a_whole_prompt_hit_shares_its_last_block_and_the_next_token_takes_a_new_one() -> None:
+    run = make(FakeConfig(kv_block_size=4, kv_num_blocks=64))
+    s = run.scheduler
+    prompt = _prompt(8)  # 2 full blocks
+    s.add_request(request("a", prompt, max_tokens=1))
+    drive(run)
+    hit = s.registry.find_prefix(prompt)
+    assert hit.whole and (hit.num_tokens, hit.num_kv_tokens) == (7, 8)
+    assert s.registry.find_prefix(prompt[:7]).num_tokens == 4  # not whole blocks: capped as before
+    s.add_request(request("b", prompt, max_tokens=3))
+    s.add_request(request("c", prompt, max_tokens=3))
+    step = s.schedule()
+    assert step is not None and step.num_scheduled_tokens == 2  # one token each, both on the shared blocks
+    run.record(s.update(step, run.backend.execute(step)))
+    assert s.registry.lease("b") is not None and s.registry.lease("c") is not None
+    shared = list(hit.kv_block_ids)
+    for rid in ("b", "c"):
+        lease = s.registry.lease(rid)
+        assert lease is not None and lease.block_tables[0] == shared
+    step = s.schedule()  # the first output token (position 8) needs a block of each request's own
+    assert step is not None
+    grown = {r.request_id: r.new_kv_block_ids for r in step.running_requests}
+    assert len(grown["b"]) == 1 and len(grown["c"]) == 1 and grown["b"] != grown["c"]
+    assert not set(grown["b"] + grown["c"]) & set(shared)
+    run.record(s.update(step, run.backend.execute(step)))
+    drive(run)
+    assert run.tokens("b") == run.tokens("c") and run.tokens("b")[:1] == run.tokens("a")
+    assert run.backend.violations == []
+    s.registry.check_quiescent()
 
 
 def _one_token_result(

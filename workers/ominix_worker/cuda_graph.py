@@ -244,8 +244,11 @@ class DecodeGraphs:
                 src[i] = -1
             tables = req.block_tables
             pos[i] = p
-            for g, blocks in enumerate(tables):
-                slots[g, i] = blocks[p // bs] * bs + p % bs
+            if p < req.kv_cached_until:  # a whole-prompt hit's last token: its KV is cached, not written
+                slots[:, i] = -1
+            else:
+                for g, blocks in enumerate(tables):
+                    slots[g, i] = blocks[p // bs] * bs + p % bs
             seq[i] = row.end
             used = -(-row.end // bs)
             # The worker's tables only grow (entries the engine nulled behind a window keep their old ids).

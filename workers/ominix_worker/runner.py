@@ -66,6 +66,9 @@ class CachedRequest:
     block_tables: list[list[int]]
     num_computed_tokens: int
     seed: int  # sampling.seed, or the engine's effective seed
+    # Positions below this hold their KV from a prefix hit and are never written (above num_computed_tokens
+    # only for a prompt found whole in the cache: its last token is computed for its logits alone).
+    kv_cached_until: int = 0
 
     @property
     def kv_block_ids(self) -> list[int]:
@@ -219,6 +222,14 @@ class ModelRunner:
         return self.group_num_blocks[0] if self.group_num_blocks else 0
 
     @property
+    def supports_whole_prompt_hits(self) -> bool:
+        """A prompt cached whole may compute its last token alone (slot -1): the store skips such slots, and
+        every group keeps a row per token with nothing sliding (the engine's condition too)."""
+        return self.backend.skips_unset_slots and all(
+            not g.window and not g.compress_ratio for g in self.attention_groups
+        )
+
+    @property
     def kv_windows(self) -> tuple[int, ...]:
         """Per KV group: the window its layers attend within (0: full attention)."""
         return tuple(g.window for g in self.attention_groups)
@@ -264,12 +275,22 @@ class ModelRunner:
             block_tables=[list(new.kv_block_ids), *(list(t) for t in new.group_kv_block_ids)],
             num_computed_tokens=new.num_computed_tokens,
             seed=seed,
+            kv_cached_until=new.kv_cached_until,
         )
         tokens = request.prompt_token_ids + request.output_token_ids
         if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab_size):
             bad = next(t for t in tokens if not 0 <= t < self.vocab_size)
             raise RequestError(RuntimeErrorKind.INVALID_ARGUMENT, f"token id {bad} outside the vocabulary")
         self._check_block_ids(request.block_tables)
+        if request.kv_cached_until > request.num_computed_tokens and not (
+            self.supports_whole_prompt_hits
+            and request.kv_cached_until == request.num_computed_tokens + 1 == request.num_tokens
+        ):
+            raise RequestError(
+                RuntimeErrorKind.INTERNAL,
+                f"{request.kv_cached_until} cached KV tokens with {request.num_computed_tokens} computed of "
+                f"{request.num_tokens} is not a whole-prompt hit this worker takes",
+            )
         self.requests[new.request_id] = request
         return request
 
@@ -616,15 +637,17 @@ class ModelRunner:
         if self.device.type == "cuda":
             max_blocks = -(-max_blocks // BLOCK_TABLE_ALIGN) * BLOCK_TABLE_ALIGN
         block_rows: list[list[list[int]]] = [[] for _ in range(num_groups)]
+        unset_slots = False
         for row in rows:
             req = row.request
+            unset_slots |= row.start < req.kv_cached_until
             input_ids.extend(req.token_ids(row.start, row.end))
             span = range(row.start, row.end)
             positions.extend(span)
             for g, (group, blocks) in enumerate(zip(self.attention_groups, req.block_tables, strict=True)):
                 used = _blocks_for_tokens(group, row.end, bs)
                 if not group.compress_ratio:  # a compressed group's rows are written by its layers
-                    _extend_slots(slots[g], blocks, row.start, row.end, bs)
+                    _extend_slots(slots[g], blocks, row.start, row.end, bs, req.kv_cached_until)
                 block_rows[g].append(blocks[:used] + [0] * (max_blocks - used))
             query_start.append(query_start[-1] + row.end - row.start)
             seq_lens.append(row.end)
@@ -651,6 +674,7 @@ class ModelRunner:
             query_start_loc_cpu=query_start,
             seq_lens_cpu=seq_lens,
             sliding_window=self.attention_groups[0].window,
+            has_unset_slots=unset_slots,
         )
         # The other groups share the step's shape and differ in tables, slots and window.
         metas = (first,) + tuple(
@@ -1024,9 +1048,16 @@ def _kind(group: AttentionGroup) -> AttentionKind:
     return AttentionKind.SLIDING_WINDOW if group.window else AttentionKind.FULL
 
 
-def _extend_slots(slots: list[int], blocks: Sequence[int], start: int, end: int, block_size: int) -> None:
+def _extend_slots(
+    slots: list[int], blocks: Sequence[int], start: int, end: int, block_size: int, cached_until: int = 0
+) -> None:
     """Append the flat KV slots of positions [start, end) (``blocks[p // block_size] * block_size + p %
-    block_size``), a range per block rather than a product per token: a 1,024-token prompt is 64 ranges."""
+    block_size``), a range per block rather than a product per token: a 1,024-token prompt is 64 ranges.
+    Positions below ``cached_until`` hold their KV already (shared blocks): slot -1, not written."""
+    if start < cached_until:
+        skip = min(cached_until, end)
+        slots.extend([-1] * (skip - start))
+        start = skip
     while start < end:
         index = start // block_size
         stop = min(end, (index + 1) * block_size)

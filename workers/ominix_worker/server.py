@@ -389,6 +389,7 @@ def load_worker(
         weight_dtype="float8_e4m3fn" if config.quantization else dtype_text,
         kv_cache_dtype="fp8_e4m3" if kv_dtype == torch.float8_e4m3fn else dtype_text,
         supports_fp8_kv=device.type in ("cpu", "cuda"),
+        supports_whole_prompt_hits=runner.supports_whole_prompt_hits,
         moe_parallel=tp.moe.value if config.is_moe else "",
         kv_groups=stated_kv_groups(runner, bytes_per_block * tp.size),
     )

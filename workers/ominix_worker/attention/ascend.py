@@ -275,6 +275,7 @@ class AscendPagedAttention:
     name = "npu-paged"
     supports_sliding_window = False  # the context is capped at the window instead
     supports_sinks = False  # the fused NPU ops have no softmax sink term
+    skips_unset_slots = False  # _npu_reshape_and_cache's handling of slot -1 is not established
 
     def __init__(
         self,

@@ -58,6 +58,9 @@ class AttentionMetadata:
     # Every request computes at least two tokens (a captured single-prompt prefill graph): no single-token
     # request needs the decode path, which backends may then skip without host query offsets.
     no_single_token_requests: bool = False
+    # Some slot_mapping entries are -1 outside a captured graph (a whole-prompt hit's cached last token): a
+    # store that cannot skip them by itself filters them out.
+    has_unset_slots: bool = False
 
     @property
     def num_requests(self) -> int:
@@ -96,6 +99,9 @@ class AttentionBackend(Protocol):
     block_size: int
     supports_sliding_window: bool  # honours AttentionMetadata.sliding_window
     supports_sinks: bool  # takes forward(..., sinks=)
+    # write_kv stores nothing for slot -1 on every path (a padding row, or the cached last token of a prompt
+    # found whole in the prefix cache).
+    skips_unset_slots: bool
 
     def piecewise_attention(self) -> PiecewiseAttention | None:
         """This backend as the piecewise graphs of prefill and mixed steps use it; None: those steps stay eager."""

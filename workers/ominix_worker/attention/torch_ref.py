@@ -9,7 +9,7 @@ of SDPA, which has no place for them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ class TorchReferenceAttention:
     name = "torch-sdpa"
     supports_sliding_window = True
     supports_sinks = True
+    skips_unset_slots = True  # write_kv filters slot -1 out when the metadata says there is one
 
     def __init__(self, block_size: int = 16) -> None:
         self.block_size = block_size
@@ -57,6 +58,10 @@ class TorchReferenceAttention:
         kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> None:
         num_kv_heads, head_dim = kv_cache.shape[-2:]
+        if meta.has_unset_slots:  # index_copy_ has no skip: keep the rows that have a slot
+            stored = meta.slot_mapping >= 0
+            key, value = key[stored], value[stored]
+            meta = replace(meta, slot_mapping=meta.slot_mapping[stored])
         if _is_fp8(kv_cache):
             # CPU torch has no fp8 index_copy_: store the bytes.
             cache = kv_cache.view(torch.uint8)

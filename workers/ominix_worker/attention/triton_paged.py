@@ -675,6 +675,8 @@ class TritonPagedAttention:
             raise ValueError(f"block_size must be a power of two in [16, 128], got {block_size}")
         self.block_size = block_size
         self.store_with_index_copy = store_with_index_copy
+        # The Triton store skips slot -1; the index-copy store (a comparison path) would fail on it.
+        self.skips_unset_slots = not store_with_index_copy
         # Fixed split count for CUDA-graph capture; None picks one per call from the metadata.
         self.decode_splits: int | None = None
         # Split count of a single request's prefill (tuning, tests); None picks one (``prefill_num_splits``).
