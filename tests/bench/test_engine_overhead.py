@@ -73,9 +73,9 @@ def test_intake_of_a_batch_submitted_burst(tmp_path: Path, again: bool) -> None:
     intake = result["intake"]
     assert sum(intake["new_per_step"]) == 24 and intake["steps"] == len(intake["new_per_step"])
     assert 0.0 < intake["first_step_ms"] <= intake["all_in_ms"]
-    # The timed burst of --again finds every prompt's full blocks cached (64 tokens: 4 blocks of 16, the last
-    # one computed again for its logits); a cold burst finds none.
-    assert intake["cached_tokens"] == (24 * 48 if again else 0)
+    # The timed burst of --again finds every prompt cached whole (64 tokens: 4 blocks of 16, only the last token
+    # computed again for its logits); a cold burst finds none.
+    assert intake["cached_tokens"] == (24 * 63 if again else 0)
     assert "every request in a step after" in done.stdout
     # The decode steps the stand-in device saw are the timed burst's only (8 tokens a request).
     assert result["worker"].get("steps", 0.0) <= 8
