@@ -288,6 +288,7 @@ CUDA_PROFILE = BackendCapability(
     collective_backend="nccl",
     custom_all_reduce=False,
     attention_backend="triton-paged",
+    supports_whole_prompt_hits=True,  # the Triton store skips slot -1 (a layout of full-attention groups)
 )
 ASCEND_PROFILE = BackendCapability(
     worker_id="",
@@ -321,6 +322,7 @@ CPU_PROFILE = BackendCapability(
     supports_graph_capture=False,
     collective_backend="none",
     attention_backend="torch-sdpa",
+    supports_whole_prompt_hits=True,  # the reference store filters slot -1 out (full-attention groups)
 )
 SGLANG_PROFILE = BackendCapability(
     worker_id="",

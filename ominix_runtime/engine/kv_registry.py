@@ -9,7 +9,9 @@ One registry per worker group, sized from the worker's BackendCapability (kv_num
   A freed block keeps its hash until it is reused (lazy eviction). A request's blocks are freed tail-first
   so the prefix survives longest.
 - A prefix hit is block-aligned and capped at ``len(tokens) - 1`` so the last prompt token is always
-  recomputed (the worker needs its logits to sample).
+  recomputed (the worker needs its logits to sample). With ``whole_prompt_hits`` (full-attention groups only)
+  a sequence cached whole hits every block: ``num_tokens`` stops one short and the worker computes the last
+  token without writing its KV, instead of computing the last block again.
 - KV groups (contract.kv_layout): each group of layers has its own block pool, prefix cache and one block
   table per lease; a uniform model has one full-attention group. A sliding-window group frees the blocks
   that slid wholly out of the window (``slide``); their table entries become NULL_BLOCK_ID so positions keep
@@ -537,8 +539,8 @@ class KVRegistry:
         return self._num_slid(group, self._hit_limit(num_known_tokens))
 
     def _hit_limit(self, num_tokens: int) -> int:
-        """The longest hit a sequence of ``num_tokens`` can get: whole hit granules, its last token left to
-        recompute (its logits are needed)."""
+        """The longest hit of whole granules a sequence of ``num_tokens`` can get short of its last token (whose
+        logits are needed); a whole-prompt hit (``find_prefix``) goes past it."""
         return (num_tokens - 1) // self.hit_granularity * self.hit_granularity
 
     def slide(self, request_id: str, num_computed_tokens: int) -> int:

@@ -95,6 +95,7 @@ def _capability(f: Fields) -> BackendCapability:
         max_running_requests=f.integer("max_running_requests", base.max_running_requests, minimum=1),
         supports_prefix_caching=f.flag("supports_prefix_caching", base.supports_prefix_caching),
         supports_chunked_prefill=f.flag("supports_chunked_prefill", base.supports_chunked_prefill),
+        supports_whole_prompt_hits=f.flag("supports_whole_prompt_hits", base.supports_whole_prompt_hits),
     )
     problems = capability.problems()
     if problems:

@@ -140,6 +140,7 @@ class RegistryMachine(RuleBasedStateMachine):
         self.tokens: dict[str, list[int]] = {}  # live request -> its tokens
         self.computed: dict[str, int] = {}  # positions below hold KV: written, or found whole in the cache
         self.content: dict[int, dict[int, int]] = {}  # block -> slot -> token written (worker's view)
+        self.seen: list[tuple[int, ...]] = []  # every admitted request's tokens, as they grew
         self.n = 0
 
     def _write(self, rid: str, upto: int) -> None:
@@ -157,6 +158,15 @@ class RegistryMachine(RuleBasedStateMachine):
         use_prefix=st.booleans(),
     )
     def admit(self, prompt: list[int], extra: int, use_prefix: bool) -> None:
+        self._admit(prompt, extra, use_prefix)
+
+    @precondition(lambda self: bool(self.seen))
+    @rule(data=st.data(), extra=st.integers(0, 8))
+    def admit_again(self, data: st.DataObject, extra: int) -> None:
+        """The tokens of an earlier request, prompt and all (whole blocks of them may be cached whole)."""
+        self._admit(list(data.draw(st.sampled_from(self.seen))), extra, use_prefix=True)
+
+    def _admit(self, prompt: list[int], extra: int, use_prefix: bool) -> None:
         rid = f"r{self.n}"
         self.n += 1
         hit = self.reg.find_prefix(prompt) if use_prefix else None
@@ -177,6 +187,7 @@ class RegistryMachine(RuleBasedStateMachine):
                 assert [written.get(j) for j in range(BS)] == prompt[i * BS : (i + 1) * BS]
         self._write(rid, len(prompt))
         self.reg.cache_blocks(rid, prompt, len(prompt))
+        self.seen.append(tuple(prompt))
 
     @precondition(lambda self: bool(self.tokens))
     @rule(data=st.data(), grow=st.integers(1, 9))
@@ -188,6 +199,7 @@ class RegistryMachine(RuleBasedStateMachine):
         toks.extend(data.draw(st.lists(st.integers(0, 2), min_size=grow, max_size=grow)))
         self._write(rid, len(toks))
         self.reg.cache_blocks(rid, toks, len(toks))
+        self.seen.append(tuple(toks))
 
     @precondition(lambda self: bool(self.tokens))
     @rule(data=st.data())

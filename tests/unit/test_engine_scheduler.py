@@ -729,3 +729,30 @@ def test_no_priority_displacement_when_it_could_not_make_room() -> None:
     run.record(s.update(step, run.backend.execute(step)))
     drive(run)
     assert all(isinstance(run.terminal(rid), Done) for rid in ("rt1", "low", "rt2"))
+
+
+def test_a_request_resumed_after_preemption_may_find_its_tokens_whole() -> None:
+    """Prompt and outputs that fill whole blocks another request computed: the resumed request shares them all
+    and computes its last token alone, and samples what it would have without the preemption."""
+    run = make(FakeConfig(kv_block_size=4, kv_num_blocks=64))
+    s = run.scheduler
+    prompt = [11, 12, 13, 14, 15, 16]
+    s.add_request(request("a", prompt, max_tokens=4))  # computes positions 0 - 8: two whole blocks cached
+    drive(run)
+    s.add_request(request("b", prompt, max_tokens=4))
+    resumed = []
+    while s.has_work():
+        b = s.requests.get("b")
+        settled = b is not None and b.request_id in s.running and b.num_inflight_steps == 0
+        if not resumed and settled and b is not None and len(b.all_token_ids) == 8:
+            s._preempt(b)  # what KV pressure would do, at the point where its tokens fill two blocks
+        step = s.schedule()
+        assert step is not None
+        resumed += [n for n in step.new_requests if n.request_id == "b" and n.output_token_ids]
+        run.record(s.update(step, run.backend.execute(step)))
+        s.check_integrity()
+    assert len(resumed) == 1
+    assert (resumed[0].num_computed_tokens, resumed[0].num_scheduled_tokens) == (7, 1)
+    assert resumed[0].num_cached_kv_tokens == 8 and len(resumed[0].output_token_ids) == 2
+    assert run.tokens("b") == run.tokens("a") and run.backend.violations == []
+    s.registry.check_quiescent()

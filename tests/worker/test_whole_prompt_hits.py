@@ -110,3 +110,66 @@ def test_cached_kv_tokens_that_are_not_a_whole_prompt_hit_are_refused(
     assert "whole-prompt hit" in by_id["bad"].error_message
     assert by_id["good"].error_kind is None and by_id["good"].sampled_token_id is not None
     assert set(runner.requests) == {"good"}
+
+
+def test_the_shared_slot_is_read_not_written(runner: ModelRunner) -> None:
+    """The cached last token's KV is what attention reads and what stays: a sentinel put in its slot of every
+    layer is still there, bit for bit, after the whole-prompt hit's step, and changed what it sampled."""
+    runner.reset()
+    prompt = list(range(3, 35))
+    runner.execute_step(
+        DecodeStep(1, new_requests=[NewRequestData("a", prompt, _greedy(), PROMPT_BLOCKS, 0, 32, 0)])
+    )
+    block, offset = PROMPT_BLOCKS[-1], 15  # position 31
+    honest = runner.execute_step(
+        DecodeStep(
+            2,
+            new_requests=[
+                NewRequestData("b", prompt, _greedy(), PROMPT_BLOCKS, 31, 1, 0, num_cached_kv_tokens=32)
+            ],
+            finished_request_ids=["a"],
+        )
+    ).outputs[0]
+    for cache in runner.kv_caches:
+        cache[:, block, offset] = 3.0
+    tampered = runner.execute_step(
+        DecodeStep(
+            3,
+            new_requests=[
+                NewRequestData("c", prompt, _greedy(), PROMPT_BLOCKS, 31, 1, 0, num_cached_kv_tokens=32)
+            ],
+            finished_request_ids=["b"],
+        )
+    ).outputs[0]
+    assert all(bool((cache[:, block, offset] == 3.0).all()) for cache in runner.kv_caches)
+    assert tampered.logprobs is not None and honest.logprobs is not None
+    assert tampered.logprobs.top[0].logprob != pytest.approx(honest.logprobs.top[0].logprob, abs=1e-6)
+
+
+def test_a_resumed_request_found_whole_samples_as_the_whole_sequence(runner: ModelRunner) -> None:
+    """Prompt and earlier outputs (a request resumed after preemption) that fill whole blocks."""
+    runner.reset()
+    prompt, outputs = list(range(3, 33)), [40, 41]  # 30 + 2 = 32 tokens
+    full = runner.execute_step(
+        DecodeStep(
+            1, new_requests=[NewRequestData("a", prompt + outputs, _greedy(), PROMPT_BLOCKS, 0, 32, 0)]
+        )
+    ).outputs[0]
+    resumed = NewRequestData(
+        "b", prompt, _greedy(), PROMPT_BLOCKS, 31, 1, 0, output_token_ids=outputs, num_cached_kv_tokens=32
+    )
+    out = runner.execute_step(DecodeStep(2, new_requests=[resumed], finished_request_ids=["a"])).outputs[0]
+    _assert_same_sample(out, full)
+
+
+def test_a_worker_whose_store_cannot_skip_a_slot_refuses_a_whole_hit(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner.reset()
+    monkeypatch.setattr(runner.backend, "skips_unset_slots", False)
+    assert not runner.supports_whole_prompt_hits
+    prompt = list(range(3, 35))
+    hit = NewRequestData("b", prompt, _greedy(), PROMPT_BLOCKS, 31, 1, 0, num_cached_kv_tokens=32)
+    out = runner.execute_step(DecodeStep(1, new_requests=[hit])).outputs[0]
+    assert out.error_kind == RuntimeErrorKind.INTERNAL and "whole-prompt hit" in out.error_message
+    assert not runner.requests

@@ -289,6 +289,8 @@ class DecodeGraphs:
         size = padded_size(num, self.prefill_sizes)
         assert size is not None and size in self.prefill_graphs, f"no prefill graph holds {num} tokens"
         req = row.request
+        # A cached position (a whole-prompt hit's last token) only ever comes in a one-token row, never here.
+        assert start >= req.kv_cached_until, "a prefill graph writes every position it computes"
         bs = self.block_size
         positions = range(start, end)
         used = -(-end // bs)
