@@ -33,6 +33,34 @@ def _greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0, logprobs=5)
 
 
+def _whole_hit(rid: str, prompt: list[int], outputs: tuple[int, ...] = ()) -> NewRequestData:
+    """``prompt`` (and earlier ``outputs``) found whole in PROMPT_BLOCKS: the last token computed alone."""
+    n = len(prompt) + len(outputs)
+    return NewRequestData(
+        rid,
+        prompt,
+        _greedy(),
+        PROMPT_BLOCKS,
+        n - 1,
+        1,
+        0,
+        output_token_ids=list(outputs),
+        num_cached_kv_tokens=n,
+    )
+
+
+def _computed_whole(runner: ModelRunner, tokens: list[int]) -> RequestOutput:
+    """Step 1 of a reset runner: ``tokens`` computed into PROMPT_BLOCKS, the first token sampled."""
+    runner.reset()
+    step = DecodeStep(1, new_requests=[NewRequestData("a", tokens, _greedy(), PROMPT_BLOCKS, 0, 32, 0)])
+    return runner.execute_step(step).outputs[0]
+
+
+def _first_output(runner: ModelRunner, step_id: int, new: NewRequestData, finished: str) -> RequestOutput:
+    step = DecodeStep(step_id, new_requests=[new], finished_request_ids=[finished])
+    return runner.execute_step(step).outputs[0]
+
+
 def _blocks(runner: ModelRunner, ids: list[int]) -> list[torch.Tensor]:
     return [cache[:, ids].clone() for cache in runner.kv_caches]
 
@@ -49,28 +77,23 @@ def _assert_same_sample(got: RequestOutput, want: RequestOutput) -> None:
 def test_a_whole_hit_samples_what_the_whole_prompt_did_and_leaves_the_shared_blocks_alone(
     runner: ModelRunner,
 ) -> None:
-    runner.reset()
     assert runner.supports_whole_prompt_hits
     gen = random.Random(11)
     prompt = [gen.randrange(3, runner.vocab_size) for _ in range(32)]
     other = [gen.randrange(3, runner.vocab_size) for _ in range(20)]
-    first = runner.execute_step(
-        DecodeStep(1, new_requests=[NewRequestData("a", prompt, _greedy(), PROMPT_BLOCKS, 0, 32, 0)])
-    ).outputs[0]
+    first = _computed_whole(runner, prompt)
     cached = _blocks(runner, PROMPT_BLOCKS)
-
-    def whole_hit(rid: str) -> NewRequestData:
-        return NewRequestData(rid, prompt, _greedy(), PROMPT_BLOCKS, 31, 1, 0, num_cached_kv_tokens=32)
-
     # Beside a fresh prompt (a prefill step), then alone (a step of one-token rows, the decode path).
     mixed = runner.execute_step(
         DecodeStep(
             2,
-            new_requests=[whole_hit("b"), NewRequestData("c", other, _greedy(), [5, 6], 0, 20, 0)],
+            new_requests=[_whole_hit("b", prompt), NewRequestData("c", other, _greedy(), [5, 6], 0, 20, 0)],
             finished_request_ids=["a"],
         )
     )
-    alone = runner.execute_step(DecodeStep(3, new_requests=[whole_hit("d")], finished_request_ids=["c"]))
+    alone = runner.execute_step(
+        DecodeStep(3, new_requests=[_whole_hit("d", prompt)], finished_request_ids=["c"])
+    )
     _assert_same_sample(mixed.outputs[0], first)
     _assert_same_sample(alone.outputs[0], first)
     assert mixed.num_tokens == 21 and alone.num_tokens == 1
@@ -115,32 +138,13 @@ def test_cached_kv_tokens_that_are_not_a_whole_prompt_hit_are_refused(
 def test_the_shared_slot_is_read_not_written(runner: ModelRunner) -> None:
     """The cached last token's KV is what attention reads and what stays: a sentinel put in its slot of every
     layer is still there, bit for bit, after the whole-prompt hit's step, and changed what it sampled."""
-    runner.reset()
     prompt = list(range(3, 35))
-    runner.execute_step(
-        DecodeStep(1, new_requests=[NewRequestData("a", prompt, _greedy(), PROMPT_BLOCKS, 0, 32, 0)])
-    )
+    _computed_whole(runner, prompt)
     block, offset = PROMPT_BLOCKS[-1], 15  # position 31
-    honest = runner.execute_step(
-        DecodeStep(
-            2,
-            new_requests=[
-                NewRequestData("b", prompt, _greedy(), PROMPT_BLOCKS, 31, 1, 0, num_cached_kv_tokens=32)
-            ],
-            finished_request_ids=["a"],
-        )
-    ).outputs[0]
+    honest = _first_output(runner, 2, _whole_hit("b", prompt), finished="a")
     for cache in runner.kv_caches:
         cache[:, block, offset] = 3.0
-    tampered = runner.execute_step(
-        DecodeStep(
-            3,
-            new_requests=[
-                NewRequestData("c", prompt, _greedy(), PROMPT_BLOCKS, 31, 1, 0, num_cached_kv_tokens=32)
-            ],
-            finished_request_ids=["b"],
-        )
-    ).outputs[0]
+    tampered = _first_output(runner, 3, _whole_hit("c", prompt), finished="b")
     assert all(bool((cache[:, block, offset] == 3.0).all()) for cache in runner.kv_caches)
     assert tampered.logprobs is not None and honest.logprobs is not None
     assert tampered.logprobs.top[0].logprob != pytest.approx(honest.logprobs.top[0].logprob, abs=1e-6)
@@ -148,18 +152,9 @@ def test_the_shared_slot_is_read_not_written(runner: ModelRunner) -> None:
 
 def test_a_resumed_request_found_whole_samples_as_the_whole_sequence(runner: ModelRunner) -> None:
     """Prompt and earlier outputs (a request resumed after preemption) that fill whole blocks."""
-    runner.reset()
-    prompt, outputs = list(range(3, 33)), [40, 41]  # 30 + 2 = 32 tokens
-    full = runner.execute_step(
-        DecodeStep(
-            1, new_requests=[NewRequestData("a", prompt + outputs, _greedy(), PROMPT_BLOCKS, 0, 32, 0)]
-        )
-    ).outputs[0]
-    resumed = NewRequestData(
-        "b", prompt, _greedy(), PROMPT_BLOCKS, 31, 1, 0, output_token_ids=outputs, num_cached_kv_tokens=32
-    )
-    out = runner.execute_step(DecodeStep(2, new_requests=[resumed], finished_request_ids=["a"])).outputs[0]
-    _assert_same_sample(out, full)
+    prompt, outputs = list(range(3, 33)), (40, 41)  # 30 + 2 = 32 tokens
+    full = _computed_whole(runner, prompt + list(outputs))
+    _assert_same_sample(_first_output(runner, 2, _whole_hit("b", prompt, outputs), finished="a"), full)
 
 
 def test_a_worker_whose_store_cannot_skip_a_slot_refuses_a_whole_hit(
@@ -168,8 +163,6 @@ def test_a_worker_whose_store_cannot_skip_a_slot_refuses_a_whole_hit(
     runner.reset()
     monkeypatch.setattr(runner.backend, "skips_unset_slots", False)
     assert not runner.supports_whole_prompt_hits
-    prompt = list(range(3, 35))
-    hit = NewRequestData("b", prompt, _greedy(), PROMPT_BLOCKS, 31, 1, 0, num_cached_kv_tokens=32)
-    out = runner.execute_step(DecodeStep(1, new_requests=[hit])).outputs[0]
+    out = runner.execute_step(DecodeStep(1, new_requests=[_whole_hit("b", list(range(3, 35)))])).outputs[0]
     assert out.error_kind == RuntimeErrorKind.INTERNAL and "whole-prompt hit" in out.error_message
     assert not runner.requests
