@@ -344,7 +344,8 @@ class EngineCore:
             self._rejected += 1
             raise InvalidArgument(f"request id {request.request_id!r} is already in use")
         limit = self.config.max_waiting_requests
-        if limit and sum(g.load().queued_requests for g in self._groups) >= limit:
+        # Counts, not load(): a load snapshot walks the waiting queue, once per request of a burst.
+        if limit and sum(g.num_queued for g in self._groups) >= limit:
             self._rejected += 1
             raise OminixError(
                 RuntimeErrorKind.ADMISSION_REJECTED, f"too many queued requests (limit {limit})"
@@ -372,15 +373,10 @@ class EngineCore:
             raise OminixError(RuntimeErrorKind.BACKEND_UNAVAILABLE, f"no healthy backend{draining}")
         if len(groups) == 1:
             return groups[0]
-        loads = {g.worker_id: g.load() for g in groups}
-
-        def load_of(g: WorkerGroup) -> int:
-            snap = loads[g.worker_id]
-            return snap.queued_requests + snap.running_requests
-
-        least = min(load_of(g) for g in groups)
-        close = [g for g in groups if load_of(g) <= least + _AFFINITY_LOAD_SLACK]
-        return max(close, key=lambda g: (g.prefix_hit_tokens(request), -load_of(g)))
+        loads = {g.worker_id: g.num_queued + g.num_running for g in groups}
+        least = min(loads.values())
+        close = [g for g in groups if loads[g.worker_id] <= least + _AFFINITY_LOAD_SLACK]
+        return max(close, key=lambda g: (g.prefix_hit_tokens(request), -loads[g.worker_id]))
 
     def _evacuate(self, failed: WorkerGroup, requests: list[EngineRequest]) -> list[EngineRequest]:
         """Resume a failed group's requests on healthy groups of the same model; returns the ones left over.
@@ -403,7 +399,7 @@ class EngineCore:
                 and g.running
                 and g.capability.model.name == failed.capability.model.name
             ]
-            targets.sort(key=lambda g: g.load().queued_requests + g.load().running_requests)
+            targets.sort(key=lambda g: g.num_queued + g.num_running)
             for target in targets:
                 try:
                     target.adopt(req)

@@ -28,6 +28,7 @@ from ominix_runtime.engine import EngineCore, EngineCoreConfig, RequestHandle, R
 from ominix_runtime.engine.config import SchedulerConfig
 from ominix_runtime.engine.groups.step_group import StepWorkerGroup
 from ominix_runtime.engine.negotiation import ServingTerms
+from ominix_runtime.engine.waiting_queue import WaitingQueue
 from ominix_runtime.testing.fake_backend import FakeConfig, FakeRequestBackend, FakeStepBackend
 
 TIMEOUT = 20.0
@@ -227,15 +228,41 @@ def test_routing_prefers_the_cached_prefix_among_equally_loaded_groups() -> None
         for i in range(3):
             await _collect(core.submit(_req(f"again{i}", n=64, base=5)))
         assert warm_group.counters.accepted == 4
-        assert (
-            core.stats().cached_tokens == 3 * 63
-        )  # a 64-token prompt found whole: its last token recomputed
+        # A 64-token prompt found whole: only its last token computed again.
+        assert core.stats().cached_tokens == 3 * 63
         # Many concurrent requests spread over both groups.
         handles = [core.submit(_req(f"spread{i}", n=20, base=100 + i, max_tokens=30)) for i in range(16)]
         assert all(load.running_requests + load.queued_requests >= 4 for load in core.load())
         await asyncio.gather(*(_collect(h) for h in handles))
 
     _run([a, b], body)
+
+
+def test_a_burst_of_submissions_reads_counts_and_never_walks_the_waiting_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The queue limit and the routing read the groups' counts: admitting a burst costs O(1) a request, not a
+    walk over every waiting request (a load snapshot's waiting tokens) per submission."""
+    walks = 0
+    waiting_tokens = WaitingQueue.num_waiting_tokens
+
+    def counted(queue: WaitingQueue) -> int:
+        nonlocal walks
+        walks += 1
+        return waiting_tokens.fget(queue)  # type: ignore[misc]
+
+    monkeypatch.setattr(WaitingQueue, "num_waiting_tokens", property(counted))
+    backends = [FakeStepBackend(FakeConfig(worker_id=w, max_running_requests=8)) for w in ("a", "b")]
+
+    async def body(core: EngineCore) -> None:
+        handles = [core.submit(_req(f"r{i}", n=8, max_tokens=1, base=i % 50)) for i in range(300)]
+        assert walks == 0
+        assert sum(load.queued_requests + load.running_requests for load in core.load()) == 300
+        assert walks == 2  # load() itself still reports waiting tokens, once per group
+        for events in await asyncio.gather(*(_collect(h) for h in handles)):
+            _check_stream(events)
+
+    _run(backends, body)
 
 
 def test_capability_problems_refuse_to_start() -> None:
