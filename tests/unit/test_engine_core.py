@@ -265,6 +265,26 @@ def test_a_burst_of_submissions_reads_counts_and_never_walks_the_waiting_queue(
     _run(backends, body)
 
 
+def test_a_request_groups_queue_counts_follow_submissions_starts_and_ends() -> None:
+    """A request-level group counts its queued requests and their prompt tokens as they come, start and end
+    (ended while queued included), rather than walking its live requests on every read."""
+    backend = FakeRequestBackend(FakeConfig(worker_id="req", max_running_requests=2), token_delay=0.002)
+
+    async def body(core: EngineCore) -> None:
+        (group,) = core.groups
+        handles = {f"q{i}": core.submit(_req(f"q{i}", n=10 + i, max_tokens=4)) for i in range(6)}
+        queued = [f"q{i}" for i in range(2, 6)]  # two forwarded at once, four behind them
+        assert (group.num_queued, group.num_running) == (4, 2)
+        assert group.num_waiting_tokens == sum(10 + int(rid[1:]) for rid in queued)
+        handles["q4"].abort()  # ends while queued
+        assert (group.num_queued, group.num_waiting_tokens) == (3, 12 + 13 + 15)
+        for events in await asyncio.gather(*(_collect(h) for h in handles.values())):
+            assert sum(is_terminal(e) for e in events) == 1
+        assert (group.num_queued, group.num_running, group.num_waiting_tokens) == (0, 0, 0)
+
+    _run([backend], body)
+
+
 def test_capability_problems_refuse_to_start() -> None:
     async def main() -> None:
         core = EngineCore([FakeStepBackend(FakeConfig(eos_token_ids=()))], EngineCoreConfig())

@@ -81,6 +81,9 @@ class RequestWorkerGroup(WorkerGroup):
         self._queue: list[tuple[int, int, str]] = []  # (priority, seq, request id) heap
         self._live: dict[str, _Forwarded] = {}
         self._num_running = 0
+        # Live requests not yet forwarded, and their prompt tokens: counted, as admission reads them per request.
+        self._num_queued = 0
+        self._queued_tokens = 0
         self._seq = 0
         self.backend_load: dict[str, float] = {}  # the backend's latest own report (RequestBackend.load)
         self._poller: asyncio.Task[None] | None = None
@@ -155,6 +158,8 @@ class RequestWorkerGroup(WorkerGroup):
             raise
         self._seq += 1
         self._live[rid] = _Forwarded(request, self._seq, time.monotonic())
+        self._num_queued += 1
+        self._queued_tokens += len(request.prompt_token_ids)
         heapq.heappush(self._queue, (int(request.priority), self._seq, rid))
         self._track_deadline(request)
         self.counters.accepted += 1
@@ -169,6 +174,7 @@ class RequestWorkerGroup(WorkerGroup):
                 continue  # ended while queued
             fwd.started_time = time.monotonic()
             self._num_running += 1
+            self._leave_queue(fwd)
             fwd.task = asyncio.create_task(self._forward(fwd), name=f"ominix-forward-{rid}")
 
     def abort(self, request_id: str, reason: FinishReason, error: ErrorInfo | None) -> bool:
@@ -207,17 +213,21 @@ class RequestWorkerGroup(WorkerGroup):
         fwd = self._live.get(request_id)
         return fwd.request if fwd is not None else None
 
+    def _leave_queue(self, fwd: _Forwarded) -> None:
+        self._num_queued -= 1
+        self._queued_tokens -= len(fwd.request.prompt_token_ids)
+
     @property
     def num_queued(self) -> int:
-        return sum(1 for f in self._live.values() if f.task is None)
+        return self._num_queued
 
     @property
     def num_running(self) -> int:
-        return len(self._live) - self.num_queued
+        return len(self._live) - self._num_queued
 
     @property
     def num_waiting_tokens(self) -> int:
-        return sum(len(f.request.prompt_token_ids) for f in self._live.values() if f.task is None)
+        return self._queued_tokens
 
     async def flush_prefix_cache(self) -> bool:
         """The backend's own cache, when it offers a flush (SGLang's /flush_cache; refused while busy)."""
@@ -337,6 +347,8 @@ class RequestWorkerGroup(WorkerGroup):
         fwd.terminal_sent = True
         rid = fwd.request.request_id
         self._live.pop(rid, None)
+        if fwd.task is None:  # ended while queued
+            self._leave_queue(fwd)
         c = self.counters
         usage = Usage(rid, len(fwd.request.prompt_token_ids), fwd.num_output_tokens, fwd.cached_tokens)
         terminal: WorkerEvent
