@@ -178,7 +178,9 @@ def test_ab_stages_drive_resident_servers_in_turn(tmp_path: Path) -> None:
         for record in detailed:
             result = record["result"]
             assert result["successes"] == [True] * 4 and len(result["itls"]) == 4, record
-            assert result["itl_stalls"]["gaps"] == sum(len(gaps) for gaps in result["itls"]), record
+            # The stall count takes streams of 3 gaps or more (a loaded machine may merge tokens into fewer).
+            counted = sum(len(gaps) for gaps in result["itls"] if len(gaps) >= 3)
+            assert result["itl_stalls"]["gaps"] == counted, record
         table = (tmp_path / "results" / "ab_table.md").read_text()
         assert "| fast/vllm " in table and "Stalls: runs of gaps" in table, output
         # Servers still up: a second ab-start refuses (it would lose track of them); a run over the same rounds
