@@ -138,6 +138,32 @@ def test_both_workers_served_requests(daemon: Daemon) -> None:
         assert count >= NUM_CONCURRENT, name
 
 
+def test_a_prompt_sent_again_is_found_whole_and_streams_the_same_tokens(daemon: Daemon) -> None:
+    """Both workers state whole-prompt hits; a 32-token prompt (two whole KV blocks) sent again is routed to the
+    worker that cached it, computes only its last token (31 cached tokens) and streams the same greedy tokens."""
+    backends = daemon.stub.ListBackends(engine_pb2.ListBackendsRequest(), timeout=5).backends
+    assert len(backends) == 2 and all(b.supports_whole_prompt_hits for b in backends)
+    wait_kv_free(daemon)
+    rng = random.Random(7)
+    prompt = [rng.randrange(3, 300) for _ in range(32)]
+    runs: list[tuple[list[int], int]] = []
+    for rid in ("whole-a", "whole-b"):
+        request = engine_pb2.GenerateRequest(
+            request_id=rid,
+            input_ids=engine_pb2.TokenIds(ids=prompt),
+            sampling=common_pb2.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+        )
+        events = list(daemon.stub.Generate(request, timeout=120))
+        assert events[-1].WhichOneof("event") == "done", events[-1]
+        (usage,) = [e.usage for e in events if e.HasField("usage")]
+        runs.append(
+            ([t for e in events if e.HasField("token") for t in e.token.token_ids], usage.cached_tokens)
+        )
+    (first, _), (again, cached) = runs
+    assert len(first) == 6 and again == first
+    assert cached == 31
+
+
 def test_client_cancel_frees_kv_promptly(daemon: Daemon) -> None:
     wait_kv_free(daemon)
     sampling = common_pb2.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
