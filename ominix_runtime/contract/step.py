@@ -35,6 +35,23 @@ class NewRequestData:
         """Positions below this hold their KV already: the worker writes none of them."""
         return max(self.num_cached_kv_tokens, self.num_computed_tokens)
 
+    @property
+    def is_whole_prompt_hit(self) -> bool:
+        return self.num_cached_kv_tokens > self.num_computed_tokens
+
+    def cached_kv_problem(self, takes_whole_prompt_hits: bool) -> str:
+        """Why a worker that does (or does not) take whole-prompt hits cannot run this request's cached KV
+        tokens; "" when it can. A whole-prompt hit holds the whole sequence, one token past num_computed_tokens."""
+        if not self.is_whole_prompt_hit:
+            return ""
+        known = len(self.prompt_token_ids) + len(self.output_token_ids)
+        if takes_whole_prompt_hits and self.num_cached_kv_tokens == self.num_computed_tokens + 1 == known:
+            return ""
+        return (
+            f"{self.num_cached_kv_tokens} cached KV tokens with {self.num_computed_tokens} computed of {known} is "
+            f"not a whole-prompt hit this worker takes"
+        )
+
 
 @dataclass(slots=True)
 class RunningRequestData:

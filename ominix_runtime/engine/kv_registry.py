@@ -398,8 +398,8 @@ class KVRegistry:
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return PrefixHit()
         step = self.hit_granularity
-        whole = self.whole_prompt_hits and len(token_ids) % step == 0
-        limit = len(token_ids) if whole else self._hit_limit(len(token_ids))
+        may_be_whole = self.whole_prompt_hits and len(token_ids) % step == 0
+        limit = len(token_ids) if may_be_whole else self._hit_limit(len(token_ids))
         # Each group chains its hashes over the tokens its blocks cover, as far as a lookup reaches: a prompt
         # with nothing cached hashes one block.
         chains = [_HashChain(token_ids, pool.group.tokens_per_block) for pool in self._pools]

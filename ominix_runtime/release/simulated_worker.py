@@ -46,13 +46,9 @@ class SimulatedWorker:
                 seed=zlib.crc32(new.request_id.encode("utf-8")),
             )
             self.requests[new.request_id] = fresh
-            if new.kv_cached_until > new.num_computed_tokens and not (
-                new.kv_cached_until == new.num_computed_tokens + 1 == fresh.num_known
-            ):
-                raise WorkerContractViolation(
-                    f"step {step.step_id}: {new.request_id} has {new.kv_cached_until} cached KV tokens with "
-                    f"{new.num_computed_tokens} computed of {fresh.num_known}: not a whole-prompt hit"
-                )
+            problem = new.cached_kv_problem(takes_whole_prompt_hits=True)
+            if problem:
+                raise WorkerContractViolation(f"step {step.step_id}: {new.request_id}: {problem}")
             self._take_blocks(new.request_id, fresh, new.kv_block_ids, shared=new.kv_cached_until)
             outputs.append(self._run(step.step_id, new.request_id, fresh, new.num_scheduled_tokens))
         for running in step.running_requests:

@@ -283,15 +283,9 @@ class FakeStepBackend:
                 self._violation(
                     f"{new.request_id}: prefix hit covers the last token, nothing left to sample from"
                 )
-            if cached > new.num_computed_tokens and (
-                not c.supports_whole_prompt_hits
-                or cached != len(req.token_ids)
-                or new.num_computed_tokens != cached - 1
-            ):
-                self._violation(
-                    f"{new.request_id}: {cached} cached KV tokens with {new.num_computed_tokens} computed of "
-                    f"{len(req.token_ids)} is not a whole-prompt hit this worker takes"
-                )
+            problem = new.cached_kv_problem(c.supports_whole_prompt_hits)
+            if problem:
+                self._violation(f"{new.request_id}: {problem}")
             for pos in range(self._first_read(new.num_computed_tokens), cached):
                 block = req.kv_block_ids[pos // bs]
                 if self.block_contents.get(block, {}).get(pos % bs) != req.token_ids[pos]:

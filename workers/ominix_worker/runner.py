@@ -282,15 +282,9 @@ class ModelRunner:
             bad = next(t for t in tokens if not 0 <= t < self.vocab_size)
             raise RequestError(RuntimeErrorKind.INVALID_ARGUMENT, f"token id {bad} outside the vocabulary")
         self._check_block_ids(request.block_tables)
-        if request.kv_cached_until > request.num_computed_tokens and not (
-            self.supports_whole_prompt_hits
-            and request.kv_cached_until == request.num_computed_tokens + 1 == request.num_tokens
-        ):
-            raise RequestError(
-                RuntimeErrorKind.INTERNAL,
-                f"{request.kv_cached_until} cached KV tokens with {request.num_computed_tokens} computed of "
-                f"{request.num_tokens} is not a whole-prompt hit this worker takes",
-            )
+        problem = new.cached_kv_problem(self.supports_whole_prompt_hits)
+        if problem:
+            raise RequestError(RuntimeErrorKind.INTERNAL, problem)
         self.requests[new.request_id] = request
         return request
 
