@@ -29,6 +29,8 @@ from /proc), which tells an engine-bound run from a client-bound one.
     python bench/engine_overhead.py --groups 2 --client-procs 2
     python bench/engine_overhead.py --step-ms 14             # a 14 ms "GPU" step: next_ready, busy
     python bench/engine_overhead.py --profile engine.prof    # cProfile of the engine process (steady window)
+    python bench/engine_overhead.py --client w1 --batch-submit --again --prompt-len 512 --output-len 256 \
+        --step-ms 13 --profile-intake intake.prof            # ... of a cached burst's intake, to its last step
 
 Nothing here imports torch.
 """
@@ -415,6 +417,8 @@ class EngineTimers:
         self.cpu_window: list[float] = []  # process CPU, wall at the window's start and at its last step
         self.profile: cProfile.Profile | None = None
         self.profile_path = ""
+        # Profiles the timed burst's intake: from the clients' release until every request is in a sent step.
+        self.intake_profile: cProfile.Profile | None = None
 
     def restart(self) -> None:
         """Forget every step so far (an untimed burst's): the window may open again, for the timed one."""
@@ -456,6 +460,8 @@ class EngineTimers:
 
     def step_sent(self, state: DriverState, step: Any, started: float, ended: float) -> None:  # noqa: ANN401
         self.admitted += len(step.new_requests)
+        if self.intake_profile is not None and self.admitted >= self.batch * self.groups:
+            self.intake_profile.disable()
         steady = self.is_steady(step)
         if steady and state.steady and self.window_open:
             # The phases booked since this driver's previous send belong to this step (schedule, its build and
@@ -820,6 +826,8 @@ async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str
         if args.again:  # the timed burst finds its prompts cached; the untimed one's steps are forgotten
             await asyncio.to_thread(wait_for_line, clients, b"warm")
             timers.restart()
+            if timers.intake_profile is not None:
+                timers.intake_profile.enable()
             release(clients)
         pids = {"clients": [c.pid for c in clients], "workers": [w.pid for w in workers]}
         if args.front_procs:
@@ -985,6 +993,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--profile", default="", help="write a cProfile of the steady steps here (pstats)")
+    parser.add_argument(
+        "--profile-intake",
+        default="",
+        help="with --again: write a cProfile of the engine process from the timed burst's release until every "
+        "request is in a sent step (pstats)",
+    )
     parser.add_argument("--json", default="")
     parser.add_argument("--work-dir", default="/tmp")
     # internal: the child processes
@@ -1027,11 +1041,17 @@ def main(argv: list[str] | None = None) -> int:
     timers.install()
     if args.profile:
         timers.profile = cProfile.Profile()
+    if args.profile_intake:
+        if not args.again:
+            print("--profile-intake needs --again", file=sys.stderr)
+            return 2
+        timers.intake_profile = cProfile.Profile()
     result = runner(run_engine(args, timers))
     print_report(args, result)
-    if args.profile and timers.profile is not None:
-        timers.profile.dump_stats(args.profile)
-        pstats.Stats(args.profile).sort_stats("tottime").print_stats(25)
+    for path, profile in ((args.profile, timers.profile), (args.profile_intake, timers.intake_profile)):
+        if path and profile is not None:
+            profile.dump_stats(path)
+            pstats.Stats(path).sort_stats("tottime").print_stats(25)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
