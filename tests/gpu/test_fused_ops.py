@@ -17,11 +17,14 @@ from triton_target import triton_device  # noqa: E402
 
 DEVICE = triton_device()
 
+from ominix_worker.attention.base import AttentionMetadata, KVScales  # noqa: E402
+from ominix_worker.attention.triton_paged import TritonPagedAttention  # noqa: E402
 from ominix_worker.ops.fused import (  # noqa: E402
     fused_add_rms_norm,
     qk_norm_rotary_in_place,
     rms_norm,
     rotary_in_place,
+    rotary_store_kv,
     silu_and_mul,
 )
 
@@ -115,6 +118,73 @@ def test_qk_norm_rotary_in_place(dtype: torch.dtype, q_heads: int, k_heads: int,
     gap = (heads.float() - unfused.float()).abs().max().item()
     assert gap <= 4 * ulp * unfused.float().abs().max().item()
     torch.testing.assert_close(qkv[:, (q_heads + k_heads) * head_dim :], v_before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.bfloat16, torch.float8_e4m3fn)],
+    ids=str,
+)
+@pytest.mark.parametrize("q_heads,k_heads,head_dim", [(32, 8, 128), (5, 1, 64)])
+def test_rotary_store_kv(
+    dtype: torch.dtype, cache_dtype: torch.dtype, q_heads: int, k_heads: int, head_dim: int
+) -> None:
+    """One launch against the two it replaces (``rotary_in_place`` over Q and K, then the backend's
+    ``write_kv``): Q rotated in place and the cache's K and V bit for bit the same, FP8 scales included; slot -1
+    (a padding row, a whole-prompt hit's cached token) stores nothing, and no other slot is touched."""
+    gen = torch.Generator().manual_seed(q_heads * 7 + k_heads + head_dim)
+    emb, cos_sin = _rope_tables(head_dim)
+    tokens, block_size, num_blocks = 21, 16, 6
+    positions = torch.randint(0, emb.shape[0], (tokens,), generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[[3, 11, 20]] = -1
+    qkv = _rand(gen, tokens, (q_heads + 2 * k_heads) * head_dim, dtype=dtype)
+    scales = KVScales(k=0.75, v=1.5) if cache_dtype == torch.float8_e4m3fn else KVScales()
+    sentinel = torch.full((2, num_blocks, block_size, k_heads, head_dim), 3.0).to(cache_dtype).to(DEVICE)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(tokens + 1, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.ones(tokens, dtype=torch.int32, device=DEVICE),
+        block_tables=torch.zeros((tokens, 1), dtype=torch.int32, device=DEVICE),
+        slot_mapping=slots.to(DEVICE),
+        max_query_len=1,
+        max_seq_len=1,
+        num_decode_only=True,
+    )
+
+    def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        heads = x[:, : (q_heads + k_heads) * head_dim].view(tokens, q_heads + k_heads, head_dim)
+        value = x[:, (q_heads + k_heads) * head_dim :].view(tokens, k_heads, head_dim)
+        return heads, value
+
+    unfused_qkv, unfused_cache = qkv.clone(), sentinel.clone()
+    heads, value = split(unfused_qkv)
+    rotary_in_place(heads, positions.to(DEVICE), cos_sin)
+    TritonPagedAttention(block_size).write_kv(unfused_cache, heads[:, q_heads:], value, meta, scales)
+
+    fused_qkv, fused_cache = qkv.clone(), sentinel.clone()
+    heads, value = split(fused_qkv)
+    rotary_store_kv(
+        heads,
+        value,
+        positions.to(DEVICE),
+        cos_sin,
+        q_heads,
+        fused_cache,
+        meta.slot_mapping,
+        scales.k,
+        scales.v,
+    )
+    q_width = q_heads * head_dim
+    assert torch.equal(fused_qkv[:, :q_width], unfused_qkv[:, :q_width]), "Q rotated in place as before"
+    assert torch.equal(fused_qkv[:, q_width:], qkv[:, q_width:]), "K and V left as the projection wrote them"
+    assert torch.equal(fused_cache.view(torch.uint8), unfused_cache.view(torch.uint8))
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    flat = fused_cache.view(2, num_blocks * block_size, -1).float().cpu()
+    assert bool((flat[:, ~written] == 3.0).all()), "a slot no token maps to keeps what it held"
+    assert not bool((flat[:, written] == 3.0).all()), "the tokens' slots were written"
+    expected_q = _rotated(qkv[:, :q_width].view(tokens, q_heads, head_dim).double().cpu(), emb, positions)
+    assert _rel(fused_qkv[:, :q_width].view(tokens, q_heads, head_dim), expected_q) < TOLERANCE[dtype]
 
 
 def _rope_tables(head_dim: int, max_pos: int = 300) -> tuple[torch.Tensor, torch.Tensor]:

@@ -276,6 +276,7 @@ class AscendPagedAttention:
     supports_sliding_window = False  # the context is capped at the window instead
     supports_sinks = False  # the fused NPU ops have no softmax sink term
     skips_unset_slots = False  # _npu_reshape_and_cache's handling of slot -1 is not established
+    takes_fused_rotary_store = False  # the NPU stores through its own op
 
     def __init__(
         self,

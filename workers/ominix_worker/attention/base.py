@@ -102,6 +102,10 @@ class AttentionBackend(Protocol):
     # write_kv stores nothing for slot -1 on every path (a padding row, or the cached last token of a prompt
     # found whole in the prefix cache).
     skips_unset_slots: bool
+    # The model may rotate Q and K and store K and V in one kernel (``ops.fused.rotary_store_kv``) in place of
+    # its rotary and ``write_kv``: the cache has the layout above, in the run dtype or FP8 (K / k_scale and V /
+    # v_scale, saturated), and slot -1 is stored nowhere.
+    takes_fused_rotary_store: bool
 
     def piecewise_attention(self) -> PiecewiseAttention | None:
         """This backend as the piecewise graphs of prefill and mixed steps use it; None: those steps stay eager."""

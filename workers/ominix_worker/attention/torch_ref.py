@@ -22,6 +22,7 @@ class TorchReferenceAttention:
     supports_sliding_window = True
     supports_sinks = True
     skips_unset_slots = True  # write_kv filters slot -1 out when the metadata says there is one
+    takes_fused_rotary_store = False  # the reference keeps its own store (it runs on CUDA in comparisons)
 
     def __init__(self, block_size: int = 16) -> None:
         self.block_size = block_size

@@ -53,6 +53,7 @@ from ominix_worker.attention.mixed_plan import (
 )
 from ominix_worker.devices import sm_count
 from ominix_worker.ops import cdiv, next_power_of_2
+from ominix_worker.ops.fused import FP8_KV_DTYPES
 from ominix_worker.ops.launch import fast_kernel
 
 # Tokens per split below which splitting a decode context more finely stops paying for the merge.
@@ -580,7 +581,7 @@ def _decode_block_n(head_dim: int, ieee: bool) -> int:
 
 
 def _is_fp8(kv_cache: torch.Tensor) -> bool:
-    return kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return kv_cache.dtype in FP8_KV_DTYPES
 
 
 def decode_num_splits(
@@ -677,6 +678,9 @@ class TritonPagedAttention:
         self.store_with_index_copy = store_with_index_copy
         # The Triton store skips slot -1; the index-copy store (a comparison path) would fail on it.
         self.skips_unset_slots = not store_with_index_copy
+        # Its store is the Triton one ``ops.fused.rotary_store_kv`` also performs; the index-copy comparison
+        # path keeps its own. Off: the model rotates and calls ``write_kv`` (tests, comparisons).
+        self.takes_fused_rotary_store = not store_with_index_copy
         # Fixed split count for CUDA-graph capture; None picks one per call from the metadata.
         self.decode_splits: int | None = None
         # Split count of a single request's prefill (tuning, tests); None picks one (``prefill_num_splits``).

@@ -239,9 +239,28 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        q, k = self._normed_rotated_qk(qkv, positions)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        self.backend.write_kv(kv_cache, k, v, meta, self.kv_scales)
+        ops = cuda_ops(qkv)
+        cos_sin = self.rotary.cos_sin
+        if (
+            ops is not None
+            and cos_sin is not None
+            and self.q_norm is None
+            and self.backend.takes_fused_rotary_store
+        ):
+            # One launch rotates Q in place and stores rotated K and V: a decode step's layer has one small
+            # kernel fewer (K is never written back; attention reads it from the cache).
+            heads = qkv[:, : self.q_size + self.kv_size].view(
+                num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
+            )
+            scales = self.kv_scales
+            ops.rotary_store_kv(
+                heads, v, positions, cos_sin, self.num_heads, kv_cache, meta.slot_mapping, scales.k, scales.v
+            )
+            q = heads[:, : self.num_heads]
+        else:
+            q, k = self._normed_rotated_qk(qkv, positions)
+            self.backend.write_kv(kv_cache, k, v, meta, self.kv_scales)
         out = self.attend(q, kv_cache, meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

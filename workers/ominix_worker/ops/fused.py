@@ -15,6 +15,9 @@ import triton.language as tl
 from ominix_worker.ops import cdiv, next_power_of_2
 from ominix_worker.ops.launch import fast_kernel
 
+# The FP8 cache dtypes a store scales into (saturated at the e4m3 range, as every FP8 KV store here is).
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 @fast_kernel
 @triton.jit
@@ -236,4 +239,98 @@ def qk_norm_rotary_in_place(
         x, positions, cos_sin, q_weight, k_weight, x.stride(0), x.stride(1), cos_sin.stride(0), num_heads,
         num_q_heads, eps, HALF=half, BLOCK_H=next_power_of_2(num_heads),
         BLOCK_HALF=next_power_of_2(half), num_warps=4,
+    )  # fmt: skip
+
+
+@fast_kernel
+@triton.jit
+def _rotary_store_kv_kernel(
+    qk_ptr,
+    value_ptr,
+    pos_ptr,
+    cos_sin_ptr,
+    kv_ptr,
+    slot_ptr,
+    qk_stride_t,
+    qk_stride_h,
+    value_stride_t,
+    table_stride,
+    kv_half_stride,
+    num_heads,
+    num_q_heads,
+    k_scale,
+    v_scale,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    ROW: tl.constexpr,
+    BLOCK_ROW: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    """One token: its Q heads rotated in place; its K heads rotated and, with its V row, stored in the token's
+    KV slot (none for slot -1). K is rounded to the run dtype before an FP8 cache's scaling, as the rotary
+    kernel's output would be when the store reads it."""
+    pos, offs_h, offs_d, mask, base, x1, x2 = _token_heads(
+        qk_ptr, pos_ptr, qk_stride_t, qk_stride_h, num_heads, HALF, BLOCK_H, BLOCK_HALF
+    )
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    d_mask = offs_d < HALF
+    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + offs_d, mask=d_mask, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + table_stride + pos * 2 * HALF + offs_d, mask=d_mask, other=0.0)[None, :]
+    first = (a * cos - b * sin).to(x1.dtype)
+    second = (b * cos + a * sin).to(x1.dtype)
+    is_q = (offs_h < num_q_heads)[:, None]
+    tl.store(base, first, mask=mask & is_q)
+    tl.store(base + HALF, second, mask=mask & is_q)
+    slot = tl.load(slot_ptr + tl.program_id(0)).to(tl.int64)
+    if slot >= 0:
+        k_first = first.to(tl.float32)
+        k_second = second.to(tl.float32)
+        cols = tl.arange(0, BLOCK_ROW)
+        v = tl.load(value_ptr + tl.program_id(0).to(tl.int64) * value_stride_t + cols, mask=cols < ROW)
+        if KV_FP8:
+            k_first = tl.clamp(k_first / k_scale, -448.0, 448.0)
+            k_second = tl.clamp(k_second / k_scale, -448.0, 448.0)
+            v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
+        dtype = kv_ptr.dtype.element_ty
+        k_dst = kv_ptr + slot * ROW + (offs_h - num_q_heads)[:, None] * (2 * HALF) + offs_d[None, :]
+        tl.store(k_dst, k_first.to(dtype), mask=mask & ~is_q)
+        tl.store(k_dst + HALF, k_second.to(dtype), mask=mask & ~is_q)
+        tl.store(kv_ptr + kv_half_stride + slot * ROW + cols, v.to(dtype), mask=cols < ROW)
+
+
+def rotary_store_kv(
+    qk: torch.Tensor,
+    value: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    num_q_heads: int,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """``rotary_in_place`` of Q and K and the paged store of K and V, in one launch where they took two.
+
+    ``qk`` (T, Q heads + K heads, head_dim), Q's heads first (a view of a fused QKV output): Q is rotated in
+    place, K is not written back (attention reads it from the cache). ``value`` (T, K heads, head_dim).
+    ``kv_cache`` (2, blocks, block_size, K heads, head_dim): token t's K and V go to flat slot
+    ``slot_mapping[t]`` (nowhere for -1); an FP8 cache stores K / k_scale and V / v_scale, saturated."""
+    num_tokens, num_heads, head_dim = qk.shape
+    if num_tokens == 0:
+        return
+    num_kv_heads = num_heads - num_q_heads
+    assert qk.stride(2) == 1 and cos_sin.is_contiguous() and cos_sin.shape[-1] == head_dim
+    assert kv_cache.is_contiguous() and tuple(kv_cache.shape[3:]) == (num_kv_heads, head_dim)
+    value2 = value.reshape(num_tokens, -1)
+    if value2.stride(1) != 1:
+        value2 = value2.contiguous()
+    row = num_kv_heads * head_dim
+    half = head_dim // 2
+    _rotary_store_kv_kernel[(num_tokens,)](
+        qk, value2, positions, cos_sin, kv_cache, slot_mapping, qk.stride(0), qk.stride(1), value2.stride(0),
+        cos_sin.stride(0), kv_cache.stride(0), num_heads, num_q_heads, k_scale, v_scale, HALF=half,
+        BLOCK_H=next_power_of_2(num_heads), BLOCK_HALF=next_power_of_2(half), ROW=row,
+        BLOCK_ROW=next_power_of_2(row), KV_FP8=kv_cache.dtype in FP8_KV_DTYPES, num_warps=4,
     )  # fmt: skip
