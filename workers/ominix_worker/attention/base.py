@@ -30,6 +30,9 @@ class KVScales:
 
 UNIT_KV_SCALES = KVScales()
 
+# The FP8 KV cache dtypes: a store divides K and V by the layer's scales and saturates at the e4m3 range (±448).
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 @dataclass
 class AttentionMetadata:

@@ -14,7 +14,13 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from ominix_worker.attention.base import UNIT_KV_SCALES, AttentionMetadata, KVScales, PiecewiseAttention
+from ominix_worker.attention.base import (
+    FP8_KV_DTYPES,
+    UNIT_KV_SCALES,
+    AttentionMetadata,
+    KVScales,
+    PiecewiseAttention,
+)
 
 
 class TorchReferenceAttention:
@@ -249,7 +255,7 @@ def _attend(
 
 
 def _is_fp8(kv_cache: torch.Tensor) -> bool:
-    return kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return kv_cache.dtype in FP8_KV_DTYPES
 
 
 @dataclass

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from ominix_worker.attention.base import (
+    FP8_KV_DTYPES,
     UNIT_KV_SCALES,
     AttentionCall,
     AttentionMetadata,
@@ -53,7 +54,7 @@ from ominix_worker.attention.mixed_plan import (
 )
 from ominix_worker.devices import sm_count
 from ominix_worker.ops import cdiv, next_power_of_2
-from ominix_worker.ops.fused import FP8_KV_DTYPES
+from ominix_worker.ops.fused import kv_cache_value
 from ominix_worker.ops.launch import fast_kernel
 
 # Tokens per split below which splitting a decode context more finely stops paying for the merge.
@@ -94,12 +95,10 @@ def _store_kv_kernel(
     mask = cols < ROW
     k = tl.load(key_ptr + t.to(tl.int64) * key_stride_t + cols, mask=mask)
     v = tl.load(value_ptr + t.to(tl.int64) * value_stride_t + cols, mask=mask)
-    if KV_FP8:
-        k = tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0)
-        v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
+    dtype = kv_ptr.dtype.element_ty
     dst = kv_ptr + slot * ROW + cols
-    tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + kv_half_stride, v.to(kv_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, kv_cache_value(k, k_scale, KV_FP8, dtype), mask=mask)
+    tl.store(dst + kv_half_stride, kv_cache_value(v, v_scale, KV_FP8, dtype), mask=mask)
 
 
 @triton.jit

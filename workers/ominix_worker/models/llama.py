@@ -253,10 +253,10 @@ class Attention(nn.Module):
             heads = qkv[:, : self.q_size + self.kv_size].view(
                 num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
             )
-            scales = self.kv_scales
             ops.rotary_store_kv(
-                heads, v, positions, cos_sin, self.num_heads, kv_cache, meta.slot_mapping, scales.k, scales.v
-            )
+                heads, v, positions, cos_sin, self.num_heads, kv_cache, meta.slot_mapping,
+                self.kv_scales.k, self.kv_scales.v,
+            )  # fmt: skip
             q = heads[:, : self.num_heads]
         else:
             q, k = self._normed_rotated_qk(qkv, positions)

@@ -1,5 +1,5 @@
 """Triton fused elementwise ops for the decoder layer: RMSNorm (optionally with the residual add), SiLU-and-mul,
-and rotary embedding applied in place. Each reads its inputs once and writes its outputs once, where the torch
+rotary embedding applied in place, and rotary with the paged KV store in one launch. Each reads its inputs once and writes its outputs once, where the torch
 versions make several passes (and launches) over the same activations.
 
 Numerics follow the model code: RMSNorm normalises in fp32 and scales in the run dtype; rotary uses the
@@ -12,11 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ominix_worker.attention.base import FP8_KV_DTYPES
 from ominix_worker.ops import cdiv, next_power_of_2
 from ominix_worker.ops.launch import fast_kernel
-
-# The FP8 cache dtypes a store scales into (saturated at the e4m3 range, as every FP8 KV store here is).
-FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @fast_kernel
@@ -154,16 +152,31 @@ def _token_heads(
 
 
 @triton.jit
+def _rotated(a, b, cos_sin_ptr, table_stride, pos, offs_d, HALF: tl.constexpr):
+    """The rotation of the float32 halves ``a``, ``b`` (heads × HALF) at position ``pos``, in float32."""
+    d_mask = offs_d < HALF
+    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + offs_d, mask=d_mask, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + table_stride + pos * 2 * HALF + offs_d, mask=d_mask, other=0.0)[None, :]
+    # cos/sin repeat across the two halves (emb = cat(freqs, freqs)), so the first half's entries serve both.
+    return a * cos - b * sin, b * cos + a * sin
+
+
+@triton.jit
 def _rotate_store(base, a, b, cos_sin_ptr, table_stride, pos, offs_d, mask, HALF: tl.constexpr):
     """Stores the rotation of the float32 halves ``a``, ``b`` (heads × HALF) at position ``pos`` to ``base`` and
     ``base + HALF``, in the dtype ``base`` points to."""
-    d_mask = offs_d < HALF
-    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + offs_d, mask=d_mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + table_stride + pos * 2 * HALF + offs_d, mask=d_mask, other=0.0)
+    first, second = _rotated(a, b, cos_sin_ptr, table_stride, pos, offs_d, HALF)
     dtype = base.dtype.element_ty
-    # cos/sin repeat across the two halves (emb = cat(freqs, freqs)), so the first half's entries serve both.
-    tl.store(base, (a * cos[None, :] - b * sin[None, :]).to(dtype), mask=mask)
-    tl.store(base + HALF, (b * cos[None, :] + a * sin[None, :]).to(dtype), mask=mask)
+    tl.store(base, first.to(dtype), mask=mask)
+    tl.store(base + HALF, second.to(dtype), mask=mask)
+
+
+@triton.jit
+def kv_cache_value(x, scale, KV_FP8: tl.constexpr, dtype: tl.constexpr):
+    """``x`` as a KV cache of ``dtype`` holds it: an FP8 cache x / scale, saturated to the e4m3 range."""
+    if KV_FP8:
+        x = tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0)
+    return x.to(dtype)
 
 
 def rotary_in_place(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
@@ -273,31 +286,27 @@ def _rotary_store_kv_kernel(
     pos, offs_h, offs_d, mask, base, x1, x2 = _token_heads(
         qk_ptr, pos_ptr, qk_stride_t, qk_stride_h, num_heads, HALF, BLOCK_H, BLOCK_HALF
     )
-    a = x1.to(tl.float32)
-    b = x2.to(tl.float32)
-    d_mask = offs_d < HALF
-    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + offs_d, mask=d_mask, other=0.0)[None, :]
-    sin = tl.load(cos_sin_ptr + table_stride + pos * 2 * HALF + offs_d, mask=d_mask, other=0.0)[None, :]
-    first = (a * cos - b * sin).to(x1.dtype)
-    second = (b * cos + a * sin).to(x1.dtype)
+    first, second = _rotated(
+        x1.to(tl.float32), x2.to(tl.float32), cos_sin_ptr, table_stride, pos, offs_d, HALF
+    )
+    first = first.to(x1.dtype)
+    second = second.to(x1.dtype)
     is_q = (offs_h < num_q_heads)[:, None]
     tl.store(base, first, mask=mask & is_q)
     tl.store(base + HALF, second, mask=mask & is_q)
     slot = tl.load(slot_ptr + tl.program_id(0)).to(tl.int64)
     if slot >= 0:
-        k_first = first.to(tl.float32)
-        k_second = second.to(tl.float32)
-        cols = tl.arange(0, BLOCK_ROW)
-        v = tl.load(value_ptr + tl.program_id(0).to(tl.int64) * value_stride_t + cols, mask=cols < ROW)
-        if KV_FP8:
-            k_first = tl.clamp(k_first / k_scale, -448.0, 448.0)
-            k_second = tl.clamp(k_second / k_scale, -448.0, 448.0)
-            v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
         dtype = kv_ptr.dtype.element_ty
         k_dst = kv_ptr + slot * ROW + (offs_h - num_q_heads)[:, None] * (2 * HALF) + offs_d[None, :]
-        tl.store(k_dst, k_first.to(dtype), mask=mask & ~is_q)
-        tl.store(k_dst + HALF, k_second.to(dtype), mask=mask & ~is_q)
-        tl.store(kv_ptr + kv_half_stride + slot * ROW + cols, v.to(dtype), mask=cols < ROW)
+        tl.store(k_dst, kv_cache_value(first, k_scale, KV_FP8, dtype), mask=mask & ~is_q)
+        tl.store(k_dst + HALF, kv_cache_value(second, k_scale, KV_FP8, dtype), mask=mask & ~is_q)
+        cols = tl.arange(0, BLOCK_ROW)
+        v = tl.load(value_ptr + tl.program_id(0).to(tl.int64) * value_stride_t + cols, mask=cols < ROW)
+        tl.store(
+            kv_ptr + kv_half_stride + slot * ROW + cols,
+            kv_cache_value(v, v_scale, KV_FP8, dtype),
+            mask=cols < ROW,
+        )
 
 
 def rotary_store_kv(
