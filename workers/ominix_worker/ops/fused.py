@@ -1,6 +1,7 @@
 """Triton fused elementwise ops for the decoder layer: RMSNorm (optionally with the residual add), SiLU-and-mul,
-rotary embedding applied in place, and rotary with the paged KV store in one launch. Each reads its inputs once and writes its outputs once, where the torch
-versions make several passes (and launches) over the same activations.
+rotary embedding applied in place, and rotary with the paged KV store in one launch. Each reads its inputs once
+and writes its outputs once, where the torch versions make several passes (and launches) over the same
+activations.
 
 Numerics follow the model code: RMSNorm normalises in fp32 and scales in the run dtype; rotary uses the
 rotate-half (GPT-NeoX) layout with a ``cos_sin`` table of shape (2, max_positions, head_dim) in fp32.
