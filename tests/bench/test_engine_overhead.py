@@ -8,6 +8,7 @@ computed. Performance is never asserted.
 from __future__ import annotations
 
 import json
+import pstats
 import subprocess
 import sys
 from pathlib import Path
@@ -59,12 +60,15 @@ def test_engine_overhead_bench_reports_every_phase(
 def test_intake_of_a_batch_submitted_burst(tmp_path: Path, again: bool) -> None:
     """With ``--batch-submit`` (one GenerateBatch a client process) and no held first result, the bench reports
     how the engine took the burst in: every request reached a step once, after the first step. With
-    ``--again`` the timed burst is the second (its prompts cached): the first burst's steps are not counted."""
+    ``--again`` the timed burst is the second (its prompts cached): the first burst's steps are not counted, and
+    ``--profile-intake`` profiles the engine from its release to the step that holds its last request."""
     out = tmp_path / "intake.json"
+    profile = tmp_path / "intake.prof"
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "engine_overhead.py"), "--concurrency", "24", "--prompt-len", "64",
          "--output-len", "8", "--step-ms", "2", "--client-procs", "2", "--batch-submit", "--hold-s", "0",
-         *(["--again"] if again else []), "--work-dir", str(tmp_path), "--json", str(out)],
+         *(["--again", "--profile-intake", str(profile)] if again else []), "--work-dir", str(tmp_path),
+         "--json", str(out)],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -79,6 +83,9 @@ def test_intake_of_a_batch_submitted_burst(tmp_path: Path, again: bool) -> None:
     assert "every request in a step after" in done.stdout
     # The decode steps the stand-in device saw are the timed burst's only (8 tokens a request).
     assert result["worker"].get("steps", 0.0) <= 8
+    if again:  # the burst's admissions and its first schedule() are in the intake profile
+        functions = {name for _file, _line, name in pstats.Stats(str(profile)).stats}  # type: ignore[attr-defined]
+        assert {"add_request", "schedule", "find_prefix"} <= functions
 
 
 def test_intake_view_counts_new_requests_up_to_the_last() -> None:
