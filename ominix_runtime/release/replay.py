@@ -122,7 +122,11 @@ class _Replayer:
         registry = self.scheduler.registry
         model = workload.capability.model
         self.worker = SimulatedWorker(
-            registry.num_blocks, registry.block_size, model.vocab_size, frozenset(model.eos_token_ids)
+            registry.num_blocks,
+            registry.block_size,
+            model.vocab_size,
+            frozenset(model.eos_token_ids),
+            workload.capability.supports_whole_prompt_hits,
         )
         self.pending = deque(sorted(workload.requests, key=lambda r: r.arrival_tick))  # stable: list order
         self.tracks = {r.request_id: RequestTrack(r) for r in workload.requests}

@@ -25,11 +25,20 @@ class _WorkerRequest:
 
 
 class SimulatedWorker:
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int, avoid_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        vocab_size: int,
+        avoid_ids: frozenset[int],
+        takes_whole_prompt_hits: bool = False,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.avoid_ids = avoid_ids
+        # As the replayed capability states (supports_whole_prompt_hits): a hit of another shape is a violation.
+        self.takes_whole_prompt_hits = takes_whole_prompt_hits
         self.requests: dict[str, _WorkerRequest] = {}
         self._block_owner: dict[int, str] = {}
 
@@ -46,7 +55,7 @@ class SimulatedWorker:
                 seed=zlib.crc32(new.request_id.encode("utf-8")),
             )
             self.requests[new.request_id] = fresh
-            problem = new.cached_kv_problem(takes_whole_prompt_hits=True)
+            problem = new.cached_kv_problem(self.takes_whole_prompt_hits)
             if problem:
                 raise WorkerContractViolation(f"step {step.step_id}: {new.request_id}: {problem}")
             self._take_blocks(new.request_id, fresh, new.kv_block_ids, shared=new.kv_cached_until)

@@ -18,12 +18,14 @@ from typing import Any
 
 import pytest
 
+from ominix_runtime.contract import DecodeStep, NewRequestData, SamplingParams
 from ominix_runtime.engine.scheduler import Scheduler
 from ominix_runtime.release.commands import main
 from ominix_runtime.release.fingerprint import fingerprint
 from ominix_runtime.release.inputs import ReleaseInputError
 from ominix_runtime.release.replay import replay
 from ominix_runtime.release.replay_report import replay_report
+from ominix_runtime.release.simulated_worker import SimulatedWorker, WorkerContractViolation
 from ominix_runtime.release.workload import workload_from_json
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -315,3 +317,20 @@ def test_the_report_gives_the_scheduler_s_burst_budget_and_the_threshold_as_set(
     assert off["max_batch_tokens_in_burst"] == 24 and off["burst_backlog_tokens"] == 0
     big = backend_of({"max_batch_tokens_with_decodes": 24, "max_batch_tokens_in_burst": 10**6})
     assert big["max_batch_tokens_in_burst"] == big["max_batch_tokens"] > 40
+
+
+@pytest.mark.parametrize("takes", [True, False])
+def test_simulated_worker_takes_a_whole_prompt_hit_only_as_its_capability_says(takes: bool) -> None:
+    """A prompt found whole (32 tokens in two blocks, the last computed again) runs on a simulated worker whose
+    capability states whole-prompt hits and is a contract violation on one that does not."""
+    worker = SimulatedWorker(8, 16, 100, frozenset(), takes_whole_prompt_hits=takes)
+    hit = NewRequestData(
+        "r", list(range(3, 35)), SamplingParams(max_tokens=2), [0, 1], 31, 1, 7, num_cached_kv_tokens=32
+    )
+    step = DecodeStep(1, new_requests=[hit])
+    if takes:
+        (out,) = worker.execute(step).outputs
+        assert out.request_id == "r" and out.sampled_token_id is not None
+    else:
+        with pytest.raises(WorkerContractViolation, match="not a whole-prompt hit this worker takes"):
+            worker.execute(step)
