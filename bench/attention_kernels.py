@@ -221,6 +221,8 @@ def bench_prefill(
     ref = sdpa_fn()
     sdpa = _ms(sdpa_fn)
     _row("prefill", case, sdpa, impl="torch sdpa (contiguous KV)", tflops=work / sdpa / 1e9)
+    if not prefix:
+        bench_flash_varlen(case, query, caches, meta, batch, new, scale, work, ref)
     for config in configs:
         backend = TritonPagedAttention(BLOCK)
         backend.prefill_config = config
@@ -247,6 +249,42 @@ def bench_prefill(
             frac_matmul=work / (ms * 1e-3) / flops,
             err_vs_sdpa=err,
         )
+
+
+def bench_flash_varlen(
+    case: str,
+    query: torch.Tensor,
+    caches: list[torch.Tensor],
+    meta: AttentionMetadata,
+    batch: int,
+    new: int,
+    scale: float,
+    work: float,
+    ref: torch.Tensor,
+) -> None:
+    """Torch's FlashAttention varlen kernel on fresh prompts, timed as the Triton rows are (32 layers, each its
+    own packed K/V, one CUDA graph): the kernel a prompt-only step could call with the step's own K and V."""
+    flash = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    if flash is None:
+        _row("prefill", case, float("nan"), impl="torch flash varlen: not in this torch")
+        return
+    cu = torch.arange(0, (batch + 1) * new, new, device="cuda", dtype=torch.int32)
+    packed = [gather_contiguous(cache, meta, new) for cache in caches]
+    kv = [(k.transpose(1, 2).reshape(-1, KV_HEADS, HEAD_DIM), v.transpose(1, 2).reshape(-1, KV_HEADS, HEAD_DIM))
+          for k, v in packed]  # fmt: skip
+
+    def one(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return flash(query, k, v, cu, cu, new, new, 0.0, True, False, scale=scale)[0]
+
+    out = one(*kv[0])
+    err = rel_err(out.view(batch, new, HEADS, HEAD_DIM).transpose(1, 2), ref)
+
+    def step() -> None:
+        for k, v in kv:
+            one(k, v)
+
+    ms = _ms(_captured(step).replay) / len(kv)
+    _row("prefill", case, ms, impl="torch flash varlen (packed KV)", tflops=work / ms / 1e9, err_vs_sdpa=err)
 
 
 # (new tokens, cached prefix) of one request: a prefix-hit suffix of a captured prefill graph.

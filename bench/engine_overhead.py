@@ -276,6 +276,17 @@ def intake_view(stats: dict[str, Any], clients_started: float, total: int) -> di
     return {"first_step_ms": (steps[0][0] - clients_started) * 1e3, "incomplete": seen}
 
 
+def ending_view(stats: dict[str, Any], clients_started: float, clients_ended: float) -> dict[str, Any]:
+    """How long the burst's last results took to reach the clients: from when the worker's last step that ran
+    tokens was due (its answer went out then) to the last client process's end, on the machine's one
+    perf_counter clock. Every request of W1 ends in its last few steps, so this is the engine finishing them
+    (freeing their KV, their terminal events) and the clients reading them."""
+    ran = [tuple(s) for s in stats["steps"] if s[0] >= clients_started and s[2] > s[1]]
+    if not ran:
+        return {}
+    return {"after_last_result_ms": (clients_ended - ran[-1][2]) * 1e3}
+
+
 # ---------------------------------------------------------------- the clients
 
 
@@ -667,6 +678,7 @@ def merge_clients(reports: list[dict[str, Any]]) -> dict[str, Any]:
         "processes": len(reports),
         "wall_s": max(r["wall_s"] for r in reports),
         "started_perf": min(r["started_perf"] for r in reports),
+        "ended_perf": max(r["started_perf"] + r["wall_s"] for r in reports),
         "requests": sum(r["requests"] for r in reports),
         "all_done_once": all(r["all_done_once"] for r in reports),
         "tokens_per_request": sorted({n for r in reports for n in r["tokens_per_request"]}),
@@ -865,6 +877,7 @@ async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str
         result["workers"] = views
     if len(stats) == 1:
         result["intake"] = intake_view(stats[0], since, args.concurrency)
+        result["ending"] = ending_view(stats[0], since, result["clients"]["ended_perf"])
     return result
 
 
@@ -924,6 +937,12 @@ def print_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
             f"step after {intake['all_in_ms']:.1f} ms ({intake['steps']} steps; new requests per step "
             f"{', '.join(map(str, shown))}{', ...' if len(intake['new_per_step']) > 16 else ''}; "
             f"{intake['cached_tokens']:,} of their prompt tokens cached)"
+        )
+    ending = result.get("ending", {})
+    if "after_last_result_ms" in ending:
+        print(
+            f"  ending: the clients' last event {ending['after_last_result_ms']:.1f} ms after the worker's last "
+            "result with tokens was due"
         )
     if wrk and args.step_ms > 0:
         print(

@@ -81,6 +81,10 @@ def test_intake_of_a_batch_submitted_burst(tmp_path: Path, again: bool) -> None:
     # computed again for its logits); a cold burst finds none.
     assert intake["cached_tokens"] == (24 * 63 if again else 0)
     assert "every request in a step after" in done.stdout
+    # The clients end after the stand-in device's last answer with tokens, within the run.
+    ending = result["ending"]["after_last_result_ms"]
+    assert 0.0 < ending < result["clients"]["wall_s"] * 1e3
+    assert "ending: the clients' last event" in done.stdout
     # The decode steps the stand-in device saw are the timed burst's only (8 tokens a request).
     assert result["worker"].get("steps", 0.0) <= 8
     if again:  # the burst's admissions and its first schedule() are in the intake profile
@@ -108,3 +112,21 @@ def test_intake_view_counts_new_requests_up_to_the_last() -> None:
     assert abs(view["first_step_ms"] - 10.0) < 1e-6 and abs(view["all_in_ms"] - 30.0) < 1e-6
     assert intake_view(stats, 9.990, 9) == {"first_step_ms": view["first_step_ms"], "incomplete": 8}
     assert intake_view(stats, 10.5, 8) == {"incomplete": 0}
+
+
+def test_ending_view_starts_at_the_last_step_that_ran_tokens() -> None:
+    sys.path.insert(0, str(REPO))
+    from bench.engine_overhead import ending_view
+
+    # (arrival, start, end, ...): an earlier burst's step, two steps that ran tokens (due at 10.02 and 10.04),
+    # then one that only carried finished ids (no device time: end == start)
+    stats = {
+        "steps": [
+            [9.5, 9.5, 9.51, False, 8, 0],
+            [10.0, 10.01, 10.02, True, 0, 0],
+            [10.02, 10.03, 10.04, True, 0, 0],
+            [10.045, 10.045, 10.045, False, 0, 0],
+        ]
+    }
+    assert abs(ending_view(stats, 9.99, 10.05)["after_last_result_ms"] - 10.0) < 1e-6
+    assert ending_view(stats, 10.5, 10.6) == {}  # no step of the timed burst ran tokens

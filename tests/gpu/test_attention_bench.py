@@ -31,3 +31,22 @@ def test_overlap_decode_times_each_part_and_both_at_once() -> None:
     assert rows["attention then GEMMs (sum)"]["ms"] == pytest.approx(a + g)
     both = rows["attention beside GEMMs, two streams"]
     assert both["hidden"] == pytest.approx((a + g - both["ms"]) / min(a, g))
+
+
+def test_prefill_rows_time_torch_flash_varlen_beside_ours() -> None:
+    """A fresh-prompt case reports torch's FlashAttention-2 varlen row beside SDPA and ours, each close to SDPA's
+    output; a case after a cached prefix has no such row (the packed kernel takes the step's own K/V only)."""
+    pytest.importorskip("triton")
+    from bench import attention_kernels
+
+    attention_kernels.ROWS.clear()
+    gen = torch.Generator().manual_seed(0)
+    attention_kernels.bench_prefill(2, 64, 0, 1e15, gen, [None])
+    attention_kernels.bench_prefill(1, 32, 64, 1e15, gen, [None])
+    fresh = {r["impl"]: r for r in attention_kernels.ROWS if r["case"] == "B=2 new=64 prefix=0"}
+    assert set(fresh) == {"torch sdpa (contiguous KV)", "torch flash varlen (packed KV)", "triton paged"}
+    assert all(r["ms"] > 0 for r in fresh.values())
+    assert fresh["torch flash varlen (packed KV)"]["err_vs_sdpa"] < 1e-2
+    assert fresh["triton paged"]["err_vs_sdpa"] < 1e-2
+    after_prefix = [r["impl"] for r in attention_kernels.ROWS if r["case"] == "B=1 new=32 prefix=64"]
+    assert "torch flash varlen (packed KV)" not in after_prefix and "triton paged" in after_prefix
