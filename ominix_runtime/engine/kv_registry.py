@@ -66,6 +66,9 @@ class _LeaseState:
     # reads, so they serve only hits on a shorter prefix; the window of that full hit and everything after it
     # (outputs, a multi-turn follow-up's prefix) wait their turn at the back.
     cold_blocks: list[int] = field(default_factory=list)
+    # False once the prefix cache was flushed during the lease: its KV predates the flush (older weights, or a
+    # run meant to start cold), so none of its blocks may be registered for others to hit.
+    registers: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +158,9 @@ class _BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(group.num_blocks))
         self.cache: dict[int, int] = {}  # block hash -> block id
         self.num_leased = 0
+        # Blocks a flush found shared by several leases: they keep being read without being cached, until all
+        # but one holder let go. Only these may be shared and unhashed (``check``).
+        self.flushed_shared: set[int] = set()
 
     def take(self) -> int:
         block_id, _none = self.free.popitem(last=False)
@@ -178,6 +184,8 @@ class _BlockPool:
     def unref(self, block_id: int, reuse_first: bool = False) -> None:
         block = self.blocks[block_id]
         block.ref_count -= 1
+        if self.flushed_shared and block.ref_count <= 1:
+            self.flushed_shared.discard(block_id)
         if block.ref_count == 0:
             self.num_leased -= 1
             self.free[block_id] = None
@@ -227,7 +235,7 @@ class _BlockPool:
                 raise IntegrityError(
                     f"{where}block {block.block_id} has ref count {block.ref_count} but {held} live leases hold it"
                 )
-            if held > 1 and block.block_hash is None:
+            if held > 1 and block.block_hash is None and block.block_id not in self.flushed_shared:
                 raise IntegrityError(
                     f"{where}block {block.block_id} is held by {held} requests but is not a cached block"
                 )
@@ -245,6 +253,9 @@ class _BlockPool:
                 raise IntegrityError(
                     f"{where}block {block.block_id} keeps a hash the prefix cache maps elsewhere"
                 )
+        for block_id in self.flushed_shared:
+            if self.blocks[block_id].ref_count <= 1 or self.blocks[block_id].block_hash is not None:
+                raise IntegrityError(f"{where}block {block_id} is listed as flushed while shared but is not")
         for block_hash, block_id in self.cache.items():
             if self.blocks[block_id].block_hash != block_hash:
                 raise IntegrityError(
@@ -572,7 +583,7 @@ class KVRegistry:
         if not self.enable_prefix_caching:
             return
         state = self._leases.get(request_id)
-        if state is None:
+        if state is None or not state.registers:
             return
         known = min(num_computed_tokens, len(token_ids))
         if known < state.next_full_tokens:
@@ -604,12 +615,17 @@ class KVRegistry:
         return [b for b in state.lease.block_tables[0] if b != NULL_BLOCK_ID]
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block (e.g. after the worker restarted and lost its KV tensor)."""
+        """Forget every cached block: no later lookup hits anything cached before this call. Live leases keep
+        their blocks (shared ones too, read but no longer cached) and register none of their later ones."""
         for pool in self._pools:
             for block in pool.blocks:
+                if block.ref_count > 1:
+                    pool.flushed_shared.add(block.block_id)
                 block.block_hash = None
                 block.hash_key = None
             pool.cache.clear()
+        for state in self._leases.values():
+            state.registers = False
 
     # ---- checks and stats -----------------------------------------------------------------------------
 

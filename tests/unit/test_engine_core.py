@@ -344,6 +344,36 @@ def test_broken_request_backend_is_counted_and_clients_still_see_one_terminal_ev
     _run([backend], body)
 
 
+def test_a_flush_while_requests_share_a_prefix_keeps_the_registry_consistent() -> None:
+    """A flush (``/flush_cache``) while two running requests share cached prefix blocks: the registry stays
+    consistent while they share, both finish with the tokens they would have had, and nothing they computed
+    is served afterwards: a request that extends the first one's prompt with its outputs finds only what a
+    request admitted after the flush cached."""
+
+    async def body(core: EngineCore) -> None:
+        first = core.submit(_req("a", n=40, max_tokens=40))
+        events_a = await first.next_events()  # its prompt is computed and cached by now
+        second = core.submit(_req("b", n=40, max_tokens=40))
+        events_b = await second.next_events()
+        assert isinstance(events_b[0], PrefillDone) and events_b[0].cached_tokens == 32  # 2 blocks of 16
+        assert not any(is_terminal(e) for e in events_a + events_b)  # both still run at the flush
+        assert await core.flush_cache() == {"fake-0": True}
+        core.check_integrity()  # two leases share blocks that are no longer cached
+        events_a += await _collect(first)
+        events_b += await _collect(second)
+        for events in (events_a, events_b):
+            _check_stream(events)
+        assert _tokens(events_a) == _tokens(events_b)  # same prompt and seed
+        fresh = await _collect(core.submit(_req("c", n=40, max_tokens=1)))  # caches the prompt's 2 blocks
+        assert isinstance(fresh[0], PrefillDone) and fresh[0].cached_tokens == 0
+        follow_up = _req("d", n=40, max_tokens=2)
+        follow_up.prompt_token_ids = follow_up.prompt_token_ids + _tokens(events_a)[:30]
+        events_d = await _collect(core.submit(follow_up))
+        assert isinstance(events_d[0], PrefillDone) and events_d[0].cached_tokens == 32
+
+    _run([FakeStepBackend(FakeConfig(step_latency=0.002))], body)
+
+
 def test_idle_integrity_checks_are_counted_and_catch_corruption() -> None:
     async def body(core: EngineCore) -> None:
         await _collect(core.submit(_req("one")))

@@ -123,6 +123,40 @@ def test_a_lease_started_from_a_hit_caches_its_later_blocks_on_the_same_chain() 
     reg.check_integrity()
 
 
+def test_a_flush_forgets_blocks_live_requests_share_and_what_they_compute_after_it() -> None:
+    """A flush under load: two live requests share a prefix. Afterwards no prompt hits anything, neither the
+    shared blocks nor blocks the live requests fill after the flush (their KV predates it), the registry stays
+    consistent while they still share, and it ends quiescent once all are freed."""
+    reg = KVRegistry("w", num_blocks=16, block_size=BS)
+    tokens = list(range(100, 109))  # 2 full blocks + 1 token
+    reg.allocate("a", len(tokens))
+    reg.cache_blocks("a", tokens, len(tokens))
+    hit = reg.find_prefix(tokens)
+    assert hit.num_tokens == 8
+    reg.allocate("b", len(tokens), hit)
+    reg.reset_prefix_cache()
+    reg.check_integrity()  # two leases share blocks that are no longer cached
+    assert reg.find_prefix(tokens).num_tokens == 0
+    longer = tokens + list(range(200, 207))  # "b" grows past two more full blocks after the flush
+    reg.allocate("b", len(longer))
+    reg.cache_blocks("b", longer, len(longer))
+    assert reg.find_prefix(longer + [1]).num_tokens == 0
+    reg.check_integrity()
+    reg.free("a")
+    reg.check_integrity()
+    # "b" is kept live until "c" below: its blocks after the prefix stay in the pool, unregistered.
+    # A request admitted after the flush caches its blocks again; the chain it starts does not lead on into
+    # the blocks "b" filled after the flush.
+    reg.allocate("c", len(tokens))
+    reg.cache_blocks("c", tokens, len(tokens))
+    assert reg.find_prefix(tokens).num_tokens == 8
+    assert reg.find_prefix(longer + [1]).num_tokens == 8
+    reg.free("b")
+    reg.free("c")
+    reg.check_integrity()
+    reg.check_quiescent()
+
+
 def test_integrity_check_catches_corruption() -> None:
     reg = KVRegistry("w", num_blocks=4, block_size=BS)
     reg.allocate("a", BS)
@@ -142,6 +176,11 @@ class RegistryMachine(RuleBasedStateMachine):
         self.content: dict[int, dict[int, int]] = {}  # block -> slot -> token written (worker's view)
         self.seen: list[tuple[int, ...]] = []  # every admitted request's tokens, as they grew
         self.n = 0
+        # Flushes so far; a request is admitted in the current one, and a block was last written by a
+        # request of some epoch: a hit may only serve blocks written by requests admitted since the last flush.
+        self.epoch = 0
+        self.admitted_in: dict[str, int] = {}
+        self.written_in: dict[int, int] = {}
 
     def _write(self, rid: str, upto: int) -> None:
         """The worker writes KV for positions [computed, upto) into the lease's blocks."""
@@ -150,6 +189,7 @@ class RegistryMachine(RuleBasedStateMachine):
         toks = self.tokens[rid]
         for pos in range(self.computed[rid], upto):
             self.content.setdefault(lease.kv_block_ids[pos // BS], {})[pos % BS] = toks[pos]
+            self.written_in[lease.kv_block_ids[pos // BS]] = self.admitted_in[rid]
         self.computed[rid] = max(self.computed[rid], upto)
 
     @rule(
@@ -176,6 +216,7 @@ class RegistryMachine(RuleBasedStateMachine):
             assert self.reg.lease(rid) is None
             return
         self.tokens[rid] = list(prompt)
+        self.admitted_in[rid] = self.epoch
         # A whole-prompt hit's last token is computed again but not written: its KV is in the shared block.
         self.computed[rid] = hit.num_kv_tokens if hit else 0
         if hit:
@@ -185,6 +226,7 @@ class RegistryMachine(RuleBasedStateMachine):
             for i, b in enumerate(hit.kv_block_ids):  # a hit must hold exactly this request's tokens
                 written = self.content[b]
                 assert [written.get(j) for j in range(BS)] == prompt[i * BS : (i + 1) * BS]
+                assert self.written_in[b] == self.epoch, f"block {b} was written before the last flush"
         self._write(rid, len(prompt))
         self.reg.cache_blocks(rid, prompt, len(prompt))
         self.seen.append(tuple(prompt))
@@ -208,6 +250,12 @@ class RegistryMachine(RuleBasedStateMachine):
         del self.tokens[rid]
         del self.computed[rid]
         self.reg.free(rid)
+
+    @rule()
+    def flush(self) -> None:
+        """Forget the prefix cache (an operator's flush, e.g. after new weights), live leases and all."""
+        self.reg.reset_prefix_cache()
+        self.epoch += 1
 
     @rule()
     def evict_by_pressure(self) -> None:
