@@ -23,7 +23,8 @@ One registry per worker group, sized from the worker's BackendCapability (kv_num
   blocks of every group: a multiple of the least common multiple of their tokens per block.
 - Invariant (``check_integrity``, per group): free + evictable-cached + leased == total, every block's ref
   count equals the number of live leases holding it, and a block is held by two leases only if it is a
-  cached (hashed) block shared through the prefix cache.
+  cached (hashed) block shared through the prefix cache, or was one when a flush (``reset_prefix_cache``)
+  forgot it while they held it.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ class _LeaseState:
     # reads, so they serve only hits on a shorter prefix; the window of that full hit and everything after it
     # (outputs, a multi-turn follow-up's prefix) wait their turn at the back.
     cold_blocks: list[int] = field(default_factory=list)
-    # False once the prefix cache was flushed during the lease: its KV predates the flush (older weights, or a
-    # run meant to start cold), so none of its blocks may be registered for others to hit.
+    # False once the prefix cache was flushed during the lease: its blocks filled after the flush are computed
+    # over KV from before it (older weights, or a run meant to start cold), so none may be registered.
     registers: bool = True
 
 

@@ -263,6 +263,11 @@ class CompressedGroupsMachine(RuleBasedStateMachine):
         # group -> block -> slot -> token (raw) or chunk of tokens (compressed)
         self.content: list[dict[int, dict[int, object]]] = [{} for _ in layout]
         self.n = 0
+        # Flushes so far; the flush each live request was admitted after, and each (group, block)'s last
+        # writer's: a hit may only serve blocks written by requests admitted since the last flush.
+        self.epoch = 0
+        self.admitted_in: dict[str, int] = {}
+        self.written_in: dict[tuple[int, int], int] = {}
 
     def _write(self, rid: str, upto: int) -> None:
         lease = self.reg.lease(rid)
@@ -277,6 +282,7 @@ class CompressedGroupsMachine(RuleBasedStateMachine):
                 assert block != NULL_BLOCK_ID, f"group {g}: row {row} being written has no block"
                 value = toks[row] if not group.is_compressed else tuple(toks[row * r : (row + 1) * r])
                 self.content[g].setdefault(block, {})[row % BS] = value
+                self.written_in[g, block] = self.admitted_in[rid]
         self.computed[rid] = max(start, upto)
 
     @rule(
@@ -297,6 +303,7 @@ class CompressedGroupsMachine(RuleBasedStateMachine):
             return
         self.tokens[rid] = list(prompt)
         self.computed[rid] = start
+        self.admitted_in[rid] = self.epoch
         if hit is not None and hit.num_tokens:
             assert hit.num_tokens < len(prompt) and hit.num_tokens % self.reg.hit_granularity == 0
             for g, (group, blocks) in enumerate(zip(self.layout, hit.group_block_ids, strict=True)):
@@ -312,6 +319,7 @@ class CompressedGroupsMachine(RuleBasedStateMachine):
                             prompt[row] if not group.is_compressed else tuple(prompt[row * r : (row + 1) * r])
                         )
                         assert self.content[g][b].get(j) == want, f"group {g}: a hit on stale content"
+                    assert self.written_in[g, b] == self.epoch, f"group {g}: block {b} predates the flush"
         self._write(rid, len(prompt))
         self.reg.cache_blocks(rid, prompt, len(prompt))
 
@@ -333,6 +341,12 @@ class CompressedGroupsMachine(RuleBasedStateMachine):
         del self.tokens[rid]
         del self.computed[rid]
         self.reg.free(rid)
+
+    @rule()
+    def flush(self) -> None:
+        """Forget the prefix cache while requests run (an operator's flush)."""
+        self.reg.reset_prefix_cache()
+        self.epoch += 1
 
     @rule()
     def evict_by_pressure(self) -> None:

@@ -231,6 +231,11 @@ class MixedGroupsMachine(RuleBasedStateMachine):
             {} for _ in layout
         ]  # group -> block -> slot -> token
         self.n = 0
+        # Flushes so far; the flush each live request was admitted after, and each (group, block)'s last
+        # writer's: a hit may only serve blocks written by requests admitted since the last flush.
+        self.epoch = 0
+        self.admitted_in: dict[str, int] = {}
+        self.written_in: dict[tuple[int, int], int] = {}
 
     def _write(self, rid: str, upto: int) -> None:
         lease = self.reg.lease(rid)
@@ -241,6 +246,7 @@ class MixedGroupsMachine(RuleBasedStateMachine):
                 block = table[pos // BS]
                 assert block != NULL_BLOCK_ID, f"group {g}: position {pos} being computed has no block"
                 self.content[g].setdefault(block, {})[pos % BS] = toks[pos]
+                self.written_in[g, block] = self.admitted_in[rid]
         self.computed[rid] = max(self.computed[rid], upto)
 
     @rule(
@@ -258,6 +264,7 @@ class MixedGroupsMachine(RuleBasedStateMachine):
             return
         self.tokens[rid] = list(prompt)
         self.computed[rid] = start
+        self.admitted_in[rid] = self.epoch
         if hit:
             assert hit.num_tokens < len(prompt)
             for g, blocks in enumerate(hit.group_block_ids):
@@ -271,6 +278,7 @@ class MixedGroupsMachine(RuleBasedStateMachine):
                         continue
                     written = self.content[g][b]
                     assert [written.get(j) for j in range(BS)] == prompt[i * BS : (i + 1) * BS]
+                    assert self.written_in[g, b] == self.epoch, f"group {g}: block {b} predates the flush"
         self._write(rid, len(prompt))
         self.reg.cache_blocks(rid, prompt, len(prompt))
 
@@ -293,6 +301,12 @@ class MixedGroupsMachine(RuleBasedStateMachine):
         del self.tokens[rid]
         del self.computed[rid]
         self.reg.free(rid)
+
+    @rule()
+    def flush(self) -> None:
+        """Forget the prefix cache while requests run (an operator's flush)."""
+        self.reg.reset_prefix_cache()
+        self.epoch += 1
 
     @rule()
     def evict_by_pressure(self) -> None:

@@ -195,8 +195,8 @@ class WorkerGroup(ABC):
         return None
 
     async def flush_prefix_cache(self) -> bool:
-        """Forget every cached prefix (requests in flight keep their KV, and none of it is served to later
-        requests); False when there is none to drop."""
+        """Forget every cached prefix (requests in flight keep their KV; nothing computed over KV from before
+        the flush is served to later requests); False when there is none to drop."""
         return False
 
     @property
