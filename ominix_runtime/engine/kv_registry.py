@@ -159,9 +159,6 @@ class _BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(group.num_blocks))
         self.cache: dict[int, int] = {}  # block hash -> block id
         self.num_leased = 0
-        # Blocks a flush found shared by several leases: they keep being read without being cached, until all
-        # but one holder let go. Only these may be shared and unhashed (``check``).
-        self.flushed_shared: set[int] = set()
 
     def take(self) -> int:
         block_id, _none = self.free.popitem(last=False)
@@ -185,8 +182,6 @@ class _BlockPool:
     def unref(self, block_id: int, reuse_first: bool = False) -> None:
         block = self.blocks[block_id]
         block.ref_count -= 1
-        if self.flushed_shared and block.ref_count <= 1:
-            self.flushed_shared.discard(block_id)
         if block.ref_count == 0:
             self.num_leased -= 1
             self.free[block_id] = None
@@ -208,10 +203,13 @@ class _BlockPool:
             self.cache[block_hash] = block_id
         # A duplicate of content cached elsewhere stays unhashed; the chain continues either way.
 
-    def check(self, tables: dict[str, list[int]], index: int) -> None:
-        """Raise IntegrityError when this pool's bookkeeping disagrees with the leases' ``tables``."""
+    def check(self, tables: dict[str, list[int]], index: int, flushed: frozenset[str] = frozenset()) -> None:
+        """Raise IntegrityError when this pool's bookkeeping disagrees with the leases' ``tables``. ``flushed``:
+        the leases alive at a prefix-cache flush, which may go on sharing the blocks it forgot (no later lease
+        can reach an unhashed block, so a shared one held by any other lease is corruption)."""
         where = f"kv group {index}: "
         holders: dict[int, int] = {}
+        held_by_later: set[int] = set()  # blocks some lease not in ``flushed`` holds
         for rid, table in tables.items():
             seen: set[int] = set()
             for b in table:
@@ -225,6 +223,8 @@ class _BlockPool:
                     raise IntegrityError(f"{where}lease {rid} holds block {b} twice")
                 seen.add(b)
                 holders[b] = holders.get(b, 0) + 1
+                if rid not in flushed:
+                    held_by_later.add(b)
             if NULL_BLOCK_ID in table:
                 last_null = len(table) - 1 - table[::-1].index(NULL_BLOCK_ID)
                 if any(b != NULL_BLOCK_ID for b in table[:last_null]):
@@ -236,7 +236,7 @@ class _BlockPool:
                 raise IntegrityError(
                     f"{where}block {block.block_id} has ref count {block.ref_count} but {held} live leases hold it"
                 )
-            if held > 1 and block.block_hash is None and block.block_id not in self.flushed_shared:
+            if held > 1 and block.block_hash is None and block.block_id in held_by_later:
                 raise IntegrityError(
                     f"{where}block {block.block_id} is held by {held} requests but is not a cached block"
                 )
@@ -254,9 +254,6 @@ class _BlockPool:
                 raise IntegrityError(
                     f"{where}block {block.block_id} keeps a hash the prefix cache maps elsewhere"
                 )
-        for block_id in self.flushed_shared:
-            if self.blocks[block_id].ref_count <= 1 or self.blocks[block_id].block_hash is not None:
-                raise IntegrityError(f"{where}block {block_id} is listed as flushed while shared but is not")
         for block_hash, block_id in self.cache.items():
             if self.blocks[block_id].block_hash != block_hash:
                 raise IntegrityError(
@@ -620,8 +617,6 @@ class KVRegistry:
         their blocks (shared ones too, read but no longer cached) and register none of their later ones."""
         for pool in self._pools:
             for block in pool.blocks:
-                if block.ref_count > 1:
-                    pool.flushed_shared.add(block.block_id)
                 block.block_hash = None
                 block.hash_key = None
             pool.cache.clear()
@@ -632,13 +627,14 @@ class KVRegistry:
 
     def check_integrity(self) -> None:
         """Raise :class:`IntegrityError` when the bookkeeping of any group is inconsistent."""
+        flushed = frozenset(rid for rid, state in self._leases.items() if not state.registers)
         for g, pool in enumerate(self._pools):
             tables: dict[str, list[int]] = {}
             for rid, state in self._leases.items():
                 if len(state.lease.block_tables) != len(self._pools):
                     raise IntegrityError(f"lease {rid} has {len(state.lease.block_tables)} block tables")
                 tables[rid] = state.lease.block_tables[g]
-            pool.check(tables, g)
+            pool.check(tables, g, flushed)
         for rid, state in self._leases.items():
             for g, (pool, table) in enumerate(zip(self._pools, state.lease.block_tables, strict=True)):
                 want = pool.group.blocks_for_tokens(state.num_tokens)
