@@ -63,6 +63,7 @@ import grpc.aio
 
 from bench.common import free_ports, percentile
 from ominix_runtime import wire
+from ominix_runtime.contract.events import is_terminal
 from ominix_runtime.engine.config import LIGHT_LOAD_INFLIGHT_STEPS
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -430,6 +431,10 @@ class EngineTimers:
         self.profile_path = ""
         # Profiles the timed burst's intake: from the clients' release until every request is in a sent step.
         self.intake_profile: cProfile.Profile | None = None
+        # Profiles the timed burst's ending: from the update that finishes its first request until the clients
+        # are done (W1's requests all end in one step).
+        self.ending_profile: cProfile.Profile | None = None
+        self.ending_armed = False  # set by restart(): the untimed burst's ending is not profiled
 
     def restart(self) -> None:
         """Forget every step so far (an untimed burst's): the window may open again, for the timed one."""
@@ -437,6 +442,7 @@ class EngineTimers:
         self.window_open = self.window_closed = False
         self.admitted = self.steady_steps = 0
         self.cpu_window = []
+        self.ending_armed = True
         self.gc_pauses.clear()
         for state in self.drivers.values():
             state.steady = False
@@ -531,7 +537,16 @@ class EngineTimers:
             return wrapper
 
         scheduler.Scheduler.schedule = timed("schedule", scheduler.Scheduler.schedule)  # type: ignore[method-assign]
-        scheduler.Scheduler.update = timed("update", scheduler.Scheduler.update)  # type: ignore[method-assign]
+        update = timed("update", scheduler.Scheduler.update)
+
+        def update_then_profile(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+            events = update(*args, **kwargs)
+            if timers.ending_profile is not None and timers.ending_armed and any(map(is_terminal, events)):
+                timers.ending_armed = False
+                timers.ending_profile.enable()
+            return events
+
+        scheduler.Scheduler.update = update_then_profile  # type: ignore[method-assign]
         core.EngineCore._deliver = timed("deliver", core.EngineCore._deliver)  # type: ignore[method-assign]
         wire.step_to_pb = timed("to_pb", wire.step_to_pb)  # type: ignore[assignment]
         from_pb = timed("from_pb", wire.step_result_from_pb)
@@ -846,6 +861,8 @@ async def run_engine(args: argparse.Namespace, timers: EngineTimers) -> dict[str
             pids["fronts"] = daemon.front_pids()
         sampler = asyncio.create_task(sample_cpu(pids, samples))
         reports = await asyncio.gather(*(asyncio.to_thread(collect, c) for c in clients))
+        if timers.ending_profile is not None:
+            timers.ending_profile.disable()
     finally:
         for c in clients:
             if c.poll() is None:
@@ -1018,6 +1035,12 @@ def main(argv: list[str] | None = None) -> int:
         help="with --again: write a cProfile of the engine process from the timed burst's release until every "
         "request is in a sent step (pstats)",
     )
+    parser.add_argument(
+        "--profile-ending",
+        default="",
+        help="with --again: write a cProfile of the engine process from the timed burst's first finished request "
+        "until the clients are done (pstats)",
+    )
     parser.add_argument("--json", default="")
     parser.add_argument("--work-dir", default="/tmp")
     # internal: the child processes
@@ -1065,9 +1088,22 @@ def main(argv: list[str] | None = None) -> int:
             print("--profile-intake needs --again", file=sys.stderr)
             return 2
         timers.intake_profile = cProfile.Profile()
+    if args.profile_ending:
+        if not args.again:
+            print("--profile-ending needs --again", file=sys.stderr)
+            return 2
+        if args.profile or args.profile_intake:  # one cProfile at a time: enabling one stops another's hook
+            print("--profile-ending goes alone (not with --profile or --profile-intake)", file=sys.stderr)
+            return 2
+        timers.ending_profile = cProfile.Profile()
     result = runner(run_engine(args, timers))
     print_report(args, result)
-    for path, profile in ((args.profile, timers.profile), (args.profile_intake, timers.intake_profile)):
+    profiles = (
+        (args.profile, timers.profile),
+        (args.profile_intake, timers.intake_profile),
+        (args.profile_ending, timers.ending_profile),
+    )
+    for path, profile in profiles:
         if path and profile is not None:
             profile.dump_stats(path)
             pstats.Stats(path).sort_stats("tottime").print_stats(25)

@@ -56,18 +56,20 @@ def test_engine_overhead_bench_reports_every_phase(
         assert "next_ready p50" in done.stdout
 
 
-@pytest.mark.parametrize("again", [False, True], ids=["cold", "again"])
-def test_intake_of_a_batch_submitted_burst(tmp_path: Path, again: bool) -> None:
+@pytest.mark.parametrize("profiled", ["", "intake", "ending"], ids=["cold", "again-intake", "again-ending"])
+def test_intake_of_a_batch_submitted_burst(tmp_path: Path, profiled: str) -> None:
     """With ``--batch-submit`` (one GenerateBatch a client process) and no held first result, the bench reports
     how the engine took the burst in: every request reached a step once, after the first step. With
     ``--again`` the timed burst is the second (its prompts cached): the first burst's steps are not counted, and
-    ``--profile-intake`` profiles the engine from its release to the step that holds its last request."""
+    ``--profile-intake`` profiles the engine from its release to the step that holds its last request,
+    ``--profile-ending`` from its first finished request to the clients' end."""
+    again = bool(profiled)
     out = tmp_path / "intake.json"
-    profile = tmp_path / "intake.prof"
+    profile = tmp_path / f"{profiled}.prof"
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "engine_overhead.py"), "--concurrency", "24", "--prompt-len", "64",
          "--output-len", "8", "--step-ms", "2", "--client-procs", "2", "--batch-submit", "--hold-s", "0",
-         *(["--again", "--profile-intake", str(profile)] if again else []), "--work-dir", str(tmp_path),
+         *(["--again", f"--profile-{profiled}", str(profile)] if again else []), "--work-dir", str(tmp_path),
          "--json", str(out)],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
@@ -87,9 +89,13 @@ def test_intake_of_a_batch_submitted_burst(tmp_path: Path, again: bool) -> None:
     assert "ending: the clients' last event" in done.stdout
     # The decode steps the stand-in device saw are the timed burst's only (8 tokens a request).
     assert result["worker"].get("steps", 0.0) <= 8
-    if again:  # the burst's admissions and its first schedule() are in the intake profile
-        functions = {name for _file, _line, name in pstats.Stats(str(profile)).stats}  # type: ignore[attr-defined]
-        assert {"add_request", "schedule", "find_prefix"} <= functions
+    if not again:
+        return
+    calls = {name: n for (_file, _line, name), (_prim, n, *_rest) in pstats.Stats(str(profile)).stats.items()}  # type: ignore[attr-defined]
+    if profiled == "intake":  # the burst's admissions and its first schedule()
+        assert {"add_request", "schedule", "find_prefix"} <= calls.keys()
+    else:  # the timed burst's 24 finished requests (one run report each), not the untimed burst's
+        assert calls.get("_report_finished") == 24
 
 
 def test_intake_view_counts_new_requests_up_to_the_last() -> None:

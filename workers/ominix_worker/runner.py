@@ -225,7 +225,7 @@ class ModelRunner:
     def supports_whole_prompt_hits(self) -> bool:
         """A prompt cached whole may compute its last token alone (slot -1): the store skips such slots, and
         every group keeps a row per token with nothing sliding (the engine's condition too)."""
-        return getattr(self.backend, "skips_unset_slots", False) and all(
+        return self.backend.skips_unset_slots and all(
             not g.window and not g.compress_ratio for g in self.attention_groups
         )
 
