@@ -432,6 +432,10 @@ class EngineCore:
             return False
         return live.group.abort(request_id, reason, None)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether a request of this id has not delivered its terminal event yet."""
+        return request_id in self._live
+
     def finish(
         self, request_id: str, reason: FinishReason = FinishReason.STOP, matched_stop: str = ""
     ) -> bool:

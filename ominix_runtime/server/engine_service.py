@@ -100,6 +100,11 @@ class EngineAccess(Protocol):
 
     def finish(self, request_id: str, reason: FinishReason, matched_stop: str) -> bool: ...
 
+    def holds(self, request_id: str) -> bool:
+        """Whether a request of this id has not yet delivered its terminal event (an aborted one is on its
+        way out): its id cannot be taken again until then."""
+        ...
+
 
 class EngineServiceBase(engine_pb2_grpc.EngineServicer):
     """Resolves prompts, admits requests into the engine and streams their events back. Subclasses answer
@@ -127,6 +132,10 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         self._tracer = tracer or RequestTracer()
         self._live: set[str] = set()
         self._owners: dict[str, str] = {}  # live request id -> the caller that created it (see caller_of)
+        # Live requests whose prompt is being resolved (tokenized), before the engine knows them, and those of
+        # them an Abort came for: aborted as soon as they are admitted.
+        self._resolving: set[str] = set()
+        self._aborted_before_admission: set[str] = set()
         self._rejected = 0  # refused at the front edge (never reached the engine's counters)
         self._started = time.monotonic()
         # GenerateBatch: requests a call may carry (the engine's --max-queue-len bounds it), the admissions
@@ -252,10 +261,13 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         self._check_serving()
         if request_id in self._live:
             raise AlreadyLive(f"request_id '{request_id}' is already live")
+        if self._engine.holds(request_id):  # its client went away; the engine is still ending it
+            raise AlreadyLive(f"request_id '{request_id}' is already live (its previous request is ending)")
         # Before any await, so a concurrent duplicate sees it.
         self._live.add(request_id)
         self._owners[request_id] = caller
         span = self._tracer.start(request_id, traceparent, pb.model or self.model_name)
+        self._resolving.add(request_id)
         try:
             gen_request = await self._resolve(pb, request_id)
             gen_request.traceparent = span.traceparent
@@ -275,6 +287,8 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         except BaseException:
             self._forget(request_id)
             raise
+        finally:
+            self._resolving.discard(request_id)
         gen_request.owner = caller
         try:
             handle = self._engine.submit(gen_request)
@@ -294,6 +308,9 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
             self._forget(request_id)
             span.end("error", "submit failed")
             raise
+        if request_id in self._aborted_before_admission:  # Abort came while the prompt was tokenized
+            self._aborted_before_admission.discard(request_id)
+            handle.abort()  # its stream ends with ABORT, as any aborted request's
         _log.debug("request admitted", prompt_tokens=len(gen_request.prompt_token_ids))
         return AdmittedRequest(gen_request, handle, span)
 
@@ -401,6 +418,19 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
     def _forget(self, request_id: str) -> None:
         self._live.discard(request_id)
         self._owners.pop(request_id, None)
+        self._aborted_before_admission.discard(request_id)
+
+    def abort_live(self, request_id: str) -> bool:
+        """Abort a live request of this service; False when it has none of that id. One whose prompt is still
+        being resolved is aborted once admitted."""
+        if request_id not in self._live:
+            return False
+        if self._engine.abort(request_id):
+            return True
+        if request_id in self._resolving:
+            self._aborted_before_admission.add(request_id)
+            return True
+        return False
 
     def _reject(
         self, message: str, reason: str, counted_by_engine: bool, span: RequestSpan | None = None
@@ -532,7 +562,7 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
             # With API keys a request belongs to the key that created it; to any other key it does not
             # exist (the same answer as an unknown id, so ids of others cannot be probed).
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no live request '{rid}' of this API key")
-        return engine_pb2.AbortResponse(found=self._engine.abort(rid))
+        return engine_pb2.AbortResponse(found=self.abort_live(rid))
 
     async def _abort_elsewhere(
         self, request: engine_pb2.AbortRequest, context: _AbortContext

@@ -119,6 +119,11 @@ class EngineLink:
         self.frames.send(link.AbortRequest(request_id))
         return True
 
+    def holds(self, request_id: str) -> bool:
+        # An id's inbox stays until its terminal event comes back over the link: until then its events and
+        # admission answer are keyed by the id, so a new request of the same id must not be sent.
+        return request_id in self._inboxes
+
     def finish(self, request_id: str, reason: FinishReason, matched_stop: str) -> bool:
         if request_id not in self._inboxes:
             return False

@@ -222,7 +222,8 @@ class V0Front:
         except V0ProtocolError as exc:
             return json_error(400, str(exc))
         # Unknown, finished or never-admitted ids are no error (OminiX-API aborts even refused requests).
-        found = bool(self._engine.abort(request_id))
+        # Through the service first: it also aborts a request whose prompt is still being tokenized.
+        found = self._service.abort_live(request_id) or bool(self._engine.abort(request_id))
         _log.info("v0 abort", request_id=request_id, found=found)
         return web.json_response({"ok": True, "aborted": request_id, "found": found})
 
@@ -323,7 +324,8 @@ class V0Front:
                 kwargs.update(req.chat_template_kwargs)
                 chat.chat_template_kwargs.CopyFrom(kwargs)
                 pb.messages.CopyFrom(chat)
-        except (ValueError, TypeError) as exc:  # out of the wire types' range (negative ids, huge numbers)
+        # Out of the wire types' range: negative ids, numbers past int64 or a double.
+        except (ValueError, TypeError, OverflowError) as exc:
             raise V0ProtocolError(f"request field out of range: {exc}") from exc
         return pb
 

@@ -11,6 +11,8 @@ accepts a superset (text and token inputs, ``sampling_params`` alias, more sampl
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -95,17 +97,50 @@ def new_request_id() -> str:
 
 
 def parse_json_object(body: bytes, what: str = "request") -> dict[str, Any]:
+    """A JSON object of finite numbers and valid Unicode strings. Python's json reads NaN, Infinity, 1e400
+    and lone-surrogate escapes (``"\\ud800"``), none of which the records echoed back or the wire types
+    can carry."""
     if not body:
         raise V0ProtocolError(f"{what} body is empty")
     try:
-        obj = json.loads(body.decode("utf-8"))
+        obj = json.loads(body.decode("utf-8"), parse_constant=_non_finite, parse_float=_finite_float)
     except UnicodeDecodeError as exc:
         raise V0ProtocolError(f"{what} body is not UTF-8: {exc}") from exc
     except ValueError as exc:
         raise V0ProtocolError(f"{what} body is not valid JSON: {exc}") from exc
     if not isinstance(obj, dict):
         raise V0ProtocolError(f"{what} body must be a JSON object, got {type(obj).__name__}")
+    if _SURROGATE_ESCAPE.search(body) and not _valid_unicode(obj):  # walked only when an escape could be one
+        raise V0ProtocolError(f"{what} body has a string with a lone surrogate (not valid Unicode)")
     return obj
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _non_finite(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:32]} is out of range")
+    return value
+
+
+def _valid_unicode(value: object) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, dict):
+        return all(_valid_unicode(k) and _valid_unicode(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_valid_unicode(v) for v in value)
+    return True
 
 
 def check_envelope(obj: dict[str, Any], message_type: str) -> None:
@@ -305,7 +340,10 @@ def _usage(prompt: int, completion: int, cached: int) -> dict[str, int]:
 
 
 def sse_frame(record: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    # backslashreplace writes a lone surrogate as its JSON escape: a record that cannot be UTF-8 must not
+    # end the stream without its terminal record.
+    text = json.dumps(record, separators=(",", ":"), ensure_ascii=False)
+    return b"data: " + text.encode("utf-8", "backslashreplace") + b"\n\n"
 
 
 def error_body(message: str, code: str = "", retryable: bool = False) -> dict[str, Any]:
@@ -354,7 +392,10 @@ def _int(value: Any, what: str) -> int:
 def _number(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise V0ProtocolError(f"{what} must be a number, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # a JSON integer has no size limit
+        raise V0ProtocolError(f"{what} is out of range") from None
 
 
 def _non_negative_int(obj: dict[str, Any], key: str) -> int:

@@ -48,6 +48,10 @@ _MARK_CLOSE = "\ue001"
 _MARK = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
 
 
+# What apply_chat_template itself passes to the template beside its add_generation_prompt argument.
+_TEMPLATE_VARIABLES = frozenset({"messages", "bos_token", "eos_token"})
+
+
 class TokenizerError(InvalidArgument):
     """The model's tokenizer cannot be built or used."""
 
@@ -337,6 +341,13 @@ class Tokenizer:
         """
         # The template writes its own BOS/special tokens, so none are added on top (HF behaviour).
         extra = dict(template_kwargs or {})  # e.g. enable_thinking for Qwen3-style templates
+        # A caller's kwargs may turn the generation prompt off (to continue a turn), as the argument does.
+        add_generation_prompt = bool(extra.pop("add_generation_prompt", add_generation_prompt))
+        taken = sorted(_TEMPLATE_VARIABLES & extra.keys())
+        if taken:
+            raise TokenizerError(
+                f"chat_template_kwargs may not set {', '.join(taken)}: the engine fills them"
+            )
         if parse_special_in_content:
             text = self.apply_chat_template(messages, add_generation_prompt, **extra)
             return EncodedPrompt(text, self.encode(text, add_special_tokens=False))

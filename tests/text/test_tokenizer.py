@@ -85,6 +85,20 @@ def test_template_raise_exception_becomes_a_clear_error(ours: Tokenizer) -> None
     assert bad.apply_chat_template([{"role": "user", "content": "x"}]) == "ok"
 
 
+def test_template_kwargs_may_turn_the_generation_prompt_off_but_not_set_the_engines_variables(
+    ours: Tokenizer,
+) -> None:
+    """chat_template_kwargs {"add_generation_prompt": false} (to continue a turn) renders as the argument does;
+    the variables the engine fills itself are refused with a clear error, not a TypeError."""
+    messages = [{"role": "user", "content": "hi"}]
+    off = ours.tokenize_chat(messages, template_kwargs={"add_generation_prompt": False})
+    assert off == ours.tokenize_chat(messages, add_generation_prompt=False)
+    assert off != ours.tokenize_chat(messages)  # the default writes the assistant's header
+    for key in ("messages", "bos_token", "eos_token"):
+        with pytest.raises(TokenizerError, match=f"may not set {key}"):
+            ours.tokenize_chat(messages, template_kwargs={key: "x"})
+
+
 def test_hf_folder_round_trip(ours: Tokenizer, tmp_path: Path) -> None:
     """The GGUF tokenizer exported to tokenizer.json loads back from a HF folder with the same behaviour."""
     ours.backend.save(str(tmp_path / "tokenizer.json"))

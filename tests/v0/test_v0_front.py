@@ -144,6 +144,9 @@ def test_bad_json_and_wrong_envelope_are_400_with_a_json_error(sglang_v0_daemon:
             json.dumps({**good, "model": "some-other-model"}).encode(),
             json.dumps({**good, "sampling": {"max_new_tokens": 4, "temperature": -1.0}}).encode(),
             json.dumps({**good, "sampling": {"max_new_tokens": 0}}).encode(),
+            json.dumps({**good, "sampling": {"max_new_tokens": float("nan")}}).encode(),  # NaN
+            json.dumps({**good, "trace_id": "\ud800"}).encode(),  # escaped as \\ud800, a lone surrogate
+            json.dumps({**good, "input": {**good["input"], "chat_template_kwargs": {"x": 10**400}}}).encode(),
         ]
         out = []
         for raw in bodies:
@@ -159,6 +162,7 @@ def test_bad_json_and_wrong_envelope_are_400_with_a_json_error(sglang_v0_daemon:
     assert "protocol_version" in messages[3] and "message_type" in messages[4] and "input.kind" in messages[5]
     assert "some-other-model" in messages[6] and answers[6][1]["error"]["code"] == "capability_mismatch"
     assert "temperature" in messages[7] and "max_new_tokens" in messages[8]
+    assert "NaN" in messages[9] and "lone surrogate" in messages[10] and "out of range" in messages[11]
 
 
 def test_refusals_before_streaming_map_to_the_statuses_ominix_api_reads(sglang_v0_daemon: V0Daemon) -> None:

@@ -67,11 +67,34 @@ def test_sampling_aliases_and_defaults() -> None:
         (body(prompt="a", sampling={"max_new_tokens": 1.5}), "integer"),
         (body(prompt="a", stream="yes"), "stream"),
         (body(prompt="a", priority="urgent"), "priority"),
+        # Python's json reads these; neither the echoed records nor the wire types can carry them.
+        (b'{"prompt": "a", "sampling": {"max_new_tokens": NaN}}', "NaN is not a JSON number"),
+        (b'{"prompt": "a", "deadline_ms": Infinity}', "Infinity is not a JSON number"),
+        (b'{"prompt": "a", "sampling": {"temperature": 1e400}}', "out of range"),
+        (body(prompt="a", sampling={"temperature": 10**400}), "temperature is out of range"),
+        (b'{"prompt": "a", "trace_id": "\\ud800"}', "lone surrogate"),
+        (
+            b'{"input": {"kind": "chat", "messages": [{"role": "user", "content": "x\\udfff"}]}}',
+            "lone surrogate",
+        ),
     ],
 )
 def test_refusals_name_the_field(raw: bytes, needle: str) -> None:
     with pytest.raises(V0ProtocolError, match=needle):
         parse_generate_request(raw)
+
+
+def test_surrogate_pairs_and_finite_numbers_pass() -> None:
+    """Only a lone surrogate is refused: an escaped pair is one valid character."""
+    req = parse_generate_request(b'{"prompt": "\\ud83d\\ude00", "sampling": {"temperature": 0.5e1}}')
+    assert req.text == "\U0001f600" and req.sampling.temperature == 5.0
+
+
+def test_a_record_that_is_not_valid_unicode_still_frames() -> None:
+    """A lone surrogate in a record is written as its JSON escape: the frame is UTF-8 and reads back whole."""
+    frame = sse_frame({"text_delta": "a\ud800", "kind": "token"})
+    assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
+    assert json.loads(frame[6:].decode("utf-8")) == {"text_delta": "a\ud800", "kind": "token"}
 
 
 def test_abort_body() -> None:

@@ -1,0 +1,140 @@
+"""A request id between its client's going and its end, and an Abort that comes while the prompt is tokenized.
+
+A cancelled request is aborted at once, but behind ``--front-procs`` its terminal event comes back over the
+link a round trip later: until then a new request of the same id is refused (ALREADY_EXISTS), never handed
+the old one's events. An Abort of a live request whose prompt is still being tokenized is not lost: the
+request ends with ABORT as soon as it is admitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from server_harness import SMOLLM2_VOCAB, RunningDaemon, start_daemon, stop_daemon
+
+from ominix_runtime.config import FrontConfig, RuntimeConfig
+from ominix_runtime.engine.config import EngineCoreConfig
+from ominix_runtime.engine.core import EngineCore
+from ominix_runtime.engine.negotiation import ServingTerms
+from ominix_runtime.models import DEFAULT_MODEL_NAME
+from ominix_runtime.pb import common_pb2, engine_pb2
+from ominix_runtime.server.engine_service import AlreadyLive, EngineService, EngineServiceBase
+from ominix_runtime.server.front_hub import FrontHub, FrontSpec
+from ominix_runtime.server.front_process import EngineLink, FrontService
+from ominix_runtime.server.logging import configure_logging
+from ominix_runtime.testing.fake_backend import FakeConfig, FakeStepBackend
+
+
+def _request(rid: str, max_tokens: int) -> engine_pb2.GenerateRequest:
+    return engine_pb2.GenerateRequest(
+        request_id=rid,
+        input_ids=engine_pb2.TokenIds(ids=[11, 12, 13, 14]),
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
+
+
+async def _consume(
+    front: EngineServiceBase, pb: engine_pb2.GenerateRequest, out: list[engine_pb2.GenerateEvent]
+) -> None:
+    admitted = await front.admit(pb, pb.request_id)
+    async with contextlib.aclosing(front.stream_and_release(admitted)) as events:
+        async for event in events:
+            out.append(event)
+
+
+def test_a_cancelled_id_behind_a_front_process_is_refused_until_its_end_comes_back() -> None:
+    async def main() -> tuple[bool, list[engine_pb2.GenerateEvent], int]:
+        backend = FakeStepBackend(
+            FakeConfig(model_name=DEFAULT_MODEL_NAME, vocab_size=SMOLLM2_VOCAB, step_latency=0.005)
+        )
+        core = EngineCore([backend], EngineCoreConfig())
+        await core.start(ServingTerms(DEFAULT_MODEL_NAME, None))
+        config = RuntimeConfig()
+        hub = FrontHub(config, core, EngineService(core, None, DEFAULT_MODEL_NAME))
+        server = await asyncio.start_unix_server(hub._serve_link, hub.link_path)  # noqa: SLF001
+        link, first_messages = await EngineLink.connect(hub.link_path)
+        reading = asyncio.create_task(link.run(first_messages))
+        front = FrontService(link, FrontSpec(config, 0, hub.link_path))
+        try:
+            first: list[engine_pb2.GenerateEvent] = []
+            streaming = asyncio.create_task(_consume(front, _request("reuse", 300), first))
+            while not any(e.HasField("token") for e in first):
+                await asyncio.sleep(0.005)
+            streaming.cancel()  # the client went away mid-stream: the front aborts it over the link
+            with contextlib.suppress(asyncio.CancelledError):
+                await streaming
+            # At once, the old request's Done(ABORT) has not come back: the id is still the old request's.
+            refused = False
+            try:
+                await _consume(front, _request("reuse", 20), [])
+            except AlreadyLive:
+                refused = True
+            while link.holds("reuse"):
+                await asyncio.sleep(0.005)
+            second: list[engine_pb2.GenerateEvent] = []
+            await asyncio.wait_for(_consume(front, _request("reuse", 20), second), 20)
+            return refused, second, sum(load.running_requests for load in core.load())
+        finally:
+            front.close()
+            server.close()
+            reading.cancel()
+            await core.stop(drain_timeout=0)
+
+    refused, second, running = asyncio.run(main())
+    assert refused
+    # Once it ended, the id runs again with its own events only.
+    assert sum(len(e.token.token_ids) for e in second if e.HasField("token")) == 20
+    assert [e.done.finish_reason for e in second if e.HasField("done")] == [common_pb2.FINISH_REASON_LENGTH]
+    assert running == 0
+
+
+@pytest.fixture(scope="module")
+def in_process_daemon() -> Iterator[RunningDaemon]:
+    configure_logging("warning", json_output=True)
+    running, thread = start_daemon(
+        FakeConfig(vocab_size=SMOLLM2_VOCAB, eos_token_ids=(2,), max_model_len=2048, step_latency=0.002),
+        front=FrontConfig(procs=0),
+    )
+    try:
+        yield running
+    finally:
+        stop_daemon(running, thread)
+
+
+def test_an_abort_while_the_prompt_is_tokenized_ends_the_request(in_process_daemon: RunningDaemon) -> None:
+    service = in_process_daemon.daemon._service  # noqa: SLF001
+    pool = service._pool  # noqa: SLF001
+    assert pool is not None
+    encode = pool.encode_prompt
+
+    async def slow_encode(text: str, parse_special: bool) -> list[int]:
+        await asyncio.sleep(0.5)  # a long prompt being tokenized
+        return await encode(text, parse_special)
+
+    pool.encode_prompt = slow_encode  # type: ignore[method-assign]
+    try:
+        events: list[engine_pb2.GenerateEvent] = []
+        pb = engine_pb2.GenerateRequest(
+            request_id="abort-early",
+            prompt="hello there",
+            sampling=common_pb2.SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True),
+        )
+        reader = threading.Thread(
+            target=lambda: events.extend(in_process_daemon.stub.Generate(pb, timeout=30))
+        )
+        reader.start()
+        time.sleep(0.2)  # the request is live, its prompt still being tokenized
+        found = in_process_daemon.stub.Abort(
+            engine_pb2.AbortRequest(request_id="abort-early"), timeout=5
+        ).found
+        reader.join(30)
+    finally:
+        pool.encode_prompt = encode  # type: ignore[method-assign]
+    assert found
+    assert [e.done.finish_reason for e in events if e.HasField("done")] == [common_pb2.FINISH_REASON_ABORT]
+    assert sum(len(e.token.token_ids) for e in events if e.HasField("token")) < 300
