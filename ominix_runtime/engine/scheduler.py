@@ -133,6 +133,7 @@ class Scheduler:
         self.finished: list[EngineRequest] = []  # ended requests, drained by the group (for its run reports)
         self.last_plan: BatchPlan | None = None
         self._pending_finished_ids: list[str] = []
+        self._schedule_events: list[WorkerEvent] = []  # of requests schedule() ended; see take_events()
         self._inflight: dict[int, list[_Scheduled]] = {}
         self._next_step_id = 1
         self._admission_wait_steps = 0  # steps in a row that backlog_admission_slots held admission
@@ -153,6 +154,13 @@ class Scheduler:
                 needs_token_ids=True,
             ),
         )
+        # Without chunked prefill a prompt is computed in one step, so one over the step budget never runs.
+        n = len(req.prompt_token_ids)
+        if n > self.max_batch_tokens and not self.chunked_prefill:
+            raise InvalidArgument(
+                f"the prompt has {n} tokens; worker {self.worker_id} computes at most {self.max_batch_tokens} "
+                "tokens per step (max_batch_tokens) and chunked prefill is off"
+            )
 
     def add_request(self, req: GenerateRequest) -> None:
         """Admit ``req`` to the waiting queue, or raise OminixError (nothing changes then)."""
@@ -252,6 +260,12 @@ class Scheduler:
         self.requests[req.request_id] = ereq
         self.waiting.push_back(ereq)
         self.counters.resumed += 1
+
+    def take_events(self) -> list[WorkerEvent]:
+        """Events of requests that ``schedule()`` ended (one it could never compute), for the caller to
+        deliver after each ``schedule()`` call."""
+        events, self._schedule_events = self._schedule_events, []
+        return events
 
     def has_work(self) -> bool:
         return bool(self.requests) or bool(self._pending_finished_ids)
@@ -523,6 +537,7 @@ class Scheduler:
         held and from then on takes only ``budget``."""
         blocked: list[EngineRequest] = []  # waiting requests skipped this step for lack of KV or budget
         admitted: list[EngineRequest] = []
+        too_long: list[tuple[EngineRequest, int]] = []  # (request, tokens it must compute in one step)
         limit_applies = limit_left is not None
         limit = limit_left or 0
         for req in self.waiting:
@@ -542,6 +557,11 @@ class Scheduler:
                 room = min(budget, limit)
             hit = self.registry.find_prefix(req.all_token_ids)
             remaining = req.num_tokens - hit.num_tokens
+            if remaining > self.max_batch_tokens and not self.chunked_prefill:
+                # validate() refuses such prompts, but a preempted or adopted request recomputes its outputs
+                # too. Left waiting it would never run, and past max_bypass_steps block everything behind it.
+                too_long.append((req, remaining))
+                continue
             n = min(remaining, room)
             blocks = None
             if n == remaining or self.chunked_prefill:
@@ -582,6 +602,14 @@ class Scheduler:
                 limit -= n
         for req in admitted:  # removed after the loop: the queue is not modified while iterated
             self.waiting.remove(req.request_id)
+        for req, remaining in too_long:
+            error = (
+                RuntimeErrorKind.KV_CAPACITY_EXCEEDED,
+                f"request {req.request_id} must compute {remaining} tokens in one step (its prompt and the "
+                f"outputs it recomputes) but worker {self.worker_id} computes at most {self.max_batch_tokens} "
+                "per step (max_batch_tokens) and chunked prefill is off",
+            )
+            self._end(req, self._schedule_events, FinishReason.ERROR, error)
 
     def _start(self, req: EngineRequest, hit: PrefixHit, step_id: int) -> None:
         self.registry.prefix_query_tokens += len(req.all_token_ids)

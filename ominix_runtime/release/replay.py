@@ -144,6 +144,7 @@ class _Replayer:
             record = TickRecord(tick=tick, step_id=None)
             self._arrivals(record)
             step = self.scheduler.schedule()
+            self.scheduler.take_events()  # a request schedule() ended is reported from scheduler.finished
             if step is not None:
                 self._schedule(step, record)
             # Occupancy while the step runs (after scheduling, before its answer frees anything).

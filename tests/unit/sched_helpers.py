@@ -83,6 +83,7 @@ def drive(
             feeding = bool(on_step(run))
         while len(inflight) < max_inflight:
             step = s.schedule()
+            run.record(s.take_events())
             if step is None:
                 break
             assert step.num_scheduled_tokens <= s.max_batch_tokens

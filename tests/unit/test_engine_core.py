@@ -101,6 +101,34 @@ def test_preempted_requests_match_an_unpreempted_run_through_the_engine() -> Non
     assert all(len(t) == 24 for t in results[0].values())
 
 
+def test_a_request_too_long_to_recompute_without_chunking_gets_its_error_on_its_stream() -> None:
+    """Unchunked, a request preempted after its prompt + outputs outgrew max_batch_tokens is ended by the
+    scheduler while it builds a step: its client still gets the Error (and only that terminal event), its KV
+    is freed, and the requests behind it finish."""
+    backend = FakeStepBackend(FakeConfig(max_batch_tokens=64, kv_block_size=4, kv_num_blocks=32))
+    config = EngineCoreConfig(
+        scheduler=SchedulerConfig(
+            enable_chunked_prefill=False, enable_prefix_caching=False, max_bypass_steps=2
+        )
+    )
+
+    async def body(core: EngineCore) -> None:
+        first = core.submit(_req("first", n=40, max_tokens=40))
+        long = core.submit(_req("long", n=60, max_tokens=30, base=20))  # the later arrival: the victim
+        events = await asyncio.wait_for(_collect(long), 5.0)
+        later = [core.submit(_req(f"later{i}", n=3, max_tokens=4, base=30 + i)) for i in range(4)]
+        assert sum(is_terminal(e) for e in events) == 1 and isinstance(events[-2], Usage)
+        end = events[-1]
+        assert isinstance(end, Error) and end.kind == RuntimeErrorKind.KV_CAPACITY_EXCEEDED
+        assert "max_batch_tokens" in end.message and len(_tokens(events)) > 64 - 60
+        for done in await asyncio.gather(*(_collect(h) for h in [first, *later])):
+            _check_stream(done)
+            assert isinstance(done[-1], Done)
+        assert core.stats().preemptions >= 1 and core.groups[0].kv_blocks[0] == 0
+
+    _run([backend], body, config)
+
+
 def test_abort_frees_kv_and_ends_the_stream_once() -> None:
     backend = FakeStepBackend(FakeConfig(step_latency=0.002))
 
@@ -281,6 +309,34 @@ def test_a_request_groups_queue_counts_follow_submissions_starts_and_ends() -> N
         for events in await asyncio.gather(*(_collect(h) for h in handles.values())):
             assert sum(is_terminal(e) for e in events) == 1
         assert (group.num_queued, group.num_running, group.num_waiting_tokens) == (0, 0, 0)
+
+    _run([backend], body)
+
+
+def test_requests_ended_before_their_forwarding_task_runs_give_their_running_slot_back() -> None:
+    """A request aborted or finished in the same turn of the loop as its submission (its forwarding task
+    cancelled before its first step) gets one terminal event and frees its running slot: more such ends than
+    max_running_requests still leave the group forwarding the requests that follow."""
+    backend = FakeRequestBackend(FakeConfig(worker_id="req", max_running_requests=2))
+
+    async def body(core: EngineCore) -> None:
+        (group,) = core.groups
+        ended = []
+        for i in range(3):
+            ended.append(core.submit(_req(f"abort{i}", max_tokens=4)))
+            assert core.abort(f"abort{i}")
+            ended.append(core.submit(_req(f"stop{i}", max_tokens=4)))
+            assert core.finish(f"stop{i}", FinishReason.STOP, "")
+        for events in await asyncio.gather(*(_collect(h) for h in ended)):
+            assert sum(is_terminal(e) for e in events) == 1 and isinstance(events[-1], Done)
+        await asyncio.sleep(0)  # the cancelled tasks finish
+        assert group.num_running == 0
+        after = [core.submit(_req(f"after{i}", max_tokens=3)) for i in range(3)]
+        outs = await asyncio.wait_for(asyncio.gather(*(_collect(h) for h in after)), 2.0)
+        for events in outs:
+            _check_stream(events)
+            assert isinstance(events[-1], Done) and events[-1].finish_reason == FinishReason.LENGTH
+            assert len(_tokens(events)) == 3
 
     _run([backend], body)
 

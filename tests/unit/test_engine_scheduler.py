@@ -756,3 +756,53 @@ def test_a_request_resumed_after_preemption_may_find_its_tokens_whole() -> None:
     assert resumed[0].num_cached_kv_tokens == 8 and len(resumed[0].output_token_ids) == 2
     assert run.tokens("b") == run.tokens("a") and run.backend.violations == []
     s.registry.check_quiescent()
+
+
+def test_without_chunked_prefill_a_prompt_over_the_step_budget_is_refused() -> None:
+    """Unchunked, a prompt is computed in one step: one longer than max_batch_tokens is refused at admission,
+    naming the budget, while one that fits it (or any prompt with chunked prefill) is accepted."""
+    fake = FakeConfig(max_batch_tokens=64, max_model_len=4096)
+    s = make(fake, SchedulerConfig(enable_chunked_prefill=False)).scheduler
+    with pytest.raises(OminixError) as e:
+        s.add_request(request("long", _prompt(65), max_tokens=4))
+    assert e.value.kind == RuntimeErrorKind.INVALID_ARGUMENT
+    assert "65 tokens" in e.value.message and "64 tokens per step (max_batch_tokens)" in e.value.message
+    assert s.counters.rejected == 1 and not s.requests
+    s.add_request(request("fits", _prompt(64), max_tokens=4))
+    chunked = make(fake, SchedulerConfig(enable_chunked_prefill=True)).scheduler
+    chunked.add_request(request("long", _prompt(65), max_tokens=4))
+    assert set(s.requests) == {"fits"} and set(chunked.requests) == {"long"}
+
+
+def test_without_chunked_prefill_a_preempted_request_too_long_to_recompute_ends_and_unblocks_the_queue() -> (
+    None
+):
+    """Unchunked, a request preempted once its prompt + outputs exceed max_batch_tokens could never be
+    recomputed: it ends with one Error naming the budget (its KV freed) instead of waiting forever and, past
+    max_bypass_steps, holding back every request queued behind it; the others all finish."""
+    run = make(
+        FakeConfig(max_batch_tokens=64, kv_block_size=4, kv_num_blocks=32),
+        SchedulerConfig(enable_chunked_prefill=False, enable_prefix_caching=False, max_bypass_steps=2),
+    )
+    s = run.scheduler
+    s.add_request(request("first", _prompt(40), max_tokens=40))
+    # Arrives later, so it is the victim once the two outgrow the 128 tokens of KV (each past ~14 outputs,
+    # when it holds 74 tokens or more).
+    s.add_request(request("long", _prompt(60, base=100), max_tokens=30))
+    added = 0
+
+    def feed(r: Run) -> bool:
+        nonlocal added
+        if added < 6 and "long" in r.events:  # queued behind the long request
+            s.add_request(request(f"short{added}", _prompt(3, base=300 + added), max_tokens=4))
+            added += 1
+        return added < 6
+
+    drive(run, on_step=feed, max_steps=2000)
+    end = run.terminal("long")
+    assert isinstance(end, Error) and end.kind == RuntimeErrorKind.KV_CAPACITY_EXCEEDED
+    assert "64 per step (max_batch_tokens)" in end.message
+    assert len(run.tokens("long")) > 64 - 60  # preempted after its prompt + outputs outgrew the budget
+    assert all(isinstance(run.terminal(rid), Done) for rid in ["first"] + [f"short{i}" for i in range(6)])
+    assert s.counters.failed == 1 and s.counters.preemptions >= 1
+    s.registry.check_quiescent()

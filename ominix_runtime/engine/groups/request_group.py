@@ -10,6 +10,7 @@ harmless, counted as protocol violations and logged, so the conformance suite ca
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import time
 from collections.abc import AsyncIterator
@@ -176,6 +177,16 @@ class RequestWorkerGroup(WorkerGroup):
             self._num_running += 1
             self._leave_queue(fwd)
             fwd.task = asyncio.create_task(self._forward(fwd), name=f"ominix-forward-{rid}")
+            # The slot is given back when the task is done, not in the coroutine's own finally: a task
+            # cancelled before its first step (an abort in the same turn of the loop) never runs its body.
+            fwd.task.add_done_callback(functools.partial(self._forwarding_done, fwd))
+
+    def _forwarding_done(self, fwd: _Forwarded, task: asyncio.Task[None]) -> None:
+        """Runs once per forwarding task, however it ended: frees its running slot and fills it."""
+        self._num_running -= 1
+        self._end(fwd, FinishReason.ERROR, (RuntimeErrorKind.INTERNAL, "forwarding ended unexpectedly"))
+        if self.running:
+            self._pump()
 
     def abort(self, request_id: str, reason: FinishReason, error: ErrorInfo | None) -> bool:
         fwd = self._live.get(request_id)
@@ -327,11 +338,7 @@ class RequestWorkerGroup(WorkerGroup):
             self._end(
                 fwd, FinishReason.ERROR, (RuntimeErrorKind.BACKEND_UNAVAILABLE, f"backend failed: {exc}")
             )
-        finally:
-            self._num_running -= 1
-            self._end(fwd, FinishReason.ERROR, (RuntimeErrorKind.INTERNAL, "forwarding ended unexpectedly"))
-            if self.running:
-                self._pump()
+        # The running slot and a request left without a terminal event are settled by _forwarding_done.
 
     def _end(
         self,

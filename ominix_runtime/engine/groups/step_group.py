@@ -320,7 +320,7 @@ class StepWorkerGroup(WorkerGroup):
                     self.scheduler.num_running, self.scheduler.num_waiting
                 ):
                     step = self.scheduler.schedule()
-                    self._emit([])
+                    self._emit(self.scheduler.take_events())
                     if step is None:
                         break
                     self._inflight.append((step, loop.time()))
