@@ -274,6 +274,12 @@ class FrontHub:
             self._service.count_refusal(exc.message, exc.kind.name.lower(), counted_by_engine=True)
             front.frames.send(link.Refused(rid, exc.kind, exc.message, duplicate=False))
             return
+        except Exception as exc:  # noqa: BLE001 - a bug on one request must not end the front's link
+            _log.exception("submit failed", request_id=rid)
+            text = f"the engine could not take the request: {exc!r}"
+            self._service.count_refusal(text, "internal", counted_by_engine=False)
+            front.frames.send(link.Refused(rid, RuntimeErrorKind.INTERNAL, text, duplicate=False))
+            return
         front.live.add(rid)
         self._service.track(rid, request.owner)
         front.frames.send(link.Admitted(rid))

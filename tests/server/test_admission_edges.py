@@ -1,9 +1,11 @@
-"""A request id between its client's going and its end, and an Abort that comes while the prompt is tokenized.
+"""Admission at its edges: a request id between its client's going and its end, an Abort that comes while the
+prompt is tokenized, and a request the engine fails to take behind a front process.
 
 A cancelled request is aborted at once, but behind ``--front-procs`` its terminal event comes back over the
 link a round trip later: until then a new request of the same id is refused (ALREADY_EXISTS), never handed
 the old one's events. An Abort of a live request whose prompt is still being tokenized is not lost: the
-request ends with ABORT as soon as it is admitted.
+request ends with ABORT as soon as it is admitted. A bug on one request's submission refuses that request
+(INTERNAL) and leaves the front's link, and every other request on it, alone.
 """
 
 from __future__ import annotations
@@ -12,14 +14,15 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from server_harness import SMOLLM2_VOCAB, RunningDaemon, start_daemon, stop_daemon
 
 from ominix_runtime.config import FrontConfig, RuntimeConfig
+from ominix_runtime.contract import GenerateRequest, OminixError, RuntimeErrorKind
 from ominix_runtime.engine.config import EngineCoreConfig
-from ominix_runtime.engine.core import EngineCore
+from ominix_runtime.engine.core import EngineCore, EventSink, RequestHandle
 from ominix_runtime.engine.negotiation import ServingTerms
 from ominix_runtime.models import DEFAULT_MODEL_NAME
 from ominix_runtime.pb import common_pb2, engine_pb2
@@ -47,20 +50,33 @@ async def _consume(
             out.append(event)
 
 
+@contextlib.asynccontextmanager
+async def _front_over_a_link() -> AsyncIterator[tuple[EngineCore, EngineLink, FrontService]]:
+    """An engine core, its front hub, and one front's service linked to it over the hub's socket, in this
+    process: what ``--front-procs`` runs in two processes."""
+    backend = FakeStepBackend(
+        FakeConfig(model_name=DEFAULT_MODEL_NAME, vocab_size=SMOLLM2_VOCAB, step_latency=0.005)
+    )
+    core = EngineCore([backend], EngineCoreConfig())
+    await core.start(ServingTerms(DEFAULT_MODEL_NAME, None))
+    config = RuntimeConfig()
+    hub = FrontHub(config, core, EngineService(core, None, DEFAULT_MODEL_NAME))
+    server = await asyncio.start_unix_server(hub._serve_link, hub.link_path)  # noqa: SLF001
+    link, first_messages = await EngineLink.connect(hub.link_path)
+    reading = asyncio.create_task(link.run(first_messages))
+    front = FrontService(link, FrontSpec(config, 0, hub.link_path))
+    try:
+        yield core, link, front
+    finally:
+        front.close()
+        server.close()
+        reading.cancel()
+        await core.stop(drain_timeout=0)
+
+
 def test_a_cancelled_id_behind_a_front_process_is_refused_until_its_end_comes_back() -> None:
     async def main() -> tuple[bool, list[engine_pb2.GenerateEvent], int]:
-        backend = FakeStepBackend(
-            FakeConfig(model_name=DEFAULT_MODEL_NAME, vocab_size=SMOLLM2_VOCAB, step_latency=0.005)
-        )
-        core = EngineCore([backend], EngineCoreConfig())
-        await core.start(ServingTerms(DEFAULT_MODEL_NAME, None))
-        config = RuntimeConfig()
-        hub = FrontHub(config, core, EngineService(core, None, DEFAULT_MODEL_NAME))
-        server = await asyncio.start_unix_server(hub._serve_link, hub.link_path)  # noqa: SLF001
-        link, first_messages = await EngineLink.connect(hub.link_path)
-        reading = asyncio.create_task(link.run(first_messages))
-        front = FrontService(link, FrontSpec(config, 0, hub.link_path))
-        try:
+        async with _front_over_a_link() as (core, link, front):
             first: list[engine_pb2.GenerateEvent] = []
             streaming = asyncio.create_task(_consume(front, _request("reuse", 300), first))
             while not any(e.HasField("token") for e in first):
@@ -79,11 +95,6 @@ def test_a_cancelled_id_behind_a_front_process_is_refused_until_its_end_comes_ba
             second: list[engine_pb2.GenerateEvent] = []
             await asyncio.wait_for(_consume(front, _request("reuse", 20), second), 20)
             return refused, second, sum(load.running_requests for load in core.load())
-        finally:
-            front.close()
-            server.close()
-            reading.cancel()
-            await core.stop(drain_timeout=0)
 
     refused, second, running = asyncio.run(main())
     assert refused
@@ -138,3 +149,25 @@ def test_an_abort_while_the_prompt_is_tokenized_ends_the_request(in_process_daem
     assert found
     assert [e.done.finish_reason for e in events if e.HasField("done")] == [common_pb2.FINISH_REASON_ABORT]
     assert sum(len(e.token.token_ids) for e in events if e.HasField("token")) < 300
+
+
+def test_a_submission_that_fails_in_the_engine_refuses_that_request_only() -> None:
+    async def main() -> tuple[OminixError, list[engine_pb2.GenerateEvent]]:
+        async with _front_over_a_link() as (core, _link, front):
+            submit = core.submit
+
+            def failing_submit(request: GenerateRequest, sink: EventSink | None = None) -> RequestHandle:
+                if request.request_id == "broken":
+                    raise RuntimeError("a bug on this request")
+                return submit(request, sink)
+
+            core.submit = failing_submit  # type: ignore[method-assign]
+            with pytest.raises(OminixError) as refused:
+                await _consume(front, _request("broken", 4), [])
+            after: list[engine_pb2.GenerateEvent] = []
+            await asyncio.wait_for(_consume(front, _request("after", 4), after), 20)
+            return refused.value, after
+
+    refused, after = asyncio.run(main())
+    assert refused.kind == RuntimeErrorKind.INTERNAL and "a bug on this request" in refused.message
+    assert [e.done.finish_reason for e in after if e.HasField("done")] == [common_pb2.FINISH_REASON_LENGTH]
