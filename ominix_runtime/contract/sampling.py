@@ -11,6 +11,11 @@ DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+# Temperatures below this sample greedily (the first maximum), on the engine and the worker alike. Validation
+# allows any temperature in [0, 100], but dividing logits by one this small overflows float32 (a logit of 30
+# over 1e-38 is inf, and the Gumbel draw then picks among the infinities, not the maximum). Near 0 the
+# softmax is the argmax anyway: at 1e-5 a logit gap of 1e-3 already weighs e^100 to 1.
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _finite(name: str, value: float) -> None:
@@ -37,7 +42,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Sampled as the first maximum: temperature 0, or below ``GREEDY_TEMPERATURE``."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self, vocab_size: int | None = None, max_model_len: int | None = None) -> SamplingParams:
         """Raise :class:`InvalidArgument` naming the first bad field; return self when all are valid."""

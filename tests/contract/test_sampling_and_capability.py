@@ -23,6 +23,7 @@ from ominix_runtime.contract import (
     TokenLogprob,
     stated_profile,
 )
+from ominix_runtime.contract.sampling import GREEDY_TEMPERATURE
 
 MODEL = ModelInfo(name="m", vocab_size=1000, max_model_len=2048, eos_token_ids=(2,))
 
@@ -63,6 +64,24 @@ def test_valid_sampling_normalises_top_k() -> None:
     )
     assert params.top_k == -1
     assert params.is_greedy
+
+
+@pytest.mark.parametrize(
+    ("temperature", "greedy"),
+    [
+        (0.0, True),
+        (1e-44, True),
+        (1e-38, True),
+        (GREEDY_TEMPERATURE / 2, True),
+        (GREEDY_TEMPERATURE, False),
+        (0.7, False),
+    ],
+)
+def test_temperatures_below_the_threshold_are_greedy(temperature: float, greedy: bool) -> None:
+    """Every valid temperature below ``GREEDY_TEMPERATURE`` counts as greedy (what the worker samples as the first
+    maximum), not only 0; from the threshold on, a request samples."""
+    params = SamplingParams(temperature=temperature).validate(vocab_size=1000)
+    assert params.is_greedy is greedy
 
 
 def test_stated_profiles_are_self_consistent_once_filled_in() -> None:

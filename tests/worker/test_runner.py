@@ -402,3 +402,131 @@ def test_penalty_and_min_tokens_tensors_are_built_from_each_rows_ids(runner: Mod
     assert sorted(t.banned_mask.nonzero().tolist()) == sorted([[0, eos], [0, 7]])
     plain = runner._sampling_tensors(rows[1:2])
     assert plain.output_counts is None and plain.prompt_mask is None and plain.banned_mask is None
+
+
+def greedy_request(request_id: str, prompt: list[int], blocks: list[int]) -> NewRequestData:
+    return NewRequestData(request_id, prompt, SamplingParams(temperature=0.0), blocks, 0, len(prompt), 0)
+
+
+def state_of(runner: ModelRunner, request_id: str) -> tuple[int, list[int], list[list[int]]]:
+    """What a step may change in a request's state: computed tokens, output tokens, block tables."""
+    request = runner.requests[request_id]
+    return (
+        request.num_computed_tokens,
+        list(request.output_token_ids),
+        [list(t) for t in request.block_tables],
+    )
+
+
+def decode(runner: ModelRunner, step_id: int, *request_ids: str) -> dict[str, int | None]:
+    """One ordinary decode step of ``request_ids``; each one's sampled token (no errors expected)."""
+    step = DecodeStep(step_id, running_requests=[RunningRequestData(rid, [], 1) for rid in request_ids])
+    outputs = runner.execute_step(step).outputs
+    assert [o.error_kind for o in outputs] == [None] * len(request_ids), outputs
+    return {o.request_id: o.sampled_token_id for o in outputs}
+
+
+def test_a_request_named_twice_in_a_step_is_refused_and_left_as_it_was(runner: ModelRunner) -> None:
+    """A running request listed twice in one step gets one INVALID_ARGUMENT output and no row (it is neither
+    computed nor sampled, its block diffs are not applied); its state stays, a well-formed neighbour runs, and
+    the request then decodes the tokens it would have without that step."""
+    prompt = list(range(20, 29))
+    expected = generate(runner, [greedy_request("x", prompt, [0])], 3)["x"]
+
+    runner.reset()
+    runner.execute_step(
+        DecodeStep(1, new_requests=[greedy_request("x", prompt, [0]), greedy_request("y", [7, 8], [2])])
+    )
+    before = state_of(runner, "x")
+    live = runner.requests["x"]
+    twice = [RunningRequestData("x", [1], 1), RunningRequestData("x", [], 1), RunningRequestData("y", [], 1)]
+    result = runner.execute_step(DecodeStep(2, running_requests=twice))
+
+    assert [o.request_id for o in result.outputs] == ["x", "y"]  # one output per request id
+    refused, neighbour = result.outputs
+    assert refused.error_kind == RuntimeErrorKind.INVALID_ARGUMENT and refused.sampled_token_id is None
+    assert "named twice" in (refused.error_message or "")
+    assert neighbour.error_kind is None and neighbour.sampled_token_id is not None
+    assert result.num_tokens == 1  # y's row alone
+    assert runner.requests["x"] is live and state_of(runner, "x") == before
+    assert [decode(runner, 3, "x")["x"], decode(runner, 4, "x")["x"]] == expected[1:]
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(temperature=0.0), SamplingParams(top_p=0.0)], ids=["valid", "invalid"]
+)
+def test_a_new_request_reusing_a_live_id_is_refused_and_the_live_one_kept(
+    runner: ModelRunner, sampling: SamplingParams
+) -> None:
+    """A new request whose id the worker still holds (not finished by the same step) is refused with
+    INVALID_ARGUMENT whether or not it is valid itself; the live request's state is neither replaced nor
+    dropped, and it goes on decoding as if that step had not come."""
+    prompt = list(range(30, 41))
+    expected = generate(runner, [greedy_request("x", prompt, [0])], 3)["x"]
+
+    runner.reset()
+    runner.execute_step(DecodeStep(1, new_requests=[greedy_request("x", prompt, [0])]))
+    before = state_of(runner, "x")
+    live = runner.requests["x"]
+    reuse = NewRequestData("x", [9, 9, 9], sampling, [1], 0, 3, 0)
+    result = runner.execute_step(DecodeStep(2, new_requests=[reuse]))
+
+    assert len(result.outputs) == 1
+    refused = result.outputs[0]
+    assert refused.request_id == "x" and refused.error_kind == RuntimeErrorKind.INVALID_ARGUMENT
+    assert "already in use" in (refused.error_message or "")
+    assert result.num_tokens == 0
+    assert runner.requests["x"] is live and state_of(runner, "x") == before
+    assert [decode(runner, 3, "x")["x"], decode(runner, 4, "x")["x"]] == expected[1:]
+
+
+def test_a_new_request_named_twice_adds_no_state(runner: ModelRunner) -> None:
+    """Two new requests with one id in a step: one INVALID_ARGUMENT output, and the worker holds nothing
+    under that id afterwards."""
+    runner.reset()
+    result = runner.execute_step(
+        DecodeStep(1, new_requests=[greedy_request("z", [4, 5], [0]), greedy_request("z", [6, 7], [1])])
+    )
+    assert [(o.request_id, o.error_kind) for o in result.outputs] == [
+        ("z", RuntimeErrorKind.INVALID_ARGUMENT)
+    ]
+    assert "z" not in runner.requests and result.num_tokens == 0
+
+
+def test_an_id_finished_in_the_same_step_may_be_reused(runner: ModelRunner) -> None:
+    """A step that finishes a request and starts a new one under its id (a preempted request resent whole)
+    runs the new one: finished ids are dropped before new requests are checked."""
+    prompt = list(range(50, 58))
+    expected = generate(runner, [greedy_request("x", prompt, [1])], 1)["x"]
+
+    runner.reset()
+    runner.execute_step(DecodeStep(1, new_requests=[greedy_request("x", [3, 4, 5], [0])]))
+    old = runner.requests["x"]
+    result = runner.execute_step(
+        DecodeStep(2, new_requests=[greedy_request("x", prompt, [1])], finished_request_ids=["x"])
+    )
+    assert [(o.request_id, o.error_kind) for o in result.outputs] == [("x", None)]
+    assert result.outputs[0].sampled_token_id == expected[0]
+    assert runner.requests["x"] is not old and runner.requests["x"].prompt_token_ids == prompt
+
+
+@pytest.mark.parametrize("temperature", [1e-44, 1e-38, 9e-6])
+def test_a_temperature_below_the_greedy_threshold_samples_the_greedy_tokens(
+    runner: ModelRunner, temperature: float
+) -> None:
+    """A valid temperature below ``GREEDY_TEMPERATURE`` draws the greedy tokens, alone (the all-greedy path) and
+    beside a sampled request (the sampler's per-row choice), rather than overflowing ``logits / temperature``."""
+    prompt = list(range(20, 36))
+    expected = generate(runner, [greedy_request("g", prompt, [0, 1])], 4)["g"]
+    tiny = SamplingParams(temperature=temperature, seed=1).validate(vocab_size=runner.vocab_size)
+    assert tiny.is_greedy
+    alone = generate(runner, [NewRequestData("t", prompt, tiny, [0, 1], 0, len(prompt), 0)], 4)["t"]
+    beside = generate(
+        runner,
+        [
+            NewRequestData("t", prompt, tiny, [0, 1], 0, len(prompt), 0),
+            NewRequestData("s", list(range(40, 50)), seeded(3), [2], 0, 10, 0),
+        ],
+        4,
+    )["t"]
+    assert alone == expected and beside == expected

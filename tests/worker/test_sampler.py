@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from ominix_runtime.contract import SamplingParams
+from ominix_runtime.contract.sampling import GREEDY_TEMPERATURE
 from ominix_worker.sampler import SamplingTensors, apply_penalties, apply_truncation, sample, uniform_noise
 
 VOCAB = 64
@@ -153,3 +156,45 @@ def test_nan_rows_are_flagged() -> None:
     logits = random_logits(2)
     logits[1, 5] = float("nan")
     assert sample(logits, tensors(2)).bad_rows.tolist() == [False, True]
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-39, 1e-44, 9e-6])
+@pytest.mark.parametrize(
+    "row", [[5.0, 6.0, 30.0, 4.0, -1.0, 0.0, 7.0, 2.0], [-5.0, -6.0, -0.5, -4.0, -9.0, -7.0, -8.0, -3.0]]
+)
+def test_a_temperature_below_the_greedy_threshold_takes_the_argmax(
+    temperature: float, row: list[float]
+) -> None:
+    """A valid temperature (any in [0, 100]) below ``GREEDY_TEMPERATURE`` takes the argmax, also beside a sampled
+    row: dividing these logits by it would overflow them to equal infinities, among which the draw cannot find
+    the maximum."""
+    assert SamplingParams(temperature=temperature).validate(vocab_size=8).is_greedy
+    logits = torch.tensor([row, row])
+    t = tensors(
+        2,
+        temperature=torch.tensor([temperature, 1.0]),
+        top_k=torch.full((2,), 8, dtype=torch.int64),
+        seeds=torch.tensor([1, 2], dtype=torch.int64),
+    )
+    assert int(sample(logits, t).token_ids[0]) == 2
+
+
+def test_the_greedy_threshold_is_where_sampling_starts() -> None:
+    """At ``GREEDY_TEMPERATURE`` a row samples (the seeded noise outweighs a tiny lead of token 0); at half of
+    it, the row takes the first maximum whatever its seed."""
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 0] = 1e-6
+
+    def first_row_tokens(temperature: float) -> list[int]:
+        return [
+            int(
+                sample(
+                    logits,
+                    tensors(2, temperature=torch.tensor([temperature, 1.0]), seeds=torch.tensor([s, 0])),
+                ).token_ids[0]
+            )
+            for s in range(8)
+        ]
+
+    assert first_row_tokens(GREEDY_TEMPERATURE) != [0] * 8
+    assert first_row_tokens(GREEDY_TEMPERATURE / 2) == [0] * 8

@@ -210,6 +210,116 @@ def test_a_failure_after_a_pending_step_keeps_the_order() -> None:
     assert isinstance(out.outcomes[0], StepResult) and isinstance(out.outcomes[1], StepFailure)
 
 
+DEVICE_FAULT = "CUDA error: an illegal memory access was encountered"
+
+
+class FaultyPendingRunner(ScriptedRunner):
+    """Pipelined; asking whether step ``fault_step``'s ids arrived (``in_poll``) or waiting for them raises once,
+    as a sticky device error surfaces in the event query or synchronize of the step after it."""
+
+    def __init__(self, fault_step: int, in_poll: bool, fail_steps: frozenset[int] = frozenset()) -> None:
+        super().__init__(pipelined=True, fail_steps=fail_steps)
+        self.fault_step = fault_step
+        self.in_poll = in_poll
+
+    def _fault(self) -> None:
+        if self._pending == self.fault_step:
+            self.fault_step = 0
+            raise RuntimeError(DEVICE_FAULT)
+
+    def pending_ready(self) -> bool:
+        if self.in_poll:
+            self._fault()
+        return super().pending_ready()
+
+    def finish_pending(self) -> None:
+        if not self.in_poll:
+            self._fault()
+        super().finish_pending()
+
+
+@pytest.mark.parametrize("in_poll", [True, False], ids=["polling", "finishing"])
+def test_a_fault_on_a_pending_step_fails_it_at_once_and_the_loop_lives_on(in_poll: bool) -> None:
+    """A device fault raised while the loop waits for a pending step's ids (its event query or its finish) is
+    that step's failure, emitted at once with the cause, with the pending state dropped; the loop then answers
+    the steps that follow, in order."""
+    runner = FaultyPendingRunner(fault_step=1, in_poll=in_poll)
+    loop, out, thread = start(runner)
+    loop.submit(1, lambda: DecodeStep(1))  # no next step queued: the loop polls step 1 and meets the fault
+    failure = out.wait_for(1)[0]
+    assert isinstance(failure, StepFailure) and failure.step_id == 1
+    assert failure.message == f"step 1 failed: RuntimeError: {DEVICE_FAULT}"
+    assert not runner.has_pending()
+    loop.submit(2, lambda: DecodeStep(2))
+    loop.submit(3, lambda: DecodeStep(3))
+    loop.close()
+    thread.join(JOIN_TIMEOUT_S)
+    assert not thread.is_alive()
+    assert step_ids(out.outcomes) == [1, 2, 3, None]
+    assert all(isinstance(o, StepResult) for o in out.outcomes[1:3])
+
+
+def test_a_failing_step_after_a_faulty_pending_one_fails_both_in_order() -> None:
+    """Step 2 raises while step 1 is pending and finishing step 1 raises too: step 1 fails with its own cause,
+    then step 2 with its own, each once."""
+    runner = FaultyPendingRunner(fault_step=1, in_poll=False, fail_steps=frozenset({2}))
+    runner.pending_ready = lambda: False  # type: ignore[method-assign]  # only step 2's failure finishes step 1
+    loop, out, thread = start(runner)
+    loop.submit(1, lambda: DecodeStep(1))
+    loop.submit(2, lambda: DecodeStep(2))
+    loop.close()
+    thread.join(JOIN_TIMEOUT_S)
+    assert step_ids(out.outcomes) == [1, 2, None]
+    assert [o.message for o in out.outcomes[:2]] == [  # type: ignore[union-attr]  # both are failures
+        f"step 1 failed: RuntimeError: {DEVICE_FAULT}",
+        "step 2 failed: RuntimeError: device fault in 2",
+    ]
+
+
+class LosingRunner(ScriptedRunner):
+    """Pipelined; a failing step drops the pending step's ids before it raises (a launch that fails after it took
+    them over)."""
+
+    def execute_step(self, step: DecodeStep) -> StepResult | None:
+        if step.step_id in self.fail_steps:
+            self._pending = None
+        return super().execute_step(step)
+
+
+def test_a_step_lost_with_a_failing_one_fails_too() -> None:
+    """A pending step whose result a failing step took down with it is answered with a failure (the failing
+    step's cause) before that step's own, so every step gets one outcome, in order."""
+    runner = LosingRunner(pipelined=True, fail_steps=frozenset({2}))
+    runner.pending_ready = lambda: False  # type: ignore[method-assign]  # step 1 stays pending until step 2
+    loop, out, thread = start(runner)
+    loop.submit(1, lambda: DecodeStep(1))
+    loop.submit(2, lambda: DecodeStep(2))
+    loop.submit(3, lambda: DecodeStep(3))
+    loop.close()
+    thread.join(JOIN_TIMEOUT_S)
+    assert step_ids(out.outcomes) == [1, 2, 3, None]
+    assert [o.message for o in out.outcomes[:2]] == [  # type: ignore[union-attr]  # both are failures
+        "step 1 failed: RuntimeError: device fault in 2",
+        "step 2 failed: RuntimeError: device fault in 2",
+    ]
+    assert isinstance(out.outcomes[2], StepResult)
+
+
+def test_the_end_is_emitted_however_the_loop_ends() -> None:
+    """A loop that fails outside any step still drops the state and emits the end, so the transport is not left
+    waiting for outcomes that will never come."""
+    runner = ScriptedRunner()
+
+    def broken() -> bool:
+        raise RuntimeError("no device")
+
+    runner.can_overlap = broken  # type: ignore[method-assign]
+    out = Collector()
+    with pytest.raises(RuntimeError, match="no device"):
+        StepLoop(runner, out).run()  # type: ignore[arg-type]  # ScriptedRunner satisfies StepRunner
+    assert out.outcomes == [None] and runner.resets == 1
+
+
 def test_the_loop_drives_a_real_runner_like_direct_calls(tiny_model_dir: Callable[[str], Path]) -> None:
     runner = build_runner(str(tiny_model_dir("llama")), num_blocks=16, block_size=16)
     sampling = SamplingParams(temperature=0.7, seed=5)

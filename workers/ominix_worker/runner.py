@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -32,6 +33,7 @@ from ominix_runtime.contract import (
     StepResult,
     TokenLogprob,
 )
+from ominix_runtime.contract.sampling import GREEDY_TEMPERATURE
 from ominix_worker.attention.base import AttentionBackend, AttentionMetadata
 from ominix_worker.config import AttentionGroup, ModelConfig
 from ominix_worker.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphs, padded_size
@@ -336,27 +338,47 @@ class ModelRunner:
     def _apply_step(
         self, step: DecodeStep
     ) -> tuple[list[str], list[ScheduledRow | None], dict[str, RequestOutput]]:
-        """Update request state from the step's diffs; returns the scheduled order, rows and early errors."""
+        """Update request state from the step's diffs; returns the scheduled order, rows and early errors.
+
+        A request named twice in the step, or a new request whose id the worker still holds, is refused with
+        INVALID_ARGUMENT and leaves the state held under that id as it was: only the engine's own bug or a
+        hostile stream sends either, and running such a request would sample it twice or replace another's
+        tokens. State is dropped only where this step added it or its own diffs or rows failed."""
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
         order: list[str] = []
         rows: list[ScheduledRow | None] = []
         errors: dict[str, RequestOutput] = {}
+        refused: set[str] = set()  # errors that must not drop the state held under their id
         scheduled: list[tuple[str, int]] = []
+        repeated = _repeated_ids(step)
         for new in step.new_requests:
+            request_id = new.request_id
+            if request_id in repeated or request_id in self.requests:
+                if request_id not in errors:  # one output per request id
+                    why = "named twice in one step" if request_id in repeated else "already in use"
+                    errors[request_id] = _refusal(request_id, why)
+                    refused.add(request_id)
+                    scheduled.append((request_id, 0))
+                continue
             try:
                 self._add_new(new)
             except (InvalidArgument, RequestError) as exc:
-                errors[new.request_id] = RequestOutput(
-                    new.request_id, error_kind=exc.kind, error_message=str(exc)
-                )
-            scheduled.append((new.request_id, new.num_scheduled_tokens))
+                errors[request_id] = RequestOutput(request_id, error_kind=exc.kind, error_message=str(exc))
+            scheduled.append((request_id, new.num_scheduled_tokens))
         for running in step.running_requests:
-            request = self.requests.get(running.request_id)
+            request_id = running.request_id
+            if request_id in repeated:
+                if request_id not in errors:
+                    errors[request_id] = _refusal(request_id, "named twice in one step")
+                    refused.add(request_id)
+                    scheduled.append((request_id, 0))
+                continue
+            request = self.requests.get(request_id)
             if request is None:
-                if running.request_id not in errors:
-                    errors[running.request_id] = RequestOutput(
-                        running.request_id,
+                if request_id not in errors:
+                    errors[request_id] = RequestOutput(
+                        request_id,
                         error_kind=RuntimeErrorKind.INTERNAL,
                         error_message="the worker holds no state for this request",
                     )
@@ -370,10 +392,10 @@ class ModelRunner:
                     for table, diff in zip(request.block_tables, diffs, strict=True):
                         table.extend(diff)
                 except RequestError as exc:
-                    errors[running.request_id] = RequestOutput(
-                        running.request_id, error_kind=exc.kind, error_message=str(exc)
+                    errors[request_id] = RequestOutput(
+                        request_id, error_kind=exc.kind, error_message=str(exc)
                     )
-            scheduled.append((running.request_id, running.num_scheduled_tokens))
+            scheduled.append((request_id, running.num_scheduled_tokens))
         for request_id, num_scheduled in scheduled:
             order.append(request_id)
             if request_id in errors:
@@ -386,7 +408,8 @@ class ModelRunner:
                 errors[request_id] = RequestOutput(request_id, error_kind=exc.kind, error_message=str(exc))
                 rows.append(None)
         for request_id in errors:
-            self.requests.pop(request_id, None)
+            if request_id not in refused:
+                self.requests.pop(request_id, None)
         return order, rows, errors
 
     # ---- step --------------------------------------------------------------------------------------
@@ -708,8 +731,11 @@ class ModelRunner:
         vocab = self.vocab_size
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         seeds = [_as_int64(row.request.seed) for row in rows]
+        # A greedy row goes to the device as 0: the sampler's float32 threshold then agrees with the host's
+        # (``SamplingParams.is_greedy``) even for a temperature that rounds across it.
+        temperatures = [p.temperature if p.temperature >= GREEDY_TEMPERATURE else 0.0 for p in params]
         t = SamplingTensors(
-            temperature=self._to_device(torch.tensor([p.temperature for p in params], dtype=torch.float32)),
+            temperature=self._to_device(torch.tensor(temperatures, dtype=torch.float32)),
             top_k=self._to_device(torch.tensor(top_k, dtype=torch.int64)),
             top_p=self._to_device(torch.tensor([p.top_p for p in params], dtype=torch.float32)),
             min_p=self._to_device(torch.tensor([p.min_p for p in params], dtype=torch.float32)),
@@ -721,7 +747,7 @@ class ModelRunner:
             needs_top_k=any(k < vocab for k in top_k),
             needs_top_p=any(p.top_p < 1.0 for p in params),
             needs_min_p=any(p.min_p > 0.0 for p in params),
-            all_greedy=all(p.temperature == 0.0 for p in params),
+            all_greedy=not any(temperatures),
         )
         if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
             # The output ids are all on the host: a penalised row never runs overlapped (``_overlappable``),
@@ -1067,6 +1093,26 @@ def _blocks_for_tokens(group: AttentionGroup, num_tokens: int, block_size: int) 
     return -(-rows // block_size)
 
 
+def _repeated_ids(step: DecodeStep) -> frozenset[str]:
+    """The request ids ``step`` names more than once (new and running together); empty in a well-formed step."""
+    named = len(step.new_requests) + len(step.running_requests)
+    ids = {new.request_id for new in step.new_requests}
+    ids.update([running.request_id for running in step.running_requests])
+    if len(ids) == named:
+        return frozenset()
+    counts = Counter(new.request_id for new in step.new_requests)
+    counts.update(running.request_id for running in step.running_requests)
+    return frozenset(request_id for request_id, n in counts.items() if n > 1)
+
+
+def _refusal(request_id: str, why: str) -> RequestOutput:
+    return RequestOutput(
+        request_id,
+        error_kind=RuntimeErrorKind.INVALID_ARGUMENT,
+        error_message=f"request id {request_id!r} {why}",
+    )
+
+
 def _overlappable(request: CachedRequest) -> bool:
     """Sampling needs no output-token values on the host (penalties count them) and no logprobs."""
     p = request.sampling
@@ -1081,7 +1127,7 @@ def _overlappable(request: CachedRequest) -> bool:
 def _plain_greedy(request: CachedRequest) -> bool:
     p = request.sampling
     return (
-        p.temperature == 0.0
+        p.is_greedy
         and p.logprobs is None
         and p.repetition_penalty == 1.0
         and not p.frequency_penalty

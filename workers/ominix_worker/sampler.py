@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ominix_runtime.contract.sampling import GREEDY_TEMPERATURE
+
 _MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
 
@@ -63,7 +65,7 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
 class SamplingTensors:
     """Per-row sampling parameters for one step, already on the device. Built by the runner."""
 
-    temperature: torch.Tensor  # float32 (B,), 0 = greedy
+    temperature: torch.Tensor  # float32 (B,), below GREEDY_TEMPERATURE (0 included) = greedy
     top_k: torch.Tensor  # int64 (B,), vocab_size = no limit
     top_p: torch.Tensor  # float32 (B,)
     min_p: torch.Tensor  # float32 (B,)
@@ -153,13 +155,16 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     if t.all_greedy:
         token_ids = first_max
     else:
-        temperature = torch.where(t.temperature > 0, t.temperature, torch.ones_like(t.temperature))
+        # Greedy rows are divided by 1 and their draw discarded: a temperature below the threshold would
+        # overflow the division (GREEDY_TEMPERATURE says why).
+        sampled_rows = t.temperature >= GREEDY_TEMPERATURE
+        temperature = torch.where(sampled_rows, t.temperature, torch.ones_like(t.temperature))
         scaled = apply_truncation(logits / temperature.unsqueeze(1), t)
         # Gumbel-max: argmax(logits + Gumbel noise) is a draw from softmax(logits).
         noise = uniform_noise(t.seeds, t.output_positions, logits.shape[-1])
         gumbel = -torch.log(-torch.log(noise))
         drawn = (scaled + gumbel).argmax(dim=-1)
-        token_ids = torch.where(t.temperature > 0, drawn, first_max)
+        token_ids = torch.where(sampled_rows, drawn, first_max)
     out = SamplerOutput(token_ids=token_ids, bad_rows=bad_rows)
     if t.num_logprobs >= 0:
         logprobs = raw.log_softmax(dim=-1)

@@ -22,6 +22,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -480,7 +481,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             finally:
                 steps.close()
 
-        running = loop.run_in_executor(self.executor, steps.run)  # ends after close(), state dropped
+        running = loop.run_in_executor(self.executor, _run_steps, steps)  # ends after close(), state dropped
         reading = asyncio.create_task(read_steps())
         try:
             # The first message accepts the stream (the engine counts the worker healthy only then). Later
@@ -499,13 +500,31 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 if outcome is None:
                     break
                 yield _outcome_to_pb(outcome)
+            if not reading.done():
+                # The loop ended on its own (close() ends the reading first): steps the engine still sends
+                # would never be answered, and with no heartbeats it would learn that only from a timeout.
+                failure = await running or "it stopped"
+                await context.abort(grpc.StatusCode.INTERNAL, f"the worker's step loop ended: {failure}")
             await reading  # surfaces a broken request stream as an error of this call
+            failure = await running
+            if failure:
+                await context.abort(grpc.StatusCode.INTERNAL, f"the worker's step loop failed: {failure}")
         finally:
             reading.cancel()
             steps.close()  # the device thread stops after the step it may be running
             await running
             self.state.run_active = False
             self.state.run_idle.set()
+
+
+def _run_steps(steps: StepLoop) -> str:
+    """Run the step loop on the device thread; returns why it failed ("" when it ended after close())."""
+    try:
+        steps.run()
+    except Exception as exc:  # noqa: BLE001 - the Run call ends with it as its error
+        log.error("the step loop failed:\n%s", traceback.format_exc())
+        return f"{type(exc).__name__}: {exc}"
+    return ""
 
 
 def _step_from_pb(step_pb: worker_pb2.DecodeStep) -> DecodeStep:

@@ -8,11 +8,13 @@ loop knows nothing of gRPC or protobuf, so it is tested with a bare runner.
 Pipelined decode (CUDA): the runner may launch step N+1 before step N's sampled ids reach the host. While
 such a step is pending and no next step is queued, the loop polls every ``PENDING_POLL_S`` whether its ids
 arrived, so its result is emitted without waiting for the next step; while a long eager step launches, the
-runner itself hands step N's result to ``post_result`` as soon as its ids are in.
+runner itself hands step N's result to ``post_result`` as soon as its ids are in. A device fault seen while
+waiting for those ids fails step N (and any other step run but not answered) at once, like a step that raised.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import traceback
@@ -100,6 +102,9 @@ class StepLoop:
         self._poll_s = poll_s
         self._steps: queue.SimpleQueue[_Arrival] = queue.SimpleQueue()
         self._last_step_id = 0
+        # Steps handed to the runner whose result or failure has not been emitted yet, oldest first: when the
+        # device fails, each of them is answered with a failure rather than never.
+        self._unanswered: collections.deque[int] = collections.deque()
 
     # ---- transport side ----------------------------------------------------------------------------
 
@@ -133,9 +138,9 @@ class StepLoop:
     def run(self) -> None:
         """Execute steps until ``close``; then drop every request's state (the stream is over)."""
         runner = self._runner
-        runner.overlap_steps = runner.can_overlap()
-        runner.post_result = self._emit
         try:
+            runner.overlap_steps = runner.can_overlap()
+            runner.post_result = self._emit_result
             while True:
                 arrival = self._next_arrival()
                 if arrival is _END_OF_STEPS:
@@ -148,24 +153,22 @@ class StepLoop:
                 self._execute(arrival.step_id, arrival.step)
         finally:
             runner.post_result = None
-            runner.reset()
-            self._emit(None)
+            try:
+                runner.reset()
+            finally:
+                self._emit(None)  # the transport must hear the end however the loop ended
 
     def _execute(self, step_id: int, step: DecodeStep) -> None:
+        self._unanswered.append(step_id)
         try:
             result = self._runner.execute_step(step)
         except Exception as exc:  # noqa: BLE001 - reported to the engine, the worker lives on
             log.error("step %d failed:\n%s", step_id, traceback.format_exc())
-            message = f"step {step_id} failed: {type(exc).__name__}: {exc}"
-            try:
-                self._finish_pending()
-            except Exception:  # noqa: BLE001 - the device failed; the failure below says so
-                log.error("pending step failed:\n%s", traceback.format_exc())
-                self._runner.reset_pending()
-            self._emit(StepFailure(step_id, message))
+            self._finish_pending(before=step_id)  # an earlier pending step: its own result or cause first
+            self._fail_unanswered(f"{type(exc).__name__}: {exc}")  # this step, and any lost with it
             return
         if result is not None:
-            self._emit(result)
+            self._emit_result(result)
         self._emit_results()
 
     def _next_arrival(self) -> _Arrival:
@@ -173,14 +176,53 @@ class StepLoop:
             try:
                 return self._steps.get(timeout=self._poll_s)
             except queue.Empty:
-                if self._runner.pending_ready():
+                if self._pending_ready():
                     self._finish_pending()
         return self._steps.get()
 
-    def _finish_pending(self) -> None:
-        self._runner.finish_pending()
+    def _pending_ready(self) -> bool:
+        """Whether the pending step's ids arrived; a device fault seen while asking fails it at once (no
+        answer would ever come, and the engine would learn the cause only from its step timeout)."""
+        try:
+            return self._runner.pending_ready()
+        except Exception as exc:  # noqa: BLE001 - reported to the engine, the worker lives on
+            self._pending_failed(exc)
+            return False
+
+    def _finish_pending(self, before: int | None = None) -> None:
+        """Emit the pending step's result (and any queued before it), or if the device failed, a failure with
+        the cause for each step run but not answered (only those before step ``before``, when given)."""
+        try:
+            self._runner.finish_pending()
+        except Exception as exc:  # noqa: BLE001 - reported to the engine, the worker lives on
+            self._pending_failed(exc, before)
+            return
         self._emit_results()
+
+    def _pending_failed(self, exc: Exception, before: int | None = None) -> None:
+        log.error("pending step failed:\n%s", traceback.format_exc())
+        self._runner.reset_pending()
+        self._emit_results()
+        self._fail_unanswered(f"{type(exc).__name__}: {exc}", before)
+
+    def _fail_unanswered(self, cause: str, before: int | None = None) -> None:
+        """Each step run but not answered (before step ``before``, when given) fails with ``cause``, in order."""
+        unanswered = self._unanswered
+        while unanswered and (before is None or unanswered[0] < before):
+            step_id = unanswered.popleft()
+            self._emit(StepFailure(step_id, f"step {step_id} failed: {cause}"))
 
     def _emit_results(self) -> None:
         for result in self._runner.take_results():
-            self._emit(result)
+            self._emit_result(result)
+
+    def _emit_result(self, result: StepResult) -> None:
+        """Emit ``result``, after a failure for each earlier step that will never have one (lost when the
+        device failed between them), so outcomes stay one per step and in step order."""
+        unanswered = self._unanswered
+        while unanswered and unanswered[0] < result.step_id:
+            lost = unanswered.popleft()
+            self._emit(StepFailure(lost, f"step {lost} failed: no result came back for it"))
+        if unanswered and unanswered[0] == result.step_id:
+            unanswered.popleft()
+        self._emit(result)
