@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import cast
+from enum import IntEnum
+from typing import TypeVar, cast
 
 from ominix_runtime.contract import (
     NULL_BLOCK_ID,
@@ -16,6 +17,7 @@ from ominix_runtime.contract import (
     KVGroup,
     ModelInfo,
     NewRequestData,
+    OminixError,
     RankInfo,
     RequestOutput,
     RunningRequestData,
@@ -43,6 +45,34 @@ def finish_reason_to_pb(reason: FinishReason) -> common_pb2.FinishReason:
 
 def error_info_to_pb(kind: RuntimeErrorKind, message: str, retryable: bool = False) -> common_pb2.ErrorInfo:
     return common_pb2.ErrorInfo(code=error_code_to_pb(kind), message=message, retryable=retryable)
+
+
+def error_from_pb(pb: common_pb2.ErrorInfo) -> tuple[RuntimeErrorKind | None, str]:
+    """A worker's per-request error as (kind, message); kind None when no code is set. Proto3 enums are open,
+    so a newer worker may send a code this engine has no name for: that one request fails as INTERNAL with
+    the worker's message (a ValueError here would break the whole Run stream, and every request with it)."""
+    code = pb.code
+    if not code:
+        return None, pb.message
+    try:
+        return RuntimeErrorKind(code), pb.message
+    except ValueError:
+        return RuntimeErrorKind.INTERNAL, f"{pb.message} (worker error code {code}, unknown to this engine)"
+
+
+_E = TypeVar("_E", bound=IntEnum)
+
+
+def _enum_from_pb(enum: type[_E], value: int, field: str, worker_id: str) -> _E:
+    """``enum(value)``, or CAPABILITY_MISMATCH naming the field when this engine does not know the value."""
+    try:
+        return enum(value)
+    except ValueError:
+        raise OminixError(
+            RuntimeErrorKind.CAPABILITY_MISMATCH,
+            f"worker {worker_id!r} states {field} = {value}, which this engine does not know "
+            "(a newer worker, or an unset field)",
+        ) from None
 
 
 # ---- sampling -----------------------------------------------------------------------------------------
@@ -123,9 +153,9 @@ def kv_group_to_pb(g: KVGroup) -> common_pb2.KVGroup:
     )
 
 
-def kv_group_from_pb(pb: common_pb2.KVGroup) -> KVGroup:
+def kv_group_from_pb(pb: common_pb2.KVGroup, worker_id: str = "") -> KVGroup:
     return KVGroup(
-        kind=AttentionKind(pb.kind or AttentionKind.FULL),
+        kind=_enum_from_pb(AttentionKind, pb.kind or AttentionKind.FULL, "kv_groups.kind", worker_id),
         layer_indices=tuple(pb.layer_indices),
         block_size=pb.block_size,
         num_blocks=pb.num_blocks,
@@ -223,7 +253,7 @@ def capability_from_pb(pb: common_pb2.BackendCapability) -> BackendCapability:
     )
     return BackendCapability(
         worker_id=pb.worker_id,
-        kind=BackendKind(pb.kind),
+        kind=_enum_from_pb(BackendKind, pb.kind, "kind", pb.worker_id),
         device=pb.device,
         dtype=pb.dtype,
         model=model,
@@ -232,7 +262,9 @@ def capability_from_pb(pb: common_pb2.BackendCapability) -> BackendCapability:
         kv_bytes_per_block=pb.kv_bytes_per_block,
         max_batch_tokens=pb.max_batch_tokens,
         max_running_requests=pb.max_running_requests,
-        granularity=Granularity(pb.granularity or Granularity.STEP),
+        granularity=_enum_from_pb(
+            Granularity, pb.granularity or Granularity.STEP, "granularity", pb.worker_id
+        ),
         supported_dtypes=tuple(pb.supported_dtypes),
         supports_paged_kv=pb.supports_paged_kv,
         supports_prefix_caching=pb.supports_prefix_caching,
@@ -257,7 +289,7 @@ def capability_from_pb(pb: common_pb2.BackendCapability) -> BackendCapability:
             )
             for r in pb.ranks
         ),
-        kv_groups=tuple(kv_group_from_pb(g) for g in pb.kv_groups),
+        kv_groups=tuple(kv_group_from_pb(g, pb.worker_id) for g in pb.kv_groups),
         weight_dtype=pb.weight_dtype,
         kv_cache_dtype=pb.kv_cache_dtype,
         moe_parallel=pb.moe_parallel,
@@ -270,18 +302,21 @@ def capability_from_pb(pb: common_pb2.BackendCapability) -> BackendCapability:
 
 
 def backend_load_to_pb(load: LoadSnapshot, served_aliases: tuple[str, ...] = ()) -> engine_pb2.BackendLoad:
-    """One backend's GetLoad entry; ``served_aliases`` are the other names of the models it serves."""
+    """One backend's GetLoad entry; ``served_aliases`` are the other names of the models it serves.
+
+    Counts are clamped to their unsigned fields' range: some figures come from the backend's own report (a
+    transiently negative counter, say), and protobuf raising on one would fail GetLoad for every backend."""
     return engine_pb2.BackendLoad(
         worker_id=load.worker_id,
-        queued_requests=load.queued_requests,
-        running_requests=load.running_requests,
-        waiting_tokens=load.waiting_tokens,
-        kv_bytes_used=load.kv_bytes_used,
-        kv_bytes_capacity=load.kv_bytes_capacity,
+        queued_requests=_uint(load.queued_requests, _UINT32_MAX),
+        running_requests=_uint(load.running_requests, _UINT32_MAX),
+        waiting_tokens=_uint(load.waiting_tokens, _UINT64_MAX),
+        kv_bytes_used=_uint(load.kv_bytes_used, _UINT64_MAX),
+        kv_bytes_capacity=_uint(load.kv_bytes_capacity, _UINT64_MAX),
         estimated_decode_tokens_per_second=load.estimated_decode_tokens_per_second,
         healthy=load.healthy,
         health=cast("engine_pb2.BackendHealth", int(load.health)),
-        timestamp_ms=load.timestamp_ms,
+        timestamp_ms=_uint(load.timestamp_ms, _UINT64_MAX),
         model_ids=list(load.model_ids),
         served_aliases=list(served_aliases),
         capabilities=list(load.capabilities),
@@ -297,11 +332,11 @@ def total_load_to_pb(backends: list[engine_pb2.BackendLoad], timestamp_ms: int) 
     )
     return engine_pb2.BackendLoad(
         worker_id="total",
-        queued_requests=sum(b.queued_requests for b in backends),
-        running_requests=sum(b.running_requests for b in backends),
-        waiting_tokens=sum(b.waiting_tokens for b in backends),
-        kv_bytes_used=sum(b.kv_bytes_used for b in backends),
-        kv_bytes_capacity=sum(b.kv_bytes_capacity for b in backends),
+        queued_requests=min(sum(b.queued_requests for b in backends), _UINT32_MAX),
+        running_requests=min(sum(b.running_requests for b in backends), _UINT32_MAX),
+        waiting_tokens=min(sum(b.waiting_tokens for b in backends), _UINT64_MAX),
+        kv_bytes_used=min(sum(b.kv_bytes_used for b in backends), _UINT64_MAX),
+        kv_bytes_capacity=min(sum(b.kv_bytes_capacity for b in backends), _UINT64_MAX),
         estimated_decode_tokens_per_second=sum(b.estimated_decode_tokens_per_second for b in backends),
         healthy=bool(backends) and any(b.healthy for b in backends),
         health=best,
@@ -310,6 +345,17 @@ def total_load_to_pb(backends: list[engine_pb2.BackendLoad], timestamp_ms: int) 
         served_aliases=sorted({a for b in backends for a in b.served_aliases}),
         capabilities=sorted({c for b in backends for c in b.capabilities}),
     )
+
+
+_UINT32_MAX = (1 << 32) - 1
+_UINT64_MAX = (1 << 64) - 1
+
+
+def _uint(value: float, limit: int) -> int:
+    """``value`` as an integer in [0, limit]; NaN counts as 0."""
+    if value != value:
+        return 0
+    return int(min(max(value, 0), limit))
 
 
 # Preference order when summarising several backends' states.
@@ -437,13 +483,14 @@ def step_result_from_pb(pb: worker_pb2.StepResult) -> StepResult:
         if not (o.HasField("logprobs") or o.HasField("error")):  # the common row, checked cheaply
             append(RequestOutput(o.request_id, o.sampled_token_id if has_token else None))
             continue
+        error_kind, error_message = error_from_pb(o.error) if o.HasField("error") else (None, "")
         append(
             RequestOutput(
                 request_id=o.request_id,
                 sampled_token_id=o.sampled_token_id if has_token else None,
                 logprobs=logprobs_from_pb(o.logprobs) if o.HasField("logprobs") else None,
-                error_kind=RuntimeErrorKind(o.error.code) if o.HasField("error") and o.error.code else None,
-                error_message=o.error.message if o.HasField("error") else "",
+                error_kind=error_kind,
+                error_message=error_message,
             )
         )
     return StepResult(

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -409,7 +410,16 @@ def parse_load(body: Any) -> dict[str, float]:
 
 
 def _number(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+    """A load figure: a finite number >= 0, anything else 0. SGLang derives some figures (used tokens =
+    capacity - free - evictable) and they can dip below zero for a moment; the engine's load and GetLoad's
+    unsigned fields take counts only."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return 0.0
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond any float
+        return 0.0
+    return number if 0.0 < number < math.inf else 0.0  # NaN fails both comparisons
 
 
 def _int_or(value: Any, default: int) -> int:

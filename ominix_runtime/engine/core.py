@@ -138,11 +138,18 @@ class EventInbox:
 
 def _coalesce(events: list[WorkerEvent]) -> list[WorkerEvent]:
     """Consecutive Token events as one (ids, logprobs and text in order): a reader that fell behind catches up
-    with one message per request instead of one per step."""
+    with one message per request instead of one per step. Logprobs are per token, so two events with logprobs
+    merge only when each has one per token id: a backend may send a chunk without them (SGLang, when one
+    entry is unreadable), and joined lists would then pair logprobs with the wrong tokens."""
     out: list[WorkerEvent] = []
     for event in events:
         last = out[-1] if out else None
         if isinstance(event, Token) and isinstance(last, Token):
+            if (last.logprobs or event.logprobs) and (
+                len(last.logprobs) != len(last.token_ids) or len(event.logprobs) != len(event.token_ids)
+            ):
+                out.append(event)  # each keeps its own alignment
+                continue
             out[-1] = Token(
                 last.request_id,
                 last.token_ids + event.token_ids,

@@ -60,6 +60,9 @@ class _Forwarded:
     terminal_sent: bool = False
     num_output_tokens: int = 0
     cached_tokens: int = 0
+    # The prompt's token count: its token ids, or, for a prompt forwarded as text, what the backend counted
+    # (PrefillDone / Usage), which is then the only count there is.
+    prompt_tokens: int = 0
     task: asyncio.Task[None] | None = None
 
 
@@ -158,7 +161,9 @@ class RequestWorkerGroup(WorkerGroup):
             self.counters.rejected += 1
             raise
         self._seq += 1
-        self._live[rid] = _Forwarded(request, self._seq, time.monotonic())
+        self._live[rid] = _Forwarded(
+            request, self._seq, time.monotonic(), prompt_tokens=len(request.prompt_token_ids)
+        )
         self._num_queued += 1
         self._queued_tokens += len(request.prompt_token_ids)
         heapq.heappush(self._queue, (int(request.priority), self._seq, rid))
@@ -302,6 +307,7 @@ class RequestWorkerGroup(WorkerGroup):
                         continue
                     fwd.prefill_seen = True
                     fwd.cached_tokens = event.cached_tokens
+                    self._backend_prompt_count(fwd, event.prompt_tokens)
                 elif isinstance(event, Token):
                     if not fwd.prefill_seen:
                         self._violation(fwd, "sent a token before prefill_done")
@@ -322,6 +328,7 @@ class RequestWorkerGroup(WorkerGroup):
                     continue
                 if isinstance(event, Usage):
                     fwd.cached_tokens = event.cached_tokens
+                    self._backend_prompt_count(fwd, event.prompt_tokens)
                     continue  # the engine sends its own Usage right before the terminal event
                 if not fwd.terminal_sent:
                     self.hooks.deliver([event])
@@ -340,6 +347,13 @@ class RequestWorkerGroup(WorkerGroup):
             )
         # The running slot and a request left without a terminal event are settled by _forwarding_done.
 
+    def _backend_prompt_count(self, fwd: _Forwarded, prompt_tokens: int) -> None:
+        """Take the backend's prompt token count for a request forwarded without token ids (text only)."""
+        if fwd.request.prompt_token_ids or prompt_tokens <= 0 or prompt_tokens == fwd.prompt_tokens:
+            return
+        self.counters.prompt_tokens += prompt_tokens - fwd.prompt_tokens
+        fwd.prompt_tokens = prompt_tokens
+
     def _end(
         self,
         fwd: _Forwarded,
@@ -357,7 +371,7 @@ class RequestWorkerGroup(WorkerGroup):
         if fwd.task is None:  # ended while queued
             self._leave_queue(fwd)
         c = self.counters
-        usage = Usage(rid, len(fwd.request.prompt_token_ids), fwd.num_output_tokens, fwd.cached_tokens)
+        usage = Usage(rid, fwd.prompt_tokens, fwd.num_output_tokens, fwd.cached_tokens)
         terminal: WorkerEvent
         if error is not None:
             terminal = Error(rid, error[0], error[1])
@@ -384,6 +398,7 @@ class RequestWorkerGroup(WorkerGroup):
             error[0] if error else None,
             output_tokens=fwd.num_output_tokens,
             cached_tokens=fwd.cached_tokens,
+            num_prompt_tokens=fwd.prompt_tokens,
             times=RequestTimes(
                 queued=fwd.queued_time,
                 finished=now,
