@@ -101,6 +101,36 @@ def device_list(text: str) -> tuple[str, ...]:
     return devices
 
 
+# Readers of one flag value that is itself a comma-separated list: a config file's list is that list.
+LIST_READERS: frozenset[Callable[[str], Any]] = frozenset({device_list})
+
+
+def worker_address(text: str) -> str:
+    """``HOST:PORT`` (an IPv6 host in brackets: ``[::1]:50071``) or gRPC's ``unix:PATH``; the text is kept.
+
+    The engine hands the address to gRPC unchanged and waits --worker-ready-timeout for it, so a malformed
+    one is refused here rather than found minutes later.
+    """
+    text = str(text).strip()
+    if text.startswith("unix:"):
+        if not text.removeprefix("unix:").lstrip("/"):
+            raise argparse.ArgumentTypeError(f"expected unix:PATH, got {text!r}")
+        return text
+    host, colon, port_text = text.rpartition(":")
+    if not colon or not host:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    if host.startswith("["):
+        if not host.endswith("]") or len(host) < 3:
+            raise argparse.ArgumentTypeError(f"expected [IPv6]:PORT, got {text!r}")
+    elif ":" in host:
+        raise argparse.ArgumentTypeError(f"an IPv6 host goes in brackets ([::1]:50071), got {text!r}")
+    try:
+        port(port_text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    return text
+
+
 def api_keys(text: str) -> tuple[str, ...]:
     """A key, or ``@FILE`` with one key per line (blank lines and ``#`` comments skipped)."""
     text = str(text)
@@ -127,6 +157,19 @@ def secret_file(text: str) -> str:
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror or exc}") from None
     if not secret:
+        raise argparse.ArgumentTypeError(f"{path} is empty")
+    return str(path)
+
+
+def pem_file(text: str) -> str:
+    """A readable, non-empty file (PEM certificate, key or CA bundle); the path is kept (each process reads
+    the file). The servers read it only once they start, after `launch` has loaded every worker."""
+    path = Path(str(text)).expanduser()
+    try:
+        content = path.read_bytes()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if not content.strip():
         raise argparse.ArgumentTypeError(f"{path} is empty")
     return str(path)
 
@@ -193,6 +236,12 @@ class Flag:
                 value = self.parse(str(item))
                 out.extend(value if isinstance(value, tuple) else (value,))
             return tuple(out)
+        if isinstance(text, list | tuple | dict):
+            # A config file's list or mapping: str() of it would be read as one garbled value ("['cpu'").
+            if self.parse in LIST_READERS and not isinstance(text, dict):
+                return self.parse(",".join(str(item) for item in text))
+            kind = "a mapping" if isinstance(text, dict) else "a list"
+            raise argparse.ArgumentTypeError(f"takes one value, got {kind}: {text!r}")
         return self.parse(str(text))
 
     def render(self, value: Any) -> list[str]:
@@ -256,6 +305,7 @@ FLAGS: tuple[Flag, ...] = (
         "workers",
         "a step-level worker to drive (repeatable)",
         ("backends.workers",),
+        worker_address,
         repeatable=True,
         metavar="HOST:PORT",
     ),
@@ -515,14 +565,16 @@ FLAGS: tuple[Flag, ...] = (
         "PEM certificate of this process: served on its port (with --tls-key) and, on the engine with "
         "--tls-ca, presented to the workers (unset: plaintext)",
         ("tls.cert",),
+        pem_file,
     ),
-    Flag("--tls-key", "tls", "PEM private key of --tls-cert", ("tls.key",)),
+    Flag("--tls-key", "tls", "PEM private key of --tls-cert", ("tls.key",), pem_file),
     Flag(
         "--tls-ca",
         "tls",
         "PEM CA bundle of the peers: the engine connects to workers over TLS and verifies them; a worker "
         "accepts only clients with a certificate it signed (mutual TLS)",
         ("tls.ca",),
+        pem_file,
         aliases=("--worker-ca",),
     ),
     # worker: one device, one model

@@ -20,7 +20,7 @@ from pathlib import Path
 from ominix_runtime.bind_probe import free_ports
 from ominix_runtime.cli.commands import command
 from ominix_runtime.cli.ports import check_ports_free
-from ominix_runtime.cli.serve import check_model, engine_ports
+from ominix_runtime.cli.serve import check_engine, engine_ports
 from ominix_runtime.cli.settings import ConfigError, child_command, child_environment
 from ominix_runtime.config import RuntimeConfig, with_paths
 from ominix_runtime.server.logging import configure_logging, get_logger
@@ -362,7 +362,7 @@ class WorkerSupervisor(threading.Thread):
 
 def run_launch(config: RuntimeConfig, options: argparse.Namespace) -> int:
     configure_logging(config.log.level, config.log.json, component="launcher")
-    check_model(config)
+    check_engine(config)
     # Ports picked here are none of those already given: two picks apart could name one port twice.
     engine = engine_ports(config)
     given = {port for _, port, _ in engine}
