@@ -29,9 +29,11 @@ FP8_TOL = 0.2
 PROMPT = [(7 * i + 3) % 317 + 3 for i in range(21)]
 
 
-def _runner_logits(folder: Path, quantization: str | None = None) -> tuple[list[torch.Tensor], list[int]]:
+def _runner_logits(
+    folder: Path, quantization: str | None = None, dtype: torch.dtype = torch.float32
+) -> tuple[list[torch.Tensor], list[int]]:
     """Logits of a 21-token prefill and three decode steps, and the sequence they were computed on."""
-    runner = build_runner(str(folder), num_blocks=16, quantization=quantization)
+    runner = build_runner(str(folder), num_blocks=16, quantization=quantization, dtype=dtype)
     rows: list[torch.Tensor] = []
     compute = runner.model.compute_logits
     runner.model.compute_logits = lambda h: rows.append(compute(h)) or rows[-1]  # type: ignore[method-assign]  # records the logits
@@ -87,6 +89,20 @@ def test_fp8_checkpoint_matches_its_dequantized_weights(
         assert _max_rel(row, exact[i]) < EXACT_TOL, f"position {i}"
     original = _reference(source, tokens)
     assert _fro_rel(torch.stack(ours), original) < FP8_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("granularity", ["block", "channel", "tensor"])
+def test_fp8_checkpoint_in_half_precision_on_cpu(
+    granularity: str, dtype: torch.dtype, tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """An FP8 checkpoint run in float16 / bfloat16 (dequantized to the run dtype per call) stays within 5% of
+    its dequantized weights in float32, in every scale layout."""
+    folder = write_fp8_checkpoint(tiny_model_dir("llama"), tmp_path / "fp8", granularity, block=16)
+    ours, tokens = _runner_logits(folder, dtype=dtype)
+    exact = _reference(folder / "dequantized", tokens)
+    for i, row in enumerate(ours):
+        assert _max_rel(row, exact[i]) < 5e-2, f"position {i}"
 
 
 @pytest.mark.parametrize("model", ["qwen3", "qwen3_moe"])

@@ -1,5 +1,5 @@
 """Gemma 3 configs and checkpoints: the text part of a multimodal config, legacy config keys, dummy weights,
-a multimodal checkpoint's language model; and how a hybrid layout's KV pools are sized."""
+a multimodal checkpoint's language model (float and FP8); and how a hybrid layout's KV pools are sized."""
 
 from __future__ import annotations
 
@@ -163,6 +163,35 @@ def test_a_multimodal_checkpoint_loads_its_language_model(tmp_path: Path) -> Non
     expected = last_logits(build_runner(str(text), num_blocks=8, block_size=16), tokens)
     got = last_logits(build_runner(str(multimodal), num_blocks=8, block_size=16), tokens)
     torch.testing.assert_close(got, expected)
+
+
+def test_a_multimodal_fp8_checkpoint_keeps_its_quantization(tmp_path: Path) -> None:
+    """A Gemma3ForConditionalGeneration FP8 checkpoint states quantization_config beside text_config, not in
+    it: the language model still loads as FP8 and gives the logits of its dequantized weights."""
+    import transformers
+
+    from ominix_worker.config import load_hf_config
+    from ominix_worker.testing import write_fp8_checkpoint
+
+    text = write_tiny_hf_model(
+        tmp_path / "text", arch="gemma3_text", num_layers=4, sliding_window=8, sliding_window_pattern=2,
+        with_tokenizer=False, vocab_size=96,
+    )  # fmt: skip
+    folder = write_fp8_checkpoint(text, tmp_path / "fp8", "block", block=16)
+    text_config = json.loads((folder / "config.json").read_text())
+    quantization = text_config.pop("quantization_config")
+    outer = {
+        "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": text_config,
+        "quantization_config": quantization,
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(outer))
+    assert load_hf_config(folder).quantization == quantization
+    tokens = [3 + (11 * i) % 90 for i in range(30)]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder / "dequantized", dtype=torch.float32)
+    with torch.no_grad():
+        want = reference.eval()(torch.tensor([tokens])).logits[0, -1]
+    got = last_logits(build_runner(str(folder), num_blocks=8, block_size=16), tokens)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
 
 
 def test_hybrid_pools_give_the_window_what_it_needs_and_the_rest_to_the_global_layers() -> None:

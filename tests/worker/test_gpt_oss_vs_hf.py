@@ -10,6 +10,8 @@ are compared with a full-sequence HF forward, which applies the windows and sink
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -203,6 +205,26 @@ def test_what_gpt_oss_cannot_run_is_refused(folder: Path) -> None:
             build_runner(str(folder), num_blocks=4).backend,
             quantization="fp8",
         )
+
+
+def test_an_fp8_checkpoint_is_refused_clearly(folder: Path, tmp_path: Path) -> None:
+    """A gpt-oss checkpoint stating FP8 quantization is a ModelLoadError saying so, on the CPU and on any other
+    device (meta stands in for a GPU: the refusal comes before the device is used), not a TypeError from the
+    experts' FP8 hook."""
+    from ominix_worker.attention.torch_ref import TorchReferenceAttention
+
+    fp8 = tmp_path / "fp8"
+    shutil.copytree(folder, fp8)
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16],
+    }  # fmt: skip
+    (fp8 / "config.json").write_text(json.dumps(config))
+    for device in ("cpu", "meta"):
+        with pytest.raises(ModelLoadError, match="FP8 gpt-oss checkpoints are not supported"):
+            load_model(
+                resolve_model(str(fp8)), torch.device(device), torch.float32, TorchReferenceAttention()
+            )
 
 
 def test_tensor_parallelism_is_refused(folder: Path) -> None:

@@ -1,16 +1,18 @@
 """Hybrid KV layouts on the CPU reference path against Hugging Face transformers: models whose layers mix
 sliding-window and full attention, each KV group with its own block table.
 
-Two tiny models: Qwen2 with ``layer_types`` (a full layer, then sliding ones) and Gemma 3 text (five local
-layers per global one, its norms, scaled embedding, local/global rope and, in one variant, logit
-soft-capping). A 12-token window and 8-token blocks: prefill, decode well past the window, chunked prefill,
-a prefix hit whose sliding table starts with null entries while the full table keeps every block, and the
-engine's scheduler driving the worker on the layout the worker states. Each sampled row's logits are
-compared with a full-sequence HF forward, which applies the windows itself.
+Two tiny models: Qwen2 with ``layer_types`` (a full layer, then sliding ones; in one variant the same layout
+from ``max_window_layers`` in a config.json without them) and Gemma 3 text (five local layers per global one,
+its norms, scaled embedding, local/global rope and, in one variant, logit soft-capping). A 12-token window
+and 8-token blocks: prefill, decode well past the window, chunked prefill, a prefix hit whose sliding table
+starts with null entries while the full table keeps every block, and the engine's scheduler driving the
+worker on the layout the worker states. Each sampled row's logits are compared with a full-sequence HF
+forward, which applies the windows itself.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -45,6 +47,19 @@ NUM_BLOCKS = 64
 # name -> (write_tiny_hf_model kwargs, the layer indices of the full-attention group)
 HYBRID_MODELS: dict[str, tuple[dict[str, object], tuple[int, ...]]] = {
     "qwen2": (
+        dict(
+            arch="qwen2",
+            num_layers=3,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=1,
+            seed=11,
+        ),
+        (0,),
+    ),
+    # The same Qwen2 layout from a config.json without layer_types (as written before transformers 4.53):
+    # the windowed layers follow from max_window_layers.
+    "qwen2_no_layer_types": (
         dict(
             arch="qwen2",
             num_layers=3,
@@ -92,6 +107,10 @@ def hybrid(
 ) -> tuple[str, Path, LogitsRecorder, Reference]:
     kwargs, _ = HYBRID_MODELS[request.param]
     folder = write_tiny_hf_model(tmp_path_factory.mktemp(f"hybrid_{request.param}"), **kwargs)  # type: ignore[arg-type]
+    if request.param.endswith("_no_layer_types"):
+        config = json.loads((folder / "config.json").read_text())
+        del config["layer_types"]
+        (folder / "config.json").write_text(json.dumps(config))
     runner = build_runner(str(folder), num_blocks=NUM_BLOCKS, block_size=BS)
     return request.param, folder, LogitsRecorder(runner), Reference(folder, attn_implementation="eager")
 

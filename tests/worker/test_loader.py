@@ -1,4 +1,5 @@
-"""Config parsing, GGUF loading (row order, tied output, metadata), dummy weights, devices and sizes."""
+"""Config parsing (per-architecture defaults, sliding-window layers, rope scaling), GGUF loading (row order,
+tied output, metadata), damaged or unsupported checkpoints, dummy weights, devices and sizes."""
 
 from __future__ import annotations
 
@@ -14,12 +15,19 @@ import transformers
 from ominix_runtime.contract import DecodeStep, NewRequestData, SamplingParams
 from ominix_runtime.models import resolve_model
 from ominix_worker.attention import TorchReferenceAttention, get_attention_backend
-from ominix_worker.config import ModelConfigError, config_from_hf_dict, load_hf_config
+from ominix_worker.config import (
+    SUPPORTED_ARCHES,
+    ModelConfigError,
+    config_from_gguf_fields,
+    config_from_hf_dict,
+    load_hf_config,
+)
 from ominix_worker.devices import DeviceError, cpu_has_native_bf16, parse_device, resolve_dtype, sm_count
 from ominix_worker.kv_cache import kv_bytes_per_block, parse_bytes
 from ominix_worker.loader import ModelLoadError, load_model, unpermute_llama_cpp_rows
 from ominix_worker.models.llama import rope_inv_freq
 from ominix_worker.runner import ModelRunner, build_runner
+from ominix_worker.testing import write_tiny_hf_model
 
 from .conftest import LLAMA31_ROPE
 
@@ -101,14 +109,20 @@ def write_gguf(folder: Path, out: Path) -> None:
 
 
 def last_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
+    """The logits of the prompt's last position, one prefill step (each KV group its own blocks)."""
     captured: list[torch.Tensor] = []
     compute = runner.model.compute_logits
     runner.model.compute_logits = lambda h: captured.append(compute(h)) or captured[-1]  # type: ignore[method-assign]  # records the logits
+    n = -(-len(tokens) // runner.block_size)
+    tables = [list(range(g * n, (g + 1) * n)) for g in range(len(runner.attention_groups))]
+    greedy = SamplingParams(temperature=0.0)
     runner.execute_step(
         DecodeStep(
             1,
             new_requests=[
-                NewRequestData("g", tokens, SamplingParams(temperature=0.0), [0, 1], 0, len(tokens), 0)
+                NewRequestData(
+                    "g", tokens, greedy, tables[0], 0, len(tokens), 0, group_kv_block_ids=tables[1:]
+                )
             ],
         )
     )
@@ -118,8 +132,6 @@ def last_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("variant", ["tied", "llama31-untied"])
 def test_gguf_file_loads_like_its_hf_source(tmp_path: Path, variant: str) -> None:
-    from ominix_worker.testing import write_tiny_hf_model
-
     tied = variant == "tied"
     extra = {} if tied else {"rope_parameters": LLAMA31_ROPE}
     folder = write_tiny_hf_model(
@@ -180,6 +192,193 @@ def test_hf_config_variants(tmp_path: Path) -> None:
     assert load_hf_config(tmp_path).eos_token_ids == (2, 7, 9)
 
 
+# A config.json with only the fields transformers cannot default (and the MoE shape).
+_MINIMAL_CONFIG = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+)  # fmt: skip
+
+
+def hf_layer_windows(hf: transformers.PretrainedConfig) -> list[int]:
+    """The window each layer of a transformers config attends within (0: full attention)."""
+    window = getattr(hf, "sliding_window", None) or 0
+    kinds = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
+    return [window if kind == "sliding_attention" else 0 for kind in kinds]
+
+
+@pytest.mark.parametrize(
+    "model_type", [a for a in SUPPORTED_ARCHES if a not in ("gemma3", "gemma3_text", "llama_compressed")]
+)
+def test_omitted_fields_take_the_architectures_defaults(model_type: str) -> None:
+    """Fields a config.json leaves out take the defaults of the architecture's own transformers class (Mixtral's
+    rms_norm_eps and rope base, gpt-oss's YaRN rope, window and attention biases, the Qwen context and KV
+    heads), not Llama's: shape, norm epsilon, rope, context, per-layer windows and q/o biases all agree."""
+    hf = transformers.AutoConfig.for_model(model_type, **_MINIMAL_CONFIG)
+    ours = config_from_hf_dict({"model_type": model_type, **_MINIMAL_CONFIG})
+    with torch.device("meta"):
+        attention = transformers.AutoModelForCausalLM.from_config(hf).model.layers[0].self_attn
+    hf_rope = {k: v for k, v in hf.rope_parameters.items() if k != "rope_theta"}
+    got = dict(
+        kv_heads=ours.num_kv_heads,
+        head_dim=ours.head_dim,
+        rms_norm_eps=ours.rms_norm_eps,
+        rope_theta=ours.rope_theta,
+        rope=ours.rope_scaling or {"rope_type": "default"},
+        max_positions=ours.max_position_embeddings,
+        windows=[ours.layer_window(i) for i in range(ours.num_layers)],
+        qkv_bias=ours.qkv_bias,
+        o_bias=ours.o_proj_bias,
+    )
+    want = dict(
+        kv_heads=hf.num_key_value_heads,
+        head_dim=attention.head_dim,
+        rms_norm_eps=hf.rms_norm_eps,
+        rope_theta=hf.rope_parameters["rope_theta"],
+        rope=hf_rope,
+        max_positions=hf.max_position_embeddings,
+        windows=hf_layer_windows(hf),
+        qkv_bias=attention.q_proj.bias is not None,
+        o_bias=attention.o_proj.bias is not None,
+    )
+    assert got == want
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "qwen2_moe", "qwen3_moe"])
+def test_windowed_layers_without_layer_types_follow_transformers(model_type: str) -> None:
+    """A Qwen config.json with use_sliding_window and no layer_types (as written before transformers 4.53,
+    e.g. Qwen2.5's) windows the layers its transformers class does (Qwen2/Qwen3: from max_window_layers on),
+    not every layer."""
+    raw = dict(
+        _MINIMAL_CONFIG, model_type=model_type, num_hidden_layers=6, num_key_value_heads=2,
+        use_sliding_window=True, sliding_window=8, max_window_layers=3,
+    )  # fmt: skip
+    hf = transformers.AutoConfig.for_model(**raw)
+    ours = config_from_hf_dict(raw)
+    assert [ours.layer_window(i) for i in range(6)] == hf_layer_windows(hf)
+    if model_type in ("qwen2", "qwen3"):
+        assert hf_layer_windows(hf) == [0, 0, 0, 8, 8, 8]  # the reference itself: not every layer
+
+
+@pytest.mark.parametrize(
+    ("rope", "arch"),
+    [
+        ({"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}, "qwen3"),
+        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}, "llama"),
+    ],
+    ids=["yarn", "llama3"],
+)
+def test_rope_without_original_max_positions_loads_like_transformers(
+    tmp_path: Path, rope: dict[str, object], arch: str
+) -> None:
+    """YaRN and Llama 3 rope without original_max_position_embeddings (as a hand-written config states it) take
+    max_position_embeddings there, as transformers does, and give its logits."""
+    folder = write_tiny_hf_model(
+        tmp_path, arch=arch, with_tokenizer=False, vocab_size=96, max_position_embeddings=64,
+        rope_parameters=rope,
+    )  # fmt: skip
+    config = json.loads((folder / "config.json").read_text())
+    del config["rope_parameters"]["original_max_position_embeddings"]  # transformers wrote it back
+    (folder / "config.json").write_text(json.dumps(config))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokens = list(range(3, 33))
+    with torch.no_grad():
+        want = reference(torch.tensor([tokens])).logits[0, -1]
+    got = last_logits(build_runner(str(folder), num_blocks=4), tokens)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+
+
+def test_an_unsupported_rope_type_is_refused_before_weights_are_read(
+    tmp_path: Path, safetensors_reads: dict[str, int]
+) -> None:
+    """A rope type the model does not compute (dynamic NTK) is a ModelLoadError naming it, raised before any
+    weight is read rather than from the rope tables built after loading."""
+    folder = write_tiny_hf_model(
+        tmp_path, arch="llama", with_tokenizer=False, vocab_size=96,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    )  # fmt: skip
+    with pytest.raises(ModelLoadError, match="unsupported rope_type 'dynamic'"):
+        load_model(resolve_model(str(folder)), torch.device("cpu"), torch.float32, TorchReferenceAttention())
+    assert safetensors_reads == {}
+
+
+def test_gguf_rope_scaling_is_read_or_refused() -> None:
+    """GGUF rope.scaling metadata: YaRN (factor, original_context_length, betas) reads as the config.json
+    stating it would, linear and none as before; a type or YaRN parameter with no counterpart here is refused
+    by name instead of dropped (plain rope: wrong logits everywhere)."""
+    fields: dict[str, object] = {
+        "general.architecture": "qwen2",
+        "qwen2.embedding_length": 64,
+        "qwen2.attention.head_count": 4,
+        "qwen2.attention.head_count_kv": 2,
+        "qwen2.block_count": 2,
+        "qwen2.feed_forward_length": 128,
+        "qwen2.context_length": 131072,
+        "qwen2.vocab_size": 96,
+        "qwen2.rope.freq_base": 1000000.0,
+        "qwen2.rope.scaling.type": "yarn",
+        "qwen2.rope.scaling.factor": 4.0,
+        "qwen2.rope.scaling.original_context_length": 32768,
+    }
+    hf_yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    hf = config_from_hf_dict(
+        {**_MINIMAL_CONFIG, "model_type": "qwen2", "max_position_embeddings": 131072, "rope_scaling": hf_yarn}
+    )
+    assert config_from_gguf_fields(fields).rope_scaling == hf.rope_scaling == hf_yarn
+    betas = {"qwen2.rope.scaling.yarn_beta_fast": 16.0, "qwen2.rope.scaling.yarn_beta_slow": 2.0}
+    with_betas = {**hf_yarn, "beta_fast": 16.0, "beta_slow": 2.0}
+    assert config_from_gguf_fields({**fields, **betas}).rope_scaling == with_betas
+    no_original = {k: v for k, v in fields.items() if not k.endswith("original_context_length")}
+    assert config_from_gguf_fields(no_original).rope_scaling["original_max_position_embeddings"] == 131072
+    linear = {**fields, "qwen2.rope.scaling.type": "linear"}
+    assert config_from_gguf_fields(linear).rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    assert config_from_gguf_fields({**fields, "qwen2.rope.scaling.type": "none"}).rope_scaling == {}
+    with pytest.raises(ModelConfigError, match="'longrope'"):
+        config_from_gguf_fields({**fields, "qwen2.rope.scaling.type": "longrope"})
+    with pytest.raises(ModelConfigError, match="yarn_log_multiplier"):
+        config_from_gguf_fields({**fields, "qwen2.rope.scaling.yarn_log_multiplier": 0.1})
+
+
+def test_a_truncated_safetensors_file_is_refused_naming_it(tmp_path: Path) -> None:
+    """A safetensors file cut short (an interrupted download) is a ModelLoadError naming the file, not a raw
+    safetensors exception."""
+    folder = write_tiny_hf_model(tmp_path, arch="llama", with_tokenizer=False, vocab_size=96)
+    file = folder / "model.safetensors"
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        load_model(resolve_model(str(folder)), torch.device("cpu"), torch.float32, TorchReferenceAttention())
+
+
+# One tiny model per decoder family (dense, tied, MoE, Gemma 3's hybrid layers, gpt-oss's sinks and biases).
+_FAMILIES: dict[str, dict[str, object]] = {
+    "llama": dict(arch="llama"),
+    "qwen2": dict(arch="qwen2", tie_word_embeddings=True),
+    "qwen3_moe": dict(arch="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    "gemma3": dict(arch="gemma3_text", num_layers=4, sliding_window=8, sliding_window_pattern=2),
+    "gpt_oss": dict(
+        arch="gpt_oss", intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, sliding_window=8
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("family", list(_FAMILIES))
+def test_half_precision_on_cpu_stays_close_to_float32_transformers(
+    tmp_path: Path, family: str, dtype: torch.dtype
+) -> None:
+    """--dtype float16 / bfloat16 on the CPU gives finite logits within 5% of transformers in float32, for every
+    decoder family (the run dtype reaches norms, rope, experts, sinks and soft-capping alike)."""
+    folder = write_tiny_hf_model(tmp_path, with_tokenizer=False, vocab_size=96, **_FAMILIES[family])  # type: ignore[arg-type]
+    tokens = [3 + (11 * i) % 90 for i in range(30)]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = reference(torch.tensor([tokens])).logits[0, -1]
+    runner = build_runner(str(folder), dtype=dtype, num_blocks=8)
+    assert runner.model.embed_tokens.weight.dtype == dtype
+    got = last_logits(runner, tokens)
+    assert torch.isfinite(got).all()
+    assert ((got - want).abs().max() / want.abs().max()).item() < 5e-2
+
+
 def test_dummy_weights_give_finite_logits(tiny_model_dir: Callable[[str], Path]) -> None:
     runner = build_runner(f"dummy:{tiny_model_dir('qwen3') / 'config.json'}", num_blocks=4)
     logits = last_logits(runner, list(range(5, 25)))
@@ -234,8 +433,6 @@ def test_sharded_safetensors_load_like_one_file(
 
 
 def test_llama_with_attention_bias_matches_transformers(tmp_path: Path) -> None:
-    from ominix_worker.testing import write_tiny_hf_model
-
     folder = write_tiny_hf_model(
         tmp_path, arch="llama", attention_bias=True, with_tokenizer=False, vocab_size=96
     )

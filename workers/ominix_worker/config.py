@@ -4,6 +4,7 @@ config.json or GGUF metadata."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,15 +204,26 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 
 
 def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    """transformers 5 nests theta and scaling in ``rope_parameters``; older configs use two fields."""
+    """transformers 5 nests theta and scaling in ``rope_parameters``; older configs use two fields. ``raw``
+    has its architecture's defaults filled in."""
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and params:
-        theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        theta = float(params.get("rope_theta", raw["rope_theta"]))
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     else:
-        theta = float(raw.get("rope_theta", 10000.0))
-        scaling = dict(raw.get("rope_scaling") or {})
-    return theta, _rope_scaling(scaling)
+        theta = float(raw["rope_theta"])
+        scaling = dict(raw["rope_scaling"] or {})
+    scaling = _rope_scaling(scaling)
+    if scaling.get("rope_type") in ("llama3", "yarn"):
+        # Both rescale relative to the pretraining context. A config that leaves it out is read as transformers
+        # reads it: a top-level original_max_position_embeddings (Phi-3 style) first, else the model's own
+        # context, so the logits match the checkpoint's reference implementation.
+        scaling["original_max_position_embeddings"] = int(
+            raw.get("original_max_position_embeddings")
+            or scaling.get("original_max_position_embeddings")
+            or raw["max_position_embeddings"]
+        )
+    return theta, scaling
 
 
 def _rope_scaling(scaling: dict[str, Any]) -> dict[str, Any]:
@@ -224,24 +236,82 @@ def _rope_scaling(scaling: dict[str, Any]) -> dict[str, Any]:
     return scaling
 
 
-# Hugging Face's Gemma3TextConfig defaults, for fields a config.json may leave out.
-_GEMMA3_DEFAULTS: dict[str, Any] = dict(
-    vocab_size=262_208,
-    hidden_size=2304,
-    intermediate_size=9216,
-    num_hidden_layers=26,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=256,
-    hidden_activation="gelu_pytorch_tanh",
-    max_position_embeddings=131_072,
+# Hugging Face's defaults for the fields a config.json may leave out. Each transformers config class has its
+# own (Mixtral's rope base is 1e6, gpt-oss's rope is YaRN and its attention has biases), so an omitted field
+# takes the value its architecture's class gives it: one table, looked up by model_type, read by every
+# parser below. Shape fields without a default (vocab_size, hidden_size, ...) are required, except for
+# Gemma 3, whose configs omit them.
+_LLAMA_DEFAULTS: dict[str, Any] = dict(
+    num_key_value_heads=None,  # as many as the query heads
+    head_dim=None,  # hidden_size / num_attention_heads
+    rope_theta=10_000.0,
+    rope_scaling=None,
     rms_norm_eps=1e-6,
-    eos_token_id=1,
-    bos_token_id=2,
-    tie_word_embeddings=True,
-    query_pre_attn_scalar=256,
-    sliding_window=4096,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    hidden_act="silu",
+    sliding_window=None,
+    use_sliding_window=False,
 )
+_QWEN_DEFAULTS = dict(max_position_embeddings=32_768, sliding_window=4096)
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    arch: {**_LLAMA_DEFAULTS, **overrides}
+    for arch, overrides in {
+        "llama": {},
+        "llama_compressed": {},
+        "mistral": dict(num_key_value_heads=8, max_position_embeddings=131_072, sliding_window=4096),
+        "qwen2": dict(_QWEN_DEFAULTS, num_key_value_heads=32, max_window_layers=28),
+        "qwen3": dict(_QWEN_DEFAULTS, num_key_value_heads=32, head_dim=128, max_window_layers=28),
+        "qwen2_moe": dict(
+            _QWEN_DEFAULTS, num_key_value_heads=16, max_window_layers=28, qkv_bias=True, norm_topk_prob=False
+        ),
+        "qwen3_moe": dict(_QWEN_DEFAULTS, num_key_value_heads=4, norm_topk_prob=False),
+        "mixtral": dict(
+            num_key_value_heads=8, max_position_embeddings=131_072, rms_norm_eps=1e-5, rope_theta=1_000_000.0
+        ),
+        "gpt_oss": dict(
+            num_key_value_heads=8,
+            head_dim=64,
+            max_position_embeddings=131_072,
+            rms_norm_eps=1e-5,
+            rope_theta=150_000.0,
+            rope_scaling=dict(
+                rope_type="yarn",
+                factor=32.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=4096,
+            ),
+            sliding_window=128,
+            attention_bias=True,
+            swiglu_alpha=1.702,
+            swiglu_limit=7.0,
+        ),
+        "gemma3_text": dict(
+            vocab_size=262_208,
+            hidden_size=2304,
+            intermediate_size=9216,
+            num_hidden_layers=26,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            hidden_activation="gelu_pytorch_tanh",
+            hidden_act="gelu_pytorch_tanh",
+            max_position_embeddings=131_072,
+            rms_norm_eps=1e-6,
+            eos_token_id=1,
+            bos_token_id=2,
+            tie_word_embeddings=True,
+            query_pre_attn_scalar=256,
+            sliding_window=4096,
+            sliding_window_pattern=6,  # every sixth layer is global
+            rope_theta=1_000_000.0,  # the global layers'
+            rope_local_base_freq=10_000.0,  # the sliding-window layers'
+        ),
+    }.items()
+}
 
 
 def _gemma3_text(raw: dict[str, Any]) -> dict[str, Any]:
@@ -250,33 +320,27 @@ def _gemma3_text(raw: dict[str, Any]) -> dict[str, Any]:
     Gemma3ForConditionalGeneration config gives its ``text_config`` (the vision tower is not served)."""
     if raw.get("model_type") == "gemma3":
         text = dict(raw.get("text_config") or {})
-        for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
-            if raw.get(key) is not None:  # the outer config's ids win (the chat end-of-turn id is there)
+        # The outer config's ids win (the chat end-of-turn id is there), and an FP8 checkpoint states its
+        # quantization_config there only.
+        for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings", "quantization_config"):
+            if raw.get(key) is not None:
                 text[key] = raw[key]
         raw = text
-    out = {**_GEMMA3_DEFAULTS, **{k: v for k, v in raw.items() if v is not None}}
+    defaults = _ARCH_DEFAULTS["gemma3_text"]
+    out = {**defaults, **{k: v for k, v in raw.items() if v is not None}}
     out["model_type"] = "gemma3_text"
     if out.get("use_bidirectional_attention"):
         raise ModelConfigError("use_bidirectional_attention=true is not supported (causal attention only)")
     out["hidden_act"] = out.pop("hidden_activation", None) or out.get("hidden_act") or "gelu_pytorch_tanh"
-    num_layers = int(out["num_hidden_layers"])
-    if not out.get("layer_types"):
-        pattern = int(out.get("sliding_window_pattern") or 6)  # every pattern-th layer is global
-        out["layer_types"] = [
-            SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)
-        ]
     params = out.pop("rope_parameters", None)
     if isinstance(params, dict) and (FULL_ATTENTION in params or SLIDING_ATTENTION in params):
         full = dict(params.get(FULL_ATTENTION) or {})
         local = dict(params.get(SLIDING_ATTENTION) or {})
-        out["rope_theta"] = float(full.pop("rope_theta", 1_000_000.0))
+        out["rope_theta"] = float(full.pop("rope_theta", defaults["rope_theta"]))
         out["rope_scaling"] = _rope_scaling(full)
-        out["rope_local_base_freq"] = float(local.pop("rope_theta", 10_000.0))
+        out["rope_local_base_freq"] = float(local.pop("rope_theta", defaults["rope_local_base_freq"]))
         if _rope_scaling(local):
             raise ModelConfigError("rope scaling on Gemma 3's sliding-window layers is not supported")
-    else:
-        out.setdefault("rope_theta", 1_000_000.0)
-        out.setdefault("rope_local_base_freq", 10_000.0)
     return out
 
 
@@ -292,22 +356,45 @@ def _gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
 
 def _sliding_window(raw: dict[str, Any], model_type: str) -> int:
     """The window of the sliding-window layers (0: full attention everywhere)."""
-    window = raw.get("sliding_window")
-    uses_window = model_type in (
+    window = raw["sliding_window"]
+    uses_window = raw["use_sliding_window"] or model_type in (
         "mistral",
         "mixtral",
         "gemma3_text",
         "gpt_oss",
         "llama_compressed",
-    ) or raw.get("use_sliding_window", False)
+    )
     return int(window) if window and uses_window else 0
 
 
-def layer_types_from_hf(raw: dict[str, Any], num_layers: int, window: int) -> tuple[str, ...]:
-    """Per-layer attention kinds as the config states them (``layer_types``); empty: every layer alike."""
-    types = raw.get("layer_types")
-    if not window or not types:
+# Which layers attend within the window when a config.json states no ``layer_types``, as each transformers
+# class lays them out: (layer index, config) → windowed. An architecture not listed windows every layer
+# (Mistral, Mixtral, Qwen3-MoE, llama_compressed).
+_WINDOWED_LAYER: dict[str, Callable[[int, dict[str, Any]], bool]] = {
+    # Qwen2 and Qwen3 attend fully below max_window_layers and within the window from there on.
+    "qwen2": lambda i, raw: i >= int(raw["max_window_layers"]),
+    "qwen3": lambda i, raw: i >= int(raw["max_window_layers"]),
+    # Qwen2-MoE windows every other layer below max_window_layers, the first one included.
+    "qwen2_moe": lambda i, raw: i % 2 == 0 and i < int(raw["max_window_layers"]),
+    "gpt_oss": lambda i, raw: i % 2 == 0,  # alternating, the first layer windowed
+    # Gemma 3: every sliding_window_pattern-th layer is global.
+    "gemma3_text": lambda i, raw: (i + 1) % int(raw["sliding_window_pattern"]) != 0,
+}
+
+
+def layer_types_from_hf(
+    raw: dict[str, Any], model_type: str, num_layers: int, window: int
+) -> tuple[str, ...]:
+    """Per-layer attention kinds: as the config states them (``layer_types``), else as the architecture lays
+    them out (``_WINDOWED_LAYER``); empty: every layer alike."""
+    if not window:
         return ()
+    types = raw.get("layer_types")
+    if not types:
+        windowed = _WINDOWED_LAYER.get(model_type)
+        if windowed is None:
+            return ()
+        return tuple(SLIDING_ATTENTION if windowed(i, raw) else FULL_ATTENTION for i in range(num_layers))
     if len(types) != num_layers or any(t not in (SLIDING_ATTENTION, FULL_ATTENTION) for t in types):
         raise ModelConfigError(
             f"layer_types must list {num_layers} of {SLIDING_ATTENTION!r} / {FULL_ATTENTION!r}"
@@ -335,8 +422,8 @@ def _moe_from_hf(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[
         )
         if model_type == "gpt_oss":
             fields.update(
-                swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
-                swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+                swiglu_alpha=float(raw["swiglu_alpha"]),
+                swiglu_limit=float(raw["swiglu_limit"]),
             )
         return fields
     step = int(raw.get("decoder_sparse_step") or 1)
@@ -346,7 +433,7 @@ def _moe_from_hf(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[
         num_experts=num_experts,
         num_experts_per_tok=top_k,
         moe_intermediate_size=int(raw["moe_intermediate_size"]),
-        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),  # transformers' default when unstated
+        norm_topk_prob=bool(raw["norm_topk_prob"]),
         shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0)
         if model_type == "qwen2_moe"
         else 0,
@@ -381,6 +468,7 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         raw = _gemma3_text(raw)
         model_type = "gemma3_text"
         extra = _gemma3_fields(raw)
+    raw = {**_ARCH_DEFAULTS[model_type], **raw}
     # Refuse what this implementation would silently get wrong.
     quant_method = str((raw.get("quantization_config") or {}).get("quant_method", "")).lower()
     if model_type == "gpt_oss" and quant_method == "mxfp4":
@@ -388,16 +476,14 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
             "MXFP4 gpt-oss checkpoints (the released openai/gpt-oss weights) are not supported: "
             "use a bf16 checkpoint (experts dequantized) or dummy weights"
         )
-    if model_type == "gpt_oss" and not raw.get("layer_types"):
-        # transformers' default for gpt-oss: sliding-window layers first, alternating with full attention.
-        layers = int(raw.get("num_hidden_layers") or 0)
-        raw = {
-            **raw,
-            "layer_types": [SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(layers)],
-        }
+    if model_type == "gpt_oss" and quant_method == "fp8":
+        raise ModelConfigError(
+            "FP8 gpt-oss checkpoints are not supported (its biased experts have no FP8 path): "
+            "use a bf16 checkpoint or dummy weights"
+        )
     if raw.get("mlp_bias"):
         raise ModelConfigError("mlp_bias=true is not supported")
-    act = raw.get("hidden_act", "silu")
+    act = raw["hidden_act"]
     if act != ("gelu_pytorch_tanh" if model_type == "gemma3_text" else "silu"):
         raise ModelConfigError(f"hidden_act {act!r} is not supported for {model_type}")
     if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
@@ -408,29 +494,29 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         theta, scaling = _rope_from_hf(raw)
         num_layers = int(raw["num_hidden_layers"])
         window = _sliding_window(raw, model_type)
-        if model_type == "qwen2_moe":  # Qwen2-MoE states its q/k/v bias (default on)
-            qkv_bias = bool(raw.get("qkv_bias", True))
+        if model_type == "qwen2_moe":  # Qwen2-MoE states its q/k/v bias
+            qkv_bias = bool(raw["qkv_bias"])
         else:
-            qkv_bias = model_type == "qwen2" or bool(raw.get("attention_bias", False))
+            qkv_bias = model_type == "qwen2" or bool(raw["attention_bias"])
         return ModelConfig(
             arch=model_type,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
+            num_kv_heads=int(raw["num_key_value_heads"] or heads),
+            head_dim=int(raw["head_dim"] or hidden // heads),
             intermediate_size=int(raw["intermediate_size"]),
             rope_theta=theta,
             rope_scaling=scaling,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            rms_norm_eps=float(raw["rms_norm_eps"]),
+            tie_word_embeddings=bool(raw["tie_word_embeddings"]),
             qkv_bias=qkv_bias,
-            o_proj_bias=model_type not in ("qwen2", "qwen2_moe") and bool(raw.get("attention_bias", False)),
+            o_proj_bias=model_type not in ("qwen2", "qwen2_moe") and bool(raw["attention_bias"]),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=int(raw["max_position_embeddings"]),
             sliding_window=window,
-            layer_types=layer_types_from_hf(raw, num_layers, window),
+            layer_types=layer_types_from_hf(raw, model_type, num_layers, window),
             bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
             quantization=dict(raw.get("quantization_config") or {}),
@@ -507,6 +593,40 @@ def _moe_from_gguf(fields: dict[str, Any], gguf_arch: str, arch: str, num_layers
     )
 
 
+# llama.cpp's YaRN metadata with no counterpart here: refused rather than run as plain YaRN.
+_GGUF_YARN_UNMAPPED = ("attn_factor", "yarn_attn_factor", "yarn_ext_factor", "yarn_log_multiplier")
+
+
+def _rope_from_gguf(fields: dict[str, Any], gguf_arch: str, context_length: int) -> dict[str, Any]:
+    """``<arch>.rope.scaling.*`` metadata as Hugging Face names it (empty: plain rope). A scaling type other
+    than linear or YaRN is refused: dropping it would run plain rope, wrong at every position."""
+    key = f"{gguf_arch}.rope.scaling"
+    kind = fields.get(f"{key}.type")
+    if kind in (None, "", "none"):
+        return {}
+    if kind not in ("linear", "yarn"):
+        raise ModelConfigError(f"unsupported GGUF rope scaling type {kind!r} (none, linear or yarn)")
+    factor = fields.get(f"{key}.factor")
+    if factor is None:
+        raise ModelConfigError(f"GGUF metadata lacks {key}.factor for {kind} rope scaling")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    unmapped = [f"{key}.{name}" for name in _GGUF_YARN_UNMAPPED if f"{key}.{name}" in fields]
+    if unmapped:
+        raise ModelConfigError(f"GGUF YaRN rope scaling with {', '.join(unmapped)} is not supported")
+    # Without original_context_length the model is read as not extended, as for a config.json.
+    original = fields.get(f"{key}.original_context_length") or context_length
+    scaling = {
+        "rope_type": "yarn",
+        "factor": float(factor),
+        "original_max_position_embeddings": int(original),
+    }
+    for gguf_name, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if fields.get(f"{key}.{gguf_name}") is not None:
+            scaling[name] = float(fields[f"{key}.{gguf_name}"])
+    return scaling
+
+
 def config_from_gguf_fields(fields: dict[str, Any], token_embd_rows: int | None = None) -> ModelConfig:
     """Build from already-decoded GGUF metadata (``{key: value}``); config lives under ``<arch>.*`` keys."""
     gguf_arch = str(fields.get("general.architecture", ""))
@@ -530,10 +650,7 @@ def config_from_gguf_fields(fields: dict[str, Any], token_embd_rows: int | None 
         vocab = len(tokens) if tokens is not None else token_embd_rows
     if vocab is None:
         raise ModelConfigError("GGUF metadata states no vocabulary size")
-    scaling: dict[str, Any] = {}
-    scaling_type = fields.get(f"{gguf_arch}.rope.scaling.type")
-    if scaling_type == "linear":
-        scaling = {"rope_type": "linear", "factor": float(fields[f"{gguf_arch}.rope.scaling.factor"])}
+    scaling = _rope_from_gguf(fields, gguf_arch, int(get("context_length", 2048)))
     eos = fields.get("tokenizer.ggml.eos_token_id")
     bos = fields.get("tokenizer.ggml.bos_token_id")
     num_layers = int(get("block_count"))

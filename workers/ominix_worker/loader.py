@@ -21,7 +21,7 @@ import torch
 from ominix_runtime.models import ModelFormat, ModelSource
 from ominix_worker.attention.base import AttentionBackend
 from ominix_worker.config import ModelConfig, ModelConfigError, config_from_gguf_fields, load_hf_config
-from ominix_worker.models.llama import LlamaForCausalLM
+from ominix_worker.models.llama import LlamaForCausalLM, rope_inv_freq
 from ominix_worker.models.registry import model_class
 from ominix_worker.parallel import SINGLE, SafetensorsWeight, TensorParallel, WeightSource
 from ominix_worker.progress import track
@@ -74,20 +74,28 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+def _open_safetensors(file: Path) -> Any:
+    """The file opened for reading; a damaged one (truncated, bad header) is refused naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except SafetensorError as exc:
+        raise ModelLoadError(f"cannot read {file}: {exc}") from exc
+
+
 def _hf_weights(folder: Path) -> Iterator[tuple[str, WeightSource]]:
     """Every tensor of the folder's safetensors files, unread: the model reads the slices it keeps."""
-    from safetensors import safe_open
-
     files = _safetensors_files(folder)
     names = []
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with _open_safetensors(file) as f:
             names.extend((file, key) for key in f.keys())  # noqa: SIM118 (safe_open has no __iter__)
     handles: dict[Path, Any] = {}
     try:
         for file, key in _progress(names, len(names), "loading weights"):
             if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt", device="cpu")
+                handles[file] = _open_safetensors(file)
             yield key, SafetensorsWeight(handles[file].get_slice(key), key)
     finally:
         handles.clear()
@@ -249,6 +257,9 @@ def _build(
 ) -> LlamaForCausalLM:
     """The model with empty weights on ``device``; with ``fp8`` its projections and experts are FP8 modules
     (an FP8 checkpoint loads into them)."""
+    # The rope tables are built only after loading; computing the frequencies now refuses an unsupported or
+    # incomplete rope configuration before any weight is read.
+    rope_inv_freq(config)
     with torch.device("meta"):
         model = model_class(config)(config, backend, max_positions, tp)
     model = model.to(dtype)
@@ -296,9 +307,9 @@ def load_model(
     """
     if quantization not in (None, "", "none", "fp8"):
         raise ModelLoadError(f"unknown quantization {quantization!r} (none or fp8)")
-    if device.type != "cpu" and source.format != ModelFormat.GGUF and load_config(source).compress_ratios:
-        raise ModelLoadError(f"{source.name}: the compressed-attention reference runs on the CPU only")
     try:
+        if device.type != "cpu" and source.format != ModelFormat.GGUF and load_config(source).compress_ratios:
+            raise ModelLoadError(f"{source.name}: the compressed-attention reference runs on the CPU only")
         if source.format == ModelFormat.GGUF:
             from gguf import GGUFReader
 

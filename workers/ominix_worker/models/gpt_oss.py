@@ -87,8 +87,8 @@ class GptOssExperts(FusedExperts):
             lambda e: (self.w13_bias[e], self.w2_bias[e]),
         )
 
-    def use_fp8(self, block: tuple[int, int] | None) -> None:
-        raise ValueError("gpt-oss experts have no FP8 path")
+    def use_fp8(self, block: tuple[int, int] | None, name: str = "experts") -> None:
+        raise ValueError(f"gpt-oss experts ({name}) have no FP8 path")
 
     def quantize_fp8(self, block: tuple[int, int] | None) -> None:
         raise ValueError("gpt-oss experts have no FP8 path (--quantization fp8)")
