@@ -78,8 +78,27 @@ def _fits(available: Sequence[int], *demands: Sequence[int]) -> bool:
     return all(a >= sum(d) for a, *d in zip(available, *demands, strict=True))
 
 
+def arrival_on_clock(request: GenerateRequest, now: float) -> float:
+    """When ``request`` arrived, on a clock that reads ``now``: its ``arrival_time``, stamped by the front
+    before tokenization (the deadline and the client's PrefillDone.ttft_seconds count from it, so run reports
+    do too), or ``now`` when it has none or one after ``now`` (stamped on another clock).
+
+    In the engine the stamp and the clock are both ``time.monotonic()``: GenerateRequest's default, what the
+    fronts stamp (in a front process too: the front link never leaves the host, and CLOCK_MONOTONIC is one
+    clock for all of its processes) and what every group times with. A replay stamps arrivals on its
+    simulated clock, the one its scheduler reads.
+    """
+    arrival = request.arrival_time
+    return arrival if 0.0 < arrival <= now else now
+
+
 class Scheduler:
-    """Policy core of one worker group. See the module docstring for the overlap rules."""
+    """Policy core of one worker group. See the module docstring for the overlap rules.
+
+    ``clock`` times requests (queue, first token, end) for run reports; requests' ``arrival_time`` is read on
+    it (see :func:`arrival_on_clock`). Scheduling order is admission order (``arrival_seq``), whatever the
+    clocks say.
+    """
 
     def __init__(
         self,
@@ -179,7 +198,7 @@ class Scheduler:
             effective_seed=seed,
             all_token_ids=list(req.prompt_token_ids),
             num_prompt_tokens=len(req.prompt_token_ids),
-            queued_time=self.clock(),
+            queued_time=arrival_on_clock(req, self.clock()),
         )
         self.requests[req.request_id] = ereq
         self.waiting.push_back(ereq)

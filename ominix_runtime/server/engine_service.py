@@ -274,18 +274,24 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         except OminixError as exc:
             self._forget(request_id)
             reason = "model_not_found" if isinstance(exc, _NotFound) else exc.kind.name.lower()
-            self._reject(exc.message, reason, counted_by_engine=False, span=span)
+            model = self._refused_model(pb.model)
+            self._reject(exc.message, reason, counted_by_engine=False, span=span, model=model)
             raise
         except asyncio.CancelledError:
             # The client went away (or its deadline passed) while its prompt was being resolved: counted and
             # logged like any request that never reached the engine.
             self._forget(request_id)
             self._reject(
-                "the client cancelled before admission", "cancelled", counted_by_engine=False, span=span
+                "the client cancelled before admission",
+                "cancelled",
+                counted_by_engine=False,
+                span=span,
+                model=self._refused_model(pb.model),
             )
             raise
-        except BaseException:
+        except BaseException as exc:
             self._forget(request_id)
+            span.end("error", f"resolving the prompt failed: {exc!r}")  # else it stays open in the tracer
             raise
         finally:
             self._resolving.discard(request_id)
@@ -295,7 +301,9 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
             await handle.admitted()  # at once in the engine's process; a front process waits for its answer
         except OminixError as exc:
             self._forget(request_id)
-            self._reject(exc.message, exc.kind.name.lower(), counted_by_engine=True, span=span)
+            self._reject(
+                exc.message, exc.kind.name.lower(), counted_by_engine=True, span=span, model=gen_request.model
+            )
             raise
         except asyncio.CancelledError:
             # The client went away while a front process waited for the engine's answer: the engine may
@@ -432,16 +440,28 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
             return True
         return False
 
+    def _refused_model(self, requested: str) -> str:
+        """The model a refusal of a request naming ``requested`` is counted under: that model when only a
+        request-level backend serves it, else "" (the engine's own model: its served names map to it, and a
+        name not served here is the client's choice, which must not make a metric series per name)."""
+        return requested if requested and requested in self._other_models() else ""
+
     def _reject(
-        self, message: str, reason: str, counted_by_engine: bool, span: RequestSpan | None = None
+        self,
+        message: str,
+        reason: str,
+        counted_by_engine: bool,
+        span: RequestSpan | None = None,
+        model: str = "",
     ) -> None:
+        """Count and log a refused request; ``model`` labels its metric ("" for the engine's own model)."""
         if span is not None:
             span.end("rejected", message)
         if not counted_by_engine:
             self._rejected += 1
         _log.info("request rejected", reason=message)
         if self._metrics is not None:
-            self._metrics.observe_rejection(reason)
+            self._metrics.observe_rejection(reason, model)
 
     async def _events(
         self, req: GenerateRequest, handle: RequestHandle, span: RequestSpan

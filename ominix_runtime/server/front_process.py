@@ -55,7 +55,7 @@ from ominix_runtime.server.app import (
 from ominix_runtime.server.engine_service import AlreadyLive, EngineServiceBase
 from ominix_runtime.server.front_hub import FrontSpec
 from ominix_runtime.server.logging import configure_logging, get_logger
-from ominix_runtime.server.tracing import RequestSpan
+from ominix_runtime.server.tracing import RequestSpan, RequestTracer, tracer_from_environment
 
 FORWARD_TIMEOUT_S = 30.0
 # Client metadata an admin call keeps when forwarded: the API key and the trace context.
@@ -187,7 +187,7 @@ class EngineLink:
 class FrontService(EngineServiceBase):
     """The Engine service of a front process: Generate over the link, admin calls forwarded."""
 
-    def __init__(self, engine: EngineLink, spec: FrontSpec) -> None:
+    def __init__(self, engine: EngineLink, spec: FrontSpec, tracer: RequestTracer | None = None) -> None:
         config = spec.config
         super().__init__(
             engine,
@@ -195,6 +195,7 @@ class FrontService(EngineServiceBase):
             engine.model_name,
             None,
             config.front,
+            tracer=tracer,
             served_names=config.model.served_model_names,
             queue_limit=config.engine.max_waiting_requests,
         )
@@ -203,9 +204,14 @@ class FrontService(EngineServiceBase):
         self._engine_stub = engine_pb2_grpc.EngineStub(self._channel)
 
     def _reject(
-        self, message: str, reason: str, counted_by_engine: bool, span: RequestSpan | None = None
+        self,
+        message: str,
+        reason: str,
+        counted_by_engine: bool,
+        span: RequestSpan | None = None,
+        model: str = "",
     ) -> None:
-        super()._reject(message, reason, counted_by_engine, span)
+        super()._reject(message, reason, counted_by_engine, span, model)
         if not counted_by_engine:  # the engine process counts what it refused itself
             self._link.refused(message, reason)
 
@@ -280,7 +286,10 @@ async def serve_front(spec: FrontSpec) -> int:
     memory.map_large_allocations()  # prompts of megabytes arrive here first, as in the engine process
     engine, first = await EngineLink.connect(spec.link_path)
     reading = asyncio.create_task(engine.run(first), name="ominix-front-link")
-    service = FrontService(engine, spec)
+    # The requests' spans start where they are admitted, so a front traces as the engine process does: off
+    # unless the OTEL_* variables (inherited from the engine process) configure it.
+    tracer = tracer_from_environment()
+    service = FrontService(engine, spec, tracer)
     source = model_source(config)
     if source is not None and has_tokenizer(source):
         service.tokenizer = await asyncio.to_thread(load_tokenizer, source)
@@ -329,6 +338,7 @@ async def serve_front(spec: FrontSpec) -> int:
     with contextlib.suppress(Exception):
         await server.stop(grace=SHUTDOWN_FLUSH_S)
     await service.aclose()
+    tracer.shutdown()  # exports the spans of the last requests before the process exits
     engine.frames.close()
     for waiting in stop_waits:
         waiting.cancel()

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -18,9 +19,12 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "server"))  # the in-t
 from server_harness import SMOLLM2_VOCAB, RunningDaemon, start_daemon, stop_daemon  # noqa: E402
 
 from ominix_runtime import wire  # noqa: E402
+from ominix_runtime.config import FrontConfig  # noqa: E402
 from ominix_runtime.contract import DecodeStep, NewRequestData, SamplingParams  # noqa: E402
+from ominix_runtime.engine import EngineCore, EngineCoreConfig  # noqa: E402
 from ominix_runtime.pb import common_pb2, engine_pb2  # noqa: E402
 from ominix_runtime.server import app as app_module  # noqa: E402
+from ominix_runtime.server.engine_service import EngineService  # noqa: E402
 from ominix_runtime.server.tracing import (  # noqa: E402
     OtelRequestTracer,
     RequestTracer,
@@ -29,7 +33,7 @@ from ominix_runtime.server.tracing import (  # noqa: E402
     traceparent_from_http_headers,
     tracing_configured,
 )
-from ominix_runtime.testing.fake_backend import FakeConfig  # noqa: E402
+from ominix_runtime.testing.fake_backend import FakeConfig, FakeStepBackend  # noqa: E402
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN = "00f067aa0ba902b7"
@@ -248,3 +252,74 @@ def test_request_level_backend_gets_the_traceparent_header() -> None:
         return state.generate_traceparents
 
     assert asyncio.run(asyncio.wait_for(main(), 60)) == [TRACEPARENT, ""]
+
+
+# ---- spans that end early ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _FailingTokenizer:
+    """Just enough of a Tokenizer for the front's tokenization pool; encoding raises (a tokenizer bug)."""
+
+    max_token_chars: int = 64
+    vocab_size: int = SMOLLM2_VOCAB
+
+    def encode(self, text: str, parse_special: bool = False) -> list[int]:
+        raise RuntimeError("tokenizer blew up")
+
+
+@pytest.mark.parametrize("how", ["tokenizer_raises", "pool_closed"])
+def test_a_span_ends_when_resolving_the_prompt_fails_unexpectedly(how: str) -> None:
+    """When resolving the prompt raises something other than an OminixError (a tokenizer bug, or the
+    tokenization pool closed at shutdown under a request already past the serving check), the request span
+    still ends, with outcome error and an ERROR status, and the tracer forgets it."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = OtelRequestTracer(provider)
+
+    async def main() -> None:
+        core = EngineCore([FakeStepBackend(replace(_fake(), model_name="m"))], EngineCoreConfig())
+        await core.start()
+        service = EngineService(core, _FailingTokenizer(), "m", tracer=tracer)  # type: ignore[arg-type]
+        if how == "pool_closed":
+            service.close()
+        pb = engine_pb2.GenerateRequest(
+            request_id="s1", prompt="hello", sampling=common_pb2.SamplingParams(max_tokens=3)
+        )
+        try:
+            with pytest.raises(RuntimeError):
+                await service.admit(pb, "s1")
+        finally:
+            await core.stop()
+            service.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    (root,) = [s for s in exporter.get_finished_spans() if s.name == "ominix.generate"]
+    assert root.attributes["ominix.request_id"] == "s1" and root.attributes["ominix.outcome"] == "error"
+    assert root.status.status_code.name == "ERROR"
+    assert not tracer._live  # nothing left for a run report to attach to
+
+
+def test_front_processes_trace_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """With --front-procs the front process that admits a request traces it when the OTEL_* variables say so:
+    the worker gets the front span's own traceparent (the caller's trace, a new span id), and the front's
+    exporter writes the ominix.generate span by the time the front has exited."""
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")  # the front processes inherit the environment
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "ominix-front-test")
+    daemon, thread = start_daemon(_fake(), front=FrontConfig(procs=1))
+    try:
+        events = _generate(daemon, "front-traced-1", metadata=(("traceparent", TRACEPARENT),))
+        assert events[-1].HasField("done")
+        sent = parse_traceparent(_new_request(daemon, "front-traced-1").traceparent)
+    finally:
+        stop_daemon(daemon, thread)
+    assert sent.startswith(f"00-{TRACE_ID}-") and PARENT_SPAN not in sent, sent
+    out = capfd.readouterr().out
+    assert '"name": "ominix.generate"' in out and '"ominix.request_id": "front-traced-1"' in out

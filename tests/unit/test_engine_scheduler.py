@@ -22,7 +22,8 @@ from ominix_runtime.contract import (
     WorkerEvent,
 )
 from ominix_runtime.engine.config import SchedulerConfig
-from ominix_runtime.testing.fake_backend import FakeConfig
+from ominix_runtime.engine.scheduler import Scheduler
+from ominix_runtime.testing.fake_backend import FakeConfig, FakeStepBackend
 
 
 def _prompt(n: int, base: int = 10) -> list[int]:
@@ -687,6 +688,28 @@ def test_finish_request_from_a_stop_string() -> None:
     events = run.scheduler.finish_request("r", FinishReason.STOP, matched_stop="###")
     assert isinstance(events[-1], Done) and events[-1].matched_stop == "###"
     assert run.scheduler.finish_request("r") == []
+
+
+def test_a_request_is_queued_from_its_arrival_and_scheduled_in_admission_order() -> None:
+    """A request's queue time (run reports: queue, TTFT, E2E) starts at its arrival_time, stamped on the
+    scheduler's clock when the front received it; one stamped after the clock's reading (another clock's) is
+    not used. The order of service stays the order of admission."""
+    now = [100.0]
+    backend = FakeStepBackend(FakeConfig())
+    run = Run(Scheduler(backend.capability(), clock=lambda: now[0], seed=1), backend)
+    first, second = request("first", _prompt(8), max_tokens=2), request("second", _prompt(8), max_tokens=2)
+    first.arrival_time, second.arrival_time = 99.75, 99.5  # the second was tokenized faster
+    late = request("late", _prompt(8), max_tokens=2)
+    late.arrival_time = 5000.0
+    for req in (first, second, late):
+        run.scheduler.add_request(req)
+    queued = {rid: r.queued_time for rid, r in run.scheduler.requests.items()}
+    assert queued == {"first": 99.75, "second": 99.5, "late": 100.0}
+    step = run.scheduler.schedule()
+    assert step is not None and [r.request_id for r in step.new_requests] == ["first", "second", "late"]
+    run.record(run.scheduler.update(step, backend.execute(step)))
+    drive(run)
+    assert all(isinstance(run.terminal(rid), Done) for rid in queued)
 
 
 def test_a_request_pauses_instead_of_preempting_itself_when_only_protected_requests_follow() -> None:

@@ -4,7 +4,9 @@ The engine keeps admission (priority classes, FCFS inside a class, at most ``max
 the backend at once), deadlines, aborts and the event contract towards the client: whatever the backend
 does, the client sees at most one terminal event. Contract breaches by the backend (a token before
 prefill_done, a second terminal event, a stream that ends without one) are forwarded as they are where
-harmless, counted as protocol violations and logged, so the conformance suite can report them.
+harmless, counted as protocol violations and logged, so the conformance suite can report them. The
+backend's load report and health are polled every LOAD_POLL_INTERVAL_S: while its health check fails (or
+does not answer), the group is unhealthy and sends nothing new to it.
 """
 
 from __future__ import annotations
@@ -39,12 +41,17 @@ from ominix_runtime.contract import (
 from ominix_runtime.engine.config import EngineCoreConfig
 from ominix_runtime.engine.groups.worker_group import ErrorInfo, GroupHooks, RequestTimes, WorkerGroup
 from ominix_runtime.engine.logs import log_event
+from ominix_runtime.engine.scheduler import arrival_on_clock
 from ominix_runtime.engine.stats import LoadSnapshot
 
 # How long a backend stream may keep talking after its terminal event before the engine stops listening.
 _AFTER_TERMINAL_GRACE = 1.0
-# How often the backend's own load report (KV use, throughput) is refreshed for GetLoad.
+# How often the backend's own load report (KV use, throughput) is refreshed for GetLoad, and its health
+# checked.
 LOAD_POLL_INTERVAL_S = 1.0
+# How long one health check may take: a backend that does not answer by then counts as down until a check
+# passes (a hung server must not keep its group routable, nor stall the poller).
+HEALTH_TIMEOUT_S = 5.0
 
 
 @dataclass(slots=True)
@@ -111,8 +118,11 @@ class RequestWorkerGroup(WorkerGroup):
 
     async def start(self) -> None:
         self.running = True
-        await self._poll_load_once()
-        self._poller = asyncio.create_task(self._poll_load(), name=f"ominix-load-{self.worker_id}")
+        await self._poll_once()
+        self._poller = asyncio.create_task(self._poll(), name=f"ominix-load-{self.worker_id}")
+
+    async def _poll_once(self) -> None:
+        await asyncio.gather(self._poll_health(), self._poll_load_once())
 
     async def _poll_load_once(self) -> None:
         try:
@@ -120,10 +130,30 @@ class RequestWorkerGroup(WorkerGroup):
         except Exception as exc:  # noqa: BLE001 - a missing report leaves the engine's own counts
             log_event("debug", "backend_load_failed", worker_id=self.worker_id, error=str(exc))
 
-    async def _poll_load(self) -> None:
+    async def _poll_health(self) -> None:
+        """Set the group's health from the backend's: unhealthy, it gets no new requests (routing, and the
+        queued ones wait) and reads as down in GetLoad and ominix_worker_up, until a check passes again."""
+        try:
+            healthy = bool(await asyncio.wait_for(self.backend.health(), HEALTH_TIMEOUT_S))
+            problem = "" if healthy else "the backend says it is not healthy"
+        except asyncio.TimeoutError:
+            healthy, problem = False, f"no health answer within {HEALTH_TIMEOUT_S:g} s"
+        except Exception as exc:  # noqa: BLE001 - a check that cannot reach the backend finds it down
+            healthy, problem = False, f"health check failed: {exc!r}"
+        if healthy == self.healthy:
+            return
+        self.healthy = healthy
+        if healthy:
+            log_event("info", "backend_healthy_again", worker_id=self.worker_id)
+            if self.running:
+                self._pump()  # what queued while it was down goes out now
+        else:
+            log_event("warning", "backend_unhealthy", worker_id=self.worker_id, reason=problem)
+
+    async def _poll(self) -> None:
         while True:
             await asyncio.sleep(LOAD_POLL_INTERVAL_S)
-            await self._poll_load_once()
+            await self._poll_once()
 
     async def stop(self) -> None:
         self.running = False
@@ -162,7 +192,10 @@ class RequestWorkerGroup(WorkerGroup):
             raise
         self._seq += 1
         self._live[rid] = _Forwarded(
-            request, self._seq, time.monotonic(), prompt_tokens=len(request.prompt_token_ids)
+            request,
+            self._seq,
+            arrival_on_clock(request, time.monotonic()),
+            prompt_tokens=len(request.prompt_token_ids),
         )
         self._num_queued += 1
         self._queued_tokens += len(request.prompt_token_ids)
@@ -173,6 +206,8 @@ class RequestWorkerGroup(WorkerGroup):
         self._pump()
 
     def _pump(self) -> None:
+        # Nothing goes to a backend whose health check fails: queued requests wait for it (_poll_health pumps
+        # once it passes), or for their deadline.
         while self._queue and self._num_running < self.max_running_requests and self.healthy:
             _, _, rid = heapq.heappop(self._queue)
             fwd = self._live.get(rid)

@@ -1,0 +1,163 @@
+"""Request metrics as docs/METRICS.md states them, through an in-process engine on fake backends: the finish
+reason a passed deadline is counted under, the model a refusal is labelled with, and request phase times
+measured from the request's arrival at the front edge (before tokenization), as the client's own TTFT is."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ominix_runtime.contract import (
+    Error,
+    GenerateRequest,
+    OminixError,
+    RuntimeErrorKind,
+    SamplingParams,
+    Token,
+    WorkerEvent,
+)
+from ominix_runtime.engine.config import EngineCoreConfig
+from ominix_runtime.engine.core import EngineCore
+from ominix_runtime.engine.stats import RunReport
+from ominix_runtime.pb import common_pb2, engine_pb2
+from ominix_runtime.server.engine_service import EngineService
+from ominix_runtime.server.metrics import EngineMetrics
+from ominix_runtime.testing.fake_backend import FakeConfig, FakeRequestBackend, FakeStepBackend
+
+METRICS_DOC = Path(__file__).resolve().parents[2] / "docs" / "METRICS.md"
+VOCAB = 49152
+TOKENIZE_S = 0.3
+
+Labels = tuple[tuple[str, str], ...]
+
+
+def _samples(metrics: EngineMetrics, name: str) -> dict[Labels, float]:
+    """The non-zero samples of ``name`` in a scrape, by their sorted labels."""
+    out: dict[Labels, float] = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            if sample.name == name and sample.value:
+                out[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def _backend(kind: str) -> FakeStepBackend | FakeRequestBackend:
+    """A backend serving model "m" that takes about 20 ms per token."""
+    if kind == "step":
+        return FakeStepBackend(FakeConfig(model_name="m", vocab_size=VOCAB, step_latency=0.02))
+    return FakeRequestBackend(FakeConfig(worker_id="sg", model_name="m", vocab_size=VOCAB), token_delay=0.02)
+
+
+@dataclass
+class _SlowTokenizer:
+    """Just enough of a Tokenizer for the front's tokenization pool: it takes ``delay`` seconds per prompt."""
+
+    delay: float
+    max_token_chars: int = 64
+    vocab_size: int = VOCAB
+
+    def encode(self, text: str, parse_special: bool = False) -> list[int]:
+        time.sleep(self.delay)
+        return [5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("kind", ["step", "request"])
+def test_a_passed_deadline_is_counted_as_error_as_the_doc_says(kind: str) -> None:
+    """A request whose deadline passes ends with Error(TIMEOUT) and counts as finish_reason="error" (GetStats
+    calls it failed), in both group kinds; METRICS.md lists deadlines under that same reason."""
+
+    async def main() -> tuple[list[WorkerEvent], dict[Labels, float]]:
+        core = EngineCore([_backend(kind)], EngineCoreConfig())
+        await core.start()
+        metrics = EngineMetrics("m")
+        core.add_listener(metrics.observe_run)
+        sampling = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+        request = GenerateRequest("dl", [5, 6, 7], sampling, deadline=time.monotonic() + 0.2)
+        events = [e async for e in core.submit(request)]
+        await core.stop()
+        return events, _samples(metrics, "ominix_requests_total")
+
+    events, counted = asyncio.run(asyncio.wait_for(main(), 30))
+    assert isinstance(events[-1], Error) and events[-1].kind == RuntimeErrorKind.TIMEOUT
+    assert counted == {(("finish_reason", "error"), ("model_name", "m")): 1.0}
+    row = next(
+        line for line in METRICS_DOC.read_text().splitlines() if line.startswith("| `ominix_requests_total`")
+    )
+    assert re.search(r"`error` \([^)]*deadline", row), f"METRICS.md does not put deadlines under error: {row}"
+
+
+def test_refusals_are_labelled_with_the_served_model_the_request_named() -> None:
+    """A refusal of a request naming a second served model (a request-level backend's) carries that model's
+    label, whether the front refused it (too long for that model) or the engine did (its backend drained); an
+    unknown model name, which the client chooses, is labelled with the engine's own model."""
+
+    async def main() -> dict[Labels, float]:
+        step = FakeStepBackend(FakeConfig(model_name="model-a"))
+        other = FakeRequestBackend(FakeConfig(worker_id="sg", model_name="model-b", max_model_len=16))
+        core = EngineCore([step, other], EngineCoreConfig())
+        await core.start()
+        metrics = EngineMetrics("model-a")
+        service = EngineService(core, None, "model-a", metrics)
+        cases = (
+            ("too-long", "model-b", 20),  # over model-b's 16 tokens: refused by the front
+            ("unknown", "no-such-model", 4),
+            ("drained", "model-b", 4),  # no backend of model-b takes requests: refused by the engine
+        )
+        for rid, model, num_tokens in cases:
+            if rid == "drained":
+                core.drain("sg")
+            pb = engine_pb2.GenerateRequest(
+                request_id=rid,
+                model=model,
+                input_ids=engine_pb2.TokenIds(ids=list(range(5, 5 + num_tokens))),
+                sampling=common_pb2.SamplingParams(max_tokens=4),
+            )
+            with pytest.raises(OminixError):
+                await service.admit(pb, rid)
+        await core.stop()
+        return _samples(metrics, "ominix_request_rejections_total")
+
+    assert asyncio.run(asyncio.wait_for(main(), 30)) == {
+        (("model_name", "model-b"), ("reason", "invalid_argument")): 1.0,
+        (("model_name", "model-a"), ("reason", "model_not_found")): 1.0,
+        (("model_name", "model-b"), ("reason", "backend_unavailable")): 1.0,
+    }
+
+
+@pytest.mark.parametrize("kind", ["step", "request"])
+def test_phase_times_run_from_arrival_like_the_clients_ttft(kind: str) -> None:
+    """The run report behind the TTFT, end-to-end and queue-time histograms starts at the request's arrival:
+    tokenizing its prompt (here TOKENIZE_S) is part of them, as it is of the time to the first token the
+    client sees (from GenerateRequest.arrival_time, as PrefillDone.ttft_seconds counts), and the report's
+    TTFT is not longer than that."""
+
+    async def main() -> tuple[float, RunReport]:
+        core = EngineCore([_backend(kind)], EngineCoreConfig())
+        await core.start()
+        reports: list[RunReport] = []
+        core.add_listener(reports.append)
+        service = EngineService(core, _SlowTokenizer(TOKENIZE_S), "m")  # type: ignore[arg-type]
+        pb = engine_pb2.GenerateRequest(
+            request_id="t1", prompt="hello", sampling=common_pb2.SamplingParams(max_tokens=3)
+        )
+        admitted = await service.admit(pb, "t1")
+        client_ttft = -1.0
+        while events := await admitted.handle.next_events():
+            if client_ttft < 0 and any(isinstance(e, Token) for e in events):
+                client_ttft = time.monotonic() - admitted.request.arrival_time
+        service.release(admitted, True, None)
+        await core.stop()
+        service.close()
+        return client_ttft, reports[0]
+
+    client_ttft, report = asyncio.run(asyncio.wait_for(main(), 30))
+    assert report.ttft is not None and report.queue_time is not None
+    assert client_ttft >= TOKENIZE_S
+    assert TOKENIZE_S <= report.ttft <= client_ttft
+    assert report.queue_time >= TOKENIZE_S and report.e2e >= report.ttft
