@@ -232,6 +232,8 @@ def simulate(
             if len(inflight) < engine.inflight_limit(scheduler.num_running, scheduler.num_waiting)
             else None
         )
+        # A request schedule() ended (one it can never compute) ends here, not in an update.
+        ended += sum(isinstance(event, Done | Error) for event in scheduler.take_events())
         if step is not None:
             plan = scheduler.last_plan
             assert plan is not None

@@ -105,16 +105,22 @@ def device_list(text: str) -> tuple[str, ...]:
 LIST_READERS: frozenset[Callable[[str], Any]] = frozenset({device_list})
 
 
+# gRPC target names with a resolver scheme, passed to gRPC as they are (it resolves them).
+_GRPC_TARGET_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:")
+
+
 def worker_address(text: str) -> str:
-    """``HOST:PORT`` (an IPv6 host in brackets: ``[::1]:50071``) or gRPC's ``unix:PATH``; the text is kept.
+    """``HOST:PORT`` (an IPv6 host in brackets: ``[::1]:50071``) or a gRPC target with its scheme
+    (``unix:PATH``, ``dns:///HOST:PORT``, ...); the text is kept.
 
     The engine hands the address to gRPC unchanged and waits --worker-ready-timeout for it, so a malformed
     one is refused here rather than found minutes later.
     """
     text = str(text).strip()
-    if text.startswith("unix:"):
-        if not text.removeprefix("unix:").lstrip("/"):
-            raise argparse.ArgumentTypeError(f"expected unix:PATH, got {text!r}")
+    scheme = next((s for s in _GRPC_TARGET_SCHEMES if text.startswith(s)), None)
+    if scheme is not None:
+        if not text.removeprefix(scheme).lstrip("/"):
+            raise argparse.ArgumentTypeError(f"expected {scheme}TARGET, got {text!r}")
         return text
     host, colon, port_text = text.rpartition(":")
     if not colon or not host:

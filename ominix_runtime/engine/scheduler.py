@@ -576,11 +576,6 @@ class Scheduler:
                 room = min(budget, limit)
             hit = self.registry.find_prefix(req.all_token_ids)
             remaining = req.num_tokens - hit.num_tokens
-            if remaining > self.max_batch_tokens and not self.chunked_prefill:
-                # validate() refuses such prompts, but a preempted or adopted request recomputes its outputs
-                # too. Left waiting it would never run, and past max_bypass_steps block everything behind it.
-                too_long.append((req, remaining))
-                continue
             n = min(remaining, room)
             blocks = None
             if n == remaining or self.chunked_prefill:
@@ -589,6 +584,12 @@ class Scheduler:
                     num_known_tokens=len(req.all_token_ids),
                 )  # fmt: skip
             if blocks is None:
+                if remaining > self.max_batch_tokens and not self.chunked_prefill:
+                    # validate() refuses such prompts, but a preempted or adopted request recomputes its
+                    # outputs too. Left waiting it would never run, and past max_bypass_steps would block
+                    # everything behind it.
+                    too_long.append((req, remaining))
+                    continue
                 if req.num_times_bypassed >= self.config.max_bypass_steps:
                     break  # anti-starvation: nothing behind it is admitted until it fits
                 blocked.append(req)

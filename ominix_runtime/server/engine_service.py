@@ -627,9 +627,9 @@ class EngineService(EngineServiceBase):
     def is_live(self, request_id: str) -> bool:
         return request_id in self._live
 
-    def count_refusal(self, message: str, reason: str, counted_by_engine: bool) -> None:
+    def count_refusal(self, message: str, reason: str, counted_by_engine: bool, model: str = "") -> None:
         """A refusal at a front process (or by the engine, of a front's request): GetStats and metrics."""
-        self._reject(message, reason, counted_by_engine)
+        self._reject(message, reason, counted_by_engine, model=model)
 
     async def GetLoad(
         self, request: engine_pb2.GetLoadRequest, context: _GetLoadContext

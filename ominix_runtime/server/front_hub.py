@@ -251,8 +251,8 @@ class FrontHub:
             case link.FinishRequest(rid, reason, matched_stop):
                 if rid in front.live:
                     engine.finish(rid, reason, matched_stop)
-            case link.FrontRefusal(text, reason):
-                self._service.count_refusal(text, reason, counted_by_engine=False)
+            case link.FrontRefusal(text, reason, model):
+                self._service.count_refusal(text, reason, counted_by_engine=False, model=model)
             case link.Bound(index, port):
                 front.index = index
                 bound = self._bound.get(index)
@@ -271,7 +271,9 @@ class FrontHub:
         try:
             self._engine.submit(request, sink=front)
         except OminixError as exc:
-            self._service.count_refusal(exc.message, exc.kind.name.lower(), counted_by_engine=True)
+            self._service.count_refusal(
+                exc.message, exc.kind.name.lower(), counted_by_engine=True, model=request.model
+            )
             front.frames.send(link.Refused(rid, exc.kind, exc.message, duplicate=False))
             return
         except Exception as exc:  # noqa: BLE001 - a bug on one request must not end the front's link

@@ -70,6 +70,7 @@ class FrontRefusal:
 
     message: str
     reason: str
+    model: str = ""  # the model label of the refusal ("" for the engine's own model)
 
 
 # ---- engine → front ---------------------------------------------------------------------------------------

@@ -180,8 +180,8 @@ class EngineLink:
             inbox.put(Error(rid, RuntimeErrorKind.BACKEND_UNAVAILABLE, why))
         self._inboxes.clear()
 
-    def refused(self, message: str, reason: str) -> None:
-        self.frames.send(link.FrontRefusal(message, reason))
+    def refused(self, message: str, reason: str, model: str = "") -> None:
+        self.frames.send(link.FrontRefusal(message, reason, model))
 
 
 class FrontService(EngineServiceBase):
@@ -213,7 +213,7 @@ class FrontService(EngineServiceBase):
     ) -> None:
         super()._reject(message, reason, counted_by_engine, span, model)
         if not counted_by_engine:  # the engine process counts what it refused itself
-            self._link.refused(message, reason)
+            self._link.refused(message, reason, model)
 
     async def _forward(
         self,

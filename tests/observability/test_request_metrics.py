@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ominix_runtime.config import RuntimeConfig
 from ominix_runtime.contract import (
     Error,
     GenerateRequest,
@@ -26,7 +28,9 @@ from ominix_runtime.engine.config import EngineCoreConfig
 from ominix_runtime.engine.core import EngineCore
 from ominix_runtime.engine.stats import RunReport
 from ominix_runtime.pb import common_pb2, engine_pb2
-from ominix_runtime.server.engine_service import EngineService
+from ominix_runtime.server.engine_service import EngineService, EngineServiceBase
+from ominix_runtime.server.front_hub import FrontHub, FrontSpec
+from ominix_runtime.server.front_process import EngineLink, FrontService
 from ominix_runtime.server.metrics import EngineMetrics
 from ominix_runtime.testing.fake_backend import FakeConfig, FakeRequestBackend, FakeStepBackend
 
@@ -92,10 +96,13 @@ def test_a_passed_deadline_is_counted_as_error_as_the_doc_says(kind: str) -> Non
     assert re.search(r"`error` \([^)]*deadline", row), f"METRICS.md does not put deadlines under error: {row}"
 
 
-def test_refusals_are_labelled_with_the_served_model_the_request_named() -> None:
+@pytest.mark.parametrize("front_process", [False, True], ids=["in-process", "front-process"])
+def test_refusals_are_labelled_with_the_served_model_the_request_named(front_process: bool) -> None:
     """A refusal of a request naming a second served model (a request-level backend's) carries that model's
     label, whether the front refused it (too long for that model) or the engine did (its backend drained); an
-    unknown model name, which the client chooses, is labelled with the engine's own model."""
+    unknown model name, which the client chooses, is labelled with the engine's own model. Behind a front
+    process (``--front-procs``, here its service linked over the hub's socket in this process) the engine
+    process counts the front's refusals with the same labels."""
 
     async def main() -> dict[Labels, float]:
         step = FakeStepBackend(FakeConfig(model_name="model-a"))
@@ -104,6 +111,16 @@ def test_refusals_are_labelled_with_the_served_model_the_request_named() -> None
         await core.start()
         metrics = EngineMetrics("model-a")
         service = EngineService(core, None, "model-a", metrics)
+        front: EngineServiceBase = service
+        closers: list[Callable[[], object]] = []
+        if front_process:
+            config = RuntimeConfig()
+            hub = FrontHub(config, core, service)
+            server = await asyncio.start_unix_server(hub._serve_link, hub.link_path)  # noqa: SLF001
+            link, first = await EngineLink.connect(hub.link_path)
+            reading = asyncio.create_task(link.run(first))
+            front = FrontService(link, FrontSpec(config, 0, hub.link_path))
+            closers += [front.close, server.close, reading.cancel]
         cases = (
             ("too-long", "model-b", 20),  # over model-b's 16 tokens: refused by the front
             ("unknown", "no-such-model", 4),
@@ -119,7 +136,13 @@ def test_refusals_are_labelled_with_the_served_model_the_request_named() -> None
                 sampling=common_pb2.SamplingParams(max_tokens=4),
             )
             with pytest.raises(OminixError):
-                await service.admit(pb, rid)
+                await front.admit(pb, rid)
+        for _ in range(100):  # a front's refusals reach the engine process over the link
+            if sum(_samples(metrics, "ominix_request_rejections_total").values()) >= len(cases):
+                break
+            await asyncio.sleep(0.01)
+        for close in closers:
+            close()
         await core.stop()
         return _samples(metrics, "ominix_request_rejections_total")
 

@@ -175,9 +175,11 @@ def test_a_malformed_worker_address_is_refused(
 
 
 def test_worker_addresses_grpc_reaches_are_kept(tmp_path: Path) -> None:
-    """Host names, IPv4, bracketed IPv6 and gRPC's unix: targets, from flags, the environment and a file."""
+    """Host names, IPv4, bracketed IPv6 and gRPC's targets with a scheme, from flags, the environment and a
+    file."""
     addresses = ["localhost:50071", "10.0.0.7:1", "[::1]:50071", "[fe80::1%eth0]:65535", "unix:/run/w.sock"]
-    addresses.append("unix:///run/w.sock")
+    addresses += ["unix:///run/w.sock", "dns:///workers.internal:50071", "ipv4:10.0.0.7:1,10.0.0.8:1"]
+    addresses += ["unix-abstract:ominix-w0"]
     config, _ = resolve(SERVE, [word for a in addresses for word in ("--worker", a)], env={})
     assert config.backends.workers == tuple(addresses)
     config, _ = resolve(SERVE, [], env={"OMINIX_WORKER": "a:1,[::1]:2"})

@@ -1,6 +1,7 @@
 """A request-level group (SGLang) follows its backend's health: the load poller asks the backend every
-LOAD_POLL_INTERVAL_S, a failed, raising or hanging check marks the group unhealthy (routing skips it, GetLoad
-says UNHEALTHY, the worker stats behind ominix_worker_up say down) and a passing one brings it back."""
+LOAD_POLL_INTERVAL_S; HEALTH_FAILURES_TO_DOWN failed, raising or hanging checks in a row mark the group
+unhealthy (routing skips it, GetLoad says UNHEALTHY, the worker stats behind ominix_worker_up say down), fewer do
+not, and a passing one brings it back."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def test_a_request_level_group_follows_its_backends_health(
             assert group.stats().up and health() == BackendHealth.AVAILABLE
 
             sick.state = failure
-            await _polled(sick)
+            await _polled(sick, request_group.HEALTH_FAILURES_TO_DOWN + 1)
             assert not group.healthy and not group.stats().up and health() == BackendHealth.UNHEALTHY
             for i in range(4):
                 assert isinstance((await _collect(core.submit(_req(f"r{i}"))))[-1], Done)
@@ -112,7 +113,7 @@ def test_requests_queued_while_the_backend_was_down_go_out_when_it_is_back(
         try:
             first, queued = core.submit(_req("first")), core.submit(_req("queued"))
             backend.state = "down"
-            await _polled(backend)
+            await _polled(backend, request_group.HEALTH_FAILURES_TO_DOWN + 1)
             assert isinstance((await _collect(first))[-1], Done)
             await asyncio.sleep(5 * POLL_S)
             assert backend.generated == ["first"] and core.groups[0].num_queued == 1
@@ -122,6 +123,33 @@ def test_requests_queued_while_the_backend_was_down_go_out_when_it_is_back(
             except asyncio.TimeoutError:
                 pytest.fail("the request queued while the backend was down did not go out once it was back")
             assert isinstance(events[-1], Done) and backend.generated == ["first", "queued"]
+        finally:
+            await core.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_failed_checks_short_of_a_run_leave_the_group_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A health route that answers late now and then (it may run a generation under load) is no outage: checks
+    that fail every other time, never HEALTH_FAILURES_TO_DOWN in a row, leave the group healthy throughout."""
+    monkeypatch.setattr(request_group, "LOAD_POLL_INTERVAL_S", POLL_S)
+
+    class _Alternating(_FlakyBackend):
+        async def health(self) -> bool:
+            self.state = "down" if self.state == "up" else "up"
+            return await super().health()
+
+    async def main() -> None:
+        backend = _Alternating("flaky")
+        core = EngineCore([backend], EngineCoreConfig())
+        await core.start()
+        try:
+            group = core.groups[0]
+            seen: list[bool] = []
+            for _ in range(8):
+                await _polled(backend, 1)
+                seen.append(group.healthy)
+            assert seen == [True] * 8 and core.ready
         finally:
             await core.stop()
 

@@ -78,6 +78,7 @@ def serve_greedy(
         scheduler.add_request(GenerateRequest(rid, tokens, sampling))
     while scheduler.has_work():
         step = scheduler.schedule()
+        assert not scheduler.take_events(), "the scheduler ended a request it could not compute"
         assert step is not None
         sent = step
         if via_wire:

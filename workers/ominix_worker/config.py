@@ -239,7 +239,7 @@ def _rope_scaling(scaling: dict[str, Any]) -> dict[str, Any]:
 # Hugging Face's defaults for the fields a config.json may leave out. Each transformers config class has its
 # own (Mixtral's rope base is 1e6, gpt-oss's rope is YaRN and its attention has biases), so an omitted field
 # takes the value its architecture's class gives it: one table, looked up by model_type, read by every
-# parser below. Shape fields without a default (vocab_size, hidden_size, ...) are required, except for
+# config.json parser below (GGUF metadata states these fields itself). Shape fields without a default (vocab_size, hidden_size, ...) are required, except for
 # Gemma 3, whose configs omit them.
 _LLAMA_DEFAULTS: dict[str, Any] = dict(
     num_key_value_heads=None,  # as many as the query heads

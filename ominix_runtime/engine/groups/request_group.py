@@ -49,9 +49,12 @@ _AFTER_TERMINAL_GRACE = 1.0
 # How often the backend's own load report (KV use, throughput) is refreshed for GetLoad, and its health
 # checked.
 LOAD_POLL_INTERVAL_S = 1.0
-# How long one health check may take: a backend that does not answer by then counts as down until a check
-# passes (a hung server must not keep its group routable, nor stall the poller).
+# How long one health check may take: a backend that does not answer by then has failed that check (a hung
+# server must not keep its group routable, nor stall the poller).
 HEALTH_TIMEOUT_S = 5.0
+# Failed checks in a row that take the group down; one passing check brings it back. A server's health route
+# may run a real generation, so under load one slow answer is no outage.
+HEALTH_FAILURES_TO_DOWN = 3
 
 
 @dataclass(slots=True)
@@ -98,6 +101,7 @@ class RequestWorkerGroup(WorkerGroup):
         self._seq = 0
         self.backend_load: dict[str, float] = {}  # the backend's latest own report (RequestBackend.load)
         self._poller: asyncio.Task[None] | None = None
+        self._failed_health_checks = 0  # in a row
 
     @classmethod
     def create(
@@ -131,8 +135,9 @@ class RequestWorkerGroup(WorkerGroup):
             log_event("debug", "backend_load_failed", worker_id=self.worker_id, error=str(exc))
 
     async def _poll_health(self) -> None:
-        """Set the group's health from the backend's: unhealthy, it gets no new requests (routing, and the
-        queued ones wait) and reads as down in GetLoad and ominix_worker_up, until a check passes again."""
+        """Set the group's health from the backend's: after HEALTH_FAILURES_TO_DOWN failed checks in a row it
+        gets no new requests (routing, and the queued ones wait) and reads as down in GetLoad and
+        ominix_worker_up, until a check passes again."""
         try:
             healthy = bool(await asyncio.wait_for(self.backend.health(), HEALTH_TIMEOUT_S))
             problem = "" if healthy else "the backend says it is not healthy"
@@ -140,6 +145,9 @@ class RequestWorkerGroup(WorkerGroup):
             healthy, problem = False, f"no health answer within {HEALTH_TIMEOUT_S:g} s"
         except Exception as exc:  # noqa: BLE001 - a check that cannot reach the backend finds it down
             healthy, problem = False, f"health check failed: {exc!r}"
+        self._failed_health_checks = 0 if healthy else self._failed_health_checks + 1
+        if not healthy and self._failed_health_checks < HEALTH_FAILURES_TO_DOWN:
+            return
         if healthy == self.healthy:
             return
         self.healthy = healthy
