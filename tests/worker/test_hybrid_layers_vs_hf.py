@@ -44,32 +44,23 @@ WINDOW = 12
 BS = 8
 NUM_BLOCKS = 64
 
+QWEN2_HYBRID: tuple[dict[str, object], tuple[int, ...]] = (
+    dict(
+        arch="qwen2",
+        num_layers=3,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=1,
+        seed=11,
+    ),
+    (0,),
+)
 # name -> (write_tiny_hf_model kwargs, the layer indices of the full-attention group)
 HYBRID_MODELS: dict[str, tuple[dict[str, object], tuple[int, ...]]] = {
-    "qwen2": (
-        dict(
-            arch="qwen2",
-            num_layers=3,
-            use_sliding_window=True,
-            sliding_window=WINDOW,
-            max_window_layers=1,
-            seed=11,
-        ),
-        (0,),
-    ),
+    "qwen2": QWEN2_HYBRID,
     # The same Qwen2 layout from a config.json without layer_types (as written before transformers 4.53):
     # the windowed layers follow from max_window_layers.
-    "qwen2_no_layer_types": (
-        dict(
-            arch="qwen2",
-            num_layers=3,
-            use_sliding_window=True,
-            sliding_window=WINDOW,
-            max_window_layers=1,
-            seed=11,
-        ),
-        (0,),
-    ),
+    "qwen2_no_layer_types": QWEN2_HYBRID,
     # Gemma 3: five local layers per global one, tied embeddings, an attention scale apart from head_dim,
     # linear rope scaling on the global layer only.
     "gemma3": (
