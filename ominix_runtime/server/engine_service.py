@@ -521,7 +521,10 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
                     completion_tokens = num_emitted_tokens if matched_stop is not None else None
                     yield self._usage_event(rid, req, usage, completion_tokens)
                     finish_reason = FinishReason.STOP if matched_stop is not None else event.finish_reason
-                    text = output.text if (output.text or not event.text) else event.text
+                    # The backend's own text only when it sent its text there alone: after a stop string the
+                    # front matched, the output's text (maybe empty) is the answer.
+                    kept = output.text or matched_stop is not None or not event.text
+                    text = output.text if kept else event.text
                     yield engine_pb2.GenerateEvent(
                         request_id=rid,
                         done=engine_pb2.Done(

@@ -9,7 +9,7 @@ ends in an incomplete character (U+FFFD).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -47,22 +47,32 @@ class IncrementalDetokenizer:
         """Add new tokens; return the text they complete (may be empty while a character is pending)."""
         self._ids.extend(token_ids)
         decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], self._skip_special_tokens)
+        prefix_text, at_boundary = self._emitted_part(decode)
         window_text = decode(self._ids[self._prefix_offset :], self._skip_special_tokens)
         if len(window_text) <= len(prefix_text) or window_text.endswith(REPLACEMENT_CHAR):
             return ""
         delta = window_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset
+        if at_boundary:  # else the next window would start inside the character just completed
+            self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         self._text.append(delta)
         return delta
+
+    def _emitted_part(self, decode: Callable[..., str]) -> tuple[str, bool]:
+        """The window's already-emitted part as text, and whether it ends at a character boundary. Only the
+        prompt's context can end inside a character (text is never emitted while it does): that partial
+        character is the output's to complete, so it is left out here and the completed character is part
+        of the output's delta."""
+        text = decode(self._ids[self._prefix_offset : self._read_offset], self._skip_special_tokens)
+        whole = text.rstrip(REPLACEMENT_CHAR)
+        return whole, len(whole) == len(text)
 
     def flush(self) -> str:
         """At the end of the stream: whatever is still pending (an incomplete character decodes as U+FFFD)."""
         if self._read_offset >= len(self._ids):
             return ""
         decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], self._skip_special_tokens)
+        prefix_text, _ = self._emitted_part(decode)
         window_text = decode(self._ids[self._prefix_offset :], self._skip_special_tokens)
         self._prefix_offset = self._read_offset = len(self._ids)
         delta = window_text[len(prefix_text) :] if window_text.startswith(prefix_text) else ""
