@@ -195,6 +195,12 @@ class GrpcStepStream:
             self.slowest_step = max(self.slowest_step, now - started)
         self._last_result_at = now
 
+    def abandon(self) -> None:
+        """End a stream nothing was sent on, at once (no ordered close: the worker holds no state for it)."""
+        self._closed = True
+        self._call.cancel()
+        self._reader.cancel()
+
     async def close(self) -> None:
         if self._closed:
             return
@@ -281,7 +287,13 @@ class GrpcWorkerBackend:
         metadata = ((ENGINE_SECRET_METADATA, self._engine_secret),) if self._engine_secret else None
         call = self._get_stub().Run(metadata=metadata)
         stream = GrpcStepStream(self.address, call, self._step_timeout, self._heartbeat_timeout)
-        await stream.accepted(max(self._heartbeat_timeout, self._rpc_timeout))
+        try:
+            await stream.accepted(max(self._heartbeat_timeout, self._rpc_timeout))
+        except BaseException:
+            # Refused, unanswered, or the caller stopped waiting (a reconnect's own timeout): the call must
+            # not live on, or a worker that answers it late holds its one Run slot for a reader nobody reads.
+            stream.abandon()
+            raise
         self._streams = [s for s in self._streams if not s._closed] + [stream]
         return stream
 
