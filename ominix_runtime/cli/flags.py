@@ -109,19 +109,9 @@ LIST_READERS: frozenset[Callable[[str], Any]] = frozenset({device_list})
 _GRPC_TARGET_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:")
 
 
-def worker_address(text: str) -> str:
-    """``HOST:PORT`` (an IPv6 host in brackets: ``[::1]:50071``) or a gRPC target with its scheme
-    (``unix:PATH``, ``dns:///HOST:PORT``, ...); the text is kept.
-
-    The engine hands the address to gRPC unchanged and waits --worker-ready-timeout for it, so a malformed
-    one is refused here rather than found minutes later.
-    """
+def host_port(text: str) -> str:
+    """``HOST:PORT`` (an IPv6 host in brackets: ``[::1]:50071``), port 1 – 65535; the text is kept."""
     text = str(text).strip()
-    scheme = next((s for s in _GRPC_TARGET_SCHEMES if text.startswith(s)), None)
-    if scheme is not None:
-        if not text.removeprefix(scheme).lstrip("/"):
-            raise argparse.ArgumentTypeError(f"expected {scheme}TARGET, got {text!r}")
-        return text
     host, colon, port_text = text.rpartition(":")
     if not colon or not host:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
@@ -134,6 +124,19 @@ def worker_address(text: str) -> str:
         port(port_text)
     except argparse.ArgumentTypeError as exc:
         raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    return text
+
+
+def grpc_target(text: str) -> str:
+    """``HOST:PORT`` or a gRPC target with its scheme (``unix:PATH``, ``dns:///HOST:PORT``, ...); the text is
+    kept. gRPC takes the address unchanged and a caller waits for it (the engine --worker-ready-timeout), so a
+    malformed one is refused here rather than found minutes later."""
+    text = str(text).strip()
+    scheme = next((s for s in _GRPC_TARGET_SCHEMES if text.startswith(s)), None)
+    if scheme is None:
+        return host_port(text)
+    if not text.removeprefix(scheme).lstrip("/"):
+        raise argparse.ArgumentTypeError(f"expected {scheme}TARGET, got {text!r}")
     return text
 
 
@@ -162,6 +165,8 @@ def secret_file(text: str) -> str:
         secret = path.read_text(encoding="utf-8").strip()
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise argparse.ArgumentTypeError(f"{path} is not UTF-8 text") from None
     if not secret:
         raise argparse.ArgumentTypeError(f"{path} is empty")
     return str(path)
@@ -311,7 +316,7 @@ FLAGS: tuple[Flag, ...] = (
         "workers",
         "a step-level worker to drive (repeatable)",
         ("backends.workers",),
-        worker_address,
+        grpc_target,
         repeatable=True,
         metavar="HOST:PORT",
     ),
@@ -692,6 +697,7 @@ FLAGS: tuple[Flag, ...] = (
         "HOST:PORT where rank 0 gathers its group (required with --tp-size > 1; ranks may run on other "
         "hosts that reach it)",
         ("worker.dist_init_addr",),
+        host_port,
     ),
     Flag(
         "--dist-timeout",
@@ -775,7 +781,14 @@ FLAGS: tuple[Flag, ...] = (
         lowercase_choice(LOG_FORMATS),
     ),
     # client: `generate`
-    Flag("--address", "client", "engine address HOST:PORT", default="localhost:50061", metavar="HOST:PORT"),
+    Flag(
+        "--address",
+        "client",
+        "engine address HOST:PORT",
+        parse=grpc_target,
+        default="localhost:50061",
+        metavar="HOST:PORT",
+    ),
     Flag("--timeout", "client", "seconds before giving up", parse=positive_float, default=600.0),
     Flag("--chat", "generation", "send the prompt as a user chat turn (chat template)", switch=True),
     Flag("--max-tokens", "generation", "most tokens to generate", parse=positive_int, default=64),

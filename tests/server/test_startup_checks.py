@@ -1,6 +1,7 @@
 """Settings `serve` and `launch` refuse before anything starts: a TLS file that cannot be read, half a TLS pair,
-a taken or doubly given --v0-port and one without --v0-token, a malformed --worker address, and a config
-file's list where a flag takes one value. Each is one line on stderr naming the flag, exit code 1, and neither
+a taken or doubly given --v0-port and one without --v0-token, a malformed --worker address (and
+--dist-init-addr, `generate --address`), a secret file that is not text, and a config file's list where a flag
+takes one value. Each is one line on stderr naming the flag, exit code 1, and neither
 the engine nor (under `launch`) any worker was started."""
 
 from __future__ import annotations
@@ -217,3 +218,30 @@ def test_a_config_file_list_for_a_flag_of_one_value_is_refused(tmp_path: Path, t
     key = text.partition(":")[0]
     with pytest.raises(ConfigError, match=rf"^--config {file}: {key}: takes one value, got {kind}"):
         resolve(SERVE, ["--config", str(file)], env={})
+
+
+@pytest.mark.parametrize(
+    ("cmd", "argv", "flag"),
+    [
+        ("worker", ["--dist-init-addr", "rank0-without-port"], "--dist-init-addr"),
+        ("worker", ["--dist-init-addr", "10.0.0.1:70000"], "--dist-init-addr"),
+        ("generate", ["hi", "--address", "localhost"], "--address"),
+        ("generate", ["hi", "--address", "unix:"], "--address"),
+    ],
+)
+def test_other_addresses_are_checked_as_they_are_read(cmd: str, argv: list[str], flag: str) -> None:
+    """--dist-init-addr (where rank 0 gathers its group: ranks waited --dist-timeout for an address that can
+    never be reached) and `generate --address` are HOST:PORT (the latter any gRPC target) like --worker."""
+    with pytest.raises(ConfigError, match=flag):
+        resolve(command(cmd), argv, env={})
+    kept = "[::1]:29500" if flag == "--dist-init-addr" else "dns:///engine.internal:50061"
+    config, options = resolve(command(cmd), [*argv[:-2], flag, kept], env={})
+    assert kept in (config.worker.dist_init_addr, getattr(options, "address", None))
+
+
+def test_a_secret_file_that_is_not_text_is_refused_naming_its_flag(tmp_path: Path) -> None:
+    """It was a UnicodeDecodeError traceback."""
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ConfigError, match=r"--engine-secret-file.*not UTF-8 text"):
+        resolve(SERVE, ["--engine-secret-file", str(secret)], env={})
