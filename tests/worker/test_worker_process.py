@@ -325,7 +325,7 @@ def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         (["--max-batch-tokens", "0"], "--max-batch-tokens: expected an integer >= 1"),
         (["--tp-size", "2"], "--tp-size > 1 needs --dist-init-addr"),
         (["--tp-size", "2", "--tp-rank", "2"], "--tp-rank 2 is not a rank of --tp-size 2"),
-        (["--tp-size", "2", "--dist-init-addr", "nohost"], "--dist-init-addr must be HOST:PORT"),
+        (["--tp-size", "2", "--dist-init-addr", "nohost"], "--dist-init-addr: expected HOST:PORT"),
         (
             ["--tp-size", "2", "--tp-rank", "1", "--dist-init-addr", "127.0.0.1:1", "--dist-timeout", "1"],
             "cannot join",
