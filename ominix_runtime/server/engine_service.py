@@ -132,10 +132,9 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         self._tracer = tracer or RequestTracer()
         self._live: set[str] = set()
         self._owners: dict[str, str] = {}  # live request id -> the caller that created it (see caller_of)
-        # Live requests whose prompt is being resolved (tokenized), before the engine knows them, and those of
-        # them an Abort came for: aborted as soon as they are admitted.
-        self._resolving: set[str] = set()
-        self._aborted_before_admission: set[str] = set()
+        # Live requests the engine has not admitted yet (their prompt is being resolved, or the engine's answer
+        # awaited) -> whether an Abort came for them meanwhile: those are aborted as soon as they are admitted.
+        self._before_admission: dict[str, bool] = {}
         self._rejected = 0  # refused at the front edge (never reached the engine's counters)
         self._started = time.monotonic()
         # GenerateBatch: requests a call may carry (the engine's --max-queue-len bounds it), the admissions
@@ -267,7 +266,7 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         self._live.add(request_id)
         self._owners[request_id] = caller
         span = self._tracer.start(request_id, traceparent, pb.model or self.model_name)
-        self._resolving.add(request_id)
+        self._before_admission[request_id] = False
         try:
             gen_request = await self._resolve(pb, request_id)
             gen_request.traceparent = span.traceparent
@@ -293,8 +292,6 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
             self._forget(request_id)
             span.end("error", f"resolving the prompt failed: {exc!r}")  # else it stays open in the tracer
             raise
-        finally:
-            self._resolving.discard(request_id)
         gen_request.owner = caller
         try:
             handle = self._engine.submit(gen_request)
@@ -316,8 +313,7 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
             self._forget(request_id)
             span.end("error", "submit failed")
             raise
-        if request_id in self._aborted_before_admission:  # Abort came while the prompt was tokenized
-            self._aborted_before_admission.discard(request_id)
+        if self._before_admission.pop(request_id, False):  # an Abort came before the engine admitted it
             handle.abort()  # its stream ends with ABORT, as any aborted request's
         _log.debug("request admitted", prompt_tokens=len(gen_request.prompt_token_ids))
         return AdmittedRequest(gen_request, handle, span)
@@ -426,17 +422,17 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
     def _forget(self, request_id: str) -> None:
         self._live.discard(request_id)
         self._owners.pop(request_id, None)
-        self._aborted_before_admission.discard(request_id)
+        self._before_admission.pop(request_id, None)
 
     def abort_live(self, request_id: str) -> bool:
-        """Abort a live request of this service; False when it has none of that id. One whose prompt is still
-        being resolved is aborted once admitted."""
+        """Abort a live request of this service; False when it has none of that id. One the engine has not
+        admitted yet (its prompt still being resolved) is aborted once admitted."""
         if request_id not in self._live:
             return False
         if self._engine.abort(request_id):
             return True
-        if request_id in self._resolving:
-            self._aborted_before_admission.add(request_id)
+        if request_id in self._before_admission:
+            self._before_admission[request_id] = True
             return True
         return False
 

@@ -125,13 +125,17 @@ class FrontHub:
 
     async def start(self) -> None:
         """Listen for links, start the fronts (the first one picks the port), follow the engine's readiness."""
-        self._server = await asyncio.start_unix_server(self._serve_link, self.link_path)
-        os.chmod(self.link_path, 0o600)
+        await self.listen()
         self.port = await self._start_front(0, self._config.server.port)
         count = self._config.front.procs or 1
         await asyncio.gather(*(self._start_front(i, self.port) for i in range(1, count)))
         self._tasks.append(asyncio.get_running_loop().create_task(self._follow_readiness()))
         _log.info("front processes serving", fronts=count, port=self.port)
+
+    async def listen(self) -> None:
+        """Serve front links on ``link_path`` (this user only), without starting any front process."""
+        self._server = await asyncio.start_unix_server(self._serve_link, self.link_path)
+        os.chmod(self.link_path, 0o600)
 
     async def _start_front(self, index: int, port: int) -> int:
         """Start front ``index`` and wait until it listens on ``port`` (0: any); the port it bound. From then

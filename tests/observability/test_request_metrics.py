@@ -5,16 +5,15 @@ measured from the request's arrival at the front edge (before tokenization), as 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ominix_runtime.config import RuntimeConfig
 from ominix_runtime.contract import (
     Error,
     GenerateRequest,
@@ -29,10 +28,9 @@ from ominix_runtime.engine.core import EngineCore
 from ominix_runtime.engine.stats import RunReport
 from ominix_runtime.pb import common_pb2, engine_pb2
 from ominix_runtime.server.engine_service import EngineService, EngineServiceBase
-from ominix_runtime.server.front_hub import FrontHub, FrontSpec
-from ominix_runtime.server.front_process import EngineLink, FrontService
 from ominix_runtime.server.metrics import EngineMetrics
 from ominix_runtime.testing.fake_backend import FakeConfig, FakeRequestBackend, FakeStepBackend
+from ominix_runtime.testing.front_link import linked_front
 
 METRICS_DOC = Path(__file__).resolve().parents[2] / "docs" / "METRICS.md"
 VOCAB = 49152
@@ -96,6 +94,30 @@ def test_a_passed_deadline_is_counted_as_error_as_the_doc_says(kind: str) -> Non
     assert re.search(r"`error` \([^)]*deadline", row), f"METRICS.md does not put deadlines under error: {row}"
 
 
+async def _refuse_each(front: EngineServiceBase, core: EngineCore, metrics: EngineMetrics) -> None:
+    """Three refusals through ``front``, then wait until the engine process has counted them all."""
+    cases = (
+        ("too-long", "model-b", 20),  # over model-b's 16 tokens: refused by the front
+        ("unknown", "no-such-model", 4),
+        ("drained", "model-b", 4),  # no backend of model-b takes requests: refused by the engine
+    )
+    for rid, model, num_tokens in cases:
+        if rid == "drained":
+            core.drain("sg")
+        pb = engine_pb2.GenerateRequest(
+            request_id=rid,
+            model=model,
+            input_ids=engine_pb2.TokenIds(ids=list(range(5, 5 + num_tokens))),
+            sampling=common_pb2.SamplingParams(max_tokens=4),
+        )
+        with pytest.raises(OminixError):
+            await front.admit(pb, rid)
+    for _ in range(100):  # a front's refusals reach the engine process over the link
+        if sum(_samples(metrics, "ominix_request_rejections_total").values()) >= len(cases):
+            break
+        await asyncio.sleep(0.01)
+
+
 @pytest.mark.parametrize("front_process", [False, True], ids=["in-process", "front-process"])
 def test_refusals_are_labelled_with_the_served_model_the_request_named(front_process: bool) -> None:
     """A refusal of a request naming a second served model (a request-level backend's) carries that model's
@@ -111,38 +133,11 @@ def test_refusals_are_labelled_with_the_served_model_the_request_named(front_pro
         await core.start()
         metrics = EngineMetrics("model-a")
         service = EngineService(core, None, "model-a", metrics)
-        front: EngineServiceBase = service
-        closers: list[Callable[[], object]] = []
-        if front_process:
-            config = RuntimeConfig()
-            hub = FrontHub(config, core, service)
-            server = await asyncio.start_unix_server(hub._serve_link, hub.link_path)  # noqa: SLF001
-            link, first = await EngineLink.connect(hub.link_path)
-            reading = asyncio.create_task(link.run(first))
-            front = FrontService(link, FrontSpec(config, 0, hub.link_path))
-            closers += [front.close, server.close, reading.cancel]
-        cases = (
-            ("too-long", "model-b", 20),  # over model-b's 16 tokens: refused by the front
-            ("unknown", "no-such-model", 4),
-            ("drained", "model-b", 4),  # no backend of model-b takes requests: refused by the engine
-        )
-        for rid, model, num_tokens in cases:
-            if rid == "drained":
-                core.drain("sg")
-            pb = engine_pb2.GenerateRequest(
-                request_id=rid,
-                model=model,
-                input_ids=engine_pb2.TokenIds(ids=list(range(5, 5 + num_tokens))),
-                sampling=common_pb2.SamplingParams(max_tokens=4),
-            )
-            with pytest.raises(OminixError):
-                await front.admit(pb, rid)
-        for _ in range(100):  # a front's refusals reach the engine process over the link
-            if sum(_samples(metrics, "ominix_request_rejections_total").values()) >= len(cases):
-                break
-            await asyncio.sleep(0.01)
-        for close in closers:
-            close()
+        async with contextlib.AsyncExitStack() as stack:
+            front: EngineServiceBase = service
+            if front_process:
+                _link, front = await stack.enter_async_context(linked_front(core, service))
+            await _refuse_each(front, core, metrics)
         await core.stop()
         return _samples(metrics, "ominix_request_rejections_total")
 

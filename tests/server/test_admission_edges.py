@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from server_harness import SMOLLM2_VOCAB, RunningDaemon, start_daemon, stop_daemon
 
-from ominix_runtime.config import FrontConfig, RuntimeConfig
+from ominix_runtime.config import FrontConfig
 from ominix_runtime.contract import GenerateRequest, OminixError, RuntimeErrorKind
 from ominix_runtime.engine.config import EngineCoreConfig
 from ominix_runtime.engine.core import EngineCore, EventSink, RequestHandle
@@ -27,10 +27,10 @@ from ominix_runtime.engine.negotiation import ServingTerms
 from ominix_runtime.models import DEFAULT_MODEL_NAME
 from ominix_runtime.pb import common_pb2, engine_pb2
 from ominix_runtime.server.engine_service import AlreadyLive, EngineService, EngineServiceBase
-from ominix_runtime.server.front_hub import FrontHub, FrontSpec
 from ominix_runtime.server.front_process import EngineLink, FrontService
 from ominix_runtime.server.logging import configure_logging
 from ominix_runtime.testing.fake_backend import FakeConfig, FakeStepBackend
+from ominix_runtime.testing.front_link import linked_front
 
 
 def _request(rid: str, max_tokens: int) -> engine_pb2.GenerateRequest:
@@ -52,25 +52,16 @@ async def _consume(
 
 @contextlib.asynccontextmanager
 async def _front_over_a_link() -> AsyncIterator[tuple[EngineCore, EngineLink, FrontService]]:
-    """An engine core, its front hub, and one front's service linked to it over the hub's socket, in this
-    process: what ``--front-procs`` runs in two processes."""
+    """An engine core on a fake step backend, and one front's service linked to it over the hub's socket."""
     backend = FakeStepBackend(
         FakeConfig(model_name=DEFAULT_MODEL_NAME, vocab_size=SMOLLM2_VOCAB, step_latency=0.005)
     )
     core = EngineCore([backend], EngineCoreConfig())
     await core.start(ServingTerms(DEFAULT_MODEL_NAME, None))
-    config = RuntimeConfig()
-    hub = FrontHub(config, core, EngineService(core, None, DEFAULT_MODEL_NAME))
-    server = await asyncio.start_unix_server(hub._serve_link, hub.link_path)  # noqa: SLF001
-    link, first_messages = await EngineLink.connect(hub.link_path)
-    reading = asyncio.create_task(link.run(first_messages))
-    front = FrontService(link, FrontSpec(config, 0, hub.link_path))
     try:
-        yield core, link, front
+        async with linked_front(core, EngineService(core, None, DEFAULT_MODEL_NAME)) as (link, front):
+            yield core, link, front
     finally:
-        front.close()
-        server.close()
-        reading.cancel()
         await core.stop(drain_timeout=0)
 
 
