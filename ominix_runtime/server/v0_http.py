@@ -37,6 +37,7 @@ from ominix_runtime.server.v0_protocol import (
     parse_json_object,
     server_info,
     sse_frame,
+    token_logprobs,
 )
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # OminiX-API itself refuses public bodies over 20 MiB
@@ -336,7 +337,7 @@ def _records(event: engine_pb2.GenerateEvent, writer: V0EventWriter) -> list[dic
     if which == "prefill_done":
         return [writer.prefill_done(event.prefill_done.prompt_tokens, event.prefill_done.cached_tokens)]
     if which == "token":
-        return [writer.token(list(event.token.token_ids), event.token.text)]
+        return _token_records(event.token, writer)
     if which == "usage":
         u = event.usage
         return [writer.usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)]
@@ -347,6 +348,28 @@ def _records(event: engine_pb2.GenerateEvent, writer: V0EventWriter) -> list[dic
         retryable = is_retryable(kind, tokens_sent=writer.tokens_sent > 0)
         return [writer.error(kind.name.lower(), event.error.message, retryable)]
     return []
+
+
+def _token_records(chunk: engine_pb2.TokenChunk, writer: V0EventWriter) -> list[dict[str, Any]]:
+    """A chunk as one record, or, when it carries logprobs, one record per token: the protocol's token
+    event holds one token's logprobs (the reference worker splits chunks the same way to keep them aligned
+    with their ids). The chunk's text is complete only with its last token, so that record carries it."""
+    ids = list(chunk.token_ids)
+    if not chunk.logprobs or not ids:
+        return [writer.token(ids, chunk.text)]
+    last = len(ids) - 1
+    return [
+        writer.token(
+            [token_id],
+            chunk.text if i == last else "",
+            _logprobs_field(chunk.logprobs[i]) if i < len(chunk.logprobs) else None,
+        )
+        for i, token_id in enumerate(ids)
+    ]
+
+
+def _logprobs_field(lp: common_pb2.SampledLogprobs) -> dict[str, Any]:
+    return token_logprobs(lp.sampled.logprob, ((t.token_id, t.logprob) for t in lp.top))
 
 
 __all__ = ["HTTP_STATUS_OF_ERROR", "V0Front", "json_error"]

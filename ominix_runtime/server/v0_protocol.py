@@ -5,7 +5,9 @@ Pure: no HTTP, no engine. :func:`parse_generate_request` turns a ``POST /generat
 :class:`V0EventWriter` builds the WorkerEvent records of one request (``prefill_done``, ``token``,
 ``usage``, then exactly one ``done`` or ``error``), each with the envelope OminiX-API checks. Field names
 and defaults follow OminiX-API's client (``src/engines/sglang.rs``) and the reference worker shim, which
-accepts a superset (text and token inputs, ``sampling_params`` alias, more sampling fields).
+accepts a superset (text and token inputs, ``sampling_params`` alias, more sampling fields). Logprobs follow
+the protocol's token event (``logprobs{token_logprob, top_logprobs[{logprob, token_id}]}``, one token per
+event, as the reference worker's event adapter writes them); OminiX-API never asks for them and ignores them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 import re
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +50,7 @@ _SAMPLING_NUMBERS = (
     "presence_penalty",
     "repetition_penalty",
 )
-_SAMPLING_INTS = ("top_k", "seed", "min_new_tokens", "logprobs")
+_SAMPLING_INTS = ("top_k", "seed", "min_new_tokens")
 _PRIORITIES = {"realtime": 1, "interactive": 2, "batch": 3}
 
 
@@ -69,7 +72,7 @@ class V0Sampling:
     repetition_penalty: float | None = None
     seed: int | None = None
     min_new_tokens: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = None  # the engine's form: None none, 0 the sampled token's, N plus the top N
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -237,6 +240,7 @@ def parse_sampling(obj: Any) -> V0Sampling:
     for key in _SAMPLING_INTS:
         if obj.get(key) is not None:
             setattr(out, key, _int(obj[key], f"sampling.{key}"))
+    out.logprobs = _logprobs(obj)
     stop = obj.get("stop")
     if isinstance(stop, str):
         out.stop = [stop]
@@ -254,6 +258,27 @@ def parse_sampling(obj: Any) -> V0Sampling:
         raise V0ProtocolError("sampling.ignore_eos must be a boolean")
     out.ignore_eos = ignore_eos
     return out
+
+
+def _logprobs(obj: dict[str, Any]) -> int | None:
+    """The engine's logprobs count from the protocol's ``sampling.logprobs`` (a boolean) and
+    ``sampling.top_logprobs`` (how many alternatives), or from ``sampling.logprobs: N`` alone (this worker's
+    own form, N alternatives). Anything contradictory is refused rather than guessed: the engine computes
+    logprobs only for requests that will get them."""
+    flag = obj.get("logprobs")
+    top = obj.get("top_logprobs")
+    top_n = None if top is None else _int(top, "sampling.top_logprobs")
+    if flag is None or flag is False:
+        if top_n is not None:
+            raise V0ProtocolError("sampling.top_logprobs needs sampling.logprobs: true")
+        return None
+    if flag is True:
+        return top_n or 0
+    if top_n is not None:
+        raise V0ProtocolError(
+            "sampling.logprobs is a count here, so sampling.top_logprobs must be absent (or logprobs true)"
+        )
+    return _int(flag, "sampling.logprobs")
 
 
 def parse_abort_request(body: bytes) -> str:
@@ -298,15 +323,22 @@ class V0EventWriter:
     def prefill_done(self, prompt_tokens: int, cached_tokens: int) -> dict[str, Any]:
         return self._record("prefill_done", usage=_usage(prompt_tokens, 0, cached_tokens))
 
-    def token(self, token_ids: list[int], text: str) -> dict[str, Any]:
+    def token(
+        self, token_ids: list[int], text: str, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """One engine chunk: ``token_id`` (the last id), all ``token_ids``, and ``text_delta`` when the
-        chunk released text (held-back text comes with a later token)."""
+        chunk released text (held-back text comes with a later token). ``logprobs`` (see
+        :func:`token_logprobs`) belong to one token, so a record that carries them has a single id."""
         self.tokens_sent += len(token_ids)
         fields: dict[str, Any] = {"token_ids": list(token_ids)}
         if token_ids:
             fields["token_id"] = token_ids[-1]
         if text:
             fields["text_delta"] = text
+        if logprobs is not None:
+            if len(token_ids) != 1:
+                raise ValueError(f"logprobs belong to one token, got {len(token_ids)} ids")
+            fields["logprobs"] = logprobs
         return self._record("token", **fields)
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -325,6 +357,22 @@ class V0EventWriter:
         self.terminal_sent = True
         error = {"code": code, "message": message, "retryable": retryable}
         return self._record("error", finish_reason="error", error=error)
+
+
+def token_logprobs(logprob: float, top: Iterable[tuple[int, float]] = ()) -> dict[str, Any]:
+    """A token record's ``logprobs``: ``token_logprob`` of the sampled token and, when any were asked for,
+    ``top_logprobs`` as ``{"logprob", "token_id"}`` entries, best first (the reference worker's shape)."""
+    out: dict[str, Any] = {"token_logprob": _json_logprob(logprob)}
+    alternatives = [{"logprob": _json_logprob(lp), "token_id": token_id} for token_id, lp in top]
+    if alternatives:
+        out["top_logprobs"] = alternatives
+    return out
+
+
+def _json_logprob(value: float) -> float | None:
+    """JSON has no -Infinity (a token of probability 0): such a logprob is written as null, since a frame
+    with ``-Infinity`` in it would not parse at all on the client."""
+    return value if math.isfinite(value) else None
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict[str, int]:
