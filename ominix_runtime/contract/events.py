@@ -23,6 +23,11 @@ class Token:
     token_ids: list[int]
     logprobs: list[SampledLogprobs] = field(default_factory=list)
     text: str = ""  # filled by the engine's detokenizer (request-level backends may fill it themselves)
+    # The last of token_ids is a stop token (a stop_token_ids entry or an eos) that ended the request: it
+    # counts as an output token
+    # (token ids, usage) but its text is not output, as a matched stop string's is not. The engine's scheduler
+    # sets it; a request-level backend that sends its own text leaves the token's text out itself.
+    ended_by_stop_token: bool = False
 
 
 @dataclass(slots=True)

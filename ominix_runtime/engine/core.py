@@ -137,10 +137,11 @@ class EventInbox:
 
 
 def _coalesce(events: list[WorkerEvent]) -> list[WorkerEvent]:
-    """Consecutive Token events as one (ids, logprobs and text in order): a reader that fell behind catches up
-    with one message per request instead of one per step. Logprobs are per token, so two events with logprobs
-    merge only when each has one per token id: a backend may send a chunk without them (SGLang, when one
-    entry is unreadable), and joined lists would then pair logprobs with the wrong tokens."""
+    """Consecutive Token events as one (ids, logprobs and text in order; the later event says whether the last
+    id ended the request on a stop token): a reader that fell behind catches up with one message per request
+    instead of one per step. Logprobs are per token, so two events with logprobs merge only when each has one
+    per token id: a backend may send a chunk without them (SGLang, when one entry is unreadable), and joined
+    lists would then pair logprobs with the wrong tokens."""
     out: list[WorkerEvent] = []
     for event in events:
         last = out[-1] if out else None
@@ -155,6 +156,7 @@ def _coalesce(events: list[WorkerEvent]) -> list[WorkerEvent]:
                 last.token_ids + event.token_ids,
                 last.logprobs + event.logprobs,
                 last.text + event.text,
+                event.ended_by_stop_token,  # the later event's: its last token is the joined one's
             )
         else:
             out.append(event)

@@ -812,8 +812,18 @@ class Scheduler:
         if req.state == RequestState.PREFILL:
             req.transition(RequestState.DECODE)
         logprobs = out.logprobs
-        events.append(Token(req.request_id, [token_id], [logprobs] if logprobs is not None else []))
         reason = self._stop_reason(req, token_id)
+        # A stop token (a stop_token_ids entry or an eos) that ends the request stays an output token; the
+        # front leaves its text out, as vLLM does (special tokens' text is skipped anyway).
+        by_stop_token = reason == FinishReason.STOP
+        events.append(
+            Token(
+                req.request_id,
+                [token_id],
+                [logprobs] if logprobs is not None else [],
+                ended_by_stop_token=by_stop_token,
+            )
+        )
         if reason is not None:
             self._end(req, events, reason)
 

@@ -486,7 +486,7 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
                         continue  # tokens of steps already in flight when the stop string matched
                     span.first_token()
                     started = time.perf_counter()
-                    match = output.push(event.token_ids, event.text)
+                    match = output.push(event.token_ids, event.text, event.ended_by_stop_token)
                     span.detokenized(time.perf_counter() - started)
                     num_emitted_tokens += len(event.token_ids)
                     if match.matched_stop is not None:

@@ -474,10 +474,11 @@ class FakeRequestBackend:
                     await asyncio.sleep(0)
                 token = fake_sample(seed, position, tokens, c.vocab_size, sp.is_greedy)
                 tokens.append(token)
-                yield Token(rid, [token])
+                by_stop_token = token in sp.stop_token_ids or (token in c.eos_token_ids and not sp.ignore_eos)
+                yield Token(rid, [token], ended_by_stop_token=by_stop_token)
                 if self.broken and position == 0:
                     yield PrefillDone(rid, len(request.prompt_token_ids))
-                if (token in c.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+                if by_stop_token:
                     reason = FinishReason.STOP
                     break
             n_out = len(tokens) - len(request.prompt_token_ids)

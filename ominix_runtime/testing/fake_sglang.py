@@ -262,9 +262,9 @@ class _Generation:
         self.text += token_text(token)
         n = len(self.output_ids)
         if n >= plan.min_new_tokens:
-            if token in plan.stop_token_ids:
-                return {"type": "stop", "matched": token}
-            if token == EOS_TOKEN_ID and not plan.ignore_eos:
+            if token in plan.stop_token_ids or (token == EOS_TOKEN_ID and not plan.ignore_eos):
+                # SGLang decodes the output without the matched stop token: its text is never sent.
+                self.text = self.text[: len(self.text) - len(token_text(token))]
                 return {"type": "stop", "matched": token}
             for s in plan.stop:
                 at = self.text.find(s)

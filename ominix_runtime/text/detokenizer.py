@@ -145,7 +145,8 @@ class StopStringMatcher:
 
 
 class OutputText:
-    """Detokenizer plus stop strings: what the front API streams as ``token.text`` and ``done.text``."""
+    """Detokenizer plus stop strings: what the front API streams as ``token.text`` and ``done.text``. Neither
+    holds a matched stop string nor the text of the stop token id that ended the request."""
 
     __slots__ = ("_detokenizer", "_matcher", "_released")
 
@@ -170,11 +171,20 @@ class OutputText:
     def stopped(self) -> bool:
         return self._matcher.stopped
 
-    def push(self, token_ids: Sequence[int], text: str = "") -> StopMatch:
-        """New tokens (or, from a backend that detokenizes itself, their ``text``) → releasable text."""
+    def push(self, token_ids: Sequence[int], text: str = "", ended_by_stop_token: bool = False) -> StopMatch:
+        """New tokens (or, from a backend that detokenizes itself, their ``text``) → releasable text.
+
+        ``ended_by_stop_token``: the last of ``token_ids`` is a stop token (a ``stop_token_ids`` entry or an eos)
+        that ended the request.
+        Like a matched stop string, its text is not output; the text before it is, here and at ``finish``. A
+        backend's own ``text`` is taken as sent (such a backend leaves the stop token's text out itself).
+        """
         if self._matcher.stopped:
             return StopMatch("", None)
-        delta = self._detokenizer.push(token_ids) if self._detokenizer is not None else text
+        if self._detokenizer is None:
+            delta = text
+        else:
+            delta = self._detokenizer.push(token_ids[:-1] if ended_by_stop_token else token_ids)
         match = self._matcher.feed(delta)
         if match.text:
             self._released.append(match.text)

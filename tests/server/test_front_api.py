@@ -161,6 +161,34 @@ def test_stop_string_across_token_boundaries(fake_daemon: RunningDaemon) -> None
     wait_kv_free(fake_daemon)
 
 
+def test_a_stop_token_id_ends_the_output_without_its_text(fake_daemon: RunningDaemon) -> None:
+    """A stop_token_ids entry that is an ordinary word token ends the request with STOP: its id is the last
+    output token (and counted in usage), its text is neither streamed nor in done.text, as vLLM and SGLang do
+    (and as for a matched stop string): the text is that of the tokens before it."""
+    prompt = "Tell me a story"
+    reference = generate(fake_daemon, prompt=prompt, sampling=greedy(40))
+    ids = [t for e in reference if e.HasField("token") for t in e.token.token_ids]
+
+    def text_of(n: int) -> str:  # the output text of the first n tokens (greedy: the same tokens again)
+        return generate(fake_daemon, prompt=prompt, sampling=greedy(n))[-1].done.text
+
+    for k in range(3, len(ids)):
+        if ids[k] in ids[:k]:
+            continue  # it would stop earlier
+        before, through = text_of(k), text_of(k + 1)
+        if len(through) > len(before) and through.startswith(before) and "\ufffd" not in through:
+            break  # ids[k] is a token with text of its own
+    else:
+        pytest.fail(f"no first-seen token with text of its own in {ids}")
+    events = generate(fake_daemon, prompt=prompt, sampling=greedy(40, stop_token_ids=[ids[k]]))
+    assert [t for e in events if e.HasField("token") for t in e.token.token_ids] == ids[: k + 1]
+    done = events[-1].done
+    assert (done.finish_reason, done.matched_stop, done.text) == (FINISH_STOP, "", before)
+    assert "".join(e.token.text for e in events if e.HasField("token")) == before
+    assert events[-2].usage.completion_tokens == k + 1
+    wait_kv_free(fake_daemon)
+
+
 def test_client_cancel_frees_kv(fake_daemon: RunningDaemon) -> None:
     call = fake_daemon.stub.Generate(
         engine_pb2.GenerateRequest(request_id="cancel-me", prompt="long " * 40, sampling=greedy(800)),

@@ -134,3 +134,65 @@ def test_stop_matched_by_the_backend_drops_its_held_part() -> None:
     other = OutputText(None, ["0 w2"])
     other.push([], "abc0")
     assert other.finish(backend_matched_stop="not-ours").text == "0"  # unknown stop: nothing is cut
+
+
+SENTENCE = "The cat sat on the mat, then the cat slept."
+
+
+def _stop_at(tokenizer: Tokenizer, word: str) -> tuple[list[int], int]:
+    """The sentence's ids up to and with the first ``word`` token (the engine's last output token), and its id."""
+    ids = tokenizer.encode(SENTENCE, add_special_tokens=False)
+    (stop_id,) = tokenizer.encode(word, add_special_tokens=False)
+    return ids[: ids.index(stop_id) + 1], stop_id
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 100])
+def test_the_stop_token_ids_entry_that_ends_the_output_leaves_no_text(
+    tokenizer: Tokenizer, chunk: int
+) -> None:
+    """An ordinary word (" mat") as a stop_token_ids entry ends the output: like a matched stop string, its
+    text is neither streamed nor in the final text, alone or at the end of a chunk (coalesced tokens)."""
+    ids, _ = _stop_at(tokenizer, " mat")
+    output = OutputText(tokenizer, prompt_token_ids=tokenizer.encode("Prompt:"))
+    streamed = []
+    for start in range(0, len(ids), chunk):
+        piece = ids[start : start + chunk]
+        streamed.append(output.push(piece, ended_by_stop_token=start + len(piece) == len(ids)).text)
+    tail = output.finish()
+    assert tail.matched_stop is None
+    assert "".join(streamed) + tail.text == "The cat sat on the" == output.text
+
+
+def test_a_stop_token_as_the_first_output_token_leaves_the_text_empty(tokenizer: Tokenizer) -> None:
+    _, stop_id = _stop_at(tokenizer, " cat")
+    output = OutputText(tokenizer, prompt_token_ids=tokenizer.encode("The"))
+    assert output.push([stop_id], ended_by_stop_token=True).text == ""
+    assert output.finish().text == "" and output.text == ""
+
+
+def test_text_held_back_for_a_stop_string_is_released_after_a_stop_token(tokenizer: Tokenizer) -> None:
+    """The text " the" might start the stop string " the m": held back while streaming, released once the stop
+    token ends the output (the stop string never matched, the stop token's text is not added to it)."""
+    ids, _ = _stop_at(tokenizer, " mat")
+    output = OutputText(tokenizer, [" the m"])
+    streamed = "".join(output.push([t], ended_by_stop_token=t == ids[-1]).text for t in ids)
+    assert streamed == "The cat sat on"
+    tail = output.finish()
+    assert (tail.text, tail.matched_stop) == (" the", None)
+    assert output.text == "The cat sat on the"
+
+
+def test_a_special_eos_ends_the_text_as_before(tokenizer: Tokenizer) -> None:
+    """Special tokens (the eos) have no text anyway: listed in stop_token_ids or not, the text is the same."""
+    ids = tokenizer.encode("Hi there", add_special_tokens=False) + [2]
+    for listed in (False, True):
+        output = OutputText(tokenizer)
+        streamed = "".join(output.push([t], ended_by_stop_token=listed and t == 2).text for t in ids)
+        assert streamed + output.finish().text == "Hi there" == output.text
+
+
+def test_a_backends_own_text_is_taken_as_sent_after_a_stop_token() -> None:
+    """A backend that detokenizes itself (SGLang) leaves the stop token's text out itself."""
+    output = OutputText(None)
+    assert output.push([5, 7], " w5", ended_by_stop_token=True).text == " w5"
+    assert output.finish().text == "" and output.text == " w5"

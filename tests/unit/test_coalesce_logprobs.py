@@ -53,3 +53,14 @@ def test_a_token_without_its_logprobs_is_not_merged_with_its_neighbours() -> Non
     assert _aligned(out)
     assert [t for e in out if isinstance(e, Token) for t in e.token_ids] == [10, 11, 12, 13]
     assert [e.token_ids for e in out if isinstance(e, Token)] == [[10], [11], [12, 13]]
+
+
+def test_a_merged_event_keeps_the_stop_token_mark_of_its_last_token() -> None:
+    """The request's last token ended it as a stop token: the merged event still says so (the front leaves
+    that token's text out), and a merge of ordinary tokens does not."""
+    out = _coalesce(
+        [Token("r", [1]), Token("r", [2], ended_by_stop_token=True), Done("r", FinishReason.STOP)]
+    )
+    assert isinstance(out[0], Token) and (out[0].token_ids, out[0].ended_by_stop_token) == ([1, 2], True)
+    out = _coalesce([Token("r", [1]), Token("r", [2])])
+    assert isinstance(out[0], Token) and not out[0].ended_by_stop_token

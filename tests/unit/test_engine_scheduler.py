@@ -600,6 +600,24 @@ def test_stop_token_ids_and_max_model_len() -> None:
     assert run.scheduler.schedule() is None
 
 
+def test_the_token_event_says_which_token_ended_the_request_as_a_stop_token() -> None:
+    """The front leaves the text of a stop_token_ids entry that ends the request out: the Token event that
+    carries it says so, and for an eos that ends it too. Not for one before min_tokens (it does not end the
+    request)."""
+    run = _started(stop_token_ids=[9], min_tokens=2)
+    events = _feed(run, [9, 4, 9])
+    tokens = [e for e in events if isinstance(e, Token)]
+    assert [(e.token_ids, e.ended_by_stop_token) for e in tokens] == [([9], False), ([4], False), ([9], True)]
+    assert isinstance(events[-1], Done) and events[-1].finish_reason == FinishReason.STOP
+    assert isinstance(events[-2], Usage) and events[-2].completion_tokens == 3  # it is still an output token
+    run = _started(ignore_eos=False, stop_token_ids=[9])
+    events = _feed(run, [4, 2])
+    assert isinstance(events[-1], Done) and events[-1].finish_reason == FinishReason.STOP
+    assert [e.ended_by_stop_token for e in events if isinstance(e, Token)] == [False, True]
+    run = _started(ignore_eos=False, stop_token_ids=[2])  # the eos listed as a stop token too
+    assert [e.ended_by_stop_token for e in _feed(run, [4, 2]) if isinstance(e, Token)] == [False, True]
+
+
 def test_per_request_error_and_missing_output_fail_only_that_request() -> None:
     run = _started()
     run.scheduler.add_request(request("q", [5, 6], max_tokens=4))
