@@ -199,7 +199,10 @@ class SGLangStreamMapper:
         new_text = self._new_text(chunk.get("text"))
         if new_ids or new_text:
             logprobs = _logprobs_of(meta, had, new_ids)
-            events.append(Token(self.request_id, new_ids, logprobs=logprobs, text=new_text))
+            ended = bool(new_ids) and _stop_token_of(finish) == new_ids[-1]
+            events.append(
+                Token(self.request_id, new_ids, logprobs=logprobs, text=new_text, ended_by_stop_token=ended)
+            )
         if finish is not None:
             events.extend(self._finish(finish))
         return events
@@ -323,6 +326,15 @@ def _finish_type(finish: Any) -> str | None:
     if finish is None:
         return None
     return str(finish.get("type")) if isinstance(finish, Mapping) else str(finish)
+
+
+def _stop_token_of(finish: Any) -> int | None:
+    """The token id a ``stop`` finish matched (SGLang names an id for a stop token or eos, a string for a stop
+    string), else None: the engine's detokenizer leaves that token's text out, as SGLang's own text does."""
+    if _finish_type(finish) != "stop" or not isinstance(finish, Mapping):
+        return None
+    matched = finish.get("matched")
+    return matched if isinstance(matched, int) and not isinstance(matched, bool) else None
 
 
 def _ids_mode_of(ids: list[int], seen: list[int], total: Any) -> StreamMode:

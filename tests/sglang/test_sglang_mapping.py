@@ -121,6 +121,19 @@ def test_stop_on_token_id_has_no_matched_string() -> None:
     assert isinstance(done, Done) and done.finish_reason == FinishReason.STOP and done.matched_stop == ""
 
 
+def test_the_token_a_stop_matched_is_marked_for_the_detokenizer() -> None:
+    """The engine decodes the ids of its own model's SGLang requests: the chunk that ends on the stop token
+    SGLang matched says so, so that token's text stays out (as SGLang's own text leaves it out). A stop string
+    or a length end marks nothing."""
+    by_token = feed(
+        SGLangStreamMapper("r"), [chunk([7], " a", 1), chunk([8, 9], " b", 3, {"type": "stop", "matched": 9})]
+    )
+    by_string = feed(SGLangStreamMapper("r"), [chunk([7, 8], " a", 2, {"type": "stop", "matched": "STOP"})])
+    by_length = feed(SGLangStreamMapper("r"), [chunk([7, 9], " a", 2, {"type": "length"})])
+    assert [e.ended_by_stop_token for e in by_token if isinstance(e, Token)] == [False, True]
+    assert [e.ended_by_stop_token for e in by_string + by_length if isinstance(e, Token)] == [False, False]
+
+
 def test_error_chunk_and_chunks_after_the_end() -> None:
     mapper = SGLangStreamMapper("r")
     events = feed(
