@@ -4,10 +4,13 @@ a multimodal checkpoint's language model (float and FP8); and how a hybrid layou
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import transformers
 
 from ominix_runtime.contract import DecodeStep, NewRequestData, SamplingParams
 from ominix_worker.config import (
@@ -16,6 +19,7 @@ from ominix_worker.config import (
     AttentionGroup,
     ModelConfigError,
     config_from_hf_dict,
+    load_hf_config,
 )
 from ominix_worker.kv_cache import group_block_counts
 from ominix_worker.runner import ModelRunner, build_runner
@@ -125,6 +129,106 @@ def test_legacy_and_current_gemma3_text_keys() -> None:
     ]:
         with pytest.raises(ModelConfigError, match=message):
             config_from_hf_dict({**GEMMA_TEXT, "model_type": "gemma3_text", **bad})
+
+
+# Gemma 3 rope configurations: a flat rope_parameters (not split per layer type), the per-type entries with
+# and without their bases, and a legacy top-level rope_scaling beside them or alone. Six layers: both kinds.
+FLAT_ROPE = {"rope_type": "linear", "factor": 8.0, "rope_theta": 500_000.0}
+ROPE_CONFIGS: dict[str, dict[str, Any]] = {
+    "flat": {"rope_parameters": FLAT_ROPE},
+    "flat beside top-level bases": {
+        "rope_parameters": FLAT_ROPE, "rope_theta": 2e6, "rope_local_base_freq": 2e4,
+    },
+    "per type without bases": {
+        "rope_parameters": {
+            FULL_ATTENTION: {"rope_type": "linear", "factor": 8.0},
+            SLIDING_ATTENTION: {"rope_type": "default"},
+        },
+        "rope_theta": 321.0,
+        "rope_local_base_freq": 654.0,
+    },
+    "global entry only": {
+        "rope_parameters": {FULL_ATTENTION: {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}},
+        "rope_local_base_freq": 654.0,
+    },
+    "per type beside a legacy rope_scaling": {
+        "rope_parameters": {
+            FULL_ATTENTION: {"rope_type": "default", "rope_theta": 5.0},
+            SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": 7.0},
+        },
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+    },
+    "legacy": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_theta": 99.0},
+}  # fmt: skip
+
+
+def write_gemma3_config(folder: Path, rope: dict[str, Any]) -> Path:
+    folder.mkdir()
+    raw = {**GEMMA_TEXT, "model_type": "gemma3_text", "num_hidden_layers": 6, **rope}
+    (folder / "config.json").write_text(json.dumps(raw))
+    return folder
+
+
+def hf_rope(folder: Path) -> tuple[float, dict[str, Any], float]:
+    """What transformers' Gemma 3 rotates with: the global layers' base and scaling, the local layers' base
+    (its Gemma3RotaryEmbedding reads ``rope_parameters[layer_type]`` and nothing else)."""
+    hf = transformers.AutoConfig.from_pretrained(str(folder))
+    full, local = hf.rope_parameters[FULL_ATTENTION], hf.rope_parameters[SLIDING_ATTENTION]
+    assert set(hf.layer_types) == {FULL_ATTENTION, SLIDING_ATTENTION}
+    assert local["rope_type"] == "default"
+    scaling = {k: v for k, v in full.items() if k != "rope_theta"} if full["rope_type"] != "default" else {}
+    return full["rope_theta"], scaling, local["rope_theta"]
+
+
+@pytest.mark.parametrize("case", list(ROPE_CONFIGS))
+def test_gemma3_rope_is_read_as_transformers_reads_it(case: str, tmp_path: Path) -> None:
+    folder = write_gemma3_config(tmp_path / "m", ROPE_CONFIGS[case])
+    config = load_hf_config(folder)
+    assert (config.rope_theta, config.rope_scaling, config.rope_local_theta) == hf_rope(folder)
+
+
+def test_a_flat_gemma3_rope_parameters_is_ignored_as_transformers_does_but_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rope_parameters not split per layer type does not reach transformers' Gemma 3 layers (they rotate
+    plainly at the top-level bases): the same logits here, and a warning naming what is ignored."""
+    folder = write_gemma3_config(tmp_path / "m", ROPE_CONFIGS["flat"])
+    with caplog.at_level(logging.WARNING, logger="ominix_worker.config"):
+        config = load_hf_config(folder)
+    assert (config.rope_theta, config.rope_scaling, config.rope_local_theta) == (1e6, {}, 1e4)
+    assert "factor, rope_theta, rope_type" in caplog.text and "ignored" in caplog.text, caplog.text
+
+
+def test_a_flat_gemma3_rope_parameters_gives_the_logits_of_transformers(tmp_path: Path) -> None:
+    """End to end through both models (applying the flat scaling to the global layers moves these logits by
+    about 4%, far outside the tolerance)."""
+    text = write_tiny_hf_model(
+        tmp_path / "text", arch="gemma3_text", num_layers=4, sliding_window=8, sliding_window_pattern=2,
+        with_tokenizer=False, vocab_size=96,
+    )  # fmt: skip
+    config = json.loads((text / "config.json").read_text())
+    config["rope_parameters"] = FLAT_ROPE  # in place of the per-type entries transformers wrote
+    (text / "config.json").write_text(json.dumps(config))
+    tokens = [3 + (11 * i) % 90 for i in range(30)]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(text, dtype=torch.float32)  # in eval mode
+    with torch.no_grad():
+        want = reference(torch.tensor([tokens])).logits[0, -1]
+    got = last_logits(build_runner(str(text), num_blocks=8, block_size=16), tokens)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+
+
+def test_a_flat_gemma3_rope_parameters_beside_rope_scaling_is_refused_as_transformers_refuses_it(
+    tmp_path: Path,
+) -> None:
+    folder = write_gemma3_config(
+        tmp_path / "m", {"rope_parameters": FLAT_ROPE, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    )
+    with pytest.raises(KeyError, match=FULL_ATTENTION):  # the reference has no global entry to scale
+        transformers.AutoConfig.from_pretrained(str(folder))
+    with pytest.raises(
+        ModelConfigError, match="rope_scaling beside a rope_parameters without a full_attention"
+    ):
+        load_hf_config(folder)
 
 
 def test_dummy_gemma3_weights_give_finite_logits(tmp_path: Path) -> None:

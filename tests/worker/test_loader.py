@@ -399,6 +399,25 @@ def test_missing_weights_are_refused(tmp_path: Path, tiny_model_dir: Callable[[s
         )
 
 
+def test_a_failing_post_load_is_a_load_error_chained_to_its_cause(
+    tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a model derives once its weights are in (rope tables, packed weights) fails as the loader's
+    ModelLoadError naming the model, with the original error chained, not as a raw exception."""
+    from ominix_worker.models.llama import LlamaForCausalLM
+
+    cause = ValueError("no room for the rope tables")
+
+    def failing_post_load(self: LlamaForCausalLM, device: torch.device) -> None:
+        raise cause
+
+    monkeypatch.setattr(LlamaForCausalLM, "post_load", failing_post_load)
+    source = resolve_model(str(tiny_model_dir("llama")))
+    with pytest.raises(ModelLoadError, match="cannot load model .*: no room for the rope tables") as raised:
+        load_model(source, torch.device("cpu"), torch.float32, TorchReferenceAttention())
+    assert raised.value.__cause__ is cause
+
+
 def test_devices_dtypes_and_sizes(tiny_model_dir: Callable[[str], Path]) -> None:
     assert parse_device("cpu") == torch.device("cpu")
     for bad in ("gpu:0", "cpu:1", "cuda:x"):

@@ -6,12 +6,14 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from ominix_runtime.config import RuntimeConfig
 from ominix_worker.parallel import ShardRange, TensorParallel
 from ominix_worker.testing import write_tiny_hf_model
 
@@ -200,3 +202,77 @@ def test_steps_reach_the_followers_unchanged() -> None:
     )
     assert decode_step(encode_step(step)) == step
     assert decode_step(encode_step(DecodeStep(1))) == DecodeStep(1)
+
+
+# ---- joining a group ----------------------------------------------------------------------------------
+
+
+def _with_worker(**changes: Any) -> RuntimeConfig:
+    """The default settings with some worker flags changed (what one rank was started with)."""
+    base = RuntimeConfig()
+    return replace(base, worker=replace(base.worker, **changes))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "flag", "default"),
+    [
+        ("quantization", "fp8", "--quantization", "none"),
+        ("kv_cache_dtype", "fp8_e4m3", "--kv-cache-dtype", "auto"),
+        ("dtype", "bfloat16", "--dtype", "auto"),  # a shape-deciding flag: the same check
+    ],
+)
+def test_a_rank_started_with_another_setting_is_refused_naming_it_and_both_values(
+    field: str, value: str, flag: str, default: str
+) -> None:
+    from ominix_worker.server import group_settings, settings_disagreement
+
+    leader, follower = group_settings(_with_worker()), group_settings(_with_worker(**{field: value}))
+    assert settings_disagreement([leader, leader]) is None
+    message = settings_disagreement([leader, follower])
+    assert message is not None
+    assert f"{flag} is {value!r} on rank 1 but {default!r} on rank 0" in message, message
+    assert message.count(" on rank 1 ") == 1, message  # only the setting that differs
+
+
+def test_the_group_settings_are_named_as_their_flags() -> None:
+    """Every compared setting is stated under the flag that sets it (the refusal names what to change)."""
+    from ominix_runtime.cli.flags import by_name
+    from ominix_worker.server import group_settings
+
+    for name in group_settings(_with_worker()):
+        by_name(name)
+
+
+def test_a_group_whose_ranks_quantize_differently_exits_at_startup_naming_the_flags(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    """Two real worker ranks, rank 1 with FP8 weights and KV: both refuse before loading, in one clear line."""
+    from ominix_runtime.bind_probe import free_ports
+
+    rendezvous, leader_port = free_ports(2)  # two distinct ports
+    addr = f"127.0.0.1:{rendezvous}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    procs = []
+    for rank in (1, 0):
+        argv = [sys.executable, "-m", "ominix_worker", "--model", str(tiny_model_dir("llama"))]
+        argv += ["--port", str(leader_port), "--kv-cache-memory", "8MiB", "--num-threads", "1"]
+        argv += ["--tp-size", "2", "--tp-rank", str(rank), "--dist-init-addr", addr, "--dist-timeout", "30"]
+        if rank == 1:
+            argv += ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"]
+        procs.append(
+            subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    try:
+        results = [p.communicate(timeout=RANK_TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode != 0
+        lines = [line for line in err.strip().splitlines() if line and not line.startswith("{")]
+        assert len(lines) == 1, err
+        assert "--quantization is 'fp8' on rank 1 but 'none' on rank 0" in lines[0], err
+        assert "--kv-cache-dtype is 'fp8_e4m3' on rank 1 but 'auto' on rank 0" in lines[0], err
+        assert "loading" not in err  # refused before any weight is read

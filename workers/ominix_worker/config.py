@@ -4,6 +4,7 @@ config.json or GGUF metadata."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +30,13 @@ _ARCH_CLASS = {
 MOE_ARCHES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")
 
 
+log = logging.getLogger(__name__)
+
 # Hugging Face's ``layer_types`` values.
 SLIDING_ATTENTION = "sliding_attention"
 FULL_ATTENTION = "full_attention"
+# The keys of a Gemma 3 ``rope_parameters`` split per layer type.
+_GEMMA3_ROPE_KINDS = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,11 +233,17 @@ def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
 
 def _rope_scaling(scaling: dict[str, Any]) -> dict[str, Any]:
     """Scaling parameters under one spelling (``rope_type``); empty for plain rope."""
+    scaling = _rope_type_named(scaling)
+    if scaling.get("rope_type", "default") == "default":
+        return {}
+    return scaling
+
+
+def _rope_type_named(scaling: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``scaling`` with the legacy ``type`` key spelled ``rope_type``."""
     scaling = dict(scaling)
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
-    if scaling.get("rope_type", "default") == "default":
-        return {}
     return scaling
 
 
@@ -332,16 +343,57 @@ def _gemma3_text(raw: dict[str, Any]) -> dict[str, Any]:
     if out.get("use_bidirectional_attention"):
         raise ModelConfigError("use_bidirectional_attention=true is not supported (causal attention only)")
     out["hidden_act"] = out.pop("hidden_activation", None) or out.get("hidden_act") or "gelu_pytorch_tanh"
-    params = out.pop("rope_parameters", None)
-    if isinstance(params, dict) and (FULL_ATTENTION in params or SLIDING_ATTENTION in params):
-        full = dict(params.get(FULL_ATTENTION) or {})
-        local = dict(params.get(SLIDING_ATTENTION) or {})
-        out["rope_theta"] = float(full.pop("rope_theta", defaults["rope_theta"]))
-        out["rope_scaling"] = _rope_scaling(full)
-        out["rope_local_base_freq"] = float(local.pop("rope_theta", defaults["rope_local_base_freq"]))
-        if _rope_scaling(local):
-            raise ModelConfigError("rope scaling on Gemma 3's sliding-window layers is not supported")
+    _gemma3_rope(out)
     return out
+
+
+def _gemma3_rope(out: dict[str, Any]) -> None:
+    """Gemma 3's rope per layer type into ``rope_theta`` / ``rope_scaling`` (global layers) and
+    ``rope_local_base_freq`` (sliding-window layers) of ``out`` (defaults filled in), read as transformers'
+    Gemma3TextConfig reads it, so that the logits are the reference's:
+
+    - ``rope_parameters`` holds one entry per layer type; a layer type without one rotates plainly;
+    - a legacy top-level ``rope_scaling`` updates the global layers' entry;
+    - an entry without ``rope_theta`` takes the top-level ``rope_theta`` / ``rope_local_base_freq``;
+    - keys beside the per-type entries (a flat ``rope_parameters``) are ignored: transformers' Gemma 3 rotates
+      with the per-type entries only. Ignored here too (other logits than the reference's would be worse),
+      but said in the log.
+    """
+    given = out.pop("rope_parameters", None)
+    if given is not None and not isinstance(given, dict):
+        raise ModelConfigError(f"rope_parameters must be a mapping, not {type(given).__name__}")
+    params: dict[str, Any] = dict(given) if given is not None else {kind: {} for kind in _GEMMA3_ROPE_KINDS}
+    full = _gemma3_full_rope(params, out.get("rope_scaling"))
+    full.setdefault("rope_theta", out["rope_theta"])
+    local = dict(params.get(SLIDING_ATTENTION) or {})
+    local.setdefault("rope_theta", out["rope_local_base_freq"])
+    out["rope_theta"] = float(full.pop("rope_theta"))
+    out["rope_scaling"] = _rope_scaling(full)
+    out["rope_local_base_freq"] = float(local.pop("rope_theta"))
+    if _rope_scaling(local):
+        raise ModelConfigError("rope scaling on Gemma 3's sliding-window layers is not supported")
+    ignored = sorted(key for key in params if key not in _GEMMA3_ROPE_KINDS)
+    if ignored:
+        log.warning(
+            "Gemma 3 rope_parameters %s are not under %s or %s and are ignored, as transformers ignores them: "
+            "the global layers rotate with rope_theta %g and scaling %s, the sliding-window layers with %g",
+            ", ".join(ignored), FULL_ATTENTION, SLIDING_ATTENTION, out["rope_theta"],
+            out["rope_scaling"] or "none", out["rope_local_base_freq"],
+        )  # fmt: skip
+
+
+def _gemma3_full_rope(params: dict[str, Any], legacy_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """The global layers' rope entry, updated by a legacy top-level ``rope_scaling`` as transformers does; a
+    ``rope_parameters`` without a global entry to update is refused, as transformers refuses it."""
+    full = params.get(FULL_ATTENTION)
+    if legacy_scaling is None:
+        return dict(full or {})
+    if full is None:
+        raise ModelConfigError(
+            f"rope_scaling beside a rope_parameters without a {FULL_ATTENTION} entry (not split per layer type): "
+            f"Gemma 3 scales the {FULL_ATTENTION} entry (transformers refuses this config too)"
+        )
+    return {**full, **_rope_type_named(legacy_scaling)}
 
 
 def _gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:

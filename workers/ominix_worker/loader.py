@@ -350,8 +350,10 @@ def load_model(
             quantize_model(model, Fp8Scheme())  # per channel
             config = replace(config, quantization={"quant_method": "fp8", "activation_scheme": "dynamic"})
             model.config = config
+        # Inside the wrapping: what the model derives from its loaded weights (rope tables, CPU-packed
+        # weights, expert maps) fails as a load error too.
+        model.post_load(device)
     except (ModelConfigError, Fp8ConfigError, KeyError, ValueError, OSError) as exc:
         # ValueError covers a model whose heads, FFN or KV heads do not divide among the ranks.
         raise ModelLoadError(f"cannot load model {source.name!r} from {source.path}: {exc}") from exc
-    model.post_load(device)
     return LoadedModel(name=source.name, config=config, model=model)

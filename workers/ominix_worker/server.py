@@ -138,17 +138,48 @@ def join_group(settings: RuntimeConfig) -> RankGroup | None:
         )
     except GroupInitError as exc:
         raise StartupError(str(exc)) from None
-    # Every rank must run the same collectives in the same order: the same model and shape-deciding flags.
-    shape_flags = (
-        settings.model.path, args.dtype, args.block_size, args.max_batch_tokens, args.max_running_requests,
-        args.max_model_len, args.kv_cache_memory, args.gpu_memory_utilization, args.attention,
-        args.moe_parallel,
-    )  # fmt: skip
-    stated = group.gather_to_all(shape_flags)
-    if any(flags != stated[0] for flags in stated):
-        differing = [r for r, flags in enumerate(stated) if flags != stated[0]]
-        raise StartupError(f"ranks {differing} were started with other model flags than rank 0")
+    stated = cast(list[dict[str, object]], group.gather_to_all(group_settings(settings)))
+    disagreement = settings_disagreement(stated)
+    if disagreement is not None:
+        raise StartupError(disagreement)
     return group
+
+
+def group_settings(settings: RuntimeConfig) -> dict[str, object]:
+    """The flags every rank of a group must share, by flag name. The model and the shape-deciding flags make
+    every rank run the same collectives in the same order; the weight and KV formats make the ranks' shards
+    one model (a rank that quantizes alone, or stores its KV in another dtype, computes garbage or hangs
+    in a collective)."""
+    args = settings.worker
+    return {
+        "--model": settings.model.path,
+        "--dtype": args.dtype,
+        "--quantization": args.quantization,
+        "--kv-cache-dtype": args.kv_cache_dtype,
+        "--block-size": args.block_size,
+        "--max-batch-tokens": args.max_batch_tokens,
+        "--max-running-requests": args.max_running_requests,
+        "--max-model-len": args.max_model_len,
+        "--kv-cache-memory": args.kv_cache_memory,
+        "--gpu-memory-utilization": args.gpu_memory_utilization,
+        "--attention": args.attention,
+        "--moe-parallel": args.moe_parallel,
+    }
+
+
+def settings_disagreement(stated: list[dict[str, object]]) -> str | None:
+    """Every flag a rank states apart from rank 0, with both values, as one line (``stated``: each rank's
+    ``group_settings``, in rank order); None when the ranks agree."""
+    leader = stated[0]
+    differences = [
+        f"{name} is {flags.get(name)!r} on rank {rank} but {leader.get(name)!r} on rank 0"
+        for rank, flags in enumerate(stated[1:], start=1)
+        for name in dict.fromkeys([*leader, *flags])  # both sides' names: a rank may state one more
+        if flags.get(name) != leader.get(name)
+    ]
+    if not differences:
+        return None
+    return f"the ranks disagree: {'; '.join(differences)} (start every rank with the same model and flags)"
 
 
 def load_worker(
