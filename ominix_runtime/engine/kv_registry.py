@@ -5,7 +5,10 @@ One registry per worker group, sized from the worker's BackendCapability (kv_num
 - Blocks are ref-counted. A block with ref count 0 sits in the free queue (an OrderedDict used as an O(1)
   doubly linked list), front = reused first. Blocks that never held a full hashed block go to the front;
   hashed blocks go to the back, so reuse evicts the least recently freed cached content first (LRU).
-- Prefix cache: only FULL blocks are hashed, with chained hashes ``hash((parent_hash, tuple(block_tokens)))``.
+- Prefix cache: only FULL blocks are hashed, with chained SHA-256 digests over the parent's digest and the
+  block's tokens. A 64-bit hash such as Python's ``hash`` can be made to collide by anyone who sends prompts
+  (a birthday search is ~2**32 steps), and a collision of parents would serve one prompt the KV computed
+  after another's; a collision-resistant chain makes equal digests mean equal prefixes.
   A freed block keeps its hash until it is reused (lazy eviction). A request's blocks are freed tail-first
   so the prefix survives longest.
 - A prefix hit is block-aligned and capped at ``len(tokens) - 1`` so the last prompt token is always
@@ -29,14 +32,29 @@ One registry per worker group, sized from the worker's BackendCapability (kv_num
 
 from __future__ import annotations
 
+import hashlib
 import math
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from ominix_runtime.contract import NULL_BLOCK_ID, AttentionKind, KVGroup, KVLease
 
-_ROOT_HASH = 0x5F3759DF  # parent hash of a request's first block
+_ROOT_HASH = hashlib.sha256(b"ominix-runtime kv prefix root").digest()  # parent digest of a first block
+_TOKEN_ARRAY = "q"  # token ids as 8-byte integers in the digested bytes
+
+BlockKey = tuple[bytes, tuple[int, ...]]  # (parent digest, the block's tokens)
+
+
+def _chain_digest(parent: bytes, block_bytes: bytes) -> bytes:
+    return hashlib.sha256(parent + block_bytes).digest()
+
+
+def _block_bytes(tokens: Sequence[int]) -> bytes:
+    return array(_TOKEN_ARRAY, tokens).tobytes()
+
+
 _UNBOUNDED_TOKENS = 1 << 62  # no KV limit on a request's length (only sliding-window groups)
 
 
@@ -48,9 +66,9 @@ class IntegrityError(AssertionError):
 class _Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
     # The exact key behind block_hash, compared on every hit so that a hash collision is never a wrong hit.
-    hash_key: tuple[int, tuple[int, ...]] | None = None
+    hash_key: BlockKey | None = None
 
 
 @dataclass(slots=True)
@@ -60,7 +78,7 @@ class _LeaseState:
     # Per group: leading blocks already registered in the prefix cache (or skipped), and the chained hash of
     # the last one.
     num_hashed_blocks: list[int] = field(default_factory=list)
-    last_hashes: list[int] = field(default_factory=list)
+    last_hashes: list[bytes] = field(default_factory=list)
     next_full_tokens: int = 0  # computed tokens at which some group's next block fills up
     # Per group: blocks before this index leave a sliding window to the front of the free queue (reused first,
     # still hittable until then). They lie before the window a hit on all the lease's first known tokens
@@ -70,6 +88,8 @@ class _LeaseState:
     # False once the prefix cache was flushed during the lease: its blocks filled after the flush are computed
     # over KV from before it (older weights, or a run meant to start cold), so none may be registered.
     registers: bool = True
+    # Per group: the leading blocks that came from a prefix hit (the lease's own blocks follow them).
+    num_prefix_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +100,7 @@ class PrefixHit:
     num_tokens: int = 0  # tokens the request need not compute
     # Per group: the chained hash of the hit's last block (the parent of the first block after it), so the lease
     # registers its later blocks without hashing the hit's again. Derived from the blocks: not compared.
-    group_chain_ends: tuple[int, ...] = field(default=(), compare=False)
+    group_chain_ends: tuple[bytes, ...] = field(default=(), compare=False)
     # The blocks hold the whole sequence; num_tokens stops one short, as its last token's logits are needed
     # (computed again, its KV not written).
     whole: bool = False
@@ -102,8 +122,8 @@ class _HashChain:
     def __init__(self, token_ids: Sequence[int], span: int) -> None:
         self._token_ids = token_ids
         self._span = span
-        self._keys: list[tuple[int, tuple[int, ...]]] = []
-        self._hashes: list[int] = []
+        self._keys: list[BlockKey] = []
+        self._hashes: list[bytes] = []
 
     def extend(self, count: int) -> None:
         """Hash the first ``count`` blocks (those not hashed yet) in one pass over their tokens; only whole
@@ -114,13 +134,16 @@ class _HashChain:
             return
         parent = hashes[-1] if hashes else _ROOT_HASH
         tokens = self._token_ids[done * span : count * span]
+        data = _block_bytes(tokens)  # one conversion for the stretch; each block digests its slice
+        width = span * array(_TOKEN_ARRAY).itemsize
+        start = 0
         for block in zip(*[iter(tokens)] * span, strict=False):  # consecutive span-long tuples
-            key = (parent, block)
-            parent = hash(key)
-            keys.append(key)
+            keys.append((parent, block))
+            parent = _chain_digest(parent, data[start : start + width])
+            start += width
             hashes.append(parent)
 
-    def link(self, index: int) -> tuple[tuple[int, tuple[int, ...]], int]:
+    def link(self, index: int) -> tuple[BlockKey, bytes]:
         """Block ``index``'s key ``(parent hash, its tokens)`` and that key's hash."""
         self.extend(index + 1)
         return self._keys[index], self._hashes[index]
@@ -144,7 +167,7 @@ class _HashChain:
             run.append(block_id)
         return run
 
-    def parent_of(self, index: int) -> int:
+    def parent_of(self, index: int) -> bytes:
         """The parent hash of block ``index``: the chained hash of the blocks before it."""
         return self.link(index - 1)[1] if index else _ROOT_HASH
 
@@ -157,7 +180,7 @@ class _BlockPool:
         self.num_blocks = group.num_blocks
         self.blocks = [_Block(i) for i in range(group.num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(group.num_blocks))
-        self.cache: dict[int, int] = {}  # block hash -> block id
+        self.cache: dict[bytes, int] = {}  # block digest -> block id
         self.num_leased = 0
 
     def take(self) -> int:
@@ -188,14 +211,27 @@ class _BlockPool:
             if block.block_hash is None or reuse_first:  # no content worth keeping (or the least worth it)
                 self.free.move_to_end(block_id, last=False)
 
-    def lookup(self, key: tuple[int, tuple[int, ...]], block_hash: int) -> int | None:
+    def lookup(self, key: BlockKey, block_hash: bytes) -> int | None:
         """The cached block of ``key`` (whose hash is ``block_hash``), if any."""
         block_id = self.cache.get(block_hash)
         if block_id is None or self.blocks[block_id].hash_key != key:
             return None
         return block_id
 
-    def register(self, block_id: int, key: tuple[int, tuple[int, ...]], block_hash: int) -> None:
+    def uncache(self, block_id: int) -> bool:
+        """Take ``block_id``'s content out of the prefix cache; True when it was cached."""
+        block = self.blocks[block_id]
+        if block.block_hash is None:
+            return False
+        if self.cache.get(block.block_hash) == block_id:
+            del self.cache[block.block_hash]
+        block.block_hash = None
+        block.hash_key = None
+        if block.ref_count == 0:  # nothing worth keeping: reused first
+            self.free.move_to_end(block_id, last=False)
+        return True
+
+    def register(self, block_id: int, key: BlockKey, block_hash: bytes) -> None:
         block = self.blocks[block_id]
         if block.block_hash is None and block_hash not in self.cache:
             block.block_hash = block_hash
@@ -513,6 +549,7 @@ class KVRegistry:
                 num_hashed_blocks=[0] * len(self._pools),
                 last_hashes=[_ROOT_HASH] * len(self._pools),
                 cold_blocks=[self._cold_blocks(p.group, num_known_tokens or 0) for p in self._pools],
+                num_prefix_blocks=[len(ids) for ids in groups_prefix],
             )
             self._leases[request_id] = state
             for pool, table, ids in zip(self._pools, state.lease.block_tables, groups_prefix, strict=True):
@@ -590,8 +627,9 @@ class KVRegistry:
             span = pool.group.tokens_per_block
             num_full = min(known // span, len(table))
             for i in range(state.num_hashed_blocks[g], num_full):
-                key = (state.last_hashes[g], tuple(token_ids[i * span : (i + 1) * span]))
-                block_hash = hash(key)
+                block = tuple(token_ids[i * span : (i + 1) * span])
+                key = (state.last_hashes[g], block)
+                block_hash = _chain_digest(key[0], _block_bytes(block))
                 if table[i] != NULL_BLOCK_ID:  # a slid-out block is gone; the chain continues
                     pool.register(table[i], key, block_hash)
                 state.last_hashes[g] = block_hash
@@ -600,6 +638,32 @@ class KVRegistry:
             (n + 1) * p.group.tokens_per_block
             for n, p in zip(state.num_hashed_blocks, self._pools, strict=True)
         )
+
+    def uncache_own_blocks(self, request_id: str) -> list[str]:
+        """Take the blocks ``request_id`` registered itself (not those of its prefix hit) out of the prefix
+        cache, for a request whose KV may never have been written: blocks are registered when the step that
+        fills them is built, and a worker computes nothing more for a request it failed. Returns the other
+        leases that hit any of them since (their KV reads may be of blocks never written)."""
+        state = self._leases.get(request_id)
+        if state is None:
+            return []
+        taken: list[set[int]] = []
+        for pool, table, first_own in zip(
+            self._pools, state.lease.block_tables, state.num_prefix_blocks, strict=True
+        ):
+            taken.append({b for b in table[first_own:] if b != NULL_BLOCK_ID and pool.uncache(b)})
+        state.registers = False  # nor its later blocks: it is ending
+        if not any(taken):
+            return []
+        return [
+            rid
+            for rid, other in self._leases.items()
+            if rid != request_id
+            and any(
+                not blocks.isdisjoint(table)
+                for blocks, table in zip(taken, other.lease.block_tables, strict=True)
+            )
+        ]
 
     def free(self, request_id: str) -> list[int]:
         """Release the lease tail-first; returns group 0's block ids (empty when there was none)."""

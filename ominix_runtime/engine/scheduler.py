@@ -742,6 +742,21 @@ class Scheduler:
         if req.num_inflight_steps == 0:
             req.transition(RequestState.WAITING)
 
+    def _uncache_unwritten(self, request_id: str) -> None:
+        """A failed request's registered blocks leave the prefix cache: they were registered when the steps
+        filling them were built, and the worker computes nothing more for a request it failed (nor is a failed
+        request's KV worth sharing). Running requests that hit those blocks since then are preempted to compute
+        their prompts again, before any of their results (later steps) is read, and so are, in turn, those
+        that hit the blocks these registered."""
+        pending = self.registry.uncache_own_blocks(request_id)
+        while pending:
+            req = self.running.get(pending.pop())
+            if req is None:
+                continue
+            pending += self.registry.uncache_own_blocks(req.request_id)
+            req.num_void_inflight_steps = req.num_inflight_steps
+            self._preempt(req)
+
     def _drop_worker_state(self, req: EngineRequest) -> None:
         if req.worker_has_state:
             self._pending_finished_ids.append(req.request_id)
@@ -766,7 +781,10 @@ class Scheduler:
                 continue
             if entry.expects_sample:
                 req.num_placeholders -= 1
-            if out is None:
+            if req.num_void_inflight_steps:
+                req.num_void_inflight_steps -= 1
+                self.counters.discarded_outputs += out is not None
+            elif out is None:
                 self._end(
                     req,
                     events,
@@ -886,8 +904,10 @@ class Scheduler:
         self.requests.pop(rid, None)
         self.waiting.remove(rid)
         if self.running.pop(rid, None) is not None:
-            if error is None:  # KV of a failed request is not worth sharing
+            if error is None:
                 self.registry.cache_blocks(rid, req.all_token_ids, req.num_computed_tokens)
+            else:
+                self._uncache_unwritten(rid)
             self.registry.free(rid)
         self._drop_worker_state(req)
         req.num_placeholders = 0
