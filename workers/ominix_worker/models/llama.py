@@ -480,6 +480,10 @@ class LlamaForCausalLM(nn.Module):
         """Copy Hugging Face-named tensors into this module; returns the parameter names that were set.
 
         Sharded layers read only this rank's slice of each tensor (``WeightSource``); the others copy it whole.
+
+        Tied embeddings (``tie_word_embeddings``) are tied as transformers ties them on load: a checkpoint
+        that stores ``lm_head.weight`` too keeps it when it differs from the embedding (untied), and one that
+        stores only ``lm_head.weight`` ties the embedding to it.
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         modules = dict(self.named_modules(remove_duplicate=False))
@@ -488,8 +492,9 @@ class LlamaForCausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
+            if name == "lm_head.weight" and self.lm_head.weight is self.embed_tokens.weight:
+                self._untie_lm_head()  # its own weight until both are loaded (``_tie_loaded_weights``)
+                params[name] = self.lm_head.weight
             kv_scale = _KV_SCALE_RE.match(name)
             if (
                 kv_scale is not None
@@ -505,9 +510,14 @@ class LlamaForCausalLM(nn.Module):
                 if f".{hf_part}." in f".{name}":
                     target_name, shard = name.replace(hf_part, fused), index
                     break
-            if target_name not in params:
-                raise KeyError(f"unexpected weight {hf_name!r}")
             module_name, _, param_name = target_name.rpartition(".")
+            if target_name not in params:
+                if param_name == "weight_scale_inv" and f"{module_name}.weight" in params:
+                    raise KeyError(
+                        f"unexpected weight {hf_name!r}: a scale for {module_name}, which is not FP8 "
+                        "(quantization_config.modules_to_not_convert lists it, or states no FP8)"
+                    )
+                raise KeyError(f"unexpected weight {hf_name!r}")
             module = modules[module_name]
             source = as_weight_source(weight)
             try:
@@ -523,7 +533,25 @@ class LlamaForCausalLM(nn.Module):
             except ValueError as exc:
                 raise ValueError(f"{hf_name}: {exc}") from None
             loaded.add(f"{target_name}#{shard}" if shard is not None else target_name)
+        if self.config.tie_word_embeddings:
+            self._tie_loaded_weights(loaded)
         return loaded
+
+    def _untie_lm_head(self) -> None:
+        embedding = self.embed_tokens.weight
+        self.lm_head.weight = nn.Parameter(torch.empty_like(embedding), requires_grad=embedding.requires_grad)
+
+    def _tie_loaded_weights(self, loaded: set[str]) -> None:
+        """A tied model whose checkpoint stored ``lm_head.weight``: an LM head equal to the stored embedding
+        shares it again; with no embedding stored, the embedding becomes the LM head's weight; a different
+        one stays the model's own LM head (the config's tie does not match the checkpoint)."""
+        if "lm_head.weight" not in loaded or self.lm_head.weight is self.embed_tokens.weight:
+            return
+        if "embed_tokens.weight" not in loaded:
+            self.embed_tokens.weight = self.lm_head.weight
+            loaded.add("embed_tokens.weight")
+        elif torch.equal(self.lm_head.weight, self.embed_tokens.weight):
+            self.lm_head.weight = self.embed_tokens.weight
 
     def expected_weight_keys(self) -> set[str]:
         """What ``load_weights`` must have set for the model to be complete."""

@@ -242,6 +242,8 @@ class FusedExperts(nn.Module):
     def load_expert(self, expert: int, part: str, source: WeightSource) -> str | None:
         """Copy this rank's share of one Hugging Face expert projection (gate, up or down) into its slice;
         returns its load key, None (nothing read) when another rank holds the expert."""
+        from ominix_worker.quant.fp8 import NOT_LISTED, is_fp8_tensor
+
         local = self.local_expert(expert)
         if local is None:
             return None
@@ -252,6 +254,14 @@ class FusedExperts(nn.Module):
         if len(source.shape) != 2 or source.shape[dim] != full:
             raise ValueError(f"expert {expert} {part}: shape {source.shape}, expected {full} along dim {dim}")
         tensor = source.read(dim, rows.start, rows.size)
+        if is_fp8_tensor(tensor) != self.is_fp8:  # a copy would convert e4m3 values as they are, unscaled
+            if self.is_fp8:
+                raise ValueError(
+                    f"expert {expert} {part}: expected an FP8 weight, found {tensor.dtype}{NOT_LISTED}"
+                )
+            raise ValueError(
+                f"expert {expert} {part}: an FP8 weight ({tensor.dtype}) for experts that are not FP8"
+            )
         with torch.no_grad():
             if part == "down":
                 target, key = self.w2_weight[local], f"w2_weight#{expert}"
@@ -352,6 +362,55 @@ EXPERT_PARTS = {
     "w2": "down",
 }
 _SHARED_SHARDS = {"gate_proj": 0, "up_proj": 1}
+# The router and Qwen2-MoE's shared-expert gate: they run in the model dtype, but FP8 checkpoints may store them
+# in e4m3 with a scale (transformers' FP8 quantizer does unless modules_to_not_convert lists them).
+_ROUTER_RE = re.compile(r"^(layers\.\d+\.mlp\.(?:gate|shared_expert_gate))\.(weight|weight_scale_inv)$")
+
+
+class _FP8Routers:
+    """Router weights (``mlp.gate``, ``mlp.shared_expert_gate``) on their way to the dense loader: a float one
+    passes as it is; an FP8 one waits for its scale (or the scale for it, in whichever order the checkpoint
+    lists them) and passes dequantized to the model dtype, as transformers loads it."""
+
+    def __init__(self, model: MoeForCausalLM) -> None:
+        self.quantization = model.config.quantization
+        self.dtype = model.embed_tokens.weight.dtype
+        self.pending: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+        self.float_weights: set[str] = set()
+
+    def take(
+        self, module: str, kind: str, hf_name: str, weight: torch.Tensor | WeightSource
+    ) -> Iterator[tuple[str, torch.Tensor | WeightSource]]:
+        from ominix_worker.quant.fp8 import dequantize_checkpoint_weight, is_fp8_tensor, scheme_from_config
+
+        tensor = as_weight_source(weight).read()  # replicated on every rank, and small: read whole
+        if kind == "weight" and not is_fp8_tensor(tensor) and module not in self.pending:
+            self.float_weights.add(module)
+            yield f"{module}.weight", tensor
+            return
+        if module in self.float_weights or (kind == "weight" and not is_fp8_tensor(tensor)):
+            raise ValueError(f"{hf_name}: a weight scale for a router weight that is not FP8")
+        parts = self.pending.setdefault(module, {})
+        if kind in parts:
+            raise ValueError(f"{hf_name}: stored twice")
+        parts[kind] = (hf_name, tensor)
+        if len(parts) < 2:
+            return
+        del self.pending[module]
+        weight_name, q = parts["weight"]
+        scheme = scheme_from_config(self.quantization) if self.quantization else None
+        block = scheme.block if scheme is not None else None  # None: a scale per row or per tensor
+        try:
+            dequantized = dequantize_checkpoint_weight(q, parts["weight_scale_inv"][1], block, self.dtype)
+        except ValueError as exc:
+            raise ValueError(f"{weight_name}: {exc}") from None
+        yield f"{module}.weight", dequantized
+
+    def check_complete(self) -> None:
+        for parts in self.pending.values():
+            if "weight" in parts:
+                raise ValueError(f"{parts['weight'][0]}: an FP8 router weight without its weight_scale_inv")
+            raise ValueError(f"{parts['weight_scale_inv'][0]}: a weight scale without its router weight")
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -382,9 +441,15 @@ class MoeForCausalLM(LlamaForCausalLM):
     def _load_moe_weights(
         self, weights: Iterable[tuple[str, torch.Tensor | WeightSource]], loaded: set[str]
     ) -> Iterator[tuple[str, torch.Tensor | WeightSource]]:
-        """Loads expert and shared-expert shards here; yields everything else for the dense loader."""
+        """Loads expert and shared-expert shards here; yields everything else for the dense loader, FP8 routers
+        dequantized (``_FP8Routers``)."""
+        routers = _FP8Routers(self)
         for hf_name, weight in weights:
             name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+            router = _ROUTER_RE.match(name)
+            if router is not None:
+                yield from routers.take(router.group(1), router.group(2), hf_name, weight)
+                continue
             match = _EXPERT_RE.match(name)
             if match is not None:
                 layer, expert, projection = int(match.group(1)), int(match.group(2)), match.group(3)
@@ -418,6 +483,7 @@ class MoeForCausalLM(LlamaForCausalLM):
                 loaded.add(f"layers.{shared.group(1)}.mlp.shared_expert.gate_up_proj.{param}#{shard}")
                 continue
             yield name, weight
+        routers.check_complete()
 
     def expected_weight_keys(self) -> set[str]:
         keys = {

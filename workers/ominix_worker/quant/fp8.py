@@ -23,8 +23,10 @@ elsewhere, the CPU included, the weight is dequantized to the run dtype for each
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +46,8 @@ from ominix_worker.parallel import (
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # Projections that run in FP8: attention and MLP (dense and shared expert) matrices. Embeddings, the LM head,
-# norms and routers stay in the run dtype, as FP8 checkpoints ship them.
+# norms and routers stay in the run dtype (a router a checkpoint stores in FP8 is dequantized as it loads:
+# ``dequantize_checkpoint_weight``).
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -57,7 +60,8 @@ class Fp8Scheme:
     """How a model's FP8 weights are scaled: ``block`` (rows, columns) per scale, or None for per-channel."""
 
     block: tuple[int, int] | None = None
-    skip: tuple[str, ...] = ()  # module names left unquantized (modules_to_not_convert)
+    # modules_to_not_convert: transformers' module names (or patterns, see ``NotConverted``) left unquantized
+    skip: tuple[str, ...] = ()
 
     def block_for(self, shape: tuple[int, int]) -> tuple[int, int]:
         return self.block if self.block is not None else (1, shape[1])
@@ -78,7 +82,10 @@ def scheme_from_config(quantization: dict[str, Any]) -> Fp8Scheme | None:
             "static FP8 activation scales are not supported (activation_scheme dynamic only)"
         )
     block = quantization.get("weight_block_size")
-    skip = tuple(str(m) for m in quantization.get("modules_to_not_convert") or ())
+    listed = quantization.get("modules_to_not_convert")
+    if listed is None:  # the older key, read by transformers when the new one is absent
+        listed = quantization.get("ignored_layers")
+    skip = tuple(str(m) for m in listed or ())
     if block is None:
         return Fp8Scheme(None, skip)
     if len(block) != 2 or min(int(b) for b in block) <= 0:
@@ -113,6 +120,30 @@ def dequantize_fp8(
     expanded = scale.repeat_interleave(block[0], dim=-2)[..., :n, :]
     expanded = expanded.repeat_interleave(block[1], dim=-1)[..., :k]
     return (q.float() * expanded).to(dtype)
+
+
+def dequantize_checkpoint_weight(
+    q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """An FP8 checkpoint matrix (N, K) and its scale, in any layout checkpoints ship, as a ``dtype`` matrix:
+    a block scale (ceil(N / bn), ceil(K / bk)) for the checkpoint's ``block``, one scale per output row ((N,)
+    or (N, 1)), or one for the tensor. For weights that run in the model dtype (MoE routers)."""
+    if q.dim() != 2 or not is_fp8_tensor(q):
+        raise ValueError(f"expected an FP8 matrix, found {q.dtype} of shape {tuple(q.shape)}")
+    rows, cols = (int(d) for d in q.shape)
+    if scale.numel() == 1:
+        tile = (rows, cols)
+    elif block is not None and tuple(scale.shape) == scale_shape((rows, cols), block):
+        tile = block
+    elif tuple(scale.shape) in ((rows,), (rows, 1)):
+        tile = (1, cols)
+    else:
+        expected = f"{scale_shape((rows, cols), block)} for blocks {block}, " if block is not None else ""
+        raise ValueError(
+            f"a scale of shape {tuple(scale.shape)} does not fit an FP8 weight of shape {(rows, cols)} "
+            f"(expected {expected}({rows},) or (1,))"
+        )
+    return dequantize_fp8(q, scale.float().reshape(scale_shape((rows, cols), tile)), tile, dtype)
 
 
 def fp8_gemm_supported(device: torch.device, *scale_columns: int) -> bool:
@@ -207,7 +238,7 @@ class _Fp8Source(WeightSource):
     def read(self, dim: int = 0, start: int = 0, length: int | None = None) -> torch.Tensor:
         tensor = self._source.read(dim, start, length)
         if not is_fp8_tensor(tensor):
-            raise ValueError(f"expected an FP8 weight, found {tensor.dtype}")
+            raise ValueError(f"expected an FP8 weight, found {tensor.dtype}{NOT_LISTED}")
         return tensor
 
 
@@ -358,13 +389,102 @@ FP8_LAYERS: dict[type[nn.Module], type[Fp8ColumnParallelLinear] | type[Fp8RowPar
 }
 
 
-def _quantizable(name: str, module: nn.Module, scheme: Fp8Scheme) -> bool:
+# Why a checkpoint's float weight is refused where the model expects FP8.
+NOT_LISTED = (
+    " (a layer an FP8 checkpoint leaves unquantized must be listed in quantization_config."
+    "modules_to_not_convert, by its transformers module name such as model.layers.0.self_attn)"
+)
+
+
+class NotConverted:
+    """``modules_to_not_convert`` read as transformers reads it, against transformers' module names
+    (``model.layers.0.self_attn.q_proj``, ``model.layers.0.mlp.experts``, ``lm_head``).
+
+    An entry lists a module when it matches the start of the name as a regular expression and the match ends
+    on a module boundary (``model.layers.1`` lists ``model.layers.1.mlp`` but not ``model.layers.11.mlp``;
+    ``model.layers.*.self_attn`` lists every layer's attention), or when the name ends with the entry as plain
+    text (``lm_head``, ``down_proj``). Mixtral entries are renamed first as transformers renames them
+    (``block_sparse_moe`` → ``mlp``). An entry that is no regular expression is refused."""
+
+    def __init__(self, entries: Sequence[str], arch: str = "") -> None:
+        self.entries: tuple[str, ...] = tuple(
+            f"{entry}.".replace(".block_sparse_moe.", ".mlp.", 1)[:-1] if arch == "mixtral" else entry
+            for entry in entries
+        )
+        # Each entry, then ending on a boundary: its last character is a dot, or a dot or the end follows.
+        alternatives = [f"(?:{entry})(?:(?<=[.])|(?=[.]|\\Z))" for entry in self.entries]
+        self._patterns: list[re.Pattern[str]] = []
+        for entry, alternative in zip(self.entries, alternatives, strict=True):
+            try:
+                self._patterns.append(re.compile(alternative))
+            except re.error as exc:
+                raise Fp8ConfigError(
+                    f"quantization_config.modules_to_not_convert entry {entry!r} is not a pattern: {exc}"
+                ) from None
+        # One pattern for all (a model has thousands of expert names to try), unless an entry refers to its own
+        # groups, which numbering them all together would change, or names one another entry names too.
+        if len(alternatives) > 1 and not any(re.search(r"\\[1-9]|\(\?P=|\(\?\(", e) for e in self.entries):
+            with contextlib.suppress(re.error):
+                self._patterns = [re.compile("|".join(alternatives))]
+
+    def lists(self, module: str) -> bool:
+        return module.endswith(self.entries) or any(p.match(module) is not None for p in self._patterns)
+
+    def leaves_unquantized(self, layer: str, parts: Sequence[str], whole: str | None = None) -> bool:
+        """Whether our ``layer``, which holds the checkpoint modules ``parts`` (several when it fuses them),
+        stays unquantized: every part listed (or ``whole``, transformers' one module for all of them). None
+        listed: FP8. Some but not all: Fp8ConfigError, as one layer cannot mix FP8 and float parts."""
+        if not self.entries:
+            return False
+        if whole is not None and self.lists(whole):
+            return True
+        listed = [part for part in parts if self.lists(part)]
+        if not listed or len(listed) == len(parts):
+            return bool(listed)
+        unlisted = [part for part in parts if part not in set(listed)]
+
+        def few(names: list[str]) -> str:
+            return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+        raise Fp8ConfigError(
+            f"quantization_config.modules_to_not_convert leaves {few(listed)} unquantized but not "
+            f"{few(unlisted)}, which {layer} holds as one layer: list all of them, or none"
+        )
+
+
+def hf_module_names(name: str) -> tuple[str, ...]:
+    """transformers' names of the checkpoint modules our module ``name`` holds (``layers.0.self_attn.qkv_proj``
+    → ``model.layers.0.self_attn.q_proj``, ``…k_proj``, ``…v_proj``)."""
+    parent, _, leaf = name.rpartition(".")
+    hf_parent = f"model.{parent}" if parent else "model"
+    return tuple(f"{hf_parent}.{part}" for part in _FUSED_PART_NAMES.get(leaf, (leaf,)))
+
+
+def _expert_projection_names(arch: str) -> tuple[str, str, str]:
+    return ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+
+
+def experts_left_unquantized(name: str, num_experts: int, skip: NotConverted, arch: str = "") -> bool:
+    """Whether the stacked experts ``name`` (``layers.0.mlp.experts``) stay unquantized: transformers' experts
+    module (``model.layers.0.mlp.experts``) listed, or every expert's projections as checkpoints name them
+    (``model.layers.0.mlp.experts.3.gate_proj``); some of those but not all is refused."""
+    whole = f"model.{name}"
+    parts = [f"{whole}.{e}.{p}" for e in range(num_experts) for p in _expert_projection_names(arch)]
+    return skip.leaves_unquantized(name, parts, whole)
+
+
+def _quantizable(name: str, module: nn.Module, skip: NotConverted) -> bool:
     leaf = name.rsplit(".", 1)[-1]
     return (
         type(module) in FP8_LAYERS
         and leaf in QUANTIZED_PROJECTIONS
-        and not any(skip in name for skip in scheme.skip)
+        and not skip.leaves_unquantized(name, hf_module_names(name))
     )
+
+
+def _not_converted(model: nn.Module, scheme: Fp8Scheme) -> tuple[NotConverted, str]:
+    arch = str(getattr(getattr(model, "config", None), "arch", ""))
+    return NotConverted(scheme.skip, arch), arch
 
 
 def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
@@ -380,17 +500,22 @@ def _model_tp(model: nn.Module) -> TensorParallel:
 def prepare_fp8_model(model: nn.Module, scheme: Fp8Scheme) -> None:
     """Swap the model's projections (and experts) for FP8 ones before an FP8 checkpoint is loaded into them.
 
+    Layers whose checkpoint modules ``modules_to_not_convert`` lists (``NotConverted``) stay in the run dtype;
+    Fp8ConfigError when it lists some of the modules one fused layer holds (q_proj but not k_proj) but not all.
     Raises Fp8BlockSplitError, naming the layer and sizes, when this rank's shard of a block-scaled layer
     does not start and end on scale block boundaries (the group size splits a block)."""
     from ominix_worker.models.moe import FusedExperts
 
     tp = _model_tp(model)
+    skip, arch = _not_converted(model, scheme)
     for name, module in list(model.named_modules()):
-        if _quantizable(name, module, scheme):
+        if _quantizable(name, module, skip):
             layer = FP8_LAYERS[type(module)].like(module, scheme.block, module.weight.device)  # type: ignore[arg-type]
             layer.check_blocks(name, tp)
             _set_module(model, name, layer)
-        elif isinstance(module, FusedExperts):
+        elif isinstance(module, FusedExperts) and not experts_left_unquantized(
+            name, module.num_global_experts, skip, arch
+        ):
             module.use_fp8(scheme.block, name)
 
 
@@ -399,10 +524,13 @@ def quantize_model(model: nn.Module, scheme: Fp8Scheme) -> None:
     parallelism each rank quantizes its own shard (per-channel scales over the columns it holds)."""
     from ominix_worker.models.moe import FusedExperts
 
+    skip, arch = _not_converted(model, scheme)
     for name, module in list(model.named_modules()):
-        if _quantizable(name, module, scheme):
+        if _quantizable(name, module, skip):
             _set_module(model, name, FP8_LAYERS[type(module)].from_linear(module, scheme.block))  # type: ignore[arg-type]
-        elif isinstance(module, FusedExperts):
+        elif isinstance(module, FusedExperts) and not experts_left_unquantized(
+            name, module.num_global_experts, skip, arch
+        ):
             module.quantize_fp8(scheme.block)
 
 
