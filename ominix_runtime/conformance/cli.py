@@ -16,7 +16,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="ominix-runtime conformance",
         description="Backend conformance suite: event order, one terminal event, abort (also twice), KV "
         "capacity, KV exhaustion, unsupported model, deadline, capability declaration, seeded determinism "
-        "(an SGLang server needs --enable-deterministic-inference for it). A check that cannot apply to the "
+        "(the same request alone twice, the same batch twice; an SGLang server needs "
+        "--enable-deterministic-inference for the batch). A check that cannot apply to the "
         "backend reports SKIP. Exits 0 when no check fails and at least one passes.",
     )
     p.add_argument(

@@ -88,15 +88,21 @@ async def _wait_workers_ready(backends: list[BackendAdapter], timeout: float) ->
         await asyncio.gather(*(b.wait_ready(timeout) for b in workers))
 
 
-def _grpcurl_hint(address: str, tls: bool) -> str:
+def _grpcurl_hint(address: str, tls: bool, has_tokenizer: bool = True) -> str:
     transport = "-insecure" if tls else "-plaintext"
-    return f"grpcurl {transport} -d '{_EXAMPLE_REQUEST}' {address} ominix.runtime.v1.Engine/Generate"
+    request = _EXAMPLE_REQUEST if has_tokenizer else _EXAMPLE_IDS_REQUEST
+    return f"grpcurl {transport} -d '{request}' {address} ominix.runtime.v1.Engine/Generate"
 
 
 # A chat request: instruct models answer coherently through their chat template, not to a bare word.
 _EXAMPLE_REQUEST = (
     '{"messages": {"messages": [{"role": "user", "content": "What is the capital of France? '
     'Answer in one sentence."}]}, "sampling": {"max_tokens": 40, "temperature": 0}}'
+)
+# An engine without a tokenizer (--sglang without --model, a dummy model without tokenizer files) takes
+# token ids only; small ids are within every vocabulary.
+_EXAMPLE_IDS_REQUEST = (
+    '{"input_ids": {"ids": [100, 101, 102]}, "sampling": {"max_tokens": 16, "temperature": 0}}'
 )
 
 
@@ -203,7 +209,7 @@ class EngineDaemon:
             served_model_names=list(config.model.served_model_names),
             workers=list(backends.workers),
             metrics_port=self.metrics_port or None,
-            example=_grpcurl_hint(address, config.tls.enabled),
+            example=_grpcurl_hint(address, config.tls.enabled, tokenizer is not None),
             v0_front=f"http://{config.v0.host}:{self.v0_front.port}" if self.v0_front is not None else None,
         )
 

@@ -1,9 +1,10 @@
 """The kustomize overlays render (kubectl's built-in kustomize) and validate against the Kubernetes schemas
 (kubernetes-validate, which ships the official OpenAPI-derived JSON schemas); the wiring an operator relies
-on holds: gRPC probes, GPUs per worker, grace vs --drain-timeout, selectors of the PDB and PodMonitor."""
+on holds: probes that reach what they probe, GPUs per worker, grace vs --drain-timeout, selectors of the PDB and PodMonitor."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import yaml
 from obs_tools import DEPLOY, require_tool, run
 
 OVERLAYS = DEPLOY / "kubernetes" / "overlays"
+DOCKERFILES = sorted(p for p in (DEPLOY / "docker").glob("Dockerfile.*") if p.suffix != ".dockerignore")
 DRAIN_FLUSH_S = 2  # the engine's extra grace after --drain-timeout (server.app.SHUTDOWN_FLUSH_S)
 
 
@@ -73,14 +75,91 @@ def test_engine_and_one_worker_per_gpu(overlay: str, gpus: int) -> None:
         gpu = w["resources"].get("limits", {}).get("nvidia.com/gpu")
         assert gpu == (1 if gpus else None), w["name"]
     assert len(workers) == max(1, gpus)
-    # Every container has gRPC health probes on its own port and runs without privileges.
+    # Every container has startup and liveness probes of its own gRPC port and runs without privileges.
     for c in [engine, *workers.values()]:
         port = int(flag(c["args"], "port")[0])
-        assert c["livenessProbe"]["grpc"]["port"] == port and c["startupProbe"]["grpc"]["port"] == port
+        assert probed_port(c, "livenessProbe") == port and probed_port(c, "startupProbe") == port, c["name"]
         sc = c["securityContext"]
         assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
-    assert engine["readinessProbe"]["grpc"]["port"] == 50061
+    assert probed_port(engine, "readinessProbe") == 50061
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+WILDCARD = {"0.0.0.0", "::", "[::]"}
+HEALTH_PROBE = ["-m", "ominix_runtime.server.health_probe"]
+
+
+def listeners(containers: list[dict[str, Any]]) -> dict[int, tuple[str, str]]:
+    """Port -> (container, bound host) of every server the pod's processes open (the CLI's default host,
+    127.0.0.1, where --host / --metrics-host is not given)."""
+    bound: dict[int, tuple[str, str]] = {}
+    for c in containers:
+        for host_flag, port_flag in (("host", "port"), ("metrics-host", "metrics-port")):
+            for port in flag(c["args"], port_flag):
+                (host,) = flag(c["args"], host_flag) or ["127.0.0.1"]
+                bound[int(port)] = (c["name"], host)
+    return bound
+
+
+def probed_port(container: dict[str, Any], kind: str) -> int:
+    probe = container[kind]
+    if "exec" in probe:
+        return int(probe["exec"]["command"][-1].rsplit(":", 1)[1])
+    (handler,) = [probe[h] for h in ("grpc", "httpGet", "tcpSocket") if h in probe]
+    return int(handler["port"])
+
+
+def unreachable_probes(containers: list[dict[str, Any]]) -> tuple[list[str], int]:
+    """(problems, probes checked). The kubelet sends grpc / httpGet / tcpSocket probes to the pod IP: they
+    need a server bound to all addresses. A server on loopback only is probed from inside its container
+    (exec: the image's health probe on 127.0.0.1), with a timeout above the probe's own 3 s."""
+    bound = listeners(containers)
+    # The images' interpreter: both Dockerfiles install into one venv.
+    (venv,) = {m.group(1) for p in DOCKERFILES for m in re.finditer(r"python -m venv (\S+)", p.read_text())}
+    problems, checked = [], 0
+    for c in containers:
+        for kind in (k for k in PROBES if k in c):
+            checked += 1
+            probe, port, where = c[kind], probed_port(c, kind), f"{c['name']} {kind}"
+            if port not in bound:
+                problems.append(f"{where}: nothing listens on {port}")
+                continue
+            owner, host = bound[port]
+            if "exec" not in probe:
+                if host not in WILDCARD:
+                    problems.append(f"{where}: the kubelet probes the pod IP, the server binds {host}:{port}")
+                continue
+            command = probe["exec"]["command"]
+            if owner != c["name"]:
+                problems.append(f"{where}: execs a probe of {owner}'s port {port} in another container")
+            if command[:-1] != [f"{venv}/bin/python", *HEALTH_PROBE] or command[-1] != f"127.0.0.1:{port}":
+                problems.append(f"{where}: {command} is not the image's health probe on 127.0.0.1:{port}")
+            if host not in {"127.0.0.1", *WILDCARD}:
+                problems.append(f"{where}: 127.0.0.1 does not reach {host}:{port}")
+            if probe.get("timeoutSeconds", 1) <= 3:
+                problems.append(f"{where}: timeoutSeconds must exceed the probe's own 3 s")
+    return problems, checked
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_every_probe_reaches_what_it_probes(overlay: str) -> None:
+    containers = by_kind(render(overlay), "Deployment")["spec"]["template"]["spec"]["containers"]
+    problems, checked = unreachable_probes(containers)
+    assert not problems
+    assert checked == 3 + 2 * (len(containers) - 1)  # the engine's three, two per worker
+
+
+def test_a_grpc_probe_of_a_loopback_worker_is_caught() -> None:
+    containers = by_kind(render("cpu"), "Deployment")["spec"]["template"]["spec"]["containers"]
+    worker = next(c for c in containers if c["name"] != "engine")
+    worker["livenessProbe"] = {"grpc": {"port": 50071}, "periodSeconds": 10}  # what the kubelet cannot reach
+    worker["startupProbe"]["timeoutSeconds"] = 1
+    problems, _ = unreachable_probes(containers)
+    assert problems == [
+        "worker-0 startupProbe: timeoutSeconds must exceed the probe's own 3 s",
+        "worker-0 livenessProbe: the kubelet probes the pod IP, the server binds 127.0.0.1:50071",
+    ]
 
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
