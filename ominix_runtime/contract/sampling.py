@@ -16,6 +16,9 @@ MAX_STOP_STRING_LEN = 256
 # over 1e-38 is inf, and the Gumbel draw then picks among the infinities, not the maximum). Near 0 the
 # softmax is the argmax anyway: at 1e-5 a logit gap of 1e-3 already weighs e^100 to 1.
 GREEDY_TEMPERATURE = 1e-5
+# A sampled temperature below this samples at this one, as vLLM does: sharper ones are greedy in all but name
+# (a logit gap of 0.1 already weighs e^10 to 1 here) and only bring the division closer to overflow.
+MIN_SAMPLING_TEMPERATURE = 0.01
 
 
 def _finite(name: str, value: float) -> None:
@@ -44,6 +47,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """Sampled as the first maximum: temperature 0, or below ``GREEDY_TEMPERATURE``."""
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def sampling_temperature(self) -> float:
+        """What a sampler divides the logits by: 0 when greedy, else at least ``MIN_SAMPLING_TEMPERATURE``."""
+        return 0.0 if self.is_greedy else max(self.temperature, MIN_SAMPLING_TEMPERATURE)
 
     def validate(self, vocab_size: int | None = None, max_model_len: int | None = None) -> SamplingParams:
         """Raise :class:`InvalidArgument` naming the first bad field; return self when all are valid."""

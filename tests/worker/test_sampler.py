@@ -198,3 +198,59 @@ def test_the_greedy_threshold_is_where_sampling_starts() -> None:
 
     assert first_row_tokens(GREEDY_TEMPERATURE) != [0] * 8
     assert first_row_tokens(GREEDY_TEMPERATURE / 2) == [0] * 8
+
+
+def test_no_draw_reaches_one_whose_gumbel_noise_would_be_infinite() -> None:
+    """A uniform draw of exactly 1 has Gumbel noise +inf: that token would win whatever its logit, its top-k /
+    top-p / min-p mask (-inf + inf is NaN, which argmax takes too) or a min_tokens ban. With 24 random bits the
+    top value rounded to 1 in float32, about once in 2^24 draws: ~0.8% of the tokens a 128K-vocabulary model
+    sampled (these 1,024 rows held ten such draws)."""
+    for start in range(0, 1024, 128):
+        seeds = torch.arange(start, start + 128, dtype=torch.int64)
+        noise = uniform_noise(seeds, torch.zeros(128, dtype=torch.int64), 128_256)
+        assert float(noise.max()) < 1.0 and float(noise.min()) > 0.0
+
+
+def test_min_p_filters_before_top_p_measures_the_nucleus() -> None:
+    """vLLM's order: min-p first, then top-k / top-p over what it kept (renormalised). Probabilities .5, .3,
+    .1, .1 with min_p .5 keep token 0 alone (.3 < .5 × .5); top_p .6 then has nothing more to add. Measured on
+    the unfiltered row, the nucleus would have kept token 1 too."""
+    logits = torch.tensor([[0.5, 0.3, 0.1, 0.1]]).log()
+    t = tensors(
+        1,
+        top_k=torch.tensor([4]),
+        top_p=torch.tensor([0.6]),
+        min_p=torch.tensor([0.5]),
+        needs_top_p=True,
+        needs_min_p=True,
+    )
+    kept = torch.isfinite(apply_truncation(logits, t))[0].tolist()
+    assert kept == [True, False, False, False]
+
+
+def test_a_top_p_of_one_keeps_the_whole_tail_beside_a_row_that_truncates() -> None:
+    """Top-p runs for the whole batch once a row asks for it; a row of top_p 1 keeps every token even where
+    its float32 cumulative mass reaches 1 before the tail ends (a peaked row over a long vocabulary)."""
+    logits = torch.full((2, 50_000), -30.0)
+    logits[:, 0] = 30.0
+    t = tensors(
+        2,
+        top_k=torch.full((2,), 50_000, dtype=torch.int64),
+        top_p=torch.tensor([1.0, 0.5]),
+        needs_top_p=True,
+    )
+    kept = torch.isfinite(apply_truncation(logits, t))
+    assert bool(kept[0].all())
+    assert int(kept[1].sum()) == 1
+
+
+@pytest.mark.parametrize(
+    ("temperature", "sampled_at"),
+    [(0.0, 0.0), (GREEDY_TEMPERATURE / 2, 0.0), (1e-3, 0.01), (0.01, 0.01), (0.7, 0.7)],
+)
+def test_a_sampled_temperature_below_a_hundredth_samples_at_a_hundredth(
+    temperature: float, sampled_at: float
+) -> None:
+    """As vLLM does: between the greedy threshold and 0.01 a row samples at 0.01, not at a sharper temperature
+    that is greedy in all but name."""
+    assert SamplingParams(temperature=temperature).validate(vocab_size=8).sampling_temperature == sampled_at

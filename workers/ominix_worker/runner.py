@@ -732,7 +732,7 @@ class ModelRunner:
         seeds = [_as_int64(row.request.seed) for row in rows]
         # A greedy row goes to the device as 0: the sampler's float32 threshold then agrees with the host's
         # (``SamplingParams.is_greedy``) even for a temperature that rounds across it.
-        temperatures = [0.0 if p.is_greedy else p.temperature for p in params]
+        temperatures = [p.sampling_temperature for p in params]
         t = SamplingTensors(
             temperature=self._to_device(torch.tensor(temperatures, dtype=torch.float32)),
             top_k=self._to_device(torch.tensor(top_k, dtype=torch.int64)),

@@ -57,8 +57,10 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     row = _mix32(_mix32(seed_lo ^ _mix32(seed_hi + _signed32(_GOLDEN))) ^ _to_int32(positions & _MASK32))
     token = torch.arange(vocab_size, device=seeds.device, dtype=torch.int32) * _signed32(_GOLDEN)
     bits = _mix32(_mix32(row.unsqueeze(1) ^ token.unsqueeze(0)))
-    # 24 random bits, offset by half a step so that 0 and 1 never occur.
-    return (((bits >> 8) & 0xFFFFFF).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # 23 random bits, offset by half a step: (k + 0.5) / 2^23 is exact in float32 for every k < 2^23, so the
+    # values lie in [2^-24, 1 - 2^-24] and 0 and 1 never occur. With 24 bits the top value (2^24 - 0.5) / 2^24
+    # rounds to 1.0, whose Gumbel noise is +inf: that token would win whatever its logit or mask.
+    return (((bits >> 9) & 0x7FFFFF).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass(slots=True)
@@ -111,7 +113,12 @@ def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 
 def apply_truncation(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Mask tokens outside top-k, the top-p nucleus, or below min-p × max prob (on scaled logits)."""
+    """Mask tokens below min-p × max prob, then those outside top-k and the top-p nucleus of what is left (on
+    scaled logits): vLLM's order, so top-p measures its mass after min-p."""
+    if t.needs_min_p:
+        probs = logits.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * t.min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
     if t.needs_top_k or t.needs_top_p:
         sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
         remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
@@ -121,13 +128,11 @@ def apply_truncation(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         if t.needs_top_p:
             probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs
-            remove |= mass_before >= t.top_p.unsqueeze(1)
+            top_p = t.top_p.unsqueeze(1)
+            # A row of top_p 1 keeps everything: its cumulative mass may round to 1 before the tail ends.
+            remove |= (mass_before >= top_p) & (top_p < 1.0)
         remove[:, 0] = False  # the most likely token always survives
         logits = logits.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
-    if t.needs_min_p:
-        probs = logits.softmax(dim=-1)
-        threshold = probs.amax(dim=-1, keepdim=True) * t.min_p.unsqueeze(1)
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
 
