@@ -265,7 +265,7 @@ _LLAMA_DEFAULTS: dict[str, Any] = dict(
     sliding_window=None,
     use_sliding_window=False,
 )
-_QWEN_DEFAULTS = dict(max_position_embeddings=32_768, sliding_window=4096)
+_QWEN_DEFAULTS: dict[str, Any] = dict(max_position_embeddings=32_768, sliding_window=4096)
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     arch: {**_LLAMA_DEFAULTS, **overrides}
     for arch, overrides in {
@@ -627,6 +627,8 @@ def _moe_from_gguf(fields: dict[str, Any], gguf_arch: str, arch: str, num_layers
     ffn = fields.get(f"{gguf_arch}.expert_feed_forward_length") or fields.get(
         f"{gguf_arch}.feed_forward_length"
     )
+    if ffn is None:
+        raise ModelConfigError(f"GGUF metadata lacks {gguf_arch}.expert_feed_forward_length")
     gating = int(fields.get(f"{gguf_arch}.expert_gating_func") or 1)
     if gating not in _GGUF_GATING:
         raise ModelConfigError(f"unsupported GGUF expert_gating_func {gating}")

@@ -87,7 +87,7 @@ def _open_safetensors(file: Path) -> Any:
 def _hf_weights(folder: Path) -> Iterator[tuple[str, WeightSource]]:
     """Every tensor of the folder's safetensors files, unread: the model reads the slices it keeps."""
     files = _safetensors_files(folder)
-    names = []
+    names: list[tuple[Path, str]] = []
     for file in files:
         with _open_safetensors(file) as f:
             names.extend((file, key) for key in f.keys())  # noqa: SIM118 (safe_open has no __iter__)
@@ -331,7 +331,7 @@ def load_model(
                 tp,
                 checkpoint_fp8,
             )
-            weights = _hf_weights(Path(source.path))
+            weights: Iterator[tuple[str, torch.Tensor | WeightSource]] = _hf_weights(Path(source.path))
             if checkpoint_fp8 is not None:
                 weights = fp8_checkpoint_names(weights)
             _load_checked(model, weights, str(source.path))

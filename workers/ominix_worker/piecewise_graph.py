@@ -130,7 +130,7 @@ class PiecewiseGraphs:
         # the pass has cut so far.
         self._metas: tuple[AttentionMetadata, ...] = ()
         self._graph: torch.cuda.CUDAGraph | None = None
-        self._pool: tuple[int, int] | None = None
+        self._pool: torch.cuda._POOL_HANDLE | None = None  # graph_pool_handle()'s NewType of tuple[int, int]
         self._pieces: list[torch.cuda.CUDAGraph] = []
         self._attends: list[_Attend] = []
 

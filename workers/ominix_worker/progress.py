@@ -73,14 +73,16 @@ class Progress:
         self.close()
 
     def _emit(self, status: str) -> None:
-        event = {"event": "progress", "stage": self.stage, "status": status, "done": self.done}
+        name = "progress"
+        event = {"event": name, "stage": self.stage, "status": status, "done": self.done}
         if self.total is not None:
             event["total"] = self.total
         if status != "start":
             event["elapsed_s"] = round(time.monotonic() - self._started, 3)
         if self._stream is sys.stderr and not renders_json():
             # The log stream is rendered for a terminal further up (launch's): a console line, not JSON.
-            get_logger("ominix_worker.progress").info(event.pop("event"), **event)
+            del event["event"]  # the log line's own event name
+            get_logger("ominix_worker.progress").info(name, **event)
             return
         event.update(line_fields("info"))  # the keys of every other line of the log stream
         print(json.dumps(event), file=self._stream, flush=True)

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -131,6 +131,7 @@ def join_group(settings: RuntimeConfig) -> RankGroup | None:
     from ominix_worker.devices import parse_device
     from ominix_worker.parallel.distributed import GroupInitError, init_rank_group
 
+    assert args.dist_init_addr is not None  # check_args refuses --tp-size > 1 without it
     _say(f"joining tensor-parallel group {args.dist_init_addr} as rank {args.tp_rank} of {args.tp_size}")
     try:
         group = init_rank_group(
@@ -452,7 +453,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.access = access or EngineAccess()
 
     async def Describe(
-        self, request: worker_pb2.DescribeRequest, context: grpc.aio.ServicerContext
+        self,
+        request: worker_pb2.DescribeRequest,
+        context: grpc.aio.ServicerContext[worker_pb2.DescribeRequest, common_pb2.BackendCapability],
     ) -> common_pb2.BackendCapability:
         if not self.state.ready or self.state.capability is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")
@@ -460,7 +463,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return wire.capability_to_pb(self.state.capability)
 
     async def Health(
-        self, request: worker_pb2.HealthRequest, context: grpc.aio.ServicerContext
+        self,
+        request: worker_pb2.HealthRequest,
+        context: grpc.aio.ServicerContext[worker_pb2.HealthRequest, worker_pb2.HealthResponse],
     ) -> worker_pb2.HealthResponse:
         runner = self.state.runner
         return worker_pb2.HealthResponse(
@@ -472,7 +477,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         )
 
     async def Run(
-        self, request_iterator: AsyncIterator[worker_pb2.DecodeStep], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[worker_pb2.DecodeStep],
+        context: grpc.aio.ServicerContext[worker_pb2.DecodeStep, worker_pb2.WorkerMessage],
     ) -> AsyncIterator[worker_pb2.WorkerMessage]:
         refusal = self.access.refusal(context)
         if refusal is not None:
@@ -693,7 +700,8 @@ async def serve(config: RuntimeConfig) -> int:
     try:
         load = loop.run_in_executor(executor, _load_leader, config, worker_id)
         stop_wait = asyncio.ensure_future(stop.wait())
-        done, _ = await asyncio.wait({load, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        waits: set[asyncio.Future[Any]] = {load, stop_wait}  # futures of different results
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         if load not in done:
             return 0
         state.runner, state.step_runner, state.capability = load.result()

@@ -139,7 +139,9 @@ class TorchReferenceAttention:
         rows, so SDPA sees (rows, kv_heads, group, head_dim) against (rows, kv_heads, keys, head_dim) and
         repeats nothing.
         """
-        assert plan.decode_gather is not None and plan.decode_mask is not None
+        assert (
+            plan.decode_blocks is not None and plan.decode_gather is not None and plan.decode_mask is not None
+        )
         rows, num_heads, head_dim = query.shape
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         if _is_fp8(kv_cache):

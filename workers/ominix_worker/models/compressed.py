@@ -178,7 +178,7 @@ class CompressedAttention(Attention):
         row_k = self._rotate(pooled_k, chunks * r)
         return row_k, (weights * values.float()).sum(1).to(values.dtype)
 
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         hidden: torch.Tensor,
         positions: torch.Tensor,

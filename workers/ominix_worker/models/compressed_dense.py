@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from ominix_worker.models.compressed import CompressedAttention, LlamaCompressedForCausalLM
+from ominix_worker.models.compressed import (
+    CompressedAttention,
+    CompressedDecoderLayer,
+    LlamaCompressedForCausalLM,
+)
 
 
 def dense_compressed_attention(
@@ -66,6 +70,7 @@ def dense_compressed_logits(model: LlamaCompressedForCausalLM, token_ids: list[i
     positions = torch.arange(len(token_ids))
     hidden = model.embed_tokens(ids)
     for layer in model.layers:
+        assert isinstance(layer, CompressedDecoderLayer)  # build_layer's
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)
         q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)

@@ -110,6 +110,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         local = replace(config, rope_theta=config.rope_local_theta or config.rope_theta, rope_scaling={})
         self.local_rotary = RotaryEmbedding(local, self.rotary.max_positions)
         for i, layer in enumerate(self.layers):
+            assert isinstance(layer, Gemma3DecoderLayer)  # build_layer's
             if config.layer_window(i):
                 layer.self_attn.rotary = self.local_rotary
         self.embed_scale = config.hidden_size**0.5

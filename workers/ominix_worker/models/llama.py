@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from types import ModuleType
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -201,6 +201,9 @@ class Attention(nn.Module):
     # With qk_norm on CUDA, the Q/K norms (plain RMSNorm: weight · normalised x, rounded as ``RMSNorm``) and RoPE
     # run as one fused in-place kernel; a subclass whose norms differ turns this off.
     fuse_qk_norm = True
+    # RMSNorm here; a subclass may hold norms of its own (Gemma 3's).
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
 
     def __init__(
         self,
@@ -378,6 +381,7 @@ class LlamaForCausalLM(nn.Module):
     # Its pieces' time at a bucket's row count stands for any step padded there (``PiecewiseGraphs.time_buckets``
     # replays them with padding rows only), so a step may be sent to a larger, faster bucket.
     piecewise_bucket_timing: ClassVar[bool] = True
+    norm: nn.Module  # RMSNorm here; a subclass may hold a norm of its own (Gemma 3's)
 
     def __init__(
         self,
@@ -457,7 +461,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """The same sums as the layers' forward, with each residual add fused into the next RMSNorm."""
         eps = self.config.rms_norm_eps
-        layers = list(self.layers)
+        # DecoderLayers by construction: the models whose build_layer makes other layers (Gemma 3, compressed
+        # attention) have forwards of their own.
+        layers = cast(list[DecoderLayer], list(self.layers))
         norm_weights = [layer.input_layernorm.weight for layer in layers[1:]] + [self.norm.weight]
         hidden = ops.rms_norm(residual, layers[0].input_layernorm.weight, eps)
         groups = self.layer_kv_groups
@@ -500,8 +506,10 @@ class LlamaForCausalLM(nn.Module):
                 kv_scale is not None
             ):  # optional: a cache in the run dtype ignores them, FP8 KV defaults to 1.0
                 layer, which = int(kv_scale.group(1)), kv_scale.group(2)
+                attention = self.layers[layer].self_attn
+                assert isinstance(attention, Attention)  # every layer class keeps its Attention there
                 try:
-                    self.layers[layer].self_attn.load_kv_scale(which, as_weight_source(weight))
+                    attention.load_kv_scale(which, as_weight_source(weight))
                 except ValueError as exc:
                     raise ValueError(f"{hf_name}: {exc}") from None
                 continue

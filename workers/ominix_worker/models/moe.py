@@ -474,10 +474,10 @@ class MoeForCausalLM(LlamaForCausalLM):
                 block = self._moe_block(int(shared.group(1)))
                 assert block.shared_expert is not None
                 shard, param = _SHARED_SHARDS[shared.group(2)], shared.group(3)
-                layer = block.shared_expert.gate_up_proj
-                assert isinstance(layer, ParallelModule)
+                gate_up = block.shared_expert.gate_up_proj
+                assert isinstance(gate_up, ParallelModule)
                 try:
-                    layer.load_weight(param, as_weight_source(weight), shard)
+                    gate_up.load_weight(param, as_weight_source(weight), shard)
                 except ValueError as exc:
                     raise ValueError(f"{hf_name}: {exc}") from None
                 loaded.add(f"layers.{shared.group(1)}.mlp.shared_expert.gate_up_proj.{param}#{shard}")

@@ -125,7 +125,7 @@ class FastKernel:
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:
         if not self.enabled or callable(grid) or self.fn.pre_run_hooks:
-            return self.fn[grid]  # type: ignore[no-any-return]
+            return self.fn[grid]
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
@@ -175,8 +175,8 @@ class FastKernel:
                 )
         self.num_fast_launches += 1
         stream = torch._C._cuda_getCurrentRawStream(key[0])
-        enter = _active_hook(_knobs.runtime.launch_enter_hook)  # type: ignore[union-attr]
-        leave = _active_hook(_knobs.runtime.launch_exit_hook)  # type: ignore[union-attr]
+        enter = _active_hook(_knobs.runtime.launch_enter_hook)
+        leave = _active_hook(_knobs.runtime.launch_exit_hook)
         hooked = enter is not None or leave is not None
         metadata = kernel.launch_metadata(grid, stream, *values) if hooked else None
         g1 = grid[1] if len(grid) > 1 else 1

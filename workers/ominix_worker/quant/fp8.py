@@ -510,7 +510,7 @@ def prepare_fp8_model(model: nn.Module, scheme: Fp8Scheme) -> None:
     skip, arch = _not_converted(model, scheme)
     for name, module in list(model.named_modules()):
         if _quantizable(name, module, skip):
-            layer = FP8_LAYERS[type(module)].like(module, scheme.block, module.weight.device)  # type: ignore[arg-type]
+            layer = FP8_LAYERS[type(module)].like(module, scheme.block, module.weight.device)
             layer.check_blocks(name, tp)
             _set_module(model, name, layer)
         elif isinstance(module, FusedExperts) and not experts_left_unquantized(
@@ -527,7 +527,7 @@ def quantize_model(model: nn.Module, scheme: Fp8Scheme) -> None:
     skip, arch = _not_converted(model, scheme)
     for name, module in list(model.named_modules()):
         if _quantizable(name, module, skip):
-            _set_module(model, name, FP8_LAYERS[type(module)].from_linear(module, scheme.block))  # type: ignore[arg-type]
+            _set_module(model, name, FP8_LAYERS[type(module)].from_linear(module, scheme.block))
         elif isinstance(module, FusedExperts) and not experts_left_unquantized(
             name, module.num_global_experts, skip, arch
         ):
