@@ -465,7 +465,9 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         rid = req.request_id
         # Another model's tokens are not ours to decode: its request-level backend sends the text.
         tokenizer = self.tokenizer if req.model in ("", self.model_name) else None
-        output = OutputText(tokenizer, req.sampling.stop, req.prompt_token_ids)
+        output = OutputText(
+            tokenizer, req.sampling.stop, req.prompt_token_ids, min_tokens=req.sampling.min_tokens
+        )
         matched_stop: str | None = None
         num_emitted_tokens = 0
         usage: Usage | None = None

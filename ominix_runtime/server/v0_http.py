@@ -281,27 +281,26 @@ class V0Front:
         s = req.sampling
         if s.max_new_tokens is not None and s.max_new_tokens < 1:
             raise V0ProtocolError("sampling.max_new_tokens must be >= 1")
+        sampling = common_pb2.SamplingParams(stop=s.stop, ignore_eos=s.ignore_eos)
+        # Field by field, so that a value out of its wire type's range (a negative count, a number past int64
+        # or a double) is refused naming the request's own field.
+        for name, value, field in (
+            ("max_tokens", s.max_new_tokens or 0, "max_new_tokens"),
+            ("temperature", s.temperature, "temperature"),
+            ("top_k", 0 if s.top_k in (None, -1) else s.top_k, "top_k"),
+            ("min_p", s.min_p or 0.0, "min_p"),
+            ("frequency_penalty", s.frequency_penalty or 0.0, "frequency_penalty"),
+            ("presence_penalty", s.presence_penalty or 0.0, "presence_penalty"),
+            ("min_tokens", s.min_new_tokens or 0, "min_new_tokens"),
+            ("top_p", s.top_p, "top_p"),
+            ("seed", s.seed, "seed"),
+            ("logprobs", s.logprobs, "logprobs (or top_logprobs)"),
+            ("repetition_penalty", s.repetition_penalty, "repetition_penalty"),
+        ):
+            if value is not None:
+                _set_field(sampling, name, value, f"sampling.{field}")
+        _set_field(sampling, "stop_token_ids", s.stop_token_ids, "sampling.stop_token_ids")
         try:
-            sampling = common_pb2.SamplingParams(
-                max_tokens=s.max_new_tokens or 0,
-                temperature=s.temperature,
-                top_k=0 if s.top_k in (None, -1) else s.top_k,
-                min_p=s.min_p or 0.0,
-                stop=s.stop,
-                stop_token_ids=s.stop_token_ids,
-                ignore_eos=s.ignore_eos,
-                frequency_penalty=s.frequency_penalty or 0.0,
-                presence_penalty=s.presence_penalty or 0.0,
-                min_tokens=s.min_new_tokens or 0,
-            )
-            for name, value in (
-                ("top_p", s.top_p),
-                ("seed", s.seed),
-                ("logprobs", s.logprobs),
-                ("repetition_penalty", s.repetition_penalty),
-            ):
-                if value is not None:
-                    setattr(sampling, name, value)
             pb = engine_pb2.GenerateRequest(
                 request_id=req.request_id,
                 model=model,
@@ -311,7 +310,7 @@ class V0Front:
                 stream=True,  # the reply is SSE either way; non-stream clients concatenate the deltas
             )
             if req.tokens is not None:
-                pb.input_ids.ids.extend(req.tokens)
+                _set_field(pb.input_ids, "ids", req.tokens, "input.tokens")
             elif req.text is not None:
                 pb.prompt = req.text
             else:
@@ -329,6 +328,18 @@ class V0Front:
         except (ValueError, TypeError, OverflowError) as exc:
             raise V0ProtocolError(f"request field out of range: {exc}") from exc
         return pb
+
+
+def _set_field(message: Any, name: str, value: Any, field: str) -> None:
+    """Set (or, for a repeated field, extend) ``message.name``; a value its wire type cannot hold is a 400
+    naming the request's ``field``."""
+    try:
+        if isinstance(value, list):
+            getattr(message, name).extend(value)
+        else:
+            setattr(message, name, value)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise V0ProtocolError(f"{field} is out of range: {exc}") from exc
 
 
 def _records(event: engine_pb2.GenerateEvent, writer: V0EventWriter) -> list[dict[str, Any]]:

@@ -240,6 +240,8 @@ def parse_sampling(obj: Any) -> V0Sampling:
     for key in _SAMPLING_INTS:
         if obj.get(key) is not None:
             setattr(out, key, _int(obj[key], f"sampling.{key}"))
+    if out.seed == -1:  # vLLM's and SGLang's spelling of "no seed"
+        out.seed = None
     out.logprobs = _logprobs(obj)
     stop = obj.get("stop")
     if isinstance(stop, str):

@@ -89,30 +89,36 @@ class StopMatch:
 
 @dataclass(slots=True)
 class StopStringMatcher:
-    """Finds stop strings in streamed text, holding back any tail that could still become one."""
+    """Finds stop strings in streamed text, holding back any tail that could still become one.
+
+    Text fed ``protected`` (that of the first ``min_tokens`` output tokens) ends no match: as in vLLM, a stop
+    string counts only where it ends after those tokens, though it may begin inside them."""
 
     stops: tuple[str, ...]
     _pending: str = ""
     _stopped: bool = field(default=False)
+    _protected: int = 0  # leading characters of _pending no match may end in
 
-    def feed(self, delta: str) -> StopMatch:
+    def feed(self, delta: str, protected: bool = False) -> StopMatch:
         if self._stopped:
             return StopMatch("", None)
         if not self.stops:
             return StopMatch(delta, None)
         buffer = self._pending + delta
-        best_index = -1
-        best_stop = ""
-        for stop in self.stops:
-            index = buffer.find(stop)
-            if index != -1 and (best_index == -1 or index < best_index):
-                best_index, best_stop = index, stop
-        if best_index != -1:
-            self._stopped = True
-            self._pending = ""
-            return StopMatch(buffer[:best_index], best_stop)
+        if not protected:
+            best_index = -1
+            best_stop = ""
+            for stop in self.stops:
+                index = buffer.find(stop, max(0, self._protected - len(stop) + 1))
+                if index != -1 and (best_index == -1 or index < best_index):
+                    best_index, best_stop = index, stop
+            if best_index != -1:
+                self._stopped = True
+                self._pending = ""
+                return StopMatch(buffer[:best_index], best_stop)
         hold = self._held_suffix_length(buffer)
         self._pending = buffer[len(buffer) - hold :] if hold else ""
+        self._protected = len(self._pending) if protected else 0
         return StopMatch(buffer[: len(buffer) - hold], None)
 
     def flush(self) -> str:
@@ -148,7 +154,7 @@ class OutputText:
     """Detokenizer plus stop strings: what the front API streams as ``token.text`` and ``done.text``. Neither
     holds a matched stop string nor the text of the stop token id that ended the request."""
 
-    __slots__ = ("_detokenizer", "_matcher", "_released")
+    __slots__ = ("_detokenizer", "_matcher", "_released", "_min_tokens", "_num_tokens")
 
     def __init__(
         self,
@@ -156,12 +162,16 @@ class OutputText:
         stops: Sequence[str] = (),
         prompt_token_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self._detokenizer = (
             IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens) if tokenizer else None
         )
         self._matcher = StopStringMatcher(tuple(stops))
         self._released: list[str] = []
+        # A stop string ends the output only after the first min_tokens tokens (vLLM's rule).
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
 
     @property
     def text(self) -> str:
@@ -170,6 +180,10 @@ class OutputText:
     @property
     def stopped(self) -> bool:
         return self._matcher.stopped
+
+    @property
+    def _within_min_tokens(self) -> bool:
+        return self._min_tokens > 0 and self._num_tokens <= self._min_tokens
 
     def push(self, token_ids: Sequence[int], text: str = "", ended_by_stop_token: bool = False) -> StopMatch:
         """New tokens (or, from a backend that detokenizes itself, their ``text``) → releasable text.
@@ -181,11 +195,24 @@ class OutputText:
         """
         if self._matcher.stopped:
             return StopMatch("", None)
-        if self._detokenizer is None:
-            delta = text
+        shown = token_ids[:-1] if ended_by_stop_token else token_ids
+        before = self._num_tokens
+        self._num_tokens += len(token_ids)
+        if (
+            self._detokenizer is None
+        ):  # a backend's own text: protected while its chunk ends within min_tokens
+            match = self._matcher.feed(text, protected=self._within_min_tokens)
         else:
-            delta = self._detokenizer.push(token_ids[:-1] if ended_by_stop_token else token_ids)
-        match = self._matcher.feed(delta)
+            # The tokens up to min_tokens are fed protected, the rest (of the same chunk) not.
+            split = min(max(self._min_tokens - before, 0), len(shown))
+            head = (
+                self._matcher.feed(self._detokenizer.push(shown[:split]), protected=True) if split else None
+            )
+            if head is not None and split == len(shown):
+                match = head
+            else:
+                tail = self._matcher.feed(self._detokenizer.push(shown[split:]))
+                match = StopMatch(head.text + tail.text, tail.matched_stop) if head else tail
         if match.text:
             self._released.append(match.text)
         return match
@@ -199,7 +226,7 @@ class OutputText:
         if self._matcher.stopped:
             return StopMatch("", None)
         tail = self._detokenizer.flush() if self._detokenizer is not None else ""
-        match = self._matcher.feed(tail)
+        match = self._matcher.feed(tail, protected=self._within_min_tokens)
         if match.matched_stop:
             released, matched = match.text, match.matched_stop
         elif backend_matched_stop and backend_matched_stop in self._matcher.stops:

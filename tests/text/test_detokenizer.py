@@ -196,3 +196,38 @@ def test_a_backends_own_text_is_taken_as_sent_after_a_stop_token() -> None:
     output = OutputText(None)
     assert output.push([5, 7], " w5", ended_by_stop_token=True).text == " w5"
     assert output.finish().text == "" and output.text == " w5"
+
+
+def test_a_stop_string_ends_the_output_only_after_min_tokens(tokenizer: Tokenizer) -> None:
+    """vLLM's rule: a stop string counts once more than ``min_tokens`` tokens exist, where it ends after them
+    (it may begin inside them). One token at a time or all in one chunk, the same text comes out."""
+    ids = tokenizer.encode(" the cat and the dog and the bird", add_special_tokens=False)
+    cut = len(tokenizer.encode(" the cat", add_special_tokens=False))
+    for chunk in (1, len(ids)):
+        output = OutputText(tokenizer, [" the"], min_tokens=cut)
+        streamed = ""
+        match = None
+        for start in range(0, len(ids), chunk):
+            match = output.push(ids[start : start + chunk])
+            streamed += match.text
+            if match.matched_stop:
+                break
+        assert match is not None and match.matched_stop == " the"
+        assert streamed == output.text == " the cat and"  # the first " the" lies within min_tokens
+
+
+def test_a_stop_string_begun_within_min_tokens_matches_where_it_ends_after_them(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(" the cat sat", add_special_tokens=False)
+    cut = len(tokenizer.encode(" the cat", add_special_tokens=False))
+    output = OutputText(tokenizer, ["cat sat"], min_tokens=cut)
+    text = "".join(output.push([i]).text for i in ids[:cut])
+    last = output.push(ids[cut:])
+    assert (text + last.text, last.matched_stop) == (" the ", "cat sat")
+
+
+def test_a_stop_string_within_min_tokens_alone_never_matches(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(" the cat", add_special_tokens=False)
+    output = OutputText(tokenizer, ["cat"], min_tokens=len(ids))
+    text = "".join(output.push([i]).text for i in ids)
+    end = output.finish()
+    assert (text + end.text, end.matched_stop) == (" the cat", None)
