@@ -18,6 +18,7 @@ from ominix_worker.parallel import ShardRange, TensorParallel
 from ominix_worker.testing import write_tiny_hf_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from refused_ranks import refusal_lines  # noqa: E402
 from tp_logits import batch_logits, load_runner  # noqa: E402
 
 TP_LOGITS = Path(__file__).resolve().parent / "tp_logits.py"
@@ -247,32 +248,7 @@ def test_a_group_whose_ranks_quantize_differently_exits_at_startup_naming_the_fl
     tiny_model_dir: Callable[[str], Path],
 ) -> None:
     """Two real worker ranks, rank 1 with FP8 weights and KV: both refuse before loading, in one clear line."""
-    from ominix_runtime.bind_probe import free_ports
-
-    rendezvous, leader_port = free_ports(2)  # two distinct ports
-    addr = f"127.0.0.1:{rendezvous}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    procs = []
-    for rank in (1, 0):
-        argv = [sys.executable, "-m", "ominix_worker", "--model", str(tiny_model_dir("llama"))]
-        argv += ["--port", str(leader_port), "--kv-cache-memory", "8MiB", "--num-threads", "1"]
-        argv += ["--tp-size", "2", "--tp-rank", str(rank), "--dist-init-addr", addr, "--dist-timeout", "30"]
-        if rank == 1:
-            argv += ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"]
-        procs.append(
-            subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        )
-    try:
-        results = [p.communicate(timeout=RANK_TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (_, err) in zip(procs, results, strict=True):
-        assert p.returncode != 0
-        lines = [line for line in err.strip().splitlines() if line and not line.startswith("{")]
-        assert len(lines) == 1, err
-        assert "--quantization is 'fp8' on rank 1 but 'none' on rank 0" in lines[0], err
-        assert "--kv-cache-dtype is 'fp8_e4m3' on rank 1 but 'auto' on rank 0" in lines[0], err
-        assert "loading" not in err  # refused before any weight is read
+    extra = {1: ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"]}
+    for line in refusal_lines(tiny_model_dir("llama"), extra, before_loading=True):
+        assert "--quantization is 'fp8' on rank 1 but 'none' on rank 0" in line
+        assert "--kv-cache-dtype is 'fp8_e4m3' on rank 1 but 'auto' on rank 0" in line
