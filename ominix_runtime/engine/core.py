@@ -337,8 +337,14 @@ class EngineCore:
 
     @property
     def ready(self) -> bool:
-        """Started, not stopping, and at least one worker group serving."""
-        return self._started and self._accepting and any(g.running and g.healthy for g in self._groups)
+        """Started, not stopping, and at least one worker group serving new requests: one not drained either
+        (with every group drained each new request is refused, so health says NOT_SERVING and a router sends
+        them elsewhere)."""
+        return (
+            self._started
+            and self._accepting
+            and any(g.running and g.healthy and g.worker_id not in self._draining for g in self._groups)
+        )
 
     # ---- requests -------------------------------------------------------------------------------------
 

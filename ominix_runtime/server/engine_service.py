@@ -390,7 +390,7 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         if not self._engine.ready:
             raise _NotServing(
                 RuntimeErrorKind.BACKEND_UNAVAILABLE,
-                "the engine is not serving (starting, shutting down, or no worker is up)",
+                "the engine is not serving (starting, shutting down, no worker is up, or every one is drained)",
             )
 
     async def GenerateBatch(

@@ -204,6 +204,29 @@ def test_per_request_failure_and_unknown_outputs_do_not_break_the_group() -> Non
     assert core.groups[0].counters.unexpected_outputs == 1
 
 
+def test_an_engine_with_every_group_drained_is_not_ready_until_one_is_undrained() -> None:
+    """Every new request would be refused, so health must say NOT_SERVING (a router then sends them
+    elsewhere); one group drained of two leaves the engine ready."""
+
+    async def main() -> list[bool]:
+        groups = [FakeStepBackend(FakeConfig(worker_id=w, step_latency=0.002)) for w in ("a", "b")]
+        core = EngineCore(list(groups), EngineCoreConfig())
+        await core.start()
+        seen = [core.ready]
+        core.drain("a")
+        seen.append(core.ready)
+        core.drain("")
+        seen.append(core.ready)
+        with pytest.raises(OminixError):
+            core.submit(_req("refused"))
+        core.drain("b", draining=False)
+        seen.append(core.ready)
+        await core.stop(drain_timeout=0)
+        return seen
+
+    assert asyncio.run(asyncio.wait_for(main(), TIMEOUT)) == [True, True, False, True]
+
+
 def test_stop_drains_then_ends_the_rest_and_rejects_new_requests() -> None:
     async def main() -> None:
         backend = FakeStepBackend(FakeConfig(step_latency=0.002))
