@@ -94,6 +94,24 @@ def test_each_rank_reads_only_its_fp8_slices_and_their_scales(
         assert read_elements[name] == full[name] // 2, name
 
 
+def test_blocks_that_split_a_fused_part_on_one_worker_are_refused_without_blaming_a_group(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """24-wide blocks on one worker: k_proj starts inside a block of the fused qkv rows. The message names the
+    layer and no tensor-parallel rank, which there is none of."""
+    from ominix_runtime.models import resolve_model
+    from ominix_worker.attention import get_attention_backend
+    from ominix_worker.loader import ModelLoadError, load_model
+
+    folder = write_fp8_checkpoint(tiny_model_dir("llama"), tmp_path / "fp8", "block", block=24)
+    backend = get_attention_backend("cpu", 16)
+    with pytest.raises(ModelLoadError) as refused:
+        load_model(resolve_model(str(folder)), torch.device("cpu"), torch.float32, backend, tp=tp(0, 1))
+    message = str(refused.value)
+    assert "FP8 layer layers.0." in message and "the layer has" in message, message
+    assert "rank" not in message and "per-channel checkpoint" in message, message
+
+
 def test_a_group_size_that_splits_a_scale_block_is_refused_naming_the_layer(
     tiny_model_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:

@@ -290,6 +290,20 @@ class Fp8Linear(ParallelModule):
 _FUSED_PART_NAMES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+def _holder(tp: TensorParallel) -> str:
+    """Who holds the rows a block check is about: a rank of a group, or the one worker (whose layer then does
+    not divide into the checkpoint's blocks at all)."""
+    return f"tensor-parallel rank {tp.rank} of {tp.size} holds" if tp.size > 1 else "the layer has"
+
+
+def _remedy(tp: TensorParallel) -> str:
+    return (
+        "a tensor-parallel size that keeps them, or a per-channel checkpoint"
+        if tp.size > 1
+        else "a per-channel checkpoint (these blocks do not fit the model's own shapes)"
+    )
+
+
 class Fp8ColumnParallelLinear(Fp8Linear, ColumnParallelLinear):
     """Column-parallel FP8: each fused part's rows (q, k, v or gate, up) and their scale rows are read for
     this rank's shard."""
@@ -318,8 +332,8 @@ class Fp8ColumnParallelLinear(Fp8Linear, ColumnParallelLinear):
         parts = _FUSED_PART_NAMES.get(name.rsplit(".", 1)[-1], ())
         for index, (shard, full) in enumerate(zip(self.parts, self.full_sizes, strict=True)):
             part = parts[index] if index < len(parts) else f"fused part {index}"
-            what = f"FP8 layer {name}: tensor-parallel rank {tp.rank} of {tp.size} holds {part} rows"
-            check_block_aligned(what, shard.start, shard.size, full, bn, self.offsets[index])
+            what = f"FP8 layer {name}: {_holder(tp)} {part} rows"
+            check_block_aligned(what, shard.start, shard.size, full, bn, self.offsets[index], _remedy(tp))
 
     def load_weight(self, param_name: str, source: WeightSource, part: int | None = None) -> None:
         if param_name == "weight":
@@ -360,8 +374,10 @@ class Fp8RowParallelLinear(Fp8Linear, RowParallelLinear):
     def check_blocks(self, name: str, tp: TensorParallel) -> None:
         if self.per_channel:
             return
-        what = f"FP8 layer {name}: tensor-parallel rank {tp.rank} of {tp.size} holds input columns"
-        check_block_aligned(what, self.shard.start, self.shard.size, self.in_features, self.block[1])
+        what = f"FP8 layer {name}: {_holder(tp)} input columns"
+        check_block_aligned(
+            what, self.shard.start, self.shard.size, self.in_features, self.block[1], None, _remedy(tp)
+        )
 
     def load_weight(self, param_name: str, source: WeightSource, part: int | None = None) -> None:
         if param_name == "weight":
