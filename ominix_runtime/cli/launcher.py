@@ -368,7 +368,9 @@ def run_launch(config: RuntimeConfig, options: argparse.Namespace) -> int:
     given = {port for _, port, _ in engine}
     ports = worker_ports(config, avoid=given)
     dist_ports = rendezvous_ports(config, avoid=given | set(ports))
-    # Every port before anything loads: a taken one is found in milliseconds, not after the weights.
+    # Every port before anything loads: a taken one is found in milliseconds, not after the weights. One taken
+    # while the workers load still fails at the engine's bind: it binds --port without SO_REUSEPORT (several
+    # front processes excepted), so it cannot end up sharing the port with another gRPC server.
     host = config.launch.worker_host
     check_ports_free(
         [

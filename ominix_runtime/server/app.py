@@ -155,7 +155,9 @@ class EngineDaemon:
         self._service = service
 
         # Every service is registered before the server starts; Generate answers UNAVAILABLE and health
-        # says NOT_SERVING until the engine is ready.
+        # says NOT_SERVING until the engine is ready. Without front processes this server binds the public
+        # port, and alone (no share_port): `launch` checks the port before its workers load, and a server that
+        # took it meanwhile must fail this bind, not share the port's connections with it.
         server = self._server = build_grpc_front(config, service, self.health)
         await set_health(self.health, serving=False)
         if config.front.procs:
@@ -238,10 +240,22 @@ class EngineDaemon:
             return
         metrics.set_model_name(model_name)
         engine.add_step_listener(metrics.observe_step)
-        self.metrics_port = metrics.start_http(
-            self.config.server.metrics_port, self.config.server.metrics_host
-        )
+        self.metrics_port = self._start_metrics_http(metrics)
         self._tasks.append(asyncio.get_running_loop().create_task(self._refresh_metrics(engine)))
+
+    def _start_metrics_http(self, metrics: EngineMetrics) -> int:
+        """Serve /metrics; the port bound. The port was checked free at start-up, but it may have been taken
+        while the workers loaded: that is the same one-line error naming --metrics-port, and ``serve`` stops
+        what it started, rather than a traceback."""
+        host, port = self.config.server.metrics_host, self.config.server.metrics_port
+        try:
+            return metrics.start_http(port, host)
+        except OSError as exc:
+            raise OminixError(
+                RuntimeErrorKind.BACKEND_UNAVAILABLE,
+                f"cannot serve metrics: port {port} on {host} is not available ({exc.strerror or exc}): "
+                "stop what holds it or pass another --metrics-port",
+            ) from exc
 
     async def _log_stats(self, engine: EngineCore) -> None:
         """One "stats" line every --stats-interval seconds while there is work (and once when it stops)."""
@@ -386,11 +400,20 @@ def _read_secret(path: str | None) -> str | None:
 
 
 def build_grpc_front(
-    config: RuntimeConfig, service: EngineServiceBase, health_servicer: health.aio.HealthServicer
+    config: RuntimeConfig,
+    service: EngineServiceBase,
+    health_servicer: health.aio.HealthServicer,
+    *,
+    share_port: bool = False,
 ) -> grpc.aio.Server:
-    """The gRPC server clients call: the Engine service behind the API-key guard, health and reflection."""
+    """The gRPC server clients call: the Engine service behind the API-key guard, health and reflection.
+
+    ``share_port``: bind with SO_REUSEPORT, for the front processes of ``--front-procs`` that serve one port
+    together. gRPC sets it by default; off, a port another server holds (even one that set it too) fails
+    ``bind_grpc_front`` instead of being shared, the kernel splitting the connections between the two."""
     options = dict(CHANNEL_OPTIONS)
     options["grpc.max_receive_message_length"] = config.server.max_message_bytes
+    options["grpc.so_reuseport"] = 1 if share_port else 0
     server = grpc.aio.server(options=list(options.items()), interceptors=[FrontGuard(config.front.api_keys)])
     engine_pb2_grpc.add_EngineServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -400,7 +423,7 @@ def build_grpc_front(
 
 def bind_grpc_front(server: grpc.aio.Server, config: RuntimeConfig) -> int:
     """Bind the public address (TLS when configured); the port bound. Several processes may bind one port
-    (gRPC sets SO_REUSEPORT): the front processes of ``--front-procs`` do."""
+    only when each built its server with ``share_port`` (the front processes of ``--front-procs`` do)."""
     try:
         if config.tls.enabled:
             assert config.tls.key and config.tls.cert

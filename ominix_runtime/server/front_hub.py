@@ -2,14 +2,15 @@
 
 With one process, the engine's event loop also writes every client's stream: one gRPC message per request per
 step, which costs more CPU than scheduling the step. Behind several worker groups that loop becomes the
-limit. Front processes take the client streams (each binds the public port with SO_REUSEPORT, so the kernel
-spreads connections over them); this process keeps the engine core and sends each front one frame per turn
-of its loop with the events of all that front's requests.
+limit. Front processes take the client streams (two or more each bind the public port with SO_REUSEPORT, so
+the kernel spreads connections over them; a single one binds it alone); this process keeps the engine core and
+sends each front one frame per turn of its loop with the events of all that front's requests.
 
 Here a front's request is admitted into the EngineCore with a sink that queues its events for that front's
 link, and tracked by the EngineService of this process, so Abort (forwarded by any front), GetStats and the
 drain at shutdown see it. A front that dies has its requests aborted (their KV freed) and is started again on
-the same port unless the engine is stopping.
+the same port unless the engine is stopping. This process leads the shutdown: the fronts ignore SIGTERM and
+SIGINT (a signal to the process group reaches them too) and stop when ``stop`` tells them, after the drain.
 """
 
 from __future__ import annotations

@@ -7,9 +7,11 @@ finish go over the link, the requests' events come back in one frame per engine 
 (GetLoad, GetStats, ListBackends, Drain, Undrain, Abort of a request another front streams) are forwarded
 over gRPC to the engine process with the caller's metadata, so its API-key check answers them.
 
-The process exits when the engine process says stop, when its link closes (the engine process is gone: the
-open streams end with UNAVAILABLE errors) or on SIGTERM. SIGINT is ignored: Ctrl-C reaches the whole process
-group and the engine process leads the shutdown.
+The process exits when the engine process says stop (StopServing, once its drain is over) or when its link
+closes (the engine process is gone: the open streams end with UNAVAILABLE errors). SIGINT and SIGTERM are
+ignored: a signal to the whole process group (Ctrl-C, ``kill -- -PGID``, systemd's KillMode=control-group)
+reaches the fronts too, and the engine process leads the shutdown; a front that stopped on its own would cut
+streams the engine is still draining. SIGKILL still ends a front (the engine starts it again unless stopping).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import os
 import pickle
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TypeVar
 
 import grpc
@@ -184,6 +186,12 @@ class EngineLink:
         self.frames.send(link.FrontRefusal(message, reason, model))
 
 
+def _metadata_pairs(metadata: grpc.aio.Metadata | None) -> tuple[tuple[str, str | bytes], ...]:
+    """The engine's trailing metadata as ``context.abort`` takes it: a tuple of pairs (a grpc.aio.Metadata
+    there fails the call with a TypeError, which the client sees as UNKNOWN instead of the engine's status)."""
+    return tuple((key, value) for key, value in metadata or ())
+
+
 class FrontService(EngineServiceBase):
     """The Engine service of a front process: Generate over the link, admin calls forwarded."""
 
@@ -230,7 +238,7 @@ class FrontService(EngineServiceBase):
             return await call(request, metadata=metadata, timeout=FORWARD_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             await context.abort(
-                exc.code(), exc.details() or "", trailing_metadata=exc.trailing_metadata() or ()
+                exc.code(), exc.details() or "", trailing_metadata=_metadata_pairs(exc.trailing_metadata())
             )
             raise  # not reached: abort raises
 
@@ -294,7 +302,9 @@ async def serve_front(spec: FrontSpec) -> int:
     if source is not None and has_tokenizer(source):
         service.tokenizer = await asyncio.to_thread(load_tokenizer, source)
     health_servicer = health.aio.HealthServicer()
-    server = build_grpc_front(config, service, health_servicer)
+    # Several fronts bind the port together (SO_REUSEPORT); a single one binds it alone, so a server that took
+    # the port meanwhile fails the bind instead of sharing the connections.
+    server = build_grpc_front(config, service, health_servicer, share_port=(config.front.procs or 0) > 1)
     await set_health(health_servicer, serving=False)
     port = bind_grpc_front(server, config)
     await server.start()
@@ -304,10 +314,6 @@ async def serve_front(spec: FrontSpec) -> int:
     # holding back every stream's tokens.
     memory.freeze_startup_heap()
     engine.frames.send(link.Bound(spec.index, port))
-    terminated = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    with contextlib.suppress(NotImplementedError):
-        loop.add_signal_handler(signal.SIGTERM, terminated.set)
     _log.info(
         "front serving",
         front=spec.index,
@@ -316,11 +322,8 @@ async def serve_front(spec: FrontSpec) -> int:
         gc_threshold=gc.get_threshold()[0],
     )
     serving = False
-    stop_waits = [
-        asyncio.ensure_future(engine.stop_requested.wait()),
-        asyncio.ensure_future(terminated.wait()),
-        reading,
-    ]
+    # Only the engine process ends a front: it says stop once its drain is over, or its link closes.
+    stop_waits = [asyncio.ensure_future(engine.stop_requested.wait()), reading]
     while not any(w.done() for w in stop_waits):
         if engine.ready != serving:
             serving = engine.ready
@@ -329,8 +332,6 @@ async def serve_front(spec: FrontSpec) -> int:
     if reading.done():
         error = None if reading.cancelled() else reading.exception()
         _log.warning("engine link closed", front=spec.index, error=repr(error) if error else None)
-    elif terminated.is_set():
-        _log.info("SIGTERM: stopping", front=spec.index)
     await set_health(health_servicer, serving=False)
     # The engine ended every request before it said stop (or the link is gone and they ended with an
     # error): their last events are still on their way to the clients.
@@ -348,6 +349,9 @@ async def serve_front(spec: FrontSpec) -> int:
 
 
 def main() -> int:
+    # First: a group-wide signal during start-up must not end a front either (see the module docstring).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if len(sys.argv) != 2:
         print("ominix-runtime front: started by the engine process (serve --front-procs)", file=sys.stderr)
         return 2
@@ -358,14 +362,24 @@ def main() -> int:
     if not isinstance(spec, FrontSpec):
         print("ominix-runtime front: the spec file holds no FrontSpec", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = spec.config
     configure_logging(config.log.level, config.log.json, component="front", front=spec.index)
     try:
+        return _run(serve_front(spec))
+    except OminixError as exc:
+        # A front that cannot start (its port taken): one line, not a traceback; the engine process reports
+        # the exit status with the port.
+        print(f"ominix-runtime front {spec.index}: error: {exc.message}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _run(coro: Coroutine[None, None, int]) -> int:
+    """Run ``coro`` on uvloop when installed."""
+    try:
         import uvloop
     except ImportError:
-        return asyncio.run(serve_front(spec))
-    return uvloop.run(serve_front(spec))
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 if __name__ == "__main__":
