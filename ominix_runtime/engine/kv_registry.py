@@ -231,6 +231,24 @@ class _BlockPool:
             self.free.move_to_end(block_id, last=False)
         return True
 
+    def uncache_chains(self, roots: list[int]) -> list[int]:
+        """Uncache ``roots`` and every cached block chained on one of them (a child names its parent's digest,
+        whichever block held it); returns the blocks uncached. A scan of the pool: only on a failure."""
+        children: dict[bytes, list[int]] = {}
+        for block in self.blocks:
+            if block.hash_key is not None:
+                children.setdefault(block.hash_key[0], []).append(block.block_id)
+        taken: list[int] = []
+        pending = list(roots)
+        while pending:
+            block_id = pending.pop()
+            digest = self.blocks[block_id].block_hash
+            if digest is None or not self.uncache(block_id):
+                continue
+            taken.append(block_id)
+            pending.extend(children.get(digest, ()))
+        return taken
+
     def register(self, block_id: int, key: BlockKey, block_hash: bytes) -> None:
         block = self.blocks[block_id]
         if block.block_hash is None and block_hash not in self.cache:
@@ -609,20 +627,21 @@ class KVRegistry:
                 freed += 1
         return freed
 
-    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Register the lease's full blocks whose tokens are known and computed in the prefix cache.
+    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> bool:
+        """Register the lease's full blocks whose tokens are known and computed in the prefix cache; True when
+        some group's registered count moved (``registered_blocks`` then reads the new counts).
 
         A block is full once every token it covers is computed (a compressed block: ``block_size`` complete
         chunks); each group chains its own hashes over the tokens its blocks cover.
         """
         if not self.enable_prefix_caching:
-            return
+            return False
         state = self._leases.get(request_id)
         if state is None or not state.registers:
-            return
+            return False
         known = min(num_computed_tokens, len(token_ids))
         if known < state.next_full_tokens:
-            return  # the common decode step: no block of any group filled up since the last call
+            return False  # the common decode step: no block of any group filled up since the last call
         for g, (pool, table) in enumerate(zip(self._pools, state.lease.block_tables, strict=True)):
             span = pool.group.tokens_per_block
             num_full = min(known // span, len(table))
@@ -638,31 +657,37 @@ class KVRegistry:
             (n + 1) * p.group.tokens_per_block
             for n, p in zip(state.num_hashed_blocks, self._pools, strict=True)
         )
+        return True
 
-    def uncache_own_blocks(self, request_id: str) -> list[str]:
-        """Take the blocks ``request_id`` registered itself (not those of its prefix hit) out of the prefix
-        cache, for a request whose KV may never have been written: blocks are registered when the step that
-        fills them is built, and a worker computes nothing more for a request it failed. Returns the other
-        leases that hit any of them since (their KV reads may be of blocks never written)."""
+    def registered_blocks(self, request_id: str) -> tuple[int, ...]:
+        """Per group: how many of the lease's leading blocks are registered (or skipped) so far."""
+        state = self._leases.get(request_id)
+        return tuple(state.num_hashed_blocks) if state is not None else ()
+
+    def uncache_unwritten(self, request_id: str, written: Sequence[int]) -> set[tuple[int, int]]:
+        """Take out of the prefix cache the blocks ``request_id`` registered itself beyond ``written`` (per
+        group: its leading blocks whose steps the worker answered), and every cached block chained on them,
+        whoever computed it. For a request the worker failed: blocks are registered when the steps filling
+        them are built, and the worker computes nothing more for a request it failed, so such blocks may never
+        be written, nor their descendants rightly computed. Returns the blocks taken, as (group, block id)."""
         state = self._leases.get(request_id)
         if state is None:
-            return []
-        taken: list[set[int]] = []
-        for pool, table, first_own in zip(
-            self._pools, state.lease.block_tables, state.num_prefix_blocks, strict=True
-        ):
-            taken.append({b for b in table[first_own:] if b != NULL_BLOCK_ID and pool.uncache(b)})
-        state.registers = False  # nor its later blocks: it is ending
-        if not any(taken):
-            return []
+            return set()
+        state.registers = False  # it is ending: nothing more of it is registered
+        taken: set[tuple[int, int]] = set()
+        for g, (pool, table) in enumerate(zip(self._pools, state.lease.block_tables, strict=True)):
+            first = max(state.num_prefix_blocks[g], written[g] if g < len(written) else 0)
+            roots = [b for b in table[first:] if b != NULL_BLOCK_ID and pool.blocks[b].block_hash is not None]
+            if roots:
+                taken.update((g, b) for b in pool.uncache_chains(roots))
+        return taken
+
+    def leases_holding(self, blocks: set[tuple[int, int]]) -> list[str]:
+        """The requests whose leases hold any of ``blocks`` ((group, block id) pairs)."""
         return [
             rid
-            for rid, other in self._leases.items()
-            if rid != request_id
-            and any(
-                not blocks.isdisjoint(table)
-                for blocks, table in zip(taken, other.lease.block_tables, strict=True)
-            )
+            for rid, state in self._leases.items()
+            if any((g, b) in blocks for g, table in enumerate(state.lease.block_tables) for b in table)
         ]
 
     def free(self, request_id: str) -> list[int]:

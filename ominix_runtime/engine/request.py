@@ -28,9 +28,14 @@ class EngineRequest:
     num_placeholders: int = 0  # output tokens scheduled but whose result has not come back yet
     num_computed_tokens: int = 0  # optimistic: counts tokens of steps still in flight
     num_inflight_steps: int = 0
-    # Of those, the ones whose outputs are void: computed over KV that was never written (a failed request's
-    # blocks it hit), they are dropped, and the request computes its prompt again.
+    # Of those, the ones whose outputs are void: computed over KV that may never have been written (a failed
+    # request's blocks it hit), they are dropped, and the request computes its prompt again.
     num_void_inflight_steps: int = 0
+    prefix_blocks: tuple[tuple[int, ...], ...] = ()  # per KV group: the blocks of its last prefix hit
+    # Per KV group: the registered blocks whose steps the worker answered, and the counts registered when
+    # each step still in flight was built (step id, counts), oldest first.
+    written_blocks: tuple[int, ...] = ()
+    registrations: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     state: RequestState = RequestState.WAITING
     worker_has_state: bool = False  # sent as a NewRequest and not yet dropped via finished_request_ids
     num_cached_tokens: int = 0  # prefix-cache hit at first admission (reported in Usage)

@@ -379,7 +379,9 @@ class Scheduler:
             self.counters.burst_budget_steps += 1
         self._next_step_id += 1
         for s in scheduled:
-            self.registry.cache_blocks(s.req.request_id, s.req.all_token_ids, s.req.num_computed_tokens)
+            req = s.req
+            if self.registry.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens):
+                req.registrations.append((step_id, self.registry.registered_blocks(req.request_id)))
         if scheduled:
             self._inflight[step_id] = scheduled
         plan.num_new_requests = len(new_requests)
@@ -632,6 +634,7 @@ class Scheduler:
             self._end(req, self._schedule_events, FinishReason.ERROR, error)
 
     def _start(self, req: EngineRequest, hit: PrefixHit, step_id: int) -> None:
+        req.prefix_blocks = hit.group_block_ids
         self.registry.prefix_query_tokens += len(req.all_token_ids)
         self.registry.prefix_hit_tokens += hit.num_tokens
         if req.first_scheduled_time is None:
@@ -733,6 +736,8 @@ class Scheduler:
         self.registry.free(req.request_id)
         del self.running[req.request_id]
         req.num_computed_tokens = 0
+        req.registrations.clear()  # of the lease just freed: the next one registers from its start
+        req.written_blocks = ()
         req.transition(RequestState.PREEMPTED)
         req.num_preemptions += 1
         req.num_times_bypassed = 0
@@ -742,20 +747,38 @@ class Scheduler:
         if req.num_inflight_steps == 0:
             req.transition(RequestState.WAITING)
 
-    def _uncache_unwritten(self, request_id: str) -> None:
-        """A failed request's registered blocks leave the prefix cache: they were registered when the steps
-        filling them were built, and the worker computes nothing more for a request it failed (nor is a failed
-        request's KV worth sharing). Running requests that hit those blocks since then are preempted to compute
-        their prompts again, before any of their results (later steps) is read, and so are, in turn, those
-        that hit the blocks these registered."""
-        pending = self.registry.uncache_own_blocks(request_id)
-        while pending:
-            req = self.running.get(pending.pop())
-            if req is None:
-                continue
-            pending += self.registry.uncache_own_blocks(req.request_id)
-            req.num_void_inflight_steps = req.num_inflight_steps
-            self._preempt(req)
+    def _fail_from_worker(
+        self, req: EngineRequest, events: list[WorkerEvent], error: tuple[RuntimeErrorKind, str]
+    ) -> None:
+        """End ``req`` on a failure the worker reported for it, after taking its unwritten KV out of reach."""
+        self._uncache_unwritten(req)
+        self._end(req, events, FinishReason.ERROR, error)
+
+    def _uncache_unwritten(self, req: EngineRequest) -> None:
+        """The blocks ``req`` registered for steps the worker has not answered leave the prefix cache, with
+        every block chained on them (KV the worker may never write, for a request it failed), and requests
+        that read them lose the outputs of their steps in flight: running ones are preempted to compute their
+        prompts again, and a preempted one with steps still out drops what they bring. Only worker-reported
+        failures come here: a deadline, an abort or a shutdown leaves the steps already sent to compute."""
+        taken = self.registry.uncache_unwritten(req.request_id, req.written_blocks)
+        if not taken:
+            return
+        for rid in self.registry.leases_holding(taken):
+            other = self.running.get(rid)
+            if other is not None and other is not req:
+                other.num_void_inflight_steps = other.num_inflight_steps
+                self._preempt(other)
+        for other in self.requests.values():
+            if other.num_inflight_steps and other.request_id not in self.running and other is not req:
+                hit = {(g, b) for g, blocks in enumerate(other.prefix_blocks) for b in blocks}
+                if not hit.isdisjoint(taken):
+                    other.num_void_inflight_steps = other.num_inflight_steps
+
+    def _confirm_written(self, req: EngineRequest, step_id: int) -> None:
+        """The worker answered ``step_id`` for ``req``: the blocks registered up to its build are written."""
+        registrations = req.registrations
+        while registrations and registrations[0][0] <= step_id:
+            req.written_blocks = registrations.pop(0)[1]
 
     def _drop_worker_state(self, req: EngineRequest) -> None:
         if req.worker_has_state:
@@ -785,29 +808,23 @@ class Scheduler:
                 req.num_void_inflight_steps -= 1
                 self.counters.discarded_outputs += out is not None
             elif out is None:
-                self._end(
-                    req,
-                    events,
-                    FinishReason.ERROR,
-                    (RuntimeErrorKind.INTERNAL, "the worker returned no output"),
+                self._fail_from_worker(
+                    req, events, (RuntimeErrorKind.INTERNAL, "the worker returned no output")
                 )
             elif out.error_kind is not None:
-                self._end(
-                    req, events, FinishReason.ERROR, (out.error_kind, out.error_message or "worker error")
-                )
+                self._fail_from_worker(req, events, (out.error_kind, out.error_message or "worker error"))
             elif out.sampled_token_id is None:
                 if entry.expects_sample:
-                    self._end(
-                        req,
-                        events,
-                        FinishReason.ERROR,
-                        (RuntimeErrorKind.INTERNAL, "the worker sampled no token"),
+                    self._fail_from_worker(
+                        req, events, (RuntimeErrorKind.INTERNAL, "the worker sampled no token")
                     )
+                elif req.registrations:
+                    self._confirm_written(req, step.step_id)
             elif not entry.expects_sample:
-                self._end(
-                    req, events, FinishReason.ERROR, (RuntimeErrorKind.INTERNAL, "token sampled mid-prefill")
-                )
+                self._fail_from_worker(req, events, (RuntimeErrorKind.INTERNAL, "token sampled mid-prefill"))
             else:
+                if req.registrations:
+                    self._confirm_written(req, step.step_id)
                 self._append_token(req, out.sampled_token_id, out, events)
             if req.state == RequestState.PREEMPTED and req.num_inflight_steps == 0 and not req.is_finished:
                 req.transition(RequestState.WAITING)
@@ -904,10 +921,8 @@ class Scheduler:
         self.requests.pop(rid, None)
         self.waiting.remove(rid)
         if self.running.pop(rid, None) is not None:
-            if error is None:
+            if error is None:  # KV of a failed request is not worth sharing
                 self.registry.cache_blocks(rid, req.all_token_ids, req.num_computed_tokens)
-            else:
-                self._uncache_unwritten(rid)
             self.registry.free(rid)
         self._drop_worker_state(req)
         req.num_placeholders = 0
