@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import grpc
@@ -11,7 +13,7 @@ import grpc
 from ominix_runtime.bind_probe import free_ports
 from ominix_runtime.config import LogConfig, RuntimeConfig, ServerConfig
 from ominix_runtime.models import DEFAULT_MODEL_NAME
-from ominix_runtime.pb import engine_pb2_grpc
+from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.app import EngineDaemon
 from ominix_runtime.testing.fake_backend import FakeConfig, FakeStepBackend
 
@@ -92,3 +94,55 @@ def stop_daemon(running: RunningDaemon, thread: threading.Thread) -> None:
     thread.join(30)
     assert not thread.is_alive(), "daemon did not stop within 30s"
     running.loop.close()
+
+
+def token_request(rid: str, max_tokens: int) -> engine_pb2.GenerateRequest:
+    """A greedy request of ``max_tokens`` tokens (eos ignored) on a four-token prompt."""
+    return engine_pb2.GenerateRequest(
+        request_id=rid,
+        input_ids=engine_pb2.TokenIds(ids=[11, 12, 13, 14]),
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
+
+
+class StreamReader:
+    """One Generate stream of ``token_request`` on its own connection (so the kernel picks the front process
+    behind a shared port), read in a thread."""
+
+    def __init__(
+        self, address: str, rid: str, max_tokens: int, metadata: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        self._channel = grpc.insecure_channel(address)
+        self.events: list[engine_pb2.GenerateEvent] = []
+        self.error: grpc.RpcError | None = None
+        self.ended_at = 0.0
+        self.first_token = threading.Event()  # set by the first token, or by the stream's end
+        call = engine_pb2_grpc.EngineStub(self._channel).Generate(
+            token_request(rid, max_tokens), metadata=tuple(metadata), timeout=60
+        )
+        self._thread = threading.Thread(target=self._read, args=(call,), daemon=True)
+        self._thread.start()
+
+    def _read(self, call: Iterator[engine_pb2.GenerateEvent]) -> None:
+        try:
+            for event in call:
+                self.events.append(event)
+                if event.HasField("token"):
+                    self.first_token.set()
+        except grpc.RpcError as exc:
+            self.error = exc
+        finally:
+            self.ended_at = time.monotonic()
+            self.first_token.set()
+
+    def join(self) -> None:
+        self._thread.join(60)
+        assert not self._thread.is_alive(), "stream did not end"
+        self._channel.close()
+
+    def terminals(self) -> list[str]:
+        kinds = (e.WhichOneof("event") for e in self.events)
+        return [k for k in kinds if k in ("done", "error")]
+
+    def tokens(self) -> int:
+        return sum(len(e.token.token_ids) for e in self.events if e.HasField("token"))

@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
-from collections.abc import Iterator
 
-import grpc
-from server_harness import SMOLLM2_VOCAB, RunningDaemon, start_daemon, stop_daemon
+from server_harness import (
+    SMOLLM2_VOCAB,
+    RunningDaemon,
+    StreamReader,
+    start_daemon,
+    stop_daemon,
+    token_request,
+)
 
 from ominix_runtime.config import FrontConfig
-from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
+from ominix_runtime.pb import common_pb2
 from ominix_runtime.server.logging import configure_logging
 from ominix_runtime.testing.fake_backend import FakeConfig
 
@@ -34,48 +38,6 @@ def _fake() -> FakeConfig:
         kv_num_blocks=512,
         step_latency=STEP_S,
     )
-
-
-def _request(rid: str, max_tokens: int) -> engine_pb2.GenerateRequest:
-    return engine_pb2.GenerateRequest(
-        request_id=rid,
-        input_ids=engine_pb2.TokenIds(ids=[11, 12, 13, 14]),
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-    )
-
-
-class _Stream:
-    """One Generate stream on its own connection (the kernel picks its front), read in a thread."""
-
-    def __init__(self, address: str, rid: str, max_tokens: int) -> None:
-        self._channel = grpc.insecure_channel(address)
-        self.events: list[engine_pb2.GenerateEvent] = []
-        self.error: grpc.RpcError | None = None
-        self.ended_at = 0.0
-        self.first_token = threading.Event()
-        call = engine_pb2_grpc.EngineStub(self._channel).Generate(_request(rid, max_tokens), timeout=60)
-        self._thread = threading.Thread(target=self._read, args=(call,), daemon=True)
-        self._thread.start()
-
-    def _read(self, call: Iterator[engine_pb2.GenerateEvent]) -> None:
-        try:
-            for event in call:
-                self.events.append(event)
-                self.first_token.set()
-        except grpc.RpcError as exc:
-            self.error = exc
-        finally:
-            self.ended_at = time.monotonic()
-            self.first_token.set()
-
-    def join(self) -> None:
-        self._thread.join(60)
-        assert not self._thread.is_alive(), "stream did not end"
-        self._channel.close()
-
-    def terminals(self) -> list[str]:
-        kinds = (e.WhichOneof("event") for e in self.events)
-        return [k for k in kinds if k in ("done", "error")]
 
 
 def _front_pids(daemon: RunningDaemon) -> list[int]:
@@ -102,7 +64,7 @@ def _signals_alone_stop_no_front(running: RunningDaemon, pids: list[int]) -> Non
     time.sleep(2.0)  # an idle front that acted on SIGTERM was gone well within this
     assert all(_alive(pid) for pid in pids), "a front stopped on a signal the engine process did not get"
     assert _front_pids(running) == pids  # the same processes: none exited and was started again
-    events = list(running.stub.Generate(_request("after-signals", 8), timeout=30))
+    events = list(running.stub.Generate(token_request("after-signals", 8), timeout=30))
     assert events[-1].HasField("done")
 
 
@@ -110,7 +72,7 @@ def _group_sigterm_drains_the_streams(running: RunningDaemon, pids: list[int]) -
     """SIGTERM to the fronts and the engine process at once: every stream gets the drain, then one terminal
     event; the engine stops its fronts when the drain is over."""
     drain = running.daemon.config.server.drain_timeout
-    streams = [_Stream(running.address, f"group-term-{i}", 3000) for i in range(6)]
+    streams = [StreamReader(running.address, f"group-term-{i}", 3000) for i in range(6)]
     for s in streams:
         assert s.first_token.wait(30)
     signalled = time.monotonic()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,7 +17,14 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_harness import SMOLLM2_VOCAB, RunningDaemon, start_daemon, stop_daemon
+from server_harness import (
+    SMOLLM2_VOCAB,
+    RunningDaemon,
+    StreamReader,
+    start_daemon,
+    stop_daemon,
+    token_request,
+)
 
 from ominix_runtime.config import FrontConfig
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
@@ -50,51 +56,6 @@ def fronts() -> Iterator[RunningDaemon]:
 
 def _auth(key: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),)
-
-
-def _request(rid: str, max_tokens: int) -> engine_pb2.GenerateRequest:
-    return engine_pb2.GenerateRequest(
-        request_id=rid,
-        input_ids=engine_pb2.TokenIds(ids=[11, 12, 13, 14]),
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-    )
-
-
-class _Stream:
-    """One Generate stream on its own connection (so the kernel picks its front), read in a thread."""
-
-    def __init__(self, address: str, rid: str, max_tokens: int, key: str = KEYS[0]) -> None:
-        self.channel = grpc.insecure_channel(address)
-        self.events: list[engine_pb2.GenerateEvent] = []
-        self.error: grpc.RpcError | None = None
-        self.first_token = threading.Event()
-        call = engine_pb2_grpc.EngineStub(self.channel).Generate(
-            _request(rid, max_tokens), metadata=_auth(key), timeout=60
-        )
-        self.thread = threading.Thread(target=self._read, args=(call,), daemon=True)
-        self.thread.start()
-
-    def _read(self, call: Iterator[engine_pb2.GenerateEvent]) -> None:
-        try:
-            for event in call:
-                self.events.append(event)
-                if event.HasField("token"):
-                    self.first_token.set()
-        except grpc.RpcError as exc:
-            self.error = exc
-        finally:
-            self.first_token.set()
-
-    def join(self) -> None:
-        self.thread.join(60)
-        assert not self.thread.is_alive(), "stream did not end"
-        self.channel.close()
-
-    def terminals(self) -> list[str]:
-        return [e.WhichOneof("event") for e in self.events if e.WhichOneof("event") in ("done", "error")]
-
-    def tokens(self) -> int:
-        return sum(len(e.token.token_ids) for e in self.events if e.HasField("token"))
 
 
 def _load(daemon: RunningDaemon) -> engine_pb2.GetLoadResponse:
@@ -145,7 +106,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_streams_over_many_connections_end_once_with_every_token(fronts: RunningDaemon) -> None:
-    streams = [_Stream(fronts.address, f"many-{i}", 24 + i) for i in range(24)]
+    streams = [StreamReader(fronts.address, f"many-{i}", 24 + i, _auth(KEYS[0])) for i in range(24)]
     for s in streams:
         s.join()
     for i, s in enumerate(streams):
@@ -158,7 +119,7 @@ def test_streams_over_many_connections_end_once_with_every_token(fronts: Running
 def test_abort_reaches_requests_of_any_front_and_checks_the_key(fronts: RunningDaemon) -> None:
     # Twelve connections: the kernel spreads them over both fronts, so the aborting connection's front
     # streams only some of them and forwards the other Aborts to the engine process.
-    streams = [_Stream(fronts.address, f"abort-{i}", 3000) for i in range(12)]
+    streams = [StreamReader(fronts.address, f"abort-{i}", 3000, _auth(KEYS[0])) for i in range(12)]
     for s in streams:
         assert s.first_token.wait(30)
     with grpc.insecure_channel(fronts.address) as channel:
@@ -193,7 +154,7 @@ def test_admin_calls_are_forwarded_with_the_callers_key(fronts: RunningDaemon) -
         assert [b.worker_id for b in backends.backends] == ["fake-0"]
         before = stub.GetStats(engine_pb2.GetStatsRequest(), metadata=_auth(KEYS[1]), timeout=10)
         with pytest.raises(grpc.RpcError) as bad:
-            bad_ids = _request("bad-ids", 4)
+            bad_ids = token_request("bad-ids", 4)
             bad_ids.input_ids.ids.append(SMOLLM2_VOCAB)  # one past the vocabulary
             list(stub.Generate(bad_ids, metadata=_auth(KEYS[1]), timeout=10))
             pytest.fail("an out-of-vocabulary prompt was accepted")
@@ -205,7 +166,7 @@ def test_admin_calls_are_forwarded_with_the_callers_key(fronts: RunningDaemon) -
 
 def test_a_front_killed_mid_stream_frees_its_requests_and_comes_back(fronts: RunningDaemon) -> None:
     old = _front_pids(fronts)
-    streams = [_Stream(fronts.address, f"kill-{i}", 800) for i in range(10)]
+    streams = [StreamReader(fronts.address, f"kill-{i}", 800, _auth(KEYS[0])) for i in range(10)]
     for s in streams:
         assert s.first_token.wait(30)
     os.kill(old[0], signal.SIGKILL)
@@ -222,7 +183,7 @@ def test_a_front_killed_mid_stream_frees_its_requests_and_comes_back(fronts: Run
     metrics = _scrape(fronts)
     assert metrics["ominix_front_restarts_total"] >= 1
     assert metrics["ominix_front_processes"] == 2
-    events = list(fronts.stub.Generate(_request("after-kill", 6), metadata=_auth(KEYS[0]), timeout=30))
+    events = list(fronts.stub.Generate(token_request("after-kill", 6), metadata=_auth(KEYS[0]), timeout=30))
     assert events[-1].HasField("done")
 
 
@@ -230,7 +191,7 @@ def test_losing_the_engine_link_ends_open_streams_with_one_error_and_the_fronts_
     fronts: RunningDaemon,
 ) -> None:
     old = _front_pids(fronts)
-    streams = [_Stream(fronts.address, f"link-{i}", 3000) for i in range(8)]
+    streams = [StreamReader(fronts.address, f"link-{i}", 3000, _auth(KEYS[0])) for i in range(8)]
     for s in streams:
         assert s.first_token.wait(30)
     hub = fronts.daemon._hub
