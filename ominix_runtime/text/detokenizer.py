@@ -198,24 +198,26 @@ class OutputText:
         shown = token_ids[:-1] if ended_by_stop_token else token_ids
         before = self._num_tokens
         self._num_tokens += len(token_ids)
-        if (
-            self._detokenizer is None
-        ):  # a backend's own text: protected while its chunk ends within min_tokens
+        if self._detokenizer is None:
+            # A backend's own text: protected while its chunk ends within min_tokens.
             match = self._matcher.feed(text, protected=self._within_min_tokens)
         else:
-            # The tokens up to min_tokens are fed protected, the rest (of the same chunk) not.
-            split = min(max(self._min_tokens - before, 0), len(shown))
-            head = (
-                self._matcher.feed(self._detokenizer.push(shown[:split]), protected=True) if split else None
-            )
-            if head is not None and split == len(shown):
-                match = head
-            else:
-                tail = self._matcher.feed(self._detokenizer.push(shown[split:]))
-                match = StopMatch(head.text + tail.text, tail.matched_stop) if head else tail
+            match = self._feed_ids(self._detokenizer, shown, before)
         if match.text:
             self._released.append(match.text)
         return match
+
+    def _feed_ids(self, detokenizer: IncrementalDetokenizer, ids: Sequence[int], before: int) -> StopMatch:
+        """Decode ``ids`` (the chunk after ``before`` earlier tokens) into the matcher: those up to min_tokens
+        protected, the rest not."""
+        split = min(max(self._min_tokens - before, 0), len(ids))
+        if not split:
+            return self._matcher.feed(detokenizer.push(ids))
+        head = self._matcher.feed(detokenizer.push(ids[:split]), protected=True)
+        if split == len(ids):
+            return head
+        tail = self._matcher.feed(detokenizer.push(ids[split:]))
+        return StopMatch(head.text + tail.text, tail.matched_stop)
 
     def finish(self, backend_matched_stop: str | None = None) -> StopMatch:
         """The stream ended: release pending characters and any held-back partial stop string.
