@@ -259,9 +259,11 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
             raise
         self._check_serving()
         if request_id in self._live:
-            raise AlreadyLive(f"request_id '{request_id}' is already live")
+            self._refuse(AlreadyLive(f"request_id '{request_id}' is already live"))
         if self._engine.holds(request_id):  # its client went away; the engine is still ending it
-            raise AlreadyLive(f"request_id '{request_id}' is already live (its previous request is ending)")
+            self._refuse(
+                AlreadyLive(f"request_id '{request_id}' is already live (its previous request is ending)")
+            )
         # Before any await, so a concurrent duplicate sees it.
         self._live.add(request_id)
         self._owners[request_id] = caller
@@ -272,9 +274,8 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
             gen_request.traceparent = span.traceparent
         except OminixError as exc:
             self._forget(request_id)
-            reason = "model_not_found" if isinstance(exc, _NotFound) else exc.kind.name.lower()
             model = self._refused_model(pb.model)
-            self._reject(exc.message, reason, counted_by_engine=False, span=span, model=model)
+            self._reject(exc.message, rejection_reason(exc), counted_by_engine=False, span=span, model=model)
             raise
         except asyncio.CancelledError:
             # The client went away (or its deadline passed) while its prompt was being resolved: counted and
@@ -299,7 +300,7 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         except OminixError as exc:
             self._forget(request_id)
             self._reject(
-                exc.message, exc.kind.name.lower(), counted_by_engine=True, span=span, model=gen_request.model
+                exc.message, rejection_reason(exc), counted_by_engine=True, span=span, model=gen_request.model
             )
             raise
         except asyncio.CancelledError:
@@ -441,6 +442,11 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         request-level backend serves it, else "" (the engine's own model: its served names map to it, and a
         name not served here is the client's choice, which must not make a metric series per name)."""
         return requested if requested and requested in self._other_models() else ""
+
+    def _refuse(self, error: OminixError) -> NoReturn:
+        """Count and log ``error`` as a refusal by this front, then raise it."""
+        self._reject(error.message, rejection_reason(error), counted_by_engine=False)
+        raise error
 
     def _reject(
         self,
@@ -730,6 +736,18 @@ _STATUS_OF_REFUSAL: dict[type[OminixError], grpc.StatusCode] = {
 }
 
 
+# The metric's reason for refusals that are more than their error kind (see REJECTION_REASONS).
+_REASON_OF_REFUSAL: dict[type[OminixError], str] = {
+    _NotFound: "model_not_found",
+    AlreadyLive: "duplicate_request_id",
+}
+
+
+def rejection_reason(error: OminixError) -> str:
+    """The ``reason`` label a refusal with ``error`` is counted under."""
+    return _REASON_OF_REFUSAL.get(type(error), error.kind.name.lower())
+
+
 def status_for(error: OminixError) -> grpc.StatusCode:
     refusal = _STATUS_OF_REFUSAL.get(type(error))
     return refusal if refusal is not None else STATUS_OF_ERROR.get(error.kind, grpc.StatusCode.INTERNAL)
@@ -757,6 +775,7 @@ __all__ = [
     "RETRYABLE_METADATA_KEY",
     "STATUS_OF_ERROR",
     "error_metadata",
+    "rejection_reason",
     "status_for",
 ]
 

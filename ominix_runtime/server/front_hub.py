@@ -38,7 +38,7 @@ from ominix_runtime.contract import (
 )
 from ominix_runtime.engine.core import EngineCore
 from ominix_runtime.server import front_link as link
-from ominix_runtime.server.engine_service import EngineService
+from ominix_runtime.server.engine_service import AlreadyLive, EngineService, rejection_reason
 from ominix_runtime.server.logging import get_logger
 from ominix_runtime.server.metrics import EngineMetrics
 
@@ -269,15 +269,17 @@ class FrontHub:
     def _submit(self, front: _FrontLink, request: GenerateRequest) -> None:
         rid = request.request_id
         if self._service.is_live(rid):
-            text = f"request_id '{rid}' is already live"
-            self._service.count_refusal(text, "invalid_argument", counted_by_engine=False)
-            front.frames.send(link.Refused(rid, RuntimeErrorKind.INVALID_ARGUMENT, text, duplicate=True))
+            duplicate = AlreadyLive(f"request_id '{rid}' is already live")
+            self._service.count_refusal(
+                duplicate.message, rejection_reason(duplicate), counted_by_engine=False
+            )
+            front.frames.send(link.Refused(rid, duplicate.kind, duplicate.message, duplicate=True))
             return
         try:
             self._engine.submit(request, sink=front)
         except OminixError as exc:
             self._service.count_refusal(
-                exc.message, exc.kind.name.lower(), counted_by_engine=True, model=request.model
+                exc.message, rejection_reason(exc), counted_by_engine=True, model=request.model
             )
             front.frames.send(link.Refused(rid, exc.kind, exc.message, duplicate=False))
             return

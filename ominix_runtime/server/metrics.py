@@ -58,7 +58,12 @@ STEP_TOKENS_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1638
 
 FINISH_REASONS = tuple(r.name.lower() for r in FinishReason)
 # Why a request was refused before it ran: the error kinds, a model this engine does not serve, a bad id.
-REJECTION_REASONS = (*(k.name.lower() for k in RuntimeErrorKind), "model_not_found", "invalid_request_id")
+REJECTION_REASONS = (
+    *(k.name.lower() for k in RuntimeErrorKind),
+    "model_not_found",
+    "invalid_request_id",
+    "duplicate_request_id",
+)
 
 
 class EngineMetrics:

@@ -27,7 +27,7 @@ from ominix_runtime.engine.config import EngineCoreConfig
 from ominix_runtime.engine.core import EngineCore
 from ominix_runtime.engine.stats import RunReport
 from ominix_runtime.pb import common_pb2, engine_pb2
-from ominix_runtime.server.engine_service import EngineService, EngineServiceBase
+from ominix_runtime.server.engine_service import AlreadyLive, EngineService, EngineServiceBase
 from ominix_runtime.server.metrics import EngineMetrics
 from ominix_runtime.testing.fake_backend import FakeConfig, FakeRequestBackend, FakeStepBackend
 from ominix_runtime.testing.front_link import linked_front
@@ -146,6 +146,53 @@ def test_refusals_are_labelled_with_the_served_model_the_request_named(front_pro
         (("model_name", "model-a"), ("reason", "model_not_found")): 1.0,
         (("model_name", "model-b"), ("reason", "backend_unavailable")): 1.0,
     }
+
+
+def _long_request(rid: str) -> engine_pb2.GenerateRequest:
+    return engine_pb2.GenerateRequest(
+        request_id=rid,
+        input_ids=engine_pb2.TokenIds(ids=[5, 6, 7]),
+        sampling=common_pb2.SamplingParams(max_tokens=4000, ignore_eos=True),
+    )
+
+
+@pytest.mark.parametrize("front_process", [False, True], ids=["in-process", "front-process"])
+def test_a_duplicate_request_id_is_counted_once_as_such(front_process: bool) -> None:
+    """A request whose id is live is refused (ALREADY_EXISTS) and counted once under reason
+    "duplicate_request_id", in GetStats' rejected count too: whether the front refusing it holds the live
+    request itself or, behind a front process, the id is live through another front (here the engine
+    process's own service), which the hub finds."""
+
+    async def main() -> tuple[dict[Labels, float], int]:
+        core = EngineCore(
+            [FakeStepBackend(FakeConfig(model_name="m", step_latency=0.01))], EngineCoreConfig()
+        )
+        await core.start()
+        metrics = EngineMetrics("m")
+        service = EngineService(core, None, "m", metrics)
+        held = [await service.admit(_long_request("held"), "held")]
+        async with contextlib.AsyncExitStack() as stack:
+            front: EngineServiceBase = service
+            if front_process:
+                _link, front = await stack.enter_async_context(linked_front(core, service))
+                held.append(await front.admit(_long_request("own"), "own"))
+            for rid in ("held", "own") if front_process else ("held",):
+                with pytest.raises(AlreadyLive):
+                    await front.admit(_long_request(rid), rid)
+            for _ in range(100):  # a front's refusals reach the engine process over the link
+                if sum(_samples(metrics, "ominix_request_rejections_total").values()) >= len(held):
+                    break
+                await asyncio.sleep(0.01)
+            for admitted in held:
+                admitted.handle.abort()
+            stats = await service.GetStats(engine_pb2.GetStatsRequest(), None)  # type: ignore[arg-type]
+        await core.stop(drain_timeout=0)
+        return _samples(metrics, "ominix_request_rejections_total"), stats.requests_rejected
+
+    counted, rejected = asyncio.run(asyncio.wait_for(main(), 30))
+    refusals = 2 if front_process else 1
+    assert counted == {(("model_name", "m"), ("reason", "duplicate_request_id")): float(refusals)}
+    assert rejected == refusals
 
 
 @pytest.mark.parametrize("kind", ["step", "request"])
