@@ -365,6 +365,9 @@ _SHARED_SHARDS = {"gate_proj": 0, "up_proj": 1}
 # The router and Qwen2-MoE's shared-expert gate: they run in the model dtype, but FP8 checkpoints may store them
 # in e4m3 with a scale (transformers' FP8 quantizer does unless modules_to_not_convert lists them).
 _ROUTER_RE = re.compile(r"^(layers\.\d+\.mlp\.(?:gate|shared_expert_gate))\.(weight|weight_scale_inv)$")
+# Qwen2-MoE with shared_expert_intermediate_size 0: transformers still builds and saves a zero-width shared
+# expert and its gate, whose output is zero; such a layer is built without them and their tensors are skipped.
+_SHARED_RE = re.compile(r"^layers\.(\d+)\.mlp\.shared_expert(\.\w+|_gate)\.(weight|weight_scale_inv)$")
 
 
 class _FP8Routers:
@@ -446,6 +449,15 @@ class MoeForCausalLM(LlamaForCausalLM):
         routers = _FP8Routers(self)
         for hf_name, weight in weights:
             name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+            absent = _SHARED_RE.match(name)
+            if absent is not None and self._moe_block(int(absent.group(1))).shared_expert is None:
+                shape = as_weight_source(weight).shape
+                if absent.group(2) != "_gate" and 0 not in shape:
+                    raise ValueError(
+                        f"{hf_name}: a shared expert's weight of shape {list(shape)}, but the config's "
+                        "shared_expert_intermediate_size is 0"
+                    )
+                continue
             router = _ROUTER_RE.match(name)
             if router is not None:
                 yield from routers.take(router.group(1), router.group(2), hf_name, weight)
