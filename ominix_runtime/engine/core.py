@@ -394,7 +394,8 @@ class EngineCore:
         return max(close, key=lambda g: (g.prefix_hit_tokens(request), -loads[g.worker_id]))
 
     def _evacuate(self, failed: WorkerGroup, requests: list[EngineRequest]) -> list[EngineRequest]:
-        """Resume a failed group's requests on healthy groups of the same model; returns the ones left over.
+        """Resume a failed group's requests on healthy groups of the same model, the least loaded first and
+        drained ones last; returns the ones left over.
 
         Requests that streamed nothing are simply recomputed; the others continue from prompt + the tokens
         already sent, with the same effective seed (the worker seeds by output position).
@@ -414,7 +415,9 @@ class EngineCore:
                 and g.running
                 and g.capability.model.name == failed.capability.model.name
             ]
-            targets.sort(key=lambda g: g.num_queued + g.num_running)
+            # A drained group (Drain) takes a failed group's requests only when no other can: its operator
+            # is emptying it.
+            targets.sort(key=lambda g: (g.worker_id in self._draining, g.num_queued + g.num_running))
             for target in targets:
                 try:
                     target.adopt(req)

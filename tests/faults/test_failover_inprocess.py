@@ -125,3 +125,40 @@ def test_no_survivor_ends_every_request_with_backend_unavailable_then_reconnects
             await core.stop()
 
     asyncio.run(main())
+
+
+def test_a_failed_workers_requests_go_to_a_drained_group_only_when_no_other_can_take_them() -> None:
+    """Three groups: w0 fails while w1 is drained (idle) and w2 is busier than w1. Every request of w0 resumes
+    on w2; once w2 is gone too, on w1 rather than failing."""
+
+    async def main() -> tuple[list[list[WorkerEvent]], list[list[WorkerEvent]], int, int]:
+        backends = [_fake(f"w{i}") for i in range(3)]
+        core = EngineCore(backends, EngineCoreConfig())
+        await core.start()
+        try:
+            core.drain("w1")
+            handles = [core.submit(_req(i)) for i in range(NUM_REQUESTS)]  # on w0 and w2 only
+            tasks = [asyncio.create_task(_collect(h)) for h in handles]
+            victim, drained, busy = core.groups
+            assert victim.num_running + victim.num_queued > 0 and busy.num_running + busy.num_queued > 0
+            await _wait_until(lambda: victim.counters.generated_tokens >= 10)
+            backends[0].crash()
+            first = await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT)
+            resumed_on_drained = drained.counters.resumed
+            generated = busy.counters.generated_tokens
+            handles = [core.submit(_req(i)) for i in range(4)]  # w0 is down: all on w2
+            tasks = [asyncio.create_task(_collect(h)) for h in handles]
+            await _wait_until(lambda: busy.counters.generated_tokens >= generated + 8)
+            backends[2].crash()
+            second = await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT)
+            return first, second, resumed_on_drained, drained.counters.resumed
+        finally:
+            await core.stop()
+
+    first, second, resumed_before, resumed_after = asyncio.run(main())
+    for events in first + second:
+        assert sum(is_terminal(e) for e in events) == 1
+        assert isinstance(events[-1], Done), events[-1]
+        assert len(_tokens(events)) == MAX_TOKENS
+    assert resumed_before == 0  # w2 took every request of w0
+    assert resumed_after == 4  # with w2 gone, the drained w1 is the only one left
