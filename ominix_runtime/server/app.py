@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ominix_runtime import memory
-from ominix_runtime.backends.grpc_worker import CHANNEL_OPTIONS, GrpcWorkerBackend
+from ominix_runtime.backends.grpc_worker import CHANNEL_OPTIONS, CLOSE_TIMEOUT_S, GrpcWorkerBackend
 from ominix_runtime.config import RuntimeConfig
 from ominix_runtime.contract import BackendAdapter, OminixError, RuntimeErrorKind
 from ominix_runtime.engine.core import EngineCore
@@ -26,7 +26,7 @@ from ominix_runtime.models import ModelFormat, ModelSource, resolve_model
 from ominix_runtime.pb import engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.engine_service import EngineService, EngineServiceBase
 from ominix_runtime.server.front_guard import FrontGuard
-from ominix_runtime.server.front_hub import FrontHub
+from ominix_runtime.server.front_hub import FRONT_STOP_TIMEOUT_S, FrontHub
 from ominix_runtime.server.logging import configure_logging, get_logger
 from ominix_runtime.server.metrics import EngineMetrics
 from ominix_runtime.server.stats_line import StatsLine
@@ -39,6 +39,15 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 METRICS_REFRESH_INTERVAL_S = 0.5
 HEALTH_REFRESH_INTERVAL_S = 0.25
 SHUTDOWN_FLUSH_S = 2.0
+
+
+def longest_graceful_stop_s(drain_timeout: float) -> float:
+    """The longest ``shutdown`` takes after a SIGTERM: the drain, closing worker streams that do not answer
+    (half-close, then the reader), the flush of the last events, front processes that do not stop, and the gRPC
+    server's grace. A supervisor's kill timeout (systemd, Kubernetes, docker stop) must exceed it."""
+    return drain_timeout + 2 * CLOSE_TIMEOUT_S + SHUTDOWN_FLUSH_S + FRONT_STOP_TIMEOUT_S + SHUTDOWN_FLUSH_S
+
+
 MIN_MESSAGE_BYTES = 1024  # below this no request fits: the engine would refuse every call
 
 _log = get_logger("ominix.server")

@@ -18,6 +18,8 @@ from obs_daemon import Scraped
 from obs_tools import DEPLOY, REPO, require_tool, run
 
 from ominix_runtime.bind_probe import free_port
+from ominix_runtime.config import ServerConfig
+from ominix_runtime.server.app import longest_graceful_stop_s
 
 DOCKERFILES = sorted(p for p in (DEPLOY / "docker").glob("Dockerfile.*") if p.suffix != ".dockerignore")
 UNITS = DEPLOY / "systemd"
@@ -112,6 +114,11 @@ def _build_context(dockerfile: Path) -> list[str]:
     return kept
 
 
+def test_the_documented_docker_stop_timeout_covers_the_longest_graceful_stop() -> None:
+    (timeout,) = re.findall(r"docker stop -t (\d+)", (DEPLOY / "README.md").read_text())
+    assert float(timeout) > longest_graceful_stop_s(ServerConfig().drain_timeout)
+
+
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_build_context_installs_the_package(dockerfile: Path, tmp_path: Path) -> None:
     """Without a Docker engine: the files the image's context holds (per its .dockerignore) are what its
@@ -188,7 +195,7 @@ def test_units_run_as_a_user_and_template_the_workers() -> None:
     assert "worker@0" not in engine and "ominix-workers.target" in engine
     assert "%i" in worker and "WantedBy=ominix-workers.target" in worker
     drain = float(re.search(r"--drain-timeout (\d+)", engine).group(1))
-    assert float(re.search(r"TimeoutStopSec=(\d+)", engine).group(1)) > drain + 2
+    assert float(re.search(r"TimeoutStopSec=(\d+)", engine).group(1)) > longest_graceful_stop_s(drain)
 
 
 def _worker_argv(instance: int, env: dict[str, str], tmp_path: Path) -> list[str]:

@@ -11,9 +11,11 @@ import pytest
 import yaml
 from obs_tools import DEPLOY, require_tool, run
 
+from ominix_runtime.backends.grpc_worker import CLOSE_TIMEOUT_S
+from ominix_runtime.server.app import longest_graceful_stop_s
+
 OVERLAYS = DEPLOY / "kubernetes" / "overlays"
 DOCKERFILES = sorted(p for p in (DEPLOY / "docker").glob("Dockerfile.*") if p.suffix != ".dockerignore")
-DRAIN_FLUSH_S = 2  # the engine's extra grace after --drain-timeout (server.app.SHUTDOWN_FLUSH_S)
 
 
 def render(overlay: str) -> list[dict[str, Any]]:
@@ -168,12 +170,13 @@ def test_termination_grace_covers_the_drain(overlay: str) -> None:
     containers = {c["name"]: c for c in pod["containers"]}
     drain = float(flag(containers["engine"]["args"], "drain-timeout")[0])
     grace = pod["terminationGracePeriodSeconds"]
-    assert drain + DRAIN_FLUSH_S < grace <= drain + 30
-    # Workers keep serving while the engine drains: their preStop outlasts the drain, within the grace.
+    assert longest_graceful_stop_s(drain) < grace <= drain + 30
+    # Workers keep serving while the engine drains and closes their streams: their preStop outlasts both,
+    # within the grace.
     for name, c in containers.items():
         if name != "engine":
             sleep = float(c["lifecycle"]["preStop"]["exec"]["command"][1])
-            assert drain + DRAIN_FLUSH_S <= sleep < grace
+            assert drain + 2 * CLOSE_TIMEOUT_S <= sleep < grace
 
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
