@@ -51,6 +51,25 @@ _SAMPLING_NUMBERS = (
     "repetition_penalty",
 )
 _SAMPLING_INTS = ("top_k", "seed", "min_new_tokens")
+_ALIASES = {"min_tokens": "min_new_tokens"}  # vLLM's spelling
+# Sampling fields of SGLang's and vLLM's requests that this engine does not implement: each passes only at its
+# no-op value (absent, null or this value), else it is refused rather than ignored, since ignoring it
+# would change what the caller gets (several choices, a biased or constrained draw) without saying so.
+_UNSUPPORTED_SAMPLING: dict[str, object] = {
+    "n": 1,
+    "best_of": 1,
+    "logit_bias": {},
+    "bad_words": [],
+    "allowed_token_ids": [],
+    "regex": "",
+    "json_schema": "",
+    "ebnf": "",
+    "structural_tag": "",
+    "guided_json": "",
+    "guided_regex": "",
+    "guided_choice": [],
+    "guided_grammar": "",
+}
 _PRIORITIES = {"realtime": 1, "interactive": 2, "batch": 3}
 
 
@@ -229,6 +248,17 @@ def _messages(value: Any) -> list[dict[str, str]]:
 def parse_sampling(obj: Any) -> V0Sampling:
     if not isinstance(obj, dict):
         raise V0ProtocolError("sampling must be an object")
+    for key, no_op in _UNSUPPORTED_SAMPLING.items():
+        value = obj.get(key)
+        if value is not None and (type(value) is not type(no_op) or value != no_op):
+            raise V0ProtocolError(
+                f"sampling.{key} is not supported by this worker (send {no_op!r} or leave it out)"
+            )
+    for alias, key in _ALIASES.items():
+        if obj.get(alias) is not None:
+            if obj.get(key) is not None:
+                raise V0ProtocolError(f"sampling.{alias} and sampling.{key} are one field: send one")
+            obj = {**obj, key: obj[alias]}
     out = V0Sampling()
     for key in ("max_new_tokens", "max_completion_tokens", "max_tokens"):  # the shim's alias order
         if obj.get(key) is not None:

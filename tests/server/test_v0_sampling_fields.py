@@ -1,5 +1,5 @@
-"""The v0 front refuses a sampling value its wire type cannot hold with a 400 naming the request's field, and
-reads seed -1 as "no seed" (vLLM's and SGLang's spelling)."""
+"""The v0 front refuses a sampling value its wire type cannot hold, or a sampling field it does not implement,
+with a 400 naming the request's field, and reads seed -1 as "no seed" (vLLM's and SGLang's spelling)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,8 @@ def _v0(daemon: RunningDaemon, sampling: dict[str, object]) -> tuple[int, bytes]
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"top_k": 2**40}, "top_k"),
         ({"seed": 2**64}, "seed"),
+        ({"n": 2}, "sampling.n"),
+        ({"logit_bias": {"11": 100}}, "logit_bias"),
     ],
 )
 def test_out_of_range_value_names_its_field(
@@ -69,3 +71,11 @@ def test_out_of_range_value_names_its_field(
 def test_seed_minus_one_means_unseeded_as_in_vllm(daemon: RunningDaemon) -> None:
     status, body = _v0(daemon, {"seed": -1, "temperature": 1.0})
     assert status == 200, (status, body[:200])
+
+
+def test_vllms_min_tokens_reaches_the_engine_as_min_new_tokens(daemon: RunningDaemon) -> None:
+    """The engine checks it: more than max_new_tokens is refused there, naming min_tokens."""
+    status, body = _v0(daemon, {"min_tokens": 5, "max_new_tokens": 2})
+    message = json.loads(body)["error"]["message"]
+    assert status == 400 and "min_tokens must be in [0, max_tokens]" in message, (status, message)
+    assert _v0(daemon, {"min_tokens": 2, "max_new_tokens": 2})[0] == 200

@@ -84,6 +84,37 @@ def test_refusals_name_the_field(raw: bytes, needle: str) -> None:
         parse_generate_request(raw)
 
 
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"n": 2},
+        {"n": True},
+        {"best_of": 3},
+        {"logit_bias": {"42": 5.0}},
+        {"bad_words": ["no"]},
+        {"allowed_token_ids": [1, 2]},
+        {"regex": "[a-z]+"},
+        {"json_schema": "{}"},
+        {"guided_choice": ["yes", "no"]},
+    ],
+)
+def test_a_sampling_field_this_worker_does_not_implement_is_refused_not_ignored(sampling: dict) -> None:
+    (key,) = sampling
+    with pytest.raises(V0ProtocolError, match=rf"sampling\.{key} is not supported"):
+        parse_generate_request(body(prompt="a", sampling=sampling))
+
+
+def test_unimplemented_fields_at_their_no_op_values_pass() -> None:
+    no_ops = {"n": 1, "best_of": None, "logit_bias": {}, "bad_words": [], "regex": "", "guided_choice": []}
+    assert parse_generate_request(body(prompt="a", sampling=no_ops)).sampling.max_new_tokens is None
+
+
+def test_min_tokens_is_min_new_tokens_spelled_as_vllm_does() -> None:
+    assert parse_generate_request(body(prompt="a", sampling={"min_tokens": 4})).sampling.min_new_tokens == 4
+    with pytest.raises(V0ProtocolError, match="one field"):
+        parse_generate_request(body(prompt="a", sampling={"min_tokens": 4, "min_new_tokens": 2}))
+
+
 def test_surrogate_pairs_and_finite_numbers_pass() -> None:
     """Only a lone surrogate is refused: an escaped pair is one valid character."""
     req = parse_generate_request(b'{"prompt": "\\ud83d\\ude00", "sampling": {"temperature": 0.5e1}}')
