@@ -4,6 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
+# pytest-xdist workers for `make test` (auto: one per core); each test file runs whole on one worker, so a
+# module's daemon fixture starts once. `make test TEST_WORKERS=0` runs the suite in one process.
+TEST_WORKERS ?= auto
 
 .PHONY: run test proto lint bench soak conformance wheel clean
 
@@ -21,7 +24,7 @@ run: $(STAMP)
 	$(BIN)/ominix-runtime launch --devices cpu $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 proto: $(STAMP)
 	$(BIN)/python -m ominix_runtime.pb.generate

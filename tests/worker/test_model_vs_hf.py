@@ -39,7 +39,10 @@ class LogitsRecorder:
         self.rows = None
         result = self.runner.execute_step(step)
         sampled = [o.request_id for o in result.outputs if o.sampled_token_id is not None]
+        # The runner computes logits only for rows that sample, in the order of the outputs that carry them.
+        assert self.rows is not None or not sampled
         logits = {} if self.rows is None else {rid: self.rows[i] for i, rid in enumerate(sampled)}
+        assert self.rows is None or self.rows.shape[0] == len(sampled), (self.rows.shape, sampled)
         assert len(logits) == len(sampled)
         return result, logits
 
