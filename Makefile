@@ -4,9 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
-# pytest-xdist workers for `make test` (auto: one per core); each test file runs whole on one worker, so a
-# module's daemon fixture starts once. `make test TEST_WORKERS=0` runs the suite in one process.
-TEST_WORKERS ?= auto
+# pytest-xdist workers for `make test`; each test file runs whole on one worker, so a module's daemon fixture
+# starts once. Two: the CI box's cores (more would share them among timing-bound tests). On a machine with an
+# NVIDIA GPU, none: the GPU tests measure the device and must have it alone. `TEST_WORKERS=0`: one process.
+TEST_WORKERS ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 0 || echo 2)
 
 .PHONY: run test proto lint bench soak conformance wheel clean
 

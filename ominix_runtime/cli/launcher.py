@@ -213,6 +213,14 @@ def _start_worker(argv: Sequence[str], env: dict[str, str]) -> tuple[subprocess.
     return proc, output
 
 
+def longest_launch_stop_s(drain_timeout: float) -> float:
+    """The longest ``launch`` takes to exit after a SIGTERM: the engine's graceful stop, then its workers'
+    (SIGKILL after ``STOP_TIMEOUT_S``). A container's stop timeout must exceed it."""
+    from ominix_runtime.server.app import longest_graceful_stop_s  # the engine's modules load only to serve
+
+    return longest_graceful_stop_s(drain_timeout) + STOP_TIMEOUT_S
+
+
 def _stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout: float = STOP_TIMEOUT_S) -> None:
     """SIGTERM each process, then SIGKILL any still running ``timeout`` seconds later (logged: a worker stops
     by itself well within it, see ``ominix_worker.server.SHUTDOWN_DEADLINE_S``)."""

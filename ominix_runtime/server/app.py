@@ -31,6 +31,7 @@ from ominix_runtime.server.logging import configure_logging, get_logger
 from ominix_runtime.server.metrics import EngineMetrics
 from ominix_runtime.server.stats_line import StatsLine
 from ominix_runtime.server.tracing import tracer_from_environment
+from ominix_runtime.server.v0_http import SHUTDOWN_TIMEOUT_S as V0_SHUTDOWN_TIMEOUT_S
 from ominix_runtime.server.v0_http import V0Front
 from ominix_runtime.text import Tokenizer
 
@@ -43,9 +44,17 @@ SHUTDOWN_FLUSH_S = 2.0
 
 def longest_graceful_stop_s(drain_timeout: float) -> float:
     """The longest ``shutdown`` takes after a SIGTERM: the drain, closing worker streams that do not answer
-    (half-close, then the reader), the flush of the last events, front processes that do not stop, and the gRPC
-    server's grace. A supervisor's kill timeout (systemd, Kubernetes, docker stop) must exceed it."""
-    return drain_timeout + 2 * CLOSE_TIMEOUT_S + SHUTDOWN_FLUSH_S + FRONT_STOP_TIMEOUT_S + SHUTDOWN_FLUSH_S
+    (half-close, then the reader), the flush of the last events, front processes that do not stop, the v0
+    front's open connections, and the gRPC server's grace. A supervisor's kill timeout for the engine (systemd,
+    Kubernetes) must exceed it; ``launch`` adds its workers' stop (``cli.launcher.longest_launch_stop_s``)."""
+    return (
+        drain_timeout
+        + 2 * CLOSE_TIMEOUT_S
+        + SHUTDOWN_FLUSH_S
+        + FRONT_STOP_TIMEOUT_S
+        + 2 * V0_SHUTDOWN_TIMEOUT_S
+        + SHUTDOWN_FLUSH_S
+    )
 
 
 MIN_MESSAGE_BYTES = 1024  # below this no request fits: the engine would refuse every call

@@ -41,6 +41,9 @@ from ominix_runtime.server.v0_protocol import (
 )
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # OminiX-API itself refuses public bodies over 20 MiB
+# On stop, aiohttp gives each open connection this long to finish its handler, then as long again for the
+# cancelled handler: up to twice this in all.
+SHUTDOWN_TIMEOUT_S = 2.0
 # HTTP status of a request refused before streaming, by error kind. OminiX-API shows 400/422 as "the model
 # does not support this request", 401/403/429/503 as "unavailable", 408/504 as "timeout".
 HTTP_STATUS_OF_ERROR: dict[RuntimeErrorKind, int] = {
@@ -153,7 +156,7 @@ class V0Front:
                 RuntimeErrorKind.BACKEND_UNAVAILABLE, f"cannot bind the v0 front on {host}:{port}: {exc}"
             ) from exc
         self.port = sock.getsockname()[1]
-        await web.SockSite(self._runner, sock, shutdown_timeout=2.0).start()
+        await web.SockSite(self._runner, sock, shutdown_timeout=SHUTDOWN_TIMEOUT_S).start()
         _log.info("ominix.worker.v0 front listening", address=f"{host}:{self.port}")
         return self.port
 
@@ -280,7 +283,7 @@ class V0Front:
             model = self._service.model_name
         s = req.sampling
         if s.max_new_tokens is not None and s.max_new_tokens < 1:
-            raise V0ProtocolError("sampling.max_new_tokens must be >= 1")
+            raise V0ProtocolError(f"{s.name('max_new_tokens')} must be >= 1")
         sampling = common_pb2.SamplingParams(stop=s.stop, ignore_eos=s.ignore_eos)
         # Field by field, so that a value out of its wire type's range (a negative count, a number past int64
         # or a double) is refused naming the request's own field.
@@ -298,7 +301,7 @@ class V0Front:
             ("repetition_penalty", s.repetition_penalty, "repetition_penalty"),
         ):
             if value is not None:
-                _set_field(sampling, name, value, f"sampling.{field}")
+                _set_field(sampling, name, value, s.name(field))
         _set_field(sampling, "stop_token_ids", s.stop_token_ids, "sampling.stop_token_ids")
         try:
             pb = engine_pb2.GenerateRequest(

@@ -52,24 +52,28 @@ _SAMPLING_NUMBERS = (
 )
 _SAMPLING_INTS = ("top_k", "seed", "min_new_tokens")
 _ALIASES = {"min_tokens": "min_new_tokens"}  # vLLM's spelling
-# Sampling fields of SGLang's and vLLM's requests that this engine does not implement: each passes only at its
-# no-op value (absent, null or this value), else it is refused rather than ignored, since ignoring it
-# would change what the caller gets (several choices, a biased or constrained draw) without saying so.
-_UNSUPPORTED_SAMPLING: dict[str, object] = {
-    "n": 1,
-    "best_of": 1,
-    "logit_bias": {},
-    "bad_words": [],
-    "allowed_token_ids": [],
-    "regex": "",
-    "json_schema": "",
-    "ebnf": "",
-    "structural_tag": "",
-    "guided_json": "",
-    "guided_regex": "",
-    "guided_choice": [],
-    "guided_grammar": "",
-}
+# Sampling fields of SGLang's and vLLM's requests that this engine does not implement: several choices a
+# request, and constraints on the draw (biases, banned or allowed tokens, grammars, schemas, logit processors).
+# Each passes only at its no-op value (absent, null, empty, or 1 choice); any other value is refused rather than
+# ignored, since ignoring it would change what the caller gets without saying so.
+_UNSUPPORTED_CHOICE_COUNTS = ("n", "best_of")
+_UNSUPPORTED_CONSTRAINTS = (
+    "logit_bias",
+    "bad_words",
+    "allowed_token_ids",
+    "regex",
+    "stop_regex",
+    "json_schema",
+    "ebnf",
+    "structural_tag",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "custom_logit_processor",
+    "logits_processors",
+)
 _PRIORITIES = {"realtime": 1, "interactive": 2, "batch": 3}
 
 
@@ -95,6 +99,11 @@ class V0Sampling:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # The request's own name of a field it sent by an alias (errors name the field as the caller sent it).
+    names: dict[str, str] = field(default_factory=dict)
+
+    def name(self, key: str) -> str:
+        return f"sampling.{self.names.get(key, key)}"
 
 
 @dataclass(slots=True)
@@ -248,21 +257,25 @@ def _messages(value: Any) -> list[dict[str, str]]:
 def parse_sampling(obj: Any) -> V0Sampling:
     if not isinstance(obj, dict):
         raise V0ProtocolError("sampling must be an object")
-    for key, no_op in _UNSUPPORTED_SAMPLING.items():
+    for key in _UNSUPPORTED_CHOICE_COUNTS:
+        if obj.get(key) is not None and _int(obj[key], f"sampling.{key}") != 1:
+            raise V0ProtocolError(f"sampling.{key} is not supported by this worker: one choice a request")
+    for key in _UNSUPPORTED_CONSTRAINTS:
         value = obj.get(key)
-        if value is not None and (type(value) is not type(no_op) or value != no_op):
-            raise V0ProtocolError(
-                f"sampling.{key} is not supported by this worker (send {no_op!r} or leave it out)"
-            )
+        if value is not None and value not in ("", [], {}):
+            raise V0ProtocolError(f"sampling.{key} is not supported by this worker (leave it out)")
+    out = V0Sampling()
     for alias, key in _ALIASES.items():
         if obj.get(alias) is not None:
-            if obj.get(key) is not None:
-                raise V0ProtocolError(f"sampling.{alias} and sampling.{key} are one field: send one")
-            obj = {**obj, key: obj[alias]}
-    out = V0Sampling()
+            value = _int(obj[alias], f"sampling.{alias}")
+            if obj.get(key) is not None and _int(obj[key], f"sampling.{key}") != value:
+                raise V0ProtocolError(f"sampling.{alias} and sampling.{key} are one field, with two values")
+            obj = {**obj, key: value}
+            out.names[key] = alias
     for key in ("max_new_tokens", "max_completion_tokens", "max_tokens"):  # the shim's alias order
         if obj.get(key) is not None:
             out.max_new_tokens = _int(obj[key], f"sampling.{key}")
+            out.names["max_new_tokens"] = key
             break
     for key in _SAMPLING_NUMBERS:
         if obj.get(key) is not None:

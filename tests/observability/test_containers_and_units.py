@@ -18,6 +18,7 @@ from obs_daemon import Scraped
 from obs_tools import DEPLOY, REPO, require_tool, run
 
 from ominix_runtime.bind_probe import free_port
+from ominix_runtime.cli.launcher import longest_launch_stop_s
 from ominix_runtime.config import ServerConfig
 from ominix_runtime.server.app import longest_graceful_stop_s
 
@@ -114,9 +115,10 @@ def _build_context(dockerfile: Path) -> list[str]:
     return kept
 
 
-def test_the_documented_docker_stop_timeout_covers_the_longest_graceful_stop() -> None:
+def test_the_documented_docker_stop_timeout_covers_launchs_longest_graceful_stop() -> None:
+    """The image runs ``launch``: the engine's stop, then its workers'."""
     (timeout,) = re.findall(r"docker stop -t (\d+)", (DEPLOY / "README.md").read_text())
-    assert float(timeout) > longest_graceful_stop_s(ServerConfig().drain_timeout)
+    assert float(timeout) > longest_launch_stop_s(ServerConfig().drain_timeout)
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)

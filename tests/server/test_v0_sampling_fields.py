@@ -53,6 +53,8 @@ def _v0(daemon: RunningDaemon, sampling: dict[str, object]) -> tuple[int, bytes]
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ({"min_new_tokens": -1}, "min_new_tokens"),
+        ({"min_tokens": -1}, "sampling.min_tokens"),
+        ({"max_new_tokens": None, "max_tokens": 0}, "sampling.max_tokens"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"top_k": 2**40}, "top_k"),
         ({"seed": 2**64}, "seed"),

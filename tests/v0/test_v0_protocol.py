@@ -88,7 +88,7 @@ def test_refusals_name_the_field(raw: bytes, needle: str) -> None:
     "sampling",
     [
         {"n": 2},
-        {"n": True},
+        {"n": 3.0},
         {"best_of": 3},
         {"logit_bias": {"42": 5.0}},
         {"bad_words": ["no"]},
@@ -96,6 +96,9 @@ def test_refusals_name_the_field(raw: bytes, needle: str) -> None:
         {"regex": "[a-z]+"},
         {"json_schema": "{}"},
         {"guided_choice": ["yes", "no"]},
+        {"structured_outputs": {"json": {}}},
+        {"stop_regex": ["a+"]},
+        {"custom_logit_processor": "serialized"},
     ],
 )
 def test_a_sampling_field_this_worker_does_not_implement_is_refused_not_ignored(sampling: dict) -> None:
@@ -105,14 +108,19 @@ def test_a_sampling_field_this_worker_does_not_implement_is_refused_not_ignored(
 
 
 def test_unimplemented_fields_at_their_no_op_values_pass() -> None:
-    no_ops = {"n": 1, "best_of": None, "logit_bias": {}, "bad_words": [], "regex": "", "guided_choice": []}
+    no_ops = {"n": 1.0, "best_of": None, "logit_bias": {}, "bad_words": [], "regex": "", "stop_regex": []}
     assert parse_generate_request(body(prompt="a", sampling=no_ops)).sampling.max_new_tokens is None
 
 
 def test_min_tokens_is_min_new_tokens_spelled_as_vllm_does() -> None:
     assert parse_generate_request(body(prompt="a", sampling={"min_tokens": 4})).sampling.min_new_tokens == 4
-    with pytest.raises(V0ProtocolError, match="one field"):
+    both = body(prompt="a", sampling={"min_tokens": 4, "min_new_tokens": 4.0})
+    assert parse_generate_request(both).sampling.min_new_tokens == 4
+    with pytest.raises(V0ProtocolError, match="one field, with two values"):
         parse_generate_request(body(prompt="a", sampling={"min_tokens": 4, "min_new_tokens": 2}))
+    # Errors name the field as the request spelled it.
+    with pytest.raises(V0ProtocolError, match=r"^sampling\.min_tokens must be an integer"):
+        parse_generate_request(body(prompt="a", sampling={"min_tokens": "x"}))
 
 
 def test_surrogate_pairs_and_finite_numbers_pass() -> None:
