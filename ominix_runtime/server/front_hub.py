@@ -268,7 +268,7 @@ class FrontHub:
 
     def _submit(self, front: _FrontLink, request: GenerateRequest) -> None:
         rid = request.request_id
-        if self._service.is_live(rid):
+        if self._service.is_live(rid) or self._engine.holds(rid):  # the latter: its previous request ending
             duplicate = AlreadyLive(f"request_id '{rid}' is already live")
             self._service.count_refusal(
                 duplicate.message, rejection_reason(duplicate), counted_by_engine=False

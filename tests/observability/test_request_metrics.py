@@ -161,7 +161,7 @@ def test_a_duplicate_request_id_is_counted_once_as_such(front_process: bool) -> 
     """A request whose id is live is refused (ALREADY_EXISTS) and counted once under reason
     "duplicate_request_id", in GetStats' rejected count too: whether the front refusing it holds the live
     request itself or, behind a front process, the id is live through another front (here the engine
-    process's own service), which the hub finds."""
+    process's own service) or only in the engine, which the hub finds."""
 
     async def main() -> tuple[dict[Labels, float], int]:
         core = EngineCore(
@@ -173,24 +173,31 @@ def test_a_duplicate_request_id_is_counted_once_as_such(front_process: bool) -> 
         held = [await service.admit(_long_request("held"), "held")]
         async with contextlib.AsyncExitStack() as stack:
             front: EngineServiceBase = service
+            refused = ["held"]
             if front_process:
                 _link, front = await stack.enter_async_context(linked_front(core, service))
                 held.append(await front.admit(_long_request("own"), "own"))
-            for rid in ("held", "own") if front_process else ("held",):
+                # Held by the engine with no front's record of it (as while a request of a lost link ends).
+                sampling = SamplingParams(max_tokens=4000, ignore_eos=True)
+                engine_only = core.submit(GenerateRequest("engine-only", [5, 6, 7], sampling))
+                refused += ["own", "engine-only"]
+            for rid in refused:
                 with pytest.raises(AlreadyLive):
                     await front.admit(_long_request(rid), rid)
             for _ in range(100):  # a front's refusals reach the engine process over the link
-                if sum(_samples(metrics, "ominix_request_rejections_total").values()) >= len(held):
+                if sum(_samples(metrics, "ominix_request_rejections_total").values()) >= len(refused):
                     break
                 await asyncio.sleep(0.01)
             for admitted in held:
                 admitted.handle.abort()
+            if front_process:
+                engine_only.abort()
             stats = await service.GetStats(engine_pb2.GetStatsRequest(), None)  # type: ignore[arg-type]
         await core.stop(drain_timeout=0)
         return _samples(metrics, "ominix_request_rejections_total"), stats.requests_rejected
 
     counted, rejected = asyncio.run(asyncio.wait_for(main(), 30))
-    refusals = 2 if front_process else 1
+    refusals = 3 if front_process else 1
     assert counted == {(("model_name", "m"), ("reason", "duplicate_request_id")): float(refusals)}
     assert rejected == refusals
 
