@@ -452,7 +452,7 @@ class MoeForCausalLM(LlamaForCausalLM):
             absent = _SHARED_RE.match(name)
             if absent is not None and self._moe_block(int(absent.group(1))).shared_expert is None:
                 shape = as_weight_source(weight).shape
-                if absent.group(2) != "_gate" and 0 not in shape:
+                if absent.group(2) != "_gate" and absent.group(3) == "weight" and 0 not in shape:
                     raise ValueError(
                         f"{hf_name}: a shared expert's weight of shape {list(shape)}, but the config's "
                         "shared_expert_intermediate_size is 0"
