@@ -30,6 +30,7 @@ from ominix_runtime.server.front_hub import FRONT_STOP_TIMEOUT_S, FrontHub
 from ominix_runtime.server.logging import configure_logging, get_logger
 from ominix_runtime.server.metrics import EngineMetrics
 from ominix_runtime.server.stats_line import StatsLine
+from ominix_runtime.server.tracing import SHUTDOWN_TIMEOUT_S as TRACING_SHUTDOWN_TIMEOUT_S
 from ominix_runtime.server.tracing import tracer_from_environment
 from ominix_runtime.server.v0_http import SHUTDOWN_TIMEOUT_S as V0_SHUTDOWN_TIMEOUT_S
 from ominix_runtime.server.v0_http import V0Front
@@ -45,8 +46,9 @@ SHUTDOWN_FLUSH_S = 2.0
 def longest_graceful_stop_s(drain_timeout: float) -> float:
     """The longest ``shutdown`` takes after a SIGTERM: the drain, closing worker streams that do not answer
     (half-close, then the reader), the flush of the last events, front processes that do not stop, the v0
-    front's open connections, and the gRPC server's grace. A supervisor's kill timeout for the engine (systemd,
-    Kubernetes) must exceed it; ``launch`` adds its workers' stop (``cli.launcher.longest_launch_stop_s``)."""
+    front's open connections, the gRPC server's grace and the last spans' export. A supervisor's kill timeout
+    for the engine (systemd, Kubernetes) must exceed it; ``launch`` adds its workers' stop
+    (``cli.launcher.longest_launch_stop_s``)."""
     return (
         drain_timeout
         + 2 * CLOSE_TIMEOUT_S
@@ -54,6 +56,7 @@ def longest_graceful_stop_s(drain_timeout: float) -> float:
         + FRONT_STOP_TIMEOUT_S
         + 2 * V0_SHUTDOWN_TIMEOUT_S
         + SHUTDOWN_FLUSH_S
+        + TRACING_SHUTDOWN_TIMEOUT_S
     )
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from importlib.metadata import entry_points
@@ -32,6 +33,9 @@ from ominix_runtime.server.logging import get_logger
 TRACEPARENT_HEADER = "traceparent"
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 _EXPORTER_ENTRY_POINTS = "opentelemetry_traces_exporter"
+# How long shutdown waits for the exporter to send the last spans: an unreachable collector would hold it for
+# the exporter's own timeouts (10 s an attempt for OTLP), past a supervisor's kill timeout.
+SHUTDOWN_TIMEOUT_S = 2.0
 
 _log = get_logger("ominix.tracing")
 
@@ -231,7 +235,14 @@ class OtelRequestTracer(RequestTracer):
         self._live.pop(request_id, None)
 
     def shutdown(self) -> None:
-        self._provider.shutdown()
+        """Flush and stop exporting, for at most SHUTDOWN_TIMEOUT_S; spans still unsent then are dropped."""
+        flushing = threading.Thread(target=self._provider.shutdown, name="otel-shutdown", daemon=True)
+        flushing.start()
+        flushing.join(SHUTDOWN_TIMEOUT_S)
+        if flushing.is_alive():
+            _log.warning(
+                "trace export did not finish; the last spans are dropped", timeout_s=SHUTDOWN_TIMEOUT_S
+            )
 
 
 def tracer_from_environment(environ: Mapping[str, str] = os.environ) -> RequestTracer:

@@ -323,3 +323,34 @@ def test_front_processes_trace_from_the_environment(
     assert sent.startswith(f"00-{TRACE_ID}-") and PARENT_SPAN not in sent, sent
     out = capfd.readouterr().out
     assert '"name": "ominix.generate"' in out and '"ominix.request_id": "front-traced-1"' in out
+
+
+def test_shutdown_waits_for_an_exporter_that_hangs_only_so_long() -> None:
+    """A collector that never answers must not hold the engine's exit past its kill timeout: the last spans are
+    given SHUTDOWN_TIMEOUT_S, then dropped (shutdown's bound counts it)."""
+    import threading
+    import time
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    from ominix_runtime.server import tracing
+
+    released = threading.Event()
+
+    class HangingExporter(SpanExporter):
+        def export(self, spans: object) -> SpanExportResult:
+            released.wait(30)  # a collector that does not answer
+            return SpanExportResult.FAILURE
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(HangingExporter()))
+    tracer = OtelRequestTracer(provider)
+    tracer.start("r1").end("finished")
+    started = time.monotonic()
+    try:
+        tracer.shutdown()
+        took = time.monotonic() - started
+    finally:
+        released.set()
+    assert tracing.SHUTDOWN_TIMEOUT_S - 0.1 <= took < tracing.SHUTDOWN_TIMEOUT_S + 1.0, took
