@@ -7,6 +7,7 @@ import contextlib
 import signal
 import sys
 import time
+from collections.abc import Coroutine
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
 
@@ -488,8 +489,13 @@ def has_tokenizer(source: ModelSource) -> bool:
 def run_server(config: RuntimeConfig) -> int:
     """Blocking entry point (uvloop when installed)."""
     configure_logging(config.log.level, config.log.json, component="engine")
+    return run_event_loop(serve(config))
+
+
+def run_event_loop(coro: Coroutine[None, None, int]) -> int:
+    """Run ``coro`` to completion on uvloop when installed, else on asyncio's loop."""
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(serve(config))
-    return uvloop.run(serve(config))
+        return asyncio.run(coro)
+    return uvloop.run(coro)

@@ -23,7 +23,7 @@ import os
 import pickle
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import grpc
@@ -52,6 +52,7 @@ from ominix_runtime.server.app import (
     has_tokenizer,
     load_tokenizer,
     model_source,
+    run_event_loop,
     set_health,
 )
 from ominix_runtime.server.engine_service import AlreadyLive, EngineServiceBase
@@ -365,21 +366,12 @@ def main() -> int:
     config = spec.config
     configure_logging(config.log.level, config.log.json, component="front", front=spec.index)
     try:
-        return _run(serve_front(spec))
+        return run_event_loop(serve_front(spec))
     except OminixError as exc:
         # A front that cannot start (its port taken): one line, not a traceback; the engine process reports
         # the exit status with the port.
         print(f"ominix-runtime front {spec.index}: error: {exc.message}", file=sys.stderr, flush=True)
         return 1
-
-
-def _run(coro: Coroutine[None, None, int]) -> int:
-    """Run ``coro`` on uvloop when installed."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 if __name__ == "__main__":
