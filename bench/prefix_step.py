@@ -39,6 +39,7 @@ import torch  # noqa: E402
 
 from ominix_runtime import memory  # noqa: E402
 from ominix_runtime.contract import (  # noqa: E402
+    CUDA_PROFILE,
     DecodeStep,
     NewRequestData,
     RunningRequestData,
@@ -281,7 +282,10 @@ def main() -> None:
     token_step = args.piecewise_token_step or TOKEN_STEP
     piecewise_graph_buckets = (
         runner.capture_piecewise_graphs(
-            args.piecewise_graph_tokens, timed=args.piecewise_fastest_bucket, step=token_step
+            args.piecewise_graph_tokens,
+            timed=args.piecewise_fastest_bucket,
+            step=token_step,
+            sampled_rows=CUDA_PROFILE.max_running_requests,  # as the worker captures them
         )
         if args.piecewise_graph_tokens
         else 0

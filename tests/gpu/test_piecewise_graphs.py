@@ -37,8 +37,7 @@ _runner = partial(_runner, model_config=_CONFIG)  # the dense shape unless a tes
 def _logits(runner: ModelRunner, rows: list[ScheduledRow]) -> tuple[torch.Tensor, int]:
     """Sampled rows' logits of one forward, and the bucket it replayed (0: eager)."""
     inputs = runner._prepare_inputs(rows)
-    hidden = runner._forward(inputs)
-    logits = runner.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+    logits = runner.model.compute_logits(runner._forward(inputs))
     return logits[: len(inputs.sampling_rows)].clone(), inputs.piecewise_bucket
 
 
@@ -66,16 +65,22 @@ def _bits(kv: torch.Tensor) -> torch.Tensor:
 
 
 @CONFIGS
-def test_pieces_match_eager_forward(tmp_path: Path, model_config: dict[str, object]) -> None:
+@pytest.mark.parametrize("sampled_rows", [0, 3], ids=["whole-tail", "kept-tail"])
+def test_pieces_match_eager_forward(
+    tmp_path: Path, model_config: dict[str, object], sampled_rows: int
+) -> None:
     """Two prompts, then their decode rows beside a third prompt's chunks. Each step runs from the pieces first:
     their captured KV store writes the step's slots and no other; then eagerly: the same logits, and the same
-    K/V in those slots."""
+    K/V in those slots. With ``sampled_rows`` 3 every bucket is captured to run its last layer past attention
+    on 3 rows (the steps sample 2 or 3); with 0 on all of its rows."""
     from ominix_worker.runner import ScheduledRow
 
     runner = _runner(tmp_path, model_config=model_config)
-    assert runner.capture_piecewise_graphs(256, step=32) == 8
+    assert runner.capture_piecewise_graphs(256, step=32, sampled_rows=sampled_rows) == 8
     graphs = runner._piecewise_graphs
     assert graphs is not None and graphs.buckets == (32, 64, 96, 128, 160, 192, 224, 256)
+    assert graphs.tail_rows == sampled_rows  # no decode graphs: the LM head pads nothing
+    assert all(graphs._keeps_tail(b) for b in graphs.buckets) == bool(sampled_rows)
     rng = random.Random(7)
     free_blocks = list(range(1, runner.group_num_blocks[0]))  # block 0 unused: a padding row's slot 0 shows
     rng.shuffle(free_blocks)
@@ -86,10 +91,12 @@ def test_pieces_match_eager_forward(tmp_path: Path, model_config: dict[str, obje
         [ScheduledRow(a, 0, 40, True), ScheduledRow(b, 0, 70, True)],  # 110 tokens: bucket 128
         [ScheduledRow(a, 40, 41, True), ScheduledRow(b, 70, 71, True), ScheduledRow(c, 0, 62, False)],  # 64
         [ScheduledRow(c, 62, 150, True), ScheduledRow(b, 71, 72, True), ScheduledRow(a, 41, 42, True)],  # 96
+        # 32 after 96: the kept rows' indices of the step before (up to 89) lie past this bucket's rows
+        [ScheduledRow(b, 72, 73, True), ScheduledRow(a, 42, 43, True)],
     ]
     for req in (a, b):
-        req.output_token_ids.extend(rng.randrange(3, 1000) for _ in range(2))
-    expected_buckets = [128, 64, 96]
+        req.output_token_ids.extend(rng.randrange(3, 1000) for _ in range(3))
+    expected_buckets = [128, 64, 96, 32]
     for rows, bucket in zip(steps, expected_buckets, strict=True):
         bs = runner.block_size
         step_slots = torch.tensor(

@@ -31,7 +31,7 @@ class _Replayed:
 
 class RecordingPieces:
     """Buckets of 32 tokens. Records each replayed step's padded inputs, computes its real rows with the eager
-    forward and returns NaN in the padding rows, so a sampled padding row would show."""
+    forward and gives NaN in the padding rows, so a kept (sampled) padding row would show."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -46,6 +46,7 @@ class RecordingPieces:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         metas: Sequence[AttentionMetadata],
+        keep: torch.Tensor,
         between: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         starts = metas[0].query_start_loc_cpu
@@ -60,7 +61,7 @@ class RecordingPieces:
         hidden = self.runner.model(input_ids[:rows], positions[:rows], self.runner.kv_caches, real)
         padded = torch.full((input_ids.shape[0], hidden.shape[1]), float("nan"), dtype=hidden.dtype)
         padded[:rows] = hidden
-        return padded
+        return padded.index_select(0, keep)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])

@@ -48,7 +48,9 @@ def batch_logits(runner: ModelRunner) -> torch.Tensor:
     ]
     prefill = [ScheduledRow(r, 0, r.num_tokens, samples=True) for r in requests]
     inputs = runner._prepare_inputs(prefill)
-    prefill_logits = runner.model.compute_logits(runner._forward(inputs))
+    # Every position's logits, not only the sampled rows ``_forward`` keeps: the ranks must agree on all.
+    hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.metas)
+    prefill_logits = runner.model.compute_logits(hidden)
     for r in requests:
         r.num_computed_tokens = r.num_tokens
         r.output_token_ids.append(11 + len(r.prompt_token_ids))
@@ -112,7 +114,7 @@ def graph_check(runner: ModelRunner) -> dict[str, object]:
 
     def prompt_logits() -> tuple[torch.Tensor, int]:
         inputs = runner._prepare_inputs(prompt_rows)
-        hidden = runner._forward(inputs).index_select(0, inputs.logits_indices)
+        hidden = runner._forward(inputs)
         return runner.model.compute_logits(hidden)[: len(requests)].float(), inputs.piecewise_bucket
 
     eager_prompt_logits, _ = prompt_logits()

@@ -16,6 +16,11 @@ activations are freed for the next bucket's capture); attention writes a static 
 reads, and the last piece copies the final hidden states into a static buffer. Every bucket shares these
 buffers and one memory pool: a step replays one bucket's pieces in order on one stream.
 
+Past the last layer's attention only the rows whose logits are sampled are read (``last_layer_rows``). A bucket
+larger than ``tail_rows`` (the most rows a step samples, padded as the LM head pads them) is captured with a
+static index buffer of that many rows: its last piece gathers them and runs the last layer's o_proj and MLP on
+them alone; a step copies its sampled rows' indices in and pads the rest with row 0.
+
 cuBLAS picks its kernels by row count, and some counts run slower than larger ones (1,028 - 1,152 rows of the
 Llama-3.1-8B shape's layer GEMMs took 21.45 - 23.85 ms, bench/RESULTS.md, 2026-11-30). ``time_buckets`` times
 every bucket's pieces at start and ``set_routes`` sends a step to the fastest captured bucket that holds it:
@@ -107,9 +112,12 @@ class PiecewiseGraphs:
         device: torch.device,
         buckets: Sequence[int],
         kv_windows: Sequence[int] = (0,),
+        tail_rows: int = 0,
     ) -> None:
         if not buckets:
             raise ValueError("no token bucket to capture")
+        if tail_rows < 0:
+            raise ValueError(f"tail_rows must be 0 or more, got {tail_rows}")
         self.model = model
         self.attention = attention
         self.device = device
@@ -119,6 +127,9 @@ class PiecewiseGraphs:
         self.ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slots = torch.full((len(self.kv_windows), n), -1, dtype=torch.int64, device=device)
+        # The rows a bucket larger than ``tail_rows`` keeps past the last layer's attention (0: all, always).
+        self.tail_rows = tail_rows
+        self.keep = torch.zeros(tail_rows, dtype=torch.int64, device=device)
         # Static buffers, allocated by the first (uncaptured) pass: final hidden states, and per query shape
         # (heads, head_dim, dtype) the attention's query and output.
         self.hidden: torch.Tensor | None = None
@@ -227,12 +238,17 @@ class PiecewiseGraphs:
     def _pass(self, bucket: int, kv_caches: list[torch.Tensor]) -> None:
         """One forward of ``bucket`` padding tokens through the cut layers (captured when a piece is open)."""
         self._attends = []
-        hidden = self.model(self.ids[:bucket], self.positions[:bucket], kv_caches, self._metas)
+        keep = self.keep if self._keeps_tail(bucket) else None
+        hidden = self.model(self.ids[:bucket], self.positions[:bucket], kv_caches, self._metas, keep)
         if self.hidden is None:
             self.hidden = torch.empty(
                 (self.max_tokens, hidden.shape[1]), dtype=hidden.dtype, device=self.device
             )
-        self.hidden[:bucket].copy_(hidden)
+        self.hidden[: hidden.shape[0]].copy_(hidden)
+
+    def _keeps_tail(self, bucket: int) -> bool:
+        """Whether ``bucket`` runs its last layer past attention on ``tail_rows`` rows only."""
+        return 0 < self.tail_rows < bucket
 
     @torch.inference_mode()
     def capture(self, kv_caches: list[torch.Tensor]) -> None:
@@ -247,6 +263,7 @@ class PiecewiseGraphs:
             self.ids.zero_()
             self.positions.zero_()
             self.slots.fill_(-1)
+            self.keep.zero_()
             for bucket in reversed(self.buckets):
                 self._metas = self._capture_metas(bucket)
                 self._pass(bucket, kv_caches)  # builds kernels and settles the allocator outside the graph
@@ -304,6 +321,7 @@ class PiecewiseGraphs:
         self.ids.zero_()
         self.positions.zero_()
         self.slots.fill_(-1)
+        self.keep.zero_()
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         for _ in range(3):
@@ -341,17 +359,26 @@ class PiecewiseGraphs:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         metas: Sequence[AttentionMetadata],
+        keep: torch.Tensor,
         between: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        """Final hidden states (bucket, hidden) of a step whose inputs are padded to a captured bucket
-        (``bucket_for``): ids, positions and each group's slots are copied into the static buffers, then the
-        pieces replay with the step's attention between them. ``between`` runs after each layer's attention
-        (host work only, as ``LlamaForCausalLM.between_layers``)."""
+        """Final hidden states of the rows ``keep`` indexes (in its order), for a step whose inputs are padded
+        to a captured bucket (``bucket_for``): ids, positions, each group's slots (and, in a bucket larger than
+        ``tail_rows``, the kept rows' indices) are copied into the static buffers, then the pieces replay with
+        the step's attention between them. ``between`` runs after each layer's attention (host work only, as
+        ``LlamaForCausalLM.between_layers``)."""
         rows = int(input_ids.shape[0])
         captured = self._captured.get(rows)
         if captured is None:
             raise ValueError(f"no captured bucket of {rows} tokens")
         assert self.hidden is not None
+        kept = int(keep.shape[0])
+        tail = self._keeps_tail(rows)
+        if tail:
+            if kept > self.tail_rows:
+                raise ValueError(f"{kept} rows to keep in a bucket captured to keep {self.tail_rows}")
+            self.keep[:kept].copy_(keep)
+            self.keep[kept:].zero_()  # indices of an earlier, larger bucket would lie past this one's rows
         self.ids[:rows].copy_(input_ids)
         self.positions[:rows].copy_(positions)
         for g, meta in enumerate(metas):
@@ -366,4 +393,4 @@ class PiecewiseGraphs:
             if between is not None:
                 between()
         captured.pieces[-1].replay()
-        return self.hidden[:rows]
+        return self.hidden[:kept] if tail else self.hidden[:rows].index_select(0, keep)

@@ -175,6 +175,9 @@ class ModelRunner:
         self.requests: dict[str, CachedRequest] = {}
         self.last_step_id = 0
         self._pin = device.type == "cuda"
+        self._first_row = torch.zeros(
+            1, dtype=torch.int64, device=device
+        )  # ``_forward``'s row when none samples
         self._graphs: DecodeGraphs | None = None  # captured on CUDA
         # Prefill and mixed steps up to a token budget, captured in pieces (``capture_piecewise_graphs``).
         self._piecewise_graphs: PiecewiseGraphs | None = None
@@ -789,17 +792,22 @@ class ModelRunner:
         return self._to_device(rows), self._to_device(flat)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The final hidden states of the rows whose logits the step samples, in ``logits_indices`` order: the
+        last layer computes only those past its attention (``last_layer_rows``). A step that samples nothing
+        keeps its first row, so that no kernel meets an empty batch."""
+        keep = inputs.logits_indices if inputs.logits_indices.shape[0] else self._first_row
         if inputs.piecewise_bucket:
             assert self._piecewise_graphs is not None
             return self._piecewise_graphs.run(
-                inputs.input_ids, inputs.positions, inputs.metas, self.model.between_layers
+                inputs.input_ids, inputs.positions, inputs.metas, keep, self.model.between_layers
             )
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metas)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metas, keep)
 
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> SamplerOutput | None:
+        """Sample from ``hidden``, the rows of ``logits_indices`` (``_forward``)."""
         if inputs.sampling is None:
             return None
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        logits = self.model.compute_logits(hidden)
         # Rows past the sampled ones pad the LM head to a captured size (``logits_row_sizes``).
         return sample(logits[: len(inputs.sampling_rows)], inputs.sampling)
 
@@ -993,7 +1001,9 @@ class ModelRunner:
             and self.model.piecewise_graphs
         )
 
-    def capture_piecewise_graphs(self, max_tokens: int, timed: bool = False, step: int = TOKEN_STEP) -> int:
+    def capture_piecewise_graphs(
+        self, max_tokens: int, timed: bool = False, step: int = TOKEN_STEP, sampled_rows: int = 0
+    ) -> int:
         """CUDA: capture prefill and mixed steps of up to ``max_tokens`` tokens in pieces, per bucket of ``step``
         tokens; returns the buckets captured (0: none, and the steps stay eager:
         not ``piecewise_capturable``, or a capture that failed on a lone rank; on a rank of a group a failure
@@ -1001,13 +1011,18 @@ class ModelRunner:
         ``OMINIX_PIECEWISE_GRAPH_TOKENS``. ``timed``: on a lone rank, each bucket's pieces are timed and a step
         replays the fastest captured bucket that holds it (``PiecewiseGraphs.time_buckets``); the ranks of a
         group would each time their own and must pad alike, and an MoE model's padding rows do not cost what
-        its tokens do, so they keep the smallest."""
+        its tokens do, so they keep the smallest. ``sampled_rows``: the most rows a step samples (the
+        running-request limit); a bucket larger than that, padded as the LM head pads it, runs its last layer
+        past attention on that many rows (0: every bucket on all of its rows)."""
         attention = self.backend.piecewise_attention() if self.piecewise_capturable() else None
         buckets = token_buckets(max_tokens, step)
         if attention is None or not self.kv_caches or not buckets:
             return 0
         started = time.perf_counter()
-        graphs = PiecewiseGraphs(self.model, attention, self.device, buckets, self.kv_windows)
+        tail_rows = (
+            max(sampled_rows, padded_size(sampled_rows, self.logits_row_sizes) or 0) if sampled_rows else 0
+        )
+        graphs = PiecewiseGraphs(self.model, attention, self.device, buckets, self.kv_windows, tail_rows)
         try:
             graphs.capture(self.kv_caches)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:

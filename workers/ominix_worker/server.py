@@ -339,7 +339,10 @@ def load_worker(
     if graphs and piecewise_tokens:
         started = time.perf_counter()
         buckets = runner.capture_piecewise_graphs(
-            piecewise_tokens, timed=debug.piecewise_fastest_bucket, step=debug.piecewise_token_step
+            piecewise_tokens,
+            timed=debug.piecewise_fastest_bucket,
+            step=debug.piecewise_token_step,
+            sampled_rows=max_running,
         )
         if buckets:
             took = time.perf_counter() - started

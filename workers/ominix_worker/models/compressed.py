@@ -38,7 +38,14 @@ from torch import nn
 from ominix_worker.attention.base import AttentionBackend, AttentionMetadata
 from ominix_worker.config import ModelConfig
 from ominix_worker.kv_cache import kv_tensor_indices
-from ominix_worker.models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, RotaryEmbedding
+from ominix_worker.models.llama import (
+    MLP,
+    Attention,
+    LlamaForCausalLM,
+    RMSNorm,
+    RotaryEmbedding,
+    last_layer_rows,
+)
 from ominix_worker.parallel import SINGLE, TensorParallel
 
 
@@ -186,6 +193,8 @@ class CompressedAttention(Attention):
         meta: AttentionMetadata,
         compressed_cache: torch.Tensor | None = None,
         rows_meta: AttentionMetadata | None = None,
+        *,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -224,7 +233,8 @@ class CompressedAttention(Attention):
                 enable_gqa=True,
             )
             out[plan.start : plan.end] = o.transpose(0, 1)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = out.reshape(num_tokens, self.q_size)
+        return self.o_proj(out if keep is None else out.index_select(0, keep))
 
 
 class CompressedDecoderLayer(nn.Module):
@@ -252,10 +262,12 @@ class CompressedDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         compressed_cache: torch.Tensor | None,
         rows_meta: AttentionMetadata | None,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), positions, kv_cache, meta, compressed_cache, rows_meta
+        attn = self.self_attn(
+            self.input_layernorm(hidden), positions, kv_cache, meta, compressed_cache, rows_meta, keep=keep
         )
+        hidden = (hidden if keep is None else hidden.index_select(0, keep)) + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -301,19 +313,22 @@ class LlamaCompressedForCausalLM(LlamaForCausalLM):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metas: Sequence[AttentionMetadata],
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Flattened tokens (T,) → final hidden states (T, hidden), normalised (no fused CUDA path)."""
+        """Flattened tokens (T,) → final hidden states (T, hidden), normalised (no fused CUDA path); with
+        ``keep``, those rows only (``LlamaForCausalLM.forward``)."""
         if len(kv_caches) != self.config.num_kv_cache_layers:
             raise ValueError(f"{len(kv_caches)} KV tensors for {self.config.num_kv_cache_layers}")
         hidden = self.embed_tokens(input_ids)
         between = self.between_layers
+        kept = last_layer_rows(len(self.layers), keep)
         for i, layer in enumerate(self.layers):
             raw = metas[self.layer_kv_groups[i]]
             if self.row_groups[i] < 0:
-                hidden = layer(hidden, positions, kv_caches[i], raw, None, None)
+                hidden = layer(hidden, positions, kv_caches[i], raw, None, None, kept[i])
             else:
                 rows = kv_caches[self.row_cache_index[i]]
-                hidden = layer(hidden, positions, kv_caches[i], raw, rows, metas[self.row_groups[i]])
+                hidden = layer(hidden, positions, kv_caches[i], raw, rows, metas[self.row_groups[i]], kept[i])
             if between is not None:
                 between()
         return self.norm(hidden)

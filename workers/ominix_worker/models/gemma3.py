@@ -26,7 +26,7 @@ from torch import nn
 
 from ominix_worker.attention.base import AttentionBackend, AttentionMetadata
 from ominix_worker.config import ModelConfig
-from ominix_worker.models.llama import MLP, Attention, LlamaForCausalLM, RotaryEmbedding
+from ominix_worker.models.llama import MLP, Attention, LlamaForCausalLM, RotaryEmbedding, last_layer_rows
 from ominix_worker.parallel import SINGLE, TensorParallel, WeightSource
 
 # Prefixes of a multimodal checkpoint's language model (transformers 5, then earlier) and of what is skipped.
@@ -89,9 +89,16 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
 
     def forward(
-        self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), positions, kv_cache, meta)
+        attn = self.self_attn(self.input_layernorm(hidden), positions, kv_cache, meta, keep=keep)
+        if keep is not None:
+            hidden = hidden.index_select(0, keep)
         hidden = hidden + self.post_attention_layernorm(attn)
         return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
 
@@ -126,14 +133,17 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metas: Sequence[AttentionMetadata],
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         # The scale rounded to the run dtype first, as the reference does; a host float, so that CUDA-graph
         # capture sees no host-to-device copy.
         hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype).item()
         between = self.between_layers
-        for layer, kv_cache, g in zip(self.layers, kv_caches, self.layer_kv_groups, strict=True):
-            hidden = layer(hidden, positions, kv_cache, metas[g])
+        for layer, kv_cache, g, rows in zip(
+            self.layers, kv_caches, self.layer_kv_groups, last_layer_rows(len(self.layers), keep), strict=True
+        ):
+            hidden = layer(hidden, positions, kv_cache, metas[g], rows)
             if between is not None:
                 between()
         return self.norm(hidden)

@@ -238,8 +238,16 @@ class Attention(nn.Module):
         self.kv_scales = UNIT_KV_SCALES
 
     def forward(
-        self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The layer's attention output after o_proj: a row per token, or per index of ``keep`` (the rows the
+        step still needs; every token's K and V are stored either way)."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -264,8 +272,8 @@ class Attention(nn.Module):
         else:
             q, k = self._normed_rotated_qk(qkv, positions)
             self.backend.write_kv(kv_cache, k, v, meta, self.kv_scales)
-        out = self.attend(q, kv_cache, meta)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = self.attend(q, kv_cache, meta).reshape(num_tokens, self.q_size)
+        return self.o_proj(out if keep is None else out.index_select(0, keep))
 
     def _normed_rotated_qk(
         self, qkv: torch.Tensor, positions: torch.Tensor
@@ -351,9 +359,16 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else MLP(config, tp)
 
     def forward(
-        self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, kv_cache, meta)
+        """The layer's output rows: every token's, or (``keep``) only those indices' (see ``last_layer_rows``)."""
+        attn = self.self_attn(self.input_layernorm(hidden), positions, kv_cache, meta, keep=keep)
+        hidden = (hidden if keep is None else hidden.index_select(0, keep)) + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -370,6 +385,14 @@ _FUSED_SHARDS = {
 # FP8 KV cache scales as FP8 checkpoints ship them: ``self_attn.k_scale`` (also ``self_attn.attn.k_scale``) or,
 # from older exporters, the K/V projections' ``output_scale``.
 _KV_SCALE_RE = re.compile(r"^layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])(?:_scale|_proj\.output_scale)$")
+
+
+def last_layer_rows(num_layers: int, keep: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Per layer, the rows it passes on past its attention: every token's (None) but in the last layer, where
+    only ``keep``'s are read after the forward (the rows whose logits are sampled). Every layer's attention
+    still stores every token's K and V, so only the last layer's o_proj, MLP and norms shrink: in a prompt step
+    of thousands of tokens and a few hundred sampled rows, about one layer in ``num_layers`` of the GEMMs."""
+    return (None,) * (num_layers - 1) + (keep,)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -434,8 +457,11 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metas: Sequence[AttentionMetadata],
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Flattened tokens (T,) → final hidden states (T, hidden), normalised.
+        """Flattened tokens (T,) → final hidden states (T, hidden), normalised; with ``keep`` (row indices,
+        repeats allowed) only those rows, in that order: the last layer runs o_proj and its MLP on them alone
+        (``last_layer_rows``).
 
         ``metas``: one AttentionMetadata per KV group (``attention_groups``); layer i reads
         ``metas[layer_kv_groups[i]]``, whose block tables and window are its group's.
@@ -443,10 +469,12 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         ops = cuda_ops(hidden)
         if ops is not None:
-            return self._forward_fused(ops, hidden, positions, kv_caches, metas)
+            return self._forward_fused(ops, hidden, positions, kv_caches, metas, keep)
         between = self.between_layers
-        for layer, kv_cache, g in zip(self.layers, kv_caches, self.layer_kv_groups, strict=True):
-            hidden = layer(hidden, positions, kv_cache, metas[g])
+        for layer, kv_cache, g, rows in zip(
+            self.layers, kv_caches, self.layer_kv_groups, last_layer_rows(len(self.layers), keep), strict=True
+        ):
+            hidden = layer(hidden, positions, kv_cache, metas[g], rows)
             if between is not None:
                 between()
         return self.norm(hidden)
@@ -458,6 +486,7 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metas: Sequence[AttentionMetadata],
+        keep: torch.Tensor | None,
     ) -> torch.Tensor:
         """The same sums as the layers' forward, with each residual add fused into the next RMSNorm."""
         eps = self.config.rms_norm_eps
@@ -468,8 +497,13 @@ class LlamaForCausalLM(nn.Module):
         hidden = ops.rms_norm(residual, layers[0].input_layernorm.weight, eps)
         groups = self.layer_kv_groups
         between = self.between_layers
-        for layer, kv_cache, next_weight, g in zip(layers, kv_caches, norm_weights, groups, strict=True):
-            attn = layer.self_attn(hidden, positions, kv_cache, metas[g])
+        rows_of = last_layer_rows(len(layers), keep)
+        for layer, kv_cache, next_weight, g, rows in zip(
+            layers, kv_caches, norm_weights, groups, rows_of, strict=True
+        ):
+            attn = layer.self_attn(hidden, positions, kv_cache, metas[g], keep=rows)
+            if rows is not None:  # a copy of those rows: the fused add below updates it in place
+                residual = residual.index_select(0, rows)
             hidden = ops.fused_add_rms_norm(attn, residual, layer.post_attention_layernorm.weight, eps)
             hidden = ops.fused_add_rms_norm(layer.mlp(hidden), residual, next_weight, eps)
             if between is not None:
