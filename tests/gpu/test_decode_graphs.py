@@ -71,7 +71,8 @@ def _rows(requests: list[CachedRequest], decode: bool) -> list[ScheduledRow]:
 @torch.inference_mode()
 def _eager_logits(runner: ModelRunner, rows: list[ScheduledRow]) -> torch.Tensor:
     inputs = runner._prepare_inputs(rows)
-    return runner.model.compute_logits(runner._forward(inputs))
+    # Once decode graphs exist the eager LM head is padded to a captured size: the sampled rows come first.
+    return runner.model.compute_logits(runner._forward(inputs))[: len(inputs.sampling_rows)]
 
 
 @CONFIGS

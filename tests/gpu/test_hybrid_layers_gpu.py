@@ -344,7 +344,7 @@ def test_graph_decode_gives_the_eager_tokens(hybrid_folder: Path, overlap: bool)
     with torch.inference_mode():
         graph_logits = graphs.run(rows).clone()
         inputs = graphed._prepare_inputs(rows)
-        eager_logits = graphed.model.compute_logits(graphed._forward(inputs))
+        eager_logits = graphed.model.compute_logits(graphed._forward(inputs))[: len(rows)]
     err = ((graph_logits - eager_logits).norm() / eager_logits.norm()).item()
     assert err < 1e-4, f"relative error {err:.2e}"
 

@@ -56,7 +56,7 @@ def batch_logits(runner: ModelRunner) -> torch.Tensor:
         r.output_token_ids.append(11 + len(r.prompt_token_ids))
     decode = [ScheduledRow(r, r.num_tokens - 1, r.num_tokens, samples=True) for r in requests]
     inputs = runner._prepare_inputs(decode)
-    decode_logits = runner.model.compute_logits(runner._forward(inputs))
+    decode_logits = runner.model.compute_logits(runner._forward(inputs))[: len(requests)]
     return torch.cat([prefill_logits, decode_logits]).float().cpu()
 
 
@@ -125,7 +125,10 @@ def graph_check(runner: ModelRunner) -> dict[str, object]:
         r.num_computed_tokens = r.num_tokens - 1
     rows = [ScheduledRow(r, r.num_tokens - 1, r.num_tokens, samples=True) for r in requests]
     graph_logits = graphs.run(rows).float()
-    eager_logits = runner.model.compute_logits(runner._forward(runner._prepare_inputs(rows))).float()
+    # Padded to a captured size past the sampled rows, as the graphs' LM head is.
+    eager_logits = runner.model.compute_logits(runner._forward(runner._prepare_inputs(rows)))[
+        : len(rows)
+    ].float()
     return {
         "pipelined": pipelined,
         "eager": eager,
