@@ -104,6 +104,8 @@ def record_ours(args: argparse.Namespace, top_k: int, log: str) -> None:
         for i in range(args.num_requests)
     ]
     runner.execute_step(DecodeStep(1, new_requests=new))
+    # Only the decode step counts: the prefill's last layer routes the sampled rows alone, as many as a decode.
+    Path(log).write_text("")
     running = [RunningRequestData(r.request_id, [], 1) for r in new]
     runner.execute_step(DecodeStep(2, running_requests=running))
 

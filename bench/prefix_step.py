@@ -285,7 +285,8 @@ def main() -> None:
             args.piecewise_graph_tokens,
             timed=args.piecewise_fastest_bucket,
             step=token_step,
-            sampled_rows=CUDA_PROFILE.max_running_requests,  # as the worker captures them
+            # As the worker captures them, for its default running-request limit or this step's rows.
+            sampled_rows=max(CUDA_PROFILE.max_running_requests, args.mixed_decodes + args.mixed_prompts),
         )
         if args.piecewise_graph_tokens
         else 0

@@ -81,8 +81,12 @@ def _mlp_rows(runner: ModelRunner) -> Iterator[tuple[list[int], list[int]]]:
 def test_kept_rows_are_the_full_forwards_rows(runner: ModelRunner) -> None:
     inputs = runner._prepare_inputs(_rows(runner, samples=True))
     model = runner.model
+    for kv in runner.kv_caches:
+        kv.zero_()
     full = model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.metas)
     kv_full = [kv.clone() for kv in runner.kv_caches]
+    for kv in runner.kv_caches:  # the kept forward must store every K and V itself
+        kv.zero_()
     keep = torch.tensor([20, 0, 12, 12, 27, 5])
     with _mlp_rows(runner) as (before, last):
         kept = model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.metas, keep)
