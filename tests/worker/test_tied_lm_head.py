@@ -80,3 +80,18 @@ def test_each_rank_keeps_its_rows_of_the_stored_weights(
     assert torch.equal(model.lm_head.weight, head)
     assert torch.equal(model.embed_tokens.weight, embedding)
     assert (model.lm_head.weight is model.embed_tokens.weight) == (layout == "lm_head-only")
+
+
+@pytest.mark.parametrize("layout", ["different", "equal", "lm_head-only"])
+@pytest.mark.parametrize("model", list(TIED))
+def test_the_stated_parameter_count_is_the_loaded_models(model: str, layout: str, tmp_path: Path) -> None:
+    """What the worker states (``ModelInfo.num_parameters``, from the config and whether the loaded LM head
+    shares the embedding) is what the model holds: a stored, different head of a tied config counts."""
+    folder = stored_as(write_tiny_hf_model(tmp_path / model, **TIED[model]), layout)
+    runner = build_runner(str(folder))
+    loaded = runner.model
+    held = sum(p.numel() for p in loaded.parameters())  # a shared weight once
+    tied = loaded.lm_head.weight is loaded.embed_tokens.weight
+    assert loaded.config.num_parameters(tied_lm_head=tied) == held
+    head = loaded.config.vocab_size * loaded.config.hidden_size
+    assert loaded.config.num_parameters() == held - (0 if tied else head)  # the config alone says tied

@@ -169,7 +169,10 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def num_parameters(self) -> int:
+    def num_parameters(self, tied_lm_head: bool | None = None) -> int:
+        """The whole model's parameters (every rank's together). ``tied_lm_head``: whether the loaded LM head
+        shares the embedding (the loader keeps a stored, different head of a tied config untied); None: as
+        ``tie_word_embeddings`` says."""
         attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
         if self.arch == "gpt_oss":  # attention sinks; expert and router biases
             attn += self.num_heads
@@ -189,14 +192,16 @@ class ModelConfig:
             moe_mlp += 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size
         num_moe = len(self.moe_layers)
         mlps = num_moe * moe_mlp + (self.num_layers - num_moe) * dense_mlp
-        per_layer = attn + 2 * self.hidden_size
+        # Gemma 3 normalises before and after both the attention and the MLP; the rest before each.
+        per_layer = attn + (4 if self.arch == "gemma3_text" else 2) * self.hidden_size
         # Compressed layers: a gate and a position bias per chunk offset (each per KV head and dimension), and
         # the row norm.
         compress = sum(
             (1 + r) * self.num_kv_heads * self.head_dim + self.head_dim for r in self.compress_ratios if r
         )
         embed = self.vocab_size * self.hidden_size
-        head = 0 if self.tie_word_embeddings else embed
+        tied = self.tie_word_embeddings if tied_lm_head is None else tied_lm_head
+        head = 0 if tied else embed
         return self.num_layers * per_layer + compress + mlps + embed + head + self.hidden_size
 
 
