@@ -352,14 +352,16 @@ def test_graph_decode_gives_the_eager_tokens(hybrid_folder: Path, overlap: bool)
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
 def test_piecewise_steps_give_the_eager_tokens(hybrid_folder: Path, overlap: bool) -> None:
     """Prompt and mixed steps replayed from piecewise graphs (each KV group's slots in the captured store, its
-    window in the attention between the pieces) give the eager runner's tokens."""
+    window in the attention between the pieces, the last layer on the sampled rows) give the eager runner's
+    tokens."""
     eager = _runner(hybrid_folder, "cuda")
     eager_tokens = tokens(drive(eager, _schedule(eager))[0])
     pieced = _runner(hybrid_folder, "cuda")
     assert pieced.capture_decode_graphs([1, 2, 4])
-    assert pieced.capture_piecewise_graphs(128, step=32) == 4
+    # Three requests: every bucket keeps the sampled rows alone past the last attention (3, padded to 4).
+    assert pieced.capture_piecewise_graphs(128, step=32, sampled_rows=3) == 4
     graphs = pieced._piecewise_graphs
-    assert graphs is not None
+    assert graphs is not None and graphs.tail_rows == 4
     replayed: list[int] = []
     run = graphs.run
     graphs.run = lambda *args, **kwargs: (replayed.append(1), run(*args, **kwargs))[1]  # type: ignore[method-assign]

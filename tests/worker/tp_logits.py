@@ -98,8 +98,11 @@ def graph_check(runner: ModelRunner) -> dict[str, object]:
     assert runner.capture_decode_graphs([1, 2, 4]), "no graphs captured"
     graphs = runner._graphs
     assert graphs is not None
-    buckets = runner.capture_piecewise_graphs(64, step=32)
+    # Every bucket keeps only the sampled rows past the last attention (one per prompt), as a serving
+    # worker's buckets above its running-request limit do.
+    buckets = runner.capture_piecewise_graphs(64, step=32, sampled_rows=len(PROMPTS))
     pieces = runner._piecewise_graphs
+    assert pieces is not None and pieces.tail_rows == len(PROMPTS)
     pipelined = greedy_tokens(runner, 12, pipelined=True)
     runner._graphs = runner._piecewise_graphs = None
     eager = greedy_tokens(runner, 12, pipelined=False)
