@@ -92,6 +92,7 @@ def test_the_stated_parameter_count_is_the_loaded_models(model: str, layout: str
     loaded = runner.model
     held = sum(p.numel() for p in loaded.parameters())  # a shared weight once
     tied = loaded.lm_head.weight is loaded.embed_tokens.weight
-    assert loaded.config.num_parameters(tied_lm_head=tied) == held
+    assert loaded.lm_head_tied == tied
+    assert loaded.num_parameters() == loaded.config.num_parameters(tied_lm_head=tied) == held
     head = loaded.config.vocab_size * loaded.config.hidden_size
     assert loaded.config.num_parameters() == held - (0 if tied else head)  # the config alone says tied

@@ -175,9 +175,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequest] = {}
         self.last_step_id = 0
         self._pin = device.type == "cuda"
-        self._first_row = torch.zeros(
-            1, dtype=torch.int64, device=device
-        )  # ``_forward``'s row when none samples
+        # ``_forward``'s row when none samples.
+        self._first_row = torch.zeros(1, dtype=torch.int64, device=device)
         self._graphs: DecodeGraphs | None = None  # captured on CUDA
         # Prefill and mixed steps up to a token budget, captured in pieces (``capture_piecewise_graphs``).
         self._piecewise_graphs: PiecewiseGraphs | None = None
@@ -678,8 +677,8 @@ class ModelRunner:
             positions += [0] * padding
             for group_slots in slots:
                 group_slots += [-1] * padding
-        if logits_indices and self.pad_logits and self.logits_row_sizes:
-            padded = padded_size(len(logits_indices), self.logits_row_sizes) or len(logits_indices)
+        if logits_indices and self.pad_logits:
+            padded = self._logits_rows(len(logits_indices))
             logits_indices += [logits_indices[-1]] * (padded - len(logits_indices))
         max_query_len = max(row.end - row.start for row in rows)
         first = AttentionMetadata(
@@ -720,6 +719,11 @@ class ModelRunner:
             sampling_rows=sampling_rows,
             piecewise_bucket=bucket or 0,
         )
+
+    def _logits_rows(self, rows: int) -> int:
+        """The LM head's row count for ``rows`` sampled rows: the smallest captured decode size that holds them,
+        or ``rows`` itself above every captured size (and before any capture)."""
+        return padded_size(rows, self.logits_row_sizes) or rows
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -1019,9 +1023,7 @@ class ModelRunner:
         if attention is None or not self.kv_caches or not buckets:
             return 0
         started = time.perf_counter()
-        tail_rows = (
-            max(sampled_rows, padded_size(sampled_rows, self.logits_row_sizes) or 0) if sampled_rows else 0
-        )
+        tail_rows = self._logits_rows(sampled_rows) if sampled_rows else 0
         graphs = PiecewiseGraphs(self.model, attention, self.device, buckets, self.kv_windows, tail_rows)
         try:
             graphs.capture(self.kv_caches)

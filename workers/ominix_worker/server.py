@@ -389,9 +389,7 @@ def load_worker(
         num_attention_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
-        num_parameters=config.num_parameters(
-            tied_lm_head=runner.model.lm_head.weight is runner.model.embed_tokens.weight
-        ),
+        num_parameters=runner.model.num_parameters(),
         num_experts=config.num_experts,
         num_experts_per_tok=config.num_experts_per_tok,
     )

@@ -44,6 +44,7 @@ from ominix_worker.models.llama import (
     LlamaForCausalLM,
     RMSNorm,
     RotaryEmbedding,
+    kept_rows,
     last_layer_rows,
 )
 from ominix_worker.parallel import SINGLE, TensorParallel
@@ -233,8 +234,7 @@ class CompressedAttention(Attention):
                 enable_gqa=True,
             )
             out[plan.start : plan.end] = o.transpose(0, 1)
-        out = out.reshape(num_tokens, self.q_size)
-        return self.o_proj(out if keep is None else out.index_select(0, keep))
+        return self.o_proj(kept_rows(out.reshape(num_tokens, self.q_size), keep))
 
 
 class CompressedDecoderLayer(nn.Module):
@@ -267,7 +267,7 @@ class CompressedDecoderLayer(nn.Module):
         attn = self.self_attn(
             self.input_layernorm(hidden), positions, kv_cache, meta, compressed_cache, rows_meta, keep=keep
         )
-        hidden = (hidden if keep is None else hidden.index_select(0, keep)) + attn
+        hidden = kept_rows(hidden, keep) + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 

@@ -26,7 +26,14 @@ from torch import nn
 
 from ominix_worker.attention.base import AttentionBackend, AttentionMetadata
 from ominix_worker.config import ModelConfig
-from ominix_worker.models.llama import MLP, Attention, LlamaForCausalLM, RotaryEmbedding, last_layer_rows
+from ominix_worker.models.llama import (
+    MLP,
+    Attention,
+    LlamaForCausalLM,
+    RotaryEmbedding,
+    kept_rows,
+    last_layer_rows,
+)
 from ominix_worker.parallel import SINGLE, TensorParallel, WeightSource
 
 # Prefixes of a multimodal checkpoint's language model (transformers 5, then earlier) and of what is skipped.
@@ -97,9 +104,7 @@ class Gemma3DecoderLayer(nn.Module):
         keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(hidden), positions, kv_cache, meta, keep=keep)
-        if keep is not None:
-            hidden = hidden.index_select(0, keep)
-        hidden = hidden + self.post_attention_layernorm(attn)
+        hidden = kept_rows(hidden, keep) + self.post_attention_layernorm(attn)
         return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
 
 

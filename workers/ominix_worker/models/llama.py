@@ -273,7 +273,7 @@ class Attention(nn.Module):
             q, k = self._normed_rotated_qk(qkv, positions)
             self.backend.write_kv(kv_cache, k, v, meta, self.kv_scales)
         out = self.attend(q, kv_cache, meta).reshape(num_tokens, self.q_size)
-        return self.o_proj(out if keep is None else out.index_select(0, keep))
+        return self.o_proj(kept_rows(out, keep))
 
     def _normed_rotated_qk(
         self, qkv: torch.Tensor, positions: torch.Tensor
@@ -368,7 +368,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """The layer's output rows: every token's, or (``keep``) only those indices' (see ``last_layer_rows``)."""
         attn = self.self_attn(self.input_layernorm(hidden), positions, kv_cache, meta, keep=keep)
-        hidden = (hidden if keep is None else hidden.index_select(0, keep)) + attn
+        hidden = kept_rows(hidden, keep) + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -393,6 +393,11 @@ def last_layer_rows(num_layers: int, keep: torch.Tensor | None) -> tuple[torch.T
     still stores every token's K and V, so only the last layer's o_proj, MLP and norms shrink: in a prompt step
     of thousands of tokens and a few hundred sampled rows, about one layer in ``num_layers`` of the GEMMs."""
     return (None,) * (num_layers - 1) + (keep,)
+
+
+def kept_rows(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``x``'s rows at ``keep`` (a new tensor), or ``x`` itself when every row is kept (None)."""
+    return x if keep is None else x.index_select(0, keep)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -502,13 +507,22 @@ class LlamaForCausalLM(nn.Module):
             layers, kv_caches, norm_weights, groups, rows_of, strict=True
         ):
             attn = layer.self_attn(hidden, positions, kv_cache, metas[g], keep=rows)
-            if rows is not None:  # a copy of those rows: the fused add below updates it in place
-                residual = residual.index_select(0, rows)
+            # A copy when rows are kept: the fused add below updates it in place.
+            residual = kept_rows(residual, rows)
             hidden = ops.fused_add_rms_norm(attn, residual, layer.post_attention_layernorm.weight, eps)
             hidden = ops.fused_add_rms_norm(layer.mlp(hidden), residual, next_weight, eps)
             if between is not None:
                 between()
         return hidden
+
+    @property
+    def lm_head_tied(self) -> bool:
+        """The LM head shares the embedding's weight (a tied config may load a stored, different head)."""
+        return self.lm_head.weight is self.embed_tokens.weight
+
+    def num_parameters(self) -> int:
+        """The whole model's parameters, every rank's together, the LM head counted as loaded."""
+        return self.config.num_parameters(tied_lm_head=self.lm_head_tied)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary on every rank (gathered under tensor parallelism)."""
@@ -532,7 +546,7 @@ class LlamaForCausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
-            if name == "lm_head.weight" and self.lm_head.weight is self.embed_tokens.weight:
+            if name == "lm_head.weight" and self.lm_head_tied:
                 self._untie_lm_head()  # its own weight until both are loaded (``_tie_loaded_weights``)
                 params[name] = self.lm_head.weight
             kv_scale = _KV_SCALE_RE.match(name)
@@ -587,7 +601,7 @@ class LlamaForCausalLM(nn.Module):
         """A tied model whose checkpoint stored ``lm_head.weight``: an LM head equal to the stored embedding
         shares it again; with no embedding stored, the embedding becomes the LM head's weight; a different
         one stays the model's own LM head (the config's tie does not match the checkpoint)."""
-        if "lm_head.weight" not in loaded or self.lm_head.weight is self.embed_tokens.weight:
+        if "lm_head.weight" not in loaded or self.lm_head_tied:
             return
         if "embed_tokens.weight" not in loaded:
             self.embed_tokens.weight = self.lm_head.weight
@@ -638,7 +652,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary.build(device)
         if device.type == "cpu":
             # A tied LM head shares its weight with the embedding, which still looks rows up in it.
-            tied = self.lm_head.weight is self.embed_tokens.weight
+            tied = self.lm_head_tied
             for module in self.modules():
                 if isinstance(module, ParallelModule):
                     module.pack_for_cpu(keep_dense=tied and module is self.lm_head)
