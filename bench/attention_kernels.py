@@ -4,6 +4,7 @@ against the measured device-to-device copy bandwidth.
 
     python bench/attention_kernels.py [--json out.json] [--quick] [--prefix-only]
     python bench/attention_kernels.py --overlap-decode   # can a decode step's attention hide under its GEMMs?
+    python bench/attention_kernels.py --decode-grid-order   # the decode grid's two program orders, in turn
     python bench/attention_kernels.py --prefill-only 1x1024,8x512 --prefill-tiles '64,32,4,2;128,32,4,3'
 
 Decode cases run the 32 layers of one step back to back from one CUDA graph (each layer owns its KV tensor, as
@@ -469,6 +470,12 @@ def main(argv: list[str] | None = None) -> int:
         "launched at once on two streams, as two micro-batches would overlap them",
     )
     only.add_argument(
+        "--decode-grid-order",
+        action="store_true",
+        help="only the batch-256 decode cases, each timed with the KV heads of one request launched together "
+        "and with one KV head of every request together, alternately",
+    )
+    only.add_argument(
         "--sweep-decode",
         action="store_true",
         help="only the batch-256 decode cases, each with several (BLOCK_N, num_warps, num_stages) tiles, and "
@@ -491,6 +498,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.sweep_decode:
         sweep_decode(bandwidth, gen)
+    elif args.decode_grid_order:
+        for lo, hi in [(536, 536), (640, 640), (768, 768), (512, 768)]:
+            decode_grid_order(256, lo, hi, bandwidth, gen)
     elif args.overlap_decode:
         overlap_decode(gen)
     elif prefill_cases:
@@ -521,6 +531,45 @@ def sweep_decode(bandwidth: float, gen: torch.Generator) -> None:
     data = torch.empty(0, device="cuda")  # frees the 2 GiB before the decode cases
     for batch, lo, hi in [(256, 512, 768), (256, 768, 768)]:
         bench_decode(batch, lo, hi, bandwidth, gen, DECODE_TILES)
+
+
+def decode_grid_order(
+    batch: int, lo: int, hi: int, bandwidth: float, gen: torch.Generator, layers: int = 32, rounds: int = 2
+) -> None:
+    """The decode kernel with its programs in either order, ``rounds`` times each, alternately: heads first (the
+    KV heads of one request run together, so together they read its tokens' whole K/V rows) or requests first
+    (one KV head of many requests together, each reading a slice of every row). The outputs must agree
+    exactly: each program computes the same thing in either order."""
+    seq_lens = torch.randint(lo, hi + 1, (batch,), generator=gen).tolist()
+    caches, meta, query = paged_batch([1] * batch, seq_lens, layers, gen)
+    kv_bytes = sum(seq_lens) * KV_BYTES_PER_TOKEN_LAYER
+    backend = TritonPagedAttention(BLOCK)
+    backend.decode_splits = 1
+    outs = [torch.empty_like(query) for _ in range(layers)]
+
+    def step() -> None:
+        for layer in range(layers):
+            backend.forward_into(query, caches[layer], meta, HEAD_DIM**-0.5, outs[layer])
+
+    graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+    results: dict[bool, torch.Tensor] = {}
+    for heads_first in (True, False):
+        backend.decode_heads_first = heads_first
+        step()
+        torch.cuda.synchronize()
+        results[heads_first] = outs[0].clone()
+        graphs[heads_first] = _captured(step)
+    backend.decode_heads_first = True
+    case = f"B={batch} ctx={lo}-{hi}" if lo != hi else f"B={batch} ctx={lo}"
+    mismatch = (results[True] != results[False]).sum().item()
+    for r in range(rounds):
+        for heads_first, graph in graphs.items():
+            ms = _ms(graph.replay) / layers
+            _row(
+                "decode", case, ms, impl=f"{'heads' if heads_first else 'requests'} first, round {r + 1}",
+                gbps=kv_bytes / ms / 1e6, frac_copy_bw=kv_bytes / (ms * 1e-3) / bandwidth,
+                elements_differing=mismatch,
+            )  # fmt: skip
 
 
 def overlap_decode(

@@ -52,3 +52,20 @@ def test_prefill_rows_time_torch_flash_varlen_beside_ours() -> None:
     assert fresh["triton paged"]["err_vs_sdpa"] < 1e-2
     after_prefix = [r["impl"] for r in attention_kernels.ROWS if r["case"] == "B=1 new=32 prefix=64"]
     assert "torch flash varlen (packed KV)" not in after_prefix and "triton paged" in after_prefix
+
+
+def test_decode_grid_order_times_both_orders_with_equal_outputs() -> None:
+    pytest.importorskip("triton")
+    from bench import attention_kernels
+
+    attention_kernels.ROWS.clear()
+    gen = torch.Generator().manual_seed(0)
+    attention_kernels.decode_grid_order(16, 64, 96, 1e12, gen, layers=2, rounds=2)
+    rows = [r for r in attention_kernels.ROWS if r["kind"] == "decode"]
+    assert [r["impl"] for r in rows] == [
+        "heads first, round 1",
+        "requests first, round 1",
+        "heads first, round 2",
+        "requests first, round 2",
+    ]
+    assert all(r["ms"] > 0 and r["elements_differing"] == 0 for r in rows)

@@ -210,6 +210,20 @@ def test_decode(dtype: torch.dtype, shape: tuple[int, int, int], splits: int | N
     run_case(seed, [1] * num_requests, seq_lens, *shape, block_size=16, dtype=dtype, decode_splits=splits)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("mixed", [False, True], ids=["decode", "mixed"])
+def test_decode_grid_in_requests_first_order(splits: int, mixed: bool) -> None:
+    """The comparison order of the decode grid (one KV head of every request first) attends as the default
+    does, in a pure decode step and beside a prompt (where the decode kernel serves the single-token rows)."""
+    gen = torch.Generator().manual_seed(17 + splits)
+    seq_lens = _ragged(gen, 11, 1, 90 if INTERPRET else 700)
+    q_lens = [1] * 11
+    if mixed:
+        q_lens[3], seq_lens[3] = 24, max(seq_lens[3], 24)
+    attrs = {"decode_heads_first": False, "decode_rows_in_prefill": False}
+    run_case(23, q_lens, seq_lens, 32, 8, 128, 16, torch.bfloat16, decode_splits=splits, backend_attrs=attrs)
+
+
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128])
 def test_decode_block_sizes(block_size: int) -> None:
     gen = torch.Generator().manual_seed(block_size)
