@@ -32,6 +32,9 @@ from ominix_runtime.engine.negotiation import ServingTerms, negotiate
 from ominix_runtime.engine.request import EngineRequest
 from ominix_runtime.engine.stats import EngineStats, LoadSnapshot, RunReport, StepReport
 
+# How long a run report waits for the front end's verdict (``EngineCore.settle``) before the engine's own stands.
+_VERDICT_WAIT_S = 5.0
+
 # Routing: groups whose load (queued + running requests) is within this many requests of the least loaded
 # one compete on prefix-cache affinity; beyond it, load wins.
 _AFFINITY_LOAD_SLACK = 4
@@ -271,6 +274,11 @@ class EngineCore:
         self._sweeper: asyncio.Task[None] | None = None
         self._draining: set[str] = set()  # worker ids that take no new requests (Drain)
         self._waker = ReaderWaker()
+        # Requests with stop strings not yet reported. Their last token may complete a stop string, which only
+        # the front end sees (it detokenizes): when the engine ended one on its length, its run report waits
+        # for the front's verdict (``settle``), so that the log and the metrics name the reason its client got.
+        self._stop_string_ids: set[str] = set()
+        self._unsettled: dict[str, tuple[RunReport, asyncio.TimerHandle]] = {}
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 
@@ -315,6 +323,8 @@ class EngineCore:
                 )
         for rid, live in list(self._live.items()):  # a group that could not end it (already broken)
             self._deliver_terminal_fallback(rid, live)
+        for rid in list(self._unsettled):  # no front will settle them now: the engine's verdict stands
+            self.settle(rid, "")
         self._stopped = True
         if self._sweeper is not None:
             self._sweeper.cancel()
@@ -369,6 +379,8 @@ class EngineCore:
         group.submit(request)  # raises OminixError on rejection (counted by the group)
         inbox = EventInbox(self._waker)
         self._live[request.request_id] = _LiveRequest(sink or inbox, group)
+        if request.sampling.stop:
+            self._stop_string_ids.add(request.request_id)
         return RequestHandle(request.request_id, inbox, self, coalesce=not request.sampling.stop)
 
     def _route(self, request: GenerateRequest) -> WorkerGroup:
@@ -462,6 +474,21 @@ class EngineCore:
             return False
         return live.group.finish(request_id, reason, matched_stop)
 
+    def settle(self, request_id: str, matched_stop: str) -> bool:
+        """The front end's verdict on a request with stop strings that the engine ended on its length:
+        ``matched_stop`` when its last tokens completed a stop string (its client was told STOP), else "" (the
+        LENGTH stands). Publishes the held run report; False when none is held for the id (never touches a live
+        request, which may already reuse the id)."""
+        held = self._unsettled.pop(request_id, None)
+        if held is None:
+            return False
+        report, timer = held
+        timer.cancel()
+        if matched_stop:
+            report = replace(report, finish_reason=FinishReason.STOP)
+        self._publish(report)
+        return True
+
     # ---- event plumbing -------------------------------------------------------------------------------
 
     def _deliver(self, events: list[WorkerEvent]) -> None:
@@ -476,6 +503,18 @@ class EngineCore:
             self._all_done.set()
 
     def _on_report(self, report: RunReport) -> None:
+        rid = report.request_id
+        if rid in self._stop_string_ids:
+            self._stop_string_ids.discard(rid)
+            if report.finish_reason == FinishReason.LENGTH and not self._stopped:
+                # Published by ``settle``, or with the engine's verdict if no front settles it in time (its
+                # client left before the end, or its front process died).
+                timer = asyncio.get_running_loop().call_later(_VERDICT_WAIT_S, self.settle, rid, "")
+                self._unsettled[rid] = (report, timer)
+                return
+        self._publish(report)
+
+    def _publish(self, report: RunReport) -> None:
         for cb in self._listeners:
             try:
                 cb(report)

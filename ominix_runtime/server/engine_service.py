@@ -100,6 +100,11 @@ class EngineAccess(Protocol):
 
     def finish(self, request_id: str, reason: FinishReason, matched_stop: str) -> bool: ...
 
+    def settle(self, request_id: str, matched_stop: str) -> bool:
+        """The verdict on a request with stop strings that the engine ended on its length (EngineCore.settle):
+        ``matched_stop`` when its last tokens completed one, else ""."""
+        ...
+
     def holds(self, request_id: str) -> bool:
         """Whether a request of this id has not yet delivered its terminal event (an aborted one is on its
         way out): its id cannot be taken again until then."""
@@ -525,6 +530,8 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
                     completion_tokens = num_emitted_tokens if matched_stop is not None else None
                     yield self._usage_event(rid, req, usage, completion_tokens)
                     finish_reason = FinishReason.STOP if matched_stop is not None else event.finish_reason
+                    if req.sampling.stop and event.finish_reason == FinishReason.LENGTH:
+                        self._engine.settle(rid, matched_stop or "")  # the reason its log and metrics name
                     # The backend's own text only when it sent its text there alone: after a stop string the
                     # front matched, the output's text (maybe empty) is the answer.
                     kept = output.text or matched_stop is not None or not event.text

@@ -256,6 +256,8 @@ class FrontHub:
             case link.FinishRequest(rid, reason, matched_stop):
                 if rid in front.live:
                     engine.finish(rid, reason, matched_stop)
+            case link.SettleRequest(rid, matched_stop):
+                engine.settle(rid, matched_stop)  # ended already: only a held run report is touched
             case link.FrontRefusal(text, reason, model):
                 self._service.count_refusal(text, reason, counted_by_engine=False, model=model)
             case link.Bound(index, port):

@@ -65,6 +65,15 @@ class FinishRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class SettleRequest:
+    """The front's verdict on a request with stop strings that the engine ended on its length: ``matched_stop``
+    when its last tokens completed one, else "" (EngineCore.settle)."""
+
+    request_id: str
+    matched_stop: str
+
+
+@dataclass(frozen=True, slots=True)
 class FrontRefusal:
     """The front refused a request before it reached the engine (counted in GetStats and the metrics)."""
 

@@ -133,6 +133,11 @@ class EngineLink:
         self.frames.send(link.FinishRequest(request_id, reason, matched_stop))
         return True
 
+    def settle(self, request_id: str, matched_stop: str) -> bool:
+        # Sent after the request's terminal event came back (its inbox is gone by then).
+        self.frames.send(link.SettleRequest(request_id, matched_stop))
+        return True
+
     # ---- the engine's messages --------------------------------------------------------------------------
 
     async def run(self, first: list[object]) -> None:

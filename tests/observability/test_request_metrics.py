@@ -233,3 +233,96 @@ def test_phase_times_run_from_arrival_like_the_clients_ttft(kind: str) -> None:
     assert client_ttft >= TOKENIZE_S
     assert TOKENIZE_S <= report.ttft <= client_ttft
     assert report.queue_time >= TOKENIZE_S and report.e2e >= report.ttft
+
+
+@dataclass
+class _LetterTokenizer:
+    """Every token id decodes to "x": a stop string of n x's completes on the n-th output token."""
+
+    max_token_chars: int = 1
+    vocab_size: int = VOCAB
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "x" * len(token_ids)
+
+
+@pytest.mark.parametrize("front_process", [False, True], ids=["in-process", "front-process"])
+def test_a_stop_string_completed_by_the_last_allowed_token_is_counted_as_stop(front_process: bool) -> None:
+    """The engine ends a request on its length when its max_tokens-th token is sampled, and only the front sees
+    that this token completed a stop string: the client gets STOP, and the request is counted and logged under
+    stop too (the engine's run report waits for the front's verdict). A request whose stop string never
+    completes is counted under length."""
+
+    async def main() -> tuple[dict[str, int], dict[Labels, float], list[RunReport]]:
+        core = EngineCore(
+            [FakeStepBackend(FakeConfig(model_name="m", vocab_size=VOCAB, step_latency=0.005))],
+            EngineCoreConfig(),
+        )
+        await core.start()
+        metrics = EngineMetrics("m")
+        reports: list[RunReport] = []
+        core.add_listener(metrics.observe_run)
+        core.add_listener(reports.append)
+        service = EngineService(core, _LetterTokenizer(), "m")  # type: ignore[arg-type]
+        got: dict[str, int] = {}
+        async with contextlib.AsyncExitStack() as stack:
+            front: EngineServiceBase = service
+            if front_process:
+                _link, front = await stack.enter_async_context(linked_front(core, service))
+                front.tokenizer = service.tokenizer  # as a front process loads the model's own
+            for rid, stop in (("completes", "xxx"), ("never", "y")):
+                pb = engine_pb2.GenerateRequest(
+                    request_id=rid,
+                    input_ids=engine_pb2.TokenIds(ids=[5, 6, 7]),
+                    sampling=common_pb2.SamplingParams(max_tokens=3, ignore_eos=True, stop=[stop]),
+                )
+                admitted = await front.admit(pb, rid)
+                events = [e async for e in front.stream(admitted)]
+                front.release(admitted, True, None)
+                got[rid] = events[-1].done.finish_reason
+            for _ in range(200):  # behind a front process the verdict crosses the link
+                if len(reports) == 2:
+                    break
+                await asyncio.sleep(0.01)
+        await core.stop()
+        service.close()
+        return got, _samples(metrics, "ominix_requests_total"), reports
+
+    got, counted, reports = asyncio.run(asyncio.wait_for(main(), 30))
+    assert got == {"completes": common_pb2.FINISH_REASON_STOP, "never": common_pb2.FINISH_REASON_LENGTH}
+    assert counted == {
+        (("finish_reason", "stop"), ("model_name", "m")): 1.0,
+        (("finish_reason", "length"), ("model_name", "m")): 1.0,
+    }
+    assert {r.request_id: r.finish_reason.name for r in reports} == {"completes": "STOP", "never": "LENGTH"}
+
+
+def test_an_unsettled_length_report_is_published_with_the_engines_reason_after_the_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request with stop strings ended on its length whose front never settles it (its client left before
+    the end) is still reported, as LENGTH, once the wait for a verdict is over; a settle after that is a no-op."""
+    from ominix_runtime.engine import core as core_module
+
+    monkeypatch.setattr(core_module, "_VERDICT_WAIT_S", 0.05)
+
+    async def main() -> tuple[list[RunReport], list[RunReport], bool]:
+        core = EngineCore(
+            [FakeStepBackend(FakeConfig(model_name="m", step_latency=0.005))], EngineCoreConfig()
+        )
+        await core.start()
+        reports: list[RunReport] = []
+        core.add_listener(reports.append)
+        sampling = SamplingParams(max_tokens=2, ignore_eos=True, stop=["never"])
+        events = [e async for e in core.submit(GenerateRequest("left", [5, 6, 7], sampling))]
+        assert events[-1].finish_reason.name == "LENGTH"  # type: ignore[union-attr]
+        before = list(reports)
+        await asyncio.sleep(0.3)
+        late = core.settle("left", "never")
+        await core.stop()
+        return before, reports, late
+
+    before, reports, late = asyncio.run(asyncio.wait_for(main(), 30))
+    assert before == []  # held for the front's verdict
+    assert [(r.request_id, r.finish_reason.name) for r in reports] == [("left", "LENGTH")]
+    assert late is False

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from ominix_runtime import wire
 from ominix_runtime.contract import (
     Done,
     FinishReason,
@@ -43,12 +44,20 @@ def test_a_character_the_prompt_leaves_open_is_the_outputs(smollm2_tokenizer: To
 
 
 class _Engine:
-    """What the event stream asks of the engine: finish() once the front matches a stop string."""
+    """What the event stream asks of the engine: finish() once the front matches a stop string, settle() when
+    the engine ended a request with stop strings on its length."""
+
+    def __init__(self) -> None:
+        self.settled: list[tuple[str, str]] = []
 
     def capabilities(self) -> list[object]:
         return []
 
     def finish(self, request_id: str, reason: FinishReason, matched_stop: str) -> bool:
+        return True
+
+    def settle(self, request_id: str, matched_stop: str) -> bool:
+        self.settled.append((request_id, matched_stop))
         return True
 
 
@@ -67,10 +76,10 @@ class _Handle:
 
 
 def _stream(
-    events: Sequence[WorkerEvent], sampling: SamplingParams, stream: bool
+    events: Sequence[WorkerEvent], sampling: SamplingParams, stream: bool, engine: _Engine | None = None
 ) -> list[engine_pb2.GenerateEvent]:
     async def run() -> list[engine_pb2.GenerateEvent]:
-        service = EngineService(_Engine(), None, MODEL)  # type: ignore[arg-type]
+        service = EngineService(engine or _Engine(), None, MODEL)  # type: ignore[arg-type]
         try:
             request = GenerateRequest("r", [1], sampling, model="other-model", stream=stream)
             return [e async for e in service._events(request, _Handle(events), RequestSpan())]  # noqa: SLF001
@@ -84,6 +93,7 @@ def test_a_stop_at_the_outputs_start_leaves_no_backend_text_in_done() -> None:
     """The backend ended on length in the same chunk, so its own Done text still holds the stop string (and
     what follows); the front's stop match wins: done.text is the text before the stop, here none."""
     for stream, stop, text in ((True, "STOP", "STOP"), (False, "\n\n", "\n\nHi")):
+        engine = _Engine()
         events = _stream(
             [
                 PrefillDone("r", 1),
@@ -93,7 +103,35 @@ def test_a_stop_at_the_outputs_start_leaves_no_backend_text_in_done() -> None:
             ],
             SamplingParams(max_tokens=2, stop=[stop]),
             stream,
+            engine,
         )
         (done,) = [e.done for e in events if e.HasField("done")]
         assert done.matched_stop == stop and done.text == ""
+        assert engine.settled == [("r", stop)]  # the engine's run report names STOP too
         assert "".join(e.token.text for e in events if e.HasField("token")) == ""
+
+
+def test_a_length_end_without_a_stop_match_is_settled_as_length_and_others_are_not_settled() -> None:
+    """The engine's LENGTH stands when no stop string completed (settled with ""); a request without stop
+    strings, or one the engine ended otherwise, needs no verdict."""
+    cases = [
+        (SamplingParams(max_tokens=2, stop=["zzz"]), FinishReason.LENGTH, [("r", "")]),
+        (SamplingParams(max_tokens=2), FinishReason.LENGTH, []),
+        (SamplingParams(max_tokens=2, stop=["zzz"]), FinishReason.STOP, []),
+    ]
+    for sampling, reason, settled in cases:
+        engine = _Engine()
+        events = _stream(
+            [
+                PrefillDone("r", 1),
+                Token("r", [7, 8], text="ab"),
+                Usage("r", 1, 2),
+                Done("r", reason, text="ab"),
+            ],
+            sampling,
+            True,
+            engine,
+        )
+        (done,) = [e.done for e in events if e.HasField("done")]
+        assert done.finish_reason == wire.finish_reason_to_pb(reason)
+        assert engine.settled == settled
