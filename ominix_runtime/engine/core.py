@@ -325,6 +325,7 @@ class EngineCore:
             self._deliver_terminal_fallback(rid, live)
         for rid in list(self._unsettled):  # no front will settle them now: the engine's verdict stands
             self.settle(rid, "")
+        self._stop_string_ids.clear()
         self._stopped = True
         if self._sweeper is not None:
             self._sweeper.cancel()
@@ -381,6 +382,8 @@ class EngineCore:
         self._live[request.request_id] = _LiveRequest(sink or inbox, group)
         if request.sampling.stop:
             self._stop_string_ids.add(request.request_id)
+        else:  # an earlier request of this id may have ended without a report (a broken group's fallback)
+            self._stop_string_ids.discard(request.request_id)
         return RequestHandle(request.request_id, inbox, self, coalesce=not request.sampling.stop)
 
     def _route(self, request: GenerateRequest) -> WorkerGroup:
@@ -508,7 +511,9 @@ class EngineCore:
             self._stop_string_ids.discard(rid)
             if report.finish_reason == FinishReason.LENGTH and not self._stopped:
                 # Published by ``settle``, or with the engine's verdict if no front settles it in time (its
-                # client left before the end, or its front process died).
+                # client left before the end, or its front process died). An earlier request of the same id
+                # still held had its whole successor's life to be settled: its verdict stands now.
+                self.settle(rid, "")
                 timer = asyncio.get_running_loop().call_later(_VERDICT_WAIT_S, self.settle, rid, "")
                 self._unsettled[rid] = (report, timer)
                 return

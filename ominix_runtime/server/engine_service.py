@@ -523,6 +523,9 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
                     tail = output.finish(backend_stop or None)
                     if tail.matched_stop is not None and matched_stop is None:
                         matched_stop = tail.matched_stop
+                    if req.sampling.stop and event.finish_reason == FinishReason.LENGTH:
+                        # Before any yield: a client gone at this point must not leave the verdict unsaid.
+                        self._engine.settle(rid, matched_stop or "")  # the reason its log and metrics name
                     if req.stream and tail.text:
                         yield engine_pb2.GenerateEvent(
                             request_id=rid, token=engine_pb2.TokenChunk(text=tail.text)
@@ -530,8 +533,6 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
                     completion_tokens = num_emitted_tokens if matched_stop is not None else None
                     yield self._usage_event(rid, req, usage, completion_tokens)
                     finish_reason = FinishReason.STOP if matched_stop is not None else event.finish_reason
-                    if req.sampling.stop and event.finish_reason == FinishReason.LENGTH:
-                        self._engine.settle(rid, matched_stop or "")  # the reason its log and metrics name
                     # The backend's own text only when it sent its text there alone: after a stop string the
                     # front matched, the output's text (maybe empty) is the answer.
                     kept = output.text or matched_stop is not None or not event.text

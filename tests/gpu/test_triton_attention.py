@@ -166,6 +166,7 @@ def run_case(
     backend = TritonPagedAttention(block_size=block_size)
     backend.decode_splits = decode_splits
     for name, value in (backend_attrs or {}).items():
+        assert hasattr(backend, name), name  # a renamed attribute must not silently test the default
         setattr(backend, name, value)
     batch = make_batch(gen, q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, backend)
     if force_general:

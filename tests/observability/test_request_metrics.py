@@ -326,3 +326,37 @@ def test_an_unsettled_length_report_is_published_with_the_engines_reason_after_t
     assert before == []  # held for the front's verdict
     assert [(r.request_id, r.finish_reason.name) for r in reports] == [("left", "LENGTH")]
     assert late is False
+
+
+def test_a_held_report_is_published_when_a_request_of_the_same_id_ends_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request of a reused id that ends on its length while the previous one's report still waits: the
+    earlier report comes out at once with the engine's reason, and the verdict that follows is the later
+    request's. Every report is published once."""
+    from ominix_runtime.engine import core as core_module
+
+    monkeypatch.setattr(core_module, "_VERDICT_WAIT_S", 60.0)
+
+    async def main() -> list[tuple[str, str, int]]:
+        core = EngineCore(
+            [FakeStepBackend(FakeConfig(model_name="m", step_latency=0.005))], EngineCoreConfig()
+        )
+        await core.start()
+        reports: list[RunReport] = []
+        core.add_listener(reports.append)
+        for max_tokens in (2, 3):
+            sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop=["zz"])
+            [e async for e in core.submit(GenerateRequest("a", [5, 6, 7], sampling))]
+        assert core.settle("a", "zz")
+        assert not core.settle("a", "zz")  # nothing left to settle
+        without_stops = SamplingParams(max_tokens=2, ignore_eos=True)
+        [e async for e in core.submit(GenerateRequest("a", [5, 6, 7], without_stops))]
+        await core.stop()
+        return [(r.request_id, r.finish_reason.name, r.output_tokens) for r in reports]
+
+    assert asyncio.run(asyncio.wait_for(main(), 30)) == [
+        ("a", "LENGTH", 2),
+        ("a", "STOP", 3),
+        ("a", "LENGTH", 2),
+    ]

@@ -135,3 +135,27 @@ def test_a_length_end_without_a_stop_match_is_settled_as_length_and_others_are_n
         (done,) = [e.done for e in events if e.HasField("done")]
         assert done.finish_reason == wire.finish_reason_to_pb(reason)
         assert engine.settled == settled
+
+
+def test_the_verdict_is_settled_before_the_stream_yields_its_end() -> None:
+    """A client that stops reading at the usage event (before Done) still leaves the engine its verdict."""
+
+    async def run() -> list[tuple[str, str]]:
+        engine = _Engine()
+        service = EngineService(engine, None, MODEL)  # type: ignore[arg-type]
+        try:
+            request = GenerateRequest(
+                "r", [1], SamplingParams(max_tokens=2, stop=["ab"]), model="other-model"
+            )
+            events = [PrefillDone("r", 1), Token("r", [7, 8], text="ab"), Usage("r", 1, 2)]
+            events.append(Done("r", FinishReason.LENGTH, text="ab"))
+            stream = service._events(request, _Handle(events), RequestSpan())  # noqa: SLF001
+            async for event in stream:
+                if event.HasField("usage"):
+                    break  # the client leaves here
+            await stream.aclose()
+        finally:
+            service.close()
+        return engine.settled
+
+    assert asyncio.run(run()) == [("r", "ab")]

@@ -66,6 +66,9 @@ _EAGER_MIN_TOKENS_PER_SPLIT = 1024
 _MAX_SPLITS = 32
 # Keys per split below which a prefill split stops paying for its partial outputs and the merge.
 _MIN_TOKENS_PER_PREFILL_SPLIT = 256
+# CUDA's limit on a grid's second dimension (the first allows 2**31 - 1): a heads-first decode grid puts the
+# requests there, so a step of more requests than this launches requests first.
+_MAX_GRID_Y = 65535
 # Prefill tile (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs and head_dim <= 128.
 PREFILL_CONFIG = (64, 64, 4, 3)
 
@@ -851,7 +854,7 @@ class TritonPagedAttention:
         ieee = query.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
         block_n, num_warps, num_stages = self.decode_config or (_decode_block_n(head_dim, ieee), 4, 3)
         part_out, part_lse = _partials(num_requests, num_heads, splits, head_dim, out)
-        if self.decode_heads_first:
+        if self.decode_heads_first and num_requests <= _MAX_GRID_Y:
             grid = (num_kv_heads, num_requests, splits)
         else:
             grid = (num_requests, num_kv_heads, splits)
