@@ -94,6 +94,9 @@ class FakeConfig:
     describe_delay: float = 0.0
 
 
+STEPS_KEPT = 256  # FakeStepBackend.steps_seen
+
+
 def fake_capability(c: FakeConfig, granularity: Granularity) -> BackendCapability:
     """What a fake backend states: the fake profile filled in from its config."""
     return stated_profile(
@@ -156,7 +159,9 @@ class FakeStepBackend:
         self.block_contents: dict[int, dict[int, int]] = {}  # block id -> slot -> token id written there
         self.block_holders: dict[int, set[str]] = {}
         self.num_steps = 0
-        self.steps_seen: list[DecodeStep] = []
+        # The latest steps, for tests that read what the engine sent; bounded, so that a soak's RSS check
+        # measures the engine and not this record.
+        self.steps_seen: deque[DecodeStep] = deque(maxlen=STEPS_KEPT)
         self.closed = False
         self.down = False  # crash() / revive()
         self._streams: list[FakeStepStream] = []

@@ -1,7 +1,7 @@
 """`serve` with in-process fake step backends, as its own process (soak, shutdown and bad-input tests).
 
     python fake_engine.py --port P --metrics-port M [--workers 2] [--step-latency S] [--max-queue-len N]
-        [--api-key KEY ...]
+        [--api-key KEY ...] [--front-procs N]
 
 The front server, engine core and drivers are the real ones; only the workers are the deterministic fake.
 The model is the embedded SmolLM2 (its tokenizer resolves text prompts), so the fakes state its vocabulary.
@@ -50,6 +50,7 @@ async def main(args: argparse.Namespace) -> int:
             api_keys=tuple(args.api_key),
             tokenizer_threads=args.tokenizer_threads,
             max_pending_tokenizations=args.max_pending_tokenizations,
+            procs=args.front_procs,
         ),
     )
     daemon = EngineDaemon(config, backends=backends)
@@ -86,5 +87,6 @@ if __name__ == "__main__":
     p.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
     p.add_argument("--tokenizer-threads", type=int, default=2)
     p.add_argument("--max-pending-tokenizations", type=int, default=64)
+    p.add_argument("--front-procs", type=int, default=0, help="front processes (serve --front-procs)")
     p.add_argument("--revive-after", type=float, default=0.3, help="SIGUSR1 crashes fake-0; back after this")
     sys.exit(asyncio.run(main(p.parse_args())))

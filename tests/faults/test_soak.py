@@ -2,7 +2,8 @@
 
 OMINIX_SOAK_REQUESTS sets the count against the fake workers (default 2000; `make soak` runs 10000); a
 smaller share goes to a real CPU worker. Afterwards: no leaked KV block, no stuck or lost request, every
-stream ended exactly once, no integrity violation, and engine RSS within 10% of its post-warm-up size.
+stream ended exactly once, no integrity violation, and engine RSS (and a front process's, behind one) within 10%
+of its post-warm-up size.
 """
 
 from __future__ import annotations
@@ -55,15 +56,36 @@ def _check(
     assert metric_value(engine.metrics_url, "ominix_integrity_violations_total") == 0
 
 
-def test_soak_fake_workers_through_the_front_server(tmp_path: Path) -> None:
-    with start_fake_engine(tmp_path, "--workers", "2", "--step-latency", "0.015") as engine:
+def _front_pids(engine_pid: int) -> list[int]:
+    """The engine process's children: its front processes (the fake workers run inside it)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except OSError:  # the process ended while being read
+            continue
+        if int(fields[1]) == engine_pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+@pytest.mark.parametrize("front_procs", [0, 1], ids=["engine-front", "front-process"])
+def test_soak_fake_workers_through_the_front_server(tmp_path: Path, front_procs: int) -> None:
+    """Also behind a front process (``--front-procs 1``): the clients' streams cross the link, and the front
+    process's RSS is held to the same bound as the engine's."""
+    args = ("--workers", "2", "--step-latency", "0.015", "--front-procs", str(front_procs))
+    with start_fake_engine(tmp_path, *args) as engine:
         pid = engine.engine.popen.pid
-        rss: dict[str, int] = {}
+        fronts = _front_pids(pid)
+        assert len(fronts) == front_procs, fronts
+        watched = {"engine": pid} | {f"front {i}": front for i, front in enumerate(fronts)}
+        rss: dict[str, dict[str, int]] = {name: {} for name in watched}
         warmup = int(NUM_REQUESTS * WARMUP_SHARE)
 
         def on_progress(done: int) -> None:
             if done == warmup:
-                rss["warm"] = rss_bytes(pid)
+                for name, process in watched.items():
+                    rss[name]["warm"] = rss_bytes(process)
 
         # Faults: every FAULT_INTERVAL_S the first fake worker crashes (unless still down) and comes back
         # shortly after; its requests resume on the other one (none may be lost or fail: a survivor is there).
@@ -85,20 +107,24 @@ def test_soak_fake_workers_through_the_front_server(tmp_path: Path) -> None:
             injector.join(5)
         elapsed = time.monotonic() - start
         stats = _settled(engine)
-        rss["end"] = rss_bytes(pid)
+        for name, process in watched.items():
+            rss[name]["end"] = rss_bytes(process)
         _check(tally, stats, engine, min_abort_share=0.19)
         faults = engine.engine.log_tail(10**7).count("fault injected")
         assert tally.errors == 0 and faults >= 3
         assert "Traceback" not in engine.engine.log_tail(10**7)
-        growth = rss["end"] / rss["warm"] - 1
-        print(
-            f"\nsoak(fake): {tally.sent} requests in {elapsed:.1f}s, {faults} worker crashes, "
-            f"{tally.client_aborts} client aborts "
-            f"({tally.aborted} Abort RPC, {tally.disconnected} disconnects), {tally.errors} errors, "
-            f"0 lost, {stats.kv_blocks_used} blocks leaked, RSS {rss['warm'] >> 20} -> {rss['end'] >> 20} MiB "
-            f"({growth:+.1%})"
+        growth = {name: r["end"] / r["warm"] - 1 for name, r in rss.items()}
+        sizes = ", ".join(
+            f"{name} {r['warm'] >> 20} -> {r['end'] >> 20} MiB ({growth[name]:+.1%})"
+            for name, r in rss.items()
         )
-        assert growth < MAX_RSS_GROWTH, rss
+        print(
+            f"\nsoak(fake, {front_procs} front procs): {tally.sent} requests in {elapsed:.1f}s, {faults} worker "
+            f"crashes, {tally.client_aborts} client aborts "
+            f"({tally.aborted} Abort RPC, {tally.disconnected} disconnects), {tally.errors} errors, "
+            f"0 lost, {stats.kv_blocks_used} blocks leaked, RSS {sizes}"
+        )
+        assert all(g < MAX_RSS_GROWTH for g in growth.values()), rss
 
 
 @pytest.fixture(scope="module")
