@@ -854,10 +854,8 @@ class TritonPagedAttention:
         ieee = query.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
         block_n, num_warps, num_stages = self.decode_config or (_decode_block_n(head_dim, ieee), 4, 3)
         part_out, part_lse = _partials(num_requests, num_heads, splits, head_dim, out)
-        if self.decode_heads_first and num_requests <= _MAX_GRID_Y:
-            grid = (num_kv_heads, num_requests, splits)
-        else:
-            grid = (num_requests, num_kv_heads, splits)
+        heads_first = self.decode_heads_first and num_requests <= _MAX_GRID_Y
+        grid = (num_kv_heads, num_requests, splits) if heads_first else (num_requests, num_kv_heads, splits)
         _decode_kernel[grid](
             query,
             kv_cache,
@@ -893,7 +891,7 @@ class TritonPagedAttention:
             KV_FP8=_is_fp8(kv_cache),
             WINDOWED=meta.sliding_window > 0,
             HAS_SINKS=sinks is not None,
-            HEADS_FIRST=self.decode_heads_first,
+            HEADS_FIRST=heads_first,  # the grid's order: the kernel reads its program ids by it
             num_warps=num_warps,
             num_stages=num_stages,
         )

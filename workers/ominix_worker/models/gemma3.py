@@ -32,7 +32,6 @@ from ominix_worker.models.llama import (
     LlamaForCausalLM,
     RotaryEmbedding,
     kept_rows,
-    last_layer_rows,
 )
 from ominix_worker.parallel import SINGLE, TensorParallel, WeightSource
 
@@ -144,14 +143,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         # The scale rounded to the run dtype first, as the reference does; a host float, so that CUDA-graph
         # capture sees no host-to-device copy.
         hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype).item()
-        between = self.between_layers
-        for layer, kv_cache, g, rows in zip(
-            self.layers, kv_caches, self.layer_kv_groups, last_layer_rows(len(self.layers), keep), strict=True
-        ):
-            hidden = layer(hidden, positions, kv_cache, metas[g], rows)
-            if between is not None:
-                between()
-        return self.norm(hidden)
+        return self.norm(self._run_layers(hidden, positions, kv_caches, metas, keep))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

@@ -475,6 +475,18 @@ class LlamaForCausalLM(nn.Module):
         ops = cuda_ops(hidden)
         if ops is not None:
             return self._forward_fused(ops, hidden, positions, kv_caches, metas, keep)
+        return self.norm(self._run_layers(hidden, positions, kv_caches, metas, keep))
+
+    def _run_layers(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metas: Sequence[AttentionMetadata],
+        keep: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The decoder layers over the embedded tokens, unfused: the last on ``keep``'s rows past its attention
+        (``last_layer_rows``), ``between_layers`` after each."""
         between = self.between_layers
         for layer, kv_cache, g, rows in zip(
             self.layers, kv_caches, self.layer_kv_groups, last_layer_rows(len(self.layers), keep), strict=True
@@ -482,7 +494,7 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(hidden, positions, kv_cache, metas[g], rows)
             if between is not None:
                 between()
-        return self.norm(hidden)
+        return hidden
 
     def _forward_fused(
         self,
