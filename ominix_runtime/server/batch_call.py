@@ -35,6 +35,7 @@ from ominix_runtime.server.logging import get_logger, request_context
 
 if TYPE_CHECKING:
     from ominix_runtime.server.engine_service import AdmittedRequest, EngineServiceBase
+    from ominix_runtime.server.tracing import RequestSpan
 
 MAX_BATCH_REQUESTS = 4096  # documented in engine.proto
 # Text and chat prompts of batch calls admitted at once, over all calls of a front: they wait for the tokenizer
@@ -103,6 +104,8 @@ class BatchCall:
         self._queue: asyncio.Queue[engine_pb2.GenerateEvent] = asyncio.Queue()
         self._tasks: set[asyncio.Task[None]] = set()
         self._ended: set[str] = set()  # requests whose terminal event is queued
+        # Reserved requests not yet handed to admission (waiting for the gate): their span and model.
+        self._waiting: dict[str, tuple[RequestSpan, str]] = {}
         self._closing = False
         self._room = asyncio.Event()  # set while fewer than MAX_QUEUED_EVENTS wait
         self._room.set()
@@ -113,8 +116,17 @@ class BatchCall:
         """Batches of events until every request has had its terminal one; leaving early (the client went
         away) aborts every request still live."""
         for pb, rid in zip(requests, ids, strict=True):
+            # Every id is live from the call's start, before its request waits for the tokenizer gate: an
+            # Abort finds it there, and a Generate of the same id meanwhile is refused.
+            with request_context(rid):
+                try:
+                    span = self._service.reserve(rid, self._caller, self._traceparent, pb.model)
+                except OminixError as exc:
+                    self._put(_error_event(rid, exc.kind, exc.message, is_retryable(exc.kind)))
+                    continue
+            self._waiting[rid] = (span, pb.model)
             gate = None if pb.WhichOneof("input") == "input_ids" else self._tokenizing
-            task = asyncio.create_task(self._admit(pb, rid, gate))
+            task = asyncio.create_task(self._admit(pb, rid, span, gate))
             task.add_done_callback(functools.partial(self._settle, rid))
             self._tasks.add(task)
         try:
@@ -148,18 +160,31 @@ class BatchCall:
             self._room.clear()
 
     def _settle(self, rid: str, task: asyncio.Task[None]) -> None:
-        """A request's task ended: if it left no terminal event (and the call goes on), add one."""
+        """A request's task ended: if it left no terminal event (and the call goes on), add one. A request
+        cancelled before it reached admission (at the gate, or before its task ran) gives its id back."""
+        waiting = self._waiting.pop(rid, None)
+        if waiting is not None:
+            self._service.withdraw(rid, *waiting)
         if self._closing or rid in self._ended:
             return
         why = "cancelled" if task.cancelled() else repr(task.exception())
         _log.error("batch request ended without a terminal event", reason=why)
         self._put(_error_event(rid, RuntimeErrorKind.INTERNAL, f"the request ended without a result ({why})"))
 
-    async def _admit(self, pb: engine_pb2.GenerateRequest, rid: str, gate: asyncio.Semaphore | None) -> None:
+    async def _admit(
+        self,
+        pb: engine_pb2.GenerateRequest,
+        rid: str,
+        span: RequestSpan,
+        gate: asyncio.Semaphore | None,
+    ) -> None:
         with request_context(rid):
-            async with gate or contextlib.nullcontext():
+            if gate is not None:
+                await gate.acquire()
+            del self._waiting[rid]  # admission answers for the reservation from here
+            try:
                 try:
-                    admitted = await self._service.admit(pb, rid, self._caller, self._traceparent)
+                    admitted = await self._service.admit_reserved(pb, rid, self._caller, span)
                 except OminixError as exc:
                     self._put(_error_event(rid, exc.kind, exc.message, is_retryable(exc.kind)))
                     return
@@ -167,6 +192,9 @@ class BatchCall:
                     _log.exception("batch admission failed")
                     self._put(_error_event(rid, RuntimeErrorKind.INTERNAL, repr(exc)))
                     return
+            finally:
+                if gate is not None:
+                    gate.release()
             await self._pump(admitted)
 
     async def _pump(self, admitted: AdmittedRequest) -> None:

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn, Protocol
 
@@ -45,6 +45,7 @@ from ominix_runtime.server.batch_call import (
     max_batch_requests,
     tokenizing_admissions,
 )
+from ominix_runtime.server.call_errors import error_metadata
 from ominix_runtime.server.front_guard import caller_of
 from ominix_runtime.server.logging import get_logger, request_context
 from ominix_runtime.server.metrics import EngineMetrics
@@ -65,9 +66,6 @@ STATUS_OF_ERROR: dict[RuntimeErrorKind, grpc.StatusCode] = {
 
 _PRIORITIES = frozenset(int(p) for p in Priority)
 # Trailing metadata keys of a failed RPC (documented in engine.proto).
-ERROR_KIND_METADATA_KEY = "ominix-error-kind"
-RETRYABLE_METADATA_KEY = "ominix-retryable"
-
 _log = get_logger("ominix.server")
 
 
@@ -257,6 +255,13 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         unknown model). ``caller`` owns the request (Abort with API keys); ``traceparent`` is the caller's
         W3C trace context. The front streams ``stream(admitted)`` and must ``release`` it.
         """
+        span = self.reserve(request_id, caller, traceparent, pb.model)
+        return await self.admit_reserved(pb, request_id, caller, span)
+
+    def reserve(self, request_id: str, caller: str, traceparent: str, model: str) -> RequestSpan:
+        """The first part of ``admit``, with no await: refuse a bad or duplicate id (or an engine not serving),
+        else make the id live. From here Abort finds it (and a duplicate is refused) while the request waits
+        for what comes before the engine admits it. Continue with ``admit_reserved``, or ``withdraw``."""
         try:
             validate_request_id(request_id)  # before the id appears in any log line
         except OminixError as exc:
@@ -269,11 +274,27 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
             self._refuse(
                 AlreadyLive(f"request_id '{request_id}' is already live (its previous request is ending)")
             )
-        # Before any await, so a concurrent duplicate sees it.
         self._live.add(request_id)
         self._owners[request_id] = caller
-        span = self._tracer.start(request_id, traceparent, pb.model or self.model_name)
         self._before_admission[request_id] = False
+        return self._tracer.start(request_id, traceparent, model or self.model_name)
+
+    def withdraw(self, request_id: str, span: RequestSpan, model: str) -> None:
+        """A reserved request whose client went away (or whose deadline passed) before the engine admitted it:
+        counted and logged like any request that never reached the engine."""
+        self._forget(request_id)
+        self._reject(
+            "the client cancelled before admission",
+            "cancelled",
+            counted_by_engine=False,
+            span=span,
+            model=self._refused_model(model),
+        )
+
+    async def admit_reserved(
+        self, pb: engine_pb2.GenerateRequest, request_id: str, caller: str, span: RequestSpan
+    ) -> AdmittedRequest:
+        """``admit`` after ``reserve``: resolve the prompt and submit it to the engine."""
         try:
             gen_request = await self._resolve(pb, request_id)
             gen_request.traceparent = span.traceparent
@@ -283,16 +304,7 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
             self._reject(exc.message, rejection_reason(exc), counted_by_engine=False, span=span, model=model)
             raise
         except asyncio.CancelledError:
-            # The client went away (or its deadline passed) while its prompt was being resolved: counted and
-            # logged like any request that never reached the engine.
-            self._forget(request_id)
-            self._reject(
-                "the client cancelled before admission",
-                "cancelled",
-                counted_by_engine=False,
-                span=span,
-                model=self._refused_model(pb.model),
-            )
+            self.withdraw(request_id, span, pb.model)
             raise
         except BaseException as exc:
             self._forget(request_id)
@@ -548,12 +560,13 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
                     _log.debug("request done", finish_reason=FinishReason(finish_reason).name)
                     return
                 elif isinstance(event, Error):
+                    # Tokens of a request that does not stream never left this process: a retry repeats nothing
+                    # the user saw.
+                    tokens_sent = req.stream and num_emitted_tokens > 0
                     yield engine_pb2.GenerateEvent(
                         request_id=rid,
                         error=wire.error_info_to_pb(
-                            event.kind,
-                            event.message,
-                            is_retryable(event.kind, tokens_sent=num_emitted_tokens > 0),
+                            event.kind, event.message, is_retryable(event.kind, tokens_sent=tokens_sent)
                         ),
                     )
                     return
@@ -589,14 +602,14 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         try:
             validate_request_id(rid)
         except OminixError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+            await abort_call(context, exc)
         found = rid in self._live
         if not found:
             return await self._abort_elsewhere(request, context)
         if self.front.api_keys and self._owners.get(rid) != caller_of(context):
             # With API keys a request belongs to the key that created it; to any other key it does not
             # exist (the same answer as an unknown id, so ids of others cannot be probed).
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no live request '{rid}' of this API key")
+            await abort_call(context, UnknownId(f"no live request '{rid}' of this API key"))
         return engine_pb2.AbortResponse(found=self.abort_live(rid))
 
     async def _abort_elsewhere(
@@ -606,9 +619,7 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         if self.front.api_keys:
             # With API keys a request belongs to the key that created it; to any other key it does not
             # exist (the same answer as an unknown id, so ids of others cannot be probed).
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"no live request '{request.request_id}' of this API key"
-            )
+            await abort_call(context, UnknownId(f"no live request '{request.request_id}' of this API key"))
         return engine_pb2.AbortResponse(found=False)
 
 
@@ -630,6 +641,10 @@ class EngineService(EngineServiceBase):
     ) -> None:
         super().__init__(engine, tokenizer, model_name, metrics, front, tracer, served_names, queue_limit)
         self._core = engine
+        # Called when a Drain or Undrain answered may have changed whether the engine is ready: front
+        # processes (FrontHub) learn it then, not at their next poll, so a request sent after the answer is
+        # judged by the new state.
+        self.readiness_changed: Callable[[], None] | None = None
 
     def track(self, request_id: str, owner: str) -> None:
         """A front process's request the engine admitted: live until ``forget``."""
@@ -680,9 +695,9 @@ class EngineService(EngineServiceBase):
         try:
             changed = self._core.drain(request.worker_id, draining=draining)
         except OminixError as exc:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, exc.message, trailing_metadata=error_metadata(exc.kind)
-            )
+            await abort_call(context, UnknownId(exc.message))
+        if self.readiness_changed is not None:
+            self.readiness_changed()
         return engine_pb2.DrainResponse(backends=self.backend_loads(set(changed)))
 
     async def GetStats(
@@ -737,10 +752,15 @@ class AlreadyLive(InvalidArgument):
     """The request id is in use by a live request."""
 
 
+class UnknownId(InvalidArgument):
+    """The call names a request or backend that this engine does not have (to this caller)."""
+
+
 _STATUS_OF_REFUSAL: dict[type[OminixError], grpc.StatusCode] = {
     _NotFound: grpc.StatusCode.NOT_FOUND,
     _NotServing: grpc.StatusCode.UNAVAILABLE,
     AlreadyLive: grpc.StatusCode.ALREADY_EXISTS,
+    UnknownId: grpc.StatusCode.NOT_FOUND,
 }
 
 
@@ -766,23 +786,13 @@ async def abort_call(context: grpc.aio.ServicerContext[Any, Any], error: OminixE
     await context.abort(status_for(error), error.message, trailing_metadata=error_metadata(error.kind))
 
 
-def error_metadata(kind: RuntimeErrorKind, tokens_sent: bool = False) -> tuple[tuple[str, str], ...]:
-    """Trailing metadata of a failed RPC: the contract's error kind and whether a retry is safe."""
-    return (
-        (ERROR_KIND_METADATA_KEY, kind.name),
-        (RETRYABLE_METADATA_KEY, "true" if is_retryable(kind, tokens_sent) else "false"),
-    )
-
-
 __all__ = [
-    "ERROR_KIND_METADATA_KEY",
     "AlreadyLive",
     "EngineAccess",
     "EngineService",
     "EngineServiceBase",
-    "RETRYABLE_METADATA_KEY",
     "STATUS_OF_ERROR",
-    "error_metadata",
+    "UnknownId",
     "rejection_reason",
     "status_for",
 ]

@@ -18,7 +18,9 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
 
+from ominix_runtime.contract import RuntimeErrorKind
 from ominix_runtime.pb import engine_pb2
+from ominix_runtime.server.call_errors import error_metadata
 
 ENGINE_METHOD_PREFIX = "/" + engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name + "/"
 AUTHORIZATION = "authorization"
@@ -101,12 +103,17 @@ class FrontGuard(grpc.aio.ServerInterceptor):
 
 
 async def _refuse(request: Any, context: _Context, authorized: bool) -> None:
+    # The contract has no kind of its own for a missing key: the call as sent is invalid, and sent again it
+    # fails again.
+    refused = error_metadata(RuntimeErrorKind.INVALID_ARGUMENT)
     if not authorized:
         await context.abort(
-            grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (send `authorization: Bearer KEY`)"
+            grpc.StatusCode.UNAUTHENTICATED,
+            "missing or unknown API key (send `authorization: Bearer KEY`)",
+            trailing_metadata=refused,
         )
     if isinstance(request, _Undecodable):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason, trailing_metadata=refused)
 
 
 def _guarded(handler: _Handler, authorized: bool) -> _Handler:

@@ -296,12 +296,17 @@ class FrontHub:
         front.frames.send(link.Admitted(rid))
 
     async def _follow_readiness(self) -> None:
+        self._service.readiness_changed = self.push_readiness
         while True:
-            state = (self._engine.ready, tuple(self._engine.capabilities()))
-            if state != self._readiness and not self._stopping:
-                self._readiness = state
-                self.broadcast(link.Readiness(state[0], state[1]))
+            self.push_readiness()
             await asyncio.sleep(READINESS_POLL_S)
+
+    def push_readiness(self) -> None:
+        """Tell the fronts the engine's readiness and capabilities if they changed since last told."""
+        state = (self._engine.ready, tuple(self._engine.capabilities()))
+        if state != self._readiness and not self._stopping:
+            self._readiness = state
+            self.broadcast(link.Readiness(state[0], state[1]))
 
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs.values() if p.returncode is None]

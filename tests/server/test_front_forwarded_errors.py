@@ -1,15 +1,20 @@
-"""An admin call a front process forwards to the engine process, refused there, reaches the client with the
-engine's status, message and trailing metadata: the same answer as from an engine serving its clients itself
-(the fixture runs both, see conftest.py)."""
+"""An admin call a front process forwards to the engine process reaches the client with the engine's answer:
+refused there, its status, message and trailing metadata; taken, its effect on the fronts before the answer.
+The same as from an engine serving its clients itself (the fixture runs both, see conftest.py)."""
 
 from __future__ import annotations
+
+import time
 
 import grpc
 import pytest
 from server_harness import RunningDaemon
+from test_front_api import generate, greedy, kinds
 
 from ominix_runtime.pb import engine_pb2
-from ominix_runtime.server.engine_service import ERROR_KIND_METADATA_KEY, RETRYABLE_METADATA_KEY
+from ominix_runtime.server.call_errors import ERROR_KIND_METADATA_KEY, RETRYABLE_METADATA_KEY
+
+TOKENS = engine_pb2.TokenIds(ids=[5, 6, 7])
 
 
 @pytest.mark.parametrize("call", ["Drain", "Undrain"])
@@ -27,3 +32,17 @@ def test_drain_of_an_unknown_worker_is_not_found_with_its_error_kind(
     # naming no worker is never worth a retry.
     assert metadata.get(ERROR_KIND_METADATA_KEY), metadata
     assert metadata.get(RETRYABLE_METADATA_KEY) == "false", metadata
+
+
+def test_a_request_sent_once_undrain_answered_is_taken(fake_daemon: RunningDaemon) -> None:
+    """Undrain's answer means new requests are routed again: through a front process the readiness it
+    changed reaches every front before the answer, not at their next poll (every such request was refused
+    UNAVAILABLE for up to 0.25 s)."""
+    for attempt in range(5):
+        fake_daemon.stub.Drain(engine_pb2.DrainRequest(), timeout=10)
+        time.sleep(0.3)  # a poll or more: every front has seen the drain
+        fake_daemon.stub.Undrain(engine_pb2.DrainRequest(), timeout=10)
+        events = generate(
+            fake_daemon, request_id=f"after-undrain-{attempt}", input_ids=TOKENS, sampling=greedy(2)
+        )
+        assert kinds(events)[-1] == "done", events[-1]

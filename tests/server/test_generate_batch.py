@@ -5,6 +5,7 @@ says, events share messages, and cancelling the call frees every request's KV.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections import defaultdict
@@ -330,11 +331,90 @@ def test_a_slow_reader_gets_merged_tokens_not_a_growing_queue(
     wait_kv_free(fake_daemon)
 
 
+def test_a_request_waiting_for_the_tokenizer_gate_is_live(fake_daemon: RunningDaemon) -> None:
+    """300 text prompts in one call: most wait for the tokenizer gate (32 at a time) once the first streams.
+    The last one's id is live already: Abort finds it and ends it with ABORT, and a Generate of that id is
+    refused as a duplicate, while the others run to their length."""
+    requests = [
+        engine_pb2.GenerateRequest(
+            request_id=f"gate-{i}", prompt=f"gated prompt {i} " * 4, sampling=greedy(20)
+        )
+        for i in range(300)
+    ]
+    call = fake_daemon.stub.GenerateBatch(engine_pb2.GenerateBatchRequest(requests=requests), timeout=60)
+    events = list(next(call).events)
+    assert fake_daemon.stub.Abort(engine_pb2.AbortRequest(request_id="gate-299"), timeout=10).found
+    with pytest.raises(grpc.RpcError) as duplicate:
+        generate(fake_daemon, request_id="gate-298", prompt="x", sampling=greedy(2))
+    assert duplicate.value.code() == grpc.StatusCode.ALREADY_EXISTS  # type: ignore[attr-defined]
+    for message in call:
+        events.extend(message.events)
+    per_request = _by_request(events)
+    assert [kinds(v).count("done") + kinds(v).count("error") for v in per_request.values()] == [1] * 300
+    assert per_request["gate-299"][-1].done.finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert per_request["gate-298"][-1].done.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    wait_kv_free(fake_daemon, timeout=10.0)
+
+
+class _GatedService:
+    """Stands in for the service: records reservations and withdrawals; admissions wait on ``opened``."""
+
+    def __init__(self) -> None:
+        self.reserved: list[str] = []
+        self.withdrawn: list[str] = []
+        self.opened = asyncio.Event()
+
+    def reserve(self, rid: str, caller: str, traceparent: str, model: str) -> object:
+        self.reserved.append(rid)
+        return object()
+
+    def withdraw(self, rid: str, span: object, model: str) -> None:
+        self.withdrawn.append(rid)
+
+    async def admit_reserved(
+        self, pb: engine_pb2.GenerateRequest, rid: str, caller: str, span: object
+    ) -> None:
+        await self.opened.wait()
+        raise InvalidArgument("not admitted in this test")
+
+
+def test_requests_that_never_reach_admission_give_their_ids_back() -> None:
+    """A call of text prompts behind a gate of one, left at its first event: every id was reserved when the
+    call started; the one in admission ends there, and each request still waiting for the gate (or whose task
+    never ran) gives its id back."""
+    ids = [f"w{i}" for i in range(6)]
+    requests = [engine_pb2.GenerateRequest(request_id=rid, prompt="p", sampling=greedy(2)) for rid in ids]
+    service = _GatedService()
+
+    async def run() -> None:
+        call = batch_call.BatchCall(service, "", "", asyncio.Semaphore(1))  # type: ignore[arg-type]
+        events = call.events(requests, ids)
+        first = asyncio.ensure_future(events.__anext__())
+        await asyncio.sleep(0.05)
+        assert service.reserved == ids  # before any admission ended
+        assert not first.done()
+        first.cancel()  # the client leaves
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        await events.aclose()
+
+    asyncio.run(asyncio.wait_for(run(), timeout=10))
+    assert sorted(service.withdrawn) == ids[1:]  # w0 held the gate: admission answers for it
+
+
 class _RefusingService:
     """Stands in for the service: every admission fails, one of them by cancellation (as a tokenizer pool
     closing at shutdown cancels its pending work) and one by a bug."""
 
-    async def admit(self, pb: engine_pb2.GenerateRequest, rid: str, caller: str, traceparent: str) -> None:
+    def reserve(self, rid: str, caller: str, traceparent: str, model: str) -> object:
+        return object()
+
+    def withdraw(self, rid: str, span: object, model: str) -> None:
+        raise AssertionError("every request reached admission")
+
+    async def admit_reserved(
+        self, pb: engine_pb2.GenerateRequest, rid: str, caller: str, span: object
+    ) -> None:
         if rid == "cancelled":
             raise asyncio.CancelledError
         if rid == "bug":
