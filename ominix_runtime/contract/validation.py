@@ -57,6 +57,12 @@ def validate_request(request: GenerateRequest, limits: RequestLimits) -> None:
 def _validate_text(request: GenerateRequest, limits: RequestLimits) -> None:
     max_chars = limits.max_prompt_chars
     messages = request.chat_messages
+    # Every turn renders at least one token: more turns than the context holds are refused before a pass
+    # over them (a million of them is a 30 MiB body).
+    if limits.max_model_len is not None and len(messages) > limits.max_model_len:
+        raise InvalidArgument(
+            f"{len(messages)} chat messages; the model's context ({limits.max_model_len} tokens) can never hold them"
+        )
     for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
             raise InvalidArgument(

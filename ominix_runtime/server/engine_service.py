@@ -219,7 +219,10 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
             if pool is None:
                 raise InvalidArgument("this engine has no tokenizer: send input_ids")
             messages = [{"role": m.role, "content": m.content} for m in request.chat_messages]
-            kwargs = json_format.MessageToDict(pb.messages.chat_template_kwargs)
+            try:
+                kwargs = json_format.MessageToDict(pb.messages.chat_template_kwargs)
+            except RecursionError:
+                raise InvalidArgument("messages.chat_template_kwargs is nested too deeply") from None
             encoded = await pool.encode_chat(messages, self.front.allow_special_tokens_in_chat, kwargs)
             request.prompt_text, request.prompt_token_ids = encoded.text, encoded.token_ids
             request.chat_messages = ()
@@ -442,6 +445,11 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         self._owners.pop(request_id, None)
         self._before_admission.pop(request_id, None)
 
+    def may_abort(self, request_id: str, caller: str) -> bool:
+        """Whether ``caller`` may abort a request of that id: anyone without API keys; with them only the caller
+        that created it (to any other the id does not exist, so ids of others cannot be probed)."""
+        return not self.front.api_keys or self._owners.get(request_id) == caller
+
     def abort_live(self, request_id: str) -> bool:
         """Abort a live request of this service; False when it has none of that id. One the engine has not
         admitted yet (its prompt still being resolved) is aborted once admitted."""
@@ -606,9 +614,7 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         found = rid in self._live
         if not found:
             return await self._abort_elsewhere(request, context)
-        if self.front.api_keys and self._owners.get(rid) != caller_of(context):
-            # With API keys a request belongs to the key that created it; to any other key it does not
-            # exist (the same answer as an unknown id, so ids of others cannot be probed).
+        if not self.may_abort(rid, caller_of(context)):
             await abort_call(context, UnknownId(f"no live request '{rid}' of this API key"))
         return engine_pb2.AbortResponse(found=self.abort_live(rid))
 

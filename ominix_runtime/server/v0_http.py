@@ -41,6 +41,7 @@ from ominix_runtime.server.v0_protocol import (
 )
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # OminiX-API itself refuses public bodies over 20 MiB
+LARGE_BODY_BYTES = 1 << 20  # a generate body past this is parsed in a thread
 # On stop, aiohttp gives each open connection this long to finish its handler, then as long again for the
 # cancelled handler: up to twice this in all.
 SHUTDOWN_TIMEOUT_S = 2.0
@@ -173,7 +174,12 @@ class V0Front:
         given = request.headers.get("Authorization", "").encode()
         if not hmac.compare_digest(given, self._expected_auth):
             return json_error(401, "missing or invalid scheduler bearer token")
-        return await handler(request)
+        try:
+            return await handler(request)
+        except (
+            web.HTTPClientError
+        ) as exc:  # aiohttp's own refusals (a body over MAX_BODY_BYTES): the error shape
+            return json_error(exc.status, exc.reason if exc.text is None else exc.text)
 
     async def _unknown(self, request: web.Request) -> web.Response:
         return json_error(404, f"unknown route: {request.path}")
@@ -226,17 +232,29 @@ class V0Front:
         except V0ProtocolError as exc:
             return json_error(400, str(exc))
         # Unknown, finished or never-admitted ids are no error (OminiX-API aborts even refused requests).
-        # Through the service first: it also aborts a request whose prompt is still being tokenized.
-        found = self._service.abort_live(request_id) or bool(self._engine.abort(request_id))
+        # Through the service first: it also aborts a request whose prompt is still being tokenized. With
+        # gRPC API keys, a request of a key holder is not this front's to abort.
+        found = self._service.may_abort(request_id, V0_CALLER) and (
+            self._service.abort_live(request_id) or bool(self._engine.abort(request_id))
+        )
         _log.info("v0 abort", request_id=request_id, found=found)
         return web.json_response({"ok": True, "aborted": request_id, "found": found})
 
     # ---- generate -------------------------------------------------------------------------------------
 
+    def _parse_generate(self, body: bytes) -> tuple[V0GenerateRequest, engine_pb2.GenerateRequest]:
+        req = parse_generate_request(body)
+        return req, self._engine_request(req)
+
     async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
         try:
-            req = parse_generate_request(await request.read())
-            pb = self._engine_request(req)
+            if len(body) > LARGE_BODY_BYTES:
+                # Megabytes of token ids or chat turns take seconds to check in Python: off the event loop,
+                # which the engine and every other stream share (OminiX-API's probes give up after 3 s).
+                req, pb = await asyncio.to_thread(self._parse_generate, body)
+            else:
+                req, pb = self._parse_generate(body)
         except V0ProtocolError as exc:
             return json_error(400, str(exc))
         with request_context(req.request_id[:256]):  # admit validates the id before anything logs it
@@ -324,7 +342,10 @@ class V0Front:
                     ]
                 )
                 kwargs = struct_pb2.Struct()
-                kwargs.update(req.chat_template_kwargs)
+                try:
+                    kwargs.update(req.chat_template_kwargs)
+                except RecursionError:
+                    raise V0ProtocolError("input.chat_template_kwargs is nested too deeply") from None
                 chat.chat_template_kwargs.CopyFrom(kwargs)
                 pb.messages.CopyFrom(chat)
         # Out of the wire types' range: negative ids, numbers past int64 or a double.

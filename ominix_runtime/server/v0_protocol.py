@@ -137,6 +137,8 @@ def parse_json_object(body: bytes, what: str = "request") -> dict[str, Any]:
         obj = json.loads(body.decode("utf-8"), parse_constant=_non_finite, parse_float=_finite_float)
     except UnicodeDecodeError as exc:
         raise V0ProtocolError(f"{what} body is not UTF-8: {exc}") from exc
+    except RecursionError:
+        raise V0ProtocolError(f"{what} body is nested too deeply") from None
     except ValueError as exc:
         raise V0ProtocolError(f"{what} body is not valid JSON: {exc}") from exc
     if not isinstance(obj, dict):
@@ -216,7 +218,7 @@ def _parse_input(obj: dict[str, Any], req: V0GenerateRequest) -> None:
         if not isinstance(tokens, list) or not tokens:
             raise V0ProtocolError("input.tokens must be a non-empty array of token ids")
         try:
-            req.tokens = [_token_id(t) for t in tokens]
+            req.tokens = _token_ids(tokens)
         except (TypeError, ValueError) as exc:
             raise V0ProtocolError(f"input.tokens: {exc}") from exc
         return
@@ -297,7 +299,8 @@ def parse_sampling(obj: Any) -> V0Sampling:
     if ids is not None:
         if not isinstance(ids, list):
             raise V0ProtocolError("sampling.stop_token_ids must be an array of token ids")
-        out.stop_token_ids = [_int(t, "sampling.stop_token_ids[]") for t in ids]
+        plain = set(map(type, ids)) <= {int}  # checked at C speed, as prompt ids are
+        out.stop_token_ids = ids if plain else [_int(t, "sampling.stop_token_ids[]") for t in ids]
     ignore_eos = obj.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise V0ProtocolError("sampling.ignore_eos must be a boolean")
@@ -495,6 +498,16 @@ def _non_negative_int(obj: dict[str, Any], key: str) -> int:
     if value < 0:
         raise V0ProtocolError(f"{key} must be >= 0")
     return value
+
+
+def _token_ids(values: list[Any]) -> list[int]:
+    """A list of token ids. Plain integers (the usual list) are checked at C speed: megabytes of ids must not
+    cost a Python call each; a list with int-like strings goes id by id."""
+    if set(map(type, values)) == {int}:
+        if min(values) < 0:
+            raise ValueError(f"{min(values)!r} is not a token id")
+        return values
+    return [_token_id(t) for t in values]
 
 
 def _token_id(value: Any) -> int:

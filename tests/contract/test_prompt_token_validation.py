@@ -34,3 +34,13 @@ def test_ids_at_both_ends_of_the_vocabulary_pass() -> None:
 
 def test_an_unknown_vocabulary_checks_no_id() -> None:
     validate_request(_request([10**9, -3]), RequestLimits(max_model_len=4096))
+
+
+def test_more_chat_turns_than_the_context_holds_are_refused_by_their_count() -> None:
+    """Every turn renders at least one token: 4,097 turns can never fit 4,096 tokens."""
+    from ominix_runtime.contract import ChatMessage
+
+    turns = tuple(ChatMessage("user", "") for _ in range(4097))
+    with pytest.raises(InvalidArgument, match="4097 chat messages"):
+        validate_request(GenerateRequest("r", [], chat_messages=turns), LIMITS)
+    validate_request(GenerateRequest("r", [], chat_messages=turns[:4096]), LIMITS)
