@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ominix_runtime.byte_sizes import DTYPE_ALIASES, DTYPE_NAMES, parse_bytes
 from ominix_runtime.config import LOG_FORMATS, LOG_LEVELS
 
 # ---- value readers (text → value; ArgumentTypeError says what is wrong in one line) -------------------------
@@ -79,6 +80,24 @@ def fraction(text: str) -> float:
     value = _float(text)
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {value:g}")
+    return value
+
+
+def byte_size(text: str) -> str:
+    """A size as --kv-cache-memory takes it (1073741824, 512MiB, 1GiB), checked here and kept as written."""
+    try:
+        parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return str(text).strip()
+
+
+def dtype_name(text: str) -> str:
+    """--dtype: auto, float32, bfloat16, float16, or one of their short names (bf16, fp16, ...)."""
+    value = str(text).strip().lower()
+    if value != "auto" and value not in DTYPE_NAMES and value not in DTYPE_ALIASES:
+        names = ", ".join(("auto", *DTYPE_NAMES))
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {names} (or {', '.join(DTYPE_ALIASES)})")
     return value
 
 
@@ -595,6 +614,7 @@ FLAGS: tuple[Flag, ...] = (
         "worker",
         "auto (bfloat16; float32 on a CPU without AVX512-BF16 or AMX), float32, bfloat16 or float16",
         ("worker.dtype",),
+        dtype_name,
     ),
     Flag(
         "--quantization",
@@ -617,6 +637,7 @@ FLAGS: tuple[Flag, ...] = (
         "bytes for the KV cache (e.g. 1073741824, 512MiB, 1GiB); default: 1GiB on a CPU, on a GPU what "
         "--gpu-memory-utilization leaves (given, it replaces that measure)",
         ("worker.kv_cache_memory",),
+        byte_size,
         aliases=("--kv-cache-memory-bytes",),
     ),
     Flag(
@@ -701,7 +722,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "--dist-timeout",
-        "tensor-parallel",
+        "worker",  # not "tensor-parallel": launch sets the rank and address, and passes this one on
         "seconds any collective or control message of the group may wait for a peer before the group "
         "gives up (every rank then exits)",
         ("worker.dist_timeout",),

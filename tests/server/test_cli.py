@@ -330,6 +330,9 @@ def test_log_level_is_case_insensitive_with_one_set_of_choices() -> None:
         (["launch", "--port", "0"], "--port: port 0 is outside 1-65535"),
         (["launch", "--log-level", "verbose"], "--log-level: 'verbose' is not one of"),
         (["launch", "--gpu-memory-utilization", "2"], "--gpu-memory-utilization: expected a fraction"),
+        (["launch", "--dtype", "fp64"], "--dtype: 'fp64' is not one of auto, float32, bfloat16, float16"),
+        (["worker", "--dtype", "double"], "--dtype: 'double' is not one of"),
+        (["launch", "--kv-cache-memory", "12XB"], "--kv-cache-memory: bad byte size '12XB'"),
         (
             ["launch", "--worker-base-port", "65535", "--devices", "cpu,cpu"],
             "leaves no room for 2 worker groups",
@@ -345,6 +348,16 @@ def test_setup_errors_are_one_line_and_exit_1(
     assert main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_launch_takes_the_worker_flags_it_passes_on() -> None:
+    """--dist-timeout, --dtype and --kv-cache-memory reach launch's config as written (their short names too)."""
+    config, _ = resolve(
+        command("launch"),
+        ["--dist-timeout", "10", "--dtype", "BF16", "--kv-cache-memory", "512MiB"],
+        env={},
+    )
+    assert (config.worker.dist_timeout, config.worker.dtype, config.worker.kv_cache_memory) == (10.0, "bf16", "512MiB")
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

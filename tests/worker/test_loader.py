@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 
+from ominix_runtime.byte_sizes import parse_bytes
 from ominix_runtime.contract import DecodeStep, NewRequestData, SamplingParams
 from ominix_runtime.models import resolve_model
 from ominix_worker.attention import TorchReferenceAttention, get_attention_backend
@@ -23,7 +24,7 @@ from ominix_worker.config import (
     load_hf_config,
 )
 from ominix_worker.devices import DeviceError, cpu_has_native_bf16, parse_device, resolve_dtype, sm_count
-from ominix_worker.kv_cache import kv_bytes_per_block, parse_bytes
+from ominix_worker.kv_cache import kv_bytes_per_block
 from ominix_worker.loader import ModelLoadError, load_model, unpermute_llama_cpp_rows
 from ominix_worker.models.llama import rope_inv_freq
 from ominix_worker.runner import ModelRunner, build_runner

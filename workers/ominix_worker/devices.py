@@ -7,17 +7,11 @@ import re
 
 import torch
 
+from ominix_runtime.byte_sizes import DTYPE_ALIASES
 from ominix_runtime.contract import BackendKind
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda|npu)(?::(\d+))?$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DTYPE_ALIASES = {
-    "fp32": "float32",
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "half": "float16",
-    "float": "float32",
-}
 
 
 class DeviceError(RuntimeError):
@@ -94,7 +88,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     2-core box was 57.3 ms in bfloat16 against 68.9 ms in float32 (bench/RESULTS.md, CPU daemon). vLLM's CPU
     backend defaults to bfloat16 too.
     Without those instructions oneDNN would emulate the products, so float32 stays the default there."""
-    key = _DTYPE_ALIASES.get(name.lower(), name.lower())
+    key = DTYPE_ALIASES.get(name.lower(), name.lower())
     if key == "auto":
         if device.type == "cpu" and not cpu_has_native_bf16():
             return torch.float32

@@ -3,7 +3,6 @@ from measured free memory on GPUs."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,34 +11,6 @@ import torch
 
 from ominix_worker.attention.base import AttentionBackend
 from ominix_worker.config import AttentionGroup, ModelConfig
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-    "t": 1000**4,
-    "tb": 1000**4,
-}
-_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(text: str | int) -> int:
-    """'1GiB', '512MiB', '1e9'-free integers, '2GB' → bytes."""
-    if isinstance(text, int):
-        return text
-    match = _BYTES_RE.match(text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"bad byte size {text!r}: use e.g. 1073741824, 512MiB or 1GiB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def resolve_kv_cache_dtype(name: str, run_dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -192,6 +192,7 @@ def load_worker(
 
     import torch
 
+    from ominix_runtime.byte_sizes import parse_bytes
     from ominix_worker.attention import get_attention_backend
     from ominix_worker.devices import (
         backend_kind,
@@ -207,7 +208,6 @@ def load_worker(
         kv_bytes_per_block,
         measure_device_room,
         num_blocks_for_budget,
-        parse_bytes,
         resolve_kv_cache_dtype,
     )
     from ominix_worker.loader import ModelLoadError, load_model
@@ -592,8 +592,9 @@ def check_port_free(host: str, port: int) -> None:
 def check_args(settings: RuntimeConfig) -> str:
     """Cheap checks across flags before anything is bound or loaded (each flag's own range is checked when
     it is read); returns the device's name."""
+    from ominix_runtime.byte_sizes import parse_bytes
     from ominix_worker.devices import DeviceError, device_name, parse_device, resolve_dtype
-    from ominix_worker.kv_cache import parse_bytes, resolve_kv_cache_dtype
+    from ominix_worker.kv_cache import resolve_kv_cache_dtype
     from ominix_worker.parallel.distributed import parse_init_addr
 
     args = settings.worker
