@@ -357,7 +357,11 @@ def test_launch_takes_the_worker_flags_it_passes_on() -> None:
         ["--dist-timeout", "10", "--dtype", "BF16", "--kv-cache-memory", "512MiB"],
         env={},
     )
-    assert (config.worker.dist_timeout, config.worker.dtype, config.worker.kv_cache_memory) == (10.0, "bf16", "512MiB")
+    assert (config.worker.dist_timeout, config.worker.dtype, config.worker.kv_cache_memory) == (
+        10.0,
+        "bf16",
+        "512MiB",
+    )
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

@@ -319,8 +319,8 @@ def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--dtype", "fp8"], "unknown dtype 'fp8'"),
-        (["--kv-cache-memory", "lots"], "bad byte size 'lots'"),
+        (["--dtype", "fp8"], "--dtype: 'fp8' is not one of"),
+        (["--kv-cache-memory", "lots"], "--kv-cache-memory: bad byte size 'lots'"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization: expected a fraction in (0, 1]"),
         (["--max-batch-tokens", "0"], "--max-batch-tokens: expected an integer >= 1"),
         (["--tp-size", "2"], "--tp-size > 1 needs --dist-init-addr"),
