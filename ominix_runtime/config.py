@@ -132,7 +132,9 @@ class BackendsConfig:
     workers: tuple[str, ...] = ()  # host:port of step-level workers
     sglang_urls: tuple[str, ...] = ()  # request-level SGLang servers
     sglang_api_key: str | None = None  # SGLang's --api-key, sent as a bearer token
-    ready_timeout: float = 300.0  # seconds to wait for every worker to report ready
+    # Seconds to wait for every worker to report ready: loading a large checkpoint and profiling the KV cache
+    # takes minutes (vLLM waits 600 s for its engine too); deploy/kubernetes gives the startup as long.
+    ready_timeout: float = 600.0
     heartbeat_timeout: float = DEFAULT_WORKER_HEARTBEAT_TIMEOUT_S
     # A step may take this long, heartbeats or not; None: derived per stream from its measured steps.
     step_timeout: float | None = None

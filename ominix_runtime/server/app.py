@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ominix_runtime import memory
 from ominix_runtime.backends.grpc_worker import CHANNEL_OPTIONS, CLOSE_TIMEOUT_S, GrpcWorkerBackend
-from ominix_runtime.config import RuntimeConfig
+from ominix_runtime.config import RuntimeConfig, TLSConfig
 from ominix_runtime.contract import BackendAdapter, OminixError, RuntimeErrorKind
 from ominix_runtime.engine.core import EngineCore
 from ominix_runtime.engine.negotiation import ServingTerms
@@ -110,8 +110,10 @@ async def _wait_workers_ready(backends: list[BackendAdapter], timeout: float) ->
         await asyncio.gather(*(b.wait_ready(timeout) for b in workers))
 
 
-def _grpcurl_hint(address: str, tls: bool, has_tokenizer: bool = True) -> str:
-    transport = "-insecure" if tls else "-plaintext"
+def _grpcurl_hint(address: str, tls: TLSConfig, has_tokenizer: bool = True) -> str:
+    # With TLS the client checks the engine's certificate against the CA that signed it (deploy/TLS.md):
+    # --tls-ca names it where the engine has one, else the placeholder the docs use.
+    transport = f"-cacert {tls.ca or 'ca.pem'}" if tls.enabled else "-plaintext"
     request = _EXAMPLE_REQUEST if has_tokenizer else _EXAMPLE_IDS_REQUEST
     return f"grpcurl {transport} -d '{request}' {address} ominix.runtime.v1.Engine/Generate"
 
@@ -189,6 +191,10 @@ class EngineDaemon:
         else:
             self.bound_port = bind_grpc_front(server, config)
         await server.start()
+        if self.metrics is not None:
+            # Scraped from now on, while the workers load (minutes for a large model): a scrape that fails
+            # means the daemon is down (deploy/prometheus's OminixEngineDown), not that it is starting.
+            self.metrics_port = self._start_metrics_http(self.metrics)
 
         # The tokenizer (a GGUF metadata parse for the embedded model) loads while the workers get ready.
         tokenizer_loading = (
@@ -233,7 +239,7 @@ class EngineDaemon:
             served_model_names=list(config.model.served_model_names),
             workers=list(backends.workers),
             metrics_port=self.metrics_port or None,
-            example=_grpcurl_hint(address, config.tls.enabled, tokenizer is not None),
+            example=_grpcurl_hint(address, config.tls, tokenizer is not None),
             v0_front=f"http://{config.v0.host}:{self.v0_front.port}" if self.v0_front is not None else None,
         )
 
@@ -262,7 +268,6 @@ class EngineDaemon:
             return
         metrics.set_model_name(model_name)
         engine.add_step_listener(metrics.observe_step)
-        self.metrics_port = self._start_metrics_http(metrics)
         self._tasks.append(asyncio.get_running_loop().create_task(self._refresh_metrics(engine)))
 
     def _start_metrics_http(self, metrics: EngineMetrics) -> int:

@@ -341,6 +341,8 @@ class WorkerCollector(Collector):
                 ratio = w.kv_blocks_used / w.kv_blocks_capacity if w.kv_blocks_capacity else 0.0
                 kv["ratio"].add_metric([w.worker_id], ratio)
             for name, family in counters.items():
+                if name in _PREFIX_CACHE_COUNTERS and not w.kv_known:
+                    continue  # a request-level backend's cache is its own: no series that would stay at 0
                 family.add_metric([w.worker_id], self._counter(name, w.worker_id))
             prompt.add_metric([w.model_name, w.worker_id], self._counter("prompt_tokens", w.worker_id))
             generation.add_metric(
@@ -349,6 +351,8 @@ class WorkerCollector(Collector):
         return [up, *gauges.values(), *kv.values(), *counters.values(), prompt, generation]
 
 
+# Counter families of the engine's prefix cache: only for backends whose KV the engine keeps (kv_known).
+_PREFIX_CACHE_COUNTERS = frozenset({"prefix_queried_tokens", "prefix_hit_tokens"})
 # Counter families read from WorkerStats: key -> (metric name without _total, help).
 _COUNTER_FAMILIES: dict[str, tuple[str, str]] = {
     "prefix_queried_tokens": (

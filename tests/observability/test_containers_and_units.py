@@ -24,6 +24,7 @@ from ominix_runtime.server.app import longest_graceful_stop_s
 
 DOCKERFILES = sorted(p for p in (DEPLOY / "docker").glob("Dockerfile.*") if p.suffix != ".dockerignore")
 UNITS = DEPLOY / "systemd"
+SECRET = "/etc/ominix/engine.secret"  # deploy/README.md writes it
 MAX_EXPOSURE = 3.0
 
 
@@ -196,6 +197,7 @@ def test_units_run_as_a_user_and_template_the_workers() -> None:
         assert "\nCapabilityBoundingSet=\n" in text
     assert "worker@0" not in engine and "ominix-workers.target" in engine
     assert "%i" in worker and "WantedBy=ominix-workers.target" in worker
+    assert f"--engine-secret-file {SECRET}" in engine  # the secret its workers require
     drain = float(re.search(r"--drain-timeout (\d+)", engine).group(1))
     assert float(re.search(r"TimeoutStopSec=(\d+)", engine).group(1)) > longest_graceful_stop_s(drain)
 
@@ -228,6 +230,7 @@ def test_every_worker_instance_gets_a_device_the_worker_accepts(kind: str, tmp_p
         assert args[0] == "worker" and _flag(args, "--model") == "/srv/models/m"
         assert _flag(args, "--port") == str(50071 + instance)
         assert _flag(args, "--worker-id") == f"{kind}-{instance}"
+        assert _flag(args, "--engine-secret-file") == SECRET  # no local process but the engine drives it
         device = _flag(args, "--device")
         assert device == ("cpu" if kind == "cpu" else f"cuda:{instance}")
         try:

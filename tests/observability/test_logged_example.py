@@ -69,3 +69,14 @@ def test_the_example_of_an_engine_without_tokenizer_sends_input_ids(sglang_engin
         event, at = decoder.raw_decode(out.stdout, at)
         events.append(event)
     assert "done" in events[-1] and not [e for e in events if "error" in e], out.stdout[-2000:]
+
+
+def test_the_example_of_a_tls_engine_checks_its_certificate() -> None:
+    """A TLS engine's example verifies the engine against the CA (deploy/TLS.md), never -insecure."""
+    from ominix_runtime.config import TLSConfig
+    from ominix_runtime.server.app import _grpcurl_hint
+
+    with_ca = _grpcurl_hint("h:1", TLSConfig(cert="c.pem", key="k.pem", ca="/etc/ominix/tls/ca.pem"))
+    assert shlex.split(with_ca)[1:3] == ["-cacert", "/etc/ominix/tls/ca.pem"], with_ca
+    assert "-cacert ca.pem" in _grpcurl_hint("h:1", TLSConfig(cert="c.pem", key="k.pem"))
+    assert "-plaintext" in _grpcurl_hint("h:1", TLSConfig()) and "-insecure" not in with_ca

@@ -260,7 +260,9 @@ def test_port_taken_exits_with_a_clear_message(worker: tuple[str, Path]) -> None
     proc = run_failing("--model", str(folder), "--port", port, "--kv-cache-memory", "8MiB")
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "cannot bind" in lines[0] and port in lines[0], proc.stderr
+    assert len(lines) == 1 and "cannot bind" in lines[0] and port in lines[0] and "--port" in lines[0], (
+        proc.stderr
+    )
 
 
 def test_bad_model_exits_with_a_clear_message(tmp_path: Path) -> None:

@@ -586,7 +586,10 @@ def check_port_free(host: str, port: int) -> None:
     except socket.gaierror as exc:
         raise StartupError(f"cannot resolve host {host!r}: {exc}") from None
     except OSError as exc:
-        raise StartupError(f"cannot bind {host}:{port}: {exc.strerror or exc} (is the port taken?)") from None
+        raise StartupError(
+            f"cannot bind {host}:{port}: {exc.strerror or exc} (is the port taken? stop what holds it or pass "
+            "another --port)"
+        ) from None
 
 
 def check_args(settings: RuntimeConfig) -> str:
@@ -682,9 +685,9 @@ async def serve(config: RuntimeConfig) -> int:
         else:
             bound = server.add_insecure_port(address)
     except RuntimeError as exc:
-        raise StartupError(f"cannot bind {address}: {exc} (is the port taken?)") from None
+        raise StartupError(f"cannot bind {address}: {exc} (is the port taken? pass another --port)") from None
     if not bound:
-        raise StartupError(f"cannot bind {address} (is the port taken?)")
+        raise StartupError(f"cannot bind {address} (is the port taken? pass another --port)")
     for service in ("", WORKER_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
