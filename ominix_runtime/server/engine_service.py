@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn, Protocol
 
@@ -448,7 +448,10 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
     def may_abort(self, request_id: str, caller: str) -> bool:
         """Whether ``caller`` may abort a request of that id: anyone without API keys; with them only the caller
         that created it (to any other the id does not exist, so ids of others cannot be probed)."""
-        return not self.front.api_keys or self._owners.get(request_id) == caller
+        return self._owned_by(self._owners.get(request_id), caller)
+
+    def _owned_by(self, owner: str | None, caller: str) -> bool:
+        return not self.front.api_keys or owner == caller
 
     def abort_live(self, request_id: str) -> bool:
         """Abort a live request of this service; False when it has none of that id. One the engine has not
@@ -629,6 +632,19 @@ class EngineServiceBase(engine_pb2_grpc.EngineServicer):
         return engine_pb2.AbortResponse(found=False)
 
 
+class FrontProcesses(Protocol):
+    """What the engine process's service asks of its front processes (server/front_hub.py)."""
+
+    def push_readiness(self) -> None:
+        """Tell every front the engine's readiness now if it changed."""
+
+    def resolving_owner(self, request_id: str) -> str | None:
+        """The owner of a request a front holds before submitting it (its prompt being tokenized)."""
+
+    def abort_resolving(self, request_id: str) -> None:
+        """Have the front holding that request abort it (once admitted, it ends with ABORT)."""
+
+
 class EngineService(EngineServiceBase):
     """The Engine service of the process that runs the engine core: the admin RPCs answer from it, and the
     requests of front processes (server/front_hub.py) are tracked here too, so Abort, GetStats and the
@@ -647,10 +663,8 @@ class EngineService(EngineServiceBase):
     ) -> None:
         super().__init__(engine, tokenizer, model_name, metrics, front, tracer, served_names, queue_limit)
         self._core = engine
-        # Called when a Drain or Undrain answered may have changed whether the engine is ready: front
-        # processes (FrontHub) learn it then, not at their next poll, so a request sent after the answer is
-        # judged by the new state.
-        self.readiness_changed: Callable[[], None] | None = None
+        # The front processes (FrontHub), when this service answers for them.
+        self.fronts: FrontProcesses | None = None
 
     def track(self, request_id: str, owner: str) -> None:
         """A front process's request the engine admitted: live until ``forget``."""
@@ -666,6 +680,20 @@ class EngineService(EngineServiceBase):
     def count_refusal(self, message: str, reason: str, counted_by_engine: bool, model: str = "") -> None:
         """A refusal at a front process (or by the engine, of a front's request): GetStats and metrics."""
         self._reject(message, reason, counted_by_engine, model=model)
+
+    async def _abort_elsewhere(
+        self, request: engine_pb2.AbortRequest, context: _AbortContext
+    ) -> engine_pb2.AbortResponse:
+        """An id no stream here holds yet may be a front process's request still being tokenized (the Abort
+        came through another front): that front aborts it once it is admitted."""
+        rid = request.request_id
+        fronts = self.fronts
+        if fronts is not None:
+            owner = fronts.resolving_owner(rid)
+            if owner is not None and self._owned_by(owner, caller_of(context)):
+                fronts.abort_resolving(rid)
+                return engine_pb2.AbortResponse(found=True)
+        return await super()._abort_elsewhere(request, context)
 
     async def GetLoad(
         self, request: engine_pb2.GetLoadRequest, context: _GetLoadContext
@@ -702,8 +730,9 @@ class EngineService(EngineServiceBase):
             changed = self._core.drain(request.worker_id, draining=draining)
         except OminixError as exc:
             await abort_call(context, UnknownId(exc.message))
-        if self.readiness_changed is not None:
-            self.readiness_changed()
+        if self.fronts is not None:
+            # They learn it now, not at their next poll: a request sent after the answer is judged by it.
+            self.fronts.push_readiness()
         return engine_pb2.DrainResponse(backends=self.backend_loads(set(changed)))
 
     async def GetStats(

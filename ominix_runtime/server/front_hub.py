@@ -86,6 +86,7 @@ class _FrontLink:
     def __init__(self, writer: asyncio.StreamWriter, service: EngineService) -> None:
         self.frames = link.FrameWriter(writer)
         self.live: set[str] = set()
+        self.resolving: dict[str, str] = {}  # requests announced before their Submit -> their owner
         self._service = service
         self.index = -1
 
@@ -110,6 +111,7 @@ class FrontHub:
         self._metrics = metrics
         self._engine = engine
         self._service = service
+        service.fronts = self  # Drain, Undrain and Abort reach the fronts through it
         self._dir = Path(tempfile.mkdtemp(prefix="ominix-fronts-"))  # mode 0700: this user only
         self.link_path = str(self._dir / "link.sock")
         # The engine process's own gRPC server listens here (admin calls the fronts forward).
@@ -239,6 +241,7 @@ class FrontHub:
             _log.warning("front link failed", front=front.index, error=repr(exc))
         finally:
             self._links.discard(front)
+            front.resolving.clear()
             for rid in list(front.live):  # the clients are gone with their front: free the KV now
                 self._engine.abort(rid)
                 self._service.forget(rid)
@@ -250,6 +253,10 @@ class FrontHub:
         match message:
             case link.Submit(request):
                 self._submit(front, request)
+            case link.Resolving(rid, owner):
+                front.resolving[rid] = owner
+            case link.Resolved(rid):
+                front.resolving.pop(rid, None)
             case link.AbortRequest(rid):
                 if rid in front.live:
                     engine.abort(rid)
@@ -295,8 +302,21 @@ class FrontHub:
         self._service.track(rid, request.owner)
         front.frames.send(link.Admitted(rid))
 
+    def resolving_owner(self, request_id: str) -> str | None:
+        """The owner of a request some front announced and has not submitted yet; None when none has."""
+        for front in self._links:
+            owner = front.resolving.get(request_id)
+            if owner is not None:
+                return owner
+        return None
+
+    def abort_resolving(self, request_id: str) -> None:
+        """Tell the fronts holding ``request_id`` before its Submit to abort it."""
+        for front in self._links:
+            if request_id in front.resolving:
+                front.frames.send(link.AbortResolving(request_id))
+
     async def _follow_readiness(self) -> None:
-        self._service.readiness_changed = self.push_readiness
         while True:
             self.push_readiness()
             await asyncio.sleep(READINESS_POLL_S)

@@ -7,7 +7,8 @@ the engine pays one write per front per step instead of one stream message per r
 are this package at the same version, started by the same user; nothing else may connect.
 
 Admin calls (GetLoad, GetStats, ListBackends, Drain, Abort of another front's request) do not use the link:
-a front forwards them over gRPC to the engine process's own server on ``Hello.engine_address``.
+a front forwards them over gRPC to the engine process's own server on ``Hello.engine_address``. A request that
+waits for its tokenizer before it is submitted is announced (Resolving) so that such an Abort finds it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,23 @@ class Submit:
     """Admit ``request`` (resolved and validated by the front; ``request.owner`` names its caller)."""
 
     request: GenerateRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Resolving:
+    """A request of this front waits for its prompt to be tokenized before its Submit: an Abort that reaches
+    another front (and through it the engine process) must find it meanwhile. ``owner`` is its caller."""
+
+    request_id: str
+    owner: str
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """The request of a Resolving no longer waits: its Submit follows in the same frame, or it was refused or
+    its client went away."""
+
+    request_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +136,14 @@ class Refused:
     kind: RuntimeErrorKind
     message: str
     duplicate: bool
+
+
+@dataclass(frozen=True, slots=True)
+class AbortResolving:
+    """An Abort came (through another front) for a request of this front still Resolving: abort it, as an
+    Abort this front took itself would."""
+
+    request_id: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,6 +86,8 @@ class EngineLink:
         self._waker = ReaderWaker()
         self.closed = False
         self.stop_requested = asyncio.Event()
+        # The front's answer to an Abort that came through another front for a request it still resolves.
+        self.on_abort_resolving: Callable[[str], object] | None = None
 
     @classmethod
     async def connect(cls, path: str) -> tuple[EngineLink, list[object]]:
@@ -173,6 +175,9 @@ class EngineLink:
                         admission.set_exception(AlreadyLive(text) if duplicate else OminixError(kind, text))
                 case link.Readiness(ready, capabilities):
                     self._ready, self._capabilities = ready, capabilities
+                case link.AbortResolving(rid):
+                    if self.on_abort_resolving is not None:
+                        self.on_abort_resolving(rid)
                 case link.StopServing():
                     self.stop_requested.set()
                 case _:
@@ -214,6 +219,7 @@ class FrontService(EngineServiceBase):
             queue_limit=config.engine.max_waiting_requests,
         )
         self._link = engine
+        engine.on_abort_resolving = self.abort_live
         self._channel = grpc.aio.insecure_channel(engine.engine_address)
         self._engine_stub = engine_pb2_grpc.EngineStub(self._channel)
 
@@ -228,6 +234,18 @@ class FrontService(EngineServiceBase):
         super()._reject(message, reason, counted_by_engine, span, model)
         if not counted_by_engine:  # the engine process counts what it refused itself
             self._link.refused(message, reason, model)
+
+    async def _resolve(self, pb: engine_pb2.GenerateRequest, request_id: str) -> GenerateRequest:
+        """As the base resolves it; a prompt that waits for the tokenizer is announced to the engine process
+        meanwhile (Resolving), so an Abort that reaches another front finds it. Resolved goes out before the
+        Submit that follows, in the same frame."""
+        if pb.WhichOneof("input") == "input_ids":
+            return await super()._resolve(pb, request_id)
+        self._link.frames.send(link.Resolving(request_id, self._owners.get(request_id, "")))
+        try:
+            return await super()._resolve(pb, request_id)
+        finally:
+            self._link.frames.send(link.Resolved(request_id))
 
     async def _forward(
         self,

@@ -162,3 +162,65 @@ def test_a_submission_that_fails_in_the_engine_refuses_that_request_only() -> No
     refused, after = asyncio.run(main())
     assert refused.kind == RuntimeErrorKind.INTERNAL and "a bug on this request" in refused.message
     assert [e.done.finish_reason for e in after if e.HasField("done")] == [common_pb2.FINISH_REASON_LENGTH]
+
+
+class _Caller:
+    """The servicer context of an Abort from a caller without an API key."""
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    async def abort(self, code: object, details: str = "", trailing_metadata: object = ()) -> None:
+        raise AssertionError(f"refused: {code} {details}")
+
+
+class _SlowTokenizer:
+    """Encodes any text as three ids once ``release`` is set: a prompt still being tokenized."""
+
+    max_token_chars = 64
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def encode(self, text: str, parse_special: bool = False) -> list[int]:
+        assert self.release.wait(30)
+        return [11, 12, 13]
+
+
+def test_an_abort_through_another_front_finds_a_prompt_still_being_tokenized() -> None:
+    """Behind --front-procs an Abort reaching another front is forwarded to the engine process, which held
+    only the requests fronts had submitted: one still being tokenized was not found and ran to its end. The
+    front announces it (Resolving) now; the engine process has that front abort it, and it ends with ABORT."""
+
+    async def main() -> tuple[bool, list[engine_pb2.GenerateEvent], bool]:
+        backend = FakeStepBackend(
+            FakeConfig(model_name=DEFAULT_MODEL_NAME, vocab_size=SMOLLM2_VOCAB, step_latency=0.005)
+        )
+        core = EngineCore([backend], EngineCoreConfig())
+        await core.start(ServingTerms(DEFAULT_MODEL_NAME, None))
+        engine_side = EngineService(core, None, DEFAULT_MODEL_NAME)
+        try:
+            async with linked_front(core, engine_side) as (_, front):
+                tokenizer = _SlowTokenizer()
+                front.tokenizer = tokenizer  # type: ignore[assignment]
+                pb = engine_pb2.GenerateRequest(
+                    request_id="elsewhere",
+                    prompt="hello there",
+                    sampling=common_pb2.SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True),
+                )
+                events: list[engine_pb2.GenerateEvent] = []
+                streaming = asyncio.create_task(_consume(front, pb, events))
+                while not engine_side.fronts or engine_side.fronts.resolving_owner("elsewhere") is None:
+                    await asyncio.sleep(0.005)  # announced over the link
+                answer = await engine_side.Abort(engine_pb2.AbortRequest(request_id="elsewhere"), _Caller())  # type: ignore[arg-type]
+                unknown = await engine_side.Abort(engine_pb2.AbortRequest(request_id="nobody"), _Caller())  # type: ignore[arg-type]
+                tokenizer.release.set()
+                await asyncio.wait_for(streaming, 20)
+                return answer.found, events, unknown.found
+        finally:
+            await core.stop(drain_timeout=0)
+
+    found, events, unknown_found = asyncio.run(main())
+    assert found and not unknown_found
+    assert [e.done.finish_reason for e in events if e.HasField("done")] == [common_pb2.FINISH_REASON_ABORT]
+    assert sum(len(e.token.token_ids) for e in events if e.HasField("token")) < 300
