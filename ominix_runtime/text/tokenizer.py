@@ -342,7 +342,12 @@ class Tokenizer:
         # The template writes its own BOS/special tokens, so none are added on top (HF behaviour).
         extra = dict(template_kwargs or {})  # e.g. enable_thinking for Qwen3-style templates
         # A caller's kwargs may turn the generation prompt off (to continue a turn), as the argument does.
-        add_generation_prompt = bool(extra.pop("add_generation_prompt", add_generation_prompt))
+        given = extra.pop("add_generation_prompt", None)  # null: as if not given
+        add_generation_prompt = add_generation_prompt if given is None else given
+        if not isinstance(add_generation_prompt, bool):  # bool("false") would turn it on
+            raise TokenizerError(
+                f"chat_template_kwargs.add_generation_prompt must be true or false, got {add_generation_prompt!r}"
+            )
         taken = sorted(_TEMPLATE_VARIABLES & extra.keys())
         if taken:
             raise TokenizerError(

@@ -97,6 +97,12 @@ def test_template_kwargs_may_turn_the_generation_prompt_off_but_not_set_the_engi
     for key in ("messages", "bos_token", "eos_token"):
         with pytest.raises(TokenizerError, match=f"may not set {key}"):
             ours.tokenize_chat(messages, template_kwargs={key: "x"})
+    assert ours.tokenize_chat(
+        messages, template_kwargs={"add_generation_prompt": None}
+    ) == ours.tokenize_chat(messages)
+    for not_a_flag in ("false", 0):  # the string "false" used to count as true
+        with pytest.raises(TokenizerError, match="add_generation_prompt must be true or false"):
+            ours.tokenize_chat(messages, template_kwargs={"add_generation_prompt": not_a_flag})
 
 
 def test_hf_folder_round_trip(ours: Tokenizer, tmp_path: Path) -> None:
