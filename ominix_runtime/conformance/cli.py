@@ -7,6 +7,7 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
+from ominix_runtime.cli.flags import by_name
 from ominix_runtime.conformance.checks import ALL_CHECKS, BackendFactory
 from ominix_runtime.conformance.runner import all_passed, format_json, format_table, run_checks
 
@@ -34,6 +35,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="check running ominix workers over gRPC instead (repeatable)",
     )
+    # How to reach a secured worker, as the engine does (the engine's flags, read the same way).
+    for name in ("--tls-ca", "--tls-cert", "--tls-key", "--engine-secret-file"):
+        flag = by_name(name)
+        p.add_argument(
+            *flag.names, dest=flag.dest, type=flag.read, metavar=flag.metavar, help=f"--worker: {flag.help}"
+        )
     p.add_argument("--url", help="SGLang server URL for --backend sglang")
     p.add_argument("--sglang-api-key", default=None, help="bearer token of the SGLang server (its --api-key)")
     p.add_argument("--vocab-size", type=int, help="state the vocabulary size SGLang does not report")
@@ -61,9 +68,15 @@ def _parser() -> argparse.ArgumentParser:
 def _factory(args: argparse.Namespace, parser: argparse.ArgumentParser) -> BackendFactory:
     if args.worker:
         from ominix_runtime.backends.grpc_worker import GrpcWorkerBackend
+        from ominix_runtime.config import TLSConfig
+        from ominix_runtime.server.app import read_secret, worker_credentials
 
         addresses = list(args.worker)
-        return lambda: [GrpcWorkerBackend(a) for a in addresses]
+        tls = TLSConfig(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
+        secret = read_secret(args.engine_secret_file)
+        return lambda: [
+            GrpcWorkerBackend(a, tls=worker_credentials(tls), engine_secret=secret) for a in addresses
+        ]
     if args.backend == "sglang":
         if not args.url:
             parser.error("--backend sglang needs --url")

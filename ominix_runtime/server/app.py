@@ -66,22 +66,27 @@ MIN_MESSAGE_BYTES = 1024  # below this no request fits: the engine would refuse 
 _log = get_logger("ominix.server")
 
 
+def worker_credentials(tls: TLSConfig) -> grpc.ChannelCredentials | None:
+    """How the engine (or a tool in its place) reaches workers: TLS with --tls-ca, else plaintext (None)."""
+    if not tls.ca:
+        return None
+    # Mutual TLS: the engine proves itself to the workers with its own certificate when it has one.
+    key = Path(tls.key).read_bytes() if tls.key else None
+    cert = Path(tls.cert).read_bytes() if tls.cert else None
+    return grpc.ssl_channel_credentials(
+        root_certificates=Path(tls.ca).read_bytes(), private_key=key, certificate_chain=cert
+    )
+
+
 def _build_backends(config: RuntimeConfig) -> list[BackendAdapter]:
-    worker_tls = None
-    if config.tls.ca:
-        # Mutual TLS: the engine proves itself to the workers with its own certificate when it has one.
-        key = Path(config.tls.key).read_bytes() if config.tls.key else None
-        cert = Path(config.tls.cert).read_bytes() if config.tls.cert else None
-        worker_tls = grpc.ssl_channel_credentials(
-            root_certificates=Path(config.tls.ca).read_bytes(), private_key=key, certificate_chain=cert
-        )
+    worker_tls = worker_credentials(config.tls)
     backends: list[BackendAdapter] = [
         GrpcWorkerBackend(
             address,
             tls=worker_tls,
             step_timeout=config.backends.step_timeout,
             heartbeat_timeout=config.backends.heartbeat_timeout,
-            engine_secret=_read_secret(config.tls.engine_secret_file),
+            engine_secret=read_secret(config.tls.engine_secret_file),
             launch_nonce=config.backends.launch_nonce,
         )
         for address in config.backends.workers
@@ -419,7 +424,7 @@ async def serve(config: RuntimeConfig) -> int:
     return 0
 
 
-def _read_secret(path: str | None) -> str | None:
+def read_secret(path: str | None) -> str | None:
     """The engine secret of --engine-secret-file (checked readable and non-empty when the flag was read)."""
     if not path:
         return None

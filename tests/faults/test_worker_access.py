@@ -111,3 +111,22 @@ def test_secret_file_must_not_be_empty(tmp_path: Path) -> None:
     argv = [*CLI, "worker", "--device", "cpu", "--port", str(port), "--engine-secret-file", str(empty)]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 1 and "is empty" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_conformance_suite_reaches_a_worker_that_wants_the_secret(
+    worker: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`conformance --worker` with the worker's --engine-secret-file runs its checks (without it, every
+    check failed on PERMISSION_DENIED: the suite could not check the deployments TLS.md recommends)."""
+    from ominix_runtime.conformance.cli import main
+
+    secret_file = tmp_path / "engine.secret"
+    secret_file.write_text(SECRET + "\n")
+    check = ["--check", "exactly_one_terminal_event"]
+    assert (
+        main(["--worker", worker, "--engine-secret-file", str(secret_file), *check], configure_logs=False)
+        == 0
+    )
+    assert "PASS" in capsys.readouterr().out
+    assert main(["--worker", worker, *check], configure_logs=False) == 1  # no secret: refused, as it was
+    assert "PERMISSION_DENIED" in capsys.readouterr().out
