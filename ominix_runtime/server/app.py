@@ -116,9 +116,13 @@ async def _wait_workers_ready(backends: list[BackendAdapter], timeout: float) ->
 
 
 def _grpcurl_hint(address: str, tls: TLSConfig, has_tokenizer: bool = True) -> str:
-    # With TLS the client checks the engine's certificate against the CA that signed it (deploy/TLS.md):
-    # --tls-ca names it where the engine has one, else the placeholder the docs use.
-    transport = f"-cacert {tls.ca or 'ca.pem'}" if tls.enabled else "-plaintext"
+    # With TLS the client checks the engine's certificate against the CA that signed it (deploy/TLS.md); the
+    # engine does not know that file (its --tls-ca verifies workers), so the docs' placeholder stands in. A
+    # wildcard listen address is no name a certificate holds: localhost is (deploy/tls/make-certs.sh).
+    host, _, port = address.rpartition(":")
+    if host in ("0.0.0.0", "::", "[::]", ""):
+        address = f"localhost:{port}"
+    transport = "-cacert ca.pem" if tls.enabled else "-plaintext"
     request = _EXAMPLE_REQUEST if has_tokenizer else _EXAMPLE_IDS_REQUEST
     return f"grpcurl {transport} -d '{request}' {address} ominix.runtime.v1.Engine/Generate"
 

@@ -5,7 +5,8 @@ A burst of separate Generate calls costs gRPC's per-call work once per request (
 them all; its events go back in one message per wake-up rather than one per request and token.
 
 Every request is admitted, streamed and released exactly as a Generate call's would be (EngineServiceBase:
-``admit`` / ``stream`` / ``release``), so validation, tokenization, tracing and metrics do not fork. A
+``reserve`` + ``admit_reserved`` / ``stream`` / ``release``), so validation, tokenization, tracing and metrics
+do not fork. Every id is reserved when the call starts, before its request waits for the tokenizer gate. A
 request refused at admission ends with an error event in the stream and the others go on; ids that are
 malformed or repeated refuse the whole call before anything is admitted, since no event could name them, and
 so do more requests than the engine queues, which could only be refused in part. Past MAX_QUEUED_EVENTS
@@ -115,21 +116,21 @@ class BatchCall:
     ) -> AsyncGenerator[engine_pb2.GenerateEventBatch, None]:
         """Batches of events until every request has had its terminal one; leaving early (the client went
         away) aborts every request still live."""
-        for pb, rid in zip(requests, ids, strict=True):
-            # Every id is live from the call's start, before its request waits for the tokenizer gate: an
-            # Abort finds it there, and a Generate of the same id meanwhile is refused.
-            with request_context(rid):
-                try:
-                    span = self._service.reserve(rid, self._caller, self._traceparent, pb.model)
-                except OminixError as exc:
-                    self._put(_error_event(rid, exc.kind, exc.message, is_retryable(exc.kind)))
-                    continue
-            self._waiting[rid] = (span, pb.model)
-            gate = None if pb.WhichOneof("input") == "input_ids" else self._tokenizing
-            task = asyncio.create_task(self._admit(pb, rid, span, gate))
-            task.add_done_callback(functools.partial(self._settle, rid))
-            self._tasks.add(task)
         try:
+            for pb, rid in zip(requests, ids, strict=True):
+                # Every id is live from the call's start, before its request waits for the tokenizer gate: an
+                # Abort finds it there, and a Generate of the same id meanwhile is refused.
+                with request_context(rid):
+                    try:
+                        span = self._service.reserve(rid, self._caller, self._traceparent, pb.model)
+                    except OminixError as exc:
+                        self._put(_error_event(rid, exc.kind, exc.message, is_retryable(exc.kind)))
+                        continue
+                self._waiting[rid] = (span, pb.model)
+                gate = None if pb.WhichOneof("input") == "input_ids" else self._tokenizing
+                task = asyncio.create_task(self._admit(pb, rid, span, gate))
+                task.add_done_callback(functools.partial(self._settle, rid))
+                self._tasks.add(task)
             while len(self._ended) < len(ids) or not self._queue.empty():
                 first = await self._queue.get()
                 await asyncio.sleep(0)  # other requests woken by the same step put their events first
@@ -162,14 +163,17 @@ class BatchCall:
     def _settle(self, rid: str, task: asyncio.Task[None]) -> None:
         """A request's task ended: if it left no terminal event (and the call goes on), add one. A request
         cancelled before it reached admission (at the gate, or before its task ran) gives its id back."""
-        waiting = self._waiting.pop(rid, None)
-        if waiting is not None:
-            self._service.withdraw(rid, *waiting)
-        if self._closing or rid in self._ended:
-            return
-        why = "cancelled" if task.cancelled() else repr(task.exception())
-        _log.error("batch request ended without a terminal event", reason=why)
-        self._put(_error_event(rid, RuntimeErrorKind.INTERNAL, f"the request ended without a result ({why})"))
+        with request_context(rid):  # a done-callback runs outside the task's context
+            waiting = self._waiting.pop(rid, None)
+            if waiting is not None:
+                self._service.withdraw(rid, *waiting)
+            if self._closing or rid in self._ended:
+                return
+            why = "cancelled" if task.cancelled() else repr(task.exception())
+            _log.error("batch request ended without a terminal event", reason=why)
+            self._put(
+                _error_event(rid, RuntimeErrorKind.INTERNAL, f"the request ended without a result ({why})")
+            )
 
     async def _admit(
         self,

@@ -327,6 +327,8 @@ class FrontHub:
         if state != self._readiness and not self._stopping:
             self._readiness = state
             self.broadcast(link.Readiness(state[0], state[1]))
+            for front in self._links:  # written now: ahead of a Drain or Undrain answer that follows
+                front.frames.flush()
 
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs.values() if p.returncode is None]

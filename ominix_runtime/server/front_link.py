@@ -202,6 +202,10 @@ class FrameWriter:
         else:
             self.send(Events([event]))
 
+    def flush(self) -> None:
+        """Write what is queued now, not at the end of this turn of the event loop."""
+        self._flush()
+
     def _flush(self) -> None:
         self._flush_pending = False
         messages, self._queued = self._queued, []

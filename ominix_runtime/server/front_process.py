@@ -55,6 +55,7 @@ from ominix_runtime.server.app import (
     run_event_loop,
     set_health,
 )
+from ominix_runtime.server.call_errors import ERROR_KIND_METADATA_KEY, error_metadata
 from ominix_runtime.server.engine_service import AlreadyLive, EngineServiceBase
 from ominix_runtime.server.front_hub import FrontSpec
 from ominix_runtime.server.logging import configure_logging, get_logger
@@ -197,6 +198,14 @@ class EngineLink:
         self.frames.send(link.FrontRefusal(message, reason, model))
 
 
+# A forwarded call the engine process did not answer: the kind its status stands for.
+_TRANSPORT_KINDS = {
+    grpc.StatusCode.UNAVAILABLE: RuntimeErrorKind.BACKEND_UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: RuntimeErrorKind.TIMEOUT,
+    grpc.StatusCode.CANCELLED: RuntimeErrorKind.CANCELLED,
+}
+
+
 def _metadata_pairs(metadata: grpc.aio.Metadata | None) -> tuple[tuple[str, str | bytes], ...]:
     """The engine's trailing metadata as ``context.abort`` takes it: a tuple of pairs (a grpc.aio.Metadata
     there fails the call with a TypeError, which the client sees as UNKNOWN instead of the engine's status)."""
@@ -261,9 +270,12 @@ class FrontService(EngineServiceBase):
         try:
             return await call(request, metadata=metadata, timeout=FORWARD_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            await context.abort(
-                exc.code(), exc.details() or "", trailing_metadata=_metadata_pairs(exc.trailing_metadata())
-            )
+            trailers = _metadata_pairs(exc.trailing_metadata())
+            if not any(key == ERROR_KIND_METADATA_KEY for key, _ in trailers):
+                # The engine process did not answer (gone, or past FORWARD_TIMEOUT_S): the error kind of that.
+                kind = _TRANSPORT_KINDS.get(exc.code(), RuntimeErrorKind.INTERNAL)
+                trailers += error_metadata(kind)
+            await context.abort(exc.code(), exc.details() or "", trailing_metadata=trailers)
             raise  # not reached: abort raises
 
     async def _abort_elsewhere(

@@ -76,7 +76,10 @@ def test_the_example_of_a_tls_engine_checks_its_certificate() -> None:
     from ominix_runtime.config import TLSConfig
     from ominix_runtime.server.app import _grpcurl_hint
 
-    with_ca = _grpcurl_hint("h:1", TLSConfig(cert="c.pem", key="k.pem", ca="/etc/ominix/tls/ca.pem"))
-    assert shlex.split(with_ca)[1:3] == ["-cacert", "/etc/ominix/tls/ca.pem"], with_ca
-    assert "-cacert ca.pem" in _grpcurl_hint("h:1", TLSConfig(cert="c.pem", key="k.pem"))
-    assert "-plaintext" in _grpcurl_hint("h:1", TLSConfig()) and "-insecure" not in with_ca
+    tls = _grpcurl_hint(
+        "0.0.0.0:50061", TLSConfig(cert="c.pem", key="k.pem", ca="/etc/ominix/tls/workers-ca.pem")
+    )
+    argv = shlex.split(tls)
+    assert argv[1:3] == ["-cacert", "ca.pem"] and "-insecure" not in argv, tls  # the CA of the engine's cert
+    assert "localhost:50061" in argv, tls  # a name the certificate holds, not the wildcard listen address
+    assert "-plaintext" in _grpcurl_hint("h:1", TLSConfig())

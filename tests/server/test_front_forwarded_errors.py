@@ -46,3 +46,49 @@ def test_a_request_sent_once_undrain_answered_is_taken(fake_daemon: RunningDaemo
             fake_daemon, request_id=f"after-undrain-{attempt}", input_ids=TOKENS, sampling=greedy(2)
         )
         assert kinds(events)[-1] == "done", events[-1]
+
+
+class _Refused(Exception):
+    pass
+
+
+class _Context:
+    """The servicer context of a forwarded call: what the front aborts the call with."""
+
+    def __init__(self) -> None:
+        self.aborted: tuple[object, str, tuple[tuple[str, str], ...]] | None = None
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    async def abort(self, code: object, details: str, trailing_metadata: tuple[tuple[str, str], ...]) -> None:
+        self.aborted = (code, details, trailing_metadata)
+        raise _Refused
+
+
+@pytest.mark.parametrize(
+    ("code", "kind", "retryable"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, "BACKEND_UNAVAILABLE", "true"),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, "TIMEOUT", "false"),
+    ],
+)
+def test_a_forwarded_call_the_engine_process_never_answered_carries_an_error_kind(
+    code: grpc.StatusCode, kind: str, retryable: str
+) -> None:
+    """The engine process gone, or past the forward timeout: no trailers came back, so the front adds the
+    kind its status stands for (every refused call carries one)."""
+    import asyncio
+
+    from ominix_runtime.server.front_process import FrontService
+
+    async def unanswered(request: object, metadata: object, timeout: float) -> object:
+        raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="no answer")
+
+    context = _Context()
+    with pytest.raises(_Refused):
+        asyncio.run(FrontService._forward(None, unanswered, engine_pb2.GetLoadRequest(), context))  # type: ignore[arg-type]
+    assert context.aborted is not None
+    status, _, trailers = context.aborted
+    assert status == code
+    assert dict(trailers) == {ERROR_KIND_METADATA_KEY: kind, RETRYABLE_METADATA_KEY: retryable}
