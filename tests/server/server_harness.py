@@ -11,10 +11,11 @@ from dataclasses import dataclass, replace
 import grpc
 
 from ominix_runtime.bind_probe import free_ports
-from ominix_runtime.config import LogConfig, RuntimeConfig, ServerConfig
+from ominix_runtime.config import FrontConfig, LogConfig, RuntimeConfig, ServerConfig
 from ominix_runtime.models import DEFAULT_MODEL_NAME
 from ominix_runtime.pb import common_pb2, engine_pb2, engine_pb2_grpc
 from ominix_runtime.server.app import EngineDaemon
+from ominix_runtime.server.logging import configure_logging
 from ominix_runtime.testing.fake_backend import FakeConfig, FakeStepBackend
 
 SMOLLM2_VOCAB = 49152
@@ -146,3 +147,19 @@ class StreamReader:
 
     def tokens(self) -> int:
         return sum(len(e.token.token_ids) for e in self.events if e.HasField("token"))
+
+
+# The fake worker of these daemons: SmolLM2's vocabulary and eos, a small KV, a fast step.
+FAKE = FakeConfig(
+    vocab_size=SMOLLM2_VOCAB, eos_token_ids=(2,), max_model_len=2048, kv_num_blocks=64, step_latency=0.002
+)
+
+
+def running_daemon(fake: FakeConfig, front_procs: int) -> Iterator[RunningDaemon]:
+    """A daemon on ``fake`` with ``front_procs`` front processes, for the test (or module) that yields it."""
+    configure_logging("warning", json_output=True)
+    running, thread = start_daemon(fake, front=FrontConfig(procs=front_procs))
+    try:
+        yield running
+    finally:
+        stop_daemon(running, thread)

@@ -5,18 +5,16 @@ event's retry flag says whether the user saw a token, not whether the engine mad
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import grpc
 import pytest
-from server_harness import SMOLLM2_VOCAB, RunningDaemon, start_daemon, stop_daemon
+from server_harness import FAKE, RunningDaemon, running_daemon
 from test_front_api import greedy
 
-from ominix_runtime.config import FrontConfig
 from ominix_runtime.contract import RuntimeErrorKind
 from ominix_runtime.pb import engine_pb2
 from ominix_runtime.server.call_errors import ERROR_KIND_METADATA_KEY, RETRYABLE_METADATA_KEY
-from ominix_runtime.server.logging import configure_logging
-from ominix_runtime.testing.fake_backend import FakeConfig
 from ominix_runtime.wire import error_code_to_pb
 
 GENERATE = "/ominix.runtime.v1.Engine/Generate"
@@ -49,22 +47,7 @@ def test_a_request_that_does_not_decode_carries_the_error_kind(fake_daemon: Runn
 @pytest.fixture(params=[0, 2], ids=["in-process", "front-procs"])
 def dying_daemon(request: pytest.FixtureRequest) -> Iterator[RunningDaemon]:
     """One fake worker whose stream breaks after its third step: every live request fails BACKEND_UNAVAILABLE."""
-    configure_logging("warning", json_output=True)
-    running, thread = start_daemon(
-        FakeConfig(
-            vocab_size=SMOLLM2_VOCAB,
-            eos_token_ids=(2,),
-            max_model_len=2048,
-            kv_num_blocks=64,
-            step_latency=0.05,
-            die_after_steps=3,
-        ),
-        front=FrontConfig(procs=request.param),
-    )
-    try:
-        yield running
-    finally:
-        stop_daemon(running, thread)
+    yield from running_daemon(replace(FAKE, step_latency=0.05, die_after_steps=3), request.param)
 
 
 def test_a_request_that_does_not_stream_fails_retryable_though_the_engine_made_tokens(
