@@ -731,8 +731,11 @@ class EngineService(EngineServiceBase):
         except OminixError as exc:
             await abort_call(context, UnknownId(exc.message))
         if self.fronts is not None:
-            # They learn it now, not at their next poll: a request sent after the answer is judged by it.
+            # They learn it now, not at their next poll: a request sent after the answer is judged by it. The
+            # front that forwarded this call reads it from the answer itself (its next request may come
+            # before the link's frame is read).
             self.fronts.push_readiness()
+            context.set_trailing_metadata(((READY_METADATA_KEY, "true" if self._core.ready else "false"),))
         return engine_pb2.DrainResponse(backends=self.backend_loads(set(changed)))
 
     async def GetStats(
@@ -797,6 +800,10 @@ _STATUS_OF_REFUSAL: dict[type[OminixError], grpc.StatusCode] = {
     AlreadyLive: grpc.StatusCode.ALREADY_EXISTS,
     UnknownId: grpc.StatusCode.NOT_FOUND,
 }
+
+
+# Trailing metadata of a Drain or Undrain answered for a front process: whether the engine is ready now.
+READY_METADATA_KEY = "ominix-engine-ready"
 
 
 # The metric's reason for refusals that are more than their error kind (see REJECTION_REASONS).

@@ -56,7 +56,7 @@ from ominix_runtime.server.app import (
     set_health,
 )
 from ominix_runtime.server.call_errors import ERROR_KIND_METADATA_KEY, error_metadata
-from ominix_runtime.server.engine_service import AlreadyLive, EngineServiceBase
+from ominix_runtime.server.engine_service import READY_METADATA_KEY, AlreadyLive, EngineServiceBase
 from ominix_runtime.server.front_hub import FrontSpec
 from ominix_runtime.server.logging import configure_logging, get_logger
 from ominix_runtime.server.tracing import RequestSpan, RequestTracer, tracer_from_environment
@@ -107,6 +107,10 @@ class EngineLink:
 
     def capabilities(self) -> list[BackendCapability]:
         return list(self._capabilities)
+
+    def note_readiness(self, ready: bool) -> None:
+        """The engine's readiness as an answer of the engine process stated it (ahead of its Readiness frame)."""
+        self._ready = ready
 
     def submit(self, request: GenerateRequest) -> RequestHandle:
         rid = request.request_id
@@ -311,14 +315,38 @@ class FrontService(EngineServiceBase):
         request: engine_pb2.DrainRequest,
         context: Context[engine_pb2.DrainRequest, engine_pb2.DrainResponse],
     ) -> engine_pb2.DrainResponse:
-        return await self._forward(self._engine_stub.Drain, request, context)
+        return await self._forward_drain(self._engine_stub.Drain, request, context)
 
     async def Undrain(
         self,
         request: engine_pb2.DrainRequest,
         context: Context[engine_pb2.DrainRequest, engine_pb2.DrainResponse],
     ) -> engine_pb2.DrainResponse:
-        return await self._forward(self._engine_stub.Undrain, request, context)
+        return await self._forward_drain(self._engine_stub.Undrain, request, context)
+
+    async def _forward_drain(
+        self,
+        call: Callable[..., grpc.aio.UnaryUnaryCall[engine_pb2.DrainRequest, engine_pb2.DrainResponse]],
+        request: engine_pb2.DrainRequest,
+        context: Context[engine_pb2.DrainRequest, engine_pb2.DrainResponse],
+    ) -> engine_pb2.DrainResponse:
+        """Drain or Undrain, forwarded. This front takes the engine's readiness from the answer before the
+        client has it (the client's next request on this connection comes here, maybe before the link's
+        Readiness frame is read); the other fronts get that frame."""
+        ready: list[bool] = []
+
+        async def call_and_read(req: engine_pb2.DrainRequest, **kwargs: object) -> engine_pb2.DrainResponse:
+            invocation = call(req, **kwargs)
+            response = await invocation
+            ready.extend(
+                v == "true" for k, v in await invocation.trailing_metadata() or () if k == READY_METADATA_KEY
+            )
+            return response
+
+        response = await self._forward(call_and_read, request, context)
+        if ready:
+            self._link.note_readiness(ready[-1])
+        return response
 
     async def aclose(self) -> None:
         self.close()
