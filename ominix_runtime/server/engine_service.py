@@ -65,7 +65,6 @@ STATUS_OF_ERROR: dict[RuntimeErrorKind, grpc.StatusCode] = {
 }
 
 _PRIORITIES = frozenset(int(p) for p in Priority)
-# Trailing metadata keys of a failed RPC (documented in engine.proto).
 _log = get_logger("ominix.server")
 
 

@@ -176,9 +176,8 @@ class V0Front:
             return json_error(401, "missing or invalid scheduler bearer token")
         try:
             return await handler(request)
-        except (
-            web.HTTPClientError
-        ) as exc:  # aiohttp's own refusals (a body over MAX_BODY_BYTES): the error shape
+        except web.HTTPClientError as exc:
+            # aiohttp's own refusals (a body over MAX_BODY_BYTES) in the protocol's error shape.
             return json_error(exc.status, exc.reason if exc.text is None else exc.text)
 
     async def _unknown(self, request: web.Request) -> web.Response:
