@@ -11,6 +11,9 @@ DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+# Every sampled token is looked up among its request's stop ids on the engine's loop, every step: a request
+# with millions of them would slow every other request's steps (and their check at admission the loop).
+MAX_STOP_TOKEN_IDS = 1024
 # Temperatures below this sample greedily (the first maximum), on the engine and the worker alike. Validation
 # allows any temperature in [0, 100], but dividing logits by one this small overflows float32 (a logit of 30
 # over 1e-38 is inf, and the Gumbel draw then picks among the infinities, not the maximum). Near 0 the
@@ -98,6 +101,10 @@ class SamplingParams:
                 raise InvalidArgument("stop strings must not be empty")
             if len(s) > MAX_STOP_STRING_LEN:
                 raise InvalidArgument(f"stop strings must be at most {MAX_STOP_STRING_LEN} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgument(
+                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}"
+            )
         for t in self.stop_token_ids:
             if t < 0 or (vocab_size is not None and t >= vocab_size):
                 raise InvalidArgument(f"stop_token_ids entry {t} is outside the vocabulary [0, {vocab_size})")

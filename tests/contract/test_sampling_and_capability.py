@@ -45,6 +45,7 @@ MODEL = ModelInfo(name="m", vocab_size=1000, max_model_len=2048, eos_token_ids=(
         ("logprobs", 21, "logprobs"),
         ("stop", [""], "stop strings"),
         ("stop_token_ids", [1000], "stop_token_ids"),
+        ("stop_token_ids", [5] * 1025, "at most 1024 stop_token_ids"),  # each is looked up every step
         ("min_tokens", 99, "min_tokens"),
     ],
 )
@@ -56,6 +57,12 @@ def test_out_of_range_sampling_is_rejected_with_the_field_name(
         params.validate(vocab_size=1000, max_model_len=2048)
     assert needle in str(info.value)
     assert info.value.kind == RuntimeErrorKind.INVALID_ARGUMENT
+
+
+def test_a_thousand_stop_token_ids_are_accepted() -> None:
+    SamplingParams(max_tokens=16, stop_token_ids=list(range(1024))).validate(
+        vocab_size=2000, max_model_len=2048
+    )
 
 
 def test_valid_sampling_normalises_top_k() -> None:
